@@ -1,0 +1,120 @@
+"""The folded parallel layout: one frozen, validated object with the dense and the expert view.
+
+Attention / dense layers use ``TP x CP x DP x PP``; MoE layers use ``ETP x EP x EDP x PP`` of the same
+world. ``DP`` and ``EDP`` are derived from the world size. The layout is built once (from the config
+and the world size), validated at construction, and passed by keyword to whoever needs it.
+
+Usage::
+
+    layout = ParallelLayout(world_size=8, tp=2, cp=2, ep=8, etp=1)
+    layout.dp, layout.edp     # 2, 1
+    layout.groups()           # every rank group of both generators (pure math)
+
+Every impossible layout raises :class:`~folding.parallel.rank_math.LayoutError` naming the setting,
+before any process group exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .rank_math import LayoutError, attention_generator, expert_generator, layout_groups, parse_order
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+def _check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """A validated folded layout of ``world_size`` ranks.
+
+    Fields are keyword-only; ``dp`` and ``edp`` are derived.
+    """
+
+    world_size: int
+    """Number of ranks in the job (torchrun's WORLD_SIZE)."""
+    tp: int = 1
+    """Attention tensor-parallel size (sequence parallelism is implied when > 1)."""
+    cp: int = 1
+    """Attention context-parallel size (the sequence is split in load-balanced causal chunks)."""
+    pp: int = 1
+    """Pipeline-parallel size, shared by both views."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); ``None`` or 1 means none. Needs pp > 1."""
+    ep: int = 1
+    """Expert-parallel size: experts are split over EP ranks of the expert view."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size; ``None`` means "same as tp" (Megatron-Core's default)."""
+    order: str = DEFAULT_ORDER
+    """Axis order, fastest-varying first (Megatron-Core semantics)."""
+    num_experts: Optional[int] = None
+    """If given, checked for divisibility by ``ep``."""
+
+    def __post_init__(self):
+        for name in ("world_size", "tp", "cp", "pp", "ep"):
+            _check_size(name if name != "world_size" else "world_size", getattr(self, name))
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        _check_size("etp", self.etp)
+        if self.vpp is not None:
+            _check_size("vpp", self.vpp)
+            if self.vpp > 1 and self.pp == 1:
+                raise LayoutError(
+                    f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or parallel.vpp=null")
+        parse_order(self.order)
+        w = self.world_size
+        if w % (self.tp * self.cp * self.pp):
+            raise LayoutError(
+                f"world size {w} is not divisible by parallel.tp*cp*pp = {self.tp}*{self.cp}*{self.pp} "
+                f"= {self.tp * self.cp * self.pp}; change tp, cp or pp (or the number of ranks)")
+        if w % (self.etp * self.ep * self.pp):
+            hint = " (etp defaults to tp: set parallel.etp explicitly, e.g. etp=1)" if self.etp == self.tp else ""
+            raise LayoutError(
+                f"world size {w} is not divisible by parallel.etp*ep*pp = {self.etp}*{self.ep}*{self.pp} "
+                f"= {self.etp * self.ep * self.pp}; change etp, ep or pp{hint}")
+        if self.num_experts is not None:
+            _check_size("num_experts", self.num_experts)
+            if self.num_experts % self.ep:
+                raise LayoutError(
+                    f"num_experts={self.num_experts} is not divisible by parallel.ep={self.ep}; "
+                    f"choose ep among the divisors of {self.num_experts}")
+        att = attention_generator(self)
+        exp = expert_generator(self)
+        names = att.order
+        if self.pp > 1 and names.index("pp") != len(names) - 1 and self.edp != self.dp:
+            raise LayoutError(
+                f"parallel.order={self.order!r} does not put 'pp' last, which with pp={self.pp} requires "
+                f"EDP == DP (got EDP={self.edp}, DP={self.dp}); put 'pp' last in parallel.order")
+        if att.get_ranks("pp") != exp.get_ranks("pp"):
+            raise LayoutError(
+                f"the attention and expert views give different pipeline groups under "
+                f"parallel.order={self.order!r}; put 'pp' last in parallel.order")
+
+    @property
+    def dp(self) -> int:
+        """Attention data-parallel size: ``world / (tp*cp*pp)``."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: ``world / (etp*ep*pp)``."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank (``vpp`` or 1)."""
+        return self.vpp or 1
+
+    def groups(self):
+        """All rank groups of both views (see :func:`~folding.parallel.rank_math.layout_groups`)."""
+        return layout_groups(self)
+
+    def describe(self) -> str:
+        """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
+        v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
+        return (f"attention TP{self.tp} CP{self.cp} DP{self.dp} PP{self.pp}{v} | "
+                f"MoE ETP{self.etp} EP{self.ep} EDP{self.edp} PP{self.pp}")

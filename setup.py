@@ -1,0 +1,30 @@
+"""Installs the ``folding`` package: an MoE training engine built around MoE Parallel Folding.
+
+CPU machines: install ``torch==2.13.0`` (a CPU build) *before* this package, as ``.ci/run`` and the
+README do; the ``torch>=2.4`` requirement below is then already satisfied and pip pulls no CUDA build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="folding",
+    version="0.1.0",
+    description="PyTorch training engine for Mixture-of-Experts models with MoE Parallel Folding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["folding", "folding.*"]),
+    package_data={"folding": ["data/corpus/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "safetensors",
+        "wandb",
+    ],
+    extras_require={
+        "te": ["transformer_engine[pytorch]"],
+        "hf": ["transformers>=4.46"],
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.46", "matplotlib"],
+    },
+)

@@ -1,0 +1,127 @@
+"""Process groups on 8 gloo ranks match the rank math, checked with real collectives; collectives'
+forward and backward match their single-process definitions."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel import collectives as C
+from folding.parallel.state import ROLES
+
+LAYOUTS = [
+    dict(tp=2, cp=2, ep=8, etp=1),                  # REFERENCE.md worked example
+    dict(tp=2, ep=4, etp=2),
+    dict(cp=2, ep=4, etp=1),
+    dict(tp=4, ep=2, etp=1),
+    dict(tp=2, pp=2, ep=2, etp=1),
+    dict(pp=2, ep=4, etp=1, vpp=2),
+    dict(tp=2, cp=2, pp=2, ep=4, etp=1),
+    dict(tp=2, ep=2, etp=1, order="tp-ep-cp-dp-pp"),
+]
+
+
+def _check_groups(layout_kwargs):
+    layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs)
+    ps = build_parallel_state(layout)
+    rank = dist.get_rank()
+    table = layout.groups()
+    seen = {}
+    try:
+        for role, view, token in ROLES:
+            expected = [g for g in table[view][token] if rank in g]
+            group = ps.groups[role]
+            if not expected:
+                assert group is None and role == "embedding"
+                continue
+            expected = expected[0]
+            # A real all-gather of the global ranks inside the group must give the math's list.
+            t = torch.tensor([rank], dtype=torch.int64)
+            out = torch.zeros(len(expected), dtype=torch.int64)
+            dist.all_gather_into_tensor(out, t, group=group)
+            seen[role] = out.tolist()
+            assert out.tolist() == expected, (role, out.tolist(), expected)
+            assert getattr(ps, f"{role}_rank") == expected.index(rank)
+            assert getattr(ps, f"{role}_size") == len(expected)
+    finally:
+        ps.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("layout_kwargs", LAYOUTS, ids=lambda k: "-".join(f"{a}{b}" for a, b in k.items()))
+def test_groups_match_math(ranks, layout_kwargs):
+    seen = ranks(8).run(_check_groups, layout_kwargs)
+    layout = ParallelLayout(world_size=8, **layout_kwargs)
+    # every rank's view assembles to exactly the math's partition
+    for role, view, token in ROLES:
+        got = sorted({tuple(s[role]) for s in seen if role in s})
+        assert got == sorted(tuple(g) for g in layout.groups()[view][token]), role
+
+
+def _collectives_match(seed):
+    """Each collective against its definition computed from all ranks' full inputs."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(world * 2, 3, generator=g, dtype=torch.float64) for _ in range(world)]
+    gs = [torch.randn(world * 2, 3, generator=g, dtype=torch.float64) for _ in range(world)]
+    out = {}
+
+    def run(fn, x, grad):
+        x = x.clone().requires_grad_(True)
+        y = fn(x)
+        y.backward(grad[: y.shape[0], : y.shape[1]] if grad.shape != y.shape else grad)
+        return y.detach(), x.grad
+
+    def close(a, b):
+        assert torch.allclose(a, b, atol=1e-12), (a, b)
+
+    # reduce_from_region: forward sum, backward identity
+    y, gx = run(lambda x: C.reduce_from_region(x, None), xs[rank], gs[rank])
+    close(y, sum(xs)); close(gx, gs[rank])
+    # copy_to_region: forward identity, backward sum of the grads
+    y, gx = run(lambda x: C.copy_to_region(x, None), xs[rank], gs[rank])
+    close(y, xs[rank]); close(gx, sum(gs))
+    # gather_from_sequence_region: forward concat on dim 0, backward reduce-scatter
+    gfull = [torch.randn(world * world * 2, 3, generator=torch.Generator().manual_seed(seed + r),
+                         dtype=torch.float64) for r in range(world)]
+    y, gx = run(lambda x: C.gather_from_sequence_region(x, None), xs[rank], gfull[rank])
+    close(y, torch.cat(xs)); close(gx, sum(gfull).chunk(world)[rank])
+    # reduce_scatter_to_sequence_region: forward sum then chunk, backward all-gather
+    y, gx = run(lambda x: C.reduce_scatter_to_sequence_region(x, None), xs[rank], gs[rank][:2])
+    close(y, sum(xs).chunk(world)[rank]); close(gx, torch.cat([gg[:2] for gg in gs]))
+    # gather_from_region on the last dim, backward split
+    y, gx = run(lambda x: C.gather_from_region(x, None, -1), xs[rank],
+                torch.cat([gs[rank]] * world, dim=1))
+    close(y, torch.cat(xs, dim=1)); close(gx, gs[rank])
+    # all_to_all with uneven splits: rank r sends (r + d + 1) rows to rank d
+    send = [[r + d + 1 for d in range(world)] for r in range(world)]
+    rows = [torch.arange(sum(send[r]), dtype=torch.float64).unsqueeze(1) + 100 * r for r in range(world)]
+    recv = [send[s][rank] for s in range(world)]
+    x = rows[rank].clone().requires_grad_(True)
+    y = C.all_to_all(x, None, recv, send[rank])
+    exp = torch.cat([rows[s].split(send[s])[rank] for s in range(world)])
+    close(y.detach(), exp)
+    (y * (rank + 1)).sum().backward()
+    exp_grad = torch.cat([torch.full((send[rank][d], 1), float(d + 1), dtype=torch.float64) for d in range(world)])
+    close(x.grad, exp_grad)
+    # all_gather_v / reduce_scatter_v with uneven sizes
+    sizes = [r + 1 for r in range(world)]
+    parts = [torch.full((sizes[r], 2), float(r), dtype=torch.float64) for r in range(world)]
+    x = parts[rank].clone().requires_grad_(True)
+    y = C.all_gather_v(x, None, sizes)
+    close(y.detach(), torch.cat(parts))
+    (y * (rank + 1)).sum().backward()
+    close(x.grad, torch.full_like(x, float(sum(range(1, world + 1)))))
+    full = torch.arange(sum(sizes) * 2, dtype=torch.float64).view(-1, 2)
+    x = (full * (rank + 1)).requires_grad_(True)
+    y = C.reduce_scatter_v(x, None, sizes)
+    close(y.detach(), (full * sum(range(1, world + 1))).split(sizes)[rank])
+    y.sum().backward()
+    close(x.grad, torch.ones_like(full))
+    out["ok"] = True
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_collectives(ranks, world):
+    assert all(r["ok"] for r in ranks(world).run(_collectives_match, 7))
