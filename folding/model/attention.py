@@ -1,0 +1,79 @@
+"""Causal self-attention with GQA and RoPE over the attention TP (heads) and CP (sequence) groups.
+
+Input and output are sequence-parallel shards ``[S_cp/TP, B, H]`` where ``S_cp`` is this CP rank's
+share of the sequence. Steps: all-gather the sequence over TP (SP), q/k/v column-parallel
+projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads), RoPE at the
+tokens' true positions, all-gather K/V over CP (see :mod:`.context_parallel`), PyTorch SDPA with a
+causal mask on positions, and the row-parallel output projection reduce-scattered back to the
+sequence shard. Names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
+
+Usage::
+
+    attn = Attention(config, tp_group=ps.tp_group, cp_group=ps.cp_group)
+    y = attn(x_SBH, cos_SD, sin_SD, q_pos_S, k_pos_S)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.collectives import group_size
+from .config import ModelConfig
+from .context_parallel import gather_kv
+from .linear import ColumnParallelLinear, RowParallelLinear, sp_gather
+from .rope import apply_rope
+
+
+class Attention(nn.Module):
+    """GQA causal self-attention; heads split over TP, sequence over CP (all-gather K/V)."""
+
+    def __init__(self, config: ModelConfig, *, tp_group, cp_group, output_init_std: float, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        tp = group_size(tp_group)
+        for what, n in (("model.num_attention_heads", config.num_attention_heads),
+                        ("model.num_kv_heads", config.num_kv_heads)):
+            if n % tp:
+                raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp "
+                                 f"among the divisors of {n}")
+        self.tp_group, self.cp_group = tp_group, cp_group
+        d = self.head_dim = config.kv_channels
+        self.heads = config.num_attention_heads // tp
+        self.kv_heads = config.num_kv_heads // tp
+        H, kw = config.hidden_size, dict(tp_group=tp_group, device=device, dtype=dtype)
+        self.q_proj = ColumnParallelLinear(H, config.num_attention_heads * d, bias=config.qkv_bias,
+                                           init_std=config.init_std, name="query features", **kw)
+        self.k_proj = ColumnParallelLinear(H, config.num_kv_heads * d, bias=config.qkv_bias,
+                                           init_std=config.init_std, name="key features", **kw)
+        self.v_proj = ColumnParallelLinear(H, config.num_kv_heads * d, bias=config.qkv_bias,
+                                           init_std=config.init_std, name="value features", **kw)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, H, init_std=output_init_std,
+                                        name="attention output features", **kw)
+
+    def forward(self, x_SBH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+                q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``; ``cos/sin [S_cp, D]`` and ``q_pos [S_cp]`` are
+        this CP rank's positions, ``k_pos [S]`` those of the CP-gathered keys."""
+        x = sp_gather(x_SBH, self.tp_group)                       # [S_cp, B, H]
+        S, B, _ = x.shape
+        q = self.q_proj(x).view(S, B, self.heads, self.head_dim)
+        k = self.k_proj(x).view(S, B, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(S, B, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
+        k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)   # [S_all, B, kv, D]
+        q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k_BNSD = k_BNSD.repeat_interleave(rep, dim=1)
+            v_BNSD = v_BNSD.repeat_interleave(rep, dim=1)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if group_size(self.cp_group) == 1:
+            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=scale)
+        else:
+            mask = k_pos[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, scale=scale)
+        out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
+        return self.o_proj(out)
