@@ -99,6 +99,14 @@ class MoETransformer(nn.Module):
             if n % tp:
                 raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among "
                                  f"the divisors of {n}")
+        ep = group_size(self.groups.ep)
+        if c.num_moe_layers() and c.num_experts % ep:
+            raise ValueError(f"model.num_experts={c.num_experts} is not divisible by parallel.ep={ep}; choose "
+                             f"parallel.ep among the divisors of {c.num_experts}")
+        etp = group_size(self.groups.etp)
+        if c.num_moe_layers() and c.moe_ffn_hidden_size % etp:
+            raise ValueError(f"model.moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by "
+                             f"parallel.etp={etp}; choose parallel.etp among its divisors")
 
     def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Sequence positions held by this CP rank (before the TP split), in the model's order."""

@@ -155,3 +155,43 @@ def test_hf_load_sharded_and_round_trip(ranks, tmp_path):
         for k in full:
             assert torch.equal(back[k], full[k]), (HF_LAYOUTS[i], k)
     print("elements read per rank:", counts, "of", total)
+
+
+def _layout_errors():
+    """Each bad layout raises a ValueError naming the setting, before any model collective."""
+    world = dist.get_world_size()
+    cases = [(dict(tp=8, ep=1, etp=1), {}, "model.num_kv_heads=4 is not divisible by parallel.tp=8"),
+             (dict(tp=2, ep=1, etp=1), dict(vocab_size=255), "model.vocab_size=255 is not divisible by parallel.tp=2"),
+             (dict(ep=8, etp=1), dict(num_experts=4, topk=2), "model.num_experts=4 is not divisible by parallel.ep=8"),
+             (dict(ep=2, etp=4), dict(moe_ffn_hidden_size=6), "moe_ffn_hidden_size=6 is not divisible by parallel.etp=4")]
+    seen = []
+    for lkw, ckw, msg in cases:
+        ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
+        try:
+            try:
+                MoETransformer(get_preset("mixtral_tiny", num_layers=1, **ckw), parallel_state=ps,
+                               moe_factory=reference_moe_factory)
+            except ValueError as e:
+                assert msg in str(e), (msg, str(e))
+                seen.append(msg)
+        finally:
+            ps.destroy()
+    for lkw, seq, msg in ((dict(tp=2, cp=2, ep=8, etp=1), 10, "sequence length 10 is not divisible by 2*parallel.cp = 4"),
+                          (dict(tp=4, ep=2, etp=1), 6, "= 6 is not divisible by parallel.tp=4")):
+        ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
+        try:
+            model = MoETransformer(get_preset("mixtral_tiny", num_layers=1), parallel_state=ps,
+                                   moe_factory=reference_moe_factory)
+            try:
+                model(torch.zeros(1, seq, dtype=torch.long))
+            except ValueError as e:
+                assert msg in str(e), (msg, str(e))
+                seen.append(msg)
+        finally:
+            ps.destroy()
+    return seen
+
+
+def test_bad_layouts_fail_clearly(ranks):
+    seen = ranks(8).run(_layout_errors)
+    assert all(len(s) == 6 for s in seen), seen
