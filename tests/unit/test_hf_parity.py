@@ -154,3 +154,23 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     json.dump(dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(CheckpointError, match="rope_type='yarn'"):
         from_hf(path, moe_factory=reference_moe_factory)
+
+
+def test_convert_tool(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                              "tools", "convert_hf.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    hf = tiny_hf("mixtral", tie_word_embeddings=True)
+    path = save(hf, str(tmp_path / "hf"))
+    fac = ["--moe-factory", "tests.unit.test_model_reference_moe:reference_moe_factory"]
+    assert tool.main(["roundtrip", path, str(tmp_path / "rt")] + fac) == 0
+    assert "59/59 tensors bit-identical" in capsys.readouterr().out
+    assert tool.main(["import", path, str(tmp_path / "e.pt")] + fac) == 0
+    assert tool.main(["export", str(tmp_path / "e.pt"), str(tmp_path / "out")] + fac) == 0
+    a, b = load_file(os.path.join(path, "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    json.dump({"model_type": "gpt2"}, open(os.path.join(path, "config.json"), "w"))
+    assert tool.main(["roundtrip", path, str(tmp_path / "rt2")] + fac) == 2
+    assert "model_type='gpt2'" in capsys.readouterr().err
