@@ -65,15 +65,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         k, v = gather_kv(k, self.cp_group), gather_kv(v, self.cp_group)   # [S_all, B, kv, D]
         q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self.kv_heads != self.heads:
-            rep = self.heads // self.kv_heads
-            k_BNSD = k_BNSD.repeat_interleave(rep, dim=1)
-            v_BNSD = v_BNSD.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(self.head_dim)
+        # GQA without copying K/V: query head j attends with KV head j // (heads / kv_heads)
+        kw = dict(scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.kv_heads != self.heads)
         if group_size(self.cp_group) == 1:
-            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, **kw)
         else:
             mask = k_pos[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, **kw)
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
         return self.o_proj(out)
