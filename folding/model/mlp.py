@@ -19,13 +19,13 @@ from .linear import ColumnParallelLinear, RowParallelLinear, sp_gather
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP ``H -> F -> H`` with F split over TP."""
+    """SwiGLU MLP ``H -> F -> H`` with F split over TP; ``name`` is the config field of F (for errors)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp_group, init_std: float,
-                 output_init_std: float, device=None, dtype=torch.float32):
+                 output_init_std: float, name: str = "model.ffn_hidden_size", device=None, dtype=torch.float32):
         super().__init__()
         self.tp_group = tp_group
-        kw = dict(tp_group=tp_group, device=device, dtype=dtype, name="model.ffn_hidden_size")
+        kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name)
         self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_std=output_init_std, **kw)

@@ -48,6 +48,7 @@ class ReferenceMoE(nn.Module):
                       std=output_init_std(c))
         if c.shared_expert_ffn_hidden_size:
             self.shared_expert = DenseMLP(H, c.shared_expert_ffn_hidden_size, tp_group=groups.tp,
+                                          name="model.shared_expert_ffn_hidden_size",
                                           init_std=c.init_std, output_init_std=output_init_std(c),
                                           device=device, dtype=dtype)
             if c.shared_expert_gate:
