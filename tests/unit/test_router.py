@@ -202,3 +202,14 @@ def test_expert_bias_balances_a_skewed_router():
     p, m = r(x)
     soft = torch.softmax(x @ r.weight.detach().T, -1)
     torch.testing.assert_close(p[m], soft[m])
+
+
+def test_config_is_a_hydra_structured_schema():
+    from omegaconf import OmegaConf
+    schema = OmegaConf.structured(MoEConfig)
+    over = OmegaConf.from_dotlist(["num_experts=8", "topk=2", "ffn_hidden_size=16", "capacity_factor=1.5"])
+    c = OmegaConf.to_object(OmegaConf.merge(schema, over))
+    assert isinstance(c, MoEConfig) and c.capacity_factor == 1.5
+    with pytest.raises(ValueError, match=r"moe\.topk"):
+        OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(
+            ["num_experts=8", "topk=9", "ffn_hidden_size=16"])))
