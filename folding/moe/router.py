@@ -20,7 +20,7 @@ Usage::
     probs_TE, routing_map_TE = router(hidden_SBH)                     # or hidden_TH, num_sequences=B
     router.last_losses["aux_loss"]                                    # this rank's share, detached
     ...                                                               # after the global batch:
-    router.update_expert_bias(); router.reset_global_aux_loss(); router.check_logits_finite()
+    router.update_expert_bias(); router.reset_global_aux_loss(); check_routers_finite(routers)
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class Router(nn.Module):
             self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32),
                                  persistent=False)
         else:
-            self.expert_bias = None
+            self.register_buffer("expert_bias", None)
         self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float64), persistent=False)
         self.global_aux_steps = 0
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
@@ -261,3 +261,21 @@ class Router(nn.Module):
             group = self.tp_dp_cp_group if name == "global_aux_loss" else self.tp_cp_group
             out[name] = float(C.all_reduce(self.last_losses[name].clone(), group))
         return out
+
+
+def check_routers_finite(routers) -> None:
+    """One host sync for all ``routers`` (e.g. every :class:`Router` of a model): raise
+    ``FloatingPointError`` naming the layers whose logits were NaN/Inf since the last check, and clear
+    every flag. Call once per step."""
+    routers = list(routers)
+    if not routers:
+        return
+    flags = torch.stack([r.nonfinite_logits.to(routers[0].nonfinite_logits.device) for r in routers]).tolist()
+    for r in routers:
+        r.nonfinite_logits.zero_()
+    bad = [r.layer_number for r, f in zip(routers, flags) if f]
+    if bad:
+        raise FloatingPointError(
+            f"the routers of layers {bad} produced NaN/Inf logits: the model diverged or its input is "
+            "not finite; lower the learning rate, enable gradient clipping, or set "
+            "moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router")

@@ -6,7 +6,7 @@ import torch
 
 from folding.moe import routing as R
 from folding.moe.config import MoEConfig
-from folding.moe.router import Router, attach_loss
+from folding.moe.router import Router, attach_loss, check_routers_finite
 from folding.parallel.param_attrs import param_tags
 
 H = 6
@@ -165,6 +165,13 @@ def test_nonfinite_logits_flag_without_raising_in_forward():
     with pytest.raises(FloatingPointError, match="layer 0"):
         r.check_logits_finite()
     r.check_logits_finite()                 # flag cleared
+    layers = [Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=i)
+              for i in range(3)]
+    for lyr in layers:
+        lyr(x if lyr.layer_number == 1 else torch.randn(4, H))
+    with pytest.raises(FloatingPointError, match=r"layers \[1\]"):
+        check_routers_finite(m for m in layers)
+    check_routers_finite(layers)            # all flags cleared
 
 
 def test_capacity_stats_and_force_balance():
@@ -213,3 +220,20 @@ def test_config_is_a_hydra_structured_schema():
     with pytest.raises(ValueError, match=r"moe\.topk"):
         OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(
             ["num_experts=8", "topk=9", "ffn_hidden_size=16"])))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_cuda_router_matches_cpu():
+    kw = dict(num_experts=8, topk=2, capacity_factor=1.0, pad_to_capacity=True, expert_bias=True,
+              aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.01, router_dtype="fp64")
+    cpu, gpu = router(**kw), router(**kw).cuda()
+    x = torch.randn(4, 2, H, dtype=torch.float64)
+    p0, m0 = cpu(x)
+    p1, m1 = gpu(x.cuda())
+    torch.testing.assert_close(p1.cpu(), p0)
+    assert torch.equal(m1.cpu(), m0)
+    p0.sum().backward()
+    p1.sum().backward()
+    torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad)
+    gpu.update_expert_bias()
+    gpu.check_logits_finite()
