@@ -9,15 +9,22 @@ Usage::
 
 See docs/data.md for the user guide.
 """
-from .blend import BlendedDataset, parse_split, split_ranges
-from .build import Data, build_data
-from .config import DataConfig
-from .corpus import default_corpus_prefix
-from .gpt_dataset import GPTDataset
-from .indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
-from .sampler import MicroBatchIterator
-from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+import importlib
 
-__all__ = ["BlendedDataset", "ByteTokenizer", "Data", "DataConfig", "GPTDataset", "HFTokenizer",
-           "IndexedDataset", "IndexedDatasetError", "IndexedDatasetWriter", "MicroBatchIterator",
-           "build_data", "build_tokenizer", "default_corpus_prefix", "parse_split", "split_ranges"]
+_EXPORTS = {
+    "BlendedDataset": "blend", "parse_split": "blend", "split_ranges": "blend",
+    "Data": "build", "build_data": "build", "DataConfig": "config",
+    "default_corpus_prefix": "corpus", "GPTDataset": "gpt_dataset",
+    "IndexedDataset": "indexed", "IndexedDatasetError": "indexed", "IndexedDatasetWriter": "indexed",
+    "MicroBatchIterator": "sampler",
+    "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    # Imported on first use, so that tokenizer worker processes and tools/preprocess_data.py do not
+    # pay for importing torch.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,8 @@ documents into three contiguous ranges ``[0, b1), [b1, b2), [b2, D)`` with ``b_k
 
 **Blend.** A :class:`BlendedDataset` interleaves endless component streams with normalized weights
 ``w_d``. The stream is cut into blocks of ``M`` samples; after ``n`` blended samples (``n`` a multiple
-of ``M``) component ``d`` has contributed exactly ``Q_d(n) = floor(w_d * n)`` samples, except the
-heaviest component, which takes the remainder ``n - sum of the others``. Inside a block the ``q_d``
+of ``M``) component ``d`` has contributed exactly ``Q_d(n)`` samples: ``w_d * n`` rounded by largest
+remainders, so ``|Q_d(n) - w_d * n| < 1`` for every component. Inside a block the ``q_d``
 samples of each component are spread evenly (the block's positions are ordered by
 ``(k + 1/2) / q_d``). So the blend is stateless (sample ``i`` is computed from ``i`` alone, nothing
 depends on history or on the layout), its proportions are exact to within one sample per component at
@@ -79,17 +79,20 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = np.asarray(normalize_weights(weights, len(datasets)), np.float64)
         n = len(self.datasets)
-        self.block_size = max(int(block_size), n * n)
-        """Samples per block ``M`` (at least the square of the component count, so quotas stay >= 0)."""
-        self._heavy = int(np.argmax(self.weights))
+        positive = self.weights[self.weights > 0]
+        self.block_size = max(int(block_size), int(np.ceil(2.0 / positive.min())))
+        """Samples per block ``M`` (at least ``2 / min weight``, so every block's quotas are >= 0)."""
         self._blocks = {}
 
     def allocated(self, n: int) -> np.ndarray:
         """``Q_d(n)``: samples each component has contributed to the first ``n`` blended samples
-        (``n`` a multiple of ``block_size``)."""
-        q = np.floor(self.weights * float(n)).astype(np.int64)
-        q[self._heavy] = 0
-        q[self._heavy] = n - int(q.sum())
+        (``n`` a multiple of ``block_size``): ``w_d * n`` rounded by largest remainders."""
+        exact = self.weights * float(n)
+        q = np.floor(exact).astype(np.int64)
+        short = n - int(q.sum())
+        if short:
+            # largest fractional parts first, ties to the lower index (stable sort)
+            q[np.argsort(-(exact - q), kind="stable")[:short]] += 1
         return q
 
     def _block(self, b: int):
