@@ -121,8 +121,6 @@ class IndexedDataset:
         if doc_count < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != seq_count \
                 or np.any(np.diff(self.document_indices) < 0):
             raise IndexedDatasetError(f"{self.idx_path} has an invalid document index; rebuild it")
-        if seq_count and np.any(self.sequence_lengths < 0):
-            raise IndexedDatasetError(f"{self.idx_path} has negative sequence lengths; rebuild it")
         total = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         bin_size = os.path.getsize(self.bin_path)
         if bin_size != total:
@@ -131,13 +129,22 @@ class IndexedDataset:
                 f"{self.bin_path} is {kind}: {bin_size} bytes, but {self.idx_path} describes "
                 f"{total} bytes of {self.dtype.name} tokens; the two files do not belong together or "
                 f"the copy is incomplete")
-        expected_ptr = np.zeros(seq_count, np.int64)
-        if seq_count:
-            np.cumsum(self.sequence_lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=expected_ptr[1:])
-        if not np.array_equal(expected_ptr, self.sequence_pointers):
-            raise IndexedDatasetError(f"{self.idx_path} has sequence pointers that do not match its "
-                                      f"lengths; rebuild it")
+        self._check_pointers()
         self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8) if total else np.zeros(0, np.uint8)
+
+    def _check_pointers(self, chunk: int = 1 << 22) -> None:
+        """Lengths are non-negative and pointers are their running byte offsets (checked in chunks)."""
+        carry = 0
+        size = self.dtype.itemsize
+        for lo in range(0, len(self.sequence_lengths), chunk):
+            lengths = self.sequence_lengths[lo:lo + chunk].astype(np.int64)
+            if lengths.size and lengths.min() < 0:
+                raise IndexedDatasetError(f"{self.idx_path} has negative sequence lengths; rebuild it")
+            expected = carry + np.concatenate(([0], np.cumsum(lengths[:-1] * size)))
+            if not np.array_equal(expected, self.sequence_pointers[lo:lo + chunk]):
+                raise IndexedDatasetError(f"{self.idx_path} has sequence pointers that do not match "
+                                          f"its lengths; rebuild it")
+            carry = int(expected[-1] + lengths[-1] * size)
 
     def __len__(self) -> int:
         return int(self.sequence_lengths.shape[0])

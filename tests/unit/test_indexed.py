@@ -190,6 +190,12 @@ def test_wrong_magic_version_and_dtype(good):
     bad = bytearray(idx); bad[17] = 9
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "dtype code 9")
+    bad = bytearray(idx); bad[34 + 3 * 4 + 8: 34 + 3 * 4 + 16] = struct.pack("<q", 4)   # 2nd pointer
+    open(good + ".idx", "wb").write(bad)
+    _raises(good, good + ".idx", "pointers")
+    bad = bytearray(idx); bad[34 + 3 * 4 + 3 * 8 + 8: 34 + 3 * 4 + 3 * 8 + 16] = struct.pack("<q", 5)
+    open(good + ".idx", "wb").write(bad)
+    _raises(good, good + ".idx", "document index")
     bad = bytearray(idx); bad[17] = 4            # int32 instead of uint16: .bin size no longer matches
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".bin", "int32")
