@@ -70,6 +70,36 @@ def test_writer_matches_reference_reader_every_dtype(tmp_path, dtype):
     assert ds.get(k, 1, 2).tolist() == flat[k][1:3]
 
 
+def reference_write(prefix, dtype_code, sequences, doc_index):
+    """Independent writer from the format description (the layout Megatron-LM's preprocessing writes)."""
+    dtype = np.dtype(MEGATRON_CODES[dtype_code])
+    lengths = [len(s) for s in sequences]
+    pointers = [0]
+    for n in lengths[:-1]:
+        pointers.append(pointers[-1] + n * dtype.itemsize)
+    with open(prefix + ".bin", "wb") as f:
+        for seq in sequences:
+            f.write(np.asarray(seq, dtype=dtype).tobytes())
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", dtype_code))
+        f.write(struct.pack("<QQ", len(sequences), len(doc_index)))
+        f.write(struct.pack(f"<{len(lengths)}i", *lengths))
+        f.write(struct.pack(f"<{len(pointers)}q", *pointers))
+        f.write(struct.pack(f"<{len(doc_index)}q", *doc_index))
+
+
+@pytest.mark.parametrize("code", sorted(MEGATRON_CODES))
+def test_reader_reads_reference_writer(tmp_path, code):
+    # 3 documents: one sequence, two sequences (sentence-split), one empty sequence
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], []]
+    prefix = str(tmp_path / "mega")
+    reference_write(prefix, code, seqs, [0, 1, 3, 4])
+    ds = IndexedDataset(prefix)
+    assert ds.dtype == np.dtype(MEGATRON_CODES[code]) and len(ds) == 4 and ds.num_documents == 3
+    assert [ds[i].tolist() for i in range(4)] == seqs and ds.num_tokens == 9
+    assert [[s.tolist() for s in ds.document(d)] for d in range(3)] == [[seqs[0]], seqs[1:3], [[]]]
+
+
 def test_writer_rejects_tokens_that_do_not_fit(tmp_path):
     w = IndexedDatasetWriter(str(tmp_path / "x"), dtype=np.uint16)
     with pytest.raises(ValueError, match="uint16"):
