@@ -36,6 +36,8 @@ from typing import Dict, Iterator
 import numpy as np
 import torch
 
+from .blend import BlendedDataset
+
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:
     """Raise ``ValueError`` naming the argument unless ``GBS`` is a multiple of ``MBS * DP``."""
@@ -101,7 +103,7 @@ class MicroBatchIterator(Iterator[Dict[str, torch.Tensor]]):
         comp = np.zeros(n, np.int64)
         within = np.empty(n, np.int64)
         for row, i in enumerate(indices):
-            if hasattr(self.dataset, "sample"):
+            if isinstance(self.dataset, BlendedDataset):
                 comp[row], within[row] = self.dataset[i]
                 data[row], real[row] = self.dataset.datasets[comp[row]][within[row]]
             else:

@@ -103,6 +103,7 @@ def build_tokenizer(spec: str):
         return ByteTokenizer()
     if not os.path.exists(spec):
         raise FileNotFoundError(
-            f"data.tokenizer={spec!r}: no such file or directory; give 'byte' or the path of a "
+            f"data.tokenizer={spec!r} (--tokenizer of tools/preprocess_data.py): no such file or "
+            f"directory; give 'byte' or the path of a "
             f"tokenizer saved with save_pretrained (a directory) or a tokenizer.json file")
     return HFTokenizer(spec)

@@ -138,6 +138,19 @@ def test_preprocess_tool_roundtrip_byte(tmp_path):
         assert open(prefix + ext, "rb").read() == open(str(tmp_path / "one") + ext, "rb").read()
 
 
+def test_preprocess_tool_errors_name_the_file(tmp_path):
+    tool = os.path.join(ROOT, "tools", "preprocess_data.py")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, tool, "--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
+                        str(tmp_path / "o")], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "absent.jsonl" in r.stderr, r.stderr
+    _jsonl(tmp_path / "in.jsonl", ["x"])
+    r = subprocess.run([sys.executable, tool, "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                        str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no-tok")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "data.tokenizer" in r.stderr and "no-tok" in r.stderr, r.stderr
+
+
 def _save_hf_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
