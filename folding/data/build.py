@@ -51,6 +51,18 @@ class Data:
         """Token ids are in ``[0, vocab_size)``."""
         return self.tokenizer.vocab_size
 
+    def describe(self) -> str:
+        """A few lines for the job log: datasets, and per split the samples per epoch and the blend."""
+        lines = [f"data: {len(self.prefixes)} dataset(s), tokenizer {self.tokenizer.name} "
+                 f"(vocab_size {self.vocab_size}, eod {self.tokenizer.eod})"]
+        for name, it in self._iterators().items():
+            ds = it.dataset
+            parts = list(zip(ds.datasets, ds.weights)) if isinstance(ds, BlendedDataset) else [(ds, 1.0)]
+            body = ", ".join(f"{p.indexed.prefix} docs [{p.begin}, {p.end}) {p.num_tokens} tokens "
+                             f"{p.samples_per_epoch} samples/epoch weight {w:.3f}" for p, w in parts)
+            lines.append(f"  {name}: {body}")
+        return "\n".join(lines)
+
     def state_dict(self) -> Dict[str, dict]:
         """Positions of every iterator (plain ints; checkpoint them)."""
         return {name: it.state_dict() for name, it in self._iterators().items()}

@@ -5,6 +5,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from folding.data import (BlendedDataset, DataConfig, GPTDataset, IndexedDataset, IndexedDatasetWriter,
                           MicroBatchIterator, build_data, parse_split, split_ranges)
@@ -66,6 +68,46 @@ def test_gpt_samples_match_naive_construction(tmp_path, multi_seq, seq_length):
     assert all(np.array_equal(again[i][0], ds[i][0]) for i in range(2 * n))
     other = GPTDataset(ix, documents=(3, 20), seq_length=seq_length, seed=6, stream="train/0", pad=EOD)
     assert any(not np.array_equal(other[i][0], ds[i][0]) for i in range(n))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=1, max_size=12),
+       st.integers(1, 9), st.integers(0, 3))
+def test_gpt_samples_property(tmp_path_factory, doc_seq_lengths, seq_length, seed):
+    """Any document/sequence lengths (empty ones included): each epoch tiles its token stream."""
+    path = str(tmp_path_factory.mktemp("p") / "d")
+    docs, value = [], 0
+    with IndexedDatasetWriter(path, dtype=np.int32) as w:
+        for lengths in doc_seq_lengths:
+            seqs = []
+            for n in lengths:
+                seqs.append(list(range(value, value + n)))
+                value += n
+            w.add_document(*seqs)
+            docs.append([t for q in seqs for t in q])
+    ix = IndexedDataset(path)
+    if ix.num_tokens < 2:
+        with pytest.raises(ValueError, match="at least 2"):
+            GPTDataset(ix, documents=(0, len(docs)), seq_length=seq_length, seed=seed, stream="s", pad=-1)
+        return
+    ds = GPTDataset(ix, documents=(0, len(docs)), seq_length=seq_length, seed=seed, stream="s", pad=-1)
+    n = ds.samples_per_epoch
+    for epoch in range(2):
+        samples = [ds[epoch * n + k] for k in range(n)]
+        by_position = [None] * n
+        for k, sample in enumerate(samples):
+            by_position[ds._epoch(epoch)[2][k]] = sample
+        stream = list(by_position[0][0][:by_position[0][1]])
+        for tokens, real in by_position[1:]:
+            assert tokens[0] == stream[-1]                      # consecutive samples share one token
+            stream += tokens[1:real].tolist()
+        assert all((t[r:] == -1).all() for t, r in by_position)
+        assert sorted(stream) == list(range(value))             # every token of the epoch exactly once
+        # documents appear whole and contiguous in the stream
+        for doc in docs:
+            if doc:
+                at = stream.index(doc[0])
+                assert stream[at:at + len(doc)] == doc
 
 
 def test_split_ranges_and_parse():
@@ -191,6 +233,8 @@ def test_build_data_blend_and_splits(tmp_path):
                 values = set(mb["tokens"][row].tolist() + mb["labels"][row].tolist()) - {256}
                 assert values and values <= allowed[name][d], (name, d, values)
         assert comps.count(0) == 48 and comps.count(1) == 16           # 3:1 exactly at block ends
+    text = data.describe()
+    assert "train:" in text and "docs [0, 32)" in text and "docs [116" not in text and "weight 0.750" in text
     state = data.state_dict()
     assert state["train"]["consumed_samples"] == 64 and state["valid"]["consumed_samples"] == 64
     with pytest.raises(ValueError, match="'test' split of data.split='98,1,1'"):
