@@ -31,6 +31,7 @@ Usage::
 """
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Iterator
 
 import numpy as np
@@ -43,9 +44,9 @@ def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: in
     """Raise ``ValueError`` naming the argument unless ``GBS`` is a multiple of ``MBS * DP``."""
     for name, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                     ("dp_size", dp_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
-    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral) or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank!r} must be in [0, dp_size={dp_size})")
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
@@ -61,11 +62,16 @@ class MicroBatchIterator(Iterator[Dict[str, torch.Tensor]]):
                  dp_size: int, seq_length: int, eod: int, eod_mask_loss: bool = False,
                  consumed_samples: int = 0):
         check_batch_sizes(global_batch_size, micro_batch_size, dp_size, dp_rank)
+        parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+        for part in parts:
+            if getattr(part, "seq_length", seq_length) != seq_length:
+                raise ValueError(f"seq_length={seq_length} differs from the dataset's seq_length="
+                                 f"{part.seq_length}; build the dataset with the same sequence length")
         self.dataset = dataset
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+        self.global_batch_size = int(global_batch_size)
+        self.micro_batch_size = int(micro_batch_size)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
         self.seq_length = seq_length
         self.eod = eod
         self.eod_mask_loss = eod_mask_loss
