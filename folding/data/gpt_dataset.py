@@ -40,7 +40,7 @@ _INDEX_VERSION = "gpt-index-v1"
 
 def epoch_rng(seed: int, stream: str, epoch: int, purpose: str) -> np.random.Generator:
     """A numpy generator determined by ``(seed, stream, epoch, purpose)`` only (identical everywhere)."""
-    words = [int(seed) & 0xFFFFFFFF, zlib.crc32(stream.encode()), int(epoch), zlib.crc32(purpose.encode())]
+    words = [int(seed) % (1 << 64), zlib.crc32(stream.encode()), int(epoch), zlib.crc32(purpose.encode())]
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
 
 
