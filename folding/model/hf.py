@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
-from .init import init_spec, shard_index
+from .init import InitSpec, init_spec, shard_index
+from ..parallel.collectives import group_rank, group_size
+from ..parallel.param_attrs import param_tags
 from .transformer import MoETransformer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -96,6 +98,29 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
     return H
 
 
+def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
+    """The full shape and slice of parameter ``name``: its recorded :class:`InitSpec`, or for a module
+    that does not record one (e.g. an MoE layer that initializes itself), inferred from its tags:
+    routed experts ``[E, 2, F, H]`` / ``[E, H, F]`` sliced over EP and ETP, TP-sharded dense
+    parameters along their ``tp_dim``, everything else replicated."""
+    spec = init_spec(p)
+    if spec is not None:
+        return spec
+    cfg, g, tags = model.config, model.groups, param_tags(p)
+    if tags.expert and name.endswith(("experts.fc1_weight", "experts.fc2_weight")):
+        ep, epr, etp, etpr = group_size(g.ep), group_rank(g.ep), group_size(g.etp), group_rank(g.etp)
+        E, F, H = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
+        full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
+        return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
+    if tags.expert:
+        raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
+    if tags.tp_sharded:
+        full = list(p.shape)
+        full[tags.tp_dim] *= group_size(g.tp)
+        return InitSpec(tuple(full), ((tags.tp_dim % p.dim(), group_rank(g.tp), group_size(g.tp)),))
+    return InitSpec(tuple(p.shape), ())
+
+
 class _Reader:
     """Lazy access to the tensors of a checkpoint directory (single file or sharded with an index)."""
 
@@ -150,9 +175,7 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
         raise CheckpointError(f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
                               f"unexpected {sorted(present - expected)[:8]}")
     for name, p in model.named_parameters():
-        spec = init_spec(p)
-        if spec is None:
-            raise CheckpointError(f"engine parameter {name!r} does not record its full shape (InitSpec)")
+        spec = resolve_spec(name, p, model)
         idx = shard_index(spec.full_shape, spec.shards)
         local = torch.empty(tuple(s.stop - s.start for s in idx), dtype=p.dtype)
         for lead, hf_name in hf_components(name, cfg):
@@ -182,7 +205,7 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
     """This rank's pieces of every HF tensor: ``hf name -> [(index into the full tensor, values)]``."""
     out: Dict[str, list] = {}
     for name, p in model.named_parameters():
-        spec = init_spec(p)
+        spec = resolve_spec(name, p, model)
         idx = shard_index(spec.full_shape, spec.shards)
         local = p.detach().cpu().reshape(tuple(s.stop - s.start for s in idx))
         for lead, hf_name in hf_components(name, model.config):
@@ -212,7 +235,7 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     cfg = model.config
     shapes = {}
     for name, p in model.named_parameters():
-        spec = init_spec(p)
+        spec = resolve_spec(name, p, model)
         for lead, hf_name in hf_components(name, cfg):
             shapes[hf_name] = spec.full_shape[len(lead):]
     tensors = {}

@@ -10,7 +10,8 @@ compared with the matching slice of the 1-rank gradient. Parameters must be bit-
 import torch
 import torch.distributed as dist
 
-from folding.model.init import init_spec, take_slice
+from folding.model.hf import resolve_spec
+from folding.model.init import _ATTR, init_spec, shard_index, take_slice
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -72,6 +73,13 @@ def _compare_layouts(configs, layouts):
                 worst = 0.0
                 for name, p in model.named_parameters():
                     spec = init_spec(p)
+                    # the HF loader's inference from tags (for modules without a recorded spec) agrees
+                    delattr(p, _ATTR)
+                    inferred = resolve_spec(name, p, model)
+                    setattr(p, _ATTR, spec)
+                    assert inferred.full_shape == spec.full_shape, name
+                    assert shard_index(inferred.full_shape, inferred.shards) == \
+                        shard_index(spec.full_shape, spec.shards), name
                     full_p = ref_params[name].reshape(spec.full_shape)
                     assert torch.equal(p.detach(), take_slice(full_p, spec.shards).reshape(p.shape)), name
                     g = p.grad.clone()

@@ -64,3 +64,28 @@ def test_bad_inputs_fail_clearly():
         model(torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="labels must have the shape"):
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_moe_config_follows_the_hf_routers():
+    from folding.model.moe_block import moe_config_from_model
+    mix = moe_config_from_model(get_preset("mixtral_8x7b"))
+    assert (mix.num_experts, mix.topk, mix.ffn_hidden_size, mix.pre_softmax) == (8, 2, 14336, False)
+    assert mix.capacity_factor is None and mix.input_jitter_eps is None and mix.aux_loss_type == "aux_loss"
+    qw = moe_config_from_model(get_preset("qwen2_57b_a14b"))
+    assert qw.pre_softmax and qw.shared_expert_ffn_hidden_size == 20480 and qw.shared_expert_gate
+    # norm_topk_prob=true renormalizes the pre-softmax top-k, which is post-softmax
+    assert not moe_config_from_model(get_preset("qwen2_moe_tiny", norm_topk_prob=True)).pre_softmax
+
+
+def test_hf_specs_inferred_from_tags_match_recorded_ones():
+    from folding.model.hf import resolve_spec
+    from folding.model.init import _ATTR
+    model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=2), moe_factory=reference_moe_factory)
+    for name, p in model.named_parameters():
+        recorded = resolve_spec(name, p, model)
+        saved = getattr(p, _ATTR)
+        delattr(p, _ATTR)
+        inferred = resolve_spec(name, p, model)
+        setattr(p, _ATTR, saved)
+        assert inferred.full_shape == recorded.full_shape, name
+        assert shard_index(inferred.full_shape, inferred.shards) == shard_index(recorded.full_shape, recorded.shards)
