@@ -22,7 +22,7 @@ LAYOUTS = [dict(tp=2, cp=2, ep=8, etp=1), dict(tp=2, ep=4, etp=2), dict(cp=2, ep
 CONFIGS = [
     dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1),
     dict(name="qwen2_moe_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1,
-         mlp_only_layers=(0,), ffn_hidden_size=32, shared_expert_ffn_hidden_size=16),
+         mlp_only_layers=(0,), ffn_hidden_size=32, shared_expert_ffn_hidden_size=16, tie_embeddings=True),
 ]
 B, S = 4, 16
 
