@@ -146,6 +146,10 @@ class _Reader:
             self._handles[fname] = self._open(os.path.join(self.path, fname), "pt")
         return self._handles[fname]
 
+    def close(self, fname: str) -> None:
+        """Release the handle of shard file ``fname``."""
+        self._handles.pop(fname, None)
+
     def read(self, name: str, shape: Tuple[int, ...], index: Tuple[slice, ...]) -> torch.Tensor:
         """Slice ``index`` of tensor ``name``, whose full shape must be ``shape``."""
         if name not in self.weight_map:
@@ -167,22 +171,38 @@ def read_hf_config(path: str) -> dict:
 
 @torch.no_grad()
 def load_hf_weights(model: MoETransformer, path: str) -> None:
-    """Copy into ``model`` the slices of the checkpoint at ``path`` that this rank holds."""
+    """Copy into ``model`` the slices of the checkpoint at ``path`` that this rank holds.
+
+    Reads file by file: each shard file is opened once, its needed slices are read, and it is closed.
+    """
     reader, cfg = _Reader(path), model.config
     expected = set(hf_tensor_names(cfg))
     present = set(reader.weight_map) - {"lm_head.weight"} if cfg.tie_embeddings else set(reader.weight_map)
     if expected - present or present - expected:
+        hint = ""
+        if any(k.endswith("experts.gate_up_proj") for k in present):
+            hint = ("; the checkpoint stores fused expert tensors (experts.gate_up_proj): save it with "
+                    "transformers' save_pretrained, which writes one tensor per expert")
         raise CheckpointError(f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
-                              f"unexpected {sorted(present - expected)[:8]}")
+                              f"unexpected {sorted(present - expected)[:8]}{hint}")
+    tasks: Dict[str, list] = {}          # file -> [(local buffer, slot, hf name, full shape, index)]
+    buffers = []
     for name, p in model.named_parameters():
         spec = resolve_spec(name, p, model)
         idx = shard_index(spec.full_shape, spec.shards)
         local = torch.empty(tuple(s.stop - s.start for s in idx), dtype=p.dtype)
+        buffers.append((p, local))
         for lead, hf_name in hf_components(name, cfg):
             if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
                 continue
-            t = reader.read(hf_name, spec.full_shape[len(lead):], idx[len(lead):])
-            local[tuple(v - idx[d].start for d, v in enumerate(lead))] = t.to(p.dtype)
+            slot = tuple(v - idx[d].start for d, v in enumerate(lead))
+            tasks.setdefault(reader.weight_map[hf_name], []).append(
+                (local, slot, hf_name, spec.full_shape[len(lead):], idx[len(lead):]))
+    for fname in sorted(tasks):
+        for local, slot, hf_name, shape, index in tasks[fname]:
+            local[slot] = reader.read(hf_name, shape, index).to(local.dtype)
+        reader.close(fname)
+    for p, local in buffers:
         p.copy_(local.reshape(p.shape))
 
 

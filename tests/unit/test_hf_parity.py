@@ -174,3 +174,14 @@ def test_convert_tool(tmp_path, capsys):
     json.dump({"model_type": "gpt2"}, open(os.path.join(path, "config.json"), "w"))
     assert tool.main(["roundtrip", path, str(tmp_path / "rt2")] + fac) == 2
     assert "model_type='gpt2'" in capsys.readouterr().err
+
+
+def test_multi_file_checkpoint(tmp_path):
+    """A checkpoint split over several safetensors files (with an index) loads file by file."""
+    hf = tiny_hf("mixtral")
+    hf.save_pretrained(str(tmp_path / "s"), max_shard_size="40KB")
+    files = [f for f in os.listdir(tmp_path / "s") if f.endswith(".safetensors")]
+    assert len(files) > 1 and os.path.exists(tmp_path / "s" / "model.safetensors.index.json")
+    model = from_hf(str(tmp_path / "s"), moe_factory=reference_moe_factory)
+    ids = torch.randint(0, V, (1, 8))
+    torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
