@@ -55,6 +55,6 @@ class TransformerLayer(nn.Module):
                                 init_std=config.init_std, output_init_std=output_init_std(config), **kw)
 
     def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
-        """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, q_pos, k_pos)`` from the model."""
+        """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from :meth:`MoETransformer.rope`."""
         h = x_SBH + self.attention(self.input_norm(x_SBH), *rope)
         return h + self.mlp(self.post_attention_norm(h))

@@ -4,7 +4,9 @@ The sequence of length S is cut into ``2*CP`` equal chunks; CP rank ``i`` holds 
 ``2*CP-1-i`` (in that order), so every rank gets the same amount of causal-attention work. Each
 rank computes Q, K, V for its own tokens, all-gathers K and V over the CP group (forward: all-gather;
 backward: reduce-scatter of the K/V gradients, since every rank's queries contribute to every
-key's gradient) and attends with a mask built from the true positions (``key_pos <= query_pos``).
+key's gradient), sorts them into sequence order, and attends once per local chunk: a chunk starting
+at position ``p`` attends keys ``[0, p + c)`` with a lower-right causal bias, which fused SDPA
+kernels support (no dense mask) and which skips the keys after the chunk.
 All-gather was chosen over a ring: it is exact, simple, and its communication is one collective per
 layer; its cost is the memory of the full K/V of the (local heads of the) sequence.
 
@@ -13,7 +15,7 @@ Usage::
     pos_S = cp_positions(seq_len, cp_rank, cp_size)           # this rank's token positions
     ids_BSl = input_ids_BS[:, pos_S]
     k_full = gather_kv(k_SBND, cp_group)                       # [S, B, heads, D] in rank order
-    kpos = gathered_positions(seq_len, cp_size)                # positions of k_full's rows
+    kv_order = gathered_positions(seq_len, cp_size).argsort()  # sorts k_full into sequence order
 """
 from __future__ import annotations
 

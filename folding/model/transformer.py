@@ -119,11 +119,19 @@ class MoETransformer(nn.Module):
         return self.embedding(input_ids_BS[:, pos])
 
     def rope(self, seq_len: int, device=None):
-        """``(cos, sin, q_pos, k_pos)`` for this CP rank at sequence length ``seq_len``."""
+        """``(cos, sin, kv_order, chunk_starts)`` for this CP rank at sequence length ``seq_len``.
+
+        ``kv_order`` sorts CP-gathered keys into sequence order (``None`` without CP);
+        ``chunk_starts`` are the first positions of this rank's chunks.
+        """
         q_pos = self.local_positions(seq_len, device)
         cos, sin = rope_cos_sin(q_pos, self.config.kv_channels, self.config.rope_theta)
-        k_pos = gathered_positions(seq_len, self.groups.cp_size, device)
-        return cos, sin, q_pos, k_pos
+        cp = self.groups.cp_size
+        if cp == 1:
+            return cos, sin, None, (0,)
+        kv_order = torch.argsort(gathered_positions(seq_len, cp, device))
+        c = seq_len // (2 * cp)
+        return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
 
     def run_layers(self, x_SBH: torch.Tensor, seq_len: int, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Layers ``[start, end)`` on a hidden shard."""
