@@ -185,3 +185,14 @@ def test_multi_file_checkpoint(tmp_path):
     model = from_hf(str(tmp_path / "s"), moe_factory=reference_moe_factory)
     ids = torch.randint(0, V, (1, 8))
     torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_checkpoint_round_trip(tmp_path):
+    """A bf16 checkpoint loaded into the fp32 model and exported as bf16 is bit-identical."""
+    hf = tiny_hf("qwen2_moe").to(torch.bfloat16)
+    hf.save_pretrained(str(tmp_path / "a"))
+    model = from_hf(str(tmp_path / "a"), moe_factory=reference_moe_factory)
+    assert next(model.parameters()).dtype == torch.float32
+    to_hf(model, str(tmp_path / "b"), dtype=torch.bfloat16)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
