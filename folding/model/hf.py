@@ -73,6 +73,13 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
         return [((e, h), f"{P}.experts.{e}.{w}.weight") for e in range(cfg.num_experts) for h, w in enumerate((g, u))]
     if rest == "mlp.experts.fc2_weight":
         return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.num_experts)]
+    S = f"{L}.mlp.shared_expert"
+    if rest == "mlp.shared_expert.fc1_weight":                       # fused [gate; up] (engine MoE layer)
+        return [((0,), f"{S}.gate_proj.weight"), ((1,), f"{S}.up_proj.weight")]
+    if rest == "mlp.shared_expert.fc2_weight":
+        return [((), f"{S}.down_proj.weight")]
+    if rest == "mlp.shared_expert.gate_weight":
+        return [((), f"{S}_gate.weight")]
     if rest.startswith("mlp.shared_expert"):
         return [((), f"{L}.{rest}")]
     raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
@@ -101,7 +108,8 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
 def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
     """The full shape and slice of parameter ``name``: its recorded :class:`InitSpec`, or for a module
     that does not record one (e.g. an MoE layer that initializes itself), inferred from its tags:
-    routed experts ``[E, 2, F, H]`` / ``[E, H, F]`` sliced over EP and ETP, TP-sharded dense
+    routed experts ``[E, 2, F, H]`` / ``[E, H, F]`` sliced over EP and ETP, a fused shared-expert
+    ``fc1_weight`` as ``[2, F, H]`` sliced over TP along F, other TP-sharded dense
     parameters along their ``tp_dim``, everything else replicated."""
     spec = init_spec(p)
     if spec is not None:
@@ -112,6 +120,9 @@ def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
         E, F, H = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
         full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
         return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
+    if name.endswith("shared_expert.fc1_weight"):      # [gate shard; up shard] of the full [2, F, H]
+        return InitSpec((2, cfg.shared_expert_ffn_hidden_size, cfg.hidden_size),
+                        ((1, group_rank(g.tp), group_size(g.tp)),))
     if tags.expert:
         raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
     if tags.tp_sharded:

@@ -39,7 +39,11 @@ def moe_config_from_model(config: ModelConfig, **overrides):
 
 def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: ModelGroups, init_seed: int = 0,
                         device=None, dtype=torch.float32):
-    """Build the engine's :class:`folding.moe.layer.MoELayer` for layer ``layer_number``."""
+    """Build the engine's :class:`folding.moe.layer.MoELayer` for layer ``layer_number``.
+
+    The layer initializes its own weights from ``(init_seed, layer_number)`` (layout-independent) in
+    ``dtype``; it creates them on the CPU, so ``device`` is not used here (move the model afterwards).
+    """
     try:
         from ..moe.layer import MoELayer
     except ImportError as e:  # pragma: no cover - depends on the MoE package being present
@@ -47,4 +51,5 @@ def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: Model
                           "moe_factory= to MoETransformer") from e
     return MoELayer(config=moe_config_from_model(config), hidden_size=config.hidden_size, ep_group=groups.ep,
                     etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
-                    tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed)
+                    tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed, init_std=config.init_std,
+                    params_dtype=dtype)

@@ -126,6 +126,7 @@ def _load_sharded(path, out_root, ids, hf_logits, layouts):
                 model = hf_mod.from_hf(path, parallel_state=ps, moe_factory=reference_moe_factory)
                 dp, r = ps.dp_size, ps.dp_rank
                 b = ids.shape[0]
+                assert b % dp == 0, "every DP rank needs samples"
                 sl = slice(r * b // dp, (r + 1) * b // dp)
                 V = model.config.vocab_size
                 want = hf_logits[sl][:, model.local_positions(ids.shape[1]),
@@ -149,7 +150,7 @@ def test_hf_load_sharded_and_round_trip(ranks, tmp_path):
     from tests.unit.test_hf_parity import save, tiny_hf
     hf = tiny_hf("qwen2_moe", mlp_only_layers=[1], rope_theta=2e4)
     path = save(hf, str(tmp_path / "hf"))
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         hf_logits = hf(ids).logits
     counts = ranks(8).run(_load_sharded, path, str(tmp_path), ids, hf_logits, HF_LAYOUTS)
@@ -203,3 +204,52 @@ def _layout_errors():
 def test_bad_layouts_fail_clearly(ranks):
     seen = ranks(8).run(_layout_errors)
     assert all(len(s) == 6 for s in seen), seen
+
+
+def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
+    from folding.model import hf as hf_mod
+    for i, lkw in enumerate(layouts):
+        ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **lkw))
+        try:
+            model = hf_mod.from_hf(path, parallel_state=ps)           # the default factory: folding.moe MoELayer
+            assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.layers)
+            dp, r = ps.dp_size, ps.dp_rank
+            b = ids.shape[0]
+            assert b % dp == 0, "every DP rank needs samples"
+            sl = slice(r * b // dp, (r + 1) * b // dp)
+            V = model.config.vocab_size
+            want = hf_logits[sl][:, model.local_positions(ids.shape[1]),
+                                 ps.tp_rank * V // ps.tp_size:(ps.tp_rank + 1) * V // ps.tp_size]
+            got = model(ids[sl]).detach()
+            rel = ((got - want).abs().max() / want.abs().max()).item()
+            assert rel <= 1e-5, (lkw, rel)
+            hf_mod.to_hf(model, f"{out_root}/engine{i}")
+            dist.barrier()
+        finally:
+            ps.destroy()
+
+
+def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
+    """from_hf with the engine's own MoE layer (all-to-all dispatcher) matches transformers in folded
+    layouts, for Mixtral and Qwen2-MoE (shared expert), and exports bit-identically."""
+    import os
+
+    import pytest
+    from safetensors.torch import load_file
+    try:
+        import folding.moe.layer  # noqa: F401
+    except ImportError:
+        pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
+    from tests.unit.test_hf_parity import save, tiny_hf
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(4))
+    layouts = [dict(tp=2, cp=2, ep=4, etp=1), dict(tp=2, ep=2, etp=2)]
+    for family, kw in (("mixtral", {}), ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True))):
+        hf = tiny_hf(family, **kw)
+        path = save(hf, str(tmp_path / family))
+        with torch.no_grad():
+            hf_logits = hf(ids).logits
+        ranks(8).run(_engine_moe_parity, path, str(tmp_path / f"{family}_out"), ids, hf_logits, layouts)
+        full = load_file(os.path.join(path, "model.safetensors"))
+        for i in range(len(layouts)):
+            back = load_file(str(tmp_path / f"{family}_out" / f"engine{i}" / "model.safetensors"))
+            assert sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
