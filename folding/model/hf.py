@@ -217,14 +217,19 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
         p.copy_(local.reshape(p.shape))
 
 
-def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.float32, device=None) -> MoETransformer:
+def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.float32, device=None,
+            config_overrides: Optional[dict] = None) -> MoETransformer:
     """Build the engine model (1 rank, or this rank's shard under ``parallel_state``) from a HF checkpoint.
 
     Without a layout, ``model(input_ids_BS)`` returns logits ``[B, S, V]``; with one, see
     :class:`~folding.model.transformer.MoETransformer` for what each rank returns.
+    ``config_overrides`` replaces :class:`ModelConfig` fields that do not change tensor shapes
+    (e.g. ``router_aux_loss_coef`` for training).
     """
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
+    if config_overrides:
+        cfg = cfg.replace(**config_overrides)
     model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype,
                            device=device, initialize=False)
     load_hf_weights(model, path)

@@ -5,6 +5,10 @@ Both rope spellings are read: transformers 4's top-level ``rope_theta`` and tran
 implement (other rope types, sliding-window attention, activations other than SiLU) are rejected
 with an error naming the field instead of being silently ignored.
 
+The load-balancing loss coefficient is taken only when ``output_router_logits`` is true (otherwise
+Hugging Face computes no auxiliary loss, and neither does the engine); override it with
+``from_hf(path, config_overrides={"router_aux_loss_coef": ...})``.
+
 Qwen2-MoE's router maps to ``pre_softmax=True`` (softmax over all experts, then top-k) with
 ``norm_topk_prob`` kept; Mixtral's to post-softmax (``pre_softmax=False``, ``norm_topk_prob=True``).
 
@@ -56,7 +60,8 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
         topk=hf["num_experts_per_tok"], rope_theta=_rope_theta(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        # HF adds the load-balancing loss only with output_router_logits=true; match what it computes
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
         init_std=float(hf.get("initializer_range", 0.02)))
     if mtype == "mixtral":
         if hf.get("sliding_window") is not None:
@@ -79,11 +84,14 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     hf: Dict[str, Any] = dict(
         architectures=[ARCHITECTURES[cfg.family]], model_type=cfg.family, vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.kv_channels, hidden_act="silu",
+        num_key_value_heads=cfg.num_kv_heads, hidden_act="silu",
         num_experts_per_tok=cfg.topk, max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        router_aux_loss_coef=cfg.router_aux_loss_coef, initializer_range=cfg.init_std,
+        router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.router_aux_loss_coef > 0,
+        initializer_range=cfg.init_std,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, dtype="float32")
+    if cfg.head_dim is not None:
+        hf["head_dim"] = cfg.head_dim
     if cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size, sliding_window=None)
     else:

@@ -89,3 +89,14 @@ def test_hf_specs_inferred_from_tags_match_recorded_ones():
         setattr(p, _ATTR, saved)
         assert inferred.full_shape == recorded.full_shape, name
         assert shard_index(inferred.full_shape, inferred.shards) == shard_index(recorded.full_shape, recorded.shards)
+
+
+def test_hf_aux_loss_only_with_router_logits():
+    from folding.model.hf_config import config_from_hf, config_to_hf
+    base = dict(model_type="mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4, intermediate_size=16,
+                router_aux_loss_coef=0.02)
+    assert config_from_hf(base).router_aux_loss_coef == 0.0
+    cfg = config_from_hf(dict(base, output_router_logits=True))
+    assert cfg.router_aux_loss_coef == 0.02
+    assert config_from_hf(config_to_hf(cfg)) == cfg.replace(name="hf_mixtral")
