@@ -1,5 +1,7 @@
 """TransformerEngine backend of the experts: ``GroupedLinear`` under ``fp8_autocast``.
 
+Legend: N rows sorted expert-major, K input features, O output features, E local experts.
+
 Written against TransformerEngine's documented PyTorch API:
 ``transformer_engine.pytorch.GroupedLinear(num_gemms, in_features, out_features, bias=...,
 params_dtype=..., device=...)`` whose ``forward(inp, m_splits)`` takes the per-GEMM row counts,

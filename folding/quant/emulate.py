@@ -1,5 +1,7 @@
 """CPU emulation of FP8 / MXFP8 GEMM numerics: fake quantization and an emulated linear.
 
+Legend: a GEMM ``y_MN = x_MK · w_NKᵀ``; M rows (tokens), K contraction, N outputs.
+
 A recipe names how a GPU GEMM quantizes its operands (TransformerEngine's recipes):
 
 ========== ===================== ====================== ===================================

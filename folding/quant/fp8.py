@@ -30,6 +30,7 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool
     """float32 scale = fp8_max / amax (1 where amax == 0; NaN where amax is not finite)."""
     amax = amax.float()
     scale = fp8_max(dtype) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    scale = scale.clamp(max=2.0**127)  # a subnormal amax must not give an infinite scale
     if power_2_scale:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
