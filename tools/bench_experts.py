@@ -32,7 +32,7 @@ from folding.moe.expert_te import te_available  # noqa: E402
 from folding.moe.expert_backends import torch_grouped_mm_supported  # noqa: E402
 from folding.moe.experts import GroupedMLP  # noqa: E402
 
-DEFAULT_SHAPES = "256,512,8,2,512;512,1024,8,2,1024"
+DEFAULT_SHAPES = "128,256,8,2,256;256,512,8,2,512"
 MIXTRAL_SHAPE = "4096,14336,8,2,4096"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,6 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--no-accuracy", action="store_true", help="skip the FP8 accuracy table")
     p.add_argument("--out", default="", help="markdown report path (default: print only)")
     return p.parse_args(argv)
+
+
+def _load():
+    try:
+        return " / ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _sync(device):
@@ -165,6 +172,8 @@ def main(argv=None):
         f"- device: {dev_name}",
         f"- torch: {torch.__version__}; TransformerEngine: {'available' if te_ok else 'unavailable (' + te_why + ')'}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- host load average at start (1/5/15 min): {_load()} on {os.cpu_count()} CPUs "
+        "(timings from a loaded host are indicative only)",
         f"- command: `python tools/bench_experts.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "- FLOPs per step: forward + backward, 18·N·H·F (N = T·K rows); dense baseline: matmuls of the same FLOPs",
         "",
