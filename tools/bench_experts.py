@@ -183,11 +183,15 @@ def main(argv=None):
     cases = []
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
+        emulated = args.emulated
         for b in args.backends.split(","):
+            if b == "emulated":  # needs a recipe: same as --emulated
+                emulated = True
+                continue
             cases.append((b, dname, dtype, None))
             if b == "te":
                 cases += [(b, dname, dtype, r) for r in args.fp8_recipes.split(",") if r]
-        if args.emulated:
+        if emulated:
             cases += [("emulated", dname, dtype, r) for r in (args.fp8_recipes or "mxfp8").split(",") if r]
     skipped = []
     for shape in shapes:
