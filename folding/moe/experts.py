@@ -213,9 +213,8 @@ class GroupedMLP(torch.nn.Module):
                 h = self._te.linear("fc1", tokens_NH, w1, counts, self.fp8_recipe)
                 act = self._activation(h, probs_N)
                 return self._te.linear("fc2", act, w2, counts, self.fp8_recipe)
-        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type == "cpu" or not isinstance(
-            tokens_per_expert, torch.Tensor
-        ):
+        on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu"
+        if not on_device:  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe)
         act = self._activation(h, probs_N)
