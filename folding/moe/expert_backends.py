@@ -139,10 +139,10 @@ def _loop_call(x_NK, w_EOK, counts, linear, experts):
     outs, start = [], 0
     for i, c in enumerate(counts):
         if c:
-            outs.append(linear(x_NK[start : start + c], w_EOK[i], experts[i]))
+            outs.append(linear(x_NK[start : start + c], w_EOK[experts[i]], experts[i]))
         start += c
     if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
-        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK.sum() + 0 * x_NK.sum()
+        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK[experts].sum() + 0 * x_NK.sum()
     return torch.cat(outs, 0)
 
 
@@ -191,11 +191,12 @@ def grouped_linear(
         xs = x_NK[start : start + rows]
         experts = [e for e, _ in call]
         sub_counts = [c for _, c in call]
-        ws = w_EOK if experts == list(range(w_EOK.shape[0])) else w_EOK[torch.tensor(experts, device=w_EOK.device)]
         if backend == "torch":
+            whole = experts == list(range(num_experts))
+            ws = w_EOK if whole else w_EOK[torch.tensor(experts, device=w_EOK.device)]
             outs.append(_torch_call(xs, ws, sub_counts))
         elif backend in ("loop", "emulated"):
-            outs.append(_loop_call(xs, ws, sub_counts, linear, experts))
+            outs.append(_loop_call(xs, w_EOK, sub_counts, linear, experts))
         else:
             raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
         start += rows
