@@ -23,6 +23,11 @@ Assumptions (not calibrated)
 - ``a2a_efficiency`` 0.60: all-to-all reaches less (many small peer-to-peer transfers, no pipelining).
 - ``hbm_efficiency`` 0.80 of the HBM peak for memory-bound element-wise kernels (permute, SwiGLU, ...).
 - ``latency_s`` per collective launch: 20 µs inside the NVLink domain, 40 µs across nodes.
+- ``num_sms``: 132 on H100 / H200 SXM, 148 on B200 (datasheets); GEMMs run their output tiles in waves.
+- ``overlap_contention`` 0.3: a communication hidden behind GEMMs still costs 30% of its time (its
+  kernels take SMs and HBM bandwidth from the GEMM).
+- ``host_sync_s`` 30 µs per MoE layer forward: the dropless dispatcher's device-to-host copy of split sizes
+  drains the GPU queue (copy + a few kernel launches before the GPU is busy again).
 - ``usable_memory_gib``: what PyTorch can allocate after the CUDA context (≈ 1.5 GiB less than HBM).
 
 Usage::
@@ -59,6 +64,14 @@ class GPUSpec:
     """NVLink bandwidth per GPU per direction, bytes/s."""
     internode_bandwidth: float
     """Inter-node network bandwidth per GPU per direction, bytes/s (one NIC per GPU)."""
+    num_sms: int = 132
+    """Streaming multiprocessors (GEMM output tiles run in waves of this many)."""
+    overlap_contention: float = 0.3
+    """Share of a communication's time still paid when it is overlapped with GEMMs (its kernels take SMs
+    and HBM bandwidth from the GEMM they hide behind)."""
+    host_sync_s: float = 30e-6
+    """Cost of one host synchronization (device-to-host copy of the dropless dispatcher's split sizes):
+    the GPU drains its queue and waits for the next launches."""
     ring_efficiency: float = 0.80
     """Fraction of link bandwidth reached by ring all-gather / reduce-scatter / all-reduce."""
     a2a_efficiency: float = 0.60
@@ -101,7 +114,7 @@ _GPUS: Dict[str, GPUSpec] = {
                     nvlink_bandwidth=450e9, internode_bandwidth=50e9),
     "b200": GPUSpec(name="b200", bf16_flops=2250e12, fp8_flops=4500e12, hbm_gib=180e9 / GIB,
                     usable_memory_gib=180e9 / GIB - 1.5, hbm_bandwidth=8.0e12,
-                    nvlink_bandwidth=900e9, internode_bandwidth=50e9),
+                    nvlink_bandwidth=900e9, internode_bandwidth=50e9, num_sms=148),
 }
 
 
