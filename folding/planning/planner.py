@@ -64,7 +64,7 @@ def planner_memory_bytes(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) 
     # Elements kept per rank-owned token and layer (sequence parallel: TP-sharded tensors re-gathered later).
     attn = 3 * H + (h + 2 * g) * d + h * d
     moe_f = cfg.moe_ffn_hidden_size
-    moe = 2 * H + plan.etp * k * H + (2 if plan.recompute != "none" else 3) * k * moe_f
+    moe = 2 * H + plan.etp * k * H + (2 if plan.recompute == "selective" else 3) * k * moe_f
     if cfg.shared_expert_ffn_hidden_size:
         moe += H + 3 * cfg.shared_expert_ffn_hidden_size
     dense = 3 * H + 3 * cfg.ffn_hidden_size

@@ -262,6 +262,13 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
     embedding (first stage) or output layer (last stage; untied) sharded over TP; expert = routed experts
     sharded over EP·ETP. A one-stage pipeline holds both ends.
     """
+    return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, last)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool) -> Dict[str, float]:
+    plan = Plan(tp=tp, cp=1, pp=pp, vpp=1, ep=ep, etp=etp, dp=1, edp=1, distributed_optimizer=False,
+                recompute="none")
     H, L = cfg.hidden_size, cfg.num_layers
     n_moe = num_moe_layers(cfg)
     per_layer_tp = cfg.attention_params() - H  # q, k, v, o (and biases); the input norm is replicated
