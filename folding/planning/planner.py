@@ -102,10 +102,10 @@ MemoryModel = Callable[..., Dict[str, float]]
 
 # ------------------------------------------------------------------------------------------ enumeration
 @functools.lru_cache(maxsize=None)
-def _legal(world: int, tp: int, cp: int, pp: int, vpp: int, ep: int, etp: int, experts: int) -> bool:
+def _legal(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, experts: int) -> bool:
+    """ParallelLayout's verdict (VPP only adds "needs pp > 1", which the enumeration checks itself)."""
     try:
-        ParallelLayout(world_size=world, tp=tp, cp=cp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp,
-                       num_experts=experts)
+        ParallelLayout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, num_experts=experts)
     except LayoutError:
         return False
     return True
@@ -142,7 +142,7 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                                 continue
                             if not folded and dp % ep:
                                 continue
-                            if not _legal(N, tp, cp, pp, vpp, ep, etp, cfg.num_experts):
+                            if not _legal(N, tp, cp, pp, ep, etp, cfg.num_experts):
                                 continue
                             edp = N // (etp * ep * pp)
                             for dist in (True, False):
