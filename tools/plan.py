@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--all-variants", action="store_true",
                    help="list every VPP / recompute / optimizer variant, not only the best per mapping")
     p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
-    p.add_argument("--json", action="store_true", help="print only a JSON list (every fitting layout), best first")
+    p.add_argument("--json", action="store_true", help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)")
     return p.parse_args(argv)
 
 

@@ -177,11 +177,11 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
                  eff: float, moe: bool) -> Dict[str, float]:
     """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause."""
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
-    H = cfg.hidden_size
     tok = S * b / (plan.tp * plan.cp)                 # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
     fwd_passes = 2 if plan.recompute == "full" else 1  # forwards executed per training pass
-    passes = 2 + fwd_passes                            # forward(s) + backward (2 forward-sized GEMMs)
+    passes = 2 + fwd_passes                            # forward(s) + backward (2 GEMMs per forward GEMM,
+    #                                                    charged at the forward shape's wave utilization)
     core = F.attention_core_flops(cfg, S) * tok
     seq_tok = S * b / plan.cp                          # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
