@@ -60,7 +60,10 @@ def payload_bytes_per_row(fmt: str, hidden_size: int, dtype: torch.dtype) -> int
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+    x = x.reshape(x.shape[0], -1)
+    if x.stride(-1) != 1 or not x.is_contiguous():
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+    return x.view(torch.uint8)
 
 
 def encode(x_NH: torch.Tensor, fmt: str, probs_N: Optional[torch.Tensor] = None) -> torch.Tensor:
