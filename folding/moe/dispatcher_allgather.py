@@ -29,6 +29,7 @@ from folding.parallel.collectives import gather_from_sequence_region, reduce_sca
 from . import host_sync
 from .dispatcher import TokenDispatcher
 from .permute import padded_rows_per_expert, permute, unpermute
+from .wire import all_gather_single
 
 
 def _gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
@@ -36,7 +37,7 @@ def _gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 

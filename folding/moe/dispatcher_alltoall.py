@@ -36,7 +36,7 @@ from . import host_sync
 from .dispatcher import TokenDispatcher
 from .permute import (AllToAllPlan, chunk_permutation, inverse_order, padded_rows_per_expert, permute,
                       plan_alltoall, unpermute)
-from .wire import ExchangeSpec, combine_exchange, dispatch_exchange, payload_bytes_per_row
+from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row
 
 
 def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -46,7 +46,7 @@ def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
         return x.unsqueeze(0)
     x = x.contiguous().unsqueeze(0)
     out = x.new_empty((n,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out
 
 

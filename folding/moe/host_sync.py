@@ -51,3 +51,4 @@ def reset() -> None:
     global _COUNT
     _COUNT = 0
     _BY_REASON.clear()
+

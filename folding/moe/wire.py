@@ -109,6 +109,11 @@ def decode(b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------- raw byte moves
+# torch renamed all_gather_into_tensor to all_gather_single; use whichever this build has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_single(out, x, group=...)``: all-gather of equal-size tensors concatenated on dim 0 (no autograd)."""
+
+
 def _size(group) -> int:
     return dist.get_world_size(group)
 
@@ -124,7 +129,7 @@ def _a2a(x: torch.Tensor, group, recv: List[int], send: List[int]) -> torch.Tens
 
 
 def _gather_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
-    """All-gather along dim 0 where rank ``i`` holds ``sizes[i]`` rows (padded all_gather_into_tensor)."""
+    """All-gather along dim 0 where rank ``i`` holds ``sizes[i]`` rows (padded all-gather)."""
     n = _size(group)
     if n == 1:
         return x
@@ -132,7 +137,7 @@ def _gather_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
     pad = x.new_zeros((m,) + tuple(x.shape[1:]))
     pad[: x.shape[0]] = x
     out = x.new_empty((n * m,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, pad, group=group)
+    all_gather_single(out, pad, group=group)
     if all(s == m for s in sizes):
         return out
     return torch.cat([out[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
