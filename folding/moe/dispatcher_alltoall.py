@@ -95,8 +95,7 @@ class AllToAllDispatcher(TokenDispatcher):
         plan = plan_alltoall(counts, ep_size=self.ep_size, etp_size=self.etp_size, ep_rank=self.ep_rank,
                              etp_rank=self.etp_rank, num_local_experts=self.num_local_experts)
         self._plan = plan
-        multi = len(plan.chunk_sizes) > 1 and self.ep_size * self.etp_size > 1
-        if multi:
+        if plan.sort_idxs != sorted(plan.sort_idxs):  # e.g. one local expert and ETP=1: already sorted
             perm = chunk_permutation(plan.chunk_sizes, plan.sort_idxs)
             self._sort_idx = torch.tensor(perm, dtype=torch.long)
             self._unsort_idx = torch.tensor(inverse_order(perm), dtype=torch.long)
