@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from folding.moe import host_sync
 from folding.moe.config import MoEConfig
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -104,9 +105,12 @@ def _distributed(cases, refs):
             sl_len = S // (c["tp"] * c["cp"])
             sl = slice(ps.tp_cp_rank * sl_len, (ps.tp_cp_rank + 1) * sl_len)
             x = X[ps.dp_rank, sl].clone().requires_grad_(True)
+            before = host_sync.count()
             y = layer(x)
             (y * G[ps.dp_rank, sl]).sum().backward()
             tag = f"{c} rank {dist.get_rank()}"
+            # the whole layer, forward and backward: one device-to-host read, none when padded
+            assert host_sync.count() - before == (0 if c["mode"] == "pad" else 1), tag
             torch.testing.assert_close(y, ref["y"][ps.dp_rank, sl], msg=tag)
             torch.testing.assert_close(x.grad, ref["gx"][ps.dp_rank, sl], msg=tag)
             kept = layer.last_routing_map_TE.view(sl_len, B, E)
