@@ -122,6 +122,7 @@ class Router(nn.Module):
 
     # ------------------------------------------------------------------------------- forward
     def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,
+                padding_mask: Optional[torch.Tensor] = None,
                 aux_loss_scale: Union[float, torch.Tensor, None] = None):
         """Route this rank's tokens.
 
@@ -129,6 +130,8 @@ class Router(nn.Module):
             hidden: ``[S_local, B, H]`` (attention layout) or ``[T, H]`` with tokens ordered
                 ``t = s·B + b``.
             num_sequences: B for ``[T, H]`` input; needed by ``seq_aux_loss`` only.
+            padding_mask: bool, True on padding tokens, shaped like ``hidden`` without its last
+                dim. Padding tokens are still routed but count in no loss and no expert-bias count.
             aux_loss_scale: overrides ``self.aux_loss_scale`` for this call.
 
         Returns ``(probs_TE, routing_map_TE)``: dense probabilities in the router dtype (zero off
@@ -153,6 +156,11 @@ class Router(nn.Module):
                                  "[S, B, H] or num_sequences=B with [T, H]")
             if hidden_TH.shape[0] % num_sequences:
                 raise ValueError(f"{hidden_TH.shape[0]} tokens are not a multiple of num_sequences={num_sequences}")
+        if padding_mask is not None:
+            if tuple(padding_mask.shape) != tuple(hidden.shape[:-1]):
+                raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)}, expected "
+                                 f"{tuple(hidden.shape[:-1])} (hidden without its last dim)")
+            padding_mask = padding_mask.reshape(-1).bool()
         scale = self.aux_loss_scale if aux_loss_scale is None else aux_loss_scale
 
         if self.training and cfg.input_jitter_eps:
@@ -164,14 +172,19 @@ class Router(nn.Module):
 
         losses: Dict[str, torch.Tensor] = {}
         if losses_on and cfg.z_loss_coeff > 0:
-            tp_cp = C.group_size(self.tp_cp_group)
-            losses["z_loss"] = R.z_loss(logits_TE, coeff=cfg.z_loss_coeff / tp_cp)
+            if padding_mask is None:
+                total = logits_TE.shape[0] * C.group_size(self.tp_cp_group)
+            else:
+                total = self._sum((~padding_mask).sum(), self.tp_cp_group)
+            losses["z_loss"] = R.z_loss(logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask,
+                                        total_num_tokens=total)
             logits_TE = attach_loss(logits_TE, losses["z_loss"], scale)
 
         probs_TE, routing_map_TE = self._route(logits_TE)
         if cfg.expert_bias and losses_on:
             with torch.no_grad():  # demand before dropping: saturated post-drop counts hide imbalance
-                self.local_tokens_per_expert += routing_map_TE.sum(dim=0).to(torch.float32)
+                demand_TE = routing_map_TE if padding_mask is None else routing_map_TE & ~padding_mask[:, None]
+                self.local_tokens_per_expert += demand_TE.sum(dim=0).to(torch.float32)
         if cfg.capacity_factor is not None:
             routed_TE = routing_map_TE
             probs_TE, routing_map_TE = R.apply_capacity(
@@ -183,7 +196,7 @@ class Router(nn.Module):
         self.last_tokens_per_expert = routing_map_TE.sum(dim=0)
 
         if aux_on:
-            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences)
+            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences, padding_mask)
             probs_TE = attach_loss(probs_TE, losses[cfg.aux_loss_type], scale)
         self.last_losses = {k: v.detach() for k, v in losses.items()}
         return probs_TE, routing_map_TE
@@ -198,26 +211,32 @@ class Router(nn.Module):
                               group_topk=cfg.group_topk, scaling_factor=cfg.topk_scaling_factor,
                               expert_bias_E=self.expert_bias)
 
-    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: Optional[int]) -> torch.Tensor:
-        """This rank's share of the load-balancing loss (token counts reduced over its group)."""
+    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: Optional[int],
+                  padding_mask_T: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the load-balancing loss (token counts reduced over its group).
+        Token totals are T·group size, or with padding the valid tokens read off the reduced counts
+        (each valid token counts ``topk`` times), which needs no extra collective."""
         cfg = self.config
-        T = logits_TE.shape[0]
-        kw = dict(topk=cfg.topk, num_experts=cfg.num_experts, coeff=cfg.aux_loss_coeff)
-        scores_TE, map_TE = R.aux_loss_scores(logits_TE, topk=cfg.topk, score_function=cfg.score_function)
+        T, k = logits_TE.shape[0], cfg.topk
+        kw = dict(topk=k, num_experts=cfg.num_experts, coeff=cfg.aux_loss_coeff)
+        scores_TE, map_TE = R.aux_loss_scores(logits_TE, topk=k, score_function=cfg.score_function,
+                                              padding_mask_T=padding_mask_T)
+        padded = padding_mask_T is not None
         if cfg.aux_loss_type == "aux_loss":
             counts_E = self._sum(map_TE.sum(dim=0), self.tp_cp_group)
-            return R.switch_aux_loss(scores_TE, counts_E, total_num_tokens=T * C.group_size(self.tp_cp_group), **kw)
+            total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_cp_group)
+            return R.switch_aux_loss(scores_TE, counts_E, total_num_tokens=total, **kw)
         if cfg.aux_loss_type == "seq_aux_loss":
             counts_BE = self._sum(R.tokens_per_sequence_expert(map_TE, num_sequences=num_sequences), self.tp_cp_group)
-            seq_length = T // num_sequences * C.group_size(self.tp_cp_group)
+            seq_length = counts_BE.sum(dim=1) / k if padded else T // num_sequences * C.group_size(self.tp_cp_group)
             return R.seq_aux_loss(scores_TE, counts_BE, num_sequences=num_sequences, seq_length=seq_length, **kw)
         counts_E = self._sum(map_TE.sum(dim=0), self.tp_dp_cp_group)
         with torch.no_grad():
             self.global_tokens_per_expert += counts_E.to(self.global_tokens_per_expert.dtype)
         self.global_aux_steps += 1
         mean_counts_E = self.global_tokens_per_expert / self.global_aux_steps
-        return R.switch_aux_loss(scores_TE, mean_counts_E,
-                                 total_num_tokens=T * C.group_size(self.tp_dp_cp_group), **kw)
+        total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_dp_cp_group)
+        return R.switch_aux_loss(scores_TE, mean_counts_E, total_num_tokens=total, **kw)
 
     def _sum(self, counts: torch.Tensor, group) -> torch.Tensor:
         """Forward: all-reduce (sum) of integer token counts over ``group``, as the router dtype.

@@ -26,7 +26,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -190,10 +190,12 @@ def apply_capacity(probs_TE: Tensor, routing_map_TE: Tensor, *, topk: int, capac
 
 
 # -------------------------------------------------------------------------------------- losses
-def aux_loss_scores(logits_TE: Tensor, *, topk: int, score_function: str = "softmax") -> Tuple[Tensor, Tensor]:
+def aux_loss_scores(logits_TE: Tensor, *, topk: int, score_function: str = "softmax",
+                    padding_mask_T: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Scores and top-k map the load-balancing losses use: full scores over all E experts for every
     token (softmax, or sigmoid normalized to sum 1) and the plain top-k of those scores (no groups,
-    no expert bias, no dropping). Returns ``(scores_TE, routing_map_TE)``."""
+    no expert bias, no dropping). Tokens where ``padding_mask_T`` is True get zero scores and an
+    empty map, so they count nowhere. Returns ``(scores_TE, routing_map_TE)``."""
     _check_logits(logits_TE, topk)
     if score_function == "softmax":
         scores_TE = _softmax(logits_TE)
@@ -203,7 +205,11 @@ def aux_loss_scores(logits_TE: Tensor, *, topk: int, score_function: str = "soft
     else:
         raise ValueError(f"score_function={score_function!r} must be 'softmax' or 'sigmoid'")
     idx_TK = scores_TE.topk(topk, dim=-1).indices
-    return scores_TE, torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, idx_TK, True)
+    routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, idx_TK, True)
+    if padding_mask_T is not None:
+        valid_T1 = ~padding_mask_T.reshape(-1, 1).bool()
+        scores_TE, routing_map_TE = scores_TE * valid_T1, routing_map_TE & valid_T1
+    return scores_TE, routing_map_TE
 
 
 def switch_aux_loss(scores_TE: Tensor, tokens_per_expert_E: Tensor, *, total_num_tokens: int,
@@ -228,24 +234,37 @@ def tokens_per_sequence_expert(routing_map_TE: Tensor, *, num_sequences: int) ->
 
 
 def seq_aux_loss(scores_TE: Tensor, tokens_per_seq_expert_BE: Tensor, *, num_sequences: int,
-                 seq_length: int, topk: int, num_experts: int, coeff: float) -> Tensor:
+                 seq_length: Union[int, Tensor], topk: int, num_experts: int, coeff: float) -> Tensor:
     """Sequence-level load-balancing loss: :func:`switch_aux_loss` of every sequence (T = the full
     ``seq_length``), averaged over the ``num_sequences`` sequences of the micro-batch.
 
     ``scores_TE`` are this rank's tokens in ``[S_local, B]`` order; ``tokens_per_seq_expert_BE`` the
-    counts over the whole sequences (summed over the ranks holding parts of them).
+    counts over the whole sequences (summed over the ranks holding parts of them). ``seq_length``
+    may be a ``[B]`` tensor of per-sequence (unpadded) lengths.
     """
     T, E = scores_TE.shape
     if T % num_sequences:
         raise ValueError(f"{T} local tokens are not a whole number of num_sequences={num_sequences}")
     scores_BE = scores_TE.view(T // num_sequences, num_sequences, E).sum(dim=0)
+    if isinstance(seq_length, Tensor):
+        seq_length = seq_length.to(scores_BE.dtype).clamp_min(1).reshape(num_sequences, 1)
     scale = num_experts * coeff / (topk * seq_length * seq_length)
-    return (scores_BE * tokens_per_seq_expert_BE.to(scores_BE.dtype)).sum() * scale / num_sequences
+    return (scores_BE * tokens_per_seq_expert_BE.to(scores_BE.dtype) * scale).sum() / num_sequences
 
 
-def z_loss(logits_TE: Tensor, *, coeff: float) -> Tensor:
-    """Router z-loss ``coeff · mean_t(logsumexp_e(logits)²)`` (ST-MoE)."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean() * coeff
+def z_loss(logits_TE: Tensor, *, coeff: float, padding_mask_T: Optional[Tensor] = None,
+           total_num_tokens: Union[int, Tensor, None] = None) -> Tensor:
+    """Router z-loss ``coeff · Σ_t logsumexp_e(logits)² / N`` (ST-MoE), the sum over the tokens that
+    are not padding. N defaults to their number (a mean); pass ``total_num_tokens`` when these
+    tokens are one rank's share of N, so that the ranks' results sum to the batch's loss."""
+    lse2_T = torch.logsumexp(logits_TE, dim=-1).square()
+    if padding_mask_T is not None:
+        lse2_T = lse2_T * ~padding_mask_T.reshape(-1).bool()
+    if total_num_tokens is None:
+        total_num_tokens = lse2_T.numel() if padding_mask_T is None else (~padding_mask_T.bool()).sum()
+    if isinstance(total_num_tokens, Tensor):
+        total_num_tokens = total_num_tokens.to(lse2_T.dtype).clamp_min(1)
+    return lse2_T.sum() * coeff / total_num_tokens
 
 
 # --------------------------------------------------------------------------------- expert bias

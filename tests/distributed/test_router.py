@@ -20,6 +20,10 @@ CONFIGS = [
     # at once would average it over DP (z-loss under DP is covered by the other configs)
     dict(aux_loss_type="global_aux_loss", router_dtype="fp64", pre_softmax=True, topk=1, z_loss_coeff=0.0),
     dict(aux_loss_type="aux_loss", router_dtype="fp32", num_groups=2, group_topk=1),
+    # padded sequences: ranks hold different numbers of valid tokens
+    dict(aux_loss_type="aux_loss", router_dtype="fp64", padding=True),
+    dict(aux_loss_type="seq_aux_loss", router_dtype="fp64", padding=True),
+    dict(aux_loss_type="global_aux_loss", router_dtype="fp64", z_loss_coeff=0.0, padding=True),
 ]
 LAYOUTS = {1: [dict()], 2: [dict(tp=2), dict(cp=2)],
            4: [dict(tp=2, cp=2), dict(tp=4), dict(cp=4), dict(tp=2, dp=2), dict(cp=2, dp=2), dict(dp=4)]}
@@ -28,7 +32,7 @@ MICRO_BATCHES = 2
 
 def _cfg(kw):
     base = dict(num_experts=E, topk=2, ffn_hidden_size=8, aux_loss_coeff=0.3, z_loss_coeff=0.05)
-    base.update(kw)
+    base.update({k: v for k, v in kw.items() if k != "padding"})
     return MoEConfig(**base)
 
 
@@ -36,7 +40,11 @@ def _inputs(dp_rank, mb):
     """The global micro-batch ``mb`` of DP replica ``dp_rank``: hidden [S, B, H], upstream grad of
     the probs [S, B, E] (stands in for the rest of the model)."""
     g = torch.Generator().manual_seed(1000 * dp_rank + mb)
-    return torch.randn(S, B, H, generator=g, dtype=torch.float64), torch.randn(S, B, E, generator=g, dtype=torch.float64)
+    x = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    grad = torch.randn(S, B, E, generator=g, dtype=torch.float64)
+    # padding (used by the padded configs): sequence b ends with 1 + b + dp_rank + mb padding tokens
+    pad = torch.arange(S).unsqueeze(1) >= S - 1 - torch.arange(B) - dp_rank - mb
+    return x, grad.masked_fill(pad.unsqueeze(-1), 0.0), pad
 
 
 def _positions(tp, cp, tp_rank, cp_rank):
@@ -47,11 +55,11 @@ def _positions(tp, cp, tp_rank, cp_rank):
     return mine.chunk(tp)[tp_rank]
 
 
-def _run(router, batches, rows):
+def _run(router, batches, rows, padding):
     """Forward+backward over micro-batches; per micro-batch: losses (shares), probs, map."""
     out = []
-    for x, g in batches:
-        probs, rmap = router(x[rows], aux_loss_scale=SCALE)
+    for x, g, pad in batches:
+        probs, rmap = router(x[rows], aux_loss_scale=SCALE, padding_mask=pad[rows] if padding else None)
         (probs * g[rows].reshape(-1, E).to(probs.dtype)).sum().backward()
         out.append(({k: float(v) for k, v in router.last_losses.items()}, probs.detach(), rmap))
     return out
@@ -68,7 +76,7 @@ def _rank_fn(layout_kws, cfg_kws):
                 r = Router(hidden_size=H, config=_cfg(ckw), tp_cp_group=ps.tp_cp_group,
                            tp_dp_cp_group=ps.tp_dp_cp_group, init_seed=5, layer_number=2)
                 batches = [_inputs(ps.dp_rank, mb) for mb in range(MICRO_BATCHES)]
-                runs = _run(r, batches, rows)
+                runs = _run(r, batches, rows, ckw.get("padding", False))
                 logged = r.reduced_losses()          # collective: whole-micro-batch values
                 grad = r.weight.grad.clone()
                 group = ps.tp_dp_cp_group if ckw["aux_loss_type"] == "global_aux_loss" else ps.tp_cp_group
@@ -103,9 +111,9 @@ def _reference(ckw, dp, dp_ranks):
     r = Router(hidden_size=H, config=_cfg(ckw), tp_cp_group=None, tp_dp_cp_group=None, init_seed=5, layer_number=2)
     batches = []
     for mb in range(MICRO_BATCHES):
-        xs, gs = zip(*[_inputs(d, mb) for d in dp_ranks])
-        batches.append((torch.cat(xs, 1), torch.cat(gs, 1)))
-    runs = _run(r, batches, slice(None))
+        xs, gs, pads = zip(*[_inputs(d, mb) for d in dp_ranks])
+        batches.append((torch.cat(xs, 1), torch.cat(gs, 1), torch.cat(pads, 1)))
+    runs = _run(r, batches, slice(None), ckw.get("padding", False))
     out = [run[0] for run in runs], r.weight.grad, [run[1] for run in runs], [run[2] for run in runs]
     _REF_CACHE[key] = out
     return out

@@ -237,3 +237,38 @@ def test_cuda_router_matches_cpu():
     torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad)
     gpu.update_expert_bias()
     gpu.check_logits_finite()
+
+
+@pytest.mark.parametrize("aux_type", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_padding_tokens_count_nowhere(aux_type):
+    torch.manual_seed(1)
+    S, B = 4, 2
+    x = torch.randn(S, B, H, dtype=torch.float64)
+    G = torch.randn(S, B, 4, dtype=torch.float64)
+    pad = torch.zeros(S, B, dtype=torch.bool)
+    pad[3, 0] = pad[2, 1] = pad[3, 1] = True                 # sequence 0 has 3 tokens, sequence 1 has 2
+    kw = dict(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05, expert_bias=True)
+    padded = router(**kw)
+    p, m = padded(x, padding_mask=pad)
+    assert m.sum(1).eq(2).all()                              # padding tokens are still routed
+    (p * G.reshape(-1, 4).masked_fill(pad.reshape(-1, 1), 0)).sum().backward()
+    # reference: the valid tokens alone, with the losses written out per definition
+    W = padded.weight.detach().clone().requires_grad_()
+    valid = ~pad.reshape(-1)
+    logits = (x.reshape(-1, H) @ W.double().T)[valid]
+    probs, _ = R.topk_routing(logits, topk=2)
+    scores, amap = R.aux_loss_scores(logits, topk=2)
+    if aux_type == "seq_aux_loss":
+        seq_of = torch.arange(S * B).remainder(B)[valid]     # token t = s·B + b
+        aux = sum(R.switch_aux_loss(scores[seq_of == b], amap[seq_of == b].sum(0), total_num_tokens=n,
+                                    topk=2, num_experts=4, coeff=0.3) for b, n in ((0, 3), (1, 2))) / B
+    else:
+        aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=5, topk=2, num_experts=4, coeff=0.3)
+    z = R.z_loss(logits, coeff=0.05)
+    ((probs * G.reshape(-1, 4)[valid]).sum() + aux + z).backward()
+    torch.testing.assert_close(padded.last_losses[aux_type], aux.detach())
+    torch.testing.assert_close(padded.last_losses["z_loss"], z.detach())
+    torch.testing.assert_close(padded.weight.grad, W.grad)
+    assert padded.local_tokens_per_expert.sum() == 5 * 2      # expert-bias demand: valid tokens only
+    with pytest.raises(ValueError, match="padding_mask"):
+        padded(x, padding_mask=pad.reshape(-1))
