@@ -135,14 +135,14 @@ def _torch_call(x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int]) -> t
     return y[:, :out] if y.shape[1] != out else y
 
 
-def _loop_call(x_NK, w_EOK, counts, linear):
+def _loop_call(x_NK, w_EOK, counts, linear, experts):
     outs, start = [], 0
-    for e, c in enumerate(counts):
+    for i, c in enumerate(counts):
         if c:
-            outs.append(linear(x_NK[start : start + c], w_EOK[e]))
+            outs.append(linear(x_NK[start : start + c], w_EOK[experts[i]], experts[i]))
         start += c
     if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
-        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK.sum() + 0 * x_NK.sum()
+        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK[experts].sum() + 0 * x_NK.sum()
     return torch.cat(outs, 0)
 
 
@@ -153,6 +153,8 @@ def grouped_linear(
     backend: str,
     fp8_recipe: str | None = None,
     index_limit: int = INDEX_LIMIT,
+    delayed=None,
+    name: str = "",
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_EOK[e]ᵀ``; rows expert-major.
 
@@ -160,7 +162,8 @@ def grouped_linear(
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
     no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
     tensor of counts and an input that fits one call runs without a host sync (and without
-    checking that the counts sum to N).
+    checking that the counts sum to N). ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
+    ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     """
     num_rows, num_experts = x_NK.shape[0], w_EOK.shape[0]
     width = max(x_NK.shape[1], w_EOK.shape[1])
@@ -179,7 +182,7 @@ def grouped_linear(
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
-        linear = functools.partial(_emulated_one, recipe=fp8_recipe)
+        linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
     else:
         linear = _plain_one
     outs, start = [], 0
@@ -188,20 +191,21 @@ def grouped_linear(
         xs = x_NK[start : start + rows]
         experts = [e for e, _ in call]
         sub_counts = [c for _, c in call]
-        ws = w_EOK if experts == list(range(w_EOK.shape[0])) else w_EOK[torch.tensor(experts, device=w_EOK.device)]
         if backend == "torch":
+            whole = experts == list(range(num_experts))
+            ws = w_EOK if whole else w_EOK[torch.tensor(experts, device=w_EOK.device)]
             outs.append(_torch_call(xs, ws, sub_counts))
         elif backend in ("loop", "emulated"):
-            outs.append(_loop_call(xs, ws, sub_counts, linear))
+            outs.append(_loop_call(xs, w_EOK, sub_counts, linear, experts))
         else:
             raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
         start += rows
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def _plain_one(x_MK, w_OK):
+def _plain_one(x_MK, w_OK, expert):
     return x_MK @ w_OK.t()
 
 
-def _emulated_one(x_MK, w_OK, recipe):
-    return emulated_linear(x_MK, w_OK, recipe)
+def _emulated_one(x_MK, w_OK, expert, recipe, delayed, name):
+    return emulated_linear(x_MK, w_OK, recipe, delayed=delayed, key=(name, expert))

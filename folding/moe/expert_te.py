@@ -1,5 +1,7 @@
 """TransformerEngine backend of the experts: ``GroupedLinear`` under ``fp8_autocast``.
 
+Legend: N rows sorted expert-major, K input features, O output features, E local experts.
+
 Written against TransformerEngine's documented PyTorch API:
 ``transformer_engine.pytorch.GroupedLinear(num_gemms, in_features, out_features, bias=...,
 params_dtype=..., device=...)`` whose ``forward(inp, m_splits)`` takes the per-GEMM row counts,
@@ -108,7 +110,12 @@ class TEGroupedRunner:
             return
         import transformer_engine.pytorch as te
 
-        with te.fp8_autocast(enabled=True, fp8_recipe=make_te_recipe(recipe_name)):
+        recipe = make_te_recipe(recipe_name)
+        if hasattr(te, "fp8_autocast"):
+            ctx = te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+        else:  # releases that renamed it
+            ctx = te.autocast(enabled=True, recipe=recipe)
+        with ctx:
             yield
 
     def linear(self, name: str, x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int],

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from folding.moe.expert_backends import grouped_linear, host_counts, torch_grouped_mm_supported
 from folding.moe.expert_te import TEGroupedRunner, te_available
 from folding.parallel.param_attrs import mark_param
+from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ class GroupedMLP(torch.nn.Module):
         self.fc2_weight = mark_param(torch.nn.Parameter(fc2.to(params_dtype)), expert=True, tp_sharded=True, tp_dim=2)
         self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
+        # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
+        self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
 
     def _full(self, global_expert: int, which: int) -> torch.Tensor:
         """The full fp32 initial tensor of one expert weight (``which``: 0 = fc1 [2F, H], 1 = fc2 [H, F])."""
@@ -213,13 +216,13 @@ class GroupedMLP(torch.nn.Module):
                 h = self._te.linear("fc1", tokens_NH, w1, counts, self.fp8_recipe)
                 act = self._activation(h, probs_N)
                 return self._te.linear("fc2", act, w2, counts, self.fp8_recipe)
-        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type == "cpu" or not isinstance(
-            tokens_per_expert, torch.Tensor
-        ):
+        on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu"
+        if not on_device:  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
-        h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe)
+        kw = dict(delayed=self.delayed_scaling)
+        h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
-        return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe)
+        return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
 
     def _activation(self, h_NF2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""

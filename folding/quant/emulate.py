@@ -1,5 +1,7 @@
 """CPU emulation of FP8 / MXFP8 GEMM numerics: fake quantization and an emulated linear.
 
+Legend: a GEMM ``y_MN = x_MK · w_NKᵀ``; M rows (tokens), K contraction, N outputs.
+
 A recipe names how a GPU GEMM quantizes its operands (TransformerEngine's recipes):
 
 ========== ===================== ====================== ===================================
@@ -13,9 +15,9 @@ mxfp8      e4m3, 1×32 blocks     e4m3, 1×32 blocks      e4m3, 1×32 blocks (E8
 
 1-D blocks run along the GEMM's contraction dimension, so an operand is quantized differently in
 each GEMM it takes part in (rowwise for the forward, columnwise for the weight gradient), exactly
-as the GPU kernels do. ``delayed`` is emulated with the current amax (TransformerEngine takes the
-max over an amax history, which only lowers the scale); per-tensor scales are float32, blockwise
-scales powers of two.
+as the GPU kernels do. ``delayed`` keeps amax histories in a
+:class:`folding.quant.delayed.DelayedScaling` passed by the caller (without one it falls back to the
+current amax); per-tensor scales are float32, blockwise scales powers of two.
 
 - :func:`fake_quant` ``(x, recipe)``: quantize→dequantize with a straight-through gradient.
 - :func:`emulated_linear` ``(x_MK, w_NK, recipe)``: ``x·wᵀ`` whose forward GEMM and both backward
@@ -98,39 +100,62 @@ def fake_quant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = -1)
     return _FakeQuant.apply(x, recipe, role, dim)
 
 
+def _quantizer(recipe: str, delayed, key):
+    """``q(t, role, dim)`` for one GEMM: delayed state when given (``delayed`` recipe), else current scaling."""
+    if recipe == "delayed" and delayed is not None:
+        def q(t, role, dim):
+            fmt = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
+            return delayed.quant_dequant(t, tuple(key) + (role,), fmt) if t.numel() else t
+        return q
+    return lambda t, role, dim: quant_dequant(t, recipe, role, dim)
+
+
 class _EmulatedLinear(torch.autograd.Function):
-    """``y = q(x)·q(w)ᵀ``; backward ``dx = q(dy)·q(w)``, ``dw = q(dy)ᵀ·q(x)`` with per-GEMM quantization."""
+    """``y = q(x)·q(w)ᵀ``; backward ``dx = q(dy)·q(w)``, ``dw = q(dy)ᵀ·q(x)`` with per-GEMM quantization.
+
+    Per-tensor recipes quantize each operand once (the scale does not depend on the GEMM's
+    direction), so the forward's quantized x and w are reused in backward; block recipes
+    re-quantize x, w and dy along each GEMM's contraction.
+    """
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, recipe):
-        ctx.recipe = recipe
-        ctx.save_for_backward(x_MK, w_NK)
-        xq = quant_dequant(x_MK, recipe, "input", dim=-1).float()
-        wq = quant_dequant(w_NK, recipe, "weight", dim=-1).float()
-        return (xq @ wq.t()).to(x_MK.dtype)
+    def forward(ctx, x_MK, w_NK, recipe, delayed, key):
+        q = _quantizer(recipe, delayed, key)
+        ctx.q, ctx.per_tensor, ctx.recipe = q, recipe in ("delayed", "tensorwise"), recipe
+        xq = q(x_MK, "input", -1)
+        wq = q(w_NK, "weight", -1)
+        ctx.save_for_backward(*((xq, wq) if ctx.per_tensor else (x_MK, w_NK)))
+        return (xq.float() @ wq.float().t()).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
         x_MK, w_NK = ctx.saved_tensors
-        recipe = ctx.recipe
+        q = ctx.q
         dy_MN = dy_MN.contiguous()
         dx = dw = None
+        if ctx.per_tensor:
+            gq = q(dy_MN, "grad", -1).float()
+            if ctx.needs_input_grad[0]:
+                dx = (gq @ w_NK.float()).to(x_MK.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (gq.t() @ x_MK.float()).to(w_NK.dtype)
+            return dx, dw, None, None, None
         if ctx.needs_input_grad[0]:
-            gq = quant_dequant(dy_MN, recipe, "grad", dim=-1).float()
-            wq = quant_dequant(w_NK, recipe, "weight", dim=0).float()
-            dx = (gq @ wq).to(x_MK.dtype)
+            dx = (q(dy_MN, "grad", -1).float() @ q(w_NK, "weight", 0).float()).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
-            gq = quant_dequant(dy_MN, recipe, "grad", dim=0).float()
-            xq = quant_dequant(x_MK, recipe, "input", dim=0).float()
-            dw = (gq.t() @ xq).to(w_NK.dtype)
-        return dx, dw, None
+            dw = (q(dy_MN, "grad", 0).float().t() @ q(x_MK, "input", 0).float()).to(w_NK.dtype)
+        return dx, dw, None, None, None
 
 
-def emulated_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str) -> torch.Tensor:
-    """``x_MK · w_NKᵀ`` with the FP8/MXFP8 numerics of ``recipe`` in forward and backward (see module doc)."""
+def emulated_linear(x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: str, delayed=None, key: tuple = ()) -> torch.Tensor:
+    """``x_MK · w_NKᵀ`` with the FP8/MXFP8 numerics of ``recipe`` in forward and backward (see module doc).
+
+    For ``recipe="delayed"``, pass a :class:`folding.quant.delayed.DelayedScaling` as ``delayed``
+    and a ``key`` naming this GEMM to use amax histories; without it the current amax is used.
+    """
     check_recipe(recipe)
     if x_MK.dim() != 2 or w_NK.dim() != 2 or x_MK.shape[1] != w_NK.shape[1]:
         raise ValueError(
             f"emulated_linear needs x [M, K] and w [N, K]; got {tuple(x_MK.shape)} and {tuple(w_NK.shape)}"
         )
-    return _EmulatedLinear.apply(x_MK, w_NK, recipe)
+    return _EmulatedLinear.apply(x_MK, w_NK, recipe, delayed, key)

@@ -29,7 +29,9 @@ from folding.quant.formats import cast_to_fp8, fp8_max
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
     """float32 scale = fp8_max / amax (1 where amax == 0; NaN where amax is not finite)."""
     amax = amax.float()
-    scale = fp8_max(dtype) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    # a true float32 division (``float / tensor`` would multiply by a rounded reciprocal)
+    scale = torch.full_like(amax, fp8_max(dtype)) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    scale = scale.clamp(max=2.0**127)  # a subnormal amax must not give an infinite scale
     if power_2_scale:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))

@@ -7,6 +7,15 @@ from folding.moe.expert_te import pad_rows_per_expert, te_available
 from folding.moe.experts import GroupedMLP
 from folding.parallel.param_attrs import param_tags
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tests run many tiny GEMMs, for which OpenMP synchronization dominates: use one thread."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
 CPU_BACKENDS = ["torch", "auto"]
 

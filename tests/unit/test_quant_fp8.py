@@ -130,3 +130,11 @@ def test_emulated_linear_quantizes_each_gemm_along_its_contraction(recipe):
     if recipe in ("mxfp8", "blockwise"):  # wgrad operands are blocked along tokens, not features
         xw = _wide((128, 128), 9)  # rows of very different magnitudes: the two blockings differ
         assert not torch.equal(qd(xw, recipe, "input", 0), qd(xw, recipe, "input", -1))
+
+
+def test_subnormal_amax_gives_finite_scales():
+    x = torch.tensor([[1e-45, 0.0], [1e-40, -1e-41]])
+    for pow2 in (False, True):
+        d, s = quantize_fp8_rowwise(x, power_2_scale=pow2)
+        y = dequantize_fp8_rowwise(d, s)
+        assert bool(torch.isfinite(y).all()) and bool(((y - x).abs() <= x.abs()).all())
