@@ -150,11 +150,16 @@ class MoELayer(nn.Module):
         self.last_routing_map_TE: Optional[torch.Tensor] = None
         """The routing map (after capacity) of the last forward, detached: load and drop metrics."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[S_local, B, H]`` or ``[T, H]`` (this attention rank's tokens) → the same shape."""
+    def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,
+                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden`` ``[S_local, B, H]`` or ``[T, H]`` (this attention rank's tokens) → the same shape.
+
+        ``num_sequences`` and ``padding_mask`` are passed to the router (see ``Router.forward``):
+        padding tokens are routed and computed like others but count in no loss.
+        """
         if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects [S, B, H={self.hidden_size}] or [T, H], got {tuple(hidden.shape)}")
-        probs_TE, routing_map_TE = self.router(hidden)
+        probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
         self.last_routing_map_TE = routing_map_TE.detach()
         tokens_NH, tokens_per_expert, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
         out_NH = self.experts(tokens_NH, tokens_per_expert, probs_N)
