@@ -151,3 +151,35 @@ def test_moe_layer_matches_one_rank(ranks, world):
     refs = ranks(1).run(_reference, cases)[0]
     checked = ranks(world).run(_distributed, cases, refs)
     assert checked == [len(cases)] * world
+
+
+def _bf16_wires():
+    """bf16 layer with quantized wires against the same layer with an exact wire (loose check)."""
+    world = dist.get_world_size()
+    ps = build_parallel_state(ParallelLayout(world_size=world, tp=2, ep=2, etp=2))
+    try:
+        outs = {}
+        for wire in ("none", "mxfp8", "fp8"):
+            cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=64, dispatch_wire=wire, combine_wire=wire,
+                            grad_wire=wire, shared_expert_ffn_hidden_size=32)
+            layer = MoELayer(config=cfg, hidden_size=64, ep_group=ps.ep_group, etp_group=ps.etp_group,
+                             tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
+                             init_std=0.2, params_dtype=torch.bfloat16)
+            g = torch.Generator().manual_seed(dist.get_rank())
+            x = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+            y = layer(x)
+            y.float().square().sum().backward()
+            outs[wire] = (y.detach().float(), x.grad.float(), layer.experts.fc1_weight.grad.float())
+        rel = {}
+        for wire in ("mxfp8", "fp8"):
+            rel[wire] = [float((a - b).norm() / b.norm()) for a, b in zip(outs[wire], outs["none"])]
+            assert all(r < 0.1 for r in rel[wire]), (wire, rel[wire])
+            assert all(r > 0 for r in rel[wire][:1]), (wire, rel[wire])
+        return rel
+    finally:
+        ps.destroy()
+
+
+def test_bf16_layer_with_quantized_wires(ranks):
+    rel = ranks(4).run(_bf16_wires)
+    assert len(rel) == 4
