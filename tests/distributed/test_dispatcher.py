@@ -139,7 +139,7 @@ def _cases(world):
         for kind in ("alltoall", "allgather"):
             for mode in ("dropless", "drop", "pad"):
                 seed += 1
-                out.append(dict(ep=ep, etp=etp, kind=kind, mode=mode, E=8 if ep != 8 else 8, topk=2, seed=seed,
+                out.append(dict(ep=ep, etp=etp, kind=kind, mode=mode, E=8, topk=2, seed=seed,
                                 cf=1.0 if mode == "drop" else 1.5, sbh=seed % 2 == 0))
     return out
 
