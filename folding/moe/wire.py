@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -60,7 +62,7 @@ def payload_bytes_per_row(fmt: str, hidden_size: int, dtype: torch.dtype) -> int
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(x.shape[0], -1)
+    x = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # explicit width: N may be 0
     if x.stride(-1) != 1 or not x.is_contiguous():
         x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
     return x.view(torch.uint8)
@@ -94,8 +96,8 @@ def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret a column slice of packed byte rows as ``dtype`` without a copy when strides allow."""
     try:
         return b.view(dtype)
-    except RuntimeError:
-        return b.contiguous().view(dtype)
+    except RuntimeError:  # a fresh buffer (storage offset 0): .contiguous() keeps empty views' offsets
+        return torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b).view(dtype)
 
 
 def decode(b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype,

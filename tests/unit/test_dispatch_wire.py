@@ -37,6 +37,17 @@ def test_quantized_wire_error_and_bytes(fmt):
     assert (x2 != x).any()  # it did quantize
 
 
+@pytest.mark.parametrize("fmt", ["none", "fp8", "mxfp8"])
+def test_zero_rows_round_trip(fmt):
+    # a rank that receives no tokens encodes and decodes an empty [0, H] block
+    x = torch.empty(0, 64)
+    p = torch.empty(0)
+    b = encode(x, fmt, p)
+    assert b.shape == (0, payload_bytes_per_row(fmt, 64, torch.float32) + 4)
+    x2, p2 = decode(b, fmt, 64, torch.float32, torch.float32)
+    assert x2.shape == (0, 64) and p2.shape == (0,)
+
+
 def test_mxfp8_halves_bf16_bytes():
     # (H + H/32) / 2H = 0.515625 for any H multiple of 32
     assert payload_bytes_per_row("mxfp8", 1024, torch.bfloat16) / payload_bytes_per_row("none", 1024, torch.bfloat16) \
