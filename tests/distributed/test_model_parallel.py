@@ -7,6 +7,7 @@ summed over DP x CP (dense) or EDP (experts), and over TP for sequence-parallel 
 compared with the matching slice of the 1-rank gradient. Parameters must be bit-identical slices
 (layout-independent init).
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -35,17 +36,20 @@ def _data():
     return ids, labels, mask
 
 
-def _compare_layouts(configs, layouts):
+def _compare_layouts(configs, layouts, engine_moe=False):
     world = dist.get_world_size()
     ids, labels, mask = _data()
     count = mask.sum()
     report = []
     for ckw in configs:
         ckw = dict(ckw)
+        if engine_moe:  # the engine's MoE layer; per-micro-batch aux losses depend on the DP split
+            ckw["router_aux_loss_coef"] = 0.0
         cfg = get_preset(ckw.pop("name"), **ckw)
+        factory = None if engine_moe else reference_moe_factory
         ps1 = build_parallel_state(ParallelLayout(world_size=world))
         try:
-            ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=reference_moe_factory)
+            ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=factory)
             ref_logits = ref(ids).detach()
             ref_loss = ref(ids, labels=labels, loss_mask=mask).sum() / count
             ref_loss.backward()
@@ -56,7 +60,7 @@ def _compare_layouts(configs, layouts):
         for lkw in layouts:
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
-                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=reference_moe_factory)
+                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=factory)
                 dp, r = ps.dp_size, ps.dp_rank
                 sl = slice(r * B // dp, (r + 1) * B // dp)
                 pos = model.local_positions(S)
@@ -73,13 +77,16 @@ def _compare_layouts(configs, layouts):
                 worst = 0.0
                 for name, p in model.named_parameters():
                     spec = init_spec(p)
-                    # the HF loader's inference from tags (for modules without a recorded spec) agrees
-                    delattr(p, _ATTR)
-                    inferred = resolve_spec(name, p, model)
-                    setattr(p, _ATTR, spec)
-                    assert inferred.full_shape == spec.full_shape, name
-                    assert shard_index(inferred.full_shape, inferred.shards) == \
-                        shard_index(spec.full_shape, spec.shards), name
+                    if spec is None:  # modules without a recorded spec (the engine's MoE layer)
+                        spec = resolve_spec(name, p, model)
+                    else:
+                        # the HF loader's inference from tags (for modules without a recorded spec) agrees
+                        delattr(p, _ATTR)
+                        inferred = resolve_spec(name, p, model)
+                        setattr(p, _ATTR, spec)
+                        assert inferred.full_shape == spec.full_shape, name
+                        assert shard_index(inferred.full_shape, inferred.shards) == \
+                            shard_index(spec.full_shape, spec.shards), name
                     full_p = ref_params[name].reshape(spec.full_shape)
                     assert torch.equal(p.detach(), take_slice(full_p, spec.shards).reshape(p.shape)), name
                     g = p.grad.clone()
@@ -97,8 +104,9 @@ def _compare_layouts(configs, layouts):
     return report
 
 
-def test_folded_layouts_match_one_rank(ranks):
-    results = ranks(8).run(_compare_layouts, CONFIGS, LAYOUTS)
+@pytest.mark.parametrize("engine_moe", [False, True], ids=["reference_moe", "engine_moe"])
+def test_folded_layouts_match_one_rank(ranks, engine_moe):
+    results = ranks(8).run(_compare_layouts, CONFIGS, LAYOUTS, engine_moe)
     assert len(results[0]) == len(CONFIGS) * len(LAYOUTS)
     for name, layout, loss, ref_loss, worst, nparams in results[0]:
         print(f"{name:15s} {layout:45s} loss {loss:.7f} (1 rank {ref_loss:.7f}) worst rel grad err {worst:.2e}")
