@@ -27,7 +27,7 @@ Usage::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +61,20 @@ class MoETransformer(nn.Module):
 
     def __init__(self, config: ModelConfig, *, parallel_state=None, init_seed: int = 0,
                  moe_factory: Optional[MoEFactory] = None, device=None, dtype=torch.float32,
-                 initialize: bool = True):
+                 initialize: bool = True, layer_range: Optional[Tuple[int, int]] = None):
         super().__init__()
-        if parallel_state is not None and parallel_state.layout.pp > 1:
-            raise NotImplementedError("parallel.pp > 1 needs the pipeline module to cut the model into stages")
+        if layer_range is None:
+            if parallel_state is not None and parallel_state.layout.pp > 1:
+                raise ValueError("with parallel.pp > 1 build this rank's pipeline chunks with "
+                                 "folding.pipeline.stage.build_stage_chunks (or pass layer_range=)")
+            layer_range = (0, config.num_layers)
+        start, end = layer_range
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer_range={layer_range} is not a non-empty range of the "
+                             f"{config.num_layers} layers")
+        self.layer_range = (start, end)
+        self.pre_process = start == 0
+        self.post_process = end == config.num_layers
         self.config = config
         self.groups = ModelGroups.from_state(parallel_state) if parallel_state is not None else ModelGroups.single()
         if moe_factory is None:
@@ -73,13 +83,21 @@ class MoETransformer(nn.Module):
         self.check_layout()
         kw = dict(device=device, dtype=dtype)
         g = self.groups
-        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=g.tp,
-                                                init_std=config.init_std, tied=config.tie_embeddings, **kw)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw)
-            for i in range(config.num_layers))
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
-        if config.tie_embeddings:
+        # The last stage of a pipeline with tied embeddings holds its own copy of the table (the
+        # same init seed gives the same values); the two copies' gradients are summed over the
+        # embedding group (first + last stage).
+        if self.pre_process or (self.post_process and config.tie_embeddings):
+            self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=g.tp,
+                                                    init_std=config.init_std, tied=config.tie_embeddings, **kw)
+        else:
+            self.embedding = None
+        # keyed by the global layer index, so parameter names do not depend on the pipeline cut
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory,
+                                     init_seed=init_seed, **kw)
+            for i in range(start, end)})
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw) if self.post_process else None
+        if config.tie_embeddings or not self.post_process:
             self.output_weight = None
         else:
             tp, r = group_size(g.tp), group_rank(g.tp)
@@ -133,11 +151,14 @@ class MoETransformer(nn.Module):
         c = seq_len // (2 * cp)
         return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
 
-    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Layers ``[start, end)`` on a hidden shard."""
+    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, start: Optional[int] = None,
+                   end: Optional[int] = None) -> torch.Tensor:
+        """The held layers with global index in ``[start, end)`` (default: all held) on a hidden shard."""
         rope = self.rope(seq_len, x_SBH.device)
-        for layer in self.layers[start:end]:
-            x_SBH = layer(x_SBH, rope)
+        lo = self.layer_range[0] if start is None else start
+        hi = self.layer_range[1] if end is None else end
+        for i in range(max(lo, self.layer_range[0]), min(hi, self.layer_range[1])):
+            x_SBH = self.layers[str(i)](x_SBH, rope)
         return x_SBH
 
     def head(self, x_SBH: torch.Tensor) -> torch.Tensor:
@@ -157,7 +178,25 @@ class MoETransformer(nn.Module):
         for name, t in (("labels", labels), ("loss_mask", loss_mask)):
             if t is not None and tuple(t.shape) != (B, S):
                 raise ValueError(f"{name} must have the shape of input_ids {(B, S)}, got {tuple(t.shape)}")
-        logits_SBV = self.head(self.run_layers(self.embed(input_ids_BS), S))
+        if not (self.pre_process and self.post_process):
+            raise ValueError("forward() needs the whole model; a pipeline chunk runs stage_forward()")
+        return self.stage_forward(input_ids_BS, labels=labels, loss_mask=loss_mask)
+
+    def stage_forward(self, input_ids_BS: torch.Tensor, hidden_SBH: Optional[torch.Tensor] = None,
+                      labels: Optional[torch.Tensor] = None,
+                      loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run this chunk: the first chunk embeds ``input_ids_BS``, later ones take ``hidden_SBH``
+        from the previous stage; the last chunk returns what :meth:`forward` returns, the others the
+        hidden shard ``[S/(CP*TP), B, H]`` for the next stage. ``input_ids_BS`` (full ``[B, S]``) is
+        always given, for the sequence length."""
+        S = input_ids_BS.shape[1]
+        x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
+        if x is None:
+            raise ValueError("a chunk that does not start at layer 0 needs hidden_SBH")
+        x = self.run_layers(x, S)
+        if not self.post_process:
+            return x
+        logits_SBV = self.head(x)
         if labels is None:
             return logits_SBV.transpose(0, 1)
         pos = self.local_positions(S, input_ids_BS.device)

@@ -220,7 +220,7 @@ def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **lkw))
         try:
             model = hf_mod.from_hf(path, parallel_state=ps)           # the default factory: folding.moe MoELayer
-            assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.layers)
+            assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.layers.values())
             dp, r = ps.dp_size, ps.dp_rank
             b = ids.shape[0]
             assert b % dp == 0, "every DP rank needs samples"

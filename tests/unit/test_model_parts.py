@@ -54,7 +54,7 @@ def test_init_slices_are_those_of_the_full_tensor():
         assert torch.equal(p, q), n
         if "norm" not in n:
             assert not torch.equal(p, r), n
-    std = a.layers[0].attention.q_proj.weight.std().item()
+    std = a.layers["0"].attention.q_proj.weight.std().item()
     assert abs(std - cfg.init_std) < 0.1 * cfg.init_std
 
 

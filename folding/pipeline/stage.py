@@ -1,0 +1,126 @@
+"""This rank's model chunks and one step's micro-batches through the pipeline schedule.
+
+``build_stage_chunks`` cuts the model into ``pp·vpp`` virtual stages (:mod:`.partition`) and builds
+the chunks this rank holds: chunk ``c`` of pipeline rank ``r`` is virtual stage ``c·pp + r``. Each
+chunk is a :class:`~folding.model.transformer.MoETransformer` restricted to its layer range
+(parameter names keep the global layer index, so checkpoints do not depend on the cut); the first
+virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
+embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
+embedding group).
+
+``run_microbatches`` runs the step's micro-batches through the schedule of
+:mod:`.schedules` (no pipelining, 1F1B or interleaved). Loss contract: micro-batch ``m``
+contributes ``masked_loss_sum_m · loss_scale`` to the objective; with ``loss_scale = 1 / global
+unmasked token count`` the gradients are *summed* over DP×CP and EDP (REFERENCE.md §4b) and do not
+depend on PP, VPP or the number of micro-batches.
+
+Usage::
+
+    chunks = build_stage_chunks(model_config=m, moe_config=moe, parallel_state=ps, recompute="none")
+    out = run_microbatches(chunks, microbatches, parallel_state=ps, loss_scale=1 / n_tokens)
+    out["lm_loss_sum"]      # this rank's masked loss sum (last stage; 0 elsewhere)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..model.block import RECOMPUTE_MODES
+from ..model.config import ModelConfig
+from .p2p import P2P
+from .partition import partition_layers
+from .schedules import forward_backward
+
+
+def moe_factory_for(moe_config) -> Callable[..., nn.Module]:
+    """A model ``moe_factory`` that builds :class:`folding.moe.layer.MoELayer` blocks with
+    ``moe_config`` (the preset's options with the job's ``moe.*`` overrides)."""
+    def factory(*, config: ModelConfig, layer_number: int, groups, init_seed: int = 0, device=None,
+                dtype=torch.float32) -> nn.Module:
+        from ..moe.layer import MoELayer
+        return MoELayer(config=moe_config, hidden_size=config.hidden_size, ep_group=groups.ep,
+                        etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
+                        tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed,
+                        init_std=config.init_std, params_dtype=dtype)
+    return factory
+
+
+def build_stage_chunks(*, model_config: ModelConfig, moe_config=None, parallel_state,
+                       recompute: str = "none", params_dtype: torch.dtype = torch.float32,
+                       init_seed: int = 0, device=None, first_stage_layers: Optional[int] = None,
+                       last_stage_layers: Optional[int] = None,
+                       moe_factory: Optional[Callable[..., nn.Module]] = None) -> List[nn.Module]:
+    """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
+    whatever the layout. ``moe_config=None`` takes the preset's MoE options; ``moe_factory``
+    overrides the MoE block entirely."""
+    from ..model.transformer import MoETransformer
+
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
+    layout = parallel_state.layout
+    pp, vpp = layout.pp, layout.virtual_stages
+    stages = partition_layers(num_layers=model_config.num_layers, pp=pp, vpp=vpp,
+                              first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+    if moe_factory is None and moe_config is not None:
+        moe_factory = moe_factory_for(moe_config)
+    chunks = []
+    for c in range(vpp):
+        chunk = MoETransformer(model_config, parallel_state=parallel_state, init_seed=init_seed,
+                               moe_factory=moe_factory, device=device, dtype=params_dtype,
+                               layer_range=stages[c * pp + parallel_state.pp_rank])
+        for layer in chunk.layers.values():
+            layer.recompute = recompute
+        chunks.append(chunk)
+    return chunks
+
+
+def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[str, torch.Tensor]], *,
+                     parallel_state, loss_scale: float, forward_only: bool = False,
+                     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
+
+    ``microbatches[m]`` holds full ``tokens``, ``labels`` and ``loss_mask`` ``[MBS, S]`` (the same on
+    every TP/CP/PP rank of one data-parallel replica). ``no_sync`` (the optimizer's) is entered for
+    the whole schedule when given, so gradient reduction is left to the caller after the step.
+    Returns ``{"lm_loss_sum": float64 tensor}``: the detached masked loss sum of this rank's
+    micro-batches on the last pipeline stage, 0 on other stages.
+    """
+    layout = parallel_state.layout
+    pp, vpp = layout.pp, layout.virtual_stages
+    if len(chunks) != vpp:
+        raise ValueError(f"expected {vpp} model chunks on this rank (parallel.vpp), got {len(chunks)}")
+    first = next(chunks[0].parameters())
+    device, dtype = first.device, first.dtype
+    cfg = chunks[0].config
+    mbs, seq = microbatches[0]["tokens"].shape
+    cp, tp = layout.cp, layout.tp
+    shape = (seq // (cp * tp), mbs, cfg.hidden_size)
+    sums: List[torch.Tensor] = []
+
+    def step(chunk: int, m: int, inp: Optional[torch.Tensor]) -> torch.Tensor:
+        mb = microbatches[m]
+        model = chunks[chunk]
+        tokens = mb["tokens"].to(device)
+        if not model.post_process:
+            return model.stage_forward(tokens, hidden_SBH=inp)
+        loss_BS = model.stage_forward(tokens, hidden_SBH=inp, labels=mb["labels"].to(device),
+                                      loss_mask=mb["loss_mask"].to(device))
+        loss_sum = loss_BS.float().sum()
+        sums.append(loss_sum.detach().double())
+        return loss_sum * loss_scale
+
+    p2p = None
+    if pp > 1:
+        p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"],
+                  pp_rank=parallel_state.pp_rank, num_virtual=pp * vpp)
+    ctx = no_sync() if (no_sync is not None and not forward_only) else contextlib.nullcontext()
+    with ctx:
+        forward_backward(forward_step=step, num_microbatches=len(microbatches), pp_size=pp,
+                         pp_rank=parallel_state.pp_rank, vpp=vpp, p2p=p2p, tensor_shape=shape,
+                         dtype=dtype, device=device, forward_only=forward_only)
+    total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
+    return {"lm_loss_sum": total}
