@@ -41,7 +41,7 @@ from .clip import clip_coefficient, global_grad_norm
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
 from .param_groups import classify
-from .reducer import GradReducer
+from .reducer import GradReducer, all_gather_flat
 from .schedules import lr_at
 from folding.parallel.param_attrs import param_tags
 
@@ -150,8 +150,7 @@ class FoldedOptimizer:
                     buf.param_data[lo:hi].copy_(w)
                 if buf.shard and buf.groups.dp_size > 1:
                     src = buf.param_data[lo:hi].clone()
-                    works.append(dist.all_gather_into_tensor(buf.param_data[b.start:b.end], src,
-                                                             group=buf.groups.dp_group, async_op=True))
+                    works.append(all_gather_flat(buf.param_data[b.start:b.end], src, buf.groups.dp_group))
         for w in works:
             w.wait()
         return norm, False
@@ -188,7 +187,7 @@ class FoldedOptimizer:
                 lo, hi = buf.update_range(b)
                 a, z = max(lo, off), min(hi, off + n)
                 entry = self._param_meta(buf, k)
-                entry["flat_range"] = (max(a - off, 0), max(z - off, 0))
+                entry["flat_range"] = (a - off, z - off) if z > a else (0, 0)
                 for key in ("exp_avg", "exp_avg_sq", "master"):
                     t = st[key][b.index]
                     entry[key] = t[a - lo:z - lo].clone() if z > a else t[:0].clone()
@@ -209,7 +208,8 @@ class FoldedOptimizer:
                 n = buf.params[k].numel()
                 lo, hi = buf.update_range(buf.bucket_of[id(buf.params[k])])
                 off = buf.offsets[k]
-                want = (max(max(lo, off) - off, 0), max(min(hi, off + n) - off, 0))
+                a, z = max(lo, off), min(hi, off + n)
+                want = (a - off, z - off) if z > a else (0, 0)
                 if tuple(e["flat_range"]) != want:
                     raise ValueError(f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
                                      f"rank owns {want}: saved with another optim.distributed or layout")

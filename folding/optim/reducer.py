@@ -31,6 +31,16 @@ import torch.distributed as dist
 from .grad_buffer import Bucket, GradBuffer
 
 
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> "dist.Work":
+    """Start an all-gather of equal 1-D shards into ``out`` (rank order); returns the work handle.
+    Not autograd-aware (used on parameter storage after the optimizer step)."""
+    return _all_gather(out, shard, group=group, async_op=True)
+
+
 class GradReducer:
     """Hooks, launch order and completion of the gradient reduction of a set of buffers."""
 
@@ -93,7 +103,7 @@ class GradReducer:
         if kind == "all_reduce":
             return dist.all_reduce(view, group=group, async_op=async_op), None
         out = torch.empty(b.numel() // buf.groups.dp_size, dtype=view.dtype, device=view.device)
-        return dist.reduce_scatter_tensor(out, view, group=group, async_op=async_op), out
+        return _reduce_scatter(out, view, group=group, async_op=async_op), out
 
     @staticmethod
     def _complete(buf: GradBuffer, b: Bucket, out) -> None:
