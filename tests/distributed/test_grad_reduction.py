@@ -241,3 +241,60 @@ def test_reduced_grads_and_norm_match_one_rank(ranks):
                 assert err <= 1e-5 * want.abs().max().item() + 1e-7, (layout_kwargs, rank, name, err)
     # some case must really have used several buckets
     assert max(r[1]["n_buckets"] for r in results) > 3
+
+
+def _tied_pipeline(distributed):
+    """PP2 on 4 ranks: stage 0 holds the embedding, stage 1 the tied output layer (same logical
+    weight). Each rank's gradient is a known rank-dependent tensor; after reduction both stages must
+    hold the sum over the embedding group and DP, and the norm must count the tied weight once."""
+    from folding.optim import FoldedOptimizer, OptimConfig
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), pp=2, ep=2, etp=1))
+    try:
+        m = torch.nn.Module()
+        m.tied = mark_param(torch.nn.Parameter(torch.zeros(4, 3)), tp_sharded=True, tp_dim=0, embedding_tied=True)
+        m.norm = mark_param(torch.nn.Parameter(torch.zeros(3)), sequence_parallel=True)
+        m.expert = mark_param(torch.nn.Parameter(torch.zeros(1, 2, 2)), expert=True, tp_sharded=True, tp_dim=2)
+        opt = FoldedOptimizer(m, OptimConfig(decay_style="constant", distributed=distributed, bucket_size=5),
+                              parallel_state=ps)
+        r = dist.get_rank()
+        loss = sum(((p * _grad_of(name, r)).sum() for name, p in m.named_parameters()), torch.zeros(()))
+        loss.backward()
+        opt.reduce_gradients()
+        return {"grads": {k: p.main_grad.clone() for k, p in m.named_parameters()}, "norm": opt.grad_norm(),
+                "dp_cp": ps.ranks["dp_cp"], "edp": ps.ranks["edp"], "emb": ps.ranks["embedding"],
+                "stage": ps.pp_rank, "ep_rank": ps.ep_rank, "distributed": distributed}
+    finally:
+        ps.destroy()
+
+
+def _grad_of(name, rank):
+    g = torch.Generator().manual_seed(1000 + rank)
+    shape = {"tied": (4, 3), "norm": (3,), "expert": (1, 2, 2)}[name]
+    return torch.randn(*shape, generator=g)
+
+
+def test_tied_embedding_across_stages(ranks):
+    import math
+    for distributed in (False, True):
+        out = ranks(4).run(_tied_pipeline, distributed)
+        # expected reduced gradients, and the norm from each unique parameter once
+        sq = 0.0
+        by_stage_ep = {}
+        for r in out:
+            for name, g in r["grads"].items():
+                if name == "tied":
+                    members = sorted({d for e in r["emb"] for d in out[e]["dp_cp"]})
+                elif name == "norm":
+                    members = r["dp_cp"]
+                else:
+                    members = r["edp"]
+                want = sum(_grad_of(name, m) for m in members)
+                if not distributed:
+                    assert torch.allclose(g, want, atol=1e-6), (name, r)
+                key = (name, tuple(members), r["ep_rank"] if name == "expert" else r["stage"])
+                by_stage_ep[key] = want
+        for key, want in by_stage_ep.items():
+            if key[0] != "tied" or key[2] == 0:
+                sq += (want.double() ** 2).sum().item()
+        for r in out:
+            assert abs(r["norm"] - math.sqrt(sq)) <= 1e-6 * math.sqrt(sq), (distributed, r["norm"], math.sqrt(sq))
