@@ -1,0 +1,63 @@
+"""Model presets: the published hyper-parameters of Mixtral and Qwen2-MoE, and tiny CPU twins.
+
+``mixtral_8x7b``, ``mixtral_8x22b`` and ``qwen2_57b_a14b`` copy the values of the released
+``config.json`` files. ``mixtral_tiny`` and ``qwen2_moe_tiny`` keep the architectures (8 routed
+experts, GQA 8/4 heads, 4 layers, vocab a multiple of 128, sizes multiples of 8) at a size that
+8 CPU ranks can run in every test layout.
+
+Usage::
+
+    cfg = get_preset("mixtral_tiny")
+    cfg = get_preset("mixtral_tiny", hidden_size=128)     # overrides, validated
+    list_presets()
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from .config import ModelConfig
+
+_PRESETS: Dict[str, ModelConfig] = {}
+
+
+def _register(cfg: ModelConfig) -> None:
+    _PRESETS[cfg.name] = cfg
+
+
+_register(ModelConfig(
+    name="mixtral_8x7b", family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32,
+    num_attention_heads=32, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=14336,
+    router_aux_loss_coef=0.02, rope_theta=1e6, max_position_embeddings=32768, norm_eps=1e-5))
+_register(ModelConfig(
+    name="mixtral_8x22b", family="mixtral", vocab_size=32768, hidden_size=6144, num_layers=56,
+    num_attention_heads=48, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=16384,
+    router_aux_loss_coef=0.001, rope_theta=1e6, max_position_embeddings=65536, norm_eps=1e-5))
+_register(ModelConfig(
+    name="qwen2_57b_a14b", family="qwen2_moe", vocab_size=151936, hidden_size=3584, num_layers=28,
+    num_attention_heads=28, num_kv_heads=4, ffn_hidden_size=18944, num_experts=64, topk=8,
+    moe_ffn_hidden_size=2560, shared_expert_ffn_hidden_size=20480, shared_expert_gate=True,
+    pre_softmax=True, norm_topk_prob=False, router_aux_loss_coef=0.001, qkv_bias=True,
+    rope_theta=1e6, max_position_embeddings=32768, norm_eps=1e-6))
+_register(ModelConfig(
+    name="mixtral_tiny", family="mixtral", vocab_size=512, hidden_size=64, num_layers=4,
+    num_attention_heads=8, num_kv_heads=4, num_experts=8, topk=2, moe_ffn_hidden_size=96,
+    router_aux_loss_coef=0.01, rope_theta=1e6, max_position_embeddings=4096, norm_eps=1e-5))
+_register(ModelConfig(
+    name="qwen2_moe_tiny", family="qwen2_moe", vocab_size=512, hidden_size=64, num_layers=4,
+    num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=128, num_experts=8, topk=2,
+    moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=64, shared_expert_gate=True,
+    pre_softmax=True, norm_topk_prob=False, router_aux_loss_coef=0.01, qkv_bias=True,
+    rope_theta=1e6, max_position_embeddings=4096, norm_eps=1e-6))
+
+
+def list_presets() -> List[str]:
+    """Names of every preset."""
+    return sorted(_PRESETS)
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The preset ``name``, with field ``overrides`` applied; unknown names list the choices."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(list_presets())}")
+    cfg = _PRESETS[name]
+    return cfg.replace(**overrides) if overrides else cfg

@@ -1,0 +1,185 @@
+"""Typed configuration of one MoE layer: routing, capacity, auxiliary losses, dispatch and experts.
+
+``MoEConfig`` is the schema of the Hydra keys ``moe.*``. It is keyword-only, validated when built
+(``__post_init__`` calls :meth:`MoEConfig.validate`), and every error names the offending key as
+``moe.<field>`` together with a fix. Options mean what the same options mean in Megatron-Core
+(``--num-experts``, ``--moe-router-topk``, ``--moe-router-score-function``, ...).
+
+Usage::
+
+    cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=14336)            # Mixtral 8x7B
+    cfg = MoEConfig(num_experts=64, topk=8, ffn_hidden_size=2560, pre_softmax=True,
+                    shared_expert_ffn_hidden_size=20480, shared_expert_gate=True)  # Qwen2-57B-A14B
+    router = Router(hidden_size=4096, config=cfg, tp_cp_group=ps.tp_cp_group,
+                    tp_dp_cp_group=ps.tp_dp_cp_group)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = ("fp32", "fp64")
+DROP_POLICIES = ("probs", "position")
+AUX_LOSS_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
+DISPATCHERS = ("alltoall", "allgather")
+WIRE_FORMATS = ("none", "fp8", "mxfp8")
+EXPERT_BACKENDS = ("auto", "te", "torch", "loop", "emulated")
+FP8_RECIPES = (None, "delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def _fail(field: str, value, why: str, fix: str) -> None:
+    raise ValueError(f"moe.{field}={value!r}: {why}; {fix}")
+
+
+def _positive_int(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(field, value, "must be an integer >= 1", f"set moe.{field} to a positive integer")
+
+
+def _choice(field: str, value, choices) -> None:
+    if value not in choices:
+        _fail(field, value, "unknown value", f"choose one of {', '.join(repr(c) for c in choices)}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig:
+    """Configuration of the MoE layers of a model (Hydra group ``moe``); see the module docstring."""
+
+    num_experts: int
+    """Number of routed experts E per MoE layer."""
+    topk: int
+    """Experts chosen per token (k)."""
+    ffn_hidden_size: int
+    """Hidden size F of one routed expert's FFN (full size, before any ETP sharding)."""
+    score_function: str = "softmax"
+    """How logits become probabilities: ``"softmax"`` or ``"sigmoid"`` (top-k probs renormalized to
+    sum 1 when k > 1)."""
+    pre_softmax: bool = False
+    """Softmax over all E experts before top-k (Qwen2-MoE without ``norm_topk_prob``); the default
+    applies softmax to the k selected logits after top-k (Mixtral). Only for ``softmax``."""
+    num_groups: Optional[int] = None
+    """Group-limited routing: split the E experts into this many contiguous groups (e.g. one per
+    node or EP rank). ``None`` disables it; needs ``group_topk``."""
+    group_topk: Optional[int] = None
+    """Group-limited routing: number of groups a token may use. A group's score is the sum of its
+    top ``topk // group_topk`` scores; the other groups are masked before the top-k."""
+    topk_scaling_factor: Optional[float] = None
+    """Multiplies the final top-k probabilities (``None`` = 1)."""
+    router_dtype: str = "fp32"
+    """Precision of the gating GEMM, scores and losses: ``"fp32"`` or ``"fp64"``."""
+    input_jitter_eps: Optional[float] = None
+    """Training only: multiply router inputs by noise uniform in [1-eps, 1+eps]. ``None`` = off."""
+    capacity_factor: Optional[float] = None
+    """Expert capacity = ceil(T·k/E · capacity_factor) from the local tokens T; tokens beyond it are
+    dropped. ``None`` = dropless."""
+    drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: ``"probs"`` (highest probability) or ``"position"``
+    (earliest tokens)."""
+    pad_to_capacity: bool = False
+    """Give every expert exactly ``capacity`` rows (filler rows have probability 0): static shapes,
+    no host sync in the dispatcher. Needs ``capacity_factor``."""
+    aux_loss_type: str = "aux_loss"
+    """Load-balancing loss: ``"none"``, ``"aux_loss"`` (Switch/GShard per micro-batch, counts over
+    TP×CP), ``"seq_aux_loss"`` (per sequence, averaged over the batch) or ``"global_aux_loss"``
+    (counts over TP×DP×CP accumulated over micro-batches until reset)."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0 disables it)."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)²) (0 disables it)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for expert selection only,
+    updated once per global batch from the token counts over TP×DP×CP."""
+    expert_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: ``bias += rate · sign(mean_count − count)``."""
+    force_balance: bool = False
+    """Benchmarks only: ignore the learned choice and assign tokens round-robin so that every
+    expert receives the same load (probabilities still come from the real logits)."""
+    dispatcher: str = "alltoall"
+    """Token dispatcher: ``"alltoall"`` (EP all-to-all, ETP all-gather) or ``"allgather"``."""
+    dispatch_wire: str = "none"
+    """Wire format of the dispatch exchange: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
+    combine_wire: str = "none"
+    """Wire format of the combine exchange: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
+    grad_wire: str = "none"
+    """Wire format of the backward exchanges: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
+    expert_backend: str = "auto"
+    """Grouped-GEMM backend: ``"auto"``, ``"te"`` (TransformerEngine), ``"torch"``, ``"loop"`` (one
+    GEMM per expert) or ``"emulated"`` (FP8 emulated on any device)."""
+    fp8_recipe: Optional[str] = None
+    """FP8 recipe of the experts: ``None`` (off), ``"delayed"``, ``"tensorwise"``, ``"blockwise"`` or
+    ``"mxfp8"``."""
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    """FFN size of the shared expert (Qwen2-MoE); ``None`` = no shared expert."""
+    shared_expert_gate: bool = False
+    """Multiply the shared expert's output by sigmoid(x·g) with a learned g [1, H] (Qwen2-MoE)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming ``moe.<field>`` and a fix if the configuration is impossible."""
+        for f in ("num_experts", "topk", "ffn_hidden_size"):
+            _positive_int(f, getattr(self, f))
+        E, k = self.num_experts, self.topk
+        if k > E:
+            _fail("topk", k, f"exceeds moe.num_experts={E}", f"set moe.topk <= {E}")
+        _choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        if self.pre_softmax and self.score_function != "softmax":
+            _fail("pre_softmax", True, "only applies to score_function='softmax'",
+                  "set moe.pre_softmax=false or moe.score_function=softmax")
+        if k == 1 and self.score_function == "softmax" and not self.pre_softmax:
+            _fail("topk", 1, "softmax over a single selected logit is always 1, so the router gets no "
+                  "gradient", "set moe.pre_softmax=true (or use moe.score_function=sigmoid)")
+        self._validate_groups()
+        if self.topk_scaling_factor is not None and not self.topk_scaling_factor > 0:
+            _fail("topk_scaling_factor", self.topk_scaling_factor, "must be > 0", "use a positive factor or null")
+        _choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
+        if self.input_jitter_eps is not None and not 0 <= self.input_jitter_eps < 1:
+            _fail("input_jitter_eps", self.input_jitter_eps, "must be in [0, 1)", "use e.g. 0.01 or null")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            _fail("capacity_factor", self.capacity_factor, "must be > 0",
+                  "use e.g. 1.0, or null for dropless routing")
+        _choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.pad_to_capacity and self.capacity_factor is None:
+            _fail("pad_to_capacity", True, "needs a capacity", "set moe.capacity_factor (e.g. 1.0)")
+        _choice("aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
+        for f in ("aux_loss_coeff", "z_loss_coeff"):
+            if not getattr(self, f) >= 0:
+                _fail(f, getattr(self, f), "must be >= 0", f"set moe.{f} to 0 (off) or a positive weight")
+        if not self.expert_bias_update_rate > 0:
+            _fail("expert_bias_update_rate", self.expert_bias_update_rate, "must be > 0", "use e.g. 1e-3")
+        _choice("dispatcher", self.dispatcher, DISPATCHERS)
+        for f in ("dispatch_wire", "combine_wire", "grad_wire"):
+            _choice(f, getattr(self, f), WIRE_FORMATS)
+        _choice("expert_backend", self.expert_backend, EXPERT_BACKENDS)
+        _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.shared_expert_ffn_hidden_size is not None:
+            _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
+        elif self.shared_expert_gate:
+            _fail("shared_expert_gate", True, "there is no shared expert",
+                  "set moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate=false")
+
+    def _validate_groups(self) -> None:
+        G, g, E, k = self.num_groups, self.group_topk, self.num_experts, self.topk
+        if G is None and g is None:
+            return
+        if G is None or g is None:
+            missing = "num_groups" if G is None else "group_topk"
+            _fail(missing, None, "group-limited routing needs both moe.num_groups and moe.group_topk",
+                  f"set moe.{missing} or set both to null")
+        _positive_int("num_groups", G)
+        _positive_int("group_topk", g)
+        if E % G:
+            _fail("num_groups", G, f"does not divide moe.num_experts={E}", "use a divisor of num_experts")
+        if g > G:
+            _fail("group_topk", g, f"exceeds moe.num_groups={G}", f"set moe.group_topk <= {G}")
+        if g > k:
+            _fail("group_topk", g, f"exceeds moe.topk={k}: a group is scored by its top topk//group_topk "
+                  "experts, which would be none", f"set moe.group_topk <= {k}")
+        if k // g > E // G:
+            _fail("topk", k, f"topk//group_topk={k // g} exceeds the {E // G} experts of a group",
+                  "raise moe.group_topk or lower moe.num_groups")
+        if g * (E // G) < k:
+            _fail("group_topk", g, f"the {g} kept groups hold {g * (E // G)} experts, fewer than "
+                  f"moe.topk={k}", "raise moe.group_topk")

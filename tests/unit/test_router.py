@@ -1,0 +1,274 @@
+"""MoEConfig validation and the Router module on one process (no process group: groups of size 1)."""
+import dataclasses
+
+import pytest
+import torch
+
+from folding.moe import routing as R
+from folding.moe.config import MoEConfig
+from folding.moe.router import Router, attach_loss, check_routers_finite
+from folding.parallel.param_attrs import param_tags
+
+H = 6
+
+
+def cfg(**kw):
+    base = dict(num_experts=4, topk=2, ffn_hidden_size=8)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def router(**kw):
+    seed = kw.pop("init_seed", 0)
+    return Router(hidden_size=H, config=cfg(**kw), tp_cp_group=None, tp_dp_cp_group=None, init_seed=seed)
+
+
+# ------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("kw,field", [
+    (dict(topk=5), "moe.topk"),
+    (dict(num_experts=6, num_groups=4, group_topk=1), "moe.num_groups"),
+    (dict(num_experts=8, num_groups=2, group_topk=3, topk=4), "moe.group_topk"),
+    (dict(num_groups=2), "moe.group_topk"),
+    (dict(topk=1), "moe.topk"),
+    (dict(capacity_factor=0.0), "moe.capacity_factor"),
+    (dict(capacity_factor=-1.0), "moe.capacity_factor"),
+    (dict(score_function="relu"), "moe.score_function"),
+    (dict(drop_policy="random"), "moe.drop_policy"),
+    (dict(aux_loss_type="switch"), "moe.aux_loss_type"),
+    (dict(router_dtype="bf16"), "moe.router_dtype"),
+    (dict(dispatcher="deepep"), "moe.dispatcher"),
+    (dict(dispatch_wire="int8"), "moe.dispatch_wire"),
+    (dict(expert_backend="cutlass"), "moe.expert_backend"),
+    (dict(fp8_recipe="hybrid"), "moe.fp8_recipe"),
+    (dict(pad_to_capacity=True), "moe.pad_to_capacity"),
+    (dict(aux_loss_coeff=-0.1), "moe.aux_loss_coeff"),
+    (dict(shared_expert_gate=True), "moe.shared_expert_gate"),
+    (dict(score_function="sigmoid", pre_softmax=True), "moe.pre_softmax"),
+])
+def test_config_rejects_with_field_name(kw, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        cfg(**kw)
+
+
+def test_config_accepts_legal_and_documents_every_field():
+    cfg(topk=1, pre_softmax=True)
+    cfg(topk=1, score_function="sigmoid")
+    cfg(num_experts=8, topk=4, num_groups=4, group_topk=2, capacity_factor=1.25, pad_to_capacity=True)
+    src = open(MoEConfig.__module__.replace(".", "/") + ".py").read()
+    for f in dataclasses.fields(MoEConfig):         # a docstring line follows every field
+        after = src.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1].strip()
+        assert after.startswith('"""'), f.name
+    c = cfg()
+    c.topk = 9
+    with pytest.raises(ValueError, match="moe.topk"):
+        c.validate()
+
+
+# ------------------------------------------------------------------------------------ module
+def test_init_is_seeded_by_seed_and_layer_and_tagged():
+    a, b = router(), router()
+    assert torch.equal(a.weight, b.weight)
+    assert not torch.equal(a.weight, router(init_seed=1).weight)
+    c = Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=3)
+    assert not torch.equal(a.weight, c.weight)
+    assert a.weight.shape == (4, H) and a.weight.dtype == torch.float32
+    assert param_tags(a.weight).sequence_parallel
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_forward_matches_pure_functions(dtype):
+    r = router(router_dtype=dtype, num_experts=8, topk=4, num_groups=4, group_topk=2, topk_scaling_factor=1.5)
+    x = torch.randn(3, 2, H)
+    probs, rmap = r(x)
+    want = torch.float32 if dtype == "fp32" else torch.float64
+    logits = x.reshape(-1, H).to(want) @ r.weight.detach().to(want).T
+    ref_p, ref_m = R.topk_routing(logits, topk=4, num_groups=4, group_topk=2, scaling_factor=1.5)
+    assert probs.dtype == want and probs.shape == (6, 8)
+    torch.testing.assert_close(probs, ref_p)
+    assert torch.equal(rmap, ref_m)
+
+
+@pytest.mark.parametrize("aux_type", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_losses_do_not_change_output_and_add_scaled_gradient(aux_type):
+    torch.manual_seed(0)
+    x = torch.randn(4, 2, H, dtype=torch.float64)
+    G = torch.randn(8, 4, dtype=torch.float64)
+    plain = router(router_dtype="fp64")
+    lossy = router(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05)
+    p0, _ = plain(x)
+    p1, _ = lossy(x, aux_loss_scale=0.7)
+    assert torch.equal(p0, p1)
+    (p0 * G).sum().backward()
+    (p1 * G).sum().backward()
+    # independent reference: the losses computed directly and added with weight 0.7
+    W = lossy.weight.detach().clone().requires_grad_()
+    logits = x.reshape(-1, H) @ W.double().T
+    scores, amap = R.aux_loss_scores(logits, topk=2)
+    if aux_type == "seq_aux_loss":
+        aux = R.seq_aux_loss(scores, R.tokens_per_sequence_expert(amap, num_sequences=2), num_sequences=2,
+                             seq_length=4, topk=2, num_experts=4, coeff=0.3)
+    else:
+        aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=8, topk=2, num_experts=4, coeff=0.3)
+    z = R.z_loss(logits, coeff=0.05)
+    (0.7 * (aux + z)).backward()
+    torch.testing.assert_close(lossy.weight.grad - plain.weight.grad, W.grad)
+    torch.testing.assert_close(lossy.last_losses[aux_type], aux.detach())
+    torch.testing.assert_close(lossy.last_losses["z_loss"], z.detach())
+    assert lossy.reduced_losses() == {k: float(v) for k, v in lossy.last_losses.items()}
+
+
+def test_losses_off_in_eval_and_seq_aux_needs_sequences():
+    r = router(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1)
+    with pytest.raises(ValueError, match="num_sequences"):
+        r(torch.randn(8, H))
+    r(torch.randn(8, H), num_sequences=2)
+    assert set(r.last_losses) == {"seq_aux_loss"}
+    r.eval()
+    r(torch.randn(8, H))
+    assert r.last_losses == {}
+    with pytest.raises(ValueError, match="hidden_size=6"):
+        r(torch.randn(8, H + 1))
+
+
+def test_global_aux_loss_accumulates_until_reset():
+    r = router(aux_loss_type="global_aux_loss", aux_loss_coeff=1.0)
+    x1, x2 = torch.randn(5, H), torch.randn(5, H)
+    r(x1)
+    r(x2)
+    counts = sum(R.aux_loss_scores(x @ r.weight.detach().T, topk=2)[1].sum(0).double() for x in (x1, x2))
+    assert r.global_aux_steps == 2 and torch.equal(r.global_tokens_per_expert, counts)
+    # the second loss uses the running mean of the counts
+    scores, _ = R.aux_loss_scores(x2 @ r.weight.detach().T, topk=2)
+    ref = R.switch_aux_loss(scores, counts / 2, total_num_tokens=5, topk=2, num_experts=4, coeff=1.0)
+    torch.testing.assert_close(r.last_losses["global_aux_loss"], ref)
+    r.reset_global_aux_loss()
+    assert r.global_aux_steps == 0 and not r.global_tokens_per_expert.any()
+
+
+def test_attach_loss_identity():
+    x = torch.randn(3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    y = attach_loss(x, w * 3, 0.5)
+    assert torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3)) and w.grad.item() == 1.5
+
+
+def test_nonfinite_logits_flag_without_raising_in_forward():
+    r = router()
+    r(torch.randn(4, H))
+    r.check_logits_finite()
+    x = torch.randn(4, H)
+    x[2, 1] = float("nan")
+    r(x)                                    # forward never syncs or raises
+    assert bool(r.nonfinite_logits)
+    with pytest.raises(FloatingPointError, match="layer 0"):
+        r.check_logits_finite()
+    r.check_logits_finite()                 # flag cleared
+    layers = [Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=i)
+              for i in range(3)]
+    for lyr in layers:
+        lyr(x if lyr.layer_number == 1 else torch.randn(4, H))
+    with pytest.raises(FloatingPointError, match=r"layers \[1\]"):
+        check_routers_finite(m for m in layers)
+    check_routers_finite(layers)            # all flags cleared
+
+
+def test_capacity_stats_and_force_balance():
+    r = router(num_experts=4, topk=2, capacity_factor=0.5, drop_policy="position")
+    p, m = r(torch.randn(8, H))
+    cap = R.expert_capacity(8, topk=2, num_experts=4, capacity_factor=0.5)       # = 2
+    assert (m.sum(0) <= cap).all() and int(r.last_dropped) == 16 - int(m.sum())
+    assert torch.equal(r.last_tokens_per_expert, m.sum(0))
+    fb = router(num_experts=4, topk=2, force_balance=True)
+    p, m = fb(torch.randn(8, H) * 10)
+    assert m.sum(0).tolist() == [4, 4, 4, 4]
+    torch.testing.assert_close(p.sum(1), torch.ones(8))
+
+
+def test_expert_bias_balances_a_skewed_router():
+    torch.manual_seed(0)
+    r = router(num_experts=4, topk=1, pre_softmax=True, expert_bias=True, expert_bias_update_rate=0.05)
+    with torch.no_grad():
+        r.weight[0] += 0.5                  # expert 0 attracts most tokens
+    x = torch.randn(64, H) + 1.0
+    x[:, :] = x.abs()
+    loads = []
+    for _ in range(40):
+        _, m = r(x)
+        loads.append(m.sum(0))
+        before = r.expert_bias.clone()
+        counts = r.local_tokens_per_expert.clone()
+        r.update_expert_bias()
+        step = r.expert_bias - before
+        # each expert moves by exactly ±rate (0 at the mean), downwards when overloaded
+        torch.testing.assert_close(step, 0.05 * torch.sign(counts.mean() - counts))
+        assert not r.local_tokens_per_expert.any()
+    assert loads[0].max() > 40 and loads[-1].max() < loads[0].max() - 15
+    # the bias never enters the probabilities: probs of the chosen expert = plain softmax score
+    p, m = r(x)
+    soft = torch.softmax(x @ r.weight.detach().T, -1)
+    torch.testing.assert_close(p[m], soft[m])
+
+
+def test_config_is_a_hydra_structured_schema():
+    from omegaconf import OmegaConf
+    schema = OmegaConf.structured(MoEConfig)
+    over = OmegaConf.from_dotlist(["num_experts=8", "topk=2", "ffn_hidden_size=16", "capacity_factor=1.5"])
+    c = OmegaConf.to_object(OmegaConf.merge(schema, over))
+    assert isinstance(c, MoEConfig) and c.capacity_factor == 1.5
+    with pytest.raises(ValueError, match=r"moe\.topk"):
+        OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(
+            ["num_experts=8", "topk=9", "ffn_hidden_size=16"])))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_cuda_router_matches_cpu():
+    kw = dict(num_experts=8, topk=2, capacity_factor=1.0, pad_to_capacity=True, expert_bias=True,
+              aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.01, router_dtype="fp64")
+    cpu, gpu = router(**kw), router(**kw).cuda()
+    x = torch.randn(4, 2, H, dtype=torch.float64)
+    p0, m0 = cpu(x)
+    p1, m1 = gpu(x.cuda())
+    torch.testing.assert_close(p1.cpu(), p0)
+    assert torch.equal(m1.cpu(), m0)
+    p0.sum().backward()
+    p1.sum().backward()
+    torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad)
+    gpu.update_expert_bias()
+    gpu.check_logits_finite()
+
+
+@pytest.mark.parametrize("aux_type", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_padding_tokens_count_nowhere(aux_type):
+    torch.manual_seed(1)
+    S, B = 4, 2
+    x = torch.randn(S, B, H, dtype=torch.float64)
+    G = torch.randn(S, B, 4, dtype=torch.float64)
+    pad = torch.zeros(S, B, dtype=torch.bool)
+    pad[3, 0] = pad[2, 1] = pad[3, 1] = True                 # sequence 0 has 3 tokens, sequence 1 has 2
+    kw = dict(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05, expert_bias=True)
+    padded = router(**kw)
+    p, m = padded(x, padding_mask=pad)
+    assert m.sum(1).eq(2).all()                              # padding tokens are still routed
+    (p * G.reshape(-1, 4).masked_fill(pad.reshape(-1, 1), 0)).sum().backward()
+    # reference: the valid tokens alone, with the losses written out per definition
+    W = padded.weight.detach().clone().requires_grad_()
+    valid = ~pad.reshape(-1)
+    logits = (x.reshape(-1, H) @ W.double().T)[valid]
+    probs, _ = R.topk_routing(logits, topk=2)
+    scores, amap = R.aux_loss_scores(logits, topk=2)
+    if aux_type == "seq_aux_loss":
+        seq_of = torch.arange(S * B).remainder(B)[valid]     # token t = s·B + b
+        aux = sum(R.switch_aux_loss(scores[seq_of == b], amap[seq_of == b].sum(0), total_num_tokens=n,
+                                    topk=2, num_experts=4, coeff=0.3) for b, n in ((0, 3), (1, 2))) / B
+    else:
+        aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=5, topk=2, num_experts=4, coeff=0.3)
+    z = R.z_loss(logits, coeff=0.05)
+    ((probs * G.reshape(-1, 4)[valid]).sum() + aux + z).backward()
+    torch.testing.assert_close(padded.last_losses[aux_type], aux.detach())
+    torch.testing.assert_close(padded.last_losses["z_loss"], z.detach())
+    torch.testing.assert_close(padded.weight.grad, W.grad)
+    assert padded.local_tokens_per_expert.sum() == 5 * 2      # expert-bias demand: valid tokens only
+    with pytest.raises(ValueError, match="padding_mask"):
+        padded(x, padding_mask=pad.reshape(-1))
