@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/memory.py --preset mixtral-8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
+    python tools/memory.py --preset mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
         --distributed --param-dtype bfloat16 --recompute selective --seq 4096 --mbs 1
     python tools/memory.py --preset tiny --world 8 --tp 2 --ep 2 --etp 2 --distributed --measure
 
@@ -19,9 +19,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
-from folding.planning.memory import KNOWN_SIZES, ModelSizes, memory_per_rank  # noqa: E402
+from folding.model.presets import get_preset, list_presets  # noqa: E402
+from folding.planning.memory import ModelSizes, memory_per_rank  # noqa: E402
 
-PRESETS = dict(KNOWN_SIZES)
+PRESETS = {name: ModelSizes.from_model_config(get_preset(name)) for name in list_presets()}
 PRESETS["tiny"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, moe_ffn_hidden_size=16,
                              top_k=2, num_attention_heads=4, num_query_groups=2)
 PRESETS["tiny-qwen2"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8,

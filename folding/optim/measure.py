@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import mark_param
-from folding.planning.memory import ModelSizes, layers_on_stage, memory_per_rank
+from folding.planning.memory import ModelSizes, memory_per_rank, stage_layers
 
 from .config import OptimConfig
 from .optimizer import FoldedOptimizer
@@ -39,10 +39,11 @@ class ShapedModel(torch.nn.Module):
         tied = s.tied_embeddings and layout.pp > 1
         if stage == 0:
             add("embedding_weight", (s.vocab_size // tp, h), tp_sharded=True, tp_dim=0, embedding_tied=tied)
-        for i in range(layers_on_stage(s.num_layers, layout.pp, stage)):
+        for i in stage_layers(s, layout, stage):
             for j in range(s.norms_per_layer):
                 add(f"l{i}_norm{j}_weight", (h,), sequence_parallel=True)
-            add(f"l{i}_router_weight", (s.num_experts, h), sequence_parallel=True)
+            if i not in s.dense_layers:
+                add(f"l{i}_router_weight", (s.num_experts, h), sequence_parallel=True)
             if s.num_attention_heads:
                 nq = s.num_attention_heads
                 nkv = s.num_query_groups or nq
@@ -51,6 +52,10 @@ class ShapedModel(torch.nn.Module):
                 if s.qkv_bias:
                     add(f"l{i}_qkv_bias", ((nq + 2 * nkv) * d // tp,), tp_sharded=True, tp_dim=0)
                 add(f"l{i}_proj_weight", (h, nq * d // tp), tp_sharded=True, tp_dim=1)
+            if i in s.dense_layers:
+                add(f"l{i}_dense_fc1_weight", (2 * s.ffn_hidden_size // tp, h), tp_sharded=True, tp_dim=0)
+                add(f"l{i}_dense_fc2_weight", (h, s.ffn_hidden_size // tp), tp_sharded=True, tp_dim=1)
+                continue
             for tag, f, gated in (("mlp", s.dense_ffn_hidden_size, s.dense_gated),
                                   ("shared", s.shared_expert_ffn_hidden_size, True)):
                 if f:

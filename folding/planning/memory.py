@@ -21,7 +21,7 @@ Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
 
 Usage::
 
-    sizes = KNOWN_SIZES["mixtral-8x7b"]
+    sizes = ModelSizes.from_model_config(get_preset("mixtral_8x7b"))
     layout = ParallelLayout(world_size=64, tp=1, pp=4, ep=8, etp=1)
     est = memory_per_rank(sizes, layout, param_bytes=2, distributed=True, recompute="selective",
                           seq_length=4096, micro_batch_size=1)
@@ -30,7 +30,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from folding.pipeline.partition import layers_of, partition_layers
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -59,8 +61,12 @@ class ModelSizes:
     """Per-head dimension; ``None`` means ``hidden_size // num_attention_heads``."""
     qkv_bias: bool = False
     """Biases on Q, K, V (Qwen2)."""
+    dense_layers: Tuple[int, ...] = ()
+    """Indices of layers with a dense SwiGLU MLP of ``ffn_hidden_size`` instead of the MoE block."""
+    ffn_hidden_size: int = 0
+    """FFN width of the dense layers listed in ``dense_layers``."""
     dense_ffn_hidden_size: int = 0
-    """A dense MLP per layer besides the MoE (0: none)."""
+    """A dense MLP in every MoE layer besides the MoE block (small test models; 0: none)."""
     dense_gated: bool = True
     """The dense MLP is SwiGLU (fc1 H→2F) rather than plain (H→F)."""
     dense_bias: bool = False
@@ -75,22 +81,16 @@ class ModelSizes:
     """RMSNorm scales per layer (each H, sequence-parallel)."""
 
     @classmethod
-    def from_config(cls, cfg) -> "ModelSizes":
-        """Read the fields of the same name from any config object (missing ones keep defaults)."""
-        kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)}
-        return cls(**kw)
-
-
-# Public Hugging Face configurations (config.json of each model).
-KNOWN_SIZES: Dict[str, ModelSizes] = {
-    "mixtral-8x7b": ModelSizes(vocab_size=32000, hidden_size=4096, num_layers=32, num_experts=8,
-                               moe_ffn_hidden_size=14336, top_k=2, num_attention_heads=32, num_query_groups=8),
-    "mixtral-8x22b": ModelSizes(vocab_size=32768, hidden_size=6144, num_layers=56, num_experts=8,
-                                moe_ffn_hidden_size=16384, top_k=2, num_attention_heads=48, num_query_groups=8),
-    "qwen2-57b-a14b": ModelSizes(vocab_size=151936, hidden_size=3584, num_layers=28, num_experts=64,
-                                 moe_ffn_hidden_size=2560, top_k=8, num_attention_heads=28, num_query_groups=4,
-                                 qkv_bias=True, shared_expert_ffn_hidden_size=20480, shared_expert_gate=True),
-}
+    def from_model_config(cls, cfg) -> "ModelSizes":
+        """The sizes of a :class:`folding.model.config.ModelConfig`."""
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                   num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, top_k=cfg.topk,
+                   num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_kv_heads,
+                   head_dim=cfg.kv_channels, qkv_bias=cfg.qkv_bias,
+                   dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
+                   ffn_hidden_size=cfg.ffn_hidden_size,
+                   shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size or 0,
+                   shared_expert_gate=cfg.shared_expert_gate, tied_embeddings=cfg.tie_embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,16 +137,30 @@ def _div(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def layers_on_stage(num_layers: int, pp: int, stage: int) -> int:
-    """Layers held by pipeline ``stage`` (an even split; the remainder goes to the first stages)."""
-    return num_layers // pp + (1 if stage < num_layers % pp else 0)
+def stage_layers(sizes: ModelSizes, layout, stage: int,
+                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> List[int]:
+    """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
+    ``[start, end)`` of every virtual stage (default: :func:`folding.pipeline.partition.partition_layers`)."""
+    if stages is None:
+        stages = partition_layers(num_layers=sizes.num_layers, pp=layout.pp, vpp=layout.vpp)
+    out: List[int] = []
+    for chunk in range(len(stages) // layout.pp):
+        out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
+    return out
 
 
-def param_counts(sizes: ModelSizes, layout, *, stage: int = 0) -> ParamCounts:
-    """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout)."""
+def layers_on_stage(sizes: ModelSizes, layout, stage: int) -> int:
+    """Number of layers on pipeline rank ``stage`` (default partition)."""
+    return len(stage_layers(sizes, layout, stage))
+
+
+def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
+                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> ParamCounts:
+    """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
+    ``stages`` as in :func:`stage_layers`."""
     s, tp, etp = sizes, layout.tp, layout.etp
     h = s.hidden_size
-    layer = s.norms_per_layer * h + s.num_experts * h                       # norms, router (replicated)
+    layer = s.norms_per_layer * h                                           # norms (replicated)
     if s.num_attention_heads:
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
@@ -158,13 +172,18 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0) -> ParamCounts:
         layer += _div(h * f * (3 if s.dense_gated else 2), tp, "dense_ffn_hidden_size*H")
         if s.dense_bias:
             layer += _div(f * (2 if s.dense_gated else 1), tp, "dense_ffn_hidden_size") + h
+    moe = s.num_experts * h                                                 # router (replicated)
     if s.shared_expert_ffn_hidden_size:
-        layer += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
-        layer += h if s.shared_expert_gate else 0
+        moe += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
+        moe += h if s.shared_expert_gate else 0
     experts = _div(s.num_experts, layout.ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
                                                                    "3*H*moe_ffn_hidden_size")
-    n = layers_on_stage(s.num_layers, layout.pp, stage)
-    dense = n * layer
+    mine = stage_layers(s, layout, stage, stages)
+    n_dense = sum(1 for i in mine if i in s.dense_layers)
+    n_moe = len(mine) - n_dense
+    dense = len(mine) * layer + n_moe * moe
+    if n_dense:
+        dense += n_dense * _div(3 * h * s.ffn_hidden_size, tp, "ffn_hidden_size*H")
     emb = _div(s.vocab_size, tp, "vocab_size") * h
     first, last = stage == 0, stage == layout.pp - 1
     if first:
@@ -173,7 +192,7 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0) -> ParamCounts:
         dense += h                                                          # final norm
         if not s.tied_embeddings or not first:
             dense += emb                                                    # output layer (or tied copy)
-    return ParamCounts(dense=dense, expert=n * experts)
+    return ParamCounts(dense=dense, expert=n_moe * experts)
 
 
 def activation_bytes_per_layer(sizes: ModelSizes, layout, *, seq_length: int, micro_batch_size: int,
@@ -186,7 +205,7 @@ def activation_bytes_per_layer(sizes: ModelSizes, layout, *, seq_length: int, mi
     ``aTkh + aRh + 4aRF/ETP`` (permuted tokens, fc1 input, fc1 output 2F, activation and weighted
     activation); dense/shared MLPs likewise. ``selective`` recomputes norms and activation
     functions (drops ``2aTh`` and ``2aRF/ETP`` and the MLP equivalents); ``full`` keeps only the
-    layer input ``aTh``.
+    layer input ``aTh``. Dense layers (``dense_layers``) are estimated like MoE layers.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
@@ -244,7 +263,7 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
                                          micro_batch_size=micro_batch_size, recompute=recompute,
                                          act_bytes=act_bytes)
         in_flight = layout.pp - stage
-        acts = per * layers_on_stage(sizes.num_layers, layout.pp, stage) * in_flight
+        acts = per * layers_on_stage(sizes, layout, stage) * in_flight
     return MemoryEstimate(params_dense=c.dense * param_bytes, params_expert=c.expert * param_bytes,
                           grads_dense=4 * c.dense, grads_expert=4 * c.expert, optimizer_dense=int(opt_d),
                           optimizer_expert=int(opt_e), activations=int(acts), stage=stage)
