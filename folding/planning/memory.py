@@ -109,12 +109,19 @@ class MemoryEstimate:
     :meth:`folding.optim.FoldedOptimizer.memory_bytes`)."""
 
     params_dense: int
+    """Dense parameter bytes."""
     params_expert: int
+    """Expert parameter bytes."""
     grads_dense: int
+    """fp32 main-gradient bytes of dense parameters."""
     grads_expert: int
+    """fp32 main-gradient bytes of expert parameters."""
     optimizer_dense: int
+    """AdamW moments (+ master weights) of dense parameters held by this rank."""
     optimizer_expert: int
+    """AdamW moments (+ master weights) of expert parameters held by this rank."""
     activations: int
+    """Estimated activation bytes (0 when ``seq_length`` is 0)."""
     stage: int
     """The pipeline stage this estimate is for."""
 

@@ -260,7 +260,14 @@ def _tied_pipeline(distributed):
         loss = sum(((p * _grad_of(name, r)).sum() for name, p in m.named_parameters()), torch.zeros(()))
         loss.backward()
         opt.reduce_gradients()
-        return {"grads": {k: p.main_grad.clone() for k, p in m.named_parameters()}, "norm": opt.grad_norm(),
+        grads = {k: p.main_grad.clone() for k, p in m.named_parameters()}
+        norm = opt.grad_norm()
+        try:                      # a second backward without no_sync() would be lost: it must raise
+            (m.norm * 2).sum().backward()
+            late_error = ""
+        except RuntimeError as e:
+            late_error = str(e)
+        return {"grads": grads, "norm": norm, "late_error": late_error,
                 "dp_cp": ps.ranks["dp_cp"], "edp": ps.ranks["edp"], "emb": ps.ranks["embedding"],
                 "stage": ps.pp_rank, "ep_rank": ps.ep_rank, "distributed": distributed}
     finally:
@@ -297,4 +304,5 @@ def test_tied_embedding_across_stages(ranks):
             if key[0] != "tied" or key[2] == 0:
                 sq += (want.double() ** 2).sum().item()
         for r in out:
+            assert "no_sync" in r["late_error"]
             assert abs(r["norm"] - math.sqrt(sq)) <= 1e-6 * math.sqrt(sq), (distributed, r["norm"], math.sqrt(sq))
