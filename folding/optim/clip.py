@@ -25,15 +25,17 @@ from .grad_buffer import GradBuffer
 
 
 def local_sum_of_squares(buffers: List[GradBuffer]) -> torch.Tensor:
-    """This rank's share of the squared global grad norm (float64 scalar)."""
-    total = torch.zeros((), dtype=torch.float64)
+    """This rank's share of the squared global grad norm (float64 scalar on the buffers' device;
+    no host synchronization)."""
+    dev = buffers[0].main_grad.device if buffers else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=dev)
     for buf in buffers:
         if not buf.groups.counts_in_norm:
             continue
         for b in buf.buckets:
             lo, hi = buf.shard_range(b)
             g = buf.main_grad[lo:hi]
-            total += torch.dot(g, g).double().cpu()
+            total += torch.dot(g, g).double()
     return total
 
 
@@ -42,8 +44,6 @@ def global_grad_norm(buffers: List[GradBuffer], *, world_group: Optional[dist.Pr
     the world by default; call on every rank). NaN/Inf anywhere gives a non-finite result."""
     sq = local_sum_of_squares(buffers)
     if dist.is_initialized() and dist.get_world_size(world_group) > 1:
-        dev = buffers[0].main_grad.device if buffers else torch.device("cpu")
-        sq = sq.to(dev)
         dist.all_reduce(sq, group=world_group)
     return math.sqrt(sq.item())
 

@@ -190,9 +190,10 @@ def _grads_on_rank(cases):
                 ctx = opt.no_sync() if i < len(mbs) - 1 else _null()
                 with ctx:
                     (model(ids[m], tgt[m], mask[m]) / n).backward()
+            launched_in_backward = sum(b.launched for _, b in opt.reducer.order)
             opt.reduce_gradients()
             grads = {k: p.main_grad.clone() for k, p in model.named_parameters()}
-            out.append({"grads": grads, "norm": opt.grad_norm(), "tp_rank": c.tp_rank, "ep_rank": c.ep_rank,
+            out.append({"grads": grads, "launched_in_backward": launched_in_backward, "norm": opt.grad_norm(), "tp_rank": c.tp_rank, "ep_rank": c.ep_rank,
                         "etp_rank": c.etp_rank, "tp": c.tp, "ep": c.ep, "etp": c.etp,
                         "n_buckets": sum(len(b.buckets) for b in opt.buffers)})
         finally:
@@ -228,10 +229,12 @@ GRAD_CASES = [
 def test_reduced_grads_and_norm_match_one_rank(ranks):
     results = ranks(8).run(_grads_on_rank, GRAD_CASES)
     refs = {tied: reference_grads(tied) for tied in (False, True)}
-    for case_i, (layout_kwargs, tied, _, _) in enumerate(GRAD_CASES):
+    for case_i, (layout_kwargs, tied, overlap, _) in enumerate(GRAD_CASES):
         ref_grads, ref_norm = refs[tied]
         for rank, per_rank in enumerate(results):
             r = per_rank[case_i]
+            # with overlap, buckets start during backward (all but tied ones, which wait for the end)
+            assert (r["launched_in_backward"] > 0) == overlap, (layout_kwargs, r["launched_in_backward"])
             assert abs(r["norm"] - ref_norm) <= 1e-5 * ref_norm, (layout_kwargs, rank, r["norm"], ref_norm)
             fc = _FakeCoords(r)
             for name, g in r["grads"].items():
