@@ -1,1 +1,13 @@
-"""model"""
+"""Decoder-only MoE transformers (Mixtral, Qwen2-MoE): presets, the parallel model, HF checkpoints.
+
+Usage::
+
+    from folding.model import MoETransformer, get_preset, from_hf
+    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, init_seed=0)
+"""
+from .config import ModelConfig
+from .hf import from_hf, to_hf
+from .presets import get_preset, list_presets
+from .transformer import MoETransformer
+
+__all__ = ["ModelConfig", "MoETransformer", "from_hf", "get_preset", "list_presets", "to_hf"]

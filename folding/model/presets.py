@@ -61,3 +61,18 @@ def get_preset(name: str, **overrides) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(list_presets())}")
     cfg = _PRESETS[name]
     return cfg.replace(**overrides) if overrides else cfg
+
+
+# Models of the MoE Parallel Folding paper's benchmarks (REFERENCE.md §5) that have no released checkpoint.
+# Mixtral-8x22B-G8T8: Mixtral-8x22B with every expert cut into 8 fine-grained experts (64 experts of
+# F = 16384/8 = 2048) and top-8 routing: the same total expert parameters as 8x22B, half the active ones
+# (8·2048 vs 2·16384 FFN width per token).
+_register(ModelConfig(
+    name="mixtral_8x22b_g8t8", family="mixtral", vocab_size=32768, hidden_size=6144, num_layers=56,
+    num_attention_heads=48, num_kv_heads=8, num_experts=64, topk=8, moe_ffn_hidden_size=2048,
+    router_aux_loss_coef=0.001, rope_theta=1e6, max_position_embeddings=65536, norm_eps=1e-5))
+# Llama3-8x70B: Llama-3-70B's attention and vocabulary with 8 experts, each one Llama-3-70B FFN, top-2.
+_register(ModelConfig(
+    name="llama3_8x70b", family="mixtral", vocab_size=128256, hidden_size=8192, num_layers=80,
+    num_attention_heads=64, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=28672,
+    router_aux_loss_coef=0.001, rope_theta=500000.0, max_position_embeddings=8192, norm_eps=1e-5))

@@ -1,1 +1,45 @@
-"""quant"""
+"""Low-precision formats as plain PyTorch: MXFP8, FP8 (per tensor, per row, blockwise), emulation.
+
+These are the numerics of the GPU recipes, runnable and checkable on any device; the experts use
+them to emulate FP8 GEMMs on CPU and the token dispatcher uses them as wire formats.
+
+Usage::
+
+    from folding.quant import quantize_mxfp8, dequantize_mxfp8, fake_quant
+    data, scales = quantize_mxfp8(x, scale_mode="rceil")
+    x_hat = dequantize_mxfp8(data, scales, torch.bfloat16)
+
+See docs/precision.md for the formats, the recipes and the measured errors.
+"""
+from folding.quant.delayed import DelayedScaling
+from folding.quant.emulate import RECIPES, emulated_linear, fake_quant, quant_dequant
+from folding.quant.formats import cast_to_fp8, e8m0_to_float, fp8_max
+from folding.quant.fp8 import (
+    dequantize_fp8_blockwise,
+    dequantize_fp8_rowwise,
+    dequantize_fp8_tensorwise,
+    quantize_fp8_blockwise,
+    quantize_fp8_rowwise,
+    quantize_fp8_tensorwise,
+)
+from folding.quant.mx import SCALE_MODES, dequantize_mxfp8, quantize_mxfp8
+
+__all__ = [
+    "DelayedScaling",
+    "RECIPES",
+    "SCALE_MODES",
+    "cast_to_fp8",
+    "dequantize_fp8_blockwise",
+    "dequantize_fp8_rowwise",
+    "dequantize_fp8_tensorwise",
+    "dequantize_mxfp8",
+    "e8m0_to_float",
+    "emulated_linear",
+    "fake_quant",
+    "fp8_max",
+    "quant_dequant",
+    "quantize_fp8_blockwise",
+    "quantize_fp8_rowwise",
+    "quantize_fp8_tensorwise",
+    "quantize_mxfp8",
+]

@@ -1,0 +1,60 @@
+"""One transformer layer: pre-norm attention and pre-norm MLP (dense SwiGLU or an MoE block).
+
+``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` on sequence-parallel shards ``[S_cp/TP, B, H]``.
+The MoE block is built by a *factory* so that the layer does not depend on one MoE
+implementation: ``moe_factory(config=..., layer_number=..., groups=..., init_seed=..., device=...,
+dtype=...)`` must return a module mapping ``[S_cp/TP, B, H]`` to the same shape (the local tokens of
+this attention rank). :func:`folding.model.moe_block.default_moe_factory` builds
+:class:`folding.moe.layer.MoELayer`.
+
+Usage::
+
+    layer = TransformerLayer(config, layer_number=3, groups=groups, moe_factory=default_moe_factory)
+    x_SBH = layer(x_SBH, rope)
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .groups import ModelGroups
+from .mlp import DenseMLP
+from .norm import RMSNorm
+
+MoEFactory = Callable[..., nn.Module]
+
+
+def output_init_std(config: ModelConfig) -> float:
+    """Megatron-style scaled init for the projections that write into the residual stream."""
+    return config.init_std / math.sqrt(2.0 * config.num_layers)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm decoder layer; ``mlp`` is a :class:`DenseMLP` or the factory's MoE block."""
+
+    def __init__(self, config: ModelConfig, *, layer_number: int, groups: ModelGroups, moe_factory: MoEFactory,
+                 init_seed: int = 0, device=None, dtype=torch.float32):
+        super().__init__()
+        self.layer_number = layer_number
+        self.is_moe = config.is_moe_layer(layer_number)
+        kw = dict(device=device, dtype=dtype)
+        self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
+        self.attention = Attention(config, tp_group=groups.tp, cp_group=groups.cp,
+                                   output_init_std=output_init_std(config), **kw)
+        self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
+        if self.is_moe:
+            self.mlp = moe_factory(config=config, layer_number=layer_number, groups=groups,
+                                   init_seed=init_seed, **kw)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.ffn_hidden_size, tp_group=groups.tp,
+                                init_std=config.init_std, output_init_std=output_init_std(config), **kw)
+
+    def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
+        """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from :meth:`MoETransformer.rope`."""
+        h = x_SBH + self.attention(self.input_norm(x_SBH), *rope)
+        return h + self.mlp(self.post_attention_norm(h))

@@ -1,0 +1,62 @@
+"""Context parallelism: load-balanced causal sequence chunks and the K/V all-gather.
+
+The sequence of length S is cut into ``2*CP`` equal chunks; CP rank ``i`` holds chunks ``i`` and
+``2*CP-1-i`` (in that order), so every rank gets the same amount of causal-attention work. Each
+rank computes Q, K, V for its own tokens, all-gathers K and V over the CP group (forward: all-gather;
+backward: reduce-scatter of the K/V gradients, since every rank's queries contribute to every
+key's gradient), sorts them into sequence order, and attends once per local chunk: a chunk starting
+at position ``p`` attends keys ``[0, p + c)`` with a lower-right causal bias, which fused SDPA
+kernels support (no dense mask) and which skips the keys after the chunk.
+All-gather was chosen over a ring: it is exact, simple, and its communication is one collective per
+layer; its cost is the memory of the full K/V of the (local heads of the) sequence.
+
+Usage::
+
+    pos_S = cp_positions(seq_len, cp_rank, cp_size)           # this rank's token positions
+    ids_BSl = input_ids_BS[:, pos_S]
+    k_full = gather_kv(k_SBND, cp_group)                       # [S, B, heads, D] in rank order
+    kv_order = gathered_positions(seq_len, cp_size).argsort()  # sorts k_full into sequence order
+"""
+from __future__ import annotations
+
+import torch
+
+from ..parallel.collectives import gather_from_sequence_region, group_size
+
+
+def check_cp_seq_len(seq_len: int, cp_size: int, tp_size: int) -> None:
+    """Raise a clear error if ``seq_len`` cannot be split over CP chunks and TP (sequence parallel)."""
+    if cp_size > 1 and seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2*parallel.cp = {2 * cp_size}; "
+                         f"choose a sequence length that is a multiple of {2 * cp_size}")
+    local = seq_len // cp_size
+    if local % tp_size:
+        raise ValueError(f"sequence length {seq_len} / parallel.cp={cp_size} = {local} is not divisible by "
+                         f"parallel.tp={tp_size} (sequence parallelism); choose a sequence length that is a "
+                         f"multiple of {cp_size * tp_size * (2 if cp_size > 1 else 1)}")
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Positions (int64) of the tokens held by CP rank ``cp_rank``: chunks ``cp_rank`` and ``2*cp-1-cp_rank``."""
+    if cp_size == 1:
+        return torch.arange(seq_len, device=device)
+    c = seq_len // (2 * cp_size)
+    a = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    j = 2 * cp_size - 1 - cp_rank
+    b = torch.arange(j * c, (j + 1) * c, device=device)
+    return torch.cat([a, b])
+
+
+def gathered_positions(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
+    """Positions of the rows of a tensor all-gathered over CP (rank order of the local chunks)."""
+    return torch.cat([cp_positions(seq_len, r, cp_size, device) for r in range(cp_size)])
+
+
+def gather_kv(x_SBND: torch.Tensor, cp_group) -> torch.Tensor:
+    """All-gather K or V along the sequence over CP.
+
+    Forward: all-gather along dim 0 (rank order). Backward: reduce-scatter (sum) of the gradient.
+    """
+    if group_size(cp_group) == 1:
+        return x_SBND
+    return gather_from_sequence_region(x_SBND, cp_group, grad_reduce=True)

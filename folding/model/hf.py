@@ -1,0 +1,292 @@
+"""Load and save Hugging Face Mixtral / Qwen2-MoE checkpoints in any layout.
+
+``from_hf(path)`` builds a 1-rank fp32 CPU model whose ``model(input_ids_BS)`` returns logits
+``[B, S, V]``. ``from_hf(path, parallel_state=ps)`` builds the sharded model directly: every rank
+reads, lazily and shard file by shard file (``safetensors.safe_open``), only the slices of the
+tensors it holds. ``to_hf(model, out_dir)`` writes ``config.json`` and ``model.safetensors``
+(gathering the shards to global rank 0); HF -> engine -> HF gives bit-identical tensors.
+
+The mapping is driven by each parameter's :class:`~folding.model.init.InitSpec` (its full shape and
+this rank's slice) and by :func:`hf_components`, which says which HF tensors make up the full
+tensor of an engine parameter: ``experts.fc1_weight`` is the stack ``[E, 2, F, H]`` of every
+expert's (gate, up) weights, ``experts.fc2_weight`` the stack ``[E, H, F]`` of the down weights.
+
+Usage::
+
+    model = from_hf("Mixtral-8x7B-v0.1", parallel_state=ps)
+    to_hf(model, "out_dir")
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .hf_config import CheckpointError, config_from_hf, config_to_hf
+from .init import InitSpec, init_spec, shard_index
+from ..parallel.collectives import group_rank, group_size
+from ..parallel.param_attrs import param_tags
+from .transformer import MoETransformer
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def _moe_prefix(cfg: ModelConfig) -> str:
+    return "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+
+
+def _expert_names(cfg: ModelConfig) -> Tuple[str, str, str]:
+    return ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], str]]:
+    """HF tensors forming the full tensor of engine parameter ``name``: ``(leading index, hf name)`` pairs.
+
+    An empty leading index means the HF tensor *is* the full tensor.
+    """
+    top = {"embedding.weight": "model.embed_tokens.weight", "output_weight": "lm_head.weight",
+           "final_norm.weight": "model.norm.weight"}
+    if name in top:
+        return [((), top[name])]
+    m = _LAYER.match(name)
+    if not m:
+        raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
+    i, rest = int(m.group(1)), m.group(2)
+    L = f"model.layers.{i}"
+    simple = {"input_norm.weight": f"{L}.input_layernorm.weight",
+              "post_attention_norm.weight": f"{L}.post_attention_layernorm.weight"}
+    if rest in simple:
+        return [((), simple[rest])]
+    if rest.startswith("attention."):
+        return [((), f"{L}.self_attn.{rest[len('attention.'):]}")]
+    if not cfg.is_moe_layer(i):
+        return [((), f"{L}.{rest}")]                      # mlp.{gate,up,down}_proj.weight
+    P, (g, u, d) = f"{L}.{_moe_prefix(cfg)}", _expert_names(cfg)
+    if rest == "mlp.router.weight":
+        return [((), f"{P}.gate.weight")]
+    if rest == "mlp.experts.fc1_weight":
+        return [((e, h), f"{P}.experts.{e}.{w}.weight") for e in range(cfg.num_experts) for h, w in enumerate((g, u))]
+    if rest == "mlp.experts.fc2_weight":
+        return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.num_experts)]
+    S = f"{L}.mlp.shared_expert"
+    if rest == "mlp.shared_expert.fc1_weight":                       # fused [gate; up] (engine MoE layer)
+        return [((0,), f"{S}.gate_proj.weight"), ((1,), f"{S}.up_proj.weight")]
+    if rest == "mlp.shared_expert.fc2_weight":
+        return [((), f"{S}.down_proj.weight")]
+    if rest == "mlp.shared_expert.gate_weight":
+        return [((), f"{S}_gate.weight")]
+    if rest.startswith("mlp.shared_expert"):
+        return [((), f"{L}.{rest}")]
+    raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
+
+
+def hf_tensor_names(cfg: ModelConfig) -> List[str]:
+    """Every tensor name a Hugging Face checkpoint of ``cfg`` holds."""
+    H = [f"model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+    for i in range(cfg.num_layers):
+        L = f"model.layers.{i}"
+        H += [f"{L}.input_layernorm.weight", f"{L}.post_attention_layernorm.weight", f"{L}.self_attn.o_proj.weight"]
+        H += [f"{L}.self_attn.{p}_proj.{k}" for p in "qkv" for k in (("weight", "bias") if cfg.qkv_bias else ("weight",))]
+        if not cfg.is_moe_layer(i):
+            H += [f"{L}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        P = f"{L}.{_moe_prefix(cfg)}"
+        H += [f"{P}.gate.weight"] + [f"{P}.experts.{e}.{w}.weight" for e in range(cfg.num_experts)
+                                     for w in _expert_names(cfg)]
+        if cfg.shared_expert_ffn_hidden_size:
+            H += [f"{L}.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            if cfg.shared_expert_gate:
+                H.append(f"{L}.mlp.shared_expert_gate.weight")
+    return H
+
+
+def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
+    """The full shape and slice of parameter ``name``: its recorded :class:`InitSpec`, or for a module
+    that does not record one (e.g. an MoE layer that initializes itself), inferred from its tags:
+    routed experts ``[E, 2, F, H]`` / ``[E, H, F]`` sliced over EP and ETP, a fused shared-expert
+    ``fc1_weight`` as ``[2, F, H]`` sliced over TP along F, other TP-sharded dense
+    parameters along their ``tp_dim``, everything else replicated."""
+    spec = init_spec(p)
+    if spec is not None:
+        return spec
+    cfg, g, tags = model.config, model.groups, param_tags(p)
+    if tags.expert and name.endswith(("experts.fc1_weight", "experts.fc2_weight")):
+        ep, epr, etp, etpr = group_size(g.ep), group_rank(g.ep), group_size(g.etp), group_rank(g.etp)
+        E, F, H = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
+        full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
+        return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
+    if name.endswith("shared_expert.fc1_weight"):      # [gate shard; up shard] of the full [2, F, H]
+        return InitSpec((2, cfg.shared_expert_ffn_hidden_size, cfg.hidden_size),
+                        ((1, group_rank(g.tp), group_size(g.tp)),))
+    if tags.expert:
+        raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
+    if tags.tp_sharded:
+        full = list(p.shape)
+        full[tags.tp_dim] *= group_size(g.tp)
+        return InitSpec(tuple(full), ((tags.tp_dim % p.dim(), group_rank(g.tp), group_size(g.tp)),))
+    return InitSpec(tuple(p.shape), ())
+
+
+class _Reader:
+    """Lazy access to the tensors of a checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        self._open, self.path, self._handles = safe_open, path, {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            self.weight_map: Dict[str, str] = json.load(open(index))["weight_map"]
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+        missing = sorted({f for f in self.weight_map.values() if not os.path.exists(os.path.join(path, f))})
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is missing shard files {missing} listed in its index; "
+                                  "download them again")
+
+    def _file(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._open(os.path.join(self.path, fname), "pt")
+        return self._handles[fname]
+
+    def close(self, fname: str) -> None:
+        """Release the handle of shard file ``fname``."""
+        self._handles.pop(fname, None)
+
+    def read(self, name: str, shape: Tuple[int, ...], index: Tuple[slice, ...]) -> torch.Tensor:
+        """Slice ``index`` of tensor ``name``, whose full shape must be ``shape``."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+        sl = self._file(name).get_slice(name)
+        got = tuple(sl.get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {self.path} has shape {got}, the config implies {tuple(shape)}")
+        return sl[index] if index else sl[:]
+
+
+def read_hf_config(path: str) -> dict:
+    """The ``config.json`` dict of a checkpoint directory."""
+    f = os.path.join(path, "config.json")
+    if not os.path.exists(f):
+        raise CheckpointError(f"{path} has no config.json; point at a Hugging Face checkpoint directory")
+    return json.load(open(f))
+
+
+@torch.no_grad()
+def load_hf_weights(model: MoETransformer, path: str) -> None:
+    """Copy into ``model`` the slices of the checkpoint at ``path`` that this rank holds.
+
+    Reads file by file: each shard file is opened once, its needed slices are read, and it is closed.
+    """
+    reader, cfg = _Reader(path), model.config
+    expected = set(hf_tensor_names(cfg))
+    present = set(reader.weight_map) - {"lm_head.weight"} if cfg.tie_embeddings else set(reader.weight_map)
+    if expected - present or present - expected:
+        hint = ""
+        if any(k.endswith("experts.gate_up_proj") for k in present):
+            hint = ("; the checkpoint stores fused expert tensors (experts.gate_up_proj): save it with "
+                    "transformers' save_pretrained, which writes one tensor per expert")
+        raise CheckpointError(f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
+                              f"unexpected {sorted(present - expected)[:8]}{hint}")
+    tasks: Dict[str, list] = {}          # file -> [(local buffer, slot, hf name, full shape, index)]
+    buffers = []
+    for name, p in model.named_parameters():
+        spec = resolve_spec(name, p, model)
+        idx = shard_index(spec.full_shape, spec.shards)
+        local = torch.empty(tuple(s.stop - s.start for s in idx), dtype=p.dtype)
+        buffers.append((p, local))
+        for lead, hf_name in hf_components(name, cfg):
+            if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
+                continue
+            slot = tuple(v - idx[d].start for d, v in enumerate(lead))
+            tasks.setdefault(reader.weight_map[hf_name], []).append(
+                (local, slot, hf_name, spec.full_shape[len(lead):], idx[len(lead):]))
+    for fname in sorted(tasks):
+        for local, slot, hf_name, shape, index in tasks[fname]:
+            local[slot] = reader.read(hf_name, shape, index).to(local.dtype)
+        reader.close(fname)
+    for p, local in buffers:
+        p.copy_(local.reshape(p.shape))
+
+
+def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.float32, device=None,
+            config_overrides: Optional[dict] = None) -> MoETransformer:
+    """Build the engine model (1 rank, or this rank's shard under ``parallel_state``) from a HF checkpoint.
+
+    Without a layout, ``model(input_ids_BS)`` returns logits ``[B, S, V]``; with one, see
+    :class:`~folding.model.transformer.MoETransformer` for what each rank returns.
+    ``config_overrides`` replaces :class:`ModelConfig` fields that do not change tensor shapes
+    (e.g. ``router_aux_loss_coef`` for training).
+    """
+    hf = read_hf_config(path)
+    cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
+    if config_overrides:
+        cfg = cfg.replace(**config_overrides)
+    model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype,
+                           device=device, initialize=False)
+    load_hf_weights(model, path)
+    model.hf_config = hf
+    return model
+
+
+def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], torch.Tensor]]]:
+    """This rank's pieces of every HF tensor: ``hf name -> [(index into the full tensor, values)]``."""
+    out: Dict[str, list] = {}
+    for name, p in model.named_parameters():
+        spec = resolve_spec(name, p, model)
+        idx = shard_index(spec.full_shape, spec.shards)
+        local = p.detach().cpu().reshape(tuple(s.stop - s.start for s in idx))
+        for lead, hf_name in hf_components(name, model.config):
+            if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
+                continue
+            t = local[tuple(v - idx[d].start for d, v in enumerate(lead))]
+            out.setdefault(hf_name, []).append((idx[len(lead):], t.clone()))
+    return out
+
+
+def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> None:
+    """Write ``model`` as a Hugging Face checkpoint (``config.json`` + ``model.safetensors``).
+
+    Collective over the world when ``torch.distributed`` is initialized: every rank sends its pieces
+    to global rank 0 (``gather_object``), which assembles and writes the full tensors. ``dtype``
+    defaults to the parameters' dtype.
+    """
+    from safetensors.torch import save_file
+    pieces = hf_pieces(model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(pieces, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return
+    else:
+        gathered = [pieces]
+    cfg = model.config
+    shapes = {}
+    for name, p in model.named_parameters():
+        spec = resolve_spec(name, p, model)
+        for lead, hf_name in hf_components(name, cfg):
+            shapes[hf_name] = spec.full_shape[len(lead):]
+    tensors = {}
+    for hf_name in hf_tensor_names(cfg):
+        full = torch.empty(shapes[hf_name], dtype=dtype or next(model.parameters()).dtype)
+        covered = torch.zeros(shapes[hf_name], dtype=torch.bool)
+        for rank_pieces in gathered:
+            for index, t in rank_pieces.get(hf_name, []):
+                full[index] = t.to(full.dtype)
+                covered[index] = True
+        if not bool(covered.all()):
+            raise RuntimeError(f"export: no rank holds every slice of {hf_name}")
+        tensors[hf_name] = full.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf = dict(getattr(model, "hf_config", None) or config_to_hf(cfg))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)

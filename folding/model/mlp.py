@@ -1,0 +1,36 @@
+"""Dense SwiGLU MLP over the attention TP group (Hugging Face ``gate_proj``/``up_proj``/``down_proj``).
+
+``down(silu(gate(x)) * up(x))`` with gate/up column-parallel and down row-parallel; input and
+output are sequence-parallel shards ``[S/TP, B, H]``. Used for dense layers (Qwen2-MoE
+``mlp_only_layers`` / ``decoder_sparse_step``).
+
+Usage::
+
+    mlp = DenseMLP(hidden_size, ffn_hidden_size, tp_group=ps.tp_group, init_std=0.02, output_init_std=0.005)
+    y_SBH = mlp(x_SBH)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import ColumnParallelLinear, RowParallelLinear, sp_gather
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP ``H -> F -> H`` with F split over TP; ``name`` is the config field of F (for errors)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp_group, init_std: float,
+                 output_init_std: float, name: str = "model.ffn_hidden_size", device=None, dtype=torch.float32):
+        super().__init__()
+        self.tp_group = tp_group
+        kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name)
+        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_std=output_init_std, **kw)
+
+    def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """``[S/TP, B, H] -> [S/TP, B, H]``."""
+        x = sp_gather(x_SBH, self.tp_group)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

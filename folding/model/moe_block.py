@@ -1,0 +1,68 @@
+"""The default MoE-block factory: :class:`folding.moe.layer.MoELayer` configured from a :class:`ModelConfig`.
+
+:class:`~folding.model.block.TransformerLayer` calls ``moe_factory(config=, layer_number=, groups=,
+init_seed=, device=, dtype=)`` for each MoE layer; any callable with that signature returning a
+module ``[S/TP, B, H] -> [S/TP, B, H]`` can replace this one. :func:`moe_config_from_model` maps the
+architecture onto the router options (Mixtral: softmax after top-k; Qwen2-MoE: softmax before
+top-k, renormalized iff ``norm_topk_prob``), dropless, per-micro-batch aux loss, no jitter.
+
+Usage::
+
+    model = MoETransformer(cfg, parallel_state=ps, moe_factory=default_moe_factory)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .groups import ModelGroups
+
+
+def moe_config_from_model(config: ModelConfig, **overrides):
+    """A ``folding.moe.config.MoEConfig`` for ``config``'s MoE layers (``overrides`` replace fields)."""
+    try:
+        from ..moe.config import MoEConfig
+    except ImportError as e:  # pragma: no cover - depends on the MoE package being present
+        raise ImportError("folding.moe.config.MoEConfig is not available; pass moe_factory= to the model") from e
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    pre_softmax = config.pre_softmax and not config.norm_topk_prob
+    values = dict(num_experts=config.num_experts, topk=config.topk, ffn_hidden_size=config.moe_ffn_hidden_size,
+                  score_function=config.score_function, pre_softmax=pre_softmax,
+                  aux_loss_coeff=config.router_aux_loss_coef, capacity_factor=None, input_jitter_eps=None,
+                  shared_expert_ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+                  shared_expert_gate=config.shared_expert_gate)
+    values.update(overrides)
+    return MoEConfig(**{k: v for k, v in values.items() if k in fields})
+
+
+def ensure_single_process_group() -> None:
+    """Start a 1-rank gloo process group (in-memory store, no ports or files) if none exists.
+
+    The engine's token dispatchers run their (trivial) collectives even on one rank; this lets a
+    plain single-process program (``from_hf(path)``, a notebook) use the 1-rank model without calling
+    ``init_process_group`` itself. A job that initializes ``torch.distributed`` first is unaffected.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: ModelGroups, init_seed: int = 0,
+                        device=None, dtype=torch.float32):
+    """Build the engine's :class:`folding.moe.layer.MoELayer` for layer ``layer_number``.
+
+    The layer initializes its own weights from ``(init_seed, layer_number)`` (layout-independent) in
+    ``dtype``; it creates them on the CPU, so ``device`` is not used here (move the model afterwards).
+    """
+    try:
+        from ..moe.layer import MoELayer
+    except ImportError as e:  # pragma: no cover - depends on the MoE package being present
+        raise ImportError("folding.moe.layer.MoELayer is not available in this installation; pass "
+                          "moe_factory= to MoETransformer") from e
+    ensure_single_process_group()
+    return MoELayer(config=moe_config_from_model(config), hidden_size=config.hidden_size, ep_group=groups.ep,
+                    etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
+                    tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed, init_std=config.init_std,
+                    params_dtype=dtype)

@@ -1,0 +1,168 @@
+"""The decoder-only MoE transformer (Mixtral, Qwen2-MoE): embedding, layers, final norm, output.
+
+Parallelism comes from the ``parallel_state`` (attention TP with sequence parallelism, CP with
+load-balanced chunks, MoE EP/ETP inside the MoE blocks); the same code runs on 1 rank.
+
+Forward contract (``model(input_ids_BS, labels=None, loss_mask=None)``):
+
+- ``input_ids_BS``: the micro-batch's **full** sequences ``[B, S]`` (the same on all TP and CP ranks
+  of one data-parallel replica). The model keeps this CP rank's load-balanced positions
+  (:meth:`local_positions`), then splits them over TP (sequence parallelism).
+- Without ``labels``: logits ``[B, S/CP, V/TP]``: this CP rank's positions (in
+  :meth:`local_positions` order), this TP rank's vocabulary slice. On 1 rank: ``[B, S, V]``.
+- With ``labels [B, S]`` (full, like the ids): the fp32 per-token loss ``[B, S/CP]`` at this CP
+  rank's positions, computed by vocab-parallel cross-entropy (no rank holds full logits),
+  multiplied by ``loss_mask [B, S]`` when given; identical on every TP rank. The training loss is
+  ``loss.sum() / global_token_count`` (global count of unmasked tokens over DP x CP), whose
+  gradients are then summed over DP x CP (dense) and EDP (experts).
+
+Pipeline stages (later) cut the model at ``embedding`` / ``layers[i:j]`` / ``final_norm`` +
+``output_layer``: :meth:`embed`, :meth:`run_layers` and :meth:`head` are those pieces.
+
+Usage::
+
+    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, init_seed=1)
+    loss_BS = model(ids_BS, labels=labels_BS, loss_mask=mask_BS)
+    (loss_BS.sum() / global_tokens).backward()
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .block import MoEFactory, TransformerLayer
+from .config import ModelConfig
+from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .groups import ModelGroups
+from .init import initialize_parameters, set_init_spec
+from .linear import sp_gather
+from .norm import RMSNorm
+from .rope import rope_cos_sin
+from ..parallel.collectives import group_rank, group_size
+from ..parallel.param_attrs import mark_param
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only MoE language model; see the module docstring for the forward contract.
+
+    Args:
+        config: the architecture.
+        parallel_state: a :class:`~folding.parallel.ParallelState`, or ``None`` for 1 rank.
+        init_seed: seed of the layout-independent initialization.
+        moe_factory: builds MoE blocks (default: :func:`folding.model.moe_block.default_moe_factory`).
+        device, dtype: where and in which dtype parameters are created (``meta`` skips init).
+        initialize: fill parameters now (set False when weights are loaded right after).
+    """
+
+    def __init__(self, config: ModelConfig, *, parallel_state=None, init_seed: int = 0,
+                 moe_factory: Optional[MoEFactory] = None, device=None, dtype=torch.float32,
+                 initialize: bool = True):
+        super().__init__()
+        if parallel_state is not None and parallel_state.layout.pp > 1:
+            raise NotImplementedError("parallel.pp > 1 needs the pipeline module to cut the model into stages")
+        self.config = config
+        self.groups = ModelGroups.from_state(parallel_state) if parallel_state is not None else ModelGroups.single()
+        if moe_factory is None:
+            from .moe_block import default_moe_factory
+            moe_factory = default_moe_factory
+        self.check_layout()
+        kw = dict(device=device, dtype=dtype)
+        g = self.groups
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=g.tp,
+                                                init_std=config.init_std, tied=config.tie_embeddings, **kw)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw)
+            for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
+        if config.tie_embeddings:
+            self.output_weight = None
+        else:
+            tp, r = group_size(g.tp), group_rank(g.tp)
+            self.output_weight = nn.Parameter(torch.empty(config.vocab_size // tp, config.hidden_size, **kw))
+            mark_param(self.output_weight, tp_sharded=True, tp_dim=0)
+            set_init_spec(self.output_weight, full_shape=(config.vocab_size, config.hidden_size),
+                          shards=((0, r, tp),), std=config.init_std)
+        if initialize and torch.device(device or "cpu").type != "meta":
+            initialize_parameters(self, init_seed)
+
+    # ------------------------------------------------------------------------------ checks
+    def check_layout(self) -> None:
+        """Raise a clear error if the attention layout does not divide the architecture."""
+        c, tp = self.config, self.groups.tp_size
+        for what, n in (("model.num_attention_heads", c.num_attention_heads), ("model.num_kv_heads", c.num_kv_heads),
+                        ("model.vocab_size", c.vocab_size)):
+            if n % tp:
+                raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among "
+                                 f"the divisors of {n}")
+        ep = group_size(self.groups.ep)
+        if c.num_moe_layers() and c.num_experts % ep:
+            raise ValueError(f"model.num_experts={c.num_experts} is not divisible by parallel.ep={ep}; choose "
+                             f"parallel.ep among the divisors of {c.num_experts}")
+        etp = group_size(self.groups.etp)
+        if c.num_moe_layers() and c.moe_ffn_hidden_size % etp:
+            raise ValueError(f"model.moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by "
+                             f"parallel.etp={etp}; choose parallel.etp among its divisors")
+
+    def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Sequence positions held by this CP rank (before the TP split), in the model's order."""
+        return cp_positions(seq_len, self.groups.cp_rank, self.groups.cp_size, device)
+
+    # ------------------------------------------------------------------------------ pieces
+    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Full ids ``[B, S]`` -> this rank's hidden shard ``[S/(CP*TP), B, H]``."""
+        pos = self.local_positions(input_ids_BS.shape[1], input_ids_BS.device)
+        return self.embedding(input_ids_BS[:, pos])
+
+    def rope(self, seq_len: int, device=None):
+        """``(cos, sin, kv_order, chunk_starts)`` for this CP rank at sequence length ``seq_len``.
+
+        ``kv_order`` sorts CP-gathered keys into sequence order (``None`` without CP);
+        ``chunk_starts`` are the first positions of this rank's chunks.
+        """
+        q_pos = self.local_positions(seq_len, device)
+        cos, sin = rope_cos_sin(q_pos, self.config.kv_channels, self.config.rope_theta)
+        cp = self.groups.cp_size
+        if cp == 1:
+            return cos, sin, None, (0,)
+        kv_order = torch.argsort(gathered_positions(seq_len, cp, device))
+        c = seq_len // (2 * cp)
+        return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
+
+    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Layers ``[start, end)`` on a hidden shard."""
+        rope = self.rope(seq_len, x_SBH.device)
+        for layer in self.layers[start:end]:
+            x_SBH = layer(x_SBH, rope)
+        return x_SBH
+
+    def head(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: ``[S/(CP*TP), B, H]`` -> logits ``[S/CP, B, V/TP]``."""
+        x = sp_gather(self.final_norm(x_SBH), self.groups.tp)
+        w = self.embedding.weight if self.output_weight is None else self.output_weight
+        return F.linear(x, w)
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, input_ids_BS: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[B, S/CP, V/TP]`` or, with ``labels``, per-token losses ``[B, S/CP]`` (module docstring)."""
+        if input_ids_BS.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids_BS.shape)}")
+        B, S = input_ids_BS.shape
+        check_cp_seq_len(S, self.groups.cp_size, self.groups.tp_size)
+        for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+            if t is not None and tuple(t.shape) != (B, S):
+                raise ValueError(f"{name} must have the shape of input_ids {(B, S)}, got {tuple(t.shape)}")
+        logits_SBV = self.head(self.run_layers(self.embed(input_ids_BS), S))
+        if labels is None:
+            return logits_SBV.transpose(0, 1)
+        pos = self.local_positions(S, input_ids_BS.device)
+        loss_SB = vocab_parallel_cross_entropy(logits_SBV, labels[:, pos].t(), self.groups.tp)
+        loss_BS = loss_SB.t()
+        if loss_mask is not None:
+            loss_BS = loss_BS * loss_mask[:, pos].to(loss_BS.dtype)
+        return loss_BS

@@ -1,0 +1,179 @@
+"""Token dispatchers: move the attention rank's tokens to the ranks of their experts and back.
+
+Two implementations share Megatron-Core's six-stage ``MoETokenDispatcher`` interface, so either can
+replace one in another codebase:
+
+=========================================  ==========================================================
+``dispatch_preprocess(hidden, map, probs)`` local work before communication → ``(hidden, probs)``
+``token_dispatch(hidden, probs)``           communication → ``(hidden, probs)``
+``dispatch_postprocess(hidden, probs)``     → ``(tokens_NH, tokens_per_expert_L, probs_N)`` for the experts
+``combine_preprocess(out)``                 local work on the experts' output
+``token_combine(out)``                      communication
+``combine_postprocess(out)``                → the input's shape (``[S, B, H]`` or ``[T, H]``)
+=========================================  ==========================================================
+
+plus :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` doing three stages each.
+
+- :class:`~folding.moe.dispatcher_alltoall.AllToAllDispatcher`: permute locally by expert, EP
+  all-to-all, ETP all-gather, sort by local expert; the reverse with an ETP reduce-scatter.
+- :class:`~folding.moe.dispatcher_allgather.AllGatherDispatcher`: all-gather tokens, probabilities and
+  map over ETP×EP, keep the local experts' columns; reduce-scatter on the way back.
+
+Router probabilities travel with the tokens; the experts apply them (after the activation) and the
+combine is an unweighted sum. ``tokens_per_expert`` is a CPU ``int64`` tensor (known on the host
+from the split sizes), so grouped GEMMs need no further device-to-host read.
+
+Under folding, the input tokens are this *attention* rank's local tokens, distinct on every rank,
+and every rank of the ETP×EP domain must hold the same number ``T`` of them (equal micro-batch
+shapes). Dropless mode (``capacity_factor=None``) needs exactly ``topk`` experts per token in the map;
+dropping modes need the map already capacity-limited by the router (decided from local tokens).
+
+Usage::
+
+    d = build_dispatcher("alltoall", num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
+    out_SBH = d.combine(experts(tokens_NH, tokens_per_expert_L, probs_N))
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .wire import WIRE_FORMATS, check_wire
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def _group_ranks(group, name: str):
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception as e:  # not a group this rank belongs to, or not a group at all
+        raise ValueError(f"{name} is not a process group this rank belongs to ({e}); pass the group of the "
+                         f"expert view that contains this rank (e.g. ParallelState.{name})") from None
+
+
+class TokenDispatcher:
+    """Shared validation and the ``dispatch`` / ``combine`` shortcuts (see the module docstring).
+
+    Args:
+        num_experts: E, the global number of experts.
+        topk: experts per token.
+        ep_group: the expert-parallel group (EP ranks own disjoint expert slices).
+        etp_group: the expert-tensor-parallel group (ranks sharing the same experts, F sharded).
+        num_local_experts: optional check: must equal ``E / EP``.
+        capacity_factor: ``None`` for dropless; otherwise the map is capacity-limited by the router.
+        pad_to_capacity: every expert receives exactly ``min(capacity, T)`` rows from every rank
+            (static shapes, no host sync). Needs ``capacity_factor``.
+        dispatch_wire, combine_wire, grad_wire: ``none`` | ``fp8`` | ``mxfp8`` (see ``folding.moe.wire``).
+    """
+
+    def __init__(self, *, num_experts: int, topk: int, ep_group, etp_group,
+                 num_local_experts: Optional[int] = None, capacity_factor: Optional[float] = None,
+                 pad_to_capacity: bool = False, dispatch_wire: str = "none", combine_wire: str = "none",
+                 grad_wire: str = "none"):
+        if not dist.is_initialized():
+            raise RuntimeError("token dispatchers need torch.distributed initialized (a 1-rank group is fine)")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
+        ep_ranks = _group_ranks(ep_group, "ep_group")
+        etp_ranks = _group_ranks(etp_group, "etp_group")
+        self.ep_size, self.etp_size = len(ep_ranks), len(etp_ranks)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep_size}; "
+                             f"choose parallel.ep among the divisors of {num_experts}")
+        shared = set(ep_ranks) & set(etp_ranks)
+        if shared != {dist.get_rank()}:
+            raise ValueError(f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
+                             f"({dist.get_rank()}); they look like the same or mismatched groups: pass "
+                             f"ParallelState.ep_group and ParallelState.etp_group of the same layout")
+        self.num_local_experts = num_experts // self.ep_size
+        if num_local_experts is not None and num_local_experts != self.num_local_experts:
+            raise ValueError(f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
+                             f"{self.ep_size} = {self.num_local_experts}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
+        for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire),
+                          ("grad_wire", grad_wire)):
+            if fmt not in WIRE_FORMATS:
+                raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+        self.num_experts, self.topk = num_experts, topk
+        self.ep_group, self.etp_group = ep_group, etp_group
+        self.ep_rank, self.etp_rank = dist.get_rank(ep_group), dist.get_rank(etp_group)
+        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
+        self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
+        self.local_expert_offset = self.ep_rank * self.num_local_experts
+        self.last_stats: dict = {}
+        """Byte and row counts of the last dispatch/combine (host numbers, no sync needed)."""
+
+    @property
+    def dropless(self) -> bool:
+        """True when no token is ever dropped (``capacity_factor is None``)."""
+        return self.capacity_factor is None
+
+    def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
+        """Check shapes and wire formats (before any collective); return H."""
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
+        H = hidden.shape[-1]
+        T = hidden.numel() // H
+        if routing_map_TE.shape != (T, self.num_experts) or routing_map_TE.dtype != torch.bool:
+            raise ValueError(f"routing_map must be bool [T={T}, E={self.num_experts}], got "
+                             f"{routing_map_TE.dtype} {tuple(routing_map_TE.shape)}")
+        if probs_TE.shape != (T, self.num_experts):
+            raise ValueError(f"probs must be [T={T}, E={self.num_experts}], got {tuple(probs_TE.shape)}")
+        for name in ("dispatch_wire", "combine_wire", "grad_wire"):
+            check_wire(f"moe.{name}", getattr(self, name), hidden.dtype, H)
+        return H
+
+    # Six stages, implemented by subclasses.
+    def dispatch_preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
+        """Local work before the dispatch communication; returns ``(hidden, probs)``."""
+        raise NotImplementedError
+
+    def token_dispatch(self, hidden, probs):  # pragma: no cover - interface
+        """The dispatch communication; returns ``(hidden, probs)``."""
+        raise NotImplementedError
+
+    def dispatch_postprocess(self, hidden, probs):  # pragma: no cover - interface
+        """Local work after it; returns ``(tokens_NH, tokens_per_expert_L, probs_N)``, expert-major."""
+        raise NotImplementedError
+
+    def combine_preprocess(self, out):  # pragma: no cover - interface
+        """Local work on the experts' output before the combine communication."""
+        raise NotImplementedError
+
+    def token_combine(self, out):  # pragma: no cover - interface
+        """The combine communication."""
+        raise NotImplementedError
+
+    def combine_postprocess(self, out):  # pragma: no cover - interface
+        """Local work after it; returns the shape ``hidden`` had in ``dispatch_preprocess``."""
+        raise NotImplementedError
+
+    def dispatch(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (CPU int64), probs_N)``."""
+        h, p = self.dispatch_preprocess(hidden, routing_map_TE, probs_TE)
+        h, p = self.token_dispatch(h, p)
+        return self.dispatch_postprocess(h, p)
+
+    def combine(self, out_NH: torch.Tensor) -> torch.Tensor:
+        """The three combine stages: expert output rows back to the input's shape (unweighted sum)."""
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(out_NH)))
+
+
+def build_dispatcher(kind: str, **kwargs) -> TokenDispatcher:
+    """Create the dispatcher named ``kind`` (``alltoall`` or ``allgather``) with ``kwargs``."""
+    if kind == "alltoall":
+        from .dispatcher_alltoall import AllToAllDispatcher
+        return AllToAllDispatcher(**kwargs)
+    if kind == "allgather":
+        from .dispatcher_allgather import AllGatherDispatcher
+        return AllGatherDispatcher(**kwargs)
+    raise ValueError(f"moe.dispatcher={kind!r} is not a dispatcher; choose one of {DISPATCHERS}")

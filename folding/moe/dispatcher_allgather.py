@@ -1,0 +1,106 @@
+"""The all-gather token dispatcher: every rank of ETP×EP sees every token, keeps its experts' columns.
+
+Dispatch: all-gather tokens, probabilities and routing map over ETP, then over EP (the order does not
+depend on how the layout enumerates the ETP×EP domain); keep the columns of the local experts and
+permute the kept rows expert-major. Combine: sum each gathered token's expert rows, reduce-scatter
+over EP then ETP (the sum also adds the ETP partial outputs). No uneven all-to-all is needed, which
+suits small EP or large top-k; every rank receives all ``R·T`` tokens.
+
+Dropless and dropping modes read the local experts' row counts once on the host (the layer's only
+device-to-host sync, in ``dispatch_postprocess``); pad-to-capacity needs none. The wire is the
+activation dtype (quantized wires are offered by the all-to-all dispatcher).
+
+Shape-suffix legend: ``T`` local tokens, ``G`` gathered tokens (``ETP·EP·T``), ``H`` hidden, ``E``
+experts, ``L`` local experts, ``N`` permuted rows.
+
+Usage::
+
+    d = AllGatherDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
+    out_SBH = d.combine(expert_out_NH)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from folding.parallel.collectives import gather_from_sequence_region, reduce_scatter_to_sequence_region
+
+from . import host_sync
+from .dispatcher import TokenDispatcher
+from .permute import padded_rows_per_expert, permute, unpermute
+from .wire import all_gather_single
+
+
+def _gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """All-gather dispatcher (see the module docstring); arguments as :class:`TokenDispatcher`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for name in ("dispatch_wire", "combine_wire", "grad_wire"):
+            if getattr(self, name) != "none":
+                raise ValueError(f"moe.{name}={getattr(self, name)!r}: the allgather dispatcher sends the "
+                                 f"activation dtype only; set moe.dispatcher=alltoall for a quantized wire")
+
+    def dispatch_preprocess(self, hidden, routing_map, probs):
+        """Validate and flatten to ``[T, H]``; returns ``(tokens_TH, probs_TE)``."""
+        H = self._validate(hidden, routing_map, probs)
+        self._hidden_shape = hidden.shape
+        self._routing_map = routing_map
+        tokens_TH = hidden.reshape(-1, H)
+        self._num_tokens = tokens_TH.shape[0]
+        return tokens_TH, probs
+
+    def token_dispatch(self, hidden, probs):
+        """All-gather tokens and probabilities over ETP then EP (backward: reduce-scatter of the
+        gradients); the routing map is gathered alongside without gradient. Returns ``(tokens_GH, probs_GE)``."""
+        x, p = hidden, probs
+        m = self._routing_map.to(torch.uint8)
+        for group in (self.etp_group, self.ep_group):
+            x = gather_from_sequence_region(x, group, grad_reduce=True)
+            p = gather_from_sequence_region(p, group, grad_reduce=True)
+            m = _gather_nograd(m, group)
+        self._map_GE = m.bool()
+        H, elem = hidden.shape[-1], hidden.element_size()
+        R, T = self.ep_size * self.etp_size, self._num_tokens
+        self.last_stats = {"ep_dispatch_bytes": (R - 1) * T * H * elem, "ep_combine_bytes": (R - 1) * T * H * elem}
+        return x, p
+
+    def dispatch_postprocess(self, hidden, probs):
+        """Keep the local experts' columns and permute expert-major (one host read of the counts, none
+        with pad-to-capacity). Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
+        lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
+        map_GL, probs_GL = self._map_GE[:, lo:hi], probs[:, lo:hi]
+        self._num_gathered = hidden.shape[0]
+        if self.pad_to_capacity:
+            R = self.ep_size * self.etp_size
+            rows = padded_rows_per_expert(self._num_tokens, self.topk, self.num_experts, self.capacity_factor)
+            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
+            tpe = [rows * R] * self.num_local_experts
+        else:
+            tpe = host_sync.to_host(map_GL.sum(0), reason="allgather counts")
+            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(tpe))
+        return out, torch.tensor(tpe, dtype=torch.long), p
+
+    def combine_preprocess(self, out):
+        """Sum each gathered token's expert rows (unweighted): ``[G, H]``."""
+        return unpermute(out, self._token_idx, num_tokens=self._num_gathered)
+
+    def token_combine(self, out):
+        """Reduce-scatter over EP then ETP (forward); all-gather of the gradient (backward)."""
+        for group in (self.ep_group, self.etp_group):
+            out = reduce_scatter_to_sequence_region(out, group)
+        return out
+
+    def combine_postprocess(self, out):
+        """Restore the input shape."""
+        return out.reshape(self._hidden_shape)

@@ -1,0 +1,163 @@
+"""The all-to-all token dispatcher: EP all-to-all plus ETP all-gather, the reverse on combine.
+
+Dispatch, on every rank of the ETP×EP domain:
+
+1. count rows per global expert; gather the counts over ETP then over EP (device collectives);
+2. permute local tokens expert-major (``folding.moe.permute.permute``), so the rows for each EP rank
+   are contiguous;
+3. read the gathered counts on the host (the single device-to-host sync per layer, deferred to
+   here, just before the split sizes are needed; none with pad-to-capacity, where all splits are
+   static) and send the rows over EP, then all-gather them over ETP (ETP ranks hold different
+   tokens under folding, so they must see each other's);
+4. sort the received chunks from rank-major to expert-major.
+
+Combine reverses it: unsort, reduce-scatter the ETP partial outputs, EP all-to-all back, and sum
+each token's expert rows (unweighted; the experts applied the probabilities).
+
+Shape-suffix legend: ``T`` local tokens, ``H`` hidden, ``E`` experts, ``L`` local experts, ``N``
+rows (permuted pairs), ``R`` ranks.
+
+Usage::
+
+    d = AllToAllDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    x, p = d.dispatch_preprocess(hidden_SBH, routing_map_TE, probs_TE)
+    x, p = d.token_dispatch(x, p)
+    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch_postprocess(x, p)
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out_NH)))
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import host_sync
+from .dispatcher import TokenDispatcher
+from .permute import (AllToAllPlan, chunk_permutation, inverse_order, padded_rows_per_expert, permute,
+                      plan_alltoall, unpermute)
+from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather equal-size tensors along a new leading dim (no autograd; used for counts)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous().unsqueeze(0)
+    out = x.new_empty((n,) + tuple(x.shape[1:]))
+    all_gather_single(out, x, group=group)
+    return out
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """All-to-all dispatcher (see the module docstring); arguments as :class:`TokenDispatcher`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._plan: Optional[AllToAllPlan] = None
+        self._counts_dev: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------------------- dispatch
+    def dispatch_preprocess(self, hidden, routing_map, probs):
+        """Validate, count, start the count gathers, permute locally. Returns ``(rows_NH, probs_N)``."""
+        H = self._validate(hidden, routing_map, probs)
+        self._hidden_shape, self._hidden_size, self._dtype = hidden.shape, H, hidden.dtype
+        tokens_TH = hidden.reshape(-1, H)
+        T = tokens_TH.shape[0]
+        self._num_tokens, self._plan, self._counts_dev = T, None, None
+        E = self.num_experts
+        if self.pad_to_capacity:
+            rows = padded_rows_per_expert(T, self.topk, E, self.capacity_factor)
+            self._set_plan([[[rows] * E for _ in range(self.etp_size)] for _ in range(self.ep_size)])
+            out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
+            return out, probs_N
+        counts_E = routing_map.sum(0)
+        counts_ETP_E = _gather_rows(counts_E, self.etp_group)
+        self._counts_dev = _gather_rows(counts_ETP_E, self.ep_group)  # [EP, ETP, E]
+        if self.dropless:
+            num_out = T * self.topk  # static: the sync is deferred to token_dispatch
+        else:
+            self._read_counts()      # dropping: the row count is needed now
+            num_out = self._plan.num_out_tokens
+        out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
+        return out, probs_N
+
+    def _read_counts(self) -> None:
+        counts = host_sync.to_host(self._counts_dev, reason="alltoall splits")
+        self._set_plan(counts)
+        if self.dropless and self._plan.num_out_tokens != self._num_tokens * self.topk:
+            raise ValueError(f"dropless dispatch expects exactly topk={self.topk} experts per token "
+                             f"({self._num_tokens * self.topk} pairs) but the routing map holds "
+                             f"{self._plan.num_out_tokens}; set capacity_factor if the router drops tokens")
+
+    def _set_plan(self, counts) -> None:
+        plan = plan_alltoall(counts, ep_size=self.ep_size, etp_size=self.etp_size, ep_rank=self.ep_rank,
+                             etp_rank=self.etp_rank, num_local_experts=self.num_local_experts)
+        self._plan = plan
+        if plan.sort_idxs != sorted(plan.sort_idxs):  # e.g. one local expert and ETP=1: already sorted
+            perm = chunk_permutation(plan.chunk_sizes, plan.sort_idxs)
+            self._sort_idx = torch.tensor(perm, dtype=torch.long)
+            self._unsort_idx = torch.tensor(inverse_order(perm), dtype=torch.long)
+        else:
+            self._sort_idx = self._unsort_idx = None
+
+    def _spec(self, wire: str) -> ExchangeSpec:
+        p = self._plan
+        return ExchangeSpec(ep_group=self.ep_group, etp_group=self.etp_group, ep_send=p.input_splits,
+                            ep_recv=p.output_splits, etp_sizes=p.etp_sizes, wire=wire, grad_wire=self.grad_wire,
+                            hidden_size=self._hidden_size, dtype=self._dtype)
+
+    def token_dispatch(self, hidden, probs):
+        """EP all-to-all then ETP all-gather of rows and probabilities (the host sync happens here when
+        dropless). Returns rank-major ``(rows, probs)``."""
+        if self._plan is None:
+            self._read_counts()
+        self._record_stats()
+        return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire))
+
+    def dispatch_postprocess(self, hidden, probs):
+        """Sort rank-major chunks expert-major. Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
+        if self._sort_idx is not None:
+            idx = self._sort_idx.to(hidden.device)
+            hidden = hidden.index_select(0, idx)
+            probs = None if probs is None else probs.index_select(0, idx)
+        return hidden, torch.tensor(self._plan.tokens_per_expert, dtype=torch.long), probs
+
+    # -------------------------------------------------------------------------------- combine
+    def combine_preprocess(self, out):
+        """Undo the expert-major sort (back to rank-major chunks)."""
+        if self._unsort_idx is not None:
+            out = out.index_select(0, self._unsort_idx.to(out.device))
+        return out
+
+    def token_combine(self, out):
+        """ETP reduce-scatter of partial outputs, then the reverse EP all-to-all."""
+        return combine_exchange(out, self._spec(self.combine_wire))
+
+    def combine_postprocess(self, out):
+        """Sum each token's expert rows (unweighted) and restore the input shape."""
+        y = unpermute(out, self._token_idx, num_tokens=self._num_tokens)
+        return y.reshape(self._hidden_shape)
+
+    # ---------------------------------------------------------------------------------- stats
+    def _record_stats(self) -> None:
+        p, H, dt = self._plan, self._hidden_size, self._dtype
+        remote_recv = sum(p.output_splits) - p.output_splits[self.ep_rank]
+        disp = payload_bytes_per_row(self.dispatch_wire, H, dt)
+        comb = payload_bytes_per_row(self.combine_wire, H, dt)
+        elem = torch.empty((), dtype=dt).element_size()
+        me = self.etp_rank
+        self.last_stats = {
+            "rows_sent": p.num_out_tokens,
+            "remote_rows_sent": p.remote_rows,
+            "remote_rows_received": remote_recv,
+            # hidden payload (scales included, probabilities excluded) leaving this rank over EP
+            "ep_dispatch_bytes": p.remote_rows * disp,
+            "ep_combine_bytes": remote_recv * comb,
+            # unquantized floor: one row per remote (token, expert) pair, each way
+            "ep_floor_bytes": (p.remote_rows + remote_recv) * H * elem,
+            "etp_allgather_bytes": p.etp_sizes[me] * disp * (self.etp_size - 1),
+            "etp_reduce_scatter_bytes": (sum(p.etp_sizes) - p.etp_sizes[me]) * H * elem,
+            "tokens_per_expert": list(p.tokens_per_expert),
+        }

@@ -1,0 +1,211 @@
+"""Grouped-GEMM backends for the experts: ``y[rows of e] = x[rows of e] · w[e]ᵀ`` for every local expert.
+
+Legend: N rows (tokens routed to this rank's experts, sorted expert-major), E local experts,
+K contraction size, O output size; ``x_NK``, ``w_EOK`` (nn.Linear-style out×in), ``y_NO``.
+
+Backends (all take the same arguments and give the same result up to round-off):
+
+- ``loop``: one matmul per expert; the reference.
+- ``torch``: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) where the build has it.
+  Its CPU backward rejects stride-0 gradients and strides that are not multiples of 16 bytes, so
+  the output's gradient is made contiguous and K / O are zero-padded to 16-byte multiples.
+- ``emulated``: the loop on FP8/MXFP8-quantized operands (:func:`folding.quant.emulated_linear`).
+- ``te``: TransformerEngine ``GroupedLinear`` (see :mod:`folding.moe.expert_te`).
+
+Large inputs: grouped kernels index with 32-bit integers (int32 offsets, and element offsets in
+some kernels), so :func:`plan_chunks` splits the rows into calls of fewer than 2^31 elements per
+operand, splitting an expert across calls when it alone is too large.
+
+Usage::
+
+    y_NO = grouped_linear(x_NK, w_EOK, counts_E, backend="torch")
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from folding.quant import emulated_linear
+
+INDEX_LIMIT = 2**31 - 1
+"""Largest element count one grouped-GEMM call may address with 32-bit indices."""
+
+
+def host_counts(tokens_per_expert, num_experts: int, num_rows: int) -> list[int]:
+    """``tokens_per_expert`` (list or int tensor, any device) as a validated Python list."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.dim() != 1 or tokens_per_expert.dtype.is_floating_point:
+            raise ValueError(
+                f"tokens_per_expert must be a 1-D integer tensor [E_local]; got {tokens_per_expert.dtype} "
+                f"shape {tuple(tokens_per_expert.shape)}"
+            )
+        counts = [int(c) for c in tokens_per_expert.tolist()]
+    else:
+        counts = [int(c) for c in tokens_per_expert]
+    if len(counts) != num_experts:
+        raise ValueError(
+            f"tokens_per_expert has {len(counts)} entries but this rank holds num_local_experts={num_experts}"
+        )
+    if any(c < 0 for c in counts) or sum(counts) != num_rows:
+        raise ValueError(
+            f"tokens_per_expert={counts} must be non-negative and sum to the number of token rows "
+            f"({num_rows}); sort tokens expert-major and pass the per-expert counts"
+        )
+    return counts
+
+
+def plan_chunks(counts: list[int], width: int, limit: int = INDEX_LIMIT) -> list[list[tuple[int, int]]]:
+    """Split expert-major rows into calls addressing at most ``limit`` elements of width ``width``.
+
+    Returns a list of calls, each a list of ``(expert, rows)`` pieces in row order; an expert with
+    more than ``limit // width`` rows is split across calls. One call when everything fits.
+    """
+    max_rows = max(1, limit // max(1, width))
+    calls: list[list[tuple[int, int]]] = [[]]
+    used = 0
+    for e, c in enumerate(counts):
+        while True:
+            take = min(c, max_rows - used)
+            if take > 0 or c == 0:
+                calls[-1].append((e, take))
+                used += take
+                c -= take
+            if c == 0:
+                break
+            calls.append([])
+            used = 0
+    return calls
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity in forward; backward makes the incoming gradient dense and contiguous (no stride 0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _grouped_mm_fn():
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+@functools.lru_cache(maxsize=None)
+def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once)."""
+    fn = _grouped_mm_fn()
+    if fn is None:
+        return False
+    try:
+        x = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
+        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        offs = torch.tensor([2, 4], dtype=torch.int32, device=device_type)
+        y = fn(x, w.transpose(-2, -1), offs=offs)
+        y.backward(torch.ones_like(y))
+        return bool(torch.allclose(y.float(), torch.full((4, 16), 16.0, device=device_type)))
+    except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
+        return False
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[dim]) % multiple
+    if pad == 0:
+        return t
+    spec = [0, 0] * (t.dim() - (dim % t.dim()) - 1) + [0, pad]
+    return torch.nn.functional.pad(t, spec)
+
+
+def _torch_call(x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    fn = _grouped_mm_fn()
+    out = w_EOK.shape[1]
+    align = max(1, 16 // x_NK.element_size())
+    xp = _pad_to(x_NK, 1, align).contiguous()
+    wp = _pad_to(_pad_to(w_EOK, 2, align), 1, align).contiguous()
+    if isinstance(counts, torch.Tensor):
+        offs = counts.to(device=x_NK.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+    else:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NK.device)
+    y = fn(xp, wp.transpose(-2, -1), offs=offs)
+    y = _ContiguousGrad.apply(y)
+    return y[:, :out] if y.shape[1] != out else y
+
+
+def _loop_call(x_NK, w_EOK, counts, linear, experts):
+    outs, start = [], 0
+    for i, c in enumerate(counts):
+        if c:
+            outs.append(linear(x_NK[start : start + c], w_EOK[experts[i]], experts[i]))
+        start += c
+    if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
+        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK[experts].sum() + 0 * x_NK.sum()
+    return torch.cat(outs, 0)
+
+
+def grouped_linear(
+    x_NK: torch.Tensor,
+    w_EOK: torch.Tensor,
+    tokens_per_expert,
+    backend: str,
+    fp8_recipe: str | None = None,
+    index_limit: int = INDEX_LIMIT,
+    delayed=None,
+    name: str = "",
+) -> torch.Tensor:
+    """``y_NO`` with ``y[rows of e] = x[rows of e] · w_EOK[e]ᵀ``; rows expert-major.
+
+    ``tokens_per_expert``: list or 1-D integer tensor [E] (CPU or device). ``backend`` is ``loop``,
+    ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
+    no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
+    tensor of counts and an input that fits one call runs without a host sync (and without
+    checking that the counts sum to N). ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
+    ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
+    """
+    num_rows, num_experts = x_NK.shape[0], w_EOK.shape[0]
+    width = max(x_NK.shape[1], w_EOK.shape[1])
+    fits = num_rows * (width + 16) <= index_limit
+    if (
+        backend == "torch"
+        and fits
+        and isinstance(tokens_per_expert, torch.Tensor)
+        and tokens_per_expert.device.type != "cpu"
+    ):
+        if tuple(tokens_per_expert.shape) != (num_experts,):
+            raise ValueError(
+                f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
+            )
+        return _torch_call(x_NK, w_EOK, tokens_per_expert)
+    counts = host_counts(tokens_per_expert, num_experts, num_rows)
+    calls = plan_chunks(counts, width + 16, index_limit)
+    if backend == "emulated":
+        linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
+    else:
+        linear = _plain_one
+    outs, start = [], 0
+    for call in calls:
+        rows = sum(c for _, c in call)
+        xs = x_NK[start : start + rows]
+        experts = [e for e, _ in call]
+        sub_counts = [c for _, c in call]
+        if backend == "torch":
+            whole = experts == list(range(num_experts))
+            ws = w_EOK if whole else w_EOK[torch.tensor(experts, device=w_EOK.device)]
+            outs.append(_torch_call(xs, ws, sub_counts))
+        elif backend in ("loop", "emulated"):
+            outs.append(_loop_call(xs, w_EOK, sub_counts, linear, experts))
+        else:
+            raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
+        start += rows
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _plain_one(x_MK, w_OK, expert):
+    return x_MK @ w_OK.t()
+
+
+def _emulated_one(x_MK, w_OK, expert, recipe, delayed, name):
+    return emulated_linear(x_MK, w_OK, recipe, delayed=delayed, key=(name, expert))

@@ -1,0 +1,238 @@
+"""Grouped SwiGLU experts: every local expert's MLP as grouped GEMMs, with pluggable backends.
+
+Legend: N token rows on this rank (sorted expert-major), H hidden size, F full per-expert FFN size,
+Fl = F / ETP the shard this rank holds, E local experts.
+
+For each local expert e with rows x_e: ``out_e = (silu(x_e·gate_eᵀ) ⊙ (x_e·up_eᵀ) ⊙ p_e) · fc2_eᵀ``
+(the router probabilities p multiply the activation before fc2; the combine is then an unweighted
+sum). Under ETP the output is a partial sum over F shards: the dispatcher reduce-scatters it.
+
+Parameters (the same for every backend):
+
+- ``fc1_weight [E, 2·Fl, H]``: rows ``[0:Fl]`` are this ETP rank's shard of gate, ``[Fl:]`` its
+  shard of up; the logical full fc1 of an expert is ``[gate; up]`` of shape ``[2F, H]``.
+- ``fc2_weight [E, H, Fl]``: this rank's column shard of the full ``[H, F]``.
+
+Initialization does not depend on the layout: the full tensors of GLOBAL expert
+``g = expert_offset + i`` are drawn from ``normal(0, init_std)`` with a generator seeded by
+:func:`expert_init_seed` ``(init_seed, g, which)``, and each rank keeps its slice
+(:meth:`GroupedMLP.full_shape_slices` says which).
+
+Backends: ``loop`` (reference), ``torch`` (grouped_mm), ``emulated`` (loop on FP8/MXFP8-quantized
+operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
+under ``fp8_autocast``), ``auto`` (best available; logs its choice).
+
+Usage::
+
+    mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
+                     etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="auto")
+    out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from folding.moe.expert_backends import grouped_linear, host_counts, torch_grouped_mm_supported
+from folding.moe.expert_te import TEGroupedRunner, te_available
+from folding.parallel.param_attrs import mark_param
+from folding.quant.delayed import DelayedScaling
+from folding.quant.emulate import RECIPES
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "te", "torch", "loop", "emulated")
+"""Names accepted by ``GroupedMLP(backend=...)``."""
+
+
+def expert_init_seed(init_seed: int, global_expert: int, which: int) -> int:
+    """Seed of the generator for one full expert weight (``which``: 0 = fc1, 1 = fc2); layout-free."""
+    return (int(init_seed) * 1_000_003 + int(global_expert) * 7919 + int(which) * 104_729) % (2**63 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMap:
+    """How a local expert weight maps onto the full per-expert tensor of every local expert.
+
+    ``local[i][local_slice along dim] == full(global_experts[i])[full_slice along dim]`` for each
+    ``(local_slice, full_slice)`` in ``pieces``; other dimensions are whole.
+    """
+
+    full_shape: tuple[int, ...]
+    """Shape of one expert's full (unsharded) tensor."""
+    global_experts: tuple[int, ...]
+    """Global expert index of each local expert, in local order."""
+    dim: int
+    """Dimension of the per-expert tensor that ETP shards."""
+    pieces: tuple[tuple[slice, slice], ...]
+    """``(local_slice, full_slice)`` pairs along ``dim``."""
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor for one expert, cut from its full tensor."""
+        return torch.cat([full.narrow(self.dim, fs.start, fs.stop - fs.start) for _, fs in self.pieces], self.dim)
+
+
+class GroupedMLP(torch.nn.Module):
+    """The local experts of one MoE layer (SwiGLU), sharded over ETP along F. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        etp_size: int = 1,
+        etp_rank: int = 0,
+        expert_offset: int = 0,
+        backend: str = "auto",
+        fp8_recipe: str | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        init_std: float = 0.02,
+        init_seed: int = 0,
+    ):
+        """Validate the settings and create this rank's shards of the layout-independent initial weights."""
+        super().__init__()
+        if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(
+                f"num_local_experts={num_local_experts}, hidden_size={hidden_size} and "
+                f"ffn_hidden_size={ffn_hidden_size} must all be positive"
+            )
+        if etp_size <= 0 or ffn_hidden_size % etp_size != 0:
+            raise ValueError(
+                f"ffn_hidden_size={ffn_hidden_size} must be divisible by etp_size={etp_size}; pick an ETP "
+                "that divides the expert FFN size"
+            )
+        if not 0 <= etp_rank < etp_size:
+            raise ValueError(f"etp_rank={etp_rank} must be in [0, etp_size={etp_size})")
+        if expert_offset < 0:
+            raise ValueError(f"expert_offset={expert_offset} must be >= 0 (ep_rank * num_local_experts)")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if fp8_recipe is not None and fp8_recipe not in RECIPES:
+            raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {RECIPES} or None")
+        if backend == "emulated" and fp8_recipe is None:
+            raise ValueError("backend='emulated' emulates an FP8 recipe: set fp8_recipe (e.g. 'mxfp8'), or use 'loop'")
+        if backend == "loop" and fp8_recipe is not None:
+            raise ValueError(
+                f"backend='loop' computes in high precision; for fp8_recipe={fp8_recipe!r} use 'emulated' or 'te'"
+            )
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.etp_size, self.etp_rank = etp_size, etp_rank
+        self.expert_offset = expert_offset
+        self.ffn_local = ffn_hidden_size // etp_size
+        self.backend = backend
+        self.fp8_recipe = fp8_recipe
+        self.init_std, self.init_seed = init_std, init_seed
+        maps = self.full_shape_slices()
+        fc1 = torch.stack([maps["fc1_weight"].shard(self._full(g, 0)) for g in maps["fc1_weight"].global_experts])
+        fc2 = torch.stack([maps["fc2_weight"].shard(self._full(g, 1)) for g in maps["fc2_weight"].global_experts])
+        self.fc1_weight = mark_param(torch.nn.Parameter(fc1.to(params_dtype)), expert=True, tp_sharded=True, tp_dim=1)
+        self.fc2_weight = mark_param(torch.nn.Parameter(fc2.to(params_dtype)), expert=True, tp_sharded=True, tp_dim=2)
+        self._resolved: dict[tuple, str] = {}
+        self._te: TEGroupedRunner | None = None
+        # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
+        self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
+
+    def _full(self, global_expert: int, which: int) -> torch.Tensor:
+        """The full fp32 initial tensor of one expert weight (``which``: 0 = fc1 [2F, H], 1 = fc2 [H, F])."""
+        f, h = self.ffn_hidden_size, self.hidden_size
+        shape = (2 * f, h) if which == 0 else (h, f)
+        gen = torch.Generator().manual_seed(expert_init_seed(self.init_seed, global_expert, which))
+        return torch.empty(shape).normal_(0.0, self.init_std, generator=gen)
+
+    def full_shape_slices(self) -> dict[str, ShardMap]:
+        """For each parameter, how its local tensor maps onto the full per-expert tensors (checkpoints, HF conversion)."""
+        f, fl, r = self.ffn_hidden_size, self.ffn_local, self.etp_rank
+        experts = tuple(range(self.expert_offset, self.expert_offset + self.num_local_experts))
+        gate = (slice(0, fl), slice(r * fl, (r + 1) * fl))
+        up = (slice(fl, 2 * fl), slice(f + r * fl, f + (r + 1) * fl))
+        return {
+            "fc1_weight": ShardMap((2 * f, self.hidden_size), experts, 0, (gate, up)),
+            "fc2_weight": ShardMap((self.hidden_size, f), experts, 1, ((slice(0, fl), slice(r * fl, (r + 1) * fl)),)),
+        }
+
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The backend that runs on ``device`` / ``dtype`` (``auto`` picks and logs; a named one must be available)."""
+        key = (device.type, dtype)
+        if key in self._resolved:
+            return self._resolved[key]
+        te_ok, te_why = te_available()
+        gmm_ok = torch_grouped_mm_supported(device.type, dtype)
+        name = self.backend
+        if name == "te" and not te_ok:
+            raise RuntimeError(
+                f"backend='te' is unavailable: {te_why}. Install transformer_engine[pytorch] on a CUDA machine, "
+                "or use backend='emulated' (FP8 numerics anywhere) / 'torch' / 'loop'"
+            )
+        if name == "torch":
+            if self.fp8_recipe is not None:
+                raise RuntimeError(
+                    f"backend='torch' runs BF16/FP32 grouped GEMMs; fp8_recipe={self.fp8_recipe!r} needs backend "
+                    "'te' (GPU) or 'emulated' (numerics only)"
+                )
+            if not gmm_ok:
+                raise RuntimeError(
+                    f"backend='torch' is unavailable: this torch {torch.__version__} build has no working grouped_mm "
+                    f"for {device.type}/{dtype}; use backend='loop' or 'auto'"
+                )
+        if name == "auto":
+            if te_ok and device.type == "cuda":
+                name = "te"
+            elif self.fp8_recipe is not None:
+                name = "emulated"
+            else:
+                name = "torch" if gmm_ok else "loop"
+            logger.info(
+                "GroupedMLP backend auto -> %s (device=%s, dtype=%s, fp8_recipe=%s%s)",
+                name, device.type, dtype, self.fp8_recipe, "" if te_ok else f"; te unavailable: {te_why}",
+            )
+        self._resolved[key] = name
+        return name
+
+    def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:
+        """Expert outputs ``[N, H]`` for tokens sorted expert-major (a partial sum over F shards under ETP).
+
+        ``tokens_per_expert``: list or 1-D int tensor ``[E_local]`` (CPU or device); ``probs_N``: the
+        router probability of each row. Experts with zero rows and ``N == 0`` are fine.
+        """
+        if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
+            raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
+        n = tokens_NH.shape[0]
+        if probs_N.shape != (n,):
+            raise ValueError(f"probs_N must be [N={n}] (one probability per row); got {tuple(probs_N.shape)}")
+        backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
+        w1 = self.fc1_weight.to(tokens_NH.dtype)
+        w2 = self.fc2_weight.to(tokens_NH.dtype)
+        if backend == "te":
+            counts = host_counts(tokens_per_expert, self.num_local_experts, n)
+            if self._te is None:
+                self._te = TEGroupedRunner(num_local_experts=self.num_local_experts, params_dtype=tokens_NH.dtype)
+            with self._te.autocast(self.fp8_recipe):
+                h = self._te.linear("fc1", tokens_NH, w1, counts, self.fp8_recipe)
+                act = self._activation(h, probs_N)
+                return self._te.linear("fc2", act, w2, counts, self.fp8_recipe)
+        on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu"
+        if not on_device:  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
+            tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
+        kw = dict(delayed=self.delayed_scaling)
+        h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
+        act = self._activation(h, probs_N)
+        return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
+
+    def _activation(self, h_NF2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""
+        gate, up = h_NF2.split(self.ffn_local, dim=-1)
+        return F.silu(gate) * up * probs_N.to(h_NF2.dtype).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        """Sizes, sharding and backend."""
+        return (
+            f"experts={self.num_local_experts} (offset {self.expert_offset}), H={self.hidden_size}, "
+            f"F={self.ffn_hidden_size} (local {self.ffn_local}, etp {self.etp_rank}/{self.etp_size}), "
+            f"backend={self.backend}, fp8_recipe={self.fp8_recipe}"
+        )

@@ -1,0 +1,54 @@
+"""The one instrumented device-to-host read of the MoE code path.
+
+Every place in ``folding.moe`` that needs a device value on the host (split sizes for an uneven
+all-to-all, the number of rows kept after token dropping) calls :func:`to_host`. On a GPU such a read
+blocks the host until the device catches up, so the dispatcher performs at most one per layer in
+dropless mode (deferred to just before the expert all-to-all needs its split sizes) and none with
+pad-to-capacity. The counter lets tests and benchmarks check that promise.
+
+Usage::
+
+    from folding.moe import host_sync
+    before = host_sync.count()
+    splits = host_sync.to_host(counts_RE, reason="alltoall splits")   # nested Python lists
+    assert host_sync.count() - before == 1
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict
+
+import torch
+
+_COUNT = 0
+_BY_REASON: Dict[str, int] = collections.Counter()
+
+
+def to_host(t: torch.Tensor, *, reason: str) -> Any:
+    """Copy ``t`` to the host and return it as Python numbers (``tensor.tolist()``).
+
+    ``reason`` names the caller in the per-reason counter (see :func:`counts_by_reason`). This is
+    a device-to-host synchronization on accelerators: call it once per layer at most.
+    """
+    global _COUNT
+    _COUNT += 1
+    _BY_REASON[reason] += 1
+    return t.detach().to("cpu").tolist()
+
+
+def count() -> int:
+    """Total number of :func:`to_host` calls in this process since start-up (or the last reset)."""
+    return _COUNT
+
+
+def counts_by_reason() -> Dict[str, int]:
+    """A copy of the per-reason counts."""
+    return dict(_BY_REASON)
+
+
+def reset() -> None:
+    """Set every counter back to zero."""
+    global _COUNT
+    _COUNT = 0
+    _BY_REASON.clear()
+

@@ -1,0 +1,173 @@
+"""The MoE layer: router → token dispatcher → grouped experts → combine (+ optional shared expert).
+
+Under parallel folding the attention layers leave ``[S/(TP·CP), B, H]`` on every rank: a distinct
+chunk of tokens per attention rank (sequence parallelism is on whenever TP > 1). The handoff to the
+MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across the *expert* view
+(EP × ETP) of the same ranks and brings the results back in the input's shape.
+
+- Router: :class:`folding.moe.router.Router` on this rank's tokens (aux-loss counts over TP×CP).
+- Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``ep_group`` / ``etp_group``.
+- Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
+  with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
+- Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
+  optionally scaled by ``sigmoid(x·g)``.
+
+Initialization is layout-independent: every weight is the slice of a full tensor drawn from a seed
+that depends only on ``(init_seed, layer_number, which)``.
+
+Shape-suffix legend: ``S`` local sequence, ``B`` batch, ``T`` local tokens, ``H`` hidden, ``E``
+experts, ``N`` rows after dispatch, ``F`` shared-expert FFN size, ``Fl`` its TP shard.
+
+Usage::
+
+    layer = MoELayer(config=moe_cfg, hidden_size=1024, ep_group=ps.ep_group, etp_group=ps.etp_group,
+                     tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
+                     layer_number=3)
+    out_SBH = layer(hidden_SBH)
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from folding.parallel.collectives import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from folding.parallel.param_attrs import mark_param
+
+from .config import MoEConfig
+from .dispatcher import build_dispatcher
+from .experts import GroupedMLP
+from .router import Router
+
+
+def layer_init_seed(init_seed: int, layer_number: int, which: str) -> int:
+    """Seed of one weight family (``which``) of layer ``layer_number``: a stable hash, layout-free."""
+    digest = hashlib.sha256(f"folding.moe:{which}:{init_seed}:{layer_number}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
+class SharedExpert(nn.Module):
+    """Dense SwiGLU on the attention TP group, fed by sequence-parallel tokens.
+
+    Forward: all-gather the TP group's tokens (backward: reduce-scatter), column-parallel fc1 (this
+    rank's shard of gate and of up), SwiGLU, row-parallel fc2, reduce-scatter back to this rank's
+    tokens (backward: all-gather). With ``gate``, the output is scaled by ``sigmoid(x·g)`` computed on
+    the local tokens.
+
+    Parameters: ``fc1_weight [2·Fl, H]`` (rows ``[0:Fl]`` gate shard, ``[Fl:]`` up shard of the full
+    ``[gate; up]`` of shape ``[2F, H]``; ``tp_sharded``, dim 0), ``fc2_weight [H, Fl]`` (``tp_sharded``,
+    dim 1), ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
+    """
+
+    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, tp_group, gate: bool, init_seed: int,
+                 layer_number: int, init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = dist.get_world_size(tp_group)
+        if ffn_hidden_size % tp:
+            raise ValueError(f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
+                             f"parallel.tp={tp}; pick a multiple of tp")
+        r = dist.get_rank(tp_group)
+        self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
+        self.ffn_local = fl = ffn_hidden_size // tp
+        full1, full2, fullg = self.full_weights(hidden_size, ffn_hidden_size, init_seed, layer_number, init_std)
+        fc1 = torch.cat([full1[r * fl:(r + 1) * fl], full1[ffn_hidden_size + r * fl:ffn_hidden_size + (r + 1) * fl]])
+        self.fc1_weight = mark_param(nn.Parameter(fc1.to(params_dtype)), tp_sharded=True, tp_dim=0)
+        self.fc2_weight = mark_param(nn.Parameter(full2[:, r * fl:(r + 1) * fl].clone().to(params_dtype)),
+                                     tp_sharded=True, tp_dim=1)
+        self.gate_weight = None
+        if gate:
+            self.gate_weight = mark_param(nn.Parameter(fullg.to(params_dtype)), sequence_parallel=True)
+
+    @staticmethod
+    def full_weights(hidden_size: int, ffn_hidden_size: int, init_seed: int, layer_number: int,
+                     init_std: float = 0.02):
+        """The full (unsharded) initial ``fc1 [2F, H]``, ``fc2 [H, F]`` and ``gate [1, H]`` (fp32)."""
+        out = []
+        for which, shape in (("shared_fc1", (2 * ffn_hidden_size, hidden_size)),
+                             ("shared_fc2", (hidden_size, ffn_hidden_size)), ("shared_gate", (1, hidden_size))):
+            g = torch.Generator().manual_seed(layer_init_seed(init_seed, layer_number, which))
+            out.append(torch.empty(shape).normal_(0.0, init_std, generator=g))
+        return tuple(out)
+
+    def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
+        """Shared-expert output for this rank's tokens ``[T, H]``."""
+        x = gather_from_sequence_region(tokens_TH, self.tp_group, grad_reduce=True)
+        h = F.linear(x, self.fc1_weight.to(x.dtype))
+        gate, up = h.split(self.ffn_local, dim=-1)
+        y = F.linear(F.silu(gate) * up, self.fc2_weight.to(x.dtype))
+        y = reduce_scatter_to_sequence_region(y, self.tp_group)
+        if self.gate_weight is not None:
+            y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))
+        return y
+
+
+class MoELayer(nn.Module):
+    """One MoE layer under parallel folding (see the module docstring).
+
+    Args:
+        config: the MoE settings (experts, top-k, capacity, dispatcher, wires, shared expert...).
+        hidden_size: H.
+        ep_group, etp_group: expert-view groups (token exchange; ETP shards expert F).
+        tp_cp_group, tp_dp_cp_group: attention-view groups the router reduces its counts over.
+        tp_group: attention TP group (shared expert; may be a 1-rank group).
+        layer_number: index of the layer (part of every init seed).
+        init_seed: model seed.
+        init_std: std of all initial weights.
+        params_dtype: dtype of the expert and shared-expert parameters (the router keeps fp32).
+    """
+
+    def __init__(self, *, config: MoEConfig, hidden_size: int, ep_group, etp_group, tp_cp_group, tp_dp_cp_group,
+                 tp_group, layer_number: int = 0, init_seed: int = 0, init_std: float = 0.02,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        config.validate()
+        self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
+        self.dispatcher = build_dispatcher(
+            config.dispatcher, num_experts=config.num_experts, topk=config.topk, ep_group=ep_group,
+            etp_group=etp_group, capacity_factor=config.capacity_factor, pad_to_capacity=config.pad_to_capacity,
+            dispatch_wire=config.dispatch_wire, combine_wire=config.combine_wire, grad_wire=config.grad_wire)
+        d = self.dispatcher
+        if config.ffn_hidden_size % d.etp_size:
+            raise ValueError(f"moe.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.etp="
+                             f"{d.etp_size}; pick an etp that divides it")
+        self.router = Router(hidden_size=hidden_size, config=config, tp_cp_group=tp_cp_group,
+                             tp_dp_cp_group=tp_dp_cp_group, init_std=init_std, init_seed=init_seed,
+                             layer_number=layer_number)
+        self.experts = GroupedMLP(num_local_experts=d.num_local_experts, hidden_size=hidden_size,
+                                  ffn_hidden_size=config.ffn_hidden_size, etp_size=d.etp_size, etp_rank=d.etp_rank,
+                                  expert_offset=d.local_expert_offset, backend=config.expert_backend,
+                                  fp8_recipe=config.fp8_recipe, params_dtype=params_dtype, init_std=init_std,
+                                  init_seed=layer_init_seed(init_seed, layer_number, "experts"))
+        self.shared_expert: Optional[SharedExpert] = None
+        if config.shared_expert_ffn_hidden_size is not None:
+            self.shared_expert = SharedExpert(hidden_size=hidden_size, ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+                                              tp_group=tp_group, gate=config.shared_expert_gate, init_seed=init_seed,
+                                              layer_number=layer_number, init_std=init_std, params_dtype=params_dtype)
+        self.last_routing_map_TE: Optional[torch.Tensor] = None
+        """The routing map (after capacity) of the last forward, detached: load and drop metrics."""
+
+    def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,
+                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden`` ``[S_local, B, H]`` or ``[T, H]`` (this attention rank's tokens) → the same shape.
+
+        ``num_sequences`` and ``padding_mask`` are passed to the router (see ``Router.forward``):
+        padding tokens are routed and computed like others but count in no loss.
+        """
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer expects [S, B, H={self.hidden_size}] or [T, H], got {tuple(hidden.shape)}")
+        probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
+        self.last_routing_map_TE = routing_map_TE.detach()
+        tokens_NH, tokens_per_expert, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
+        out_NH = self.experts(tokens_NH, tokens_per_expert, probs_N)
+        out = self.dispatcher.combine(out_NH)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(hidden.reshape(-1, self.hidden_size)).reshape(out.shape)
+        return out
+
+    def load_metrics(self) -> Dict[str, torch.Tensor]:
+        """Per-expert rows kept on this rank in the last forward and the dropped pairs (device tensors)."""
+        return {"tokens_per_expert": self.router.last_tokens_per_expert, "dropped": self.router.last_dropped}

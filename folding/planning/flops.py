@@ -1,0 +1,139 @@
+"""FLOPs per token of a decoder-only MoE transformer: the numerator of TFLOP/s and MFU.
+
+Counting rules (one multiply-add = 2 FLOPs; matrix multiplications only, element-wise work is not
+counted, as in Megatron-Core's and PaLM's MFU):
+
+- QKV projection: ``2·H·(h + 2·g)·d`` per token (h query heads, g KV heads, head width d); the q/k/v
+  bias adds nothing that counts.
+- Attention core (``Q·Kᵀ`` and ``P·V``): ``2 · 2·h·d·s_kv`` per token, where a causal mask makes the
+  average key length ``s_kv = s/2`` (FlashAttention skips the masked half, so we count it half).
+- Output projection: ``2·h·d·H``.
+- Router: ``2·H·E``. Routed experts (SwiGLU, three ``H×F`` matrices): ``k · 6·H·F`` (top-k experts per
+  token). Shared expert: ``6·H·F_shared`` plus its sigmoid gate ``2·H``. Dense MLP layers: ``6·H·F_dense``.
+- Output layer (logits): ``2·H·V``. The embedding lookup is not a matmul and counts 0.
+- Backward = 2 × forward, so training = 3 × forward. Activation recomputation adds FLOPs that the hardware
+  executes but that MFU does not count: ``selective`` re-runs the attention core forward, ``full``
+  re-runs each transformer layer's forward (not the output layer).
+
+Usage::
+
+    from folding.model.presets import get_preset
+    f = flops_per_token(get_preset("mixtral_8x22b"), seq_length=4096)
+    f.forward, f.model_training            # ≈ 80.7e9, 3 × that
+    f.hardware_training("full")            # what the GPUs execute with full recompute
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from folding.model.config import ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def attention_linear_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one layer's QKV and output projections."""
+    H, d, h, g = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_kv_heads
+    return 2.0 * H * (h + 2 * g) * d + 2.0 * h * d * H
+
+
+def attention_core_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """Forward FLOPs per token of one layer's causal ``softmax(Q·Kᵀ)·V`` (average key length ``s/2``)."""
+    return 2.0 * 2.0 * cfg.num_attention_heads * cfg.kv_channels * seq_length / 2.0
+
+
+def routed_expert_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE layer's routed experts (top-k SwiGLU experts)."""
+    return cfg.topk * 6.0 * cfg.hidden_size * cfg.moe_ffn_hidden_size
+
+
+def shared_expert_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE layer's shared expert and its gate (0 without one)."""
+    if not cfg.shared_expert_ffn_hidden_size:
+        return 0.0
+    gate = 2.0 * cfg.hidden_size if cfg.shared_expert_gate else 0.0
+    return 6.0 * cfg.hidden_size * cfg.shared_expert_ffn_hidden_size + gate
+
+
+def router_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE layer's router (``x·Wᵀ``, W is ``[E, H]``)."""
+    return 2.0 * cfg.hidden_size * cfg.num_experts
+
+
+def dense_mlp_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one dense (non-MoE) SwiGLU MLP layer."""
+    return 6.0 * cfg.hidden_size * cfg.ffn_hidden_size
+
+
+def output_layer_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the output layer (logits over the vocabulary)."""
+    return 2.0 * cfg.hidden_size * cfg.vocab_size
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsPerToken:
+    """Forward FLOPs per token of the whole model, by component (summed over layers)."""
+
+    attention_linear: float
+    """QKV and output projections, all layers."""
+    attention_core: float
+    """Causal attention core, all layers."""
+    router: float
+    """Routers of the MoE layers."""
+    routed_experts: float
+    """Top-k routed experts of the MoE layers."""
+    shared_experts: float
+    """Shared experts (and gates) of the MoE layers."""
+    dense_mlp: float
+    """MLPs of the dense layers."""
+    output_layer: float
+    """Output layer (logits)."""
+
+    @property
+    def forward(self) -> float:
+        """Total forward FLOPs per token."""
+        return (self.attention_linear + self.attention_core + self.router + self.routed_experts
+                + self.shared_experts + self.dense_mlp + self.output_layer)
+
+    @property
+    def model_training(self) -> float:
+        """Model FLOPs per trained token, ``3 × forward``: the MFU numerator (recompute not counted)."""
+        return 3.0 * self.forward
+
+    def recompute_extra(self, recompute: str) -> float:
+        """FLOPs per token that activation recomputation adds (``none``, ``selective`` or ``full``)."""
+        if recompute == "none":
+            return 0.0
+        if recompute == "selective":
+            return self.attention_core
+        if recompute == "full":
+            return self.forward - self.output_layer
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+
+    def hardware_training(self, recompute: str = "none") -> float:
+        """FLOPs per trained token that the GPUs execute: model FLOPs plus the recompute extra."""
+        return self.model_training + self.recompute_extra(recompute)
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int) -> FlopsPerToken:
+    """Forward FLOPs per token of ``cfg`` trained on sequences of ``seq_length`` tokens, by component."""
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
+        raise ValueError(f"seq_length={seq_length!r} must be an integer >= 1")
+    n_moe = cfg.num_moe_layers()
+    n_dense = cfg.num_layers - n_moe
+    return FlopsPerToken(
+        attention_linear=cfg.num_layers * attention_linear_flops(cfg),
+        attention_core=cfg.num_layers * attention_core_flops(cfg, seq_length),
+        router=n_moe * router_flops(cfg),
+        routed_experts=n_moe * routed_expert_flops(cfg),
+        shared_experts=n_moe * shared_expert_flops(cfg),
+        dense_mlp=n_dense * dense_mlp_flops(cfg),
+        output_layer=output_layer_flops(cfg),
+    )
+
+
+def mfu(cfg: ModelConfig, *, seq_length: int, tokens_per_second: float, num_gpus: int,
+        peak_flops_per_gpu: float) -> float:
+    """Model FLOPs utilization: model training FLOPs per second over the cluster's peak (a fraction)."""
+    achieved = flops_per_token(cfg, seq_length).model_training * tokens_per_second
+    return achieved / (num_gpus * peak_flops_per_gpu)

@@ -1,0 +1,131 @@
+"""GPU kinds the planner knows: peak FLOP/s, memory and link bandwidths, with their sources.
+
+Every number here is a vendor datasheet value (peak, dense, no sparsity) or an assumption stated next to
+it. Achievable fractions of those peaks (link efficiency, HBM efficiency) are hardware-level assumptions
+of the cost model, not fitted to any training result: they live in :class:`GPUSpec` so that a user with
+measured NCCL / GEMM numbers for their own cluster can replace them.
+
+Sources
+-------
+- H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet — BF16 dense 989.4 TFLOP/s, FP8 dense
+  1978.9 TFLOP/s, HBM3 80 GB at 3.35 TB/s, NVLink 4 at 900 GB/s bidirectional (450 GB/s per direction).
+- H200 SXM 141GB: NVIDIA H200 datasheet — same compute as H100, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s.
+- B200 (HGX/DGX B200): NVIDIA DGX B200 datasheet — 72 PFLOP/s FP8 *sparse* for 8 GPUs, i.e. 4.5 PFLOP/s
+  dense FP8 and 2.25 PFLOP/s dense BF16 per GPU; 180 GB HBM3e usable at 8 TB/s; NVLink 5 at 1.8 TB/s
+  bidirectional (900 GB/s per direction).
+- Inter-node: one 400 Gb/s InfiniBand NDR (ConnectX-7) NIC per GPU, the DGX/HGX reference design:
+  50 GB/s per direction per GPU.
+
+Assumptions (not calibrated)
+----------------------------
+- ``ring_efficiency`` 0.80: ring all-gather / reduce-scatter / all-reduce reach about 80% of the link
+  bandwidth at the message sizes of training (tens of MB), the usual NCCL-tests bus bandwidth.
+- ``a2a_efficiency`` 0.60: all-to-all reaches less (many small peer-to-peer transfers, no pipelining).
+- ``hbm_efficiency`` 0.80 of the HBM peak for memory-bound element-wise kernels (permute, SwiGLU, ...).
+- ``latency_s`` per collective launch: 20 µs inside the NVLink domain, 40 µs across nodes.
+- ``num_sms``: 132 on H100 / H200 SXM, 148 on B200 (datasheets); GEMMs run their output tiles in waves.
+- ``overlap_contention`` 0.3: a communication hidden behind GEMMs still costs 30% of its time (its
+  kernels take SMs and HBM bandwidth from the GEMM).
+- ``host_sync_s`` 30 µs per MoE layer forward: the dropless dispatcher's device-to-host copy of split sizes
+  drains the GPU queue (copy + a few kernel launches before the GPU is busy again).
+- ``usable_memory_gib``: what PyTorch can allocate after the CUDA context (≈ 1.5 GiB less than HBM).
+
+Usage::
+
+    gpu = get_gpu("h100")
+    gpu.peak_flops("bf16")      # 989.4e12
+    gpu.link_bandwidth(crosses_node=True, kind="a2a")   # bytes/s achieved per GPU
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One GPU kind: peaks from the datasheet plus the achievable fractions the cost model uses."""
+
+    name: str
+    """Short name used on the command line (``h100``, ``h200``, ``b200``)."""
+    bf16_flops: float
+    """Peak dense BF16 tensor-core FLOP/s (the MFU denominator)."""
+    fp8_flops: float
+    """Peak dense FP8 tensor-core FLOP/s."""
+    hbm_gib: float
+    """HBM capacity in GiB."""
+    usable_memory_gib: float
+    """Memory PyTorch can allocate (HBM minus CUDA context); layouts must fit in this."""
+    hbm_bandwidth: float
+    """Peak HBM bandwidth in bytes/s."""
+    nvlink_bandwidth: float
+    """NVLink bandwidth per GPU per direction, bytes/s."""
+    internode_bandwidth: float
+    """Inter-node network bandwidth per GPU per direction, bytes/s (one NIC per GPU)."""
+    num_sms: int = 132
+    """Streaming multiprocessors (GEMM output tiles run in waves of this many)."""
+    overlap_contention: float = 0.3
+    """Share of a communication's time still paid when it is overlapped with GEMMs (its kernels take SMs
+    and HBM bandwidth from the GEMM they hide behind)."""
+    host_sync_s: float = 30e-6
+    """Cost of one host synchronization (device-to-host copy of the dropless dispatcher's split sizes):
+    the GPU drains its queue and waits for the next launches."""
+    ring_efficiency: float = 0.80
+    """Fraction of link bandwidth reached by ring all-gather / reduce-scatter / all-reduce."""
+    a2a_efficiency: float = 0.60
+    """Fraction of link bandwidth reached by all-to-all."""
+    hbm_efficiency: float = 0.80
+    """Fraction of HBM bandwidth reached by memory-bound element-wise kernels."""
+    intra_latency_s: float = 20e-6
+    """Launch + synchronization latency of one collective inside the NVLink domain."""
+    inter_latency_s: float = 40e-6
+    """Launch + synchronization latency of one collective that crosses nodes."""
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Peak dense FLOP/s for ``dtype`` (``bf16`` or ``fp8``)."""
+        if dtype == "bf16":
+            return self.bf16_flops
+        if dtype == "fp8":
+            return self.fp8_flops
+        raise ValueError(f"dtype={dtype!r}: choose 'bf16' or 'fp8'")
+
+    def link_bandwidth(self, *, crosses_node: bool, kind: str) -> float:
+        """Achieved bytes/s per GPU for a collective of ``kind`` (``ring`` or ``a2a``) on the link it uses."""
+        raw = self.internode_bandwidth if crosses_node else self.nvlink_bandwidth
+        if kind == "ring":
+            return raw * self.ring_efficiency
+        if kind == "a2a":
+            return raw * self.a2a_efficiency
+        raise ValueError(f"kind={kind!r}: choose 'ring' or 'a2a'")
+
+    def latency(self, *, crosses_node: bool) -> float:
+        """Fixed cost of one collective call."""
+        return self.inter_latency_s if crosses_node else self.intra_latency_s
+
+
+_GPUS: Dict[str, GPUSpec] = {
+    "h100": GPUSpec(name="h100", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=80e9 / GIB,
+                    usable_memory_gib=80e9 / GIB - 1.5, hbm_bandwidth=3.35e12,
+                    nvlink_bandwidth=450e9, internode_bandwidth=50e9),
+    "h200": GPUSpec(name="h200", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=141e9 / GIB,
+                    usable_memory_gib=141e9 / GIB - 1.5, hbm_bandwidth=4.8e12,
+                    nvlink_bandwidth=450e9, internode_bandwidth=50e9),
+    "b200": GPUSpec(name="b200", bf16_flops=2250e12, fp8_flops=4500e12, hbm_gib=180e9 / GIB,
+                    usable_memory_gib=180e9 / GIB - 1.5, hbm_bandwidth=8.0e12,
+                    nvlink_bandwidth=900e9, internode_bandwidth=50e9, num_sms=148),
+}
+
+
+def list_gpus() -> List[str]:
+    """Names of the known GPU kinds."""
+    return sorted(_GPUS)
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """The :class:`GPUSpec` called ``name``; an unknown name lists the choices."""
+    key = name.lower()
+    if key not in _GPUS:
+        raise ValueError(f"--gpu {name!r} is unknown; choose one of {', '.join(list_gpus())}")
+    return _GPUS[key]

@@ -1,0 +1,254 @@
+"""Layout planner: enumerate every legal folded layout for a model on a cluster, rank by predicted step time.
+
+A candidate is a :class:`~folding.planning.step_time.Plan`: attention TP·CP·DP·PP (+VPP), MoE
+ETP·EP·EDP·PP, distributed optimizer on/off, recompute none/selective/full. Legality is
+:class:`folding.parallel.ParallelLayout`'s, plus what the model needs: TP divides the query and KV heads,
+EP divides the experts, PP·VPP divides the layers, DP divides the global batch, interleaving needs the
+micro-batch count divisible by PP, CP splits the sequence into 2·CP causal chunks. TP and ETP stay inside
+one NVLink domain. Each candidate gets a memory estimate (dropped when it does not fit) and a step time
+(:mod:`folding.planning.step_time`), hence a predicted MFU.
+
+``COMPUTE_EFFICIENCY`` is the cost model's one calibrated constant (see :func:`calibrate_compute_efficiency`
+and docs/planner.md): the fraction of peak BF16 FLOP/s that the matmuls reach.
+
+Usage::
+
+    results = plan_layouts(get_preset("mixtral_8x22b"), cluster=Cluster(gpu=get_gpu("h100"), num_gpus=128),
+                           shape=TrainingShape(seq_length=4096, global_batch_size=256))
+    results[0].plan, results[0].mfu, results[0].memory_gib
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Dict, Iterator, List, Optional
+
+from folding.model.config import ModelConfig
+from folding.parallel import LayoutError, ParallelLayout
+
+from .flops import RECOMPUTE_MODES
+from .hardware import GIB
+from .step_time import (BF16, FP32, Cluster, Plan, StepTime, TrainingShape, estimate_step_time, num_moe_layers,
+                        stage_parameters)
+
+#: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
+#: 128 H100 (seq 4096, global batch 256), whose folded layout TP2 CP1 PP8 EP8 ETP1 the MoE Parallel Folding
+#: paper measured at 49.3% MFU. Reproduce with ``calibrate_compute_efficiency`` (tests do).
+COMPUTE_EFFICIENCY = 0.677
+
+MATCH_KEYS = ("tp", "cp", "pp", "ep", "etp")
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _mapping(plan: Plan) -> tuple:
+    return tuple(getattr(plan, k) for k in MATCH_KEYS)
+
+
+# --------------------------------------------------------------------------------------------- memory
+def planner_memory_bytes(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Dict[str, float]:
+    """Per-GPU memory of ``plan`` in bytes by part, on the worse of the first and last pipeline stage.
+
+    Parts: ``params`` (bf16), ``grads`` (fp32 main gradients), ``optimizer`` (fp32 master + Adam m, v,
+    sharded over DP·CP / EDP with the distributed optimizer), ``activations`` (what the 1F1B schedule keeps
+    alive: PP micro-batches of L/PP layers on the first stage, times 1 + (PP-1)/(PP·VPP) when interleaved;
+    one micro-batch plus fp32 logits and their gradient on the last stage), ``other`` (2 GiB of CUDA
+    workspaces and allocator slack, plus the MoE layer's transient dispatch buffers).
+    """
+    S, b = shape.seq_length, shape.micro_batch_size
+    H, k, L, n_moe = cfg.hidden_size, cfg.topk, cfg.num_layers, num_moe_layers(cfg)
+    d, h, g = cfg.kv_channels, cfg.num_attention_heads, cfg.num_kv_heads
+    tok = S * b / (plan.tp * plan.cp)
+    # Elements kept per rank-owned token and layer (sequence parallel: TP-sharded tensors re-gathered later).
+    attn = 3 * H + (h + 2 * g) * d + h * d
+    moe_f = cfg.moe_ffn_hidden_size
+    moe = 2 * H + plan.etp * k * H + (2 if plan.recompute == "selective" else 3) * k * moe_f
+    if cfg.shared_expert_ffn_hidden_size:
+        moe += H + 3 * cfg.shared_expert_ffn_hidden_size
+    dense = 3 * H + 3 * cfg.ffn_hidden_size
+    if plan.recompute == "full":
+        per_layer_mb = H * BF16 * tok
+        working = (attn + max(moe, dense)) * BF16 * tok     # one layer re-materialized at a time
+    else:
+        per_layer_mb = (attn + (n_moe * moe + (L - n_moe) * dense) / L) * BF16 * tok
+        working = 0.0
+    m = shape.global_batch_size // (plan.dp * b)
+    layers = L / plan.pp
+    interleave = 1 + (plan.pp - 1) / (plan.pp * plan.vpp) if plan.vpp > 1 else 1.0
+    act_first = layers * min(plan.pp, m) * interleave * per_layer_mb + working
+    logits = 2 * tok * plan.tp * cfg.vocab_size / plan.tp * FP32
+    act_last = layers * per_layer_mb + working + logits
+    transient = 3 * plan.etp * k * tok * H * BF16 + 2 * GIB
+
+    worst: Dict[str, float] = {}
+    for last, act in ((False, act_first), (True, act_last)):
+        p = stage_parameters(cfg, plan, last=last)
+        dshard = plan.dp * plan.cp if plan.distributed_optimizer else 1
+        eshard = plan.edp if plan.distributed_optimizer else 1
+        part = {"params": (p["dense"] + p["expert"]) * BF16,
+                "grads": (p["dense"] + p["expert"]) * FP32,
+                "optimizer": 3 * FP32 * (p["dense"] / dshard + p["expert"] / eshard),
+                "activations": act, "other": transient}
+        if sum(part.values()) > sum(worst.values()):
+            worst = part
+    return worst
+
+
+#: The per-GPU memory model the planner uses (bytes by part); one call, swappable.
+MemoryModel = Callable[..., Dict[str, float]]
+
+
+# ------------------------------------------------------------------------------------------ enumeration
+@functools.lru_cache(maxsize=None)
+def _legal(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, experts: int) -> bool:
+    """ParallelLayout's verdict (VPP only adds "needs pp > 1", which the enumeration checks itself)."""
+    try:
+        ParallelLayout(world_size=world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, num_experts=experts)
+    except LayoutError:
+        return False
+    return True
+
+
+def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
+                    folded: bool = True) -> Iterator[Plan]:
+    """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
+
+    ``folded=False`` yields Megatron-Core's layouts without folding instead: ETP = TP and EP carved out of
+    DP (DP divisible by EP), the dispatch group spanning TP·CP·EP ranks.
+    """
+    N, dom = cluster.num_gpus, cluster.nvlink_domain
+    S, B, b, L = shape.seq_length, shape.global_batch_size, shape.micro_batch_size, cfg.num_layers
+    for tp in _divisors(min(N, dom)):
+        if cfg.num_attention_heads % tp or cfg.num_kv_heads % tp:
+            continue
+        for cp in _divisors(N // tp):
+            if S % (2 * cp) and cp > 1:
+                continue
+            for pp in _divisors(N // (tp * cp)):
+                if L % pp:
+                    continue
+                dp = N // (tp * cp * pp)
+                if B % (dp * b):
+                    continue
+                m = B // (dp * b)
+                for vpp in _divisors(L // pp):
+                    if vpp > 1 and (pp == 1 or m % pp):
+                        continue
+                    for ep in _divisors(cfg.num_experts):
+                        for etp in ([tp] if not folded else _divisors(min(N, dom))):
+                            if cfg.moe_ffn_hidden_size % etp:
+                                continue
+                            if not folded and dp % ep:
+                                continue
+                            if not _legal(N, tp, cp, pp, ep, etp, cfg.num_experts):
+                                continue
+                            edp = N // (etp * ep * pp)
+                            for dist in (True, False):
+                                for rc in RECOMPUTE_MODES:
+                                    yield Plan(tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, edp=edp,
+                                               distributed_optimizer=dist, recompute=rc, folded=folded)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanResult:
+    """One evaluated candidate."""
+
+    plan: Plan
+    """The layout and its knobs."""
+    time: StepTime
+    """Predicted step time, MFU and breakdown."""
+    memory: Dict[str, float]
+    """Per-GPU bytes by part."""
+
+    @property
+    def mfu(self) -> float:
+        """Predicted MFU (fraction)."""
+        return self.time.mfu
+
+    @property
+    def memory_gib(self) -> float:
+        """Predicted peak per-GPU memory in GiB."""
+        return sum(self.memory.values()) / GIB
+
+    def to_dict(self) -> dict:
+        """A JSON-ready record: layout sizes, knobs, ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
+        d = dataclasses.asdict(self.plan)
+        d.update(mfu=round(self.mfu, 4), memory_gib=round(self.memory_gib, 2),
+                 step_s=round(self.time.step_s, 4),
+                 step_breakdown_s={k: round(v, 4) for k, v in self.time.breakdown.items()},
+                 memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.items()})
+        return d
+
+
+def evaluate(cfg: ModelConfig, plan: Plan, *, cluster: Cluster, shape: TrainingShape,
+             compute_efficiency: float = COMPUTE_EFFICIENCY,
+             memory_model: Optional[MemoryModel] = None) -> PlanResult:
+    """Memory and step time of one ``plan``."""
+    mem = (memory_model or planner_memory_bytes)(cfg, plan, shape=shape)
+    t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency)
+    return PlanResult(plan=plan, time=t, memory=mem)
+
+
+def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
+                 compute_efficiency: float = COMPUTE_EFFICIENCY, folded: bool = True,
+                 distinct: bool = True, memory_model: Optional[MemoryModel] = None) -> List[PlanResult]:
+    """Every legal layout that fits in memory, fastest first.
+
+    With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
+    parallel mapping (TP, CP, PP, EP, ETP) is kept, so the list reads as a choice between mappings.
+    """
+    _check_inputs(cfg, cluster, shape)
+    limit = cluster.gpu.usable_memory_gib
+    best: Dict[tuple, PlanResult] = {}
+    results: List[PlanResult] = []
+    for plan in enumerate_plans(cfg, cluster=cluster, shape=shape, folded=folded):
+        mem = (memory_model or planner_memory_bytes)(cfg, plan, shape=shape)
+        if sum(mem.values()) / GIB > limit:
+            continue
+        r = PlanResult(plan=plan, memory=mem, time=estimate_step_time(
+            cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency))
+        if not distinct:
+            results.append(r)
+            continue
+        key = _mapping(plan)
+        if key not in best or r.time.step_s < best[key].time.step_s:
+            best[key] = r
+    results = results if not distinct else list(best.values())
+    return sorted(results, key=lambda r: (r.time.step_s, r.memory_gib))
+
+
+def _check_inputs(cfg: ModelConfig, cluster: Cluster, shape: TrainingShape) -> None:
+    for name, v in (("--gpus", cluster.num_gpus), ("--nvlink-domain", cluster.nvlink_domain),
+                    ("--seq-length", shape.seq_length), ("--global-batch-size", shape.global_batch_size),
+                    ("--micro-batch-size", shape.micro_batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1")
+    if cluster.num_gpus > cluster.nvlink_domain and cluster.num_gpus % cluster.nvlink_domain:
+        raise ValueError(f"--gpus={cluster.num_gpus} is not a whole number of NVLink domains of "
+                         f"--nvlink-domain={cluster.nvlink_domain}; use a multiple of it")
+
+
+def calibrate_compute_efficiency(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
+                                 mapping: Dict[str, int], target_mfu: float) -> float:
+    """The ``compute_efficiency`` at which the best fitting variant of ``mapping`` predicts ``target_mfu``.
+
+    ``mapping`` gives ``tp, cp, pp, ep, etp``; found by bisection (MFU rises monotonically with efficiency).
+    """
+    want = tuple(mapping[k] for k in MATCH_KEYS)
+    plans = [p for p in enumerate_plans(cfg, cluster=cluster, shape=shape) if _mapping(p) == want]
+    plans = [p for p in plans if sum(planner_memory_bytes(cfg, p, shape=shape).values()) / GIB
+             <= cluster.gpu.usable_memory_gib]
+    if not plans:
+        raise ValueError(f"no legal layout that fits matches {mapping}")
+
+    def best_mfu(eff: float) -> float:
+        return max(estimate_step_time(cfg, p, shape=shape, cluster=cluster, compute_efficiency=eff).mfu
+                   for p in plans)
+
+    lo, hi = 0.01, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if best_mfu(mid) < target_mfu else (lo, mid)
+    return (lo + hi) / 2

@@ -1,0 +1,49 @@
+"""Delayed FP8 scaling, emulated: each operand is quantized with a scale derived from earlier amaxes.
+
+This is how TransformerEngine's ``DelayedScaling`` recipe (defaults: amax history of 1024 steps,
+``max`` over the history, margin 0) picks per-tensor scales: a tensor is cast with the scale
+computed *before* it was seen, and only then is its amax appended to the history. The first use of
+an operand has scale 1, and a tensor whose amax grew since the last step saturates at the format's
+max. Holding one object per layer (never a global) keeps the histories of distinct layers apart.
+
+Usage::
+
+    state = DelayedScaling()
+    x_hat = state.quant_dequant(x, key=("fc1", 0, "input"), fmt=torch.float8_e4m3fn)
+"""
+from __future__ import annotations
+
+import torch
+
+from folding.quant.formats import cast_to_fp8, fp8_max
+
+
+class DelayedScaling:
+    """Amax histories and current scales per operand key (see the module docstring)."""
+
+    def __init__(self, history_len: int = 1024, margin: int = 0):
+        """``history_len``: steps of amax kept per operand; ``margin``: scale divided by 2^margin."""
+        if history_len < 1:
+            raise ValueError(f"history_len={history_len} must be >= 1")
+        self.history_len = history_len
+        self.margin = margin
+        self._history: dict[tuple, list[float]] = {}
+        self._scale: dict[tuple, float] = {}
+
+    def scale(self, key: tuple) -> float:
+        """The scale the next use of operand ``key`` will get (1.0 before its first use)."""
+        return self._scale.get(key, 1.0)
+
+    def quant_dequant(self, x: torch.Tensor, key: tuple, fmt: torch.dtype) -> torch.Tensor:
+        """Quantize→dequantize ``x`` with the current scale of ``key``, then record its amax."""
+        scale = torch.tensor(self.scale(key), dtype=torch.float32, device=x.device)
+        out = (cast_to_fp8(x.float() * scale, fmt).float() * (1.0 / scale)).to(x.dtype)
+        amax = float(x.detach().abs().amax()) if x.numel() else 0.0
+        hist = self._history.setdefault(key, [])
+        hist.append(amax)
+        del hist[: -self.history_len]
+        top = max(hist)
+        if top > 0 and top != float("inf") and top == top:  # keep the last scale on 0 / Inf / NaN
+            scale = torch.tensor(fp8_max(fmt), dtype=torch.float32) / torch.tensor(top, dtype=torch.float32)
+            self._scale[key] = float(scale / 2.0**self.margin)  # float32 arithmetic, as on the GPU
+        return out

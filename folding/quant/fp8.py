@@ -1,0 +1,136 @@
+"""FP8 with float32 amax scaling: per tensor, per row, and 1×128 / 128×128 blocks.
+
+The scale of a group of values (a tensor, a row, a block) maps its amax onto the format's max:
+``scale = fp8_max / amax`` and ``data = cast_to_fp8(x * scale)``; dequantization multiplies by
+``scale_inv = 1 / scale``. A group whose amax is 0 gets scale 1 (zeros stay exactly zero); a group
+holding a NaN or an Inf dequantizes to NaN. With ``power_2_scale=True`` the scale is rounded down
+to a power of two (so that ``x * scale`` is exact and nothing saturates), as the Hopper blockwise
+recipe does.
+
+- per tensor: ``quantize_fp8_tensorwise`` (the ``delayed`` / ``tensorwise`` recipes).
+- per row: ``quantize_fp8_rowwise`` (one scale per row of the last dimension; the dispatcher wire
+  format and ``torch._scaled_grouped_mm``'s rowwise scaling).
+- blocks: ``quantize_fp8_blockwise`` with ``block=(1, 128)`` (activations, gradients) or
+  ``(128, 128)`` (weights) over the last two dimensions, the shape not necessarily divisible.
+
+Usage::
+
+    data, scale_inv = quantize_fp8_rowwise(x)            # scale_inv: float32 x.shape[:-1] + (1,)
+    x_hat = dequantize_fp8_rowwise(data, scale_inv)       # = data.float() * scale_inv
+    data, s_inv = quantize_fp8_blockwise(w_NK, block=(128, 128))
+"""
+from __future__ import annotations
+
+import torch
+
+from folding.quant.formats import cast_to_fp8, fp8_max
+
+
+def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
+    """float32 scale = fp8_max / amax (1 where amax == 0; NaN where amax is not finite)."""
+    amax = amax.float()
+    # a true float32 division (``float / tensor`` would multiply by a rounded reciprocal)
+    scale = torch.full_like(amax, fp8_max(dtype)) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    scale = scale.clamp(max=2.0**127)  # a subnormal amax must not give an infinite scale
+    if power_2_scale:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return cast_to_fp8(x.float() * scale, dtype)
+
+
+def quantize_fp8_tensorwise(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float32 scale for the whole tensor. Returns ``(data, scale_inv)``, ``scale_inv`` a 0-dim tensor."""
+    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    scale = _scale_from_amax(amax, dtype, power_2_scale)
+    return _quantize(x, scale, dtype), 1.0 / scale
+
+
+def dequantize_fp8_tensorwise(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data.float() * scale_inv`` cast to ``dtype``."""
+    return (data.float() * scale_inv).to(dtype)
+
+
+def quantize_fp8_rowwise(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float32 scale per row (over the last dimension).
+
+    Returns ``(data, scale_inv)`` with ``data`` of ``x``'s shape and ``scale_inv`` float32 of shape
+    ``x.shape[:-1] + (1,)``. Zero rows are safe (scale 1).
+    """
+    if x.dim() == 0:
+        raise ValueError("quantize_fp8_rowwise needs at least 1 dimension; got a 0-dim tensor")
+    xf = x.float()
+    if x.shape[-1] == 0:
+        amax = torch.zeros(x.shape[:-1] + (1,), device=x.device)
+    else:
+        amax = xf.abs().amax(-1, keepdim=True)
+    scale = _scale_from_amax(amax, dtype, power_2_scale)
+    return _quantize(xf, scale, dtype), 1.0 / scale
+
+
+def dequantize_fp8_rowwise(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data.float() * scale_inv`` cast to ``dtype`` (inverse of :func:`quantize_fp8_rowwise`)."""
+    return (data.float() * scale_inv).to(dtype)
+
+
+def _blocked(x: torch.Tensor, block: tuple[int, int]):
+    """View ``x`` (``[..., M, K]``, zero-padded to whole blocks) as ``[..., Mb, bm, Kb, bk]``."""
+    bm, bk = block
+    m, k = x.shape[-2], x.shape[-1]
+    pm, pk = (-m) % bm, (-k) % bk
+    xp = torch.nn.functional.pad(x.float(), (0, pk, 0, pm)) if (pm or pk) else x.float()
+    lead = xp.shape[:-2]
+    return xp.reshape(*lead, (m + pm) // bm, bm, (k + pk) // bk, bk), (m, k)
+
+
+def quantize_fp8_blockwise(
+    x: torch.Tensor,
+    block: tuple[int, int] = (1, 128),
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    power_2_scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float32 scale per ``block`` of the last two dimensions (1-D inputs are one row).
+
+    Returns ``(data, scale_inv)``: ``data`` has ``x``'s shape; ``scale_inv`` has shape
+    ``x.shape[:-2] + (ceil(M/bm), ceil(K/bk))``. Partial edge blocks are allowed.
+    """
+    if len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"block={block} must be two positive sizes such as (1, 128) or (128, 128)")
+    x2 = x.unsqueeze(0) if x.dim() == 1 else x
+    xb, (m, k) = _blocked(x2, block)
+    amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
+    scale = _scale_from_amax(amax, dtype, power_2_scale)
+    data = cast_to_fp8(xb * scale, dtype)
+    data = data.reshape(*xb.shape[:-4], xb.shape[-4] * block[0], xb.shape[-2] * block[1])[..., :m, :k]
+    scale_inv = (1.0 / scale).squeeze(-1).squeeze(-2)
+    if x.dim() == 1:
+        data, scale_inv = data.squeeze(0), scale_inv.squeeze(0)
+    return data.contiguous(), scale_inv
+
+
+def dequantize_fp8_blockwise(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (1, 128),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_blockwise` (same ``block``)."""
+    one_d = data.dim() == 1
+    d2 = data.unsqueeze(0) if one_d else data
+    s2 = scale_inv.unsqueeze(0) if one_d else scale_inv
+    db, (m, k) = _blocked(d2.float(), block)
+    out = db * s2.unsqueeze(-1).unsqueeze(-3)
+    out = out.reshape(*db.shape[:-4], db.shape[-4] * block[0], db.shape[-2] * block[1])[..., :m, :k]
+    out = out.squeeze(0) if one_d else out
+    return out.to(dtype)

@@ -1,0 +1,265 @@
+"""Both dispatchers on 1, 2, 4 and 8 gloo ranks against a single-process reference.
+
+Each rank holds a distinct chunk of one global token set (as attention ranks do under folding),
+routes it with a random map, runs a toy per-expert SwiGLU-like function on the rows it receives
+(its EP slice of the experts, its ETP slice of F) and combines. The reference computes, in one
+process, ``y_t = Σ_{e kept for t} (silu(x_t A_e) · p_te) B_e`` on all tokens; outputs and gradients
+of tokens, probabilities and expert weights must match (fp64, so to round-off). Weight gradients
+are summed over EDP replicas before comparing, as the optimizer would.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from folding.moe import host_sync
+from folding.moe.dispatcher import build_dispatcher
+from folding.moe.permute import expert_capacity, padded_rows_per_expert
+from folding.parallel import ParallelLayout, build_parallel_state
+
+H, FF, T = 8, 6, 6
+
+
+def _problem(world, E, topk, mode, seed, cf):
+    """Global inputs; the routing map is built per rank chunk (dropping decided from local tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * T, H, generator=g, dtype=torch.float64)
+    scores = torch.rand(world * T, E, generator=g, dtype=torch.float64)
+    top = scores.topk(topk, dim=1).indices
+    rmap = torch.zeros(world * T, E, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.where(rmap, scores, torch.zeros_like(scores))
+    if mode != "dropless":  # keep at most `capacity` earliest tokens per expert inside each rank chunk
+        cap = padded_rows_per_expert(T, topk, E, cf) if mode == "pad" else expert_capacity(T, topk, E, cf)
+        for r in range(world):
+            blk = rmap[r * T:(r + 1) * T]
+            keep = (blk.cumsum(0) <= cap) & blk
+            rmap[r * T:(r + 1) * T] = keep
+        dropped = (probs != 0) & ~rmap
+        assert mode == "pad" or dropped.any(), "the case should drop something"
+    A = torch.randn(E, H, FF, generator=g, dtype=torch.float64)
+    B = torch.randn(E, FF, H, generator=g, dtype=torch.float64)
+    gy = torch.randn(world * T, H, generator=g, dtype=torch.float64)
+    return x, rmap, probs, A, B, gy
+
+
+def _reference(x, rmap, probs, A, B, gy):
+    x, probs, A, B = (t.clone().requires_grad_(True) for t in (x, probs, A, B))
+    y = torch.zeros_like(x)
+    for e in range(A.shape[0]):
+        w = (probs[:, e] * rmap[:, e]).unsqueeze(1)
+        y = y + (F.silu(x @ A[e]) * w) @ B[e]
+    (y * gy).sum().backward()
+    return y.detach(), x.grad, probs.grad, A.grad, B.grad
+
+
+def _toy_experts(tokens_NH, tpe, probs_N, A_LHF, B_LFH):
+    outs, start = [], 0
+    for l, n in enumerate(tpe.tolist()):
+        xs, ps = tokens_NH[start:start + n], probs_N[start:start + n]
+        outs.append((F.silu(xs @ A_LHF[l]) * ps.unsqueeze(1)) @ B_LFH[l])
+        start += n
+    return torch.cat(outs) if outs else tokens_NH[:0]
+
+
+def _one_case(c, ps, world, rank):
+    E, k, mode = c["E"], c["topk"], c["mode"]
+    x, rmap, probs, A, B, gy = _problem(world, E, k, mode, c["seed"], c.get("cf", 1.0))
+    sl = slice(rank * T, (rank + 1) * T)
+    d = build_dispatcher(c["kind"], num_experts=E, topk=k, ep_group=ps.ep_group, etp_group=ps.etp_group,
+                         capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
+                         pad_to_capacity=mode == "pad")
+    L, Fs = E // c["ep"], FF // c["etp"]
+    off, j = d.local_expert_offset, ps.etp_rank
+    A_l = A[off:off + L, :, j * Fs:(j + 1) * Fs].clone().requires_grad_(True)
+    B_l = B[off:off + L, j * Fs:(j + 1) * Fs, :].clone().requires_grad_(True)
+    xl = x[sl].clone().requires_grad_(True)
+    pl = probs[sl].clone().requires_grad_(True)
+    before = host_sync.count()
+    shape = (T // 2, 2, H) if c.get("sbh") else (T, H)
+    tokens, tpe, pn = d.dispatch(xl.view(shape), rmap[sl], pl)
+    assert tpe.device.type == "cpu" and tpe.dtype == torch.long
+    assert int(tpe.sum()) == tokens.shape[0]
+    y = d.combine(_toy_experts(tokens, tpe, pn, A_l, B_l))
+    syncs = host_sync.count() - before
+    assert y.shape == shape
+    (y.reshape(T, H) * gy[sl]).sum().backward()
+    return dict(y=y.detach().reshape(T, H), gx=xl.grad, gp=pl.grad, gA=A_l.grad, gB=B_l.grad,
+                off=off, etp_rank=j, syncs=syncs)
+
+
+def _run_cases(cases):
+    """Every case on this rank; one ParallelState per (ep, etp) layout."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    states, results = {}, []
+    try:
+        for c in cases:
+            key = (c["ep"], c["etp"])
+            if key not in states:
+                states[key] = build_parallel_state(ParallelLayout(world_size=world, ep=c["ep"], etp=c["etp"]))
+            results.append(_one_case(c, states[key], world, rank))
+    finally:
+        for ps in states.values():
+            ps.destroy()
+    return results
+
+
+def _check(world, cases, per_rank):
+    for i, c in enumerate(cases):
+        x, rmap, probs, A, B, gy = _problem(world, c["E"], c["topk"], c["mode"], c["seed"], c.get("cf", 1.0))
+        y, gx, gp, gA, gB = _reference(x, rmap, probs, A, B, gy)
+        res = [r[i] for r in per_rank]
+        tag = str(c)
+        torch.testing.assert_close(torch.cat([r["y"] for r in res]), y, msg=tag)
+        torch.testing.assert_close(torch.cat([r["gx"] for r in res]), gx, msg=tag)
+        # a dropped pair gets no gradient; kept pairs get the reference's
+        gp_d = torch.cat([r["gp"] for r in res])
+        torch.testing.assert_close(gp_d, gp * rmap, msg=tag)
+        # dropped pairs contribute nothing and get exactly zero gradient; a token that lost all its
+        # experts gets a zero output and a zero input gradient
+        assert (gp_d[(probs != 0) & ~rmap] == 0).all(), tag
+        lost = ~rmap.any(1)
+        assert (torch.cat([r["y"] for r in res])[lost] == 0).all(), tag
+        assert (torch.cat([r["gx"] for r in res])[lost] == 0).all(), tag
+        L, Fs = c["E"] // c["ep"], FF // c["etp"]
+        sumA, sumB = torch.zeros_like(gA), torch.zeros_like(gB)
+        for r in res:  # sum the EDP replicas' weight gradients into the full tensors
+            j, off = r["etp_rank"], r["off"]
+            sumA[off:off + L, :, j * Fs:(j + 1) * Fs] += r["gA"]
+            sumB[off:off + L, j * Fs:(j + 1) * Fs, :] += r["gB"]
+        torch.testing.assert_close(sumA, gA, msg=tag)
+        torch.testing.assert_close(sumB, gB, msg=tag)
+        syncs = {r["syncs"] for r in res}
+        assert syncs == ({0} if c["mode"] == "pad" else {1}), (tag, syncs)
+
+
+def _cases(world):
+    out, seed = [], 0
+    layouts = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(4, 1), (2, 2), (1, 2)], 8: [(8, 1), (2, 2), (4, 2)]}[world]
+    for ep, etp in layouts:
+        for kind in ("alltoall", "allgather"):
+            for mode in ("dropless", "drop", "pad"):
+                seed += 1
+                out.append(dict(ep=ep, etp=etp, kind=kind, mode=mode, E=8, topk=2, seed=seed,
+                                cf=1.0 if mode == "drop" else 1.5, sbh=seed % 2 == 0))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_dispatchers_match_reference(ranks, world):
+    cases = _cases(world)
+    per_rank = ranks(world).run(_run_cases, cases)
+    _check(world, cases, per_rank)
+
+
+# ------------------------------------------------------------------------------ quantized wires
+HW, TW, EW, FW = 64, 6, 4, 8
+
+
+def _wire_run(ps, wires, world, rank):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(world * TW, HW, generator=g)
+    scores = torch.rand(world * TW, EW, generator=g)
+    rmap = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(2, dim=1).indices, True)
+    probs = torch.where(rmap, scores, torch.zeros_like(scores))
+    A = torch.randn(EW, HW, FW, generator=g) / 8
+    Bw = torch.randn(EW, FW, HW, generator=g) / 3
+    gy = torch.randn(world * TW, HW, generator=g)
+    sl = slice(rank * TW, (rank + 1) * TW)
+    d = build_dispatcher("alltoall", num_experts=EW, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group,
+                         dispatch_wire=wires[0], combine_wire=wires[1], grad_wire=wires[2])
+    L, Fs, j, off = EW // ps.ep_size, FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
+    xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
+    tok, tpe, pn = d.dispatch(xl, rmap[sl], pl)
+    outs, start = [], 0
+    for l, n in enumerate(tpe.tolist()):  # a linear expert: (x A_e p) B_e, F sharded over ETP
+        e = off + l
+        outs.append((tok[start:start + n] @ A[e, :, j * Fs:(j + 1) * Fs] * pn[start:start + n, None])
+                    @ Bw[e, j * Fs:(j + 1) * Fs])
+        start += n
+    y = d.combine(torch.cat(outs))
+    (y * gy[sl]).sum().backward()
+    # elementwise bound (docs/dispatcher.md): with u = 2^-4 and sigma = 2^-9 amax/448 per row,
+    # |y_q - y| <= sum_k p_k (u(2+u)|x| + (1+u) sigma_x) |A_e||B_e| + sigma_r(k)  (+ fp32 slack)
+    u = 2.0 ** -4 if wires[0] != "none" else 0.0
+    uc = 2.0 ** -4 if wires[1] != "none" else 0.0
+    xs, ps_ = x[sl], probs[sl]
+    sig_x = 2.0 ** -9 * xs.abs().amax(1, keepdim=True) / 448 * (u > 0)
+    bound = torch.zeros_like(xs)
+    for e in range(EW):
+        M = A[e].abs() @ Bw[e].abs()
+        r_abs = ((1 + u) * xs.abs() + sig_x) @ M * ps_[:, e:e + 1]
+        term = ((u * (1 + uc) + uc) * xs.abs() + (1 + uc) * sig_x) @ M * ps_[:, e:e + 1]
+        bound += term + 2.0 ** -9 * r_abs.amax(1, keepdim=True) / 448 * (uc > 0)
+    return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(d.last_stats))
+
+
+def _wire_cases(wire_sets):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for ep, etp in ((2, 2), (4, 1)):
+        ps = build_parallel_state(ParallelLayout(world_size=world, ep=ep, etp=etp))
+        try:
+            ref = _wire_run(ps, ("none", "none", "none"), world, rank)
+            for wires in wire_sets:
+                q = _wire_run(ps, wires, world, rank)
+                err = (q["y"] - ref["y"]).abs()
+                assert (err <= q["bound"] + 1e-5 * ref["y"].abs() + 1e-7).all(), (wires, ep, etp, (err - q["bound"]).max())
+                if wires[0] != "none" or wires[1] != "none":
+                    assert err.max() > 0, "the wire should have quantized something"
+                # gradients flow through the quantized exchanges and stay close to the exact ones
+                for k in ("gx", "gp"):
+                    rel = (q[k] - ref[k]).norm() / ref[k].norm()
+                    assert q[k].abs().sum() > 0 and rel < 0.15, (wires, k, float(rel))
+                out.append((ep, etp, wires, q["bytes"]["ep_dispatch_bytes"], ref["bytes"]["ep_dispatch_bytes"]))
+        finally:
+            ps.destroy()
+    return out
+
+
+def test_quantized_wires_bounded_error_and_bytes(ranks):
+    wire_sets = [("mxfp8", "none", "none"), ("none", "mxfp8", "mxfp8"), ("fp8", "fp8", "fp8"), ("mxfp8", "mxfp8", "none")]
+    res = ranks(4).run(_wire_cases, wire_sets)
+    for ep, etp, wires, q_bytes, ref_bytes in res[0]:
+        if wires[0] == "mxfp8":  # fp32 rows: (H + H/32) / 4H of the unquantized bytes
+            assert q_bytes == pytest.approx(ref_bytes * (HW + HW // 32) / (4 * HW))
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _bad_inputs():
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), ep=2, etp=1))
+    errors = []
+    try:
+        def expect(match, fn):
+            with pytest.raises(ValueError, match=match):
+                fn()
+            errors.append(match)
+
+        kw = dict(topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+        expect(r"num_experts=3 is not divisible by the EP group size 2", lambda: build_dispatcher("alltoall", num_experts=3, **kw))
+        expect(r"must meet only at this rank", lambda: build_dispatcher(
+            "alltoall", num_experts=4, topk=2, ep_group=ps.ep_group, etp_group=ps.ep_group))
+        expect(r"num_local_experts=4 but num_experts/EP", lambda: build_dispatcher(
+            "alltoall", num_experts=4, num_local_experts=4, **kw))
+        expect(r"moe.dispatcher='ring'", lambda: build_dispatcher("ring", num_experts=4, **kw))
+        expect(r"allgather dispatcher sends the activation dtype only", lambda: build_dispatcher(
+            "allgather", num_experts=4, dispatch_wire="mxfp8", **kw))
+        expect(r"pad_to_capacity=True needs a capacity_factor", lambda: build_dispatcher(
+            "alltoall", num_experts=4, pad_to_capacity=True, **kw))
+        d = build_dispatcher("alltoall", num_experts=4, dispatch_wire="fp8", **kw)
+        rmap = torch.zeros(3, 4, dtype=torch.bool)
+        rmap[:, :2] = True
+        expect(r"moe.dispatch_wire='fp8' quantizes from fp32/bf16/fp16", lambda: d.dispatch(
+            torch.zeros(3, 64, dtype=torch.float64), rmap, rmap.double()))
+        expect(r"routing_map must be bool \[T=3, E=4\]", lambda: d.dispatch(
+            torch.zeros(3, 64), rmap[:, :3], rmap.float()))
+        # every error came before any collective: the ranks are still in step
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+    finally:
+        ps.destroy()
+    return errors
+
+
+def test_bad_inputs_fail_before_any_collective(ranks):
+    assert all(len(e) == 8 for e in ranks(2).run(_bad_inputs))

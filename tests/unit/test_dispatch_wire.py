@@ -1,0 +1,64 @@
+"""Wire formats: exact bytes for ``none``, bounded error and byte counts for ``fp8`` / ``mxfp8``, clear errors."""
+import pytest
+import torch
+
+from folding.moe.wire import check_wire, decode, encode, payload_bytes_per_row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_none_wire_is_bit_exact_with_probs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g).to(dtype)
+    p = torch.rand(5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    b = encode(x, "none", p)
+    # row = H elements of the dtype + one probability in its own dtype
+    assert b.dtype == torch.uint8 and b.shape == (5, 6 * x.element_size() + p.element_size())
+    x2, p2 = decode(b, "none", 6, dtype, p.dtype)
+    assert torch.equal(x2, x) and torch.equal(p2, p)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_quantized_wire_error_and_bytes(fmt):
+    g = torch.Generator().manual_seed(1)
+    H = 64
+    # magnitudes spread over 2^-3 .. 2^3 inside each row: stays in e4m3's normal range after scaling
+    x = torch.randn(7, H, generator=g) * torch.exp2(torch.randint(-3, 4, (7, H), generator=g).float())
+    p = torch.rand(7, generator=g)
+    b = encode(x, fmt, p)
+    assert b.shape[1] == payload_bytes_per_row(fmt, H, torch.float32) + 4
+    assert payload_bytes_per_row(fmt, H, torch.float32) == (H + 4 if fmt == "fp8" else H + H // 32)
+    x2, p2 = decode(b, fmt, H, torch.float32, torch.float32)
+    assert torch.equal(p2, p)  # probabilities are never quantized
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 on normals, plus half a subnormal step
+    # (2^-10 * scale) for the smallest values of a block/row; scale <= 2 * amax / 448
+    amax = x.abs().amax(1, keepdim=True)
+    bound = 2.0 ** -4 * x.abs() + 2.0 ** -10 * 2 * amax / 448
+    assert ((x2 - x).abs() <= bound).all()
+    assert (x2 != x).any()  # it did quantize
+
+
+@pytest.mark.parametrize("fmt", ["none", "fp8", "mxfp8"])
+def test_zero_rows_round_trip(fmt):
+    # a rank that receives no tokens encodes and decodes an empty [0, H] block
+    x = torch.empty(0, 64)
+    p = torch.empty(0)
+    b = encode(x, fmt, p)
+    assert b.shape == (0, payload_bytes_per_row(fmt, 64, torch.float32) + 4)
+    x2, p2 = decode(b, fmt, 64, torch.float32, torch.float32)
+    assert x2.shape == (0, 64) and p2.shape == (0,)
+
+
+def test_mxfp8_halves_bf16_bytes():
+    # (H + H/32) / 2H = 0.515625 for any H multiple of 32
+    assert payload_bytes_per_row("mxfp8", 1024, torch.bfloat16) / payload_bytes_per_row("none", 1024, torch.bfloat16) \
+        == pytest.approx(0.515625)
+
+
+def test_check_wire_errors_name_the_setting():
+    with pytest.raises(ValueError, match=r"moe.dispatch_wire='int4'.*choose one of"):
+        check_wire("moe.dispatch_wire", "int4", torch.bfloat16, 64)
+    with pytest.raises(ValueError, match=r"moe.combine_wire=mxfp8 needs the hidden size to be a multiple of 32"):
+        check_wire("moe.combine_wire", "mxfp8", torch.bfloat16, 48)
+    with pytest.raises(ValueError, match=r"moe.grad_wire='fp8' quantizes from fp32/bf16/fp16"):
+        check_wire("moe.grad_wire", "fp8", torch.float64, 64)
+    check_wire("moe.dispatch_wire", "fp8", torch.bfloat16, 48)  # fp8 rowwise has no block constraint

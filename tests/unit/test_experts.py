@@ -1,0 +1,186 @@
+"""GroupedMLP: every CPU backend against the loop reference, sharding, initialization, chunking, errors."""
+import pytest
+import torch
+
+from folding.moe.expert_backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
+from folding.moe.expert_te import pad_rows_per_expert, te_available
+from folding.moe.experts import GroupedMLP
+from folding.parallel.param_attrs import param_tags
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tests run many tiny GEMMs, for which OpenMP synchronization dominates: use one thread."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
+CPU_BACKENDS = ["torch", "auto"]
+
+
+def _make(backend, dtype, h=16, f=24, e=4, **kw):
+    return GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
+                      params_dtype=dtype, init_std=0.2, init_seed=3, **kw)
+
+
+def _run(mod, x, counts, probs, loss="weighted"):
+    """Output and the gradients of x, probs, fc1, fc2 for a fresh copy of the inputs."""
+    x = x.detach().clone().requires_grad_()
+    p = probs.detach().clone().requires_grad_()
+    mod.zero_grad(set_to_none=True)
+    y = mod(x, counts, p)
+    if loss == "sum":  # .sum() hands grouped_mm's backward a stride-0 gradient
+        y.sum().backward()
+    else:
+        g = torch.Generator().manual_seed(11)
+        y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+    return [y, x.grad, p.grad, mod.fc1_weight.grad, mod.fc2_weight.grad]
+
+
+def _counts(seed, e, n_max=9):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, n_max, (e,), generator=g)
+    c[torch.randint(0, e, (2,), generator=g)] = 0  # some experts get no tokens
+    return c
+
+
+def _assert_close(got, ref, dtype):
+    for a, b in zip(got, ref):
+        assert a is not None and b is not None and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("h,f", [(16, 24), (6, 5)])  # (6, 5): strides that are not 16-byte multiples
+@pytest.mark.parametrize("loss", ["weighted", "sum"])
+def test_backend_matches_loop(dtype, backend, h, f, loss):
+    ref_mod, mod = _make("loop", dtype, h, f), _make(backend, dtype, h, f)
+    for seed in (0, 1):
+        counts = _counts(seed, 4)
+        n = int(counts.sum())
+        g = torch.Generator().manual_seed(100 + seed)
+        x = torch.randn(n, h, generator=g).to(dtype)
+        probs = torch.rand(n, generator=g)
+        _assert_close(_run(mod, x, counts, probs, loss), _run(ref_mod, x, counts, probs, loss), dtype)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "auto"])
+def test_no_tokens_at_all(backend):
+    mod = _make(backend, torch.float32)
+    y, gx, gp, g1, g2 = _run(mod, torch.zeros(0, 16), torch.zeros(4, dtype=torch.int64), torch.zeros(0))
+    assert y.shape == (0, 16) and gx.shape == (0, 16)
+    assert g1 is not None and g2 is not None and not g1.any() and not g2.any()
+
+
+def test_counts_as_list_cpu_tensor_and_int32():
+    mod = _make("torch", torch.float32)
+    x, p = torch.randn(7, 16), torch.rand(7)
+    a = mod(x, [2, 0, 5, 0], p)
+    assert torch.equal(a, mod(x, torch.tensor([2, 0, 5, 0]), p))
+    assert torch.equal(a, mod(x, torch.tensor([2, 0, 5, 0], dtype=torch.int32), p))
+
+
+def test_auto_picks_grouped_mm_on_this_build():
+    mod = _make("auto", torch.float32)
+    expected = "torch" if torch_grouped_mm_supported("cpu", torch.float32) else "loop"
+    assert mod.resolve_backend(torch.device("cpu"), torch.float32) == expected
+    assert _make("auto", torch.float32, fp8_recipe="mxfp8").resolve_backend(torch.device("cpu"), torch.float32) == "emulated"
+
+
+def test_etp_shards_sum_to_the_unsharded_layer_and_ep_offsets_select_experts():
+    full = _make("loop", torch.float32, h=8, f=12, e=4)
+    counts = torch.tensor([3, 0, 4, 2])
+    x, p = torch.randn(9, 8), torch.rand(9)
+    ref = full(x, counts, p)
+    parts = [_make("loop", torch.float32, h=8, f=12, e=4, etp_size=3, etp_rank=r)(x, counts, p) for r in range(3)]
+    torch.testing.assert_close(sum(parts), ref)
+    # EP: a rank holding global experts 2 and 3 computes what the full layer computes for them
+    ep = _make("loop", torch.float32, h=8, f=12, e=2, expert_offset=2)
+    torch.testing.assert_close(ep(x[3:], counts[2:], p[3:]), ref[3:])
+
+
+def test_weights_are_slices_of_layout_free_full_tensors():
+    f = 12
+    full = _make("loop", torch.float32, h=8, f=f, e=4)
+    for r in range(2):
+        m = _make("loop", torch.float32, h=8, f=f, e=2, etp_size=2, etp_rank=r, expert_offset=2)
+        fl = f // 2
+        gate = full.fc1_weight[2:, r * fl : (r + 1) * fl]
+        up = full.fc1_weight[2:, f + r * fl : f + (r + 1) * fl]
+        assert torch.equal(m.fc1_weight, torch.cat([gate, up], 1))
+        assert torch.equal(m.fc2_weight, full.fc2_weight[2:, :, r * fl : (r + 1) * fl])
+        maps = m.full_shape_slices()
+        assert maps["fc1_weight"].full_shape == (2 * f, 8) and maps["fc1_weight"].global_experts == (2, 3)
+        for i in range(2):
+            assert torch.equal(maps["fc1_weight"].shard(full.fc1_weight[2 + i]), m.fc1_weight[i])
+            assert torch.equal(maps["fc2_weight"].shard(full.fc2_weight[2 + i]), m.fc2_weight[i])
+    assert not torch.equal(full.fc1_weight[0], full.fc1_weight[1])  # experts differ
+    t1, t2 = param_tags(full.fc1_weight), param_tags(full.fc2_weight)
+    assert (t1.expert, t1.tp_sharded, t1.tp_dim) == (True, True, 1)
+    assert (t2.expert, t2.tp_sharded, t2.tp_dim) == (True, True, 2)
+    bf = _make("loop", torch.bfloat16, h=8, f=f, e=4)
+    assert bf.fc1_weight.dtype == torch.bfloat16 and torch.equal(bf.fc1_weight, full.fc1_weight.bfloat16())
+
+
+def test_plan_chunks_hand_worked():
+    # width 10, limit 50 -> at most 5 rows per call.
+    # counts [3, 0, 4, 12]: call 1 = e0:3 + e1:0 + e2:2; call 2 = e2:2 + e3:3; then e3 5, e3 4.
+    assert plan_chunks([3, 0, 4, 12], 10, 50) == [
+        [(0, 3), (1, 0), (2, 2)], [(2, 2), (3, 3)], [(3, 5)], [(3, 4)]
+    ]
+    assert plan_chunks([3, 0, 4], 10, 10**9) == [[(0, 3), (1, 0), (2, 4)]]
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_chunked_grouped_linear_matches_one_call(backend):
+    x = torch.randn(21, 8, requires_grad=True)
+    w = torch.randn(3, 4, 8, requires_grad=True)
+    counts = [5, 0, 16]
+    ref = grouped_linear(x, w, counts, backend)
+    gx, gw = torch.autograd.grad(ref.square().sum(), (x, w))
+    small = grouped_linear(x, w, counts, backend, index_limit=(8 + 16) * 6)  # <= 6 rows a call
+    hx, hw = torch.autograd.grad(small.square().sum(), (x, w))
+    torch.testing.assert_close(small, ref)
+    torch.testing.assert_close(hx, gx)
+    torch.testing.assert_close(hw, gw)
+
+
+def test_pad_rows_per_expert_hand_worked():
+    x = torch.arange(5.0).unsqueeze(1)  # rows 0,1 -> expert 0; none -> expert 1; rows 2,3,4 -> expert 2
+    xp, padded, keep = pad_rows_per_expert(x, [2, 0, 3], 4)
+    assert padded == [4, 0, 4]
+    assert keep.tolist() == [0, 1, 4, 5, 6]
+    assert xp.squeeze(1).tolist() == [0, 1, 0, 0, 2, 3, 4, 0]
+    assert torch.equal(xp[keep], x)
+
+
+def test_bad_settings_and_inputs_fail_clearly():
+    with pytest.raises(ValueError, match="etp_size"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=10, etp_size=4)
+    with pytest.raises(ValueError, match="backend"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="cutlass")
+    with pytest.raises(ValueError, match="fp8_recipe"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="emulated")
+    with pytest.raises(ValueError, match="'emulated'"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="loop", fp8_recipe="mxfp8")
+    with pytest.raises(ValueError, match="fp8_recipe"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, fp8_recipe="int8")
+    mod = _make("loop", torch.float32)
+    x, p = torch.randn(5, 16), torch.rand(5)
+    with pytest.raises(ValueError, match="sum to the number of token rows"):
+        mod(x, [2, 2, 0, 0], p)
+    with pytest.raises(ValueError, match="num_local_experts=4"):
+        mod(x, [5], p)
+    with pytest.raises(ValueError, match="probs_N"):
+        mod(x, [5, 0, 0, 0], torch.rand(4))
+    with pytest.raises(ValueError, match="hidden_size=16"):
+        mod(torch.randn(5, 8), [5, 0, 0, 0], p)
+    ok, why = te_available()
+    if not ok:
+        with pytest.raises(RuntimeError, match="backend='te' is unavailable"):
+            _make("te", torch.float32)(x, [5, 0, 0, 0], p)
+    with pytest.raises(RuntimeError, match="fp8_recipe"):
+        _make("torch", torch.float32, fp8_recipe="mxfp8")(x, [5, 0, 0, 0], p)

@@ -1,0 +1,224 @@
+"""Parity with transformers' MixtralForCausalLM / Qwen2MoeForCausalLM at 1 rank (fp32): logits, LM loss
+and every parameter gradient; HF -> engine -> HF round trip; clear errors for bad checkpoints."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from folding.model.hf import CheckpointError, from_hf, hf_components, to_hf  # noqa: E402
+from tests.unit.test_model_reference_moe import reference_moe_factory  # noqa: E402
+
+V, S, B = 128, 12, 2
+
+
+def tiny_hf(kind, **kw):
+    """A random tiny HF model (weights ~N(0, 0.1) so that routing and attention are not trivial)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2)
+    if kind == "mixtral":
+        cfg = MixtralConfig(**common, intermediate_size=16, num_local_experts=4, **kw)
+        model = MixtralForCausalLM(cfg)
+    else:
+        cfg = Qwen2MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                             num_experts=4, **kw)
+        model = Qwen2MoeForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model.eval()
+
+
+def save(model, path, legacy_rope=False):
+    model.save_pretrained(path)
+    if legacy_rope:  # rewrite config.json with transformers 4's top-level rope_theta spelling
+        f = os.path.join(path, "config.json")
+        c = json.load(open(f))
+        c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
+        json.dump(c, open(f, "w"))
+    return path
+
+
+def hf_grads(model, family):
+    """HF gradients under the checkpoint's tensor names (fused in-memory experts split per expert)."""
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
+            prefix = n.rsplit("experts.", 1)[0].replace(".mlp.", f".{moe}.") + "experts"
+            for e in range(g.shape[0]):
+                if n.endswith("gate_up_proj"):
+                    gate, up = g[e].chunk(2)
+                    out[f"{prefix}.{e}.{names[0]}.weight"], out[f"{prefix}.{e}.{names[1]}.weight"] = gate, up
+                else:
+                    out[f"{prefix}.{e}.{names[2]}.weight"] = g[e]
+        elif family == "mixtral" and n.endswith("mlp.gate.weight"):
+            out[n.replace(".mlp.", ".block_sparse_moe.")] = g
+        else:
+            out[n] = g
+    return out
+
+
+CASES = [
+    ("mixtral", dict(rope_theta=5e4), False),
+    ("mixtral", dict(tie_word_embeddings=True, rope_theta=2e5), True),
+    ("qwen2_moe", dict(norm_topk_prob=False, mlp_only_layers=[0], rope_theta=3e4), False),
+    ("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True, rope_theta=7e3), True),
+]
+
+
+def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory):
+    """Logits (<= 1e-5 relative), LM loss and every parameter gradient against transformers."""
+    from folding.model.hf import resolve_spec
+    hf = tiny_hf(family, **kw)
+    path = save(hf, os.path.join(str(tmp_dir), "ckpt"), legacy)
+    model = from_hf(path, moe_factory=moe_factory)
+    assert model.config.rope_theta == kw["rope_theta"]
+    assert model.config.tie_embeddings == kw.get("tie_word_embeddings", False)
+    assert [model.config.is_moe_layer(i) for i in range(3)] == [type(l.mlp).__name__.endswith("MoeBlock")
+                                                                 for l in hf.model.layers]
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    out = hf(ids, labels=ids)
+    logits = model(ids)
+    assert logits.shape == (B, S, V)
+    rel = ((logits - out.logits).abs().max() / out.logits.abs().max()).item()
+    assert rel <= 1e-5, rel
+    # engine labels are already shifted (label t = token t+1); the last position has no target
+    labels = torch.roll(ids, -1, dims=1)
+    mask = torch.ones(B, S)
+    mask[:, -1] = 0
+    loss = model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    out.loss.backward()
+    ref = hf_grads(hf, family)
+    checked = 0
+    for name, p in model.named_parameters():
+        g = p.grad.reshape(resolve_spec(name, p, model).full_shape)
+        for lead, hf_name in hf_components(name, model.config):
+            torch.testing.assert_close(g[lead] if lead else g, ref[hf_name], rtol=1e-4, atol=1e-6, msg=hf_name)
+            checked += 1
+    assert checked == len(ref)  # every HF parameter (tied ones once) was compared
+    return rel
+
+
+@pytest.mark.parametrize("family,kw,legacy", CASES, ids=["mixtral", "mixtral-tied-legacyrope", "qwen2-pattern",
+                                                         "qwen2-norm-tied-legacyrope"])
+def test_logits_loss_grads_match_transformers(tmp_path, family, kw, legacy):
+    check_parity(tmp_path, family, kw, legacy)
+
+
+def test_parity_with_engine_moe_layer(tmp_path):
+    """The same checks with the engine's MoE layer (default factory), in a fresh single process."""
+    import subprocess
+    import sys
+    try:
+        import folding.moe.layer  # noqa: F401
+    except ImportError:
+        pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
+    code = ("import sys; from tests.unit.test_hf_parity import CASES, check_parity\n"
+            "for i, (f, kw, legacy) in enumerate(CASES):\n"
+            "    print(f, check_parity(sys.argv[1] + f'/{i}', f, kw, legacy, moe_factory=None))\n")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("e-") >= len(CASES), r.stdout
+
+
+def test_round_trip_bit_identical(tmp_path):
+    hf = tiny_hf("qwen2_moe", mlp_only_layers=[1], tie_word_embeddings=False)
+    path = save(hf, str(tmp_path / "a"))
+    model = from_hf(path, moe_factory=reference_moe_factory)
+    to_hf(model, str(tmp_path / "b"))
+    a, b = load_file(os.path.join(path, "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # and transformers loads the export back
+    from transformers import AutoModelForCausalLM
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"))
+    ids = torch.randint(0, V, (1, 8))
+    torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+def test_bad_checkpoints_fail_clearly(tmp_path):
+    hf = tiny_hf("mixtral")
+    path = save(hf, str(tmp_path / "c"))
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    # another architecture
+    json.dump(dict(cfg, model_type="llama"), open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="model_type='llama'"):
+        from_hf(path, moe_factory=reference_moe_factory)
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    # wrong shape
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    sd["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(8, 32)
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"q_proj.weight.*shape \(8, 32\).*\(32, 32\)"):
+        from_hf(path, moe_factory=reference_moe_factory)
+    # missing tensor
+    del sd["model.layers.1.self_attn.q_proj.weight"]
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing.*layers.1.self_attn.q_proj"):
+        from_hf(path, moe_factory=reference_moe_factory)
+    # missing shard file named by the index
+    os.remove(os.path.join(path, "model.safetensors"))
+    json.dump({"weight_map": {k: "model-00002-of-00002.safetensors" for k in sd}},
+              open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    with pytest.raises(CheckpointError, match="missing shard files.*00002"):
+        from_hf(path, moe_factory=reference_moe_factory)
+    # unsupported rope type
+    json.dump(dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="rope_type='yarn'"):
+        from_hf(path, moe_factory=reference_moe_factory)
+
+
+def test_convert_tool(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                              "tools", "convert_hf.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    hf = tiny_hf("mixtral", tie_word_embeddings=True)
+    path = save(hf, str(tmp_path / "hf"))
+    fac = ["--moe-factory", "tests.unit.test_model_reference_moe:reference_moe_factory"]
+    assert tool.main(["roundtrip", path, str(tmp_path / "rt")] + fac) == 0
+    assert "59/59 tensors bit-identical" in capsys.readouterr().out
+    assert tool.main(["import", path, str(tmp_path / "e.pt")] + fac) == 0
+    assert tool.main(["export", str(tmp_path / "e.pt"), str(tmp_path / "out")] + fac) == 0
+    a, b = load_file(os.path.join(path, "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    json.dump({"model_type": "gpt2"}, open(os.path.join(path, "config.json"), "w"))
+    assert tool.main(["roundtrip", path, str(tmp_path / "rt2")] + fac) == 2
+    assert "model_type='gpt2'" in capsys.readouterr().err
+
+
+def test_multi_file_checkpoint(tmp_path):
+    """A checkpoint split over several safetensors files (with an index) loads file by file."""
+    hf = tiny_hf("mixtral")
+    hf.save_pretrained(str(tmp_path / "s"), max_shard_size="40KB")
+    files = [f for f in os.listdir(tmp_path / "s") if f.endswith(".safetensors")]
+    assert len(files) > 1 and os.path.exists(tmp_path / "s" / "model.safetensors.index.json")
+    model = from_hf(str(tmp_path / "s"), moe_factory=reference_moe_factory)
+    ids = torch.randint(0, V, (1, 8))
+    torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_checkpoint_round_trip(tmp_path):
+    """A bf16 checkpoint loaded into the fp32 model and exported as bf16 is bit-identical."""
+    hf = tiny_hf("qwen2_moe").to(torch.bfloat16)
+    hf.save_pretrained(str(tmp_path / "a"))
+    model = from_hf(str(tmp_path / "a"), moe_factory=reference_moe_factory)
+    assert next(model.parameters()).dtype == torch.float32
+    to_hf(model, str(tmp_path / "b"), dtype=torch.bfloat16)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)

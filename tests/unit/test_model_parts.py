@@ -1,0 +1,102 @@
+"""Model parts at 1 rank: vocab-parallel cross-entropy, CP chunking, RoPE, layout-independent init, errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from folding.model.context_parallel import check_cp_seq_len, cp_positions, gathered_positions
+from folding.model.cross_entropy import vocab_parallel_cross_entropy
+from folding.model.init import InitSpec, full_tensor, param_seed, shard_index, take_slice
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+from tests.unit.test_model_reference_moe import reference_moe_factory
+
+
+def test_cross_entropy_matches_torch():
+    logits = torch.randn(5, 3, 40, requires_grad=True)
+    target = torch.randint(0, 40, (5, 3))
+    loss = vocab_parallel_cross_entropy(logits, target, None)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, 40), target.reshape(-1), reduction="none").view(5, 3)
+    torch.testing.assert_close(loss, ref)
+    w = torch.rand(5, 3)
+    (loss * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+
+
+def test_cp_chunks_are_load_balanced():
+    # S=8, CP=2 -> 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert cp_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert gathered_positions(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    # every rank has the same causal work: sum over its queries of (position + 1)
+    work = [int((cp_positions(32, r, 4) + 1).sum()) for r in range(4)]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match=r"not divisible by 2\*parallel.cp = 4"):
+        check_cp_seq_len(10, 2, 1)
+    with pytest.raises(ValueError, match="parallel.tp=4"):
+        check_cp_seq_len(20, 2, 4)
+
+
+def test_init_slices_are_those_of_the_full_tensor():
+    spec = InitSpec((8, 2, 6, 4), ((0, 1, 4), (2, 2, 3)), "normal", 0.5)
+    full = full_tensor(spec, param_seed(3, "x"))
+    idx = shard_index(spec.full_shape, spec.shards)
+    assert torch.equal(full[idx], take_slice(full, spec.shards))
+    assert idx == (slice(2, 4), slice(0, 2), slice(4, 6), slice(0, 4))
+    assert param_seed(3, "x") != param_seed(3, "y") and param_seed(3, "x") != param_seed(4, "x")
+    # same seed, same model; another seed, another model
+    cfg = get_preset("mixtral_tiny", num_layers=1)
+    a = MoETransformer(cfg, init_seed=1, moe_factory=reference_moe_factory)
+    b = MoETransformer(cfg, init_seed=1, moe_factory=reference_moe_factory)
+    c = MoETransformer(cfg, init_seed=2, moe_factory=reference_moe_factory)
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+        if "norm" not in n:
+            assert not torch.equal(p, r), n
+    std = a.layers[0].attention.q_proj.weight.std().item()
+    assert abs(std - cfg.init_std) < 0.1 * cfg.init_std
+
+
+def test_bad_inputs_fail_clearly():
+    model = MoETransformer(get_preset("mixtral_tiny", num_layers=1), moe_factory=reference_moe_factory)
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\]"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must have the shape"):
+        model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_moe_config_follows_the_hf_routers():
+    from folding.model.moe_block import moe_config_from_model
+    mix = moe_config_from_model(get_preset("mixtral_8x7b"))
+    assert (mix.num_experts, mix.topk, mix.ffn_hidden_size, mix.pre_softmax) == (8, 2, 14336, False)
+    assert mix.capacity_factor is None and mix.input_jitter_eps is None and mix.aux_loss_type == "aux_loss"
+    qw = moe_config_from_model(get_preset("qwen2_57b_a14b"))
+    assert qw.pre_softmax and qw.shared_expert_ffn_hidden_size == 20480 and qw.shared_expert_gate
+    # norm_topk_prob=true renormalizes the pre-softmax top-k, which is post-softmax
+    assert not moe_config_from_model(get_preset("qwen2_moe_tiny", norm_topk_prob=True)).pre_softmax
+
+
+def test_hf_specs_inferred_from_tags_match_recorded_ones():
+    from folding.model.hf import resolve_spec
+    from folding.model.init import _ATTR
+    model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=2), moe_factory=reference_moe_factory)
+    for name, p in model.named_parameters():
+        recorded = resolve_spec(name, p, model)
+        saved = getattr(p, _ATTR)
+        delattr(p, _ATTR)
+        inferred = resolve_spec(name, p, model)
+        setattr(p, _ATTR, saved)
+        assert inferred.full_shape == recorded.full_shape, name
+        assert shard_index(inferred.full_shape, inferred.shards) == shard_index(recorded.full_shape, recorded.shards)
+
+
+def test_hf_aux_loss_only_with_router_logits():
+    from folding.model.hf_config import config_from_hf, config_to_hf
+    base = dict(model_type="mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4, intermediate_size=16,
+                router_aux_loss_coef=0.02)
+    assert config_from_hf(base).router_aux_loss_coef == 0.0
+    cfg = config_from_hf(dict(base, output_router_logits=True))
+    assert cfg.router_aux_loss_coef == 0.02
+    assert config_from_hf(config_to_hf(cfg)) == cfg.replace(name="hf_mixtral")

@@ -1,0 +1,180 @@
+"""The planner's memory model, step-time pieces and enumeration, against hand-worked values and oracles."""
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from folding.model.presets import get_preset
+from folding.parallel import LayoutError, ParallelLayout
+from folding.planning.hardware import GIB, get_gpu
+from folding.planning.planner import (COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts,
+                                      planner_memory_bytes)
+from folding.planning.step_time import (Cluster, Plan, TrainingShape, _a2a_time, estimate_step_time,
+                                        stage_parameters, wave_utilization)
+
+TINY = get_preset("mixtral_tiny")
+SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
+
+
+def _plan(**kw):
+    base = dict(tp=1, cp=1, pp=1, vpp=1, ep=1, etp=1, dp=1, edp=1, distributed_optimizer=True, recompute="none")
+    base.update(kw)
+    return Plan(**base)
+
+
+def test_memory_by_hand_mixtral_tiny():
+    # 8 GPUs: attention TP2 DP2 PP2, MoE ETP1 EP4 EDP1, distributed optimizer, no recompute, s=16, GBS 8.
+    plan = _plan(tp=2, pp=2, ep=4, dp=2, edp=1)
+    # Stage 0 parameters: per layer q,k,v,o = 64*64 + 2*64*32 + 64*64 = 12288 (TP-sharded), 2 norms of 64,
+    # router 8*64; 2 layers per stage; embedding 512*64/2.  Experts: 2 layers * 8 * 3*64*96 / EP4.
+    dense = 2 * (12288 / 2 + 2 * 64) + 2 * 8 * 64 + 512 * 64 / 2
+    expert = 2 * 8 * 3 * 64 * 96 / 4
+    assert stage_parameters(TINY, plan, last=False) == {"dense": dense, "expert": expert}
+    assert (dense, expert) == (29952, 73728)
+    # Activations: 8 rank tokens (16 / TP2); per token and layer, attention keeps 3H + (h+2g)d + hd = 384
+    # elements, MoE keeps 2H + ETP*k*H + 3*k*F = 832; bf16; 1F1B keeps PP2 micro-batches of 2 layers.
+    per_layer_mb = (384 + 832) * 2 * 8
+    mem = planner_memory_bytes(TINY, plan, shape=SHAPE)
+    assert mem == {
+        "params": (dense + expert) * 2,
+        "grads": (dense + expert) * 4,
+        "optimizer": 12 * (dense / 2 + expert / 1),        # dense sharded over DP*CP=2, experts over EDP=1
+        "activations": 2 * 2 * per_layer_mb,
+        "other": 3 * 1 * 2 * 8 * 64 * 2 + 2 * GIB,         # dispatch buffers + workspaces
+    }
+    # Without the distributed optimizer the dense optimizer state is whole; full recompute keeps only inputs.
+    mem2 = planner_memory_bytes(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
+                                            recompute="full"), shape=SHAPE)
+    # That makes the last stage the larger one: it adds the output layer (512*64/2) and final norm (64) to
+    # the parameters, and keeps fp32 logits and their gradient (2 * 8 tokens * 512 * 4 bytes).
+    dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
+    assert mem2["optimizer"] == 12 * (dense_last + expert)
+    assert mem2["activations"] == 2 * 64 * 2 * 8 + (384 + 832) * 2 * 8 + 2 * 8 * 512 * 4
+
+
+def test_expert_memory_falls_with_ep():
+    shape = TrainingShape(seq_length=4096, global_batch_size=256)
+    cfg = get_preset("mixtral_8x22b")
+    a = planner_memory_bytes(cfg, _plan(tp=2, pp=8, ep=4, dp=8, edp=4), shape=shape)
+    b = planner_memory_bytes(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape=shape)
+    assert b["params"] < a["params"] and b["grads"] < a["grads"]
+    # With the distributed optimizer, expert optimizer state per GPU is total/world whatever EP (REFERENCE §4b).
+    ea = stage_parameters(cfg, _plan(tp=2, pp=8, ep=4), last=False)["expert"] / 4
+    eb = stage_parameters(cfg, _plan(tp=2, pp=8, ep=8), last=False)["expert"] / 2
+    assert ea == pytest.approx(eb)
+
+
+def test_wave_utilization_by_hand():
+    assert wave_utilization(128 * 132, 256, 132) == pytest.approx(1.0)    # exactly one wave of 128x256 tiles
+    # 129 x 128: two 128x128 tiles, one wave; useful work = 129*128 / (128*128) tiles of 132 SM slots.
+    assert wave_utilization(129, 128, 132) == pytest.approx(129 * 128 / 128 / 128 / 132)
+
+
+def test_a2a_splits_across_nodes():
+    gpu = get_gpu("h100")
+    cluster = Cluster(gpu=gpu, num_gpus=16)
+    nv, ib = gpu.link_bandwidth(crosses_node=False, kind="a2a"), gpu.link_bandwidth(crosses_node=True, kind="a2a")
+    # EP8 at stride 1: all peers inside the node.
+    assert _a2a_time(1e9, 8, 1, cluster) == pytest.approx(1e9 / nv + gpu.intra_latency_s)
+    # EP16 at stride 1: 7 of 15 peers on the node, 8 off it; the NIC share dominates.
+    assert _a2a_time(1e9, 16, 1, cluster) == pytest.approx(1e9 * 8 / 15 / ib + gpu.inter_latency_s)
+    # EP4 at stride 4 (non-folded TP2 CP2): 2 of the 4 ranks per node.
+    assert _a2a_time(1e9, 4, 4, cluster) == pytest.approx(1e9 * 2 / 3 / ib + gpu.inter_latency_s)
+
+
+def test_step_time_structure():
+    cfg, shape = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256)
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=128)
+    folded = _plan(tp=2, pp=8, vpp=1, ep=8, etp=1, dp=8, edp=2)
+    t = estimate_step_time(cfg, folded, shape=shape, cluster=cl, compute_efficiency=0.5)
+    assert t.step_s == pytest.approx(sum(t.breakdown.values()))
+    # MFU is model FLOPs over time and peak.
+    from folding.planning.flops import flops_per_token
+    assert t.mfu == pytest.approx(flops_per_token(cfg, 4096).model_training * 256 * 4096
+                                  / (t.step_s * 128 * 989.4e12))
+    # Interleaving shrinks the bubble; a higher efficiency shortens compute in proportion.
+    t7 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=7, ep=8, etp=1, dp=8, edp=2), shape=shape, cluster=cl,
+                            compute_efficiency=0.5)
+    assert t7.breakdown["bubble"] < t.breakdown["bubble"] / 5
+    t2 = estimate_step_time(cfg, folded, shape=shape, cluster=cl, compute_efficiency=1.0)
+    assert t2.breakdown["compute"] == pytest.approx(t.breakdown["compute"] / 2, rel=0.01)  # + host syncs
+    # Without folding (ETP=TP, dispatch over TP*EP = 16 ranks) the all-to-all leaves the node: slower.
+    unfolded = _plan(tp=2, pp=8, ep=8, etp=2, dp=8, edp=1, folded=False)
+    tu = estimate_step_time(cfg, unfolded, shape=shape, cluster=cl, compute_efficiency=0.5)
+    assert tu.breakdown["ep"] > 3 * t.breakdown["ep"]
+    # Full recompute costs an extra forward.
+    tr = estimate_step_time(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2, recompute="full"), shape=shape,
+                            cluster=cl, compute_efficiency=0.5)
+    assert tr.breakdown["compute"] == pytest.approx(t.breakdown["compute"] * 4 / 3, rel=0.05)
+    with pytest.raises(ValueError, match="compute_efficiency"):
+        estimate_step_time(cfg, folded, shape=shape, cluster=cl, compute_efficiency=0)
+
+
+def test_enumeration_matches_oracle():
+    """Every plan yielded is legal, and every legal mapping is yielded (brute force over all sizes)."""
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=8)
+    shape = TrainingShape(seq_length=16, global_batch_size=8)
+    got = {(p.tp, p.cp, p.pp, p.vpp, p.ep, p.etp) for p in enumerate_plans(TINY, cluster=cl, shape=shape)}
+    want = set()
+    sizes = (1, 2, 4, 8)     # every size of a legal 8-rank layout divides 8 (vpp is free: 1..8)
+    for tp, cp, pp, vpp, ep, etp in itertools.product(sizes, sizes, sizes, range(1, 9), sizes, sizes):
+        try:
+            lay = ParallelLayout(world_size=8, tp=tp, cp=cp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp,
+                                 num_experts=8)
+        except LayoutError:
+            continue
+        m = 8 // lay.dp if 8 % lay.dp == 0 else 0
+        if (8 % tp or 4 % tp or 96 % etp or 4 % (pp * vpp) or 16 % (2 * cp) or not m
+                or (vpp > 1 and m % pp)):
+            continue
+        want.add((tp, cp, pp, vpp, ep, etp))
+    assert got == want and len(got) > 50
+    plans = list(enumerate_plans(TINY, cluster=cl, shape=shape))
+    assert len(plans) == 6 * len(got)       # x distributed optimizer on/off x 3 recompute modes
+
+
+def test_plan_layouts_sorted_distinct_and_fitting():
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=8)
+    res = plan_layouts(TINY, cluster=cl, shape=SHAPE)
+    steps = [r.time.step_s for r in res]
+    assert steps == sorted(steps)
+    keys = [(r.plan.tp, r.plan.cp, r.plan.pp, r.plan.ep, r.plan.etp) for r in res]
+    assert len(keys) == len(set(keys))
+    every = plan_layouts(TINY, cluster=cl, shape=SHAPE, distinct=False)
+    assert len(every) > len(res)
+    assert every[0].time.step_s == res[0].time.step_s
+    # A GPU too small for anything: nothing fits.
+    tiny_gpu = get_gpu("h100").__class__(**{**get_gpu("h100").__dict__, "usable_memory_gib": 1.0})
+    assert plan_layouts(TINY, cluster=Cluster(gpu=tiny_gpu, num_gpus=8), shape=SHAPE) == []
+    r = evaluate(TINY, res[0].plan, cluster=cl, shape=SHAPE)
+    d = r.to_dict()
+    assert {"tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "mfu", "memory_gib"} <= set(d)
+    assert 0 < d["mfu"] < 1
+
+
+def test_bad_input_names_the_setting():
+    with pytest.raises(ValueError, match="--gpus"):
+        plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=12), shape=SHAPE)
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=8),
+                     shape=TrainingShape(seq_length=16, global_batch_size=0))
+    with pytest.raises(ValueError, match="--gpu 'a100'"):
+        get_gpu("a100")
+
+
+def test_tool_json_only_on_stdout():
+    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8", "--gpu", "h200",
+                          "--seq-length", "16", "--global-batch-size", "8", "--json"],
+                         capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    assert rows and rows[0]["mfu"] >= rows[-1]["mfu"]
+    bad = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8",
+                          "--gpu", "v100", "--seq-length", "16", "--global-batch-size", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--gpu" in bad.stderr and bad.stdout == ""
+
+
+def test_constant_is_in_range():
+    assert 0.3 < COMPUTE_EFFICIENCY < 0.9

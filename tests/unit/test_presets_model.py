@@ -1,0 +1,49 @@
+"""Presets build on the meta device; the module parameter counts equal ModelConfig.num_parameters() and the
+published totals (Mixtral 8x7B 46.7B / 12.9B active, 8x22B 140.6B / 39.2B, Qwen2-57B-A14B 57.4B / 14.3B)."""
+import pytest
+import torch
+
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+from folding.parallel.param_attrs import param_tags
+from tests.unit.test_model_reference_moe import reference_moe_factory
+
+PUBLISHED = {"mixtral_8x7b": (46.7e9, 12.9e9), "mixtral_8x22b": (140.6e9, 39.2e9), "qwen2_57b_a14b": (57.4e9, 14.3e9)}
+
+
+def module_counts(model):
+    """(total, active) counted from the module: routed-expert parameters count topk/E toward active."""
+    cfg = model.config
+    total = expert = 0
+    for p in model.parameters():
+        total += p.numel()
+        if param_tags(p).expert:
+            expert += p.numel()
+    return total, total - expert + expert * cfg.topk // cfg.num_experts
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_presets_count(name):
+    cfg = get_preset(name)
+    model = MoETransformer(cfg, device="meta", moe_factory=reference_moe_factory)
+    assert all(p.is_meta for p in model.parameters())
+    total, active = module_counts(model)
+    assert (total, active) == cfg.num_parameters()
+    pub_total, pub_active = PUBLISHED[name]
+    assert abs(total - pub_total) / pub_total < 0.005, total
+    assert abs(active - pub_active) / pub_active < 0.01, active
+    print(f"{name}: {total / 1e9:.2f}B total, {active / 1e9:.2f}B active")
+
+
+@pytest.mark.parametrize("name", ["mixtral_tiny", "qwen2_moe_tiny"])
+def test_tiny_presets_run(name):
+    cfg = get_preset(name)
+    assert cfg.num_experts == 8 and cfg.num_layers == 4 and (cfg.num_attention_heads, cfg.num_kv_heads) == (8, 4)
+    assert cfg.vocab_size % 128 == 0 and cfg.hidden_size % 8 == 0 and cfg.moe_ffn_hidden_size % 8 == 0
+    model = MoETransformer(cfg, init_seed=0, moe_factory=reference_moe_factory)
+    assert module_counts(model) == cfg.num_parameters()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    loss = model(ids, labels=ids).mean()
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(cfg.vocab_size * 1.0)).item()) < 0.5
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -1,0 +1,96 @@
+"""Rank every legal folded layout of a model on a cluster by predicted step time (pure arithmetic, no GPUs).
+
+Usage::
+
+    python tools/plan.py --model mixtral_8x22b --gpus 128 --gpu h100 --seq-length 4096 --global-batch-size 256
+    python tools/plan.py --model qwen2_57b_a14b --gpus 64 --gpu h100 --seq-length 4096 \\
+        --global-batch-size 256 --json          # only a JSON list on stdout, best first
+    python tools/plan.py ... --top 20 --all-variants --unfolded
+
+Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
+optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
+memory. Layouts that do not fit in the GPU's memory are dropped. The cost model and its calibration are
+described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from folding.model.presets import get_preset, list_presets  # noqa: E402
+from folding.planning.hardware import get_gpu, list_gpus  # noqa: E402
+from folding.planning.planner import COMPUTE_EFFICIENCY, plan_layouts  # noqa: E402
+from folding.planning.step_time import Cluster, TrainingShape  # noqa: E402
+
+
+def parse_args(argv=None):
+    """Command-line arguments (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help=f"model preset: {', '.join(list_presets())}")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(list_gpus())} (default h100)")
+    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
+    p.add_argument("--no-tp-comm-overlap", action="store_true",
+                   help="assume TP communication is not overlapped with GEMMs")
+    p.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
+                   help=f"fraction of peak BF16 FLOP/s the GEMMs reach (default {COMPUTE_EFFICIENCY}, calibrated)")
+    p.add_argument("--unfolded", action="store_true",
+                   help="plan Megatron-Core layouts without folding (ETP=TP, EP inside DP) instead")
+    p.add_argument("--all-variants", action="store_true",
+                   help="list every VPP / recompute / optimizer variant, not only the best per mapping")
+    p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
+    p.add_argument("--json", action="store_true", help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)")
+    return p.parse_args(argv)
+
+
+def _line(i: int, r) -> str:
+    p = r.plan
+    vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
+    opt = "distopt" if p.distributed_optimizer else "no-distopt"
+    return (f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
+            f"TP{p.tp} CP{p.cp} DP{p.dp} PP{p.pp}{vpp} | ETP{p.etp} EP{p.ep} EDP{p.edp}  "
+            f"recompute={p.recompute} {opt}")
+
+
+def main(argv=None) -> int:
+    """Run the planner; 0 on success, 2 on bad input, 1 when no layout fits."""
+    args = parse_args(argv)
+    try:
+        cfg = get_preset(args.model)
+        gpu = get_gpu(args.gpu)
+        cluster = Cluster(gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain,
+                          tp_comm_overlap=not args.no_tp_comm_overlap)
+        shape = TrainingShape(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                              micro_batch_size=args.micro_batch_size)
+        results = plan_layouts(cfg, cluster=cluster, shape=shape, compute_efficiency=args.compute_efficiency,
+                               folded=not args.unfolded, distinct=not args.all_variants)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results]))
+        return 0 if results else 1
+    head = (f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
+            f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
+            f"(usable memory {gpu.usable_memory_gib:.1f} GiB, compute efficiency {args.compute_efficiency})")
+    print(head)
+    if not results:
+        print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
+        return 1
+    for i, r in enumerate(results[:args.top], 1):
+        print(_line(i, r))
+    best = results[0]
+    print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
+    print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
