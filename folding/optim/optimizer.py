@@ -1,0 +1,244 @@
+"""The one optimizer object a trainer uses: folded gradient reduction, clipping, AdamW, ZeRO-1.
+
+:class:`FoldedOptimizer` owns the gradient buffers of a model (one per
+:class:`~folding.optim.param_groups.ParamClass`), their reduction (:mod:`folding.optim.reducer`), the
+global grad norm (:mod:`folding.optim.clip`), an AdamW written elementwise on flat fp32 shards, and
+the LR schedule (:mod:`folding.optim.schedules`).
+
+- Gradients are *summed* over DP×CP (dense) and EDP (experts), plus TP for sequence-parallel and
+  the embedding group for tied parameters: each rank's loss must be its masked loss sum divided by
+  the *global* number of unmasked tokens (REFERENCE.md §4b).
+- Parameters of any dtype; gradients accumulate in fp32; for non-fp32 parameters the optimizer keeps
+  fp32 master weights (for fp32 parameters the parameter itself is the master).
+- ``distributed=True`` (ZeRO-1): gradients reduce-scatter, each rank keeps AdamW moments and master
+  weights for its 1/D shard of every bucket (D = DP×CP dense, EDP expert), updates it, and
+  all-gathers the parameters. AdamW is elementwise, so the update equals the non-distributed one up
+  to the summation order of the reduction.
+
+Build it after the model is on its device and in its final dtype (parameters become views of the
+optimizer's flat buffers).
+
+Usage::
+
+    opt = FoldedOptimizer(model, cfg, parallel_state=ps, train_steps=1000)
+    opt.zero_grad()
+    for i, mb in enumerate(micro_batches):
+        with opt.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (loss_sum(mb) / global_token_count).backward()
+    grad_norm, skipped = opt.clip_and_step()
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .clip import clip_coefficient, global_grad_norm
+from .config import OptimConfig
+from .grad_buffer import BufferGroups, GradBuffer
+from .param_groups import classify
+from .reducer import GradReducer, all_gather_flat
+from .schedules import lr_at
+from folding.parallel.param_attrs import param_tags
+
+
+class FoldedOptimizer:
+    """AdamW with folded gradient reduction, global-norm clipping, LR schedule and optional ZeRO-1."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimConfig, *, parallel_state,
+                 train_steps: Optional[int] = None):
+        """``parallel_state``: the :class:`~folding.parallel.state.ParallelState` whose groups reduce
+        the gradients; ``train_steps``: the LR horizon when ``config.decay_steps`` is ``None``."""
+        config.validate(train_steps=train_steps)
+        if config.decay_style != "constant":
+            config.horizon(train_steps)          # fails early when no horizon is known
+        self.config = config
+        self.ps = parallel_state
+        self.train_steps = train_steps
+        self.step_count = 0
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("FoldedOptimizer: the model has no trainable parameters")
+        by_class = defaultdict(list)
+        for idx, (name, p) in enumerate(named):
+            by_class[classify(name, p)].append((name, p, idx))
+        self.buffers: List[GradBuffer] = []
+        for cls in sorted(by_class):
+            groups = BufferGroups.for_class(cls, parallel_state)
+            self.buffers.append(GradBuffer(cls, by_class[cls], groups=groups, shard=config.distributed,
+                                           bucket_size=config.bucket_size))
+        self.reducer = GradReducer(self.buffers, overlap=config.overlap_grad_reduce)
+        self.state = [self._init_state(buf) for buf in self.buffers]
+
+    # ------------------------------------------------------------------------------ state
+    def _init_state(self, buf: GradBuffer) -> Dict[str, List[torch.Tensor]]:
+        st = {"exp_avg": [], "exp_avg_sq": [], "master": []}
+        for b in buf.buckets:
+            lo, hi = buf.update_range(b)
+            st["exp_avg"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
+            st["exp_avg_sq"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
+            if buf.param_data.dtype == torch.float32:
+                st["master"].append(buf.param_data[lo:hi])          # the parameter is its own master
+            else:
+                st["master"].append(buf.param_data[lo:hi].float().clone())
+        return st
+
+    # ------------------------------------------------------------------------------ gradients
+    def zero_grad(self) -> None:
+        """Zero every main gradient and forget the previous step's reduction."""
+        self.reducer.reset()
+        for buf in self.buffers:
+            buf.main_grad.zero_()
+            for p in buf.params:
+                p.grad = None
+
+    def no_sync(self):
+        """Context for every micro-batch but the last: backward accumulates without reducing."""
+        return self.reducer.no_sync()
+
+    def reduce_gradients(self) -> None:
+        """Finish the reduction of every bucket (idempotent; ``clip_and_step`` calls it)."""
+        if not self.reducer.done:
+            self.reducer.finish()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradient (every parameter counted once; collective)."""
+        self.reduce_gradients()
+        return global_grad_norm(self.buffers)
+
+    # ------------------------------------------------------------------------------ step
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses (``lr_at(step_count)``)."""
+        return lr_at(self.step_count, self.config, train_steps=self.train_steps)
+
+    def clip_and_step(self) -> Tuple[float, bool]:
+        """Reduce, clip to ``optim.clip_grad`` and apply one AdamW step.
+
+        Returns ``(grad_norm, skipped)``: the pre-clip global norm, and True when it is NaN/Inf (then
+        no parameter or state changes and ``step_count`` does not advance). Collective on all ranks.
+        """
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, True
+        coef = clip_coefficient(norm, self.config.clip_grad)
+        lr = self.lr
+        self.step_count += 1
+        c = self.config
+        bc1 = 1.0 - c.beta1 ** self.step_count
+        bc2 = 1.0 - c.beta2 ** self.step_count
+        works = []
+        for buf, st in zip(self.buffers, self.state):
+            wd = c.weight_decay if buf.cls.decay else 0.0
+            for i, b in enumerate(buf.buckets):
+                lo, hi = buf.update_range(b)
+                g = buf.main_grad[lo:hi]
+                if coef != 1.0:
+                    g.mul_(coef)
+                m, v, w = st["exp_avg"][i], st["exp_avg_sq"][i], st["master"][i]
+                m.lerp_(g, 1.0 - c.beta1)
+                v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+                if wd:
+                    w.mul_(1.0 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
+                w.addcdiv_(m, denom, value=-lr / bc1)
+                if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
+                    buf.param_data[lo:hi].copy_(w)
+                if buf.shard and buf.groups.dp_size > 1:
+                    src = buf.param_data[lo:hi].clone()
+                    works.append(all_gather_flat(buf.param_data[b.start:b.end], src, buf.groups.dp_group))
+        for w in works:
+            w.wait()
+        return norm, False
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _param_meta(self, buf: GradBuffer, k: int) -> Dict:
+        p = buf.params[k]
+        t = param_tags(p)
+        shape = list(p.shape)
+        tp_size = (self.ps.etp_size if t.expert else self.ps.tp_size) if t.tp_sharded else 1
+        tp_rank = (self.ps.etp_rank if t.expert else self.ps.tp_rank) if t.tp_sharded else 0
+        glob = list(shape)
+        if t.tp_sharded:
+            glob[t.tp_dim] *= tp_size
+        if t.expert:
+            glob[0] *= self.ps.ep_size
+        return {"local_shape": shape, "global_shape": glob, "tp_dim": t.tp_dim if t.tp_sharded else None,
+                "tp_rank": tp_rank, "tp_size": tp_size, "expert": t.expert,
+                "ep_rank": self.ps.ep_rank if t.expert else 0, "ep_size": self.ps.ep_size if t.expert else 1}
+
+    def state_dict(self) -> Dict:
+        """This rank's optimizer state, keyed by parameter name, with global-shape information.
+
+        ``params[name]`` holds ``global_shape``/``local_shape``/TP and EP coordinates, ``flat_range``
+        (the ``[lo, hi)`` of the flattened local parameter this rank's state covers: all of it, or its
+        ZeRO-1 shard) and fp32 ``exp_avg``, ``exp_avg_sq`` and ``master`` for that range. Expert
+        parameters stack their local experts along dim 0 (global dim 0 = local × EP).
+        """
+        out = {"step": self.step_count, "distributed": self.config.distributed, "params": {}}
+        for buf, st in zip(self.buffers, self.state):
+            for k, (name, off) in enumerate(zip(buf.names, buf.offsets)):
+                n = buf.params[k].numel()
+                b = buf.bucket_of[id(buf.params[k])]
+                lo, hi = buf.update_range(b)
+                a, z = max(lo, off), min(hi, off + n)
+                entry = self._param_meta(buf, k)
+                entry["flat_range"] = (a - off, z - off) if z > a else (0, 0)
+                for key in ("exp_avg", "exp_avg_sq", "master"):
+                    t = st[key][b.index]
+                    entry[key] = t[a - lo:z - lo].clone() if z > a else t[:0].clone()
+                out["params"][name] = entry
+        return out
+
+    def load_state_dict(self, sd: Dict) -> None:
+        """Restore a :meth:`state_dict` saved under the same layout (resharding is a checkpoint
+        concern: convert with the global-shape information first). Validates before changing state."""
+        for buf in self.buffers:
+            for k, name in enumerate(buf.names):
+                if name not in sd["params"]:
+                    raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+                e = sd["params"][name]
+                if list(e["local_shape"]) != list(buf.params[k].shape):
+                    raise ValueError(f"optimizer state for {name!r} has local shape {e['local_shape']}, the "
+                                     f"parameter is {list(buf.params[k].shape)}: saved under another layout")
+                n = buf.params[k].numel()
+                lo, hi = buf.update_range(buf.bucket_of[id(buf.params[k])])
+                off = buf.offsets[k]
+                a, z = max(lo, off), min(hi, off + n)
+                want = (a - off, z - off) if z > a else (0, 0)
+                if tuple(e["flat_range"]) != want:
+                    raise ValueError(f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
+                                     f"rank owns {want}: saved with another optim.distributed or layout")
+        self.step_count = int(sd["step"])
+        for buf, st in zip(self.buffers, self.state):
+            for k, name in enumerate(buf.names):
+                e = sd["params"][name]
+                b = buf.bucket_of[id(buf.params[k])]
+                lo, hi = buf.update_range(b)
+                off, n = buf.offsets[k], buf.params[k].numel()
+                a, z = max(lo, off), min(hi, off + n)
+                if z <= a:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq", "master"):
+                    st[key][b.index][a - lo:z - lo].copy_(e[key])
+                buf.param_data[a:z].copy_(st["master"][b.index][a - lo:z - lo])
+
+    # ------------------------------------------------------------------------------ memory
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds: ``params`` (model parameters), ``grads`` (fp32 main grads) and
+        ``optimizer`` (moments plus separate master weights), each split into dense and expert."""
+        out = {k: 0 for k in ("params_dense", "params_expert", "grads_dense", "grads_expert",
+                              "optimizer_dense", "optimizer_expert")}
+        for buf, st in zip(self.buffers, self.state):
+            kind = "expert" if buf.cls.expert else "dense"
+            out[f"params_{kind}"] += buf.param_bytes()
+            out[f"grads_{kind}"] += buf.grad_bytes()
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optimizer_{kind}"] += sum(t.numel() * 4 for t in st[key])
+            if buf.param_data.dtype != torch.float32:
+                out[f"optimizer_{kind}"] += sum(t.numel() * 4 for t in st["master"])
+        return out

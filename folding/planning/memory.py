@@ -1,0 +1,276 @@
+"""The analytic model of per-rank memory: parameters, gradients, optimizer state, activations.
+
+One function of (model sizes, layout, optimizer settings, recompute mode), shared by the memory
+tests, the training dry run, ``tools/memory.py`` and the planner. Parameter counts follow the
+parameter layout of ``folding`` exactly (what each rank holds under TP/SP, EP, ETP and PP); gradient
+and optimizer bytes follow :class:`folding.optim.FoldedOptimizer`; activations are an estimate.
+
+Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
+
+- parameters: ``(P_d + P_e) * param_bytes``;
+- gradients: fp32 main grads, ``4 * (P_d + P_e)``;
+- optimizer: AdamW moments ``8`` bytes per element, plus ``4`` for fp32 master weights when the
+  parameters are not fp32; with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
+  expert state by ``EDP``. So expert parameters and gradients per rank scale as
+  ``1/(EP*ETP*PP)``, and with ZeRO-1 the expert optimizer state as ``1/world`` (it does not shrink
+  with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
+- activations (estimate, bf16 by default, flash attention, sequence parallelism): per layer and
+  micro-batch, with ``T = seq*mbs/(TP*CP)`` tokens per rank and ``R = T*top_k*ETP`` expert rows,
+  see :func:`activation_bytes_per_layer`; times the layers of the stage and the micro-batches in
+  flight under 1F1B (``PP - stage``).
+
+Usage::
+
+    sizes = ModelSizes.from_model_config(get_preset("mixtral_8x7b"))
+    layout = ParallelLayout(world_size=64, tp=1, pp=4, ep=8, etp=1)
+    est = memory_per_rank(sizes, layout, param_bytes=2, distributed=True, recompute="selective",
+                          seq_length=4096, micro_batch_size=1)
+    est.total / 2**30
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from folding.pipeline.partition import layers_of, partition_layers
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSizes:
+    """The sizes that determine memory (a subset of a model config; see :meth:`from_config`)."""
+
+    vocab_size: int
+    """Vocabulary size (padded if the model pads it)."""
+    hidden_size: int
+    """Model width H."""
+    num_layers: int
+    """Transformer layers (all MoE layers unless ``dense_ffn_hidden_size`` adds a dense MLP)."""
+    num_experts: int
+    """Routed experts per MoE layer E."""
+    moe_ffn_hidden_size: int
+    """Hidden size of one routed expert's SwiGLU FFN (fc1 H→2F, fc2 F→H)."""
+    top_k: int = 2
+    """Experts per token."""
+    num_attention_heads: int = 0
+    """Query heads (0: no attention block, as in small test models)."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (GQA); ``None`` means ``num_attention_heads``."""
+    head_dim: Optional[int] = None
+    """Per-head dimension; ``None`` means ``hidden_size // num_attention_heads``."""
+    qkv_bias: bool = False
+    """Biases on Q, K, V (Qwen2)."""
+    dense_layers: Tuple[int, ...] = ()
+    """Indices of layers with a dense SwiGLU MLP of ``ffn_hidden_size`` instead of the MoE block."""
+    ffn_hidden_size: int = 0
+    """FFN width of the dense layers listed in ``dense_layers``."""
+    dense_ffn_hidden_size: int = 0
+    """A dense MLP in every MoE layer besides the MoE block (small test models; 0: none)."""
+    dense_gated: bool = True
+    """The dense MLP is SwiGLU (fc1 H→2F) rather than plain (H→F)."""
+    dense_bias: bool = False
+    """The dense MLP has biases (fc1: F, TP-sharded; fc2: H, sequence-parallel)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Shared-expert SwiGLU FFN size (Qwen2-MoE), TP-sharded; 0: none."""
+    shared_expert_gate: bool = False
+    """Sigmoid gate [1, H] on the shared expert."""
+    tied_embeddings: bool = False
+    """Input embedding and output layer share one weight."""
+    norms_per_layer: int = 2
+    """RMSNorm scales per layer (each H, sequence-parallel)."""
+
+    @classmethod
+    def from_model_config(cls, cfg) -> "ModelSizes":
+        """The sizes of a :class:`folding.model.config.ModelConfig`."""
+        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                   num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, top_k=cfg.topk,
+                   num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_kv_heads,
+                   head_dim=cfg.kv_channels, qkv_bias=cfg.qkv_bias,
+                   dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
+                   ffn_hidden_size=cfg.ffn_hidden_size,
+                   shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size or 0,
+                   shared_expert_gate=cfg.shared_expert_gate, tied_embeddings=cfg.tie_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameter elements held by one rank."""
+
+    dense: int
+    """Dense elements (attention, norms, router, embeddings, dense/shared MLPs)."""
+    expert: int
+    """Routed-expert elements."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by kind (the ``*_dense``/``*_expert`` split matches
+    :meth:`folding.optim.FoldedOptimizer.memory_bytes`)."""
+
+    params_dense: int
+    """Dense parameter bytes."""
+    params_expert: int
+    """Expert parameter bytes."""
+    grads_dense: int
+    """fp32 main-gradient bytes of dense parameters."""
+    grads_expert: int
+    """fp32 main-gradient bytes of expert parameters."""
+    optimizer_dense: int
+    """AdamW moments (+ master weights) of dense parameters held by this rank."""
+    optimizer_expert: int
+    """AdamW moments (+ master weights) of expert parameters held by this rank."""
+    activations: int
+    """Estimated activation bytes (0 when ``seq_length`` is 0)."""
+    stage: int
+    """The pipeline stage this estimate is for."""
+
+    @property
+    def total(self) -> int:
+        """Sum of every kind."""
+        return (self.params_dense + self.params_expert + self.grads_dense + self.grads_expert
+                + self.optimizer_dense + self.optimizer_expert + self.activations)
+
+    def as_dict(self) -> Dict[str, int]:
+        """Every field plus ``total``."""
+        d = dataclasses.asdict(self)
+        d["total"] = self.total
+        return d
+
+
+def _div(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by {d}; choose sizes that divide evenly")
+    return n // d
+
+
+def stage_layers(sizes: ModelSizes, layout, stage: int,
+                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> List[int]:
+    """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
+    ``[start, end)`` of every virtual stage (default: :func:`folding.pipeline.partition.partition_layers`)."""
+    if stages is None:
+        stages = partition_layers(num_layers=sizes.num_layers, pp=layout.pp, vpp=layout.vpp)
+    out: List[int] = []
+    for chunk in range(len(stages) // layout.pp):
+        out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
+    return out
+
+
+def layers_on_stage(sizes: ModelSizes, layout, stage: int) -> int:
+    """Number of layers on pipeline rank ``stage`` (default partition)."""
+    return len(stage_layers(sizes, layout, stage))
+
+
+def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
+                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> ParamCounts:
+    """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
+    ``stages`` as in :func:`stage_layers`."""
+    s, tp, etp = sizes, layout.tp, layout.etp
+    h = s.hidden_size
+    layer = s.norms_per_layer * h                                           # norms (replicated)
+    if s.num_attention_heads:
+        nq = s.num_attention_heads
+        nkv = s.num_query_groups or nq
+        hd = s.head_dim or h // nq
+        qkv = (nq + 2 * nkv) * hd
+        layer += _div(qkv * h + (qkv if s.qkv_bias else 0) + nq * hd * h, tp, "attention size")
+    if s.dense_ffn_hidden_size:
+        f = s.dense_ffn_hidden_size
+        layer += _div(h * f * (3 if s.dense_gated else 2), tp, "dense_ffn_hidden_size*H")
+        if s.dense_bias:
+            layer += _div(f * (2 if s.dense_gated else 1), tp, "dense_ffn_hidden_size") + h
+    moe = s.num_experts * h                                                 # router (replicated)
+    if s.shared_expert_ffn_hidden_size:
+        moe += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
+        moe += h if s.shared_expert_gate else 0
+    experts = _div(s.num_experts, layout.ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
+                                                                   "3*H*moe_ffn_hidden_size")
+    mine = stage_layers(s, layout, stage, stages)
+    n_dense = sum(1 for i in mine if i in s.dense_layers)
+    n_moe = len(mine) - n_dense
+    dense = len(mine) * layer + n_moe * moe
+    if n_dense:
+        dense += n_dense * _div(3 * h * s.ffn_hidden_size, tp, "ffn_hidden_size*H")
+    emb = _div(s.vocab_size, tp, "vocab_size") * h
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        dense += emb
+    if last:
+        dense += h                                                          # final norm
+        if not s.tied_embeddings or not first:
+            dense += emb                                                    # output layer (or tied copy)
+    return ParamCounts(dense=dense, expert=n_moe * experts)
+
+
+def activation_bytes_per_layer(sizes: ModelSizes, layout, *, seq_length: int, micro_batch_size: int,
+                               recompute: str = "none", act_bytes: int = 2) -> int:
+    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
+
+    ``T = seq*mbs/(TP*CP)`` tokens, ``R = T*top_k*ETP`` expert rows (balanced routing), ``a`` bytes
+    per element: norms ``2aTh``; attention ``aT(h + (nq+2nkv)d + nq d)`` (flash attention: no
+    ``s^2`` term); router ``aTh + 8TE`` (fp32 logits and probabilities); experts
+    ``aTkh + aRh + 4aRF/ETP`` (permuted tokens, fc1 input, fc1 output 2F, activation and weighted
+    activation); dense/shared MLPs likewise. ``selective`` recomputes norms and activation
+    functions (drops ``2aTh`` and ``2aRF/ETP`` and the MLP equivalents); ``full`` keeps only the
+    layer input ``aTh``. Dense layers (``dense_layers``) are estimated like MoE layers.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+    s, a = sizes, act_bytes
+    h = s.hidden_size
+    t = seq_length * micro_batch_size // (layout.tp * layout.cp)
+    if recompute == "full":
+        return a * t * h
+    r = t * s.top_k * layout.etp
+    fe = s.moe_ffn_hidden_size // layout.etp
+    norms = 2 * a * t * h
+    attn = 0
+    if s.num_attention_heads:
+        nq = s.num_attention_heads
+        nkv = s.num_query_groups or nq
+        d = s.head_dim or h // nq
+        attn = a * t * (h + (nq + 2 * nkv) * d + nq * d)
+    router = a * t * h + 8 * t * s.num_experts
+    experts = a * t * s.top_k * h + a * r * h + 4 * a * r * fe
+    mlp_act = 2 * a * r * fe
+    for f, gated in ((s.dense_ffn_hidden_size, s.dense_gated), (s.shared_expert_ffn_hidden_size, True)):
+        if f:
+            width = (2 if gated else 1) * f
+            experts += a * t * h + a * t * (width + 2 * f)
+            mlp_act += 2 * a * t * f
+    total = norms + attn + router + experts
+    if recompute == "selective":
+        total -= norms + mlp_act
+    return total
+
+
+def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distributed: bool = False,
+                    recompute: str = "none", seq_length: int = 0, micro_batch_size: int = 1,
+                    act_bytes: int = 2, stage: Optional[int] = None) -> MemoryEstimate:
+    """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
+
+    ``param_bytes``: 4 for fp32 parameters, 2 for bf16 (then fp32 master weights are added to the
+    optimizer state); ``distributed``: ZeRO-1 (``optim.distributed``); ``seq_length=0`` leaves
+    activations out.
+    """
+    if stage is None:
+        ests = [memory_per_rank(sizes, layout, param_bytes=param_bytes, distributed=distributed,
+                                recompute=recompute, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                act_bytes=act_bytes, stage=k) for k in range(layout.pp)]
+        return max(ests, key=lambda e: e.total)
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage={stage} is not a pipeline stage of pp={layout.pp}")
+    c = param_counts(sizes, layout, stage=stage)
+    state = 8 + (4 if param_bytes != 4 else 0)
+    opt_d = state * c.dense / (layout.dp * layout.cp if distributed else 1)
+    opt_e = state * c.expert / (layout.edp if distributed else 1)
+    acts = 0
+    if seq_length:
+        per = activation_bytes_per_layer(sizes, layout, seq_length=seq_length,
+                                         micro_batch_size=micro_batch_size, recompute=recompute,
+                                         act_bytes=act_bytes)
+        in_flight = layout.pp - stage
+        acts = per * layers_on_stage(sizes, layout, stage) * in_flight
+    return MemoryEstimate(params_dense=c.dense * param_bytes, params_expert=c.expert * param_bytes,
+                          grads_dense=4 * c.dense, grads_expert=4 * c.expert, optimizer_dense=int(opt_d),
+                          optimizer_expert=int(opt_e), activations=int(acts), stage=stage)

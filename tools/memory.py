@@ -1,0 +1,86 @@
+"""Print the analytic per-rank memory of a model and layout, and optionally measure a tiny run.
+
+Usage::
+
+    python tools/memory.py --preset mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
+        --distributed --param-dtype bfloat16 --recompute selective --seq 4096 --mbs 1
+    python tools/memory.py --preset tiny --world 8 --tp 2 --ep 2 --etp 2 --distributed --measure
+
+``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's parameters and the
+optimizer, and prints measured bytes next to the model (use a tiny preset). An impossible layout
+exits with status 2 and a one-line message naming the setting.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
+from folding.model.presets import get_preset, list_presets  # noqa: E402
+from folding.planning.memory import ModelSizes, memory_per_rank  # noqa: E402
+
+PRESETS = {name: ModelSizes.from_model_config(get_preset(name)) for name in list_presets()}
+PRESETS["tiny"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, moe_ffn_hidden_size=16,
+                             top_k=2, num_attention_heads=4, num_query_groups=2)
+PRESETS["tiny-qwen2"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8,
+                                   moe_ffn_hidden_size=8, top_k=4, num_attention_heads=4, num_query_groups=2,
+                                   qkv_bias=True, shared_expert_ffn_hidden_size=32, shared_expert_gate=True)
+KINDS = ("params_dense", "params_expert", "grads_dense", "grads_expert", "optimizer_dense", "optimizer_expert")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    p.add_argument("--world", type=int, required=True, help="number of ranks")
+    for axis in ("tp", "cp", "pp", "ep"):
+        p.add_argument(f"--{axis}", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
+    p.add_argument("--distributed", action="store_true", help="ZeRO-1 (optim.distributed=true)")
+    p.add_argument("--param-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--seq", type=int, default=0, help="sequence length (0: no activations)")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks")
+    return p.parse_args(argv)
+
+
+def _gib(n):
+    return f"{n / 2**30:10.3f} GiB" if n >= 2**20 else f"{n:>10d} B  "
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        layout = ParallelLayout(world_size=a.world, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp,
+                                num_experts=PRESETS[a.preset].num_experts)
+        pb = 4 if a.param_dtype == "float32" else 2
+        ests = [memory_per_rank(PRESETS[a.preset], layout, param_bytes=pb, distributed=a.distributed,
+                                recompute=a.recompute, seq_length=a.seq, micro_batch_size=a.mbs, stage=s)
+                for s in range(layout.pp)]
+    except (LayoutError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{a.preset}: {layout.describe()}  optim.distributed={a.distributed}  params {a.param_dtype}")
+    for e in ests:
+        print(f"  stage {e.stage}: " + "  ".join(f"{k}={_gib(v).strip()}" for k, v in e.as_dict().items()
+                                                  if k != "stage"))
+    if a.measure:
+        from folding.optim.measure import measure_on_rank
+        from folding.testing import RankPool
+        with RankPool(a.world) as pool:
+            kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp)
+            res = pool.run(measure_on_rank, PRESETS[a.preset], kw, distributed=a.distributed, dtype=a.param_dtype)
+        print("measured (bytes; grads/optimizer include bucket padding to the data-parallel size):")
+        print(f"  {'rank':>4} {'stage':>5} " + " ".join(f"{k:>24}" for k in KINDS))
+        for r in res:
+            cells = [f"{r['measured'][k]:>11d} / {r['model'][k]:<11d}" for k in KINDS]
+            print(f"  {r['rank']:>4} {r['stage']:>5} " + " ".join(f"{c:>24}" for c in cells))
+        print("  (measured / model)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
