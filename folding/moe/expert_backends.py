@@ -166,6 +166,10 @@ def grouped_linear(
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     """
     num_rows, num_experts = x_NK.shape[0], w_EOK.shape[0]
+    if num_rows == 0 and num_experts > 0:
+        # no tokens on this rank: a plain matmul keeps the graph (zero weight gradients) and avoids
+        # grouped_mm's backward, which rejects the stride-0 gradient of an empty output
+        return x_NK @ w_EOK[0].t()
     width = max(x_NK.shape[1], w_EOK.shape[1])
     fits = num_rows * (width + 16) <= index_limit
     if (

@@ -67,10 +67,13 @@ def test_backend_matches_loop(dtype, backend, h, f, loss):
         _assert_close(_run(mod, x, counts, probs, loss), _run(ref_mod, x, counts, probs, loss), dtype)
 
 
+@pytest.mark.parametrize("loss", ["weighted", "sum"])  # sum: a rank with no tokens under y.sum()
+@pytest.mark.parametrize("experts", [1, 4])
 @pytest.mark.parametrize("backend", ["loop", "torch", "auto"])
-def test_no_tokens_at_all(backend):
-    mod = _make(backend, torch.float32)
-    y, gx, gp, g1, g2 = _run(mod, torch.zeros(0, 16), torch.zeros(4, dtype=torch.int64), torch.zeros(0))
+def test_no_tokens_at_all(backend, experts, loss):
+    mod = _make(backend, torch.float32, e=experts)
+    y, gx, gp, g1, g2 = _run(mod, torch.zeros(0, 16), torch.zeros(experts, dtype=torch.int64), torch.zeros(0),
+                             loss=loss)
     assert y.shape == (0, 16) and gx.shape == (0, 16)
     assert g1 is not None and g2 is not None and not g1.any() and not g2.any()
 
