@@ -59,6 +59,8 @@ def plot(records, out, last=None, title=None):
         ax2.text(0.5, 0.5, "no expert counts", ha="center")
     else:
         im = ax2.imshow(mat, aspect="auto", cmap="viridis")
+        ax2.set_xticks(range(mat.shape[1]))
+        ax2.set_yticks(range(mat.shape[0]))
         ax2.set_xlabel("expert")
         ax2.set_ylabel("MoE layer")
         ax2.set_title(f"share of routed tokens (uniform = {1 / mat.shape[1]:.3f})")
