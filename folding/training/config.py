@@ -1,0 +1,288 @@
+"""The typed configuration of a training job: ``parallel.*``, ``train.*``, ``logging.*``, ``checkpoint.*``
+composed with the model, MoE, optimizer and data sections.
+
+Hydra composes ``configs/`` on top of the schema registered here (:func:`register_schema`); the entry
+point turns the composed tree into a plain ``dict`` once and calls :func:`job_config_from_dict`, which
+returns a frozen-in-spirit :class:`JobConfig` of typed dataclasses. Nothing below the entry point sees
+a ``DictConfig``.
+
+- ``model``: a preset's fields (``configs/model/<preset>.yaml``, identical to
+  :mod:`folding.model.presets`), each overridable as ``model.<field>``.
+- ``moe``: overrides of the MoE options; a key left ``null`` takes the value the preset implies
+  (Mixtral: softmax after top-k; Qwen2-MoE: softmax before top-k; dropless; the preset's aux-loss
+  coefficient).
+- ``optim`` / ``data``: :class:`folding.optim.config.OptimConfig` and
+  :class:`folding.data.config.DataConfig`.
+
+Usage::
+
+    job = job_config_from_dict(OmegaConf.to_container(cfg, resolve=True))
+    validate_job(job, world_size=int(os.environ.get("WORLD_SIZE", 1)))   # before any process group
+    layout = job.layout(world_size)
+
+Every invalid setting raises :class:`ConfigError` (a ``ValueError``) naming ``<section>.<key>`` and a fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, Dict, Mapping, Optional
+
+from ..data.config import DataConfig
+from ..model.config import ModelConfig
+from ..moe.config import MoEConfig
+from ..optim.config import OptimConfig
+from ..parallel import DEFAULT_ORDER, ParallelLayout
+
+PRECISIONS = ("fp32", "bf16")
+RECOMPUTE_MODES = ("none", "full", "selective", "moe")
+WANDB_MODES = ("offline", "online", "disabled")
+MOE_OVERRIDE_KEYS = ("topk", "score_function", "pre_softmax", "capacity_factor", "drop_policy",
+                     "pad_to_capacity", "dispatcher", "dispatch_wire", "combine_wire", "grad_wire",
+                     "aux_loss_type", "aux_loss_coeff", "z_loss_coeff", "expert_bias", "expert_backend",
+                     "fp8_recipe")
+
+
+class ConfigError(ValueError):
+    """An invalid job setting; the message names the key (``train.steps``, ...) and a fix."""
+
+
+def _fail(key: str, value: Any, why: str, fix: str) -> None:
+    raise ConfigError(f"{key}={value!r}: {why}; {fix}")
+
+
+def _int_at_least(key: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(key, value, f"must be an integer >= {low}", f"set {key} to an integer >= {low}")
+
+
+# ---------------------------------------------------------------------------------------- sections
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """Folded layout sizes (``parallel.*``); DP and EDP are derived from the world size."""
+
+    tp: int = 1
+    """Attention tensor-parallel size (sequence parallelism is on whenever tp > 1)."""
+    cp: int = 1
+    """Attention context-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (shared by attention and MoE)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); null for none."""
+    ep: int = 1
+    """Expert-parallel size."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size; null follows ``tp`` (write it explicitly: see the user guide)."""
+    order: str = DEFAULT_ORDER
+    """Axis order, fastest-varying first (Megatron-Core semantics)."""
+    world_size: Optional[int] = None
+    """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
+    (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
+
+    def layout(self, world_size: int, num_experts: Optional[int] = None) -> ParallelLayout:
+        """The validated :class:`ParallelLayout` for ``world_size`` ranks (raises ``LayoutError``)."""
+        return ParallelLayout(world_size=world_size, tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp,
+                              ep=self.ep, etp=self.etp, order=self.order, num_experts=num_experts)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """The loop (``train.*``); steps are 1-based: step k is reported after the k-th optimizer update."""
+
+    steps: int = 60
+    """Total optimizer steps; a resumed run continues up to this step."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over the whole job (the same in every layout)."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward on one data-parallel replica."""
+    seq_length: int = 64
+    """Tokens per sequence."""
+    seed: int = 1234
+    """Seed of the layout-independent weight initialization (the data order has ``data.seed``)."""
+    precision: str = "fp32"
+    """``fp32`` or ``bf16`` (bf16 parameters and compute, fp32 master weights and gradients)."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``full``, ``selective`` (attention core) or ``moe``."""
+    eval_interval: int = 20
+    """Evaluate on the held-out split every this many steps (and after the last step); 0 disables."""
+    eval_steps: int = 2
+    """Global batches per evaluation."""
+    dry_run: bool = False
+    """Validate the layout for ``parallel.world_size`` (or the launched world), print parameter counts
+    and the per-rank memory estimate, and exit without building the model or any process group."""
+    collective_timeout_s: float = 600.0
+    """A collective that does not finish in this many seconds fails the job with an error."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases (``logging.wandb.*``); only rank 0 logs."""
+
+    mode: str = "offline"
+    """``offline`` (default: files under the run directory), ``online`` or ``disabled``."""
+    project: str = "folding"
+    """W&B project."""
+    name: Optional[str] = None
+    """Run name; null: the run directory's name."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    """Metrics and console output (``logging.*``)."""
+
+    metrics_file: str = "metrics.jsonl"
+    """JSONL file (relative paths are inside the run directory); one ``kind: train`` record per step,
+    appended and flushed every step, written by rank 0 only."""
+    interval: int = 1
+    """Console and W&B every this many steps (the JSONL gets every step regardless)."""
+    console: bool = True
+    """Print the progress bar and step lines on rank 0."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device for the MFU; null: looked up from the GPU name (none on CPU,
+    where ``mfu`` is reported as null)."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """W&B settings."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpointing (``checkpoint.*``); the engine that reads these keys is the checkpoint module."""
+
+    dir: Optional[str] = None
+    """Directory of this run's checkpoints; null: no saves."""
+    save_interval: Optional[int] = None
+    """Save every this many steps (and at the end); null: only at the end (when ``dir`` is set)."""
+    load: Optional[str] = None
+    """A checkpoint, or a directory of them (the latest complete one), to resume from. Must exist."""
+    keep_last: Optional[int] = None
+    """Keep only the newest N checkpoints; null keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background."""
+
+
+def _moe_override_schema():
+    hints = typing.get_type_hints(MoEConfig)
+    fields = []
+    for key in MOE_OVERRIDE_KEYS:
+        t = hints[key]
+        fields.append((key, t if type(None) in typing.get_args(t) else Optional[t],
+                       dataclasses.field(default=None)))
+    cls = dataclasses.make_dataclass("MoEOverrides", fields, kw_only=True)
+    cls.__doc__ = ("Overrides of the MoE options (``moe.*``); null keeps the value the model preset "
+                   "implies. Each key means what the same field of folding.moe.config.MoEConfig means.")
+    return cls
+
+
+MoEOverrides = _moe_override_schema()
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobConfig:
+    """The whole training job, typed and validated (see the module docstring)."""
+
+    model: ModelConfig
+    """Architecture (a preset with ``model.*`` overrides)."""
+    moe: MoEConfig
+    """MoE options resolved from the preset and the ``moe.*`` overrides."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Folded layout sizes."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Loop settings."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Datasets."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Metrics and logging."""
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """The validated folded layout of this job on ``world_size`` ranks."""
+        return self.parallel.layout(world_size, self.model.num_experts)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain nested dict of every resolved setting (what is saved with the run)."""
+        return dataclasses.asdict(self)
+
+
+def moe_config_for(model: ModelConfig, overrides: Mapping[str, Any]) -> MoEConfig:
+    """The :class:`MoEConfig` of ``model``'s MoE layers with the non-null ``overrides`` applied."""
+    values: Dict[str, Any] = dict(
+        num_experts=model.num_experts, topk=model.topk, ffn_hidden_size=model.moe_ffn_hidden_size,
+        score_function=model.score_function, pre_softmax=model.pre_softmax and not model.norm_topk_prob,
+        aux_loss_coeff=model.router_aux_loss_coef, capacity_factor=None, input_jitter_eps=None,
+        shared_expert_ffn_hidden_size=model.shared_expert_ffn_hidden_size,
+        shared_expert_gate=model.shared_expert_gate)
+    for key, value in overrides.items():
+        if key not in MOE_OVERRIDE_KEYS:
+            _fail(f"moe.{key}", value, "unknown key", f"use one of {', '.join(MOE_OVERRIDE_KEYS)}")
+        if value is not None:
+            values[key] = value
+    try:
+        return MoEConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _build(cls, section: str, values: Optional[Mapping[str, Any]]):
+    values = dict(values or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            _fail(f"{section}.{key}", values[key], "unknown key", f"use one of {', '.join(sorted(names))}")
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ConfigError(msg if f"{section}." in msg else f"{section}: {msg}") from None
+
+
+def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
+    """Build and validate a :class:`JobConfig` from a plain nested dict (Hydra's composed config after
+    ``OmegaConf.to_container(resolve=True)``, or a dict written by hand). ``hydra`` keys are ignored."""
+    tree = {k: v for k, v in tree.items() if k != "hydra"}
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    for key in tree:
+        if key not in known:
+            _fail(key, tree[key], "unknown section", f"use one of {', '.join(sorted(known))}")
+    if not tree.get("model"):
+        raise ConfigError("model is missing; choose a preset with model=<name> (e.g. model=mixtral_tiny)")
+    model_values = dict(tree["model"])
+    if "mlp_only_layers" in model_values and model_values["mlp_only_layers"] is not None:
+        model_values["mlp_only_layers"] = tuple(model_values["mlp_only_layers"])
+    model = _build(ModelConfig, "model", model_values)
+    logging_values = dict(tree.get("logging") or {})
+    logging_values["wandb"] = _build(WandbConfig, "logging.wandb", logging_values.get("wandb"))
+    job = JobConfig(
+        model=model, moe=moe_config_for(model, tree.get("moe") or {}),
+        parallel=_build(ParallelConfig, "parallel", tree.get("parallel")),
+        train=_build(TrainConfig, "train", tree.get("train")),
+        optim=_build(OptimConfig, "optim", tree.get("optim")),
+        data=_build(DataConfig, "data", tree.get("data")),
+        checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint")),
+        logging=_build(LoggingConfig, "logging", logging_values))
+    return job
+
+
+from .validate import validate_job  # noqa: E402  (re-exported: the checks live in their own file)
+
+
+def register_schema() -> None:
+    """Register the Hydra structured-config schema ``job_schema`` (and ``model/schema``) in Hydra's
+    ConfigStore; ``configs/config.yaml`` lists ``job_schema`` first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+    from .schema import job_schema
+    ConfigStore.instance().store(name="job_schema", node=job_schema())
+
+
+def env_world_size() -> int:
+    """torchrun's ``WORLD_SIZE``, or 1 when launched with plain python."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={value!r} is not an integer; launch with torchrun") from None

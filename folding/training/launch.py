@@ -1,0 +1,121 @@
+"""From a composed config to a finished run: checks, process group, run directory, training.
+
+:func:`run_job` is what ``examples/pretrain_mixtral.py`` calls with Hydra's composed config (as a
+plain dict) and Hydra's output directory. Order matters:
+
+1. build the typed config and check it (and open the data) -- no process group yet, so a bad config
+   fails at once on every rank with a message naming the setting (exit status 2);
+2. ``train.dry_run``: print the report and stop;
+3. create the world process group from torchrun's environment (a 1-process world when launched with
+   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``);
+4. rank 0's output directory is broadcast so that every rank agrees; only rank 0 writes there (the
+   resolved config, the metrics);
+5. train, then destroy the process group (so that Hydra multirun can start the next job).
+
+Usage::
+
+    sys.argv = quiet_hydra_argv(sys.argv)        # before @hydra.main: ranks > 0 write nothing
+    status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=HydraConfig.get().runtime.output_dir)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, env_world_size, job_config_from_dict
+from .dry_run import dry_run_report
+
+
+def env_rank() -> int:
+    """torchrun's ``RANK`` (0 when launched with plain python)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def quiet_hydra_argv(argv: List[str]) -> List[str]:
+    """``argv`` plus, on ranks other than 0, overrides that send Hydra's run/sweep directories and logs
+    to a private temporary directory, so that only rank 0 creates the run directory."""
+    if env_rank() == 0:
+        return argv
+    scratch = tempfile.mkdtemp(prefix=f"folding-rank{env_rank()}-")
+    return argv + [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
+                   "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_world(timeout_s: float) -> None:
+    """Initialize the default process group from the environment (torchrun's, or a local 1-rank one)."""
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def agree_on_run_dir(run_dir: str) -> str:
+    """Collective over the world (broadcast from rank 0, no backward): rank 0's ``run_dir``."""
+    box = [os.path.abspath(run_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_resolved_config(job, run_dir: str) -> str:
+    """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites)."""
+    import yaml
+    os.makedirs(run_dir, exist_ok=True)
+    base, n = os.path.join(run_dir, "resolved_config"), 0
+    while True:
+        path = f"{base}.yaml" if n == 0 else f"{base}.{n}.yaml"
+        try:
+            with open(path, "x", encoding="utf-8") as f:
+                yaml.safe_dump(_plain(job.to_dict()), f, sort_keys=False)
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
+    """Run the job described by the plain dict ``tree``; return the process exit status (0, or 2 for
+    a bad configuration, reported on stderr before any process group exists)."""
+    from .trainer import prepare, train
+    try:
+        job = job_config_from_dict(tree)
+        world = env_world_size()
+        if job.train.dry_run:
+            if env_rank() == 0:
+                print(dry_run_report(job, world_size=job.parallel.world_size or world), flush=True)
+            return 0
+        prepared = prepare(job, world_size=world, rank=env_rank())
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    init_world(job.train.collective_timeout_s)
+    try:
+        run_dir = agree_on_run_dir(run_dir)
+        if dist.get_rank() == 0:
+            save_resolved_config(job, run_dir)
+            print(f"run directory: {run_dir}\nlayout: {prepared.layout.describe()}", flush=True)
+        train(job, run_dir=run_dir, prepared=prepared)
+    finally:
+        dist.destroy_process_group()
+    return 0

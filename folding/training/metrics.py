@@ -1,0 +1,171 @@
+"""Where a run's numbers go: a JSONL file, the console (with a progress bar) and Weights & Biases.
+
+Only rank 0 builds a :class:`MetricsSink`; the other ranks log nothing. The JSONL file gets one
+``{"kind": "train", "step": k, ...}`` record per optimizer step (whatever ``logging.interval`` is),
+appended and flushed at once, plus records of other kinds (``eval``, ``run``). The console and W&B get
+every ``logging.interval``-th step, the last step and every evaluation.
+
+Shape names: L MoE layers, E experts; ``counts_LE`` are tokens routed to each expert of each layer.
+
+Usage::
+
+    sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=job.train.steps, run_config=job.to_dict())
+    sink.log({"kind": "train", "step": 1, "loss": 4.2, ...})
+    sink.close()
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import LoggingConfig
+
+
+def expert_load_summary(counts_LE: Sequence[Sequence[float]]) -> Dict[str, List[float]]:
+    """Per-layer load statistics from token counts per expert: ``load_min`` / ``load_max`` (fraction of
+    the layer's routed tokens going to its least / most loaded expert) and ``load_imbalance``
+    (max count ÷ mean count; 1.0 is perfectly balanced)."""
+    out: Dict[str, List[float]] = {"load_min": [], "load_max": [], "load_imbalance": []}
+    for row in counts_LE:
+        total = float(sum(row))
+        if total <= 0:
+            out["load_min"].append(0.0)
+            out["load_max"].append(0.0)
+            out["load_imbalance"].append(1.0)
+            continue
+        out["load_min"].append(min(row) / total)
+        out["load_max"].append(max(row) / total)
+        out["load_imbalance"].append(max(row) / (total / len(row)))
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Non-finite floats become ``null`` (JSON has no NaN); containers are converted recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class JsonlWriter:
+    """Appends one JSON object per line to ``path`` (never truncates) and flushes every record."""
+
+    def __init__(self, path: str):
+        """Open ``path`` for appending (its directory is created)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """Append ``record`` as one line and flush it to the OS."""
+        self._file.write(json.dumps(_jsonable(record), sort_keys=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def progress_bar(step: int, total: int, width: int = 24) -> str:
+    """``[#######.........]  7/16`` style bar for ``step`` of ``total``."""
+    filled = int(width * min(step, total) / max(total, 1))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {step:>{len(str(total))}}/{total}"
+
+
+def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
+    """One console line for a ``train`` record (progress bar, losses, speed, memory, load)."""
+    def num(key, fmt):
+        v = record.get(key)
+        return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
+    imb = record.get("load_imbalance") or []
+    parts = [progress_bar(record["step"], total_steps),
+             f"loss {num('loss', '.4f')}", f"lm {num('lm_loss', '.4f')}", f"gnorm {num('grad_norm', '.3f')}",
+             f"lr {num('lr', '.2e')}", f"tok/s {num('tokens_per_s', '.0f')}",
+             f"TFLOP/s/dev {num('tflops_per_device', '.3f')}", f"mem {num('mem_gib', '.2f')}GiB",
+             f"imb {max(imb):.2f}" if imb else "imb n/a", f"drop {num('dropped_fraction', '.3f')}"]
+    if record.get("skipped"):
+        parts.append("SKIPPED (non-finite loss or gradient)")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """Rank 0's metrics outputs: JSONL (every record), console and W&B (every ``interval`` steps)."""
+
+    def __init__(self, config: LoggingConfig, *, run_dir: str, total_steps: int,
+                 run_config: Optional[Dict[str, Any]] = None, stream=None):
+        """``run_dir``: the run's output directory (relative ``metrics_file`` and W&B files go there);
+        ``run_config``: the resolved config given to W&B."""
+        self.config = config
+        self.total_steps = total_steps
+        path = os.path.expanduser(config.metrics_file)
+        self.path = path if os.path.isabs(path) else os.path.join(run_dir, path)
+        self.jsonl = JsonlWriter(self.path)
+        self.stream = stream or sys.stdout
+        self._wandb = None
+        if config.wandb.mode != "disabled":
+            import wandb
+            self._wandb = wandb.init(project=config.wandb.project, mode=config.wandb.mode,
+                                     name=config.wandb.name or os.path.basename(os.path.abspath(run_dir)),
+                                     dir=run_dir, config=run_config or {}, reinit=True)
+
+    def log(self, record: Dict[str, Any]) -> None:
+        """Write ``record`` (must carry ``kind``) to the JSONL file, and to console / W&B when due."""
+        if "kind" not in record:
+            raise ValueError("a metrics record needs a 'kind' field ('train', 'eval', ...)")
+        self.jsonl.write(record)
+        kind, step = record["kind"], record.get("step")
+        due = kind != "train" or step is None or step % self.config.interval == 0 or step == self.total_steps \
+            or step == 1 or record.get("skipped")
+        if not due:
+            return
+        if self.config.console:
+            if kind == "train":
+                line = format_train_line(record, self.total_steps)
+            else:
+                line = f"[{kind}] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in record.items() if k != "kind" and not isinstance(v, list))
+            print(line, file=self.stream, flush=True)
+        if self._wandb is not None:
+            flat = {f"{kind}/{k}": v for k, v in record.items()
+                    if isinstance(v, (int, float)) and k not in ("kind", "step") and v is not None}
+            if kind == "train":
+                flat.update({f"load/imbalance_layer{i}": v for i, v in enumerate(record.get("load_imbalance", []))})
+            self._wandb.log(flat, step=step)
+
+    def close(self) -> None:
+        """Flush and close the outputs (and finish the W&B run)."""
+        self.jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+class StepTimer:
+    """Wall-clock time of one step, with the device synchronized at both ends on GPU."""
+
+    def __init__(self, device):
+        """``device``: the training device (``cuda`` is synchronized)."""
+        self.device = device
+        self.start = time.perf_counter()
+
+    def _sync(self):
+        if getattr(self.device, "type", str(self.device)) == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+
+    def restart(self) -> None:
+        """Start timing now."""
+        self._sync()
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the last restart."""
+        self._sync()
+        return time.perf_counter() - self.start

@@ -1,0 +1,218 @@
+"""The training loop: one optimizer step per global batch, metrics, evaluation, NaN/Inf skipping.
+
+:func:`prepare` does everything that can fail on bad input (config checks, the layout, opening the
+data) without any process group; :func:`train` runs the loop on an initialized ``torch.distributed``
+world (:mod:`folding.training.launch` creates it; tests call :func:`train` inside their rank pool).
+
+One step (1-based: step k is reported after the k-th optimizer update):
+
+1. read this DP rank's ``M = global_batch / (micro_batch · DP)`` micro-batches;
+2. all-reduce their loss-mask sums over DP: the global count N of unmasked tokens, known before any
+   backward;
+3. forward/backward each micro-batch with loss ``masked_sum / N`` (gradients then *sum* over DP×CP
+   and EDP in the optimizer);
+4. one world all-reduce of [LM loss sum, expert counts, dropped pairs, router losses];
+5. if the loss or the gradient norm is NaN/Inf the update is skipped (logged ``skipped: true``), the
+   data and the LR schedule still advance; otherwise clip and step;
+6. rank 0 writes the ``train`` record; every ``train.eval_interval`` steps an ``eval`` record.
+
+Usage::
+
+    prep = prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
+    summary = train(job, run_dir=run_dir, prepared=prep)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelLayout, build_parallel_state
+from .config import ConfigError, JobConfig, validate_job
+from .evaluate import evaluate, global_token_count
+from .metrics import MetricsSink, StepTimer, expert_load_summary
+from .moe_stats import LOSS_NAMES, MoEStats
+from .stage import build_stage_chunks, run_microbatches
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What :func:`prepare` checked and opened before any process group exists."""
+
+    layout: ParallelLayout
+    """The validated layout."""
+    data: Any
+    """This rank's :class:`folding.data.build.Data` (train / valid iterators)."""
+    dp_rank: int
+    """This rank's attention data-parallel rank (from the pure rank math)."""
+
+
+def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
+    """Attention DP rank of global ``rank`` under ``layout`` (pure rank math, no process group)."""
+    for group in layout.groups()["attention"]["dp"]:
+        if rank in group:
+            return group.index(rank)
+    raise ValueError(f"rank {rank} is outside the layout's world of {layout.world_size}")
+
+
+def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
+    """Validate ``job`` for ``world_size`` ranks and open this rank's data; no collective, no writes
+    except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``)."""
+    layout = validate_job(job, world_size=world_size)
+    if job.checkpoint.dir or job.checkpoint.load:
+        try:
+            from . import checkpoint  # noqa: F401
+        except ImportError:
+            raise ConfigError("checkpoint.dir/checkpoint.load need folding.training.checkpoint, which this "
+                              "installation lacks; set checkpoint.dir=null checkpoint.load=null") from None
+    from ..data.build import build_data
+    dp_rank = dp_rank_of(layout, rank)
+    data = build_data(job.data, seq_length=job.train.seq_length, global_batch_size=job.train.global_batch_size,
+                      micro_batch_size=job.train.micro_batch_size, dp_rank=dp_rank, dp_size=layout.dp)
+    if data.vocab_size > job.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
+                          f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
+                          "or use the model's tokenizer")
+    return Prepared(layout=layout, data=data, dp_rank=dp_rank)
+
+
+def training_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _flops_per_token(job: JobConfig) -> float:
+    try:
+        from ..planning.flops import flops_per_token
+        return flops_per_token(job.model, job.train.seq_length).model_training
+    except ImportError:  # the planning model is absent: 6·active params + causal attention core
+        _, active = job.model.num_parameters()
+        m = job.model
+        attn = 6 * m.num_layers * m.num_attention_heads * m.kv_channels * job.train.seq_length
+        return 6.0 * active + attn
+
+
+def _peak_tflops(job: JobConfig, device: torch.device) -> Optional[float]:
+    if job.logging.peak_tflops:
+        return float(job.logging.peak_tflops)
+    if device.type != "cuda":
+        return None
+    try:
+        from ..planning.hardware import get_gpu
+        name = torch.cuda.get_device_name(device).lower()
+        for kind in ("h200", "h100", "b200", "a100"):
+            if kind in name:
+                return get_gpu(kind).peak_flops("bf16") / 1e12
+    except (ImportError, ValueError):
+        return None
+    return None
+
+
+def _skip_update(optimizer) -> None:
+    """Advance the LR schedule without changing parameters or optimizer moments."""
+    optimizer.step_count += 1
+
+
+def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
+          parallel_state=None) -> Dict[str, Any]:
+    """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank).
+
+    ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
+    (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    prep = prepared or prepare(job, world_size=world, rank=rank)
+    own_ps = parallel_state is None
+    ps = parallel_state or build_parallel_state(prep.layout, timeout_s=job.train.collective_timeout_s)
+    device = training_device()
+    t = job.train
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    layout = prep.layout
+    M = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    chunks = build_stage_chunks(model_config=job.model, moe_config=job.moe, parallel_state=ps,
+                                recompute=t.recompute, params_dtype=dtype, init_seed=t.seed, device=device)
+    for c in chunks:
+        c.train()
+    from ..optim.optimizer import FoldedOptimizer
+    model = torch.nn.ModuleList(chunks)
+    optimizer = FoldedOptimizer(model, job.optim, parallel_state=ps, train_steps=t.steps)
+    stats = MoEStats(chunks, model_config=job.model)
+    stats.set_aux_loss_scale(1.0 / (M * layout.dp))
+    sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=t.steps, run_config=job.to_dict()) \
+        if rank == 0 else None
+    flops_tok, peak = _flops_per_token(job), _peak_tflops(job, device)
+    timer = StepTimer(device)
+    data = prep.data
+    history: List[Dict[str, Any]] = []
+    try:
+        if sink:
+            sink.log({"kind": "run", "layout": layout.describe(), "world_size": world,
+                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M})
+        for step in range(optimizer.step_count + 1, t.steps + 1):
+            timer.restart()
+            mbs = [next(data.train) for _ in range(M)]
+            n_tokens = global_token_count(mbs, dp_group=ps.dp_group, device=device)
+            optimizer.zero_grad()
+            stats.reset()
+            out = run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0 / float(n_tokens.clamp(min=1)),
+                                   no_sync=optimizer.no_sync)
+            lm_part = out["lm_loss_sum"].to(device=device, dtype=torch.float64).view(1)
+            lm_part = lm_part / layout.tp if ps.is_last_stage else torch.zeros_like(lm_part)
+            vec = torch.cat([lm_part, stats.vector().to(device)])
+            dist.all_reduce(vec)
+            lm_loss = float(vec[0] / n_tokens.clamp(min=1))
+            moe = stats.summarize(vec[1:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
+            loss = lm_loss + sum(moe[n] for n in LOSS_NAMES)
+            lr = optimizer.lr
+            if math.isfinite(loss):
+                grad_norm, skipped = optimizer.clip_and_step()
+            else:
+                grad_norm, skipped = optimizer.grad_norm(), True
+            if skipped:
+                _skip_update(optimizer)
+            for r in stats.routers:
+                if getattr(r, "expert_bias", None) is not None and not skipped:
+                    r.update_expert_bias()
+                if getattr(getattr(r, "config", None), "aux_loss_type", None) == "global_aux_loss":
+                    r.reset_global_aux_loss()
+            seconds = timer.elapsed()
+            mem = torch.tensor([_memory_gib(device)], dtype=torch.float64, device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            tokens_per_s = t.global_batch_size * t.seq_length / seconds
+            tflops = flops_tok * tokens_per_s / world / 1e12
+            record = {"kind": "train", "step": step, "loss": loss, "lm_loss": lm_loss,
+                      **{n: moe[n] for n in LOSS_NAMES}, "grad_norm": grad_norm, "lr": lr,
+                      "skipped": skipped, "tokens": int(n_tokens), "step_time_s": seconds,
+                      "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                      "mfu": tflops / peak if peak else None, "mem_gib": float(mem),
+                      **expert_load_summary(moe["counts_LE"]), "dropped_fraction": moe["dropped_fraction"],
+                      "expert_counts": moe["counts_LE"]}
+            history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
+            if sink:
+                sink.log(record)
+            if t.eval_interval and data.valid is not None and (step % t.eval_interval == 0 or step == t.steps):
+                ev = evaluate(chunks, data.valid, parallel_state=ps, num_microbatches=M,
+                              eval_steps=t.eval_steps, device=device)
+                history[-1]["eval_lm_loss"] = ev["lm_loss"]
+                if sink:
+                    sink.log({"kind": "eval", "step": step, **ev})
+    finally:
+        stats.close()
+        if sink:
+            sink.close()
+        if own_ps:
+            ps.destroy()
+    return {"history": history, "metrics_file": sink.path if sink else None}
