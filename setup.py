@@ -25,6 +25,7 @@ setup(
     extras_require={
         "te": ["transformer_engine[pytorch]"],
         "hf": ["transformers>=4.46"],
-        "dev": ["pytest", "pytest-timeout", "transformers>=4.46", "matplotlib"],
+        # megatron-core: an independent oracle for the routing helpers in the tests
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "transformers>=4.46", "matplotlib", "megatron-core==0.16.1"],
     },
 )

@@ -128,7 +128,9 @@ def _skip_update(optimizer) -> None:
 
 def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
           parallel_state=None) -> Dict[str, Any]:
-    """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank).
+    """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
+    ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file`` and ``chunks``
+    (this rank's trained model chunks).
 
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
     (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``).
@@ -215,4 +217,4 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
             sink.close()
         if own_ps:
             ps.destroy()
-    return {"history": history, "metrics_file": sink.path if sink else None}
+    return {"history": history, "metrics_file": sink.path if sink else None, "chunks": chunks}

@@ -8,10 +8,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("folding.optim.config", reason="folding.optim.config (optimizer issue) is not in this checkout")
-
-from folding.training.config import LoggingConfig, WandbConfig  # noqa: E402
-from folding.training.metrics import MetricsSink, expert_load_summary, progress_bar  # noqa: E402
+from folding.training.config import LoggingConfig, WandbConfig
+from folding.training.metrics import MetricsSink, expert_load_summary, progress_bar
 
 
 def test_expert_load_summary():
