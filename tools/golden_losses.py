@@ -1,0 +1,32 @@
+"""Regenerate ``tests/golden_losses.json``: the 1-rank fp32 loss curves (10 optimizer steps) of the
+tiny presets in the configuration of ``tests/distributed/test_pipeline_training.py``.
+
+Run it only when a change is *meant* to change the numerics, and say so in the commit::
+
+    python tools/golden_losses.py
+"""
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    from folding.testing import RankPool
+    from tests.distributed.test_pipeline_training import GOLDEN, MODELS, _train
+
+    out = {}
+    with RankPool(1) as pool:
+        for name in MODELS:
+            (losses, _, _), = pool.run(_train, [(name, {}, {}, False, {})], tempfile.mkdtemp(), False)[0]
+            out[name] = losses
+    with open(GOLDEN, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
