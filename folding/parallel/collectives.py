@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; use whichever this build has.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     """Number of ranks in ``group`` (the world for ``None``)."""
@@ -46,7 +50,7 @@ def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x0.shape[0],) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x0, group=group)
+    _all_gather_single(out, x0, group=group)
     if dim % x.dim() == 0:
         return out
     return torch.cat([c.movedim(0, dim) for c in out.chunk(n, dim=0)], dim=dim)
@@ -69,7 +73,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // n,) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x0, group=group)
+    _reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim)
 
 
