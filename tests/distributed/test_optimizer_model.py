@@ -57,17 +57,6 @@ def _data():
     return ids, labels, mask
 
 
-def loop_moe_factory(*, config, layer_number, groups, init_seed=0, device=None, dtype=torch.float32):
-    """The engine MoE layer with the per-expert loop backend (the grouped-GEMM torch backend fails on
-    CPU when a rank holds one expert, EP8 here: "strides should be multiple of 16 bytes")."""
-    from folding.model.moe_block import moe_config_from_model
-    from folding.moe.layer import MoELayer
-    return MoELayer(config=moe_config_from_model(config, expert_backend="loop"), hidden_size=config.hidden_size,
-                    ep_group=groups.ep, etp_group=groups.etp, tp_cp_group=groups.tp_cp,
-                    tp_dp_cp_group=groups.tp_dp_cp, tp_group=groups.tp, layer_number=layer_number,
-                    init_seed=init_seed, init_std=config.init_std, params_dtype=dtype)
-
-
 def _slice(full, spec, p):
     """This rank's part of a 1-rank tensor (viewed in the spec's full shape, e.g. [E, 2, F, H])."""
     return take_slice(full.reshape(spec.full_shape), spec.shards).reshape(p.shape)
@@ -80,7 +69,7 @@ def _decays(name, p):
 def _reference(cfg, world):
     ps1 = build_parallel_state(ParallelLayout(world_size=world))        # every group a singleton but DP
     try:
-        ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=loop_moe_factory)
+        ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=None)
         start = {n: p.detach().clone() for n, p in ref.named_parameters()}
         ids, labels, mask = _data()
         count = mask.sum()
@@ -109,7 +98,7 @@ def _step_models(models, layouts):
         for lkw, distributed in layouts:
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
-                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=loop_moe_factory)
+                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=None)
                 specs = {n: init_spec(p) or resolve_spec(n, p, model) for n, p in model.named_parameters()}
                 with torch.no_grad():      # layout-independent init: each rank holds its slice of the start
                     for n, p in model.named_parameters():
