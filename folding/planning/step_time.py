@@ -21,8 +21,9 @@ output layer). Per micro-batch and transformer layer, on one GPU:
   peers on other nodes goes over the NIC, the rest over NVLink, at the same time.
 - **PP**: activation send/recv per micro-batch and virtual stage; **bubble** ``(PP-1)/VPP`` stage times.
 - **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter + bf16 all-gather
-  (distributed optimizer) or fp32 all-reduce, overlapped with one micro-batch's backward / forward;
-  plus the optimizer step (memory-bound).
+  (distributed optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped
+  with the backward / next forward that follows each chunk (:func:`_exposed_behind_chunks`); the hidden
+  part still costs ``overlap_contention`` of its time; plus the optimizer step (memory-bound).
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
@@ -286,6 +287,26 @@ def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, las
     return {"dense": c.dense, "expert": c.expert}
 
 
+def _exposed_behind_chunks(comm_s: float, *, pp: int, vpp: int, slot_s: float) -> float:
+    """Exposed part of a per-chunk collective of ``comm_s`` in total (``comm_s / vpp`` per model chunk),
+    each chunk's share overlapping the compute that follows it on the stage.
+
+    For the gradient reduce-scatter, counted back from the stage's last backward: chunk ``j``'s gradients
+    are ready once its last micro-batch's backward starts (bucket by bucket), ``j·pp + 1`` chunk-backward
+    slots of ``slot_s`` before the end under interleaved 1F1B (the last chunk first); the chunks' transfers
+    queue on the links. The parameter all-gather of the next step is the mirror image (chunk ``j`` is needed
+    ``j·pp`` chunk-forward slots after the step starts, its buckets layer by layer during its first forward).
+    With ``vpp = 1`` this is ``max(0, comm_s - slot_s)``.
+    """
+    if comm_s <= 0:
+        return 0.0
+    end = -math.inf
+    for j in range(vpp - 1, -1, -1):
+        start = max(-(j * pp + 1) * slot_s, end)
+        end = start + comm_s / vpp
+    return max(0.0, end)
+
+
 def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster,
                        compute_efficiency: float) -> StepTime:
     """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring)."""
@@ -322,10 +343,12 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     t_mean = sum(per_mb.values()) + (out_compute + out_mem + out_tp) / plan.pp + pp_t
     bubble = (plan.pp - 1) / plan.vpp * t_mean
 
-    # Data parallel gradient reduction / parameter gather, overlapped with one micro-batch.
+    # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
+    # the backward, parameter all-gather with the next step's forward (Megatron-Core's overlap_grad_reduce /
+    # overlap_param_gather), per model chunk; dense and expert traffic share the GPU's links.
     params = stage_parameters(cfg, plan, last=True)
     fwd_share = per_mb_last["compute"] / 3
-    exposed_dp = 0.0
+    grad_s = param_s = 0.0
     shard = 0.0
     for kind, n, span in (("dense", plan.dp * plan.cp, plan.tp * plan.cp * plan.dp),
                           ("expert", plan.edp, plan.etp * plan.ep * plan.edp)):
@@ -334,12 +357,14 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
         if n == 1:
             continue
         if plan.distributed_optimizer:
-            rs = _ring_time((n - 1) / n * p * FP32, span, cluster)
-            ag = _ring_time((n - 1) / n * p * BF16, span, cluster)
-            exposed_dp += max(0.0, rs - 2 * fwd_share) + max(0.0, ag - fwd_share)
+            grad_s += _ring_time((n - 1) / n * p * FP32, span, cluster)
+            param_s += _ring_time((n - 1) / n * p * BF16, span, cluster)
         else:
-            ar = _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
-            exposed_dp += max(0.0, ar - 2 * fwd_share)
+            grad_s += _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
+    exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
+    exposed_param = _exposed_behind_chunks(param_s, pp=plan.pp, vpp=plan.vpp, slot_s=fwd_share / plan.vpp)
+    hidden = grad_s + param_s - exposed_grad - exposed_param
+    exposed_dp = exposed_grad + exposed_param + gpu.overlap_contention * hidden
     optimizer = 30 * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
 
     breakdown = {c: m * v for c, v in per_mb_last.items()}
