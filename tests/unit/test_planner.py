@@ -10,8 +10,8 @@ from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
-from folding.planning.step_time import (Cluster, Plan, TrainingShape, _a2a_time, estimate_step_time,
-                                        stage_parameters, wave_utilization)
+from folding.planning.step_time import (Cluster, Plan, TrainingShape, _a2a_time, _exposed_behind_chunks,
+                                        estimate_step_time, stage_parameters, wave_utilization)
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -96,6 +96,18 @@ def test_wave_utilization_by_hand():
     # 266 tiles of 128x128 need 3 (67.2%): the better one counts. Per expert, 133 GEMMs would pay 133 waves.
     assert wave_utilization(128, 256, 132, groups=133) == pytest.approx(266 / (3 * 132))
     assert wave_utilization(128, 256, 132, groups=132) == pytest.approx(1.0)
+
+
+def test_dp_overlap_per_model_chunk_by_hand():
+    # 1F1B: 3 s of reduce-scatter overlap the last micro-batch's 1 s backward: 2 s exposed.
+    assert _exposed_behind_chunks(3.0, pp=4, vpp=1, slot_s=1.0) == pytest.approx(2.0)
+    # Interleaved, pp4 vpp2, 1 s chunk-backward slots, 2 s per chunk: chunk 1 may start 4*1+1 = 5 slots before
+    # the end and ends at -3; chunk 0 starts with its last backward (-1) and ends at +1: 1 s exposed.
+    assert _exposed_behind_chunks(4.0, pp=4, vpp=2, slot_s=1.0) == pytest.approx(1.0)
+    # 10 s per chunk: chunk 1 runs -5..5, chunk 0 queues behind it until 15.
+    assert _exposed_behind_chunks(20.0, pp=4, vpp=2, slot_s=1.0) == pytest.approx(15.0)
+    assert _exposed_behind_chunks(0.5, pp=4, vpp=2, slot_s=1.0) == 0.0
+    assert _exposed_behind_chunks(0.0, pp=4, vpp=1, slot_s=1.0) == 0.0
 
 
 def test_a2a_splits_across_nodes():
