@@ -11,7 +11,8 @@ output layer). Per micro-batch and transformer layer, on one GPU:
   achievable HBM bandwidth.
 - **TP** (sequence parallel): all-gather + reduce-scatter of the layer input around attention (and
   around the shared expert / dense MLP) forward, the mirror pair backward; ``(TP-1)/TP`` of the
-  full-sequence activation per call. Not overlapped.
+  full-sequence activation per call, overlapped with the block's GEMMs by chunking when
+  ``Cluster.tp_comm_overlap`` (one chunk exposed, the hidden part at ``overlap_contention``).
 - **CP**: ring exchange of K/V (forward) and K/V + dK/dV (backward), overlapped with the attention core;
   only what exceeds the core's time is exposed.
 - **EP / ETP** (MoE layers): all-to-all dispatch + combine forward and backward, each sending
