@@ -130,3 +130,31 @@ def test_memory_per_rank_pipeline_peak():
     assert e0.total == sum(e0.by_part().values())
     with pytest.raises(ValueError, match="train.recompute"):
         memory_per_rank(s, lay, recompute="attention", **kw)
+
+
+def test_dry_run_uses_the_same_model():
+    import os
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from folding.training.config import job_config_from_dict, register_schema, validate_job
+    from folding.training.dry_run import dry_run_report, memory_estimate
+    register_schema()
+    configs = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
+
+    def job(*overrides):
+        with initialize_config_dir(config_dir=configs, version_base="1.3"):
+            return job_config_from_dict(OmegaConf.to_container(compose("config", overrides=list(overrides)),
+                                                               resolve=True))
+
+    j = job("recipes=mixtral_8x22b")
+    layout = validate_job(j, world_size=128)
+    want = memory_per_rank(ModelSizes.from_model_config(j.model), layout, param_bytes=2, distributed=True,
+                           recompute="none", seq_length=4096, micro_batch_size=1, act_bytes=2,
+                           num_microbatches=256 // layout.dp)
+    assert memory_estimate(j, layout) == want
+    assert f"{want.total / 2**30:.1f} GiB per rank on stage {want.stage}" in dry_run_report(j, world_size=128)
+    # train.recompute=moe is estimated as itself (not as selective): only attention activations stay.
+    jm = job("recipes=mixtral_8x22b", "train.recompute=moe")
+    moe, sel = memory_estimate(jm, layout), memory_estimate(job("recipes=mixtral_8x22b", "train.recompute=selective"),
+                                                            layout)
+    assert moe.activations < sel.activations < want.activations
