@@ -10,8 +10,8 @@ from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
-from folding.planning.step_time import (Cluster, Plan, TrainingShape, _a2a_time, _exposed_behind_chunks,
-                                        estimate_step_time, stage_parameters, wave_utilization)
+from folding.planning.costs import _a2a_time, _exposed_behind_chunks, wave_utilization
+from folding.planning.step_time import Cluster, Plan, TrainingShape, estimate_step_time, stage_parameters
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
