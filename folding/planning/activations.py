@@ -37,6 +37,7 @@ Usage::
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 RECOMPUTE_MODES = ("none", "selective", "moe", "full")
@@ -51,9 +52,16 @@ def _check_mode(recompute: str) -> None:
 def _parts(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool,
            fused_swiglu: bool = False) -> dict:
     """Bytes of every kept tensor group of one layer (no recompute)."""
+    return _parts_cached(sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes,
+                         moe_layer, fused_swiglu)
+
+
+@functools.lru_cache(maxsize=65536)
+def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batch_size: int, act_bytes: int,
+                  moe_layer: bool, fused_swiglu: bool) -> dict:
     s, a = sizes, act_bytes
     h = s.hidden_size
-    t = seq_length * micro_batch_size // (layout.tp * layout.cp)
+    t = seq_length * micro_batch_size // (tp * cp)
     attn = 0
     if s.num_attention_heads:
         nq = s.num_attention_heads
@@ -69,8 +77,8 @@ def _parts(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: 
             mlp += a * t * h + a * t * ((2 if gated else 1) * f + 2 * f)     # [S, F/TP] = T*F elements
     router = experts = 0
     if moe_layer:
-        r = t * s.top_k * layout.etp
-        fe = s.moe_ffn_hidden_size // layout.etp
+        r = t * s.top_k * etp
+        fe = s.moe_ffn_hidden_size // etp
         router = a * t * h + 8 * t * s.num_experts
         experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe
     return {"input": a * t * h, "norms": 2 * a * t * h, "attention": attn, "router": router,

@@ -203,7 +203,31 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
                  stages: Optional[Sequence[Tuple[int, int]]] = None) -> ParamCounts:
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
-    s, tp, etp = sizes, layout.tp, layout.etp
+    if stages is None:
+        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage)
+    return _param_counts_of(sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage,
+                            stage_layers(sizes, layout, stage, stages))
+
+
+def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+    """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
+    return _stage_counts_cached(sizes, pp, vpp, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage)
+    return len(mine), sum(1 for i in mine if i in sizes.dense_layers)
+
+
+@functools.lru_cache(maxsize=65536)
+def _param_counts(sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int) -> ParamCounts:
+    return _param_counts_of(sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage))
+
+
+def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, stage: int,
+                     mine: Sequence[int]) -> ParamCounts:
+    s = sizes
     h = s.hidden_size
     layer = s.norms_per_layer * h                                           # norms (replicated)
     if s.num_attention_heads:
@@ -221,16 +245,15 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
     if s.shared_expert_ffn_hidden_size:
         moe += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
         moe += h if s.shared_expert_gate else 0
-    experts = _div(s.num_experts, layout.ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
-                                                                   "3*H*moe_ffn_hidden_size")
-    mine = stage_layers(s, layout, stage, stages)
+    experts = _div(s.num_experts, ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
+                                                            "3*H*moe_ffn_hidden_size")
     n_dense = sum(1 for i in mine if i in s.dense_layers)
     n_moe = len(mine) - n_dense
     dense = len(mine) * layer + n_moe * moe
     if n_dense:
         dense += n_dense * _div(3 * h * s.ffn_hidden_size, tp, "ffn_hidden_size*H")
     emb = _div(s.vocab_size, tp, "vocab_size") * h
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == pp - 1
     if first:
         dense += emb
     if last:
@@ -273,11 +296,10 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
     if seq_length:
         kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, recompute=recompute,
                   act_bytes=act_bytes, fused_swiglu=fused_swiglu)
-        mine = stage_layers(sizes, layout, stage)
-        n_dense = sum(1 for i in mine if i in sizes.dense_layers)
-        per_mb = (activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (len(mine) - n_dense)
-                  + (activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0))
         vpp = layout.vpp or 1
+        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage)
+        per_mb = (activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense)
+                  + (activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0))
         chunks = in_flight_chunks(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         acts = per_mb * chunks / vpp
         if stage == layout.pp - 1:
