@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
 from folding.model.presets import get_preset, list_presets  # noqa: E402
-from folding.planning.memory import ModelSizes, memory_per_rank  # noqa: E402
+from folding.planning.memory import RECOMPUTE_MODES, ModelSizes, memory_per_rank  # noqa: E402
 
 PRESETS = {name: ModelSizes.from_model_config(get_preset(name)) for name in list_presets()}
 PRESETS["tiny"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, moe_ffn_hidden_size=16,
@@ -37,12 +37,17 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     for axis in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved 1F1B)")
     p.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 (optim.distributed=true)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="train.recompute")
     p.add_argument("--seq", type=int, default=0, help="sequence length (0: no activations)")
     p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step and replica (caps the pipeline's in-flight count)")
+    p.add_argument("--fused-swiglu", action="store_true",
+                   help="estimate for experts with a fused weighted SwiGLU (Megatron-Core's) instead of folding's")
     p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks")
     return p.parse_args(argv)
 
@@ -54,11 +59,12 @@ def _gib(n):
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        layout = ParallelLayout(world_size=a.world, tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp,
+        layout = ParallelLayout(world_size=a.world, tp=a.tp, cp=a.cp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp,
                                 num_experts=PRESETS[a.preset].num_experts)
         pb = 4 if a.param_dtype == "float32" else 2
         ests = [memory_per_rank(PRESETS[a.preset], layout, param_bytes=pb, distributed=a.distributed,
-                                recompute=a.recompute, seq_length=a.seq, micro_batch_size=a.mbs, stage=s)
+                                recompute=a.recompute, seq_length=a.seq, micro_batch_size=a.mbs, stage=s,
+                                num_microbatches=a.microbatches, fused_swiglu=a.fused_swiglu)
                 for s in range(layout.pp)]
     except (LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    p.add_argument("--fused-swiglu", action="store_true",
+                   help="plan for experts with a fused weighted SwiGLU (Megatron-Core's): less activation memory")
     p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
     p.add_argument("--no-tp-comm-overlap", action="store_true",
                    help="assume TP communication is not overlapped with GEMMs")
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain,
                           tp_comm_overlap=not args.no_tp_comm_overlap)
         shape = TrainingShape(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                              micro_batch_size=args.micro_batch_size)
+                              micro_batch_size=args.micro_batch_size, fused_swiglu=args.fused_swiglu)
         results = plan_layouts(cfg, cluster=cluster, shape=shape, compute_efficiency=args.compute_efficiency,
                                folded=not args.unfolded, distinct=not args.all_variants)
     except ValueError as e:
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
         return 0 if results else 1
     head = (f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
             f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
-            f"(usable memory {gpu.usable_memory_gib:.1f} GiB, compute efficiency {args.compute_efficiency})")
+            f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
+            f"compute efficiency {args.compute_efficiency})")
     print(head)
     if not results:
         print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
         print(_line(i, r))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
-    print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.items()))
+    print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.by_part().items()))
     return 0
 
 

@@ -12,8 +12,10 @@ counted, as in Megatron-Core's and PaLM's MFU):
   token). Shared expert: ``6·H·F_shared`` plus its sigmoid gate ``2·H``. Dense MLP layers: ``6·H·F_dense``.
 - Output layer (logits): ``2·H·V``. The embedding lookup is not a matmul and counts 0.
 - Backward = 2 × forward, so training = 3 × forward. Activation recomputation adds FLOPs that the hardware
-  executes but that MFU does not count: ``selective`` re-runs the attention core forward, ``full``
-  re-runs each transformer layer's forward (not the output layer).
+  executes but that MFU does not count; the modes are those of ``train.recompute``
+  (:class:`folding.model.block.TransformerLayer`): ``selective`` re-runs the attention sublayer's forward
+  (projections and core), ``moe`` re-runs the MoE sublayer of MoE layers (router, routed and shared
+  experts), ``full`` re-runs each transformer layer's forward (not the output layer).
 
 Usage::
 
@@ -28,7 +30,7 @@ import dataclasses
 
 from folding.model.config import ModelConfig
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from .activations import RECOMPUTE_MODES
 
 
 def attention_linear_flops(cfg: ModelConfig) -> float:
@@ -101,11 +103,13 @@ class FlopsPerToken:
         return 3.0 * self.forward
 
     def recompute_extra(self, recompute: str) -> float:
-        """FLOPs per token that activation recomputation adds (``none``, ``selective`` or ``full``)."""
+        """FLOPs per token that activation recomputation adds (``none``, ``selective``, ``moe`` or ``full``)."""
         if recompute == "none":
             return 0.0
         if recompute == "selective":
-            return self.attention_core
+            return self.attention_linear + self.attention_core
+        if recompute == "moe":
+            return self.router + self.routed_experts + self.shared_experts
         if recompute == "full":
             return self.forward - self.output_layer
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")

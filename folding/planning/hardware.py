@@ -28,7 +28,14 @@ Assumptions (not calibrated)
   kernels take SMs and HBM bandwidth from the GEMM).
 - ``host_sync_s`` 30 µs per MoE layer forward: the dropless dispatcher's device-to-host copy of split sizes
   drains the GPU queue (copy + a few kernel launches before the GPU is busy again).
-- ``usable_memory_gib``: what PyTorch can allocate after the CUDA context (≈ 1.5 GiB less than HBM).
+- ``usable_memory_gib``: what PyTorch's allocator can reserve: HBM less 2.5 GiB held outside it (CUDA
+  context ≈ 0.5-1 GiB, NCCL communicator buffers for the job's dozen process groups ≈ 1 GiB, cuBLAS /
+  TransformerEngine workspaces ≈ 0.5 GiB).
+- ``fragmentation`` 0.05: the caching allocator reserves more than the live tensors it hands out (block
+  rounding, split blocks that cannot be reused across sizes); 5% assumes
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which MoE training with varying expert
+  batch sizes should use (without it expect 10-20%). A layout fits when
+  ``1.05 × estimate ≤ usable_memory_gib``.
 
 Usage::
 
@@ -57,13 +64,16 @@ class GPUSpec:
     hbm_gib: float
     """HBM capacity in GiB."""
     usable_memory_gib: float
-    """Memory PyTorch can allocate (HBM minus CUDA context); layouts must fit in this."""
+    """Memory PyTorch's allocator can reserve (HBM minus what the CUDA context, NCCL and library
+    workspaces hold)."""
     hbm_bandwidth: float
     """Peak HBM bandwidth in bytes/s."""
     nvlink_bandwidth: float
     """NVLink bandwidth per GPU per direction, bytes/s."""
     internode_bandwidth: float
     """Inter-node network bandwidth per GPU per direction, bytes/s (one NIC per GPU)."""
+    fragmentation: float = 0.05
+    """Allocator overhead: reserved bytes exceed live tensor bytes by this fraction."""
     num_sms: int = 132
     """Streaming multiprocessors (GEMM output tiles run in waves of this many)."""
     overlap_contention: float = 0.3
@@ -100,6 +110,10 @@ class GPUSpec:
             return raw * self.a2a_efficiency
         raise ValueError(f"kind={kind!r}: choose 'ring' or 'a2a'")
 
+    def fits(self, nbytes: float) -> bool:
+        """Whether live tensors of ``nbytes`` (a memory estimate) fit, allocator overhead included."""
+        return nbytes * (1 + self.fragmentation) <= self.usable_memory_gib * GIB
+
     def latency(self, *, crosses_node: bool) -> float:
         """Fixed cost of one collective call."""
         return self.inter_latency_s if crosses_node else self.intra_latency_s
@@ -107,13 +121,13 @@ class GPUSpec:
 
 _GPUS: Dict[str, GPUSpec] = {
     "h100": GPUSpec(name="h100", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=80e9 / GIB,
-                    usable_memory_gib=80e9 / GIB - 1.5, hbm_bandwidth=3.35e12,
+                    usable_memory_gib=80e9 / GIB - 2.5, hbm_bandwidth=3.35e12,
                     nvlink_bandwidth=450e9, internode_bandwidth=50e9),
     "h200": GPUSpec(name="h200", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=141e9 / GIB,
-                    usable_memory_gib=141e9 / GIB - 1.5, hbm_bandwidth=4.8e12,
+                    usable_memory_gib=141e9 / GIB - 2.5, hbm_bandwidth=4.8e12,
                     nvlink_bandwidth=450e9, internode_bandwidth=50e9),
     "b200": GPUSpec(name="b200", bf16_flops=2250e12, fp8_flops=4500e12, hbm_gib=180e9 / GIB,
-                    usable_memory_gib=180e9 / GIB - 1.5, hbm_bandwidth=8.0e12,
+                    usable_memory_gib=180e9 / GIB - 2.5, hbm_bandwidth=8.0e12,
                     nvlink_bandwidth=900e9, internode_bandwidth=50e9, num_sms=148),
 }
 

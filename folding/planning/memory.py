@@ -16,25 +16,38 @@ Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
 - activations (estimate, bf16 by default, flash attention, sequence parallelism): per layer and
   micro-batch, with ``T = seq*mbs/(TP*CP)`` tokens per rank and ``R = T*top_k*ETP`` expert rows,
-  see :func:`activation_bytes_per_layer`; times the layers of the stage and the micro-batches in
-  flight under 1F1B (``PP - stage``).
+  see :mod:`folding.planning.activations`; times the layers of the stage and the chunk forwards in
+  flight at the schedule's peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's
+  warm-up count, capped by the step's micro-batches); plus fp32 logits and their gradient on the
+  last stage.
+- transient: the dispatcher's buffers of the layer being run and, under recompute, the region
+  re-materialized in backward.
+
+Parameters, gradients and optimizer state are exact (tested against measured buffers); activations
+and transients are estimates (``seq_length=0`` leaves both out).
 
 Usage::
 
     sizes = ModelSizes.from_model_config(get_preset("mixtral_8x7b"))
     layout = ParallelLayout(world_size=64, tp=1, pp=4, ep=8, etp=1)
     est = memory_per_rank(sizes, layout, param_bytes=2, distributed=True, recompute="selective",
-                          seq_length=4096, micro_batch_size=1)
+                          seq_length=4096, micro_batch_size=1, num_microbatches=16)
     est.total / 2**30
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from folding.pipeline.partition import layers_of, partition_layers
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+from .activations import (RECOMPUTE_MODES, activation_bytes_per_layer, in_flight_chunks, logits_bytes,
+                          transient_bytes)
+
+__all__ = ["RECOMPUTE_MODES", "ModelSizes", "ParamCounts", "MemoryEstimate", "activation_bytes_per_layer",
+           "in_flight_chunks", "layers_on_stage", "logits_bytes", "memory_per_rank", "model_sizes", "param_counts",
+           "stage_layers", "transient_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +106,12 @@ class ModelSizes:
                    shared_expert_gate=cfg.shared_expert_gate, tied_embeddings=cfg.tie_embeddings)
 
 
+@functools.lru_cache(maxsize=64)
+def model_sizes(cfg) -> ModelSizes:
+    """:meth:`ModelSizes.from_model_config`, cached per (hashable, frozen) model config."""
+    return ModelSizes.from_model_config(cfg)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
     """Parameter elements held by one rank."""
@@ -121,15 +140,25 @@ class MemoryEstimate:
     optimizer_expert: int
     """AdamW moments (+ master weights) of expert parameters held by this rank."""
     activations: int
-    """Estimated activation bytes (0 when ``seq_length`` is 0)."""
+    """Estimated activation bytes kept for backward at the schedule's peak, fp32 logits included on the
+    last stage (0 when ``seq_length`` is 0)."""
     stage: int
     """The pipeline stage this estimate is for."""
+    transient: int = 0
+    """Estimated short-lived bytes at the peak: dispatch buffers and the recomputed region (0 when
+    ``seq_length`` is 0)."""
 
     @property
     def total(self) -> int:
         """Sum of every kind."""
         return (self.params_dense + self.params_expert + self.grads_dense + self.grads_expert
-                + self.optimizer_dense + self.optimizer_expert + self.activations)
+                + self.optimizer_dense + self.optimizer_expert + self.activations + self.transient)
+
+    def by_part(self) -> Dict[str, int]:
+        """Bytes grouped as ``params, grads, optimizer, activations, transient`` (dense + expert)."""
+        return {"params": self.params_dense + self.params_expert, "grads": self.grads_dense + self.grads_expert,
+                "optimizer": self.optimizer_dense + self.optimizer_expert, "activations": self.activations,
+                "transient": self.transient}
 
     def as_dict(self) -> Dict[str, int]:
         """Every field plus ``total``."""
@@ -149,11 +178,20 @@ def stage_layers(sizes: ModelSizes, layout, stage: int,
     """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.pipeline.partition.partition_layers`)."""
     if stages is None:
-        stages = partition_layers(num_layers=sizes.num_layers, pp=layout.pp, vpp=layout.vpp)
+        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
     return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int) -> Tuple[int, ...]:
+    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None)
+    out: List[int] = []
+    for chunk in range(len(stages) // pp):
+        out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
+    return tuple(out)
 
 
 def layers_on_stage(sizes: ModelSizes, layout, stage: int) -> int:
@@ -165,7 +203,31 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
                  stages: Optional[Sequence[Tuple[int, int]]] = None) -> ParamCounts:
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
-    s, tp, etp = sizes, layout.tp, layout.etp
+    if stages is None:
+        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage)
+    return _param_counts_of(sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage,
+                            stage_layers(sizes, layout, stage, stages))
+
+
+def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+    """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
+    return _stage_counts_cached(sizes, pp, vpp, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage)
+    return len(mine), sum(1 for i in mine if i in sizes.dense_layers)
+
+
+@functools.lru_cache(maxsize=65536)
+def _param_counts(sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int) -> ParamCounts:
+    return _param_counts_of(sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage))
+
+
+def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, stage: int,
+                     mine: Sequence[int]) -> ParamCounts:
+    s = sizes
     h = s.hidden_size
     layer = s.norms_per_layer * h                                           # norms (replicated)
     if s.num_attention_heads:
@@ -183,16 +245,15 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
     if s.shared_expert_ffn_hidden_size:
         moe += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
         moe += h if s.shared_expert_gate else 0
-    experts = _div(s.num_experts, layout.ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
-                                                                   "3*H*moe_ffn_hidden_size")
-    mine = stage_layers(s, layout, stage, stages)
+    experts = _div(s.num_experts, ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
+                                                            "3*H*moe_ffn_hidden_size")
     n_dense = sum(1 for i in mine if i in s.dense_layers)
     n_moe = len(mine) - n_dense
     dense = len(mine) * layer + n_moe * moe
     if n_dense:
         dense += n_dense * _div(3 * h * s.ffn_hidden_size, tp, "ffn_hidden_size*H")
     emb = _div(s.vocab_size, tp, "vocab_size") * h
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == pp - 1
     if first:
         dense += emb
     if last:
@@ -202,61 +263,28 @@ def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
     return ParamCounts(dense=dense, expert=n_moe * experts)
 
 
-def activation_bytes_per_layer(sizes: ModelSizes, layout, *, seq_length: int, micro_batch_size: int,
-                               recompute: str = "none", act_bytes: int = 2) -> int:
-    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
-
-    ``T = seq*mbs/(TP*CP)`` tokens, ``R = T*top_k*ETP`` expert rows (balanced routing), ``a`` bytes
-    per element: norms ``2aTh``; attention ``aT(h + (nq+2nkv)d + nq d)`` (flash attention: no
-    ``s^2`` term); router ``aTh + 8TE`` (fp32 logits and probabilities); experts
-    ``aTkh + aRh + 4aRF/ETP`` (permuted tokens, fc1 input, fc1 output 2F, activation and weighted
-    activation); dense/shared MLPs likewise. ``selective`` recomputes norms and activation
-    functions (drops ``2aTh`` and ``2aRF/ETP`` and the MLP equivalents); ``full`` keeps only the
-    layer input ``aTh``. Dense layers (``dense_layers``) are estimated like MoE layers.
-    """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)}")
-    s, a = sizes, act_bytes
-    h = s.hidden_size
-    t = seq_length * micro_batch_size // (layout.tp * layout.cp)
-    if recompute == "full":
-        return a * t * h
-    r = t * s.top_k * layout.etp
-    fe = s.moe_ffn_hidden_size // layout.etp
-    norms = 2 * a * t * h
-    attn = 0
-    if s.num_attention_heads:
-        nq = s.num_attention_heads
-        nkv = s.num_query_groups or nq
-        d = s.head_dim or h // nq
-        attn = a * t * (h + (nq + 2 * nkv) * d + nq * d)
-    router = a * t * h + 8 * t * s.num_experts
-    experts = a * t * s.top_k * h + a * r * h + 4 * a * r * fe
-    mlp_act = 2 * a * r * fe
-    for f, gated in ((s.dense_ffn_hidden_size, s.dense_gated), (s.shared_expert_ffn_hidden_size, True)):
-        if f:
-            width = (2 if gated else 1) * f
-            experts += a * t * h + a * t * (width + 2 * f)
-            mlp_act += 2 * a * t * f
-    total = norms + attn + router + experts
-    if recompute == "selective":
-        total -= norms + mlp_act
-    return total
-
-
 def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distributed: bool = False,
                     recompute: str = "none", seq_length: int = 0, micro_batch_size: int = 1,
-                    act_bytes: int = 2, stage: Optional[int] = None) -> MemoryEstimate:
+                    act_bytes: int = 2, stage: Optional[int] = None,
+                    num_microbatches: Optional[int] = None, fused_swiglu: bool = False) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
-    ``param_bytes``: 4 for fp32 parameters, 2 for bf16 (then fp32 master weights are added to the
-    optimizer state); ``distributed``: ZeRO-1 (``optim.distributed``); ``seq_length=0`` leaves
-    activations out.
+    ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, pp, vpp,
+    ep, etp, dp, edp``). ``param_bytes``: 4 for fp32 parameters, 2 for bf16 (then fp32 master weights
+    are added to the optimizer state); ``distributed``: ZeRO-1 (``optim.distributed``);
+    ``recompute``: ``train.recompute`` (none, selective, moe, full); ``seq_length=0`` leaves
+    activations and transients out; ``num_microbatches``: micro-batches per step and data-parallel
+    replica, which caps the in-flight count (``None``: no cap); ``fused_swiglu``: estimate activations
+    for a fused weighted SwiGLU in the experts (Megatron-Core's) instead of folding's unfused one.
     """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
     if stage is None:
         ests = [memory_per_rank(sizes, layout, param_bytes=param_bytes, distributed=distributed,
                                 recompute=recompute, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                act_bytes=act_bytes, stage=k) for k in range(layout.pp)]
+                                act_bytes=act_bytes, stage=k, num_microbatches=num_microbatches,
+                                fused_swiglu=fused_swiglu)
+                for k in range(layout.pp)]
         return max(ests, key=lambda e: e.total)
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={layout.pp}")
@@ -264,13 +292,20 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
     state = 8 + (4 if param_bytes != 4 else 0)
     opt_d = state * c.dense / (layout.dp * layout.cp if distributed else 1)
     opt_e = state * c.expert / (layout.edp if distributed else 1)
-    acts = 0
+    acts = transient = 0
     if seq_length:
-        per = activation_bytes_per_layer(sizes, layout, seq_length=seq_length,
-                                         micro_batch_size=micro_batch_size, recompute=recompute,
-                                         act_bytes=act_bytes)
-        in_flight = layout.pp - stage
-        acts = per * layers_on_stage(sizes, layout, stage) * in_flight
+        kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, recompute=recompute,
+                  act_bytes=act_bytes, fused_swiglu=fused_swiglu)
+        vpp = layout.vpp or 1
+        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage)
+        per_mb = (activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense)
+                  + (activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0))
+        chunks = in_flight_chunks(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+        acts = per_mb * chunks / vpp
+        if stage == layout.pp - 1:
+            acts += logits_bytes(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size)
+        transient = transient_bytes(sizes, layout, **kw)
     return MemoryEstimate(params_dense=c.dense * param_bytes, params_expert=c.expert * param_bytes,
                           grads_dense=4 * c.dense, grads_expert=4 * c.expert, optimizer_dense=int(opt_d),
-                          optimizer_expert=int(opt_e), activations=int(acts), stage=stage)
+                          optimizer_expert=int(opt_e), activations=int(acts), stage=stage,
+                          transient=int(transient))

@@ -1,11 +1,12 @@
 """Layout planner: enumerate every legal folded layout for a model on a cluster, rank by predicted step time.
 
 A candidate is a :class:`~folding.planning.step_time.Plan`: attention TP·CP·DP·PP (+VPP), MoE
-ETP·EP·EDP·PP, distributed optimizer on/off, recompute none/selective/full. Legality is
+ETP·EP·EDP·PP, distributed optimizer on/off, recompute none/selective/moe/full. Legality is
 :class:`folding.parallel.ParallelLayout`'s, plus what the model needs: TP divides the query and KV heads,
 EP divides the experts, PP·VPP divides the layers, DP divides the global batch, interleaving needs the
 micro-batch count divisible by PP, CP splits the sequence into 2·CP causal chunks. TP and ETP stay inside
-one NVLink domain. Each candidate gets a memory estimate (dropped when it does not fit) and a step time
+one NVLink domain. Each candidate gets a memory estimate from the one memory model,
+:mod:`folding.planning.memory` (dropped when it does not fit, allocator overhead included) and a step time
 (:mod:`folding.planning.step_time`), hence a predicted MFU.
 
 ``COMPUTE_EFFICIENCY`` is the cost model's one calibrated constant (see :func:`calibrate_compute_efficiency`
@@ -21,20 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 from folding.model.config import ModelConfig
 from folding.parallel import LayoutError, ParallelLayout
 
-from .flops import RECOMPUTE_MODES
+from .activations import RECOMPUTE_MODES
 from .hardware import GIB
-from .step_time import (BF16, FP32, Cluster, Plan, StepTime, TrainingShape, estimate_step_time, num_moe_layers,
-                        stage_parameters)
+from .memory import MemoryEstimate, memory_per_rank, model_sizes
+from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
 #: 128 H100 (seq 4096, global batch 256), whose folded layout TP2 CP1 PP8 EP8 ETP1 the MoE Parallel Folding
 #: paper measured at 49.3% MFU. Reproduce with ``calibrate_compute_efficiency`` (tests do).
-COMPUTE_EFFICIENCY = 0.677
+COMPUTE_EFFICIENCY = 0.680
 
 MATCH_KEYS = ("tp", "cp", "pp", "ep", "etp")
 
@@ -48,56 +49,21 @@ def _mapping(plan: Plan) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------- memory
-def planner_memory_bytes(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Dict[str, float]:
-    """Per-GPU memory of ``plan`` in bytes by part, on the worse of the first and last pipeline stage.
+def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> MemoryEstimate:
+    """Per-GPU memory of ``plan`` from the one memory model (:func:`folding.planning.memory.memory_per_rank`),
+    on its worst pipeline stage: bf16 parameters, fp32 gradients, Adam state (sharded when
+    ``plan.distributed_optimizer``), activations at the schedule's peak for ``plan.recompute`` and the
+    step's micro-batch count, transients.
 
-    Parts: ``params`` (bf16), ``grads`` (fp32 main gradients), ``optimizer`` (fp32 master + Adam m, v,
-    sharded over DP·CP / EDP with the distributed optimizer), ``activations`` (what the 1F1B schedule keeps
-    alive: PP micro-batches of L/PP layers on the first stage, times 1 + (PP-1)/(PP·VPP) when interleaved;
-    one micro-batch plus fp32 logits and their gradient on the last stage), ``other`` (2 GiB of CUDA
-    workspaces and allocator slack, plus the MoE layer's transient dispatch buffers).
+    Only the first and last stages are evaluated: with the default even partition every middle stage holds
+    the same layers as the first, fewer micro-batches in flight and no embedding, so it never exceeds it.
     """
-    S, b = shape.seq_length, shape.micro_batch_size
-    H, k, L, n_moe = cfg.hidden_size, cfg.topk, cfg.num_layers, num_moe_layers(cfg)
-    d, h, g = cfg.kv_channels, cfg.num_attention_heads, cfg.num_kv_heads
-    tok = S * b / (plan.tp * plan.cp)
-    # Elements kept per rank-owned token and layer (sequence parallel: TP-sharded tensors re-gathered later).
-    attn = 3 * H + (h + 2 * g) * d + h * d
-    moe_f = cfg.moe_ffn_hidden_size
-    moe = 2 * H + plan.etp * k * H + (2 if plan.recompute == "selective" else 3) * k * moe_f
-    if cfg.shared_expert_ffn_hidden_size:
-        moe += H + 3 * cfg.shared_expert_ffn_hidden_size
-    dense = 3 * H + 3 * cfg.ffn_hidden_size
-    if plan.recompute == "full":
-        per_layer_mb = H * BF16 * tok
-        working = (attn + max(moe, dense)) * BF16 * tok     # one layer re-materialized at a time
-    else:
-        per_layer_mb = (attn + (n_moe * moe + (L - n_moe) * dense) / L) * BF16 * tok
-        working = 0.0
-    m = shape.global_batch_size // (plan.dp * b)
-    layers = L / plan.pp
-    interleave = 1 + (plan.pp - 1) / (plan.pp * plan.vpp) if plan.vpp > 1 else 1.0
-    act_first = layers * min(plan.pp, m) * interleave * per_layer_mb + working
-    logits = 2 * tok * plan.tp * cfg.vocab_size / plan.tp * FP32
-    act_last = layers * per_layer_mb + working + logits
-    transient = 3 * plan.etp * k * tok * H * BF16 + 2 * GIB
-
-    worst: Dict[str, float] = {}
-    for last, act in ((False, act_first), (True, act_last)):
-        p = stage_parameters(cfg, plan, last=last)
-        dshard = plan.dp * plan.cp if plan.distributed_optimizer else 1
-        eshard = plan.edp if plan.distributed_optimizer else 1
-        part = {"params": (p["dense"] + p["expert"]) * BF16,
-                "grads": (p["dense"] + p["expert"]) * FP32,
-                "optimizer": 3 * FP32 * (p["dense"] / dshard + p["expert"] / eshard),
-                "activations": act, "other": transient}
-        if sum(part.values()) > sum(worst.values()):
-            worst = part
-    return worst
-
-
-#: The per-GPU memory model the planner uses (bytes by part); one call, swappable.
-MemoryModel = Callable[..., Dict[str, float]]
+    m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
+    kw = dict(param_bytes=BF16, distributed=plan.distributed_optimizer, recompute=plan.recompute,
+              seq_length=shape.seq_length, micro_batch_size=shape.micro_batch_size, num_microbatches=m,
+              fused_swiglu=shape.fused_swiglu)
+    ests = [memory_per_rank(model_sizes(cfg), plan, stage=k, **kw) for k in sorted({0, plan.pp - 1})]
+    return max(ests, key=lambda e: e.total)
 
 
 # ------------------------------------------------------------------------------------------ enumeration
@@ -159,8 +125,8 @@ class PlanResult:
     """The layout and its knobs."""
     time: StepTime
     """Predicted step time, MFU and breakdown."""
-    memory: Dict[str, float]
-    """Per-GPU bytes by part."""
+    memory: MemoryEstimate
+    """Per-GPU bytes of the worst pipeline stage (:func:`plan_memory`)."""
 
     @property
     def mfu(self) -> float:
@@ -170,7 +136,7 @@ class PlanResult:
     @property
     def memory_gib(self) -> float:
         """Predicted peak per-GPU memory in GiB."""
-        return sum(self.memory.values()) / GIB
+        return self.memory.total / GIB
 
     def to_dict(self) -> dict:
         """A JSON-ready record: layout sizes, knobs, ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
@@ -178,34 +144,32 @@ class PlanResult:
         d.update(mfu=round(self.mfu, 4), memory_gib=round(self.memory_gib, 2),
                  step_s=round(self.time.step_s, 4),
                  step_breakdown_s={k: round(v, 4) for k, v in self.time.breakdown.items()},
-                 memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.items()})
+                 memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.by_part().items()})
         return d
 
 
 def evaluate(cfg: ModelConfig, plan: Plan, *, cluster: Cluster, shape: TrainingShape,
-             compute_efficiency: float = COMPUTE_EFFICIENCY,
-             memory_model: Optional[MemoryModel] = None) -> PlanResult:
-    """Memory and step time of one ``plan``."""
-    mem = (memory_model or planner_memory_bytes)(cfg, plan, shape=shape)
+             compute_efficiency: float = COMPUTE_EFFICIENCY) -> PlanResult:
+    """Memory and step time of one ``plan`` (whether it fits or not: see ``cluster.gpu.fits``)."""
+    mem = plan_memory(cfg, plan, shape=shape)
     t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency)
     return PlanResult(plan=plan, time=t, memory=mem)
 
 
 def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                  compute_efficiency: float = COMPUTE_EFFICIENCY, folded: bool = True,
-                 distinct: bool = True, memory_model: Optional[MemoryModel] = None) -> List[PlanResult]:
+                 distinct: bool = True) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
 
     With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
     parallel mapping (TP, CP, PP, EP, ETP) is kept, so the list reads as a choice between mappings.
     """
     _check_inputs(cfg, cluster, shape)
-    limit = cluster.gpu.usable_memory_gib
     best: Dict[tuple, PlanResult] = {}
     results: List[PlanResult] = []
     for plan in enumerate_plans(cfg, cluster=cluster, shape=shape, folded=folded):
-        mem = (memory_model or planner_memory_bytes)(cfg, plan, shape=shape)
-        if sum(mem.values()) / GIB > limit:
+        mem = plan_memory(cfg, plan, shape=shape)
+        if not cluster.gpu.fits(mem.total):
             continue
         r = PlanResult(plan=plan, memory=mem, time=estimate_step_time(
             cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency))
@@ -231,15 +195,17 @@ def _check_inputs(cfg: ModelConfig, cluster: Cluster, shape: TrainingShape) -> N
 
 
 def calibrate_compute_efficiency(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
-                                 mapping: Dict[str, int], target_mfu: float) -> float:
+                                 mapping: Dict[str, int], target_mfu: float, require_fit: bool = True) -> float:
     """The ``compute_efficiency`` at which the best fitting variant of ``mapping`` predicts ``target_mfu``.
 
     ``mapping`` gives ``tp, cp, pp, ep, etp``; found by bisection (MFU rises monotonically with efficiency).
+    ``require_fit=False`` takes the best variant whether or not this engine's memory model fits it (for a
+    measurement made by another engine, whose activation memory differs).
     """
     want = tuple(mapping[k] for k in MATCH_KEYS)
     plans = [p for p in enumerate_plans(cfg, cluster=cluster, shape=shape) if _mapping(p) == want]
-    plans = [p for p in plans if sum(planner_memory_bytes(cfg, p, shape=shape).values()) / GIB
-             <= cluster.gpu.usable_memory_gib]
+    if require_fit:
+        plans = [p for p in plans if cluster.gpu.fits(plan_memory(cfg, p, shape=shape).total)]
     if not plans:
         raise ValueError(f"no legal layout that fits matches {mapping}")
 

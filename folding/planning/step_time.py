@@ -5,13 +5,14 @@ output layer). Per micro-batch and transformer layer, on one GPU:
 
 - **Compute**: matmul FLOPs of :mod:`folding.planning.flops` for the rank's share (tokens split over
   TP·CP for attention; the expert work of a stage is balanced over its ranks, so each GPU does
-  ``tokens/(TP·CP)`` worth whatever EP/ETP), forward + backward (+ recompute), at
+  ``tokens/(TP·CP)`` worth whatever EP/ETP), forward + backward (+ the recomputed sublayers), at
   ``compute_efficiency × peak``. ``compute_efficiency`` is the one calibrated constant.
 - **Memory-bound kernels**: bytes moved by norms, residuals, RoPE, permute/unpermute and SwiGLU, at the
   achievable HBM bandwidth.
 - **TP** (sequence parallel): all-gather + reduce-scatter of the layer input around attention (and
   around the shared expert / dense MLP) forward, the mirror pair backward; ``(TP-1)/TP`` of the
-  full-sequence activation per call. Not overlapped.
+  full-sequence activation per call, overlapped with the block's GEMMs by chunking when
+  ``Cluster.tp_comm_overlap`` (one chunk exposed, the hidden part at ``overlap_contention``).
 - **CP**: ring exchange of K/V (forward) and K/V + dK/dV (backward), overlapped with the attention core;
   only what exceeds the core's time is exposed.
 - **EP / ETP** (MoE layers): all-to-all dispatch + combine forward and backward, each sending
@@ -21,8 +22,9 @@ output layer). Per micro-batch and transformer layer, on one GPU:
   peers on other nodes goes over the NIC, the rest over NVLink, at the same time.
 - **PP**: activation send/recv per micro-batch and virtual stage; **bubble** ``(PP-1)/VPP`` stage times.
 - **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter + bf16 all-gather
-  (distributed optimizer) or fp32 all-reduce, overlapped with one micro-batch's backward / forward;
-  plus the optimizer step (memory-bound).
+  (distributed optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped
+  with the backward / next forward that follows each chunk (:func:`_exposed_behind_chunks`); the hidden
+  part still costs ``overlap_contention`` of its time; plus the optimizer step (memory-bound).
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
@@ -36,13 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Dict
 
 from folding.model.config import ModelConfig
 
 from . import flops as F
+from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time
 from .hardware import GPUSpec
+from .memory import model_sizes, param_counts
 
 BF16, FP32 = 2, 4
 
@@ -57,6 +60,9 @@ class TrainingShape:
     """Samples per optimizer step."""
     micro_batch_size: int = 1
     """Samples per micro-batch (per data-parallel replica)."""
+    fused_swiglu: bool = False
+    """Plan for an engine whose experts fuse the probability-weighted SwiGLU (Megatron-Core's), keeping
+    3 instead of folding's 5 ``F``-wide tensors per routed row for backward (memory only)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,8 @@ class Plan:
     distributed_optimizer: bool
     """Shard optimizer state over DP·CP (dense) and EDP (experts)."""
     recompute: str
-    """Activation recomputation: ``none``, ``selective`` (attention core + SwiGLU) or ``full`` (whole layers)."""
+    """Activation recomputation (``train.recompute``): ``none``, ``selective`` (the attention sublayer),
+    ``moe`` (the MoE sublayer of MoE layers) or ``full`` (whole layers)."""
     folded: bool = True
     """``False`` models Megatron-Core without folding: ETP = TP and EP carved out of DP, so the dispatch
     group spans TP·CP·EP consecutive ranks instead of ETP·EP."""
@@ -112,53 +119,6 @@ def num_moe_layers(cfg: ModelConfig) -> int:
 @functools.lru_cache(maxsize=64)
 def _model_flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     return F.flops_per_token(cfg, seq_length).model_training
-
-
-def wave_utilization(m: float, n: float, num_sms: int) -> float:
-    """Fraction of SM time a GEMM with output ``[m, n]`` keeps busy, given whole waves of output tiles.
-
-    The kernel takes the best of 128x128, 128x256 and 256x128 output tiles (what cuBLAS / CUTLASS pick
-    among on Hopper): ``tiles / (ceil(tiles / SMs) * SMs)``.
-    """
-    best = 0.0
-    for tm, tn in ((128, 128), (128, 256), (256, 128)):
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        waves = math.ceil(tiles / num_sms)
-        # A tile that is only partly inside the matrix still costs a whole tile.
-        useful = (m * n) / (tm * tn)
-        best = max(best, useful / (waves * num_sms))
-    return best
-
-
-def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float) -> float:
-    """Seconds of one forward GEMM ``[m, k] x [k, n]`` at ``eff`` of peak, scaled by wave utilization."""
-    if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    return 2.0 * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms))
-
-
-def _crosses(span: int, cluster: Cluster) -> bool:
-    return span > cluster.nvlink_domain
-
-
-def _ring_time(bytes_per_rank: float, span: int, cluster: Cluster) -> float:
-    """Time of one ring collective moving ``bytes_per_rank`` per GPU over a group spanning ``span`` ranks."""
-    if bytes_per_rank <= 0:
-        return 0.0
-    x = _crosses(span, cluster)
-    return bytes_per_rank / cluster.gpu.link_bandwidth(crosses_node=x, kind="ring") + cluster.gpu.latency(crosses_node=x)
-
-
-def _a2a_time(bytes_per_rank: float, size: int, stride: int, cluster: Cluster) -> float:
-    """All-to-all over ``size`` ranks at ``stride``: off-node peers over the NIC, on-node peers over NVLink."""
-    if bytes_per_rank <= 0 or size == 1:
-        return 0.0
-    gpu = cluster.gpu
-    per_node = max(1, min(size, cluster.nvlink_domain // stride)) if stride <= cluster.nvlink_domain else 1
-    off_node = (size - per_node) / (size - 1)
-    t_nv = bytes_per_rank * (1 - off_node) / gpu.link_bandwidth(crosses_node=False, kind="a2a")
-    t_ib = bytes_per_rank * off_node / gpu.link_bandwidth(crosses_node=True, kind="a2a")
-    return max(t_nv, t_ib) + gpu.latency(crosses_node=off_node > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +139,11 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     tok = S * b / (plan.tp * plan.cp)                 # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
-    fwd_passes = 2 if plan.recompute == "full" else 1  # forwards executed per training pass
-    passes = 2 + fwd_passes                            # forward(s) + backward (2 GEMMs per forward GEMM,
-    #                                                    charged at the forward shape's wave utilization)
+    # Forwards executed per training pass, per sublayer (the recompute modes of train.recompute): the
+    # attention sublayer runs twice under selective / full, the MoE (or dense MLP) sublayer under moe / full.
+    attn_fwd = 2 if plan.recompute in ("selective", "full") else 1
+    mlp_fwd = 2 if plan.recompute == "full" or (plan.recompute == "moe" and moe) else 1
+    # Each forward GEMM has two backward GEMMs, charged at the forward shape's wave utilization.
     core = F.attention_core_flops(cfg, S) * tok
     seq_tok = S * b / plan.cp                          # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
@@ -191,8 +153,8 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         local = cfg.num_experts // plan.ep
         rows = plan.etp * tok * cfg.topk / local        # routed copies per local expert (balanced)
         f = cfg.moe_ffn_hidden_size / plan.etp
-        mlp_t = local * (gemm_time(rows, 2 * f, H, gpu, eff) + gemm_time(rows, H, f, gpu, eff))
-        mlp_t += fwd_passes / passes * gpu.host_sync_s     # the dispatcher's host sync on split sizes
+        # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
+        mlp_t = gemm_time(rows, 2 * f, H, gpu, eff, local) + gemm_time(rows, H, f, gpu, eff, local)
         mlp_t += F.router_flops(cfg) * tok / flops_rate
         tp_block_t = 0.0
         if cfg.shared_expert_ffn_hidden_size:
@@ -203,28 +165,31 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         fd = cfg.ffn_hidden_size / plan.tp
         mlp_t = tp_block_t = gemm_time(seq_tok, 2 * fd, H, gpu, eff) + gemm_time(seq_tok, H, fd, gpu, eff)
     core_t = core / flops_rate
-    out = {"compute": passes * (core_t + lin_t + mlp_t) + (core_t if plan.recompute == "selective" else 0.0),
-           "core_attention": passes * core_t}
+    # The dispatcher's host sync on split sizes: once per MoE forward.
+    sync = mlp_fwd * gpu.host_sync_s if moe else 0.0
+    out = {"compute": (2 + attn_fwd) * (core_t + lin_t) + (2 + mlp_fwd) * mlp_t + sync,
+           "core_attention": (2 + attn_fwd) * core_t}
 
-    # Memory-bound element-wise traffic (bytes per forward; backward ≈ 2x): norms, residuals, RoPE on the
-    # attention side; permute + unpermute (4 H-rows per routed copy, ETP-gathered) and SwiGLU (3 F-rows).
-    elem = 10 * H * BF16 * tok
+    # Memory-bound element-wise traffic (bytes per forward; backward ≈ 2x): norm, RoPE and residual on each
+    # side; permute + unpermute (4 H-rows per routed copy, ETP-gathered) and SwiGLU (3 F-rows) for MoE.
+    elem_attn = 5 * H * BF16 * tok
+    elem_mlp = 5 * H * BF16 * tok
     if moe:
-        elem += cfg.topk * tok * (4 * H * plan.etp + 3 * cfg.moe_ffn_hidden_size) * BF16
-    out["memory_bound"] = (2 + fwd_passes) * elem / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+        elem_mlp += cfg.topk * tok * (4 * H * plan.etp + 3 * cfg.moe_ffn_hidden_size) * BF16
+    out["memory_bound"] = (((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp)
+                           / (gpu.hbm_bandwidth * gpu.hbm_efficiency))
 
     # TP: AG + RS per block (attention; shared expert / dense MLP), forward and backward, overlapped with
     # the block's own GEMMs by chunking (the first of TP chunks is always exposed).
     tp_t = 0.0
     if plan.tp > 1:
         full = S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp
-        calls = 2 * fwd_passes + 2
-        for block_t in (lin_t, tp_block_t):
+        for block_t, fwd in ((lin_t, attn_fwd), (tp_block_t, mlp_fwd)):
             if block_t == 0.0:
                 continue
-            comm = calls * _ring_time(full, plan.tp, cluster)
+            comm = (2 * fwd + 2) * _ring_time(full, plan.tp, cluster)
             if cluster.tp_comm_overlap:
-                hidden = min(comm * (1 - 1 / plan.tp), passes * block_t)
+                hidden = min(comm * (1 - 1 / plan.tp), (2 + fwd) * block_t)
                 tp_t += comm - hidden + gpu.overlap_contention * hidden
             else:
                 tp_t += comm
@@ -235,12 +200,12 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
     if plan.cp > 1:
         kv = S * b / plan.cp * 2 * cfg.num_kv_heads * cfg.kv_channels / min(plan.tp, cfg.num_kv_heads) * BF16
         per_step = _ring_time(kv, plan.tp * plan.cp, cluster)
-        cp_t = (plan.cp - 1) * per_step * (fwd_passes + 2)
+        cp_t = (plan.cp - 1) * per_step * (attn_fwd + 2)
         cp_t = max(0.0, cp_t - out["core_attention"])
         # Each ring step rescales and accumulates the partial output (forward) and dQ/dK/dV (backward) in
         # fp32: about three fp32 passes over the rank's [S/CP, heads/TP, d] tensor per step.
         acc = 3 * S * b / plan.cp * cfg.num_attention_heads / plan.tp * cfg.kv_channels * FP32
-        cp_t += (plan.cp - 1) * (fwd_passes + 2) * acc / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+        cp_t += (plan.cp - 1) * (attn_fwd + 2) * acc / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     out["cp"] = cp_t
 
     # EP / ETP: all-to-all dispatch + combine, and the ETP all-gather / reduce-scatter.
@@ -250,7 +215,7 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         stride = plan.etp if plan.folded else plan.tp * plan.cp
         a2a = _a2a_time(copies * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
         etp = _ring_time(copies * (plan.etp - 1), plan.etp, cluster) if plan.etp > 1 else 0.0
-        ep_t = 2 * (fwd_passes + 1) * (a2a + etp)
+        ep_t = 2 * (mlp_fwd + 1) * (a2a + etp)
     out["ep"] = ep_t
     return out
 
@@ -260,7 +225,8 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
 
     Returns ``{"dense": ..., "expert": ...}``: dense = attention, norms, router, shared expert and the
     embedding (first stage) or output layer (last stage; untied) sharded over TP; expert = routed experts
-    sharded over EP·ETP. A one-stage pipeline holds both ends.
+    sharded over EP·ETP. A one-stage pipeline holds both ends. Counted by the one memory model
+    (:func:`folding.planning.memory.param_counts`).
     """
     return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, last)
 
@@ -269,21 +235,8 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
 def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool) -> Dict[str, float]:
     plan = Plan(tp=tp, cp=1, pp=pp, vpp=1, ep=ep, etp=etp, dp=1, edp=1, distributed_optimizer=False,
                 recompute="none")
-    H, L = cfg.hidden_size, cfg.num_layers
-    n_moe = num_moe_layers(cfg)
-    per_layer_tp = cfg.attention_params() - H  # q, k, v, o (and biases); the input norm is replicated
-    dense = L / plan.pp * (per_layer_tp / plan.tp + 2 * H)
-    dense += n_moe / plan.pp * (cfg.num_experts * H + cfg.shared_expert_params() / plan.tp)
-    dense += (L - n_moe) / plan.pp * 3 * H * cfg.ffn_hidden_size / plan.tp
-    vocab = cfg.vocab_size * H / plan.tp
-    if plan.pp == 1:
-        dense += vocab * (1 if cfg.tie_embeddings else 2) + H
-    elif last:
-        dense += vocab + H
-    else:
-        dense += vocab
-    expert = n_moe / plan.pp * cfg.num_experts * cfg.expert_params() / (plan.ep * plan.etp)
-    return {"dense": dense, "expert": expert}
+    c = param_counts(model_sizes(cfg), plan, stage=pp - 1 if last else 0)
+    return {"dense": c.dense, "expert": c.expert}
 
 
 def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster,
@@ -322,10 +275,12 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     t_mean = sum(per_mb.values()) + (out_compute + out_mem + out_tp) / plan.pp + pp_t
     bubble = (plan.pp - 1) / plan.vpp * t_mean
 
-    # Data parallel gradient reduction / parameter gather, overlapped with one micro-batch.
+    # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
+    # the backward, parameter all-gather with the next step's forward (Megatron-Core's overlap_grad_reduce /
+    # overlap_param_gather), per model chunk; dense and expert traffic share the GPU's links.
     params = stage_parameters(cfg, plan, last=True)
     fwd_share = per_mb_last["compute"] / 3
-    exposed_dp = 0.0
+    grad_s = param_s = 0.0
     shard = 0.0
     for kind, n, span in (("dense", plan.dp * plan.cp, plan.tp * plan.cp * plan.dp),
                           ("expert", plan.edp, plan.etp * plan.ep * plan.edp)):
@@ -334,12 +289,14 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
         if n == 1:
             continue
         if plan.distributed_optimizer:
-            rs = _ring_time((n - 1) / n * p * FP32, span, cluster)
-            ag = _ring_time((n - 1) / n * p * BF16, span, cluster)
-            exposed_dp += max(0.0, rs - 2 * fwd_share) + max(0.0, ag - fwd_share)
+            grad_s += _ring_time((n - 1) / n * p * FP32, span, cluster)
+            param_s += _ring_time((n - 1) / n * p * BF16, span, cluster)
         else:
-            ar = _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
-            exposed_dp += max(0.0, ar - 2 * fwd_share)
+            grad_s += _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
+    exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
+    exposed_param = _exposed_behind_chunks(param_s, pp=plan.pp, vpp=plan.vpp, slot_s=fwd_share / plan.vpp)
+    hidden = grad_s + param_s - exposed_grad - exposed_param
+    exposed_dp = exposed_grad + exposed_param + gpu.overlap_contention * hidden
     optimizer = 30 * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
 
     breakdown = {c: m * v for c, v in per_mb_last.items()}

@@ -3,7 +3,8 @@ import pytest
 
 from folding.parallel import ParallelLayout
 from folding.model.presets import get_preset
-from folding.planning.memory import ModelSizes, activation_bytes_per_layer, memory_per_rank, param_counts
+from folding.planning.memory import (ModelSizes, activation_bytes_per_layer, in_flight_chunks, logits_bytes,
+                                     memory_per_rank, param_counts, transient_bytes)
 
 KNOWN_SIZES = {k: ModelSizes.from_model_config(get_preset(k)) for k in ("mixtral_8x7b", "mixtral_8x22b",
                                                                         "qwen2_57b_a14b")}
@@ -46,9 +47,9 @@ def test_activations_by_recompute_mode():
     s = KNOWN_SIZES["mixtral_8x7b"]
     lay = ParallelLayout(world_size=8, tp=2, ep=4, etp=1)
     acts = {m: activation_bytes_per_layer(s, lay, seq_length=4096, micro_batch_size=1, recompute=m)
-            for m in ("none", "selective", "full")}
+            for m in ("none", "selective", "moe", "full")}
     assert acts["full"] == 2 * 2048 * 4096                                  # the layer input only
-    assert acts["full"] < acts["selective"] < acts["none"]
+    assert acts["full"] < acts["moe"] < acts["selective"] < acts["none"]
     with pytest.raises(ValueError, match="recompute"):
         activation_bytes_per_layer(s, lay, seq_length=8, micro_batch_size=1, recompute="some")
     e = memory_per_rank(s, ParallelLayout(world_size=8, pp=2, ep=4, etp=1), seq_length=4096)
@@ -78,3 +79,82 @@ def test_pipeline_stages_follow_the_partition():
     # every layer's experts live on exactly one stage (EP=2 halves them); the embedding is on stage 0
     assert sum(c.expert for c in per_stage) * 2 == whole.expert
     assert per_stage[0].dense != per_stage[1].dense
+
+
+def test_activations_by_hand_small_model():
+    # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2; TP2 CP1 ETP1; s=8, mbs=1 -> T=4 tokens,
+    # R = T*k = 8 expert rows; bf16.
+    s = ModelSizes(vocab_size=8, hidden_size=4, num_layers=2, num_experts=4, moe_ffn_hidden_size=2,
+                   num_attention_heads=2, num_query_groups=1)
+    lay = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
+    norms = 2 * 2 * 4 * 4                          # inputs of both norms: 2 * a*T*H
+    attn = 2 * 4 * (4 + (2 + 2) * 2 + 2 * 2)       # a*T*(H + (nq+2nkv)d + nq*d)
+    router = 2 * 4 * 4 + 8 * 4 * 4                 # a*T*H + fp32 logits and probs 8*T*E
+    experts = 2 * 8 * 4 + 5 * 2 * 8 * 2            # a*R*H + 5*a*R*F (unfused weighted SwiGLU)
+    kw = dict(seq_length=8, micro_batch_size=1)
+    assert activation_bytes_per_layer(s, lay, **kw) == norms + attn + router + experts == 576
+    assert activation_bytes_per_layer(s, lay, recompute="selective", **kw) == norms + router + experts
+    assert activation_bytes_per_layer(s, lay, recompute="moe", **kw) == norms + attn
+    assert activation_bytes_per_layer(s, lay, recompute="full", **kw) == 2 * 4 * 4
+    assert activation_bytes_per_layer(s, lay, fused_swiglu=True, **kw) == 576 - 2 * 2 * 8 * 2
+    # dispatch buffers: permuted copies a*T*k*H, receive + sorted copies 2*a*R*H; plus the recomputed region
+    assert transient_bytes(s, lay, **kw) == 2 * 4 * 2 * 4 * 3
+    assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + router + experts
+    assert logits_bytes(s, lay, **kw) == 2 * 4 * 8 * (8 // 2)      # fp32 logits + grad, [s/CP, V/TP]
+    # a dense layer: a SwiGLU MLP of ffn_hidden_size keeps its input and 4F per token instead of the MoE terms
+    d = ModelSizes(vocab_size=8, hidden_size=4, num_layers=1, num_experts=4, moe_ffn_hidden_size=2,
+                   dense_layers=(0,), ffn_hidden_size=6)
+    assert activation_bytes_per_layer(d, lay, moe_layer=False, **kw) == 2 * 2 * 4 * 4 + 2 * 4 * 4 + 2 * 4 * 4 * 6
+
+
+def test_in_flight_chunks_follow_the_schedule():
+    assert [in_flight_chunks(pp=4, vpp=1, stage=k) for k in range(4)] == [4, 3, 2, 1]      # 1F1B
+    # interleaved: 2*(pp-stage-1) + (vpp-1)*pp + 1 chunk forwards (Megatron-Core's warm-up + 1)
+    assert [in_flight_chunks(pp=4, vpp=2, stage=k) for k in range(4)] == [11, 9, 7, 5]
+    assert in_flight_chunks(pp=4, vpp=2, stage=0, num_microbatches=2) == 4              # only 2*vpp forwards
+    assert in_flight_chunks(pp=8, vpp=1, stage=0, num_microbatches=3) == 3
+    with pytest.raises(ValueError, match="stage"):
+        in_flight_chunks(pp=2, vpp=1, stage=2)
+
+
+def test_memory_per_rank_pipeline_peak():
+    s = KNOWN_SIZES["mixtral_8x7b"]
+    lay = ParallelLayout(world_size=64, pp=4, vpp=2, ep=8, etp=1)
+    kw = dict(param_bytes=2, distributed=True, seq_length=4096, micro_batch_size=1)
+    per = activation_bytes_per_layer(s, lay, seq_length=4096, micro_batch_size=1)
+    e0 = memory_per_rank(s, lay, stage=0, **kw)
+    assert e0.activations == per * 8 * 11 // 2        # 8 layers on the rank, 11 chunk forwards of 4 layers
+    e3 = memory_per_rank(s, lay, stage=3, **kw)
+    assert e3.activations == per * 8 * 5 // 2 + logits_bytes(s, lay, seq_length=4096, micro_batch_size=1)
+    assert memory_per_rank(s, lay, stage=0, num_microbatches=1, **kw).activations == per * 8 * 2 // 2
+    assert e0.total == sum(e0.by_part().values())
+    with pytest.raises(ValueError, match="train.recompute"):
+        memory_per_rank(s, lay, recompute="attention", **kw)
+
+
+def test_dry_run_uses_the_same_model():
+    import os
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from folding.training.config import job_config_from_dict, register_schema, validate_job
+    from folding.training.dry_run import dry_run_report, memory_estimate
+    register_schema()
+    configs = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
+
+    def job(*overrides):
+        with initialize_config_dir(config_dir=configs, version_base="1.3"):
+            return job_config_from_dict(OmegaConf.to_container(compose("config", overrides=list(overrides)),
+                                                               resolve=True))
+
+    j = job("recipes=mixtral_8x22b")
+    layout = validate_job(j, world_size=128)
+    want = memory_per_rank(ModelSizes.from_model_config(j.model), layout, param_bytes=2, distributed=True,
+                           recompute="none", seq_length=4096, micro_batch_size=1, act_bytes=2,
+                           num_microbatches=256 // layout.dp)
+    assert memory_estimate(j, layout) == want
+    assert f"{want.total / 2**30:.1f} GiB per rank on stage {want.stage}" in dry_run_report(j, world_size=128)
+    # train.recompute=moe is estimated as itself (not as selective): only attention activations stay.
+    jm = job("recipes=mixtral_8x22b", "train.recompute=moe")
+    moe, sel = memory_estimate(jm, layout), memory_estimate(job("recipes=mixtral_8x22b", "train.recompute=selective"),
+                                                            layout)
+    assert moe.activations < sel.activations < want.activations

@@ -9,10 +9,9 @@ import pytest
 from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.hardware import GIB, get_gpu
-from folding.planning.planner import (COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts,
-                                      planner_memory_bytes)
-from folding.planning.step_time import (Cluster, Plan, TrainingShape, _a2a_time, estimate_step_time,
-                                        stage_parameters, wave_utilization)
+from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
+from folding.planning.costs import _a2a_time, _exposed_behind_chunks, wave_utilization
+from folding.planning.step_time import Cluster, Plan, TrainingShape, estimate_step_time, stage_parameters
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -25,7 +24,8 @@ def _plan(**kw):
 
 
 def test_memory_by_hand_mixtral_tiny():
-    # 8 GPUs: attention TP2 DP2 PP2, MoE ETP1 EP4 EDP1, distributed optimizer, no recompute, s=16, GBS 8.
+    # 8 GPUs: attention TP2 DP2 PP2, MoE ETP1 EP4 EDP1, distributed optimizer, no recompute, s=16, GBS 8
+    # (4 micro-batches per replica).
     plan = _plan(tp=2, pp=2, ep=4, dp=2, edp=1)
     # Stage 0 parameters: per layer q,k,v,o = 64*64 + 2*64*32 + 64*64 = 12288 (TP-sharded), 2 norms of 64,
     # router 8*64; 2 layers per stage; embedding 512*64/2.  Experts: 2 layers * 8 * 3*64*96 / EP4.
@@ -33,32 +33,42 @@ def test_memory_by_hand_mixtral_tiny():
     expert = 2 * 8 * 3 * 64 * 96 / 4
     assert stage_parameters(TINY, plan, last=False) == {"dense": dense, "expert": expert}
     assert (dense, expert) == (29952, 73728)
-    # Activations: 8 rank tokens (16 / TP2); per token and layer, attention keeps 3H + (h+2g)d + hd = 384
-    # elements, MoE keeps 2H + ETP*k*H + 3*k*F = 832; bf16; 1F1B keeps PP2 micro-batches of 2 layers.
-    per_layer_mb = (384 + 832) * 2 * 8
-    mem = planner_memory_bytes(TINY, plan, shape=SHAPE)
-    assert mem == {
+    # Activations per layer and micro-batch, bf16, T = 16/TP2 = 8 tokens, R = 8*k2 = 16 expert rows:
+    # norms 2*T*H = 1024 el; attention T*(H + (h+2g)d + hd) = 8*(64+128+64) = 2048 el; router T*H el +
+    # fp32 logits/probs 8*T*E bytes; experts R*H + 5*R*F (unfused weighted SwiGLU) = 1024 + 7680 el.
+    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 7680) + 8 * 8 * 8
+    assert per_layer == 25088
+    mem = plan_memory(TINY, plan, shape=SHAPE)
+    # Stage 0 is the worse one: 1F1B keeps PP2 micro-batches of its 2 layers.
+    assert mem.stage == 0
+    assert mem.by_part() == {
         "params": (dense + expert) * 2,
         "grads": (dense + expert) * 4,
         "optimizer": 12 * (dense / 2 + expert / 1),        # dense sharded over DP*CP=2, experts over EDP=1
-        "activations": 2 * 2 * per_layer_mb,
-        "other": 3 * 1 * 2 * 8 * 64 * 2 + 2 * GIB,         # dispatch buffers + workspaces
+        "activations": 2 * 2 * per_layer,
+        "transient": 2 * 8 * 2 * 64 * 3,                    # permuted send buffer + receive + sorted copy
     }
-    # Without the distributed optimizer the dense optimizer state is whole; full recompute keeps only inputs.
-    mem2 = planner_memory_bytes(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
-                                            recompute="full"), shape=SHAPE)
-    # That makes the last stage the larger one: it adds the output layer (512*64/2) and final norm (64) to
-    # the parameters, and keeps fp32 logits and their gradient (2 * 8 tokens * 512 * 4 bytes).
+    # Without the distributed optimizer, with full recompute: the last stage is the larger one. It adds the
+    # output layer (512*64/2) and final norm (64) to the parameters, keeps one micro-batch of layer inputs
+    # (2 layers * T*H) plus fp32 logits and their gradient (2 * 16 tokens * 512/2 * 4 bytes), and
+    # re-materializes one whole layer in backward.
+    mem2 = plan_memory(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
+                                   recompute="full"), shape=SHAPE)
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
-    assert mem2["optimizer"] == 12 * (dense_last + expert)
-    assert mem2["activations"] == 2 * 64 * 2 * 8 + (384 + 832) * 2 * 8 + 2 * 8 * 512 * 4
+    assert mem2.stage == 1
+    assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert)
+    assert mem2.activations == 2 * 2 * 8 * 64 + 2 * 16 * 256 * 4
+    assert mem2.transient == 2 * 8 * 2 * 64 * 3 + per_layer
+    # A fused weighted SwiGLU keeps 2 fewer F-wide tensors per expert row.
+    fused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=True))
+    assert mem.activations - fused.activations == 2 * 2 * (2 * 2 * 16 * 96)
 
 
 def test_expert_memory_falls_with_ep():
     shape = TrainingShape(seq_length=4096, global_batch_size=256)
     cfg = get_preset("mixtral_8x22b")
-    a = planner_memory_bytes(cfg, _plan(tp=2, pp=8, ep=4, dp=8, edp=4), shape=shape)
-    b = planner_memory_bytes(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape=shape)
+    a = plan_memory(cfg, _plan(tp=2, pp=8, ep=4, dp=8, edp=4), shape=shape).by_part()
+    b = plan_memory(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape=shape).by_part()
     assert b["params"] < a["params"] and b["grads"] < a["grads"]
     # With the distributed optimizer, expert optimizer state per GPU is total/world whatever EP (REFERENCE §4b).
     ea = stage_parameters(cfg, _plan(tp=2, pp=8, ep=4), last=False)["expert"] / 4
@@ -66,10 +76,38 @@ def test_expert_memory_falls_with_ep():
     assert ea == pytest.approx(eb)
 
 
+def test_activation_memory_shows_tp_and_recompute():
+    # TP2 keeps twice the activations of TP4; the recompute modes drop what they checkpoint.
+    shape = TrainingShape(seq_length=4096, global_batch_size=256)
+    cfg = get_preset("mixtral_8x22b_g8t8")
+    acts = {(tp, rc): plan_memory(cfg, _plan(tp=tp, pp=8, ep=8, dp=16 // tp, edp=2, recompute=rc),
+                                  shape=shape).activations
+            for tp in (2, 4) for rc in ("none", "selective", "moe", "full")}
+    assert acts[(2, "none")] > 1.9 * acts[(4, "none")]
+    for tp in (2, 4):
+        assert acts[(tp, "full")] < acts[(tp, "moe")] < acts[(tp, "selective")] < acts[(tp, "none")]
+
+
 def test_wave_utilization_by_hand():
     assert wave_utilization(128 * 132, 256, 132) == pytest.approx(1.0)    # exactly one wave of 128x256 tiles
     # 129 x 128: two 128x128 tiles, one wave; useful work = 129*128 / (128*128) tiles of 132 SM slots.
     assert wave_utilization(129, 128, 132) == pytest.approx(129 * 128 / 128 / 128 / 132)
+    # A grouped GEMM of 133 experts of 128x256 each: 133 tiles of 128x256 need 2 waves of 132 SMs (50.4%),
+    # 266 tiles of 128x128 need 3 (67.2%): the better one counts. Per expert, 133 GEMMs would pay 133 waves.
+    assert wave_utilization(128, 256, 132, groups=133) == pytest.approx(266 / (3 * 132))
+    assert wave_utilization(128, 256, 132, groups=132) == pytest.approx(1.0)
+
+
+def test_dp_overlap_per_model_chunk_by_hand():
+    # 1F1B: 3 s of reduce-scatter overlap the last micro-batch's 1 s backward: 2 s exposed.
+    assert _exposed_behind_chunks(3.0, pp=4, vpp=1, slot_s=1.0) == pytest.approx(2.0)
+    # Interleaved, pp4 vpp2, 1 s chunk-backward slots, 2 s per chunk: chunk 1 may start 4*1+1 = 5 slots before
+    # the end and ends at -3; chunk 0 starts with its last backward (-1) and ends at +1: 1 s exposed.
+    assert _exposed_behind_chunks(4.0, pp=4, vpp=2, slot_s=1.0) == pytest.approx(1.0)
+    # 10 s per chunk: chunk 1 runs -5..5, chunk 0 queues behind it until 15.
+    assert _exposed_behind_chunks(20.0, pp=4, vpp=2, slot_s=1.0) == pytest.approx(15.0)
+    assert _exposed_behind_chunks(0.5, pp=4, vpp=2, slot_s=1.0) == 0.0
+    assert _exposed_behind_chunks(0.0, pp=4, vpp=1, slot_s=1.0) == 0.0
 
 
 def test_a2a_splits_across_nodes():
@@ -132,7 +170,7 @@ def test_enumeration_matches_oracle():
         want.add((tp, cp, pp, vpp, ep, etp))
     assert got == want and len(got) > 50
     plans = list(enumerate_plans(TINY, cluster=cl, shape=shape))
-    assert len(plans) == 6 * len(got)       # x distributed optimizer on/off x 3 recompute modes
+    assert len(plans) == 8 * len(got)       # x distributed optimizer on/off x 4 recompute modes
 
 
 def test_plan_layouts_sorted_distinct_and_fitting():
@@ -146,8 +184,12 @@ def test_plan_layouts_sorted_distinct_and_fitting():
     assert len(every) > len(res)
     assert every[0].time.step_s == res[0].time.step_s
     # A GPU too small for anything: nothing fits.
-    tiny_gpu = get_gpu("h100").__class__(**{**get_gpu("h100").__dict__, "usable_memory_gib": 1.0})
+    tiny_gpu = get_gpu("h100").__class__(**{**get_gpu("h100").__dict__, "usable_memory_gib": 1e-4})
     assert plan_layouts(TINY, cluster=Cluster(gpu=tiny_gpu, num_gpus=8), shape=SHAPE) == []
+    # The allocator overhead (5%) counts: a GPU 2% larger than the smallest estimate fits nothing.
+    smallest = min(r.memory.total for r in every)
+    snug = get_gpu("h100").__class__(**{**get_gpu("h100").__dict__, "usable_memory_gib": 1.02 * smallest / GIB})
+    assert plan_layouts(TINY, cluster=Cluster(gpu=snug, num_gpus=8), shape=SHAPE) == []
     r = evaluate(TINY, res[0].plan, cluster=cl, shape=SHAPE)
     d = r.to_dict()
     assert {"tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "mfu", "memory_gib"} <= set(d)
@@ -165,11 +207,18 @@ def test_bad_input_names_the_setting():
 
 
 def test_tool_json_only_on_stdout():
-    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8", "--gpu", "h200",
-                          "--seq-length", "16", "--global-batch-size", "8", "--json"],
+    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--gpus", "8", "--gpu", "b200",
+                          "--seq-length", "4096", "--global-batch-size", "8", "--json", "--fused-swiglu"],
                          capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     assert rows and rows[0]["mfu"] >= rows[-1]["mfu"]
+    assert set(rows[0]["memory_breakdown_gib"]) == {"params", "grads", "optimizer", "activations", "transient"}
+    # --fused-swiglu reaches the memory model: the best layout keeps fewer expert activations than unfused.
+    best = rows[0]
+    plan = Plan(**{k: best[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer",
+                                        "recompute", "folded")})
+    unfused = plan_memory(get_preset("mixtral_8x7b"), plan, shape=TrainingShape(seq_length=4096, global_batch_size=8))
+    assert best["memory_breakdown_gib"]["activations"] < unfused.activations / GIB - 1
     bad = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8",
                           "--gpu", "v100", "--seq-length", "16", "--global-batch-size", "8"],
                          capture_output=True, text=True)

@@ -1,0 +1,156 @@
+"""Activation memory of one rank: what each layer keeps for backward, what the pipeline keeps in flight.
+
+Part of the one memory model (:mod:`folding.planning.memory` re-exports these functions). Estimates
+for bf16 activations, flash attention (no ``s^2`` term) and sequence parallelism (every saved tensor
+is the rank's ``T = seq*mbs/(TP*CP)`` tokens; what TP all-gathers is re-gathered in backward, not
+kept). ``R = T*top_k*ETP`` expert rows per rank (balanced routing), ``a`` bytes per element,
+``F_e = moe_ffn_hidden_size/ETP``.
+
+Kept per layer and micro-batch (``recompute="none"``):
+
+- norms: the inputs of both RMSNorms, ``2aTh``;
+- attention sublayer: QKV input, Q/K/V after RoPE, the attention output, ``aT(h + (nq+2nkv)d + nq d)``;
+- MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
+  ``aRh`` (kept by fc1); the unfused weighted SwiGLU of :mod:`folding.moe.experts` keeps fc1's output
+  (2F), ``silu(gate)``, ``silu(gate)*up`` and the probability-weighted product (fc2's input):
+  ``5aRF_e`` (``fused_swiglu=True`` models a fused weighted SwiGLU such as Megatron-Core's, which keeps
+  only fc1's output and fc2's input: ``3aRF_e``). Permute, all-to-all and unpermute keep only indices
+  (``index_select`` / ``index_add``),
+  so the permuted copies are transient. A shared expert or dense MLP adds its input and
+  ``width + 2F`` per token.
+
+Recompute modes follow :class:`folding.model.block.TransformerLayer` exactly:
+
+- ``selective``: the attention sublayer (input norm + attention) is checkpointed: its tensors are
+  dropped (its input is the layer input, kept by the norms term);
+- ``moe``: the MoE sublayer (post-attention norm + router + dispatch + experts) of MoE layers is
+  checkpointed: router and expert tensors are dropped; dense layers keep everything;
+- ``full``: each layer keeps only its input ``aTh``.
+
+Backward re-materializes one checkpointed region at a time; that working set is part of
+:func:`transient_bytes`, with the dispatcher's buffers of the layer being run.
+
+Usage::
+
+    per = activation_bytes_per_layer(sizes, layout, seq_length=4096, micro_batch_size=1, recompute="moe")
+    n = in_flight_chunks(pp=8, vpp=2, stage=0, num_microbatches=32)   # chunk forwards alive at the peak
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+RECOMPUTE_MODES = ("none", "selective", "moe", "full")
+
+
+def _check_mode(recompute: str) -> None:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} "
+                         f"(train.recompute)")
+
+
+def _parts(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool,
+           fused_swiglu: bool = False) -> dict:
+    """Bytes of every kept tensor group of one layer (no recompute)."""
+    return _parts_cached(sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes,
+                         moe_layer, fused_swiglu)
+
+
+@functools.lru_cache(maxsize=65536)
+def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batch_size: int, act_bytes: int,
+                  moe_layer: bool, fused_swiglu: bool) -> dict:
+    s, a = sizes, act_bytes
+    h = s.hidden_size
+    t = seq_length * micro_batch_size // (tp * cp)
+    attn = 0
+    if s.num_attention_heads:
+        nq = s.num_attention_heads
+        nkv = s.num_query_groups or nq
+        d = s.head_dim or h // nq
+        attn = a * t * (h + (nq + 2 * nkv) * d + nq * d)
+    mlp = 0
+    mlps = [(s.dense_ffn_hidden_size, s.dense_gated), (s.shared_expert_ffn_hidden_size, True)]
+    if not moe_layer:
+        mlps = [(s.ffn_hidden_size, True)]
+    for f, gated in mlps:
+        if f:
+            mlp += a * t * h + a * t * ((2 if gated else 1) * f + 2 * f)     # [S, F/TP] = T*F elements
+    router = experts = 0
+    if moe_layer:
+        r = t * s.top_k * etp
+        fe = s.moe_ffn_hidden_size // etp
+        router = a * t * h + 8 * t * s.num_experts
+        experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe
+    return {"input": a * t * h, "norms": 2 * a * t * h, "attention": attn, "router": router,
+            "experts": experts, "mlp": mlp}
+
+
+def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_size: int,
+                               recompute: str = "none", act_bytes: int = 2, moe_layer: bool = True,
+                               fused_swiglu: bool = False) -> int:
+    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
+
+    ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp``
+    sizes). ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``);
+    ``fused_swiglu``: the experts' weighted SwiGLU is fused (3F kept per row instead of folding's 5F). See
+    the module docstring for the terms and the recompute modes.
+    """
+    _check_mode(recompute)
+    p = _parts(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes,
+               moe_layer=moe_layer, fused_swiglu=fused_swiglu)
+    if recompute == "full":
+        return p["input"]
+    total = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
+    if recompute == "selective":
+        total -= p["attention"]
+    elif recompute == "moe" and moe_layer:
+        total -= p["router"] + p["experts"] + p["mlp"]
+    return total
+
+
+def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, recompute: str = "none",
+                    act_bytes: int = 2, fused_swiglu: bool = False) -> int:
+    """Peak bytes of short-lived buffers while one layer runs: the dispatcher's buffers (the permuted
+    send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its expert-sorted copy,
+    ``2aRh``) plus, under recompute, the largest region re-materialized in backward."""
+    _check_mode(recompute)
+    p = _parts(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes,
+               moe_layer=True, fused_swiglu=fused_swiglu)
+    a, h = act_bytes, sizes.hidden_size
+    t = seq_length * micro_batch_size // (layout.tp * layout.cp)
+    dispatch = a * t * sizes.top_k * h * (1 + 2 * layout.etp)
+    if recompute == "full":
+        working = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
+    elif recompute == "selective":
+        working = p["attention"]
+    elif recompute == "moe":
+        working = p["router"] + p["experts"] + p["mlp"]
+    else:
+        working = 0
+    return dispatch + working
+
+
+def logits_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int) -> int:
+    """fp32 logits and their gradient on the last pipeline stage (vocab-parallel: ``seq*mbs/CP`` tokens
+    times ``vocab/TP`` columns each), alive at once during the loss backward of one micro-batch."""
+    tokens = seq_length * micro_batch_size // layout.cp
+    return 2 * 4 * tokens * (sizes.vocab_size // layout.tp)
+
+
+def in_flight_chunks(*, pp: int, vpp: int, stage: int, num_microbatches: Optional[int] = None) -> int:
+    """Model-chunk forwards whose activations pipeline rank ``stage`` holds at its peak.
+
+    1F1B (``vpp == 1``): ``pp - stage`` micro-batches (warm-up forwards plus the one of the steady
+    state). Interleaved 1F1B: ``2(pp - stage - 1) + (vpp - 1)pp + 1`` chunk forwards, each of
+    ``1/vpp`` of the rank's layers (Megatron-Core's warm-up count). Both are capped by the
+    ``num_microbatches * vpp`` forwards a step has (``None``: no cap).
+    """
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} is not a pipeline stage of pp={pp}")
+    if vpp <= 1:
+        n = pp - stage
+    else:
+        n = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1
+    if num_microbatches is not None:
+        n = min(n, num_microbatches * max(vpp, 1))
+    return n

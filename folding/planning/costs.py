@@ -1,0 +1,86 @@
+"""Time of the cost model's primitives: GEMMs in waves of output tiles, ring collectives, all-to-all across
+the NVLink domain and the network, and collectives overlapped per model chunk.
+
+Pure functions of sizes, a :class:`~folding.planning.hardware.GPUSpec` and a cluster (anything with ``gpu``
+and ``nvlink_domain``, such as :class:`folding.planning.step_time.Cluster`); :mod:`folding.planning.step_time`
+composes them into a step.
+
+Usage::
+
+    gemm_time(4096, 2 * 14336, 4096, get_gpu("h100"), eff=0.68)            # one forward GEMM, seconds
+    wave_utilization(1024, 5120, 132, groups=16)                           # a grouped GEMM of 16 experts
+"""
+from __future__ import annotations
+
+import math
+
+from .hardware import GPUSpec
+
+
+def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float:
+    """Fraction of SM time a GEMM with output ``[m, n]`` keeps busy, given whole waves of output tiles.
+
+    The kernel takes the best of 128x128, 128x256 and 256x128 output tiles (what cuBLAS / CUTLASS pick
+    among on Hopper): ``tiles / (ceil(tiles / SMs) * SMs)``. ``groups`` equal GEMMs run as one grouped
+    GEMM (the experts' grouped GEMM): their tiles share the waves.
+    """
+    best = 0.0
+    for tm, tn in ((128, 128), (128, 256), (256, 128)):
+        tiles = groups * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / num_sms)
+        # A tile that is only partly inside the matrix still costs a whole tile.
+        useful = groups * (m * n) / (tm * tn)
+        best = max(best, useful / (waves * num_sms))
+    return best
+
+
+def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1) -> float:
+    """Seconds of one forward GEMM ``[m, k] x [k, n]`` (or a grouped GEMM of ``groups`` of them) at ``eff``
+    of peak, scaled by wave utilization."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return 2.0 * groups * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms, groups))
+
+
+def _crosses(span: int, cluster) -> bool:
+    return span > cluster.nvlink_domain
+
+
+def _ring_time(bytes_per_rank: float, span: int, cluster) -> float:
+    """Time of one ring collective moving ``bytes_per_rank`` per GPU over a group spanning ``span`` ranks."""
+    if bytes_per_rank <= 0:
+        return 0.0
+    x = _crosses(span, cluster)
+    return bytes_per_rank / cluster.gpu.link_bandwidth(crosses_node=x, kind="ring") + cluster.gpu.latency(crosses_node=x)
+
+
+def _a2a_time(bytes_per_rank: float, size: int, stride: int, cluster) -> float:
+    """All-to-all over ``size`` ranks at ``stride``: off-node peers over the NIC, on-node peers over NVLink."""
+    if bytes_per_rank <= 0 or size == 1:
+        return 0.0
+    gpu = cluster.gpu
+    per_node = max(1, min(size, cluster.nvlink_domain // stride)) if stride <= cluster.nvlink_domain else 1
+    off_node = (size - per_node) / (size - 1)
+    t_nv = bytes_per_rank * (1 - off_node) / gpu.link_bandwidth(crosses_node=False, kind="a2a")
+    t_ib = bytes_per_rank * off_node / gpu.link_bandwidth(crosses_node=True, kind="a2a")
+    return max(t_nv, t_ib) + gpu.latency(crosses_node=off_node > 0)
+
+
+def _exposed_behind_chunks(comm_s: float, *, pp: int, vpp: int, slot_s: float) -> float:
+    """Exposed part of a per-chunk collective of ``comm_s`` in total (``comm_s / vpp`` per model chunk),
+    each chunk's share overlapping the compute that follows it on the stage.
+
+    For the gradient reduce-scatter, counted back from the stage's last backward: chunk ``j``'s gradients
+    are ready once its last micro-batch's backward starts (bucket by bucket), ``j·pp + 1`` chunk-backward
+    slots of ``slot_s`` before the end under interleaved 1F1B (the last chunk first); the chunks' transfers
+    queue on the links. The parameter all-gather of the next step is the mirror image (chunk ``j`` is needed
+    ``j·pp`` chunk-forward slots after the step starts, its buckets layer by layer during its first forward).
+    With ``vpp = 1`` this is ``max(0, comm_s - slot_s)``.
+    """
+    if comm_s <= 0:
+        return 0.0
+    end = -math.inf
+    for j in range(vpp - 1, -1, -1):
+        start = max(-(j * pp + 1) * slot_s, end)
+        end = start + comm_s / vpp
+    return max(0.0, end)
