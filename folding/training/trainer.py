@@ -181,7 +181,8 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
         exits.enter_context(stop.installed())
         if sink:
             sink.log({"kind": "run", "layout": layout.describe(), "world_size": world,
-                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M})
+                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M,
+                      "resumed_from": resumed_from, "start_step": optimizer.step_count + 1})
         for step in range(optimizer.step_count + 1, t.steps + 1):
             timer.restart()
             mbs = [next(data.train) for _ in range(M)]
