@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -319,7 +320,9 @@ def load_full_model(path: str, model: torch.nn.Module) -> Dict[str, Any]:
     sd = _model_blocks([model])
     sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     _check_saved_shapes(path, sd)
-    dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():          # DCP warns that it runs without a process group: intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner(), no_dist=True)
     for b in sd.values():
         b.sync_mirrors()
     return meta

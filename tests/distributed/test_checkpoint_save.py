@@ -7,6 +7,7 @@
   loads, with the weights the ranks trained and the logits of the engine.
 """
 import os
+import signal
 
 import pytest
 import torch
@@ -60,6 +61,37 @@ def test_crash_during_save_leaves_previous_checkpoint(ranks, tmp_path):
     assert abs(loss - out["ref"][2][1]) <= 1e-5 * abs(out["ref"][2][1]), (loss, out["ref"][2])
     assert abs(norm - out["ref"][2][2]) <= 1e-4 * abs(out["ref"][2][2])
     assert out["after"] == ["step_00000002", "step_00000003"], out["after"]  # partial removed by the next save
+
+
+def _sigterm_then_resume(root):
+    from folding.training import trainer
+    d = os.path.join(root, "ck")
+    ref = _run(_job(dict(tp=2, ep=2, etp=1), False, steps=4), root)[0]
+    real_count, calls = trainer.global_token_count, []
+
+    def count_and_signal(*args, **kwargs):          # rank 1 receives SIGTERM during step 2
+        calls.append(1)
+        if len(calls) == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_count(*args, **kwargs)
+    trainer.global_token_count = count_and_signal
+    try:
+        stopped = _run(_job(dict(pp=2, ep=2, etp=1), False, steps=4, ckpt_dir=d), root)[0]
+    finally:
+        trainer.global_token_count = real_count
+    complete = [s for s, _ in ckpt.list_complete(d)]
+    dist.barrier()
+    resumed = _run(_job(dict(tp=2, ep=2, etp=1), True, steps=4, ckpt_dir=d), root)[0]
+    return dict(ref=ref, stopped=stopped, complete=complete, resumed=resumed)
+
+
+def test_sigterm_saves_and_stops_then_resumes(ranks, tmp_path):
+    for out in ranks(WORLD).run(_sigterm_then_resume, str(tmp_path)):
+        assert [h[0] for h in out["stopped"]] == [1, 2]                    # every rank stopped after step 2
+        assert out["complete"] == [2]                                      # ...with a checkpoint of step 2
+        assert [h[0] for h in out["resumed"]] == [3, 4]
+        for (step, loss, norm, _), ref in zip(out["stopped"] + out["resumed"], out["ref"]):
+            assert abs(loss - ref[1]) <= 1e-5 * abs(ref[1]), (step, loss, ref)
 
 
 def _train_for_export(root):
