@@ -26,7 +26,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -138,7 +138,3 @@ class BlockLoadPlanner(DefaultLoadPlanner):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
 
-
-def block_extent(block: Block) -> Tuple[Tuple[int, int], ...]:
-    """``(start, stop)`` per dimension of ``block`` in the full tensor."""
-    return tuple((o, o + n) for o, n in zip(block.offsets, block.local.shape))
