@@ -7,7 +7,8 @@ plain dict) and Hydra's output directory. Order matters:
    fails at once on every rank with a message naming the setting (exit status 2);
 2. ``train.dry_run``: print the report and stop;
 3. create the world process group from torchrun's environment (a 1-process world when launched with
-   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``);
+   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``; a worker restarted by
+   ``torchrun --max-restarts`` keys its rendezvous under its attempt number);
 4. rank 0's output directory is broadcast so that every rank agrees; only rank 0 writes there (the
    resolved config, the metrics);
 5. train, then destroy the process group (so that Hydra multirun can start the next job).
