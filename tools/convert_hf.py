@@ -4,17 +4,21 @@ Subcommands::
 
     python tools/convert_hf.py import HF_DIR engine.pt        # 1-rank engine state dict (+ configs)
     python tools/convert_hf.py export engine.pt OUT_DIR       # back to config.json + model.safetensors
+    python tools/convert_hf.py export --checkpoint DIR --out HF_DIR   # a training checkpoint -> HF
     python tools/convert_hf.py roundtrip HF_DIR OUT_DIR       # HF -> engine -> HF, bit-identical check
     torchrun --nproc-per-node 8 tools/convert_hf.py roundtrip HF_DIR OUT_DIR --tp 2 --ep 4 --etp 2
 
 ``roundtrip`` under torchrun loads the checkpoint directly into the given layout (each rank reads only
 its slices), exports it by gathering to rank 0, and compares every tensor bit for bit. The MoE block
 implementation is chosen with ``--moe-factory module:function`` (default: the engine's MoE layer).
-Exit status 0 on success, 1 when a round trip differs, 2 on a bad checkpoint or layout.
+``export --checkpoint`` takes a training checkpoint (``step_<N>``, or a checkpoint directory: its
+latest complete one) saved in any layout, assembles the full tensors on one process (no process
+group) and writes HF safetensors. Exit status 0 on success, 1 when a round trip differs, 2 on a bad checkpoint or layout.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -53,11 +57,56 @@ def cmd_import(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
+@contextlib.contextmanager
+def single_process_world():
+    """A 1-process gloo world for the duration of the block when none exists (the engine's MoE
+    layer needs an initialized ``torch.distributed``); an existing world is left as it is."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
+    """Write training checkpoint ``checkpoint`` (or the latest complete one under it) as a Hugging
+    Face checkpoint in ``out_dir``; return the checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
     from folding.model.config import ModelConfig
     from folding.model.hf import to_hf
     from folding.model.transformer import MoETransformer
-    blob = torch.load(args.src, map_location="cpu")
+    from folding.moe.config import MoEConfig
+    from folding.pipeline.stage import moe_factory_for
+    from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
+    path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
+    if path is None:
+        raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
+    meta = read_meta(path)
+    mc = dict(meta["model"], mlp_only_layers=tuple(meta["model"]["mlp_only_layers"] or ()))
+    moe = MoEConfig(**meta["moe"])
+    with single_process_world():
+        model = MoETransformer(ModelConfig(**mc), moe_factory=moe_factory_for(moe), initialize=False)
+        load_full_model(path, model)
+        to_hf(model, out_dir, dtype=dtype)
+    return path
+
+
+def cmd_export(args) -> int:
+    if args.checkpoint:
+        if not args.out:
+            raise ValueError("export --checkpoint DIR needs --out HF_DIR")
+        path = export_checkpoint(args.checkpoint, args.out)
+        print(f"wrote {args.out} from {path}")
+        return 0
+    if not (args.src and args.dst):
+        raise ValueError("export needs either --checkpoint DIR --out HF_DIR or ENGINE_PT OUT_DIR")
+    from folding.model.config import ModelConfig
+    from folding.model.hf import to_hf
+    from folding.model.transformer import MoETransformer
+    blob = torch.load(args.src, map_location="cpu", weights_only=True)
     mc = dict(blob["model_config"], mlp_only_layers=tuple(blob["model_config"]["mlp_only_layers"]))
     model = MoETransformer(ModelConfig(**mc), moe_factory=_factory(args.moe_factory), initialize=False)
     model.load_state_dict(blob["state_dict"])
@@ -94,11 +143,14 @@ def cmd_roundtrip(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("import", "HF directory -> engine .pt"), ("export", "engine .pt -> HF directory"),
+    for name, help_ in (("import", "HF directory -> engine .pt"), ("export", "engine .pt or training checkpoint -> HF directory"),
                         ("roundtrip", "HF -> engine (in a layout) -> HF, compared bit for bit")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("src")
-        s.add_argument("dst")
+        s.add_argument("src", nargs="?" if name == "export" else None)
+        s.add_argument("dst", nargs="?" if name == "export" else None)
+        if name == "export":
+            s.add_argument("--checkpoint", default=None, help="training checkpoint (step_<N>) or directory of them")
+            s.add_argument("--out", default=None, help="output Hugging Face directory")
         s.add_argument("--moe-factory", default=None, help="module:function building MoE blocks")
         if name == "roundtrip":
             for axis in ("tp", "cp", "ep"):

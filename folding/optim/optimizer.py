@@ -227,6 +227,70 @@ class FoldedOptimizer:
                     st[key][b.index][a - lo:z - lo].copy_(e[key])
                 buf.param_data[a:z].copy_(st["master"][b.index][a - lo:z - lo])
 
+    def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Every parameter's AdamW state in the parameter's own shape: ``name -> {"exp_avg",
+        "exp_avg_sq"[, "master"]}`` (fp32 copies; ``master`` only for non-fp32 parameters, whose fp32
+        master weights differ from the parameter).
+
+        Under ZeRO-1 (``distributed=True``) each bucket's state is reassembled first: an all-gather
+        of the equal per-rank shards over the buffer's DP group (DP×CP dense, EDP expert); forward
+        only, no backward. Collective on every rank of those groups; without ZeRO-1 no communication.
+        """
+        out: Dict[str, Dict[str, torch.Tensor]] = {}
+        for buf, st in zip(self.buffers, self.state):
+            keys = ["exp_avg", "exp_avg_sq"] + (["master"] if buf.param_data.dtype != torch.float32 else [])
+            for b in buf.buckets:
+                lo, hi = buf.update_range(b)
+                whole = {}
+                for key in keys:
+                    if (lo, hi) == (b.start, b.end):
+                        whole[key] = st[key][b.index]
+                    else:
+                        t = torch.empty(b.end - b.start, dtype=torch.float32, device=buf.main_grad.device)
+                        all_gather_flat(t, st[key][b.index].contiguous(), buf.groups.dp_group).wait()
+                        whole[key] = t
+                for k, p in enumerate(buf.params):
+                    if buf.bucket_of[id(p)] is not b:
+                        continue
+                    a = buf.offsets[k] - b.start
+                    out[buf.names[k]] = {key: whole[key][a:a + p.numel()].reshape(p.shape).clone()
+                                         for key in keys}
+        return out
+
+    @torch.no_grad()
+    def load_param_state(self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int) -> None:
+        """Restore state exported by :meth:`param_state` (possibly saved under another layout or
+        ``distributed`` setting, once resliced to this rank's parameter shapes): each rank keeps the
+        part of every parameter it updates (its ZeRO-1 shard, or all of it). ``master`` entries, when
+        present, also overwrite the parameters' owned range; when absent (saved from fp32
+        parameters) non-fp32 masters are taken from the current parameter values. ``step`` becomes
+        ``step_count`` (the LR schedule position and the bias-correction step). No communication."""
+        for buf in self.buffers:
+            for name, p in zip(buf.names, buf.params):
+                if name not in states:
+                    raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+                for key, t in states[name].items():
+                    if t.numel() != p.numel():
+                        raise ValueError(f"optimizer state {key} of {name!r} has {t.numel()} elements, the "
+                                         f"parameter {p.numel()}")
+        for buf, st in zip(self.buffers, self.state):
+            for k, (name, p) in enumerate(zip(buf.names, buf.params)):
+                b = buf.bucket_of[id(p)]
+                lo, hi = buf.update_range(b)
+                off, n = buf.offsets[k], p.numel()
+                a, z = max(lo, off), min(hi, off + n)
+                if z <= a:
+                    continue
+                saved = states[name]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key][b.index][a - lo:z - lo].copy_(saved[key].reshape(-1)[a - off:z - off])
+                if "master" in saved:
+                    st["master"][b.index][a - lo:z - lo].copy_(saved["master"].reshape(-1)[a - off:z - off])
+                    buf.param_data[a:z].copy_(st["master"][b.index][a - lo:z - lo])
+                elif buf.param_data.dtype != torch.float32:
+                    st["master"][b.index][a - lo:z - lo].copy_(buf.param_data[a:z])
+        self.step_count = int(step)
+
     # ------------------------------------------------------------------------------ memory
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds: ``params`` (model parameters), ``grads`` (fp32 main grads) and

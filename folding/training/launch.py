@@ -7,7 +7,8 @@ plain dict) and Hydra's output directory. Order matters:
    fails at once on every rank with a message naming the setting (exit status 2);
 2. ``train.dry_run``: print the report and stop;
 3. create the world process group from torchrun's environment (a 1-process world when launched with
-   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``);
+   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``; a worker restarted by
+   ``torchrun --max-restarts`` keys its rendezvous under its attempt number);
 4. rank 0's output directory is broadcast so that every rank agrees; only rank 0 writes there (the
    resolved config, the metrics);
 5. train, then destroy the process group (so that Hydra multirun can start the next job).
@@ -61,7 +62,26 @@ def init_world(timeout_s: float) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # A worker restarted by torchrun (--max-restarts) shares the rendezvous store with the attempt
+    # that died: keep this attempt's keys apart, so that no rank reads a dead peer's address.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout,
+                          use_libuv=True) if _agent_store() else \
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+                      timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def _agent_store() -> bool:
+    """Whether torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (its default)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def agree_on_run_dir(run_dir: str) -> str:

@@ -14,7 +14,14 @@ One step (1-based: step k is reported after the k-th optimizer update):
 4. one world all-reduce of [LM loss sum, expert counts, dropped pairs, router losses];
 5. if the loss or the gradient norm is NaN/Inf the update is skipped (logged ``skipped: true``), the
    data and the LR schedule still advance; otherwise clip and step;
-6. rank 0 writes the ``train`` record; every ``train.eval_interval`` steps an ``eval`` record.
+6. rank 0 writes the ``train`` record; every ``train.eval_interval`` steps an ``eval`` record;
+7. with ``checkpoint.dir`` set, a checkpoint every ``checkpoint.save_interval`` steps, at the last
+   step, and after a SIGTERM/SIGINT (seen by every rank through the step's all-reduce), after which
+   the loop stops.
+
+A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
+latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
+its step to ``train.steps``, in whatever layout this run has.
 
 Usage::
 
@@ -23,6 +30,7 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,6 +43,7 @@ import torch.distributed as dist
 from ..parallel import ParallelLayout, build_parallel_state
 from .config import ConfigError, JobConfig, validate_job
 from .evaluate import evaluate, global_token_count
+from .faults import StopRequest
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
 from .stage import build_stage_chunks, run_microbatches
@@ -50,6 +59,8 @@ class Prepared:
     """This rank's :class:`folding.data.build.Data` (train / valid iterators)."""
     dp_rank: int
     """This rank's attention data-parallel rank (from the pure rank math)."""
+    resume: Optional[str] = None
+    """The checkpoint to resume from (checked against the model), or ``None``."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -64,12 +75,14 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     """Validate ``job`` for ``world_size`` ranks and open this rank's data; no collective, no writes
     except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``)."""
     layout = validate_job(job, world_size=world_size)
+    resume = None
     if job.checkpoint.dir or job.checkpoint.load:
-        try:
-            from . import checkpoint  # noqa: F401
-        except ImportError:
-            raise ConfigError("checkpoint.dir/checkpoint.load need folding.training.checkpoint, which this "
-                              "installation lacks; set checkpoint.dir=null checkpoint.load=null") from None
+        from .checkpoint import check_compatible, read_meta, resolve_resume
+        resume = resolve_resume(job.checkpoint)
+        if resume is not None:
+            meta = read_meta(resume)
+            meta["path"] = resume
+            check_compatible(meta, job)
     from ..data.build import build_data
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(job.data, seq_length=job.train.seq_length, global_batch_size=job.train.global_batch_size,
@@ -78,7 +91,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
                           f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
                           "or use the model's tokenizer")
-    return Prepared(layout=layout, data=data, dp_rank=dp_rank)
+    return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume)
 
 
 def training_device() -> torch.device:
@@ -151,6 +164,7 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     from ..optim.optimizer import FoldedOptimizer
     model = torch.nn.ModuleList(chunks)
     optimizer = FoldedOptimizer(model, job.optim, parallel_state=ps, train_steps=t.steps)
+    resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
     stats = MoEStats(chunks, model_config=job.model)
     stats.set_aux_loss_scale(1.0 / (M * layout.dp))
     sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=t.steps, run_config=job.to_dict()) \
@@ -159,10 +173,16 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     timer = StepTimer(device)
     data = prep.data
     history: List[Dict[str, Any]] = []
+    stop = StopRequest()
+    stopped = False
+    saved_at = optimizer.step_count if resumed_from else None
+    exits = contextlib.ExitStack()
     try:
+        exits.enter_context(stop.installed())
         if sink:
             sink.log({"kind": "run", "layout": layout.describe(), "world_size": world,
-                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M})
+                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M,
+                      "resumed_from": resumed_from, "start_step": optimizer.step_count + 1})
         for step in range(optimizer.step_count + 1, t.steps + 1):
             timer.restart()
             mbs = [next(data.train) for _ in range(M)]
@@ -173,8 +193,10 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                                    no_sync=optimizer.no_sync)
             lm_part = out["lm_loss_sum"].to(device=device, dtype=torch.float64).view(1)
             lm_part = lm_part / layout.tp if ps.is_last_stage else torch.zeros_like(lm_part)
-            vec = torch.cat([lm_part, stats.vector().to(device)])
+            flag = torch.tensor([1.0 if stop.requested else 0.0], dtype=torch.float64, device=device)
+            vec = torch.cat([lm_part, stats.vector().to(device), flag])
             dist.all_reduce(vec)
+            stopped, vec = bool(vec[-1] > 0), vec[:-1]
             lm_loss = float(vec[0] / n_tokens.clamp(min=1))
             moe = stats.summarize(vec[1:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
             loss = lm_loss + sum(moe[n] for n in LOSS_NAMES)
@@ -211,10 +233,39 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                 history[-1]["eval_lm_loss"] = ev["lm_loss"]
                 if sink:
                     sink.log({"kind": "eval", "step": step, **ev})
+            ck = job.checkpoint
+            if ck.dir and (stopped or step == t.steps or (ck.save_interval and step % ck.save_interval == 0)):
+                from .checkpoint import save_checkpoint
+                path = save_checkpoint(ck.dir, step=step, chunks=chunks, optimizer=optimizer, data=data,
+                                       job=job, layout=layout)
+                saved_at = step
+                if sink:
+                    sink.log({"kind": "checkpoint", "step": step, "path": path})
+            if stopped:
+                if rank == 0:
+                    print(f"stop requested by a signal: stopped after step {step}"
+                          + (f", checkpoint saved" if saved_at == step else ""), flush=True)
+                break
     finally:
+        exits.close()
         stats.close()
         if sink:
             sink.close()
         if own_ps:
             ps.destroy()
-    return {"history": history, "metrics_file": sink.path if sink else None, "chunks": chunks}
+    return {"history": history, "metrics_file": sink.path if sink else None, "chunks": chunks,
+            "resumed_from": resumed_from, "stopped": stopped, "last_checkpoint_step": saved_at}
+
+
+def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[str]:
+    """Load the checkpoint :func:`prepare` chose (rank 0's choice, broadcast so that every rank
+    agrees); return its path or ``None``. Collective over the world."""
+    if not (job.checkpoint.dir or job.checkpoint.load):
+        return None
+    box = [prep.resume]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    from .checkpoint import load_checkpoint
+    load_checkpoint(box[0], chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
+    return box[0]

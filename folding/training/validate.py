@@ -62,6 +62,9 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
                   "set checkpoint.dir=<directory> or checkpoint.save_interval=null")
     if ck.keep_last is not None:
         _int_at_least("checkpoint.keep_last", ck.keep_last, 1)
+    if ck.async_save:
+        _fail("checkpoint.async_save", ck.async_save, "is not supported: checkpoints are written synchronously",
+              "set checkpoint.async_save=false")
     if ck.load is not None and not os.path.exists(os.path.expanduser(ck.load)):
         _fail("checkpoint.load", ck.load, "does not exist",
               "give an existing checkpoint or directory of checkpoints, or checkpoint.load=null")

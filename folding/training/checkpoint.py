@@ -1,0 +1,328 @@
+"""Checkpoints that reshard across layouts, published atomically.
+
+A checkpoint is a directory ``DIR/step_<8 digits>`` holding
+
+- a ``torch.distributed.checkpoint`` (DCP) save of every parameter (``model/<name>``), persistent
+  buffer (``buffer/<name>``) and the AdamW state shaped like its parameter
+  (``optim/<name>/exp_avg|exp_avg_sq[|master]``), each stored by its *full* shape as blocks
+  (:mod:`.checkpoint_blocks`); names use global layer indices, so TP, CP, PP, VPP, EP, ETP and
+  ``optim.distributed`` may all change between save and load;
+- ``meta.json``: step, the data iterators' positions, the model and MoE configs (checked before any
+  tensor is read), the layout and optimizer settings (information);
+- ``rng/rank_<r>.pt``: each rank's RNG states (restored when the world size is unchanged; read with
+  ``torch.load(weights_only=True)``);
+- ``COMPLETE``: the completion marker.
+
+Save: every rank writes into ``DIR/step_<N>.tmp-<nonce>``; then rank 0 writes ``meta.json`` and
+``COMPLETE``, syncs, and publishes with one ``rename`` to ``DIR/step_<N>``. Only directories named
+``step_<N>`` that hold ``COMPLETE`` are ever loaded, so a crash during a save leaves the previous
+checkpoint as the latest. ``keep_last`` prunes older complete checkpoints; nothing else in ``DIR``
+is touched (left-over ``step_*.tmp-*`` directories of crashed saves are removed by the next save).
+
+Usage::
+
+    path = resolve_resume(job.checkpoint)                      # None, or the checkpoint to resume
+    check_compatible(read_meta(path), job)                     # before any process group
+    step = load_checkpoint(path, chunks=chunks, optimizer=opt, data=data, job=job)
+    save_checkpoint(job.checkpoint.dir, step=k, chunks=chunks, optimizer=opt, data=data, job=job,
+                    layout=layout)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..model.hf import resolve_spec
+from .checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
+from .config import ConfigError
+
+FORMAT = 1
+MARKER = "COMPLETE"
+META = "meta.json"
+_STEP = re.compile(r"^step_(\d{8})$")
+_TMP = re.compile(r"^step_\d{8}\.tmp-")
+# ModelConfig fields that do not change any tensor: they may differ between save and load.
+_FREE_MODEL_FIELDS = ("name", "init_std", "router_aux_loss_coef")
+
+
+def step_dir_name(step: int) -> str:
+    """``step_00000042`` for step 42."""
+    return f"step_{int(step):08d}"
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a published checkpoint: named ``step_<N>`` and holding the marker."""
+    return bool(_STEP.match(os.path.basename(os.path.normpath(path)))) and \
+        os.path.isfile(os.path.join(path, MARKER))
+
+
+def list_complete(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint directly under ``ckpt_dir``, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for name in os.listdir(ckpt_dir):
+        m = _STEP.match(name)
+        if m and is_complete(os.path.join(ckpt_dir, name)):
+            out.append((int(m.group(1)), os.path.join(ckpt_dir, name)))
+    return sorted(out)
+
+
+def latest_complete(ckpt_dir: str) -> Optional[str]:
+    """The newest complete checkpoint under ``ckpt_dir``, or ``None``."""
+    found = list_complete(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(config) -> Optional[str]:
+    """The checkpoint a job with :class:`~folding.training.config.CheckpointConfig` ``config`` resumes
+    from: ``load`` itself when it is a complete checkpoint, the latest complete one when ``load`` is a
+    directory of them; with ``load`` unset, the latest complete one in ``dir`` (a restarted job), or
+    ``None``. Raises :class:`ConfigError` when ``load`` names nothing loadable."""
+    if config.load:
+        path = os.path.abspath(config.load)
+        if is_complete(path):
+            return path
+        found = latest_complete(path)
+        if found:
+            return found
+        if os.path.isdir(path) and _STEP.match(os.path.basename(os.path.normpath(path))):
+            raise ConfigError(f"checkpoint.load={config.load!r} is an incomplete checkpoint (no {MARKER} marker: "
+                              "its save was interrupted); point at an earlier step or at the directory")
+        raise ConfigError(f"checkpoint.load={config.load!r} is neither a complete checkpoint nor a directory "
+                          "holding one; give a step_<N> directory or its parent, or checkpoint.load=null")
+    if config.dir:
+        return latest_complete(os.path.abspath(config.dir))
+    return None
+
+
+def read_meta(path: str) -> Dict[str, Any]:
+    """The ``meta.json`` of checkpoint ``path`` (plain JSON: reading it executes nothing)."""
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {path} has no readable {META} ({e}); it was not written by this "
+                          "engine or is damaged: choose another checkpoint.load") from None
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}, this engine reads {FORMAT}")
+    return meta
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def check_compatible(meta: Dict[str, Any], job) -> None:
+    """Fail with :class:`ConfigError` naming every differing ``model.*`` field when the checkpoint's
+    model is not ``job``'s (fields that change no tensor, such as ``model.init_std``, may differ)."""
+    saved, now = meta["model"], _plain(dataclasses.asdict(job.model))
+    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}" for k in sorted(now)
+            if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]]
+    if diff:
+        raise ConfigError(f"checkpoint {meta.get('path', '')} holds another model: " + "; ".join(diff)
+                          + ". Use the model it was trained with, or a checkpoint of this model")
+
+
+# ---------------------------------------------------------------------------------- state dict
+def _model_blocks(chunks: Sequence[torch.nn.Module]) -> Dict[str, Block]:
+    out: Dict[str, Block] = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            key = f"model/{name}"
+            if key in out:                                   # tied embedding: first and last chunk
+                out[key].mirrors.append(p.data)
+                continue
+            out[key] = Block.for_spec(p.data, resolve_spec(name, p, chunk))
+        params = {n for n, _ in chunk.named_parameters()}
+        for name, b in chunk.state_dict(keep_vars=True).items():
+            if name not in params and isinstance(b, torch.Tensor) and f"buffer/{name}" not in out:
+                out[f"buffer/{name}"] = Block.whole(b.data)
+    return out
+
+
+def _optimizer_names(chunks, optimizer) -> Dict[str, str]:
+    """Optimizer parameter name -> the parameter's name inside its chunk (layout-independent)."""
+    canon = {id(p): n for c in chunks for n, p in c.named_parameters()}
+    return {n: canon[id(p)] for buf in optimizer.buffers for n, p in zip(buf.names, buf.params)}
+
+
+def _optim_blocks(chunks, optimizer, model_blocks: Dict[str, Block],
+                  states: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Block]:
+    out: Dict[str, Block] = {}
+    for oname, name in _optimizer_names(chunks, optimizer).items():
+        mb = model_blocks[f"model/{name}"]
+        for key, t in states[oname].items():
+            k = f"optim/{name}/{key}"
+            if k in out:
+                out[k].mirrors.append(t)
+            else:
+                out[k] = Block(t.view(mb.local.shape), mb.full_shape, mb.offsets)
+    return out
+
+
+# ---------------------------------------------------------------------------------- save
+def _rng_state() -> Dict[str, torch.Tensor]:
+    st = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rank 0: marker, sync, one rename (an older copy of the same step is moved aside first)."""
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if os.path.exists(final):
+        old = f"{tmp}-replaced"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(ckpt_dir: str, keep_last: Optional[int], *, keep: Sequence[str] = ()) -> List[str]:
+    """Delete complete checkpoints older than the newest ``keep_last`` (never one in ``keep``) and
+    left-over ``step_*.tmp-*`` directories; return the removed paths. Other files are left alone."""
+    removed = []
+    if keep_last:
+        for _, path in list_complete(ckpt_dir)[:-keep_last]:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _remove_stale_tmp(ckpt_dir: str, current: str) -> None:
+    for name in os.listdir(ckpt_dir):
+        path = os.path.join(ckpt_dir, name)
+        if _TMP.match(name) and path != current and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout) -> str:
+    """Save step ``step`` to ``ckpt_dir/step_<N>`` (collective over the world; returns the path).
+
+    The optimizer state is exported parameter-shaped first (an all-gather inside each ZeRO-1 group
+    when ``optim.distributed``); DCP then writes each distinct block once.
+    """
+    rank = dist.get_rank()
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    final = os.path.join(ckpt_dir, step_dir_name(step))
+    box = [f"{final}.tmp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        _remove_stale_tmp(ckpt_dir, box[0])
+    dist.broadcast_object_list(box, src=0)
+    tmp = box[0]
+    states = optimizer.param_state()
+    model = _model_blocks(chunks)
+    sd: Dict[str, Any] = dict(model)
+    sd.update(_optim_blocks(chunks, optimizer, model, states))
+    dcp.save(sd, checkpoint_id=tmp, planner=BlockSavePlanner())
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        meta = {"format": FORMAT, "step": int(step), "data": data.state_dict() if data is not None else None,
+                "model": _plain(dataclasses.asdict(job.model)), "moe": _plain(dataclasses.asdict(job.moe)),
+                "optim": _plain(dataclasses.asdict(job.optim)), "layout": layout.describe(),
+                "world_size": dist.get_world_size(), "precision": job.train.precision,
+                "master_weights": any(k.endswith("/master") for k in sd)}
+        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, final)
+        prune(ckpt_dir, job.checkpoint.keep_last, keep=(final,))
+    dist.barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------------- load
+def _check_saved_shapes(path: str, sd: Dict[str, Block]) -> None:
+    """Compare the requested keys and full shapes with the checkpoint's metadata (no tensor read)."""
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = sorted(k for k in sd if k not in md)
+    wrong = [f"{k}: saved {tuple(md[k].size)}, expected {tuple(b.full_shape)}" for k, b in sd.items()
+             if k in md and tuple(getattr(md[k], "size", ())) != tuple(b.full_shape)]
+    if missing or wrong:
+        raise ConfigError(f"checkpoint {path} does not fit this model: missing {missing[:6]}, "
+                          f"shape mismatches {wrong[:6]}; load a checkpoint of this model")
+
+
+@torch.no_grad()
+def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
+    """Load checkpoint ``path`` into this rank's ``chunks``, ``optimizer`` and ``data`` whatever the
+    layout that saved it (collective over the world); return its step. The model config is checked
+    first (:func:`check_compatible`), then the tensors' names and full shapes, before any tensor is read.
+    """
+    meta = read_meta(path)
+    meta["path"] = path
+    check_compatible(meta, job)
+    model = _model_blocks(chunks)
+    names = _optimizer_names(chunks, optimizer)
+    fp32 = {n: {k: torch.empty_like(p.data, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+            for buf in optimizer.buffers for n, p in zip(buf.names, buf.params)}
+    if meta.get("master_weights"):
+        for buf in optimizer.buffers:
+            for n, p in zip(buf.names, buf.params):
+                fp32[n]["master"] = torch.empty_like(p.data, dtype=torch.float32)
+    sd: Dict[str, Any] = dict(model)
+    sd.update(_optim_blocks(chunks, optimizer, model, fp32))
+    _check_saved_shapes(path, sd)
+    dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner())
+    for b in sd.values():
+        b.sync_mirrors()
+    optimizer.load_param_state(fp32, step=int(meta["step"]))
+    if data is not None and meta.get("data") is not None:
+        data.load_state_dict(meta["data"])
+    rng = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
+    if meta.get("world_size") == dist.get_world_size() and os.path.exists(rng):
+        st = torch.load(rng, weights_only=True)
+        torch.set_rng_state(st["cpu"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state(st["cuda"])
+    return int(meta["step"])
+
+
+def load_full_model(path: str, model: torch.nn.Module) -> Dict[str, Any]:
+    """Fill a 1-rank ``model`` (every parameter whole) from checkpoint ``path`` without a process
+    group (used by export); returns the checkpoint's meta. Optimizer state is not read."""
+    meta = read_meta(path)
+    sd = _model_blocks([model])
+    sd = {k: v for k, v in sd.items() if k.startswith("model/")}
+    _check_saved_shapes(path, sd)
+    with warnings.catch_warnings():          # DCP warns that it runs without a process group: intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner(), no_dist=True)
+    for b in sd.values():
+        b.sync_mirrors()
+    return meta
