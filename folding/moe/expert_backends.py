@@ -102,14 +102,21 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     if fn is None:
         return False
     try:
-        x = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([2, 4], dtype=torch.int32, device=device_type)
-        y = fn(x, w.transpose(-2, -1), offs=offs)
-        y.backward(torch.ones_like(y))
-        return bool(torch.allclose(y.float(), torch.full((4, 16), 16.0, device=device_type)))
+        # the probe needs autograd whatever context the first caller is in (e.g. evaluation)
+        with torch.inference_mode(False), torch.enable_grad():
+            return _probe_grouped_mm(fn, device_type, dtype)
     except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
         return False
+
+
+def _probe_grouped_mm(fn, device_type: str, dtype: torch.dtype) -> bool:
+    """One tiny grouped_mm forward and backward; True when it gives the right answer."""
+    x = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
+    w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+    offs = torch.tensor([2, 4], dtype=torch.int32, device=device_type)
+    y = fn(x, w.transpose(-2, -1), offs=offs)
+    y.backward(torch.ones_like(y))
+    return bool(torch.allclose(y.float(), torch.full((4, 16), 16.0, device=device_type)))
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

@@ -187,3 +187,13 @@ def test_bad_settings_and_inputs_fail_clearly():
             _make("te", torch.float32)(x, [5, 0, 0, 0], p)
     with pytest.raises(RuntimeError, match="fp8_recipe"):
         _make("torch", torch.float32, fp8_recipe="mxfp8")(x, [5, 0, 0, 0], p)
+
+
+def test_grouped_mm_probe_ignores_the_callers_grad_mode():
+    # the first caller may be an evaluation under no_grad / inference_mode: the cached answer must not depend on it
+    from folding.moe.expert_backends import torch_grouped_mm_supported
+    torch_grouped_mm_supported.cache_clear()
+    with torch.inference_mode():
+        under_inference = torch_grouped_mm_supported("cpu", torch.float32)
+    torch_grouped_mm_supported.cache_clear()
+    assert under_inference == torch_grouped_mm_supported("cpu", torch.float32)
