@@ -74,8 +74,11 @@ class Labeller:
         setattr(obj, name, wrapped)
 
 
-def breakdown(prof, wall_s: float) -> Dict[str, float]:
-    """Seconds per category (forward + backward; ``optimizer``; ``other`` = wall minus the rest)."""
+def breakdown(prof, wall_s: float, backward_nodes: Dict[str, int] = None) -> Dict[str, float]:
+    """Seconds per category (forward + backward; ``optimizer``; ``other`` = wall minus the rest).
+
+    ``backward_nodes``, when given, receives the number of autograd nodes charged to each category.
+    """
     events = list(prof.events())
     ranges = [(e.name[len(PREFIX):], e.thread, e.time_range.start, e.time_range.end, e.cpu_time_total)
               for e in events if e.name.startswith(PREFIX)]
@@ -98,6 +101,9 @@ def breakdown(prof, wall_s: float) -> Dict[str, float]:
     for e in events:
         if e.name.startswith("autograd::engine::evaluate_function") and e.sequence_nr in seq_cat:
             out[seq_cat[e.sequence_nr]] += e.cpu_time_total * 1e-6
+            if backward_nodes is not None:
+                cat = seq_cat[e.sequence_nr]
+                backward_nodes[cat] = backward_nodes.get(cat, 0) + 1
         elif e.name.startswith("Optimizer.step"):
             out["optimizer"] += e.cpu_time_total * 1e-6
     out["other"] = max(0.0, wall_s - sum(out.values()))
@@ -117,3 +123,21 @@ def format_breakdown(rows: Dict[str, Dict[str, float]]) -> str:
             cells += [f"{rows[n].get(c, 0.0) * 1e3:.0f}", f"{100 * rows[n].get(c, 0.0) / tot:.1f}"]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm", "aten::baddbmm")
+
+
+def op_classes(prof, wall_s: float) -> Dict[str, float]:
+    """Seconds by kind of work: GEMMs (self time of matmul kernels), attention kernels (SDPA forward and
+    backward), the optimizer (``Optimizer.step`` and ``zero_grad``), and the rest of the step."""
+    out = {"gemm": 0.0, "attention kernels": 0.0, "optimizer": 0.0}
+    for e in prof.key_averages():
+        if e.key in GEMM_OPS:
+            out["gemm"] += e.self_cpu_time_total * 1e-6
+        elif "scaled_dot_product" in e.key:
+            out["attention kernels"] += e.self_cpu_time_total * 1e-6
+        elif e.key.startswith(("Optimizer.step", "Optimizer.zero_grad")):
+            out["optimizer"] += e.cpu_time_total * 1e-6
+    out["rest"] = max(0.0, wall_s - sum(out.values()))
+    return out
