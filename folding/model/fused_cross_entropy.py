@@ -5,7 +5,8 @@
 only one chunk of ``chunk_tokens`` rows of fp32 logits ``[chunk, V/TP]`` exists at a time, in
 forward and in backward. Forward keeps ``x_TH`` (which autograd holds anyway for the output layer)
 and one fp32 log-sum-exp per token; backward recomputes each chunk's logits (one extra
-``T·H·V/TP`` GEMM per step) and accumulates the gradients of ``x`` and of the weight chunk by
+``T·H·V/TP`` GEMM per step; when all tokens fit in one chunk its softmax is kept instead, which
+costs no more than the chunk bound) and accumulates the gradients of ``x`` and of the weight chunk by
 chunk. The unchunked path keeps ``[T, V/TP]`` logits plus the same-sized softmax: at Mixtral's
 vocabulary (32000) and 8192 tokens per micro-batch that is 2 GiB in fp32, here 0.5 GiB per 2048-token
 chunk, transient.
@@ -54,10 +55,14 @@ class _FusedLinearCE(torch.autograd.Function):
         start = group_rank(group) * w_VH.shape[0]
         loss_T = torch.empty(x_TH.shape[0], dtype=torch.float32, device=x_TH.device)
         lse_T = torch.empty_like(loss_T)
+        softmax_TV = None
         for c0 in range(0, x_TH.shape[0], chunk):
             sl = slice(c0, c0 + chunk)
-            _, lse_C, tl_C, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
+            logits_CV, lse_C, tl_C, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
             lse_T[sl], loss_T[sl] = lse_C, lse_C - tl_C
+            if x_TH.shape[0] <= chunk:   # one chunk: keep its softmax, backward needs no recompute GEMM
+                softmax_TV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()
+        ctx.softmax_TV = softmax_TV
         ctx.save_for_backward(x_TH, w_VH, target_T, lse_T)
         ctx.start, ctx.chunk = start, chunk
         return loss_T
@@ -72,7 +77,10 @@ class _FusedLinearCE(torch.autograd.Function):
         for c0 in range(0, x_TH.shape[0], chunk):
             sl = slice(c0, c0 + chunk)
             x_CH, t_C = x_TH[sl], target_T[sl]
-            g_CV = (x_CH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()       # softmax
+            if ctx.softmax_TV is not None:                                               # kept (one chunk)
+                g_CV = ctx.softmax_TV
+            else:                                                                        # recomputed
+                g_CV = (x_CH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()
             inside_C = (t_C >= start) & (t_C < start + v_local)
             rows = torch.nonzero(inside_C).squeeze(-1)
             g_CV[rows, t_C[rows] - start] -= 1.0                                         # − onehot
@@ -81,6 +89,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 grad_x[sl] = (g_CV.to(x_TH.dtype) @ w_VH)
             if grad_w is not None:
                 grad_w.addmm_(g_CV.t(), x_CH.float())
+        ctx.softmax_TV = None
         return grad_x, (grad_w.to(w_VH.dtype) if grad_w is not None else None), None, None, None
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from folding.model.fused_cross_entropy import fused_linear_cross_entropy
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+@pytest.mark.parametrize("chunk", [1, 5, 7, 13, 64])   # 13, 64: one chunk (softmax kept)
 def test_loss_and_grads_match_unfused(chunk):
     g = torch.Generator().manual_seed(chunk)
     x = (torch.randn(13, 8, dtype=torch.float64, generator=g) * 2).requires_grad_()
