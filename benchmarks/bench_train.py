@@ -71,7 +71,7 @@ def engine_loss(model, ids):
 def label_engine(model) -> Labeller:
     """Profiler labels for the engine: attention, router, dispatch, experts, combine, fused loss."""
     from folding.model.attention import Attention
-    from folding.model import cross_entropy
+    from folding.model import fused_cross_entropy
     from folding.moe.experts import GroupedMLP
     from folding.moe.layer import MoELayer
     from folding.moe.router import Router
@@ -81,7 +81,7 @@ def label_engine(model) -> Labeller:
         if isinstance(m, MoELayer):
             lab.method(m.dispatcher, "dispatch", "dispatch")
             lab.method(m.dispatcher, "combine", "combine")
-    ce = cross_entropy._VocabParallelCE
+    ce = fused_cross_entropy._FusedLinearCE
     if not getattr(ce, "_labelled", False):
         fwd = ce.apply
 
