@@ -36,7 +36,7 @@ from torch import nn
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
-from .cross_entropy import vocab_parallel_cross_entropy
+from .fused_cross_entropy import fused_linear_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .groups import ModelGroups
 from .init import initialize_parameters, set_init_spec
@@ -57,12 +57,19 @@ class MoETransformer(nn.Module):
         moe_factory: builds MoE blocks (default: :func:`folding.model.moe_block.default_moe_factory`).
         device, dtype: where and in which dtype parameters are created (``meta`` skips init).
         initialize: fill parameters now (set False when weights are loaded right after).
+        loss_chunk_tokens: with labels, the output layer and the cross-entropy run fused, this many
+            tokens at a time (:mod:`folding.model.fused_cross_entropy`): fp32 logits of the whole
+            micro-batch never exist. Larger chunks: fewer, bigger GEMMs and more transient memory.
     """
 
     def __init__(self, config: ModelConfig, *, parallel_state=None, init_seed: int = 0,
                  moe_factory: Optional[MoEFactory] = None, device=None, dtype=torch.float32,
-                 initialize: bool = True, layer_range: Optional[Tuple[int, int]] = None):
+                 initialize: bool = True, layer_range: Optional[Tuple[int, int]] = None,
+                 loss_chunk_tokens: int = 2048):
         super().__init__()
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1 (tokens per fused loss chunk)")
+        self.loss_chunk_tokens = loss_chunk_tokens
         if layer_range is None:
             if parallel_state is not None and parallel_state.layout.pp > 1:
                 raise ValueError("with parallel.pp > 1 build this rank's pipeline chunks with "
@@ -196,11 +203,14 @@ class MoETransformer(nn.Module):
         x = self.run_layers(x, S)
         if not self.post_process:
             return x
-        logits_SBV = self.head(x)
         if labels is None:
-            return logits_SBV.transpose(0, 1)
+            return self.head(x).transpose(0, 1)
         pos = self.local_positions(S, input_ids_BS.device)
-        loss_SB = vocab_parallel_cross_entropy(logits_SBV, labels[:, pos].t(), self.groups.tp)
+        h_SBH = sp_gather(self.final_norm(x), self.groups.tp)
+        w = self.embedding.weight if self.output_weight is None else self.output_weight
+        Sl, B, H = h_SBH.shape
+        loss_SB = fused_linear_cross_entropy(h_SBH.reshape(Sl * B, H), w, labels[:, pos].t().reshape(-1),
+                                             self.groups.tp, self.loss_chunk_tokens).view(Sl, B)
         loss_BS = loss_SB.t()
         if loss_mask is not None:
             loss_BS = loss_BS * loss_mask[:, pos].to(loss_BS.dtype)

@@ -34,8 +34,8 @@ import dataclasses
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from folding.moe.swiglu import swiglu_prob
 from folding.moe.expert_backends import grouped_linear, host_counts, torch_grouped_mm_supported
 from folding.moe.expert_te import TEGroupedRunner, te_available
 from folding.parallel.param_attrs import mark_param
@@ -226,8 +226,7 @@ class GroupedMLP(torch.nn.Module):
 
     def _activation(self, h_NF2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""
-        gate, up = h_NF2.split(self.ffn_local, dim=-1)
-        return F.silu(gate) * up * probs_N.to(h_NF2.dtype).unsqueeze(-1)
+        return swiglu_prob(h_NF2, probs_N)
 
     def extra_repr(self) -> str:
         """Sizes, sharding and backend."""

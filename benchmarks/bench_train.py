@@ -1,0 +1,319 @@
+"""Training-step benchmark: the engine against Hugging Face transformers, its own step, N-rank layouts.
+
+Modes (``--mode``):
+
+- ``sidebyside`` (default): a random Mixtral config is built as transformers'
+  ``MixtralForCausalLM``, saved with ``save_pretrained`` and loaded with ``folding.model.hf.from_hf``
+  (its defaults), so both models hold the same weights. Both are driven the same way, alternating in
+  one process: ``logits = model(ids)``; cross-entropy of the shifted logits; ``backward()``;
+  ``torch.optim.AdamW.step()``. Same batch, dtype and thread count. Also times the engine's own step
+  (``model(ids, labels=...)``: its fused vocab-parallel loss) in the same alternation.
+- ``layouts``: the engine's own step on N gloo ranks (``folding.testing.RankPool``) for each layout of
+  ``--layouts`` (e.g. ``"tp2;ep2;tp2,ep4,etp1"``), and on 1 rank, from the same checkpoint and batch.
+- ``gpu``: see ``benchmarks/gpu_mfu.py`` (MFU of Mixtral-8x7B-shaped layers in BF16/FP8 on one GPU).
+
+Each timed step is measured with ``time.perf_counter`` (one warm-up step first, not counted); the
+report gives medians, a PyTorch-profiler breakdown (``benchmarks/breakdown.py``) of one extra step,
+the host load average, and the exact command. Nothing here asserts a timing.
+
+Usage::
+
+    python benchmarks/bench_train.py --seq 1024 --batch 2 --iters 7 --threads 2 \\
+        --out benchmarks/train_sidebyside_cpu.md
+    python benchmarks/bench_train.py --mode layouts --layouts "tp2;ep2;ep4" --world 4 --seq 256
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from breakdown import Labeller, breakdown, format_breakdown, op_classes  # noqa: E402
+
+
+def mixtral_config(a):
+    """The transformers ``MixtralConfig`` of the benchmark (aux loss off, SDPA attention)."""
+    from transformers import MixtralConfig
+    return MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_local_experts=a.experts,
+                         num_experts_per_tok=a.topk, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                         num_key_value_heads=a.kv_heads, vocab_size=a.vocab, max_position_embeddings=max(4096, a.seq),
+                         output_router_logits=False, router_aux_loss_coef=0.0, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+
+
+def hf_loss(model, ids):
+    """The common driver: ``logits = model(ids)``, mean cross-entropy of the shifted logits."""
+    out = model(ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    with torch.profiler.record_function("part:loss"):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def engine_loss(model, ids):
+    """The engine's own step: per-token losses from its fused vocab-parallel cross-entropy, mean."""
+    labels = torch.roll(ids, -1, 1)
+    mask = torch.ones_like(ids, dtype=torch.float32)
+    mask[:, -1] = 0
+    return (model(ids, labels=labels, loss_mask=mask).sum() / mask.sum())
+
+
+def label_engine(model) -> Labeller:
+    """Profiler labels for the engine: attention, router, dispatch, experts, combine, fused loss."""
+    from folding.model.attention import Attention
+    from folding.model import fused_cross_entropy
+    from folding.moe.experts import GroupedMLP
+    from folding.moe.layer import MoELayer
+    from folding.moe.router import Router
+    lab = Labeller()
+    lab.modules(model, {"attention": (Attention,), "router": (Router,), "experts": (GroupedMLP,)})
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            lab.method(m.dispatcher, "dispatch", "dispatch")
+            lab.method(m.dispatcher, "combine", "combine")
+    ce = fused_cross_entropy._FusedLinearCE
+    if not getattr(ce, "_labelled", False):
+        fwd = ce.apply
+
+        def apply(*a):
+            with torch.profiler.record_function("part:loss"):
+                return fwd(*a)
+        ce.apply, ce._labelled = apply, True
+    return lab
+
+
+def label_hf(model) -> Labeller:
+    """Profiler labels for transformers' Mixtral (its experts module does dispatch, experts and combine)."""
+    from transformers.models.mixtral import modeling_mixtral as mm
+    lab = Labeller()
+    lab.modules(model, {"attention": (mm.MixtralAttention,), "router": (mm.MixtralTopKRouter,),
+                        "experts": (mm.MixtralExperts,)})
+    return lab
+
+
+def make_step(model, loss_fn, ids):
+    """One training step (forward, backward, AdamW) as a closure; returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        loss = loss_fn(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+    return step
+
+
+def profile_step(step, n: int = 2):
+    """``(parts, kinds)``: seconds per model part and per kind of work (GEMM, attention kernels,
+    optimizer, rest) of a step under the PyTorch profiler, each the mean of ``n`` steps."""
+    parts, kinds = {}, {}
+    for _ in range(n):
+        with torch.profiler.profile() as prof:
+            t0 = time.perf_counter()
+            step()
+            wall = time.perf_counter() - t0
+        for acc, fn in ((parts, breakdown), (kinds, op_classes)):
+            for k, v in fn(prof, wall).items():
+                acc[k] = acc.get(k, 0.0) + v / n
+    return parts, kinds
+
+
+def flops_per_step(a) -> float:
+    """Model FLOPs of one training step (3x forward matmul FLOPs, causal attention halved)."""
+    T = a.batch * a.seq
+    kvd = a.hidden // a.heads * a.kv_heads
+    per_tok = 2 * (a.hidden * (a.hidden + 2 * kvd) + a.hidden * a.hidden)       # q, k, v, o
+    per_tok += 2 * a.hidden * a.experts + 2 * a.topk * 3 * a.hidden * a.ffn      # router, experts
+    per_tok *= a.layers
+    per_tok += 2 * a.hidden * a.vocab                                             # output layer
+    attn = a.layers * 2 * 2 * a.seq * a.hidden / 2                                # QK^T and PV, causal
+    return 3 * T * (per_tok + attn)
+
+
+def sidebyside(a):
+    """Alternate HF, engine (common driver) and engine (own step); medians and breakdowns."""
+    from transformers import MixtralForCausalLM
+    from folding.model.hf import from_hf
+    torch.manual_seed(a.seed)
+    hf = MixtralForCausalLM(mixtral_config(a)).float().train()
+    tmp = tempfile.mkdtemp(prefix="bench_train_")
+    hf.save_pretrained(tmp)
+    eng = from_hf(tmp)
+    eng_own = from_hf(tmp)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
+    steps = {"transformers": make_step(hf, hf_loss, ids), "engine": make_step(eng, hf_loss, ids),
+             "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids)}
+    first = {k: s() for k, s in steps.items()}                                    # warm-up, not timed
+    times = {k: [] for k in steps}
+    for i in range(a.iters):
+        for k, s in steps.items():
+            t0 = time.perf_counter()
+            s()
+            times[k].append(time.perf_counter() - t0)
+        print(f"iter {i}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+    label_hf(hf), label_engine(eng), label_engine(eng_own)
+    prof = {k: profile_step(s) for k, s in steps.items()}
+    return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}
+
+
+def header(a, argv) -> str:
+    """Device, versions, date, load and command."""
+    import transformers
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return "\n".join([
+        f"- device: CPU ({platform.machine()}, {os.cpu_count()} cores visible), {a.threads} torch threads, fp32",
+        f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- host load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+        f"on {os.cpu_count()} CPUs (shared machine: timings are noisy; medians of alternating runs)",
+        f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
+        f"- model: Mixtral H={a.hidden} F={a.ffn} E={a.experts} top-{a.topk} layers={a.layers} heads={a.heads}/"
+        f"{a.kv_heads} vocab={a.vocab}; batch {a.batch} x seq {a.seq}; AdamW; aux loss off",
+    ])
+
+
+def kinds_table(kinds) -> str:
+    """Markdown: seconds by kind of work per model, and the speed-up bound it implies."""
+    names = list(kinds)
+    lines = ["| kind of work | " + " | ".join(f"{n} ms" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for k in ("gemm", "attention kernels", "optimizer", "rest"):
+        lines.append(f"| {k} | " + " | ".join(f"{kinds[n][k] * 1e3:.0f}" for n in names) + " |")
+    hf = kinds["transformers"]
+    fixed = hf["gemm"] + hf["attention kernels"] + hf["optimizer"]
+    lines += ["", f"In the transformers step, GEMMs + attention kernels + AdamW (the same kernels and FLOPs in "
+              f"both models, fp32) are {fixed * 1e3:.0f} ms of {sum(hf.values()) * 1e3:.0f} ms: even with "
+              f"all of the rest at zero cost, a model driven this way is at most "
+              f"**{sum(hf.values()) / fixed:.2f}x** faster than transformers here."]
+    return "\n".join(lines)
+
+
+def report_sidebyside(a, argv, first, times, parts, kinds) -> str:
+    """Markdown report: medians, ratio, breakdown."""
+    tokens, fl = a.batch * a.seq, flops_per_step(a)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["transformers"]
+    rows = ["| model | first loss | median s/step | min s/step | tokens/s | TFLOP/s | speed vs transformers |",
+            "|---|---|---|---|---|---|---|"]
+    for k, v in times.items():
+        rows.append(f"| {k} | {first[k]:.4f} | {med[k]:.3f} | {min(v):.3f} | {tokens / med[k]:.0f} | "
+                    f"{fl / med[k] / 1e12:.4f} | {base / med[k]:.2f}x |")
+    per_iter = [h / e for h, e in zip(times["transformers"], times["engine"])]
+    return "\n".join([
+        "# Training step: engine vs transformers' MixtralForCausalLM", "", header(a, argv), "",
+        "Both models hold the same weights (HF `save_pretrained` -> `from_hf` with its defaults) and see the "
+        "same batch; `transformers` and `engine` are driven identically (`logits = model(ids)`, cross-entropy "
+        "of the shifted logits, `backward()`, `AdamW.step()`); the third row is the engine's own step "
+        "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens).", "",
+        *rows, "",
+        f"Ratio engine/transformers tokens/s: medians **{base / med['engine']:.2f}x**; best steps "
+        f"**{min(times['transformers']) / min(times['engine']):.2f}x**; per alternating pair: "
+        + ", ".join(f"{r:.2f}" for r in per_iter) + f" (median {statistics.median(per_iter):.2f}). "
+        "On a loaded, shared host a step is only ever slowed down by other processes, so the best "
+        "steps are the least disturbed estimate; when the per-pair ratios scatter widely, neither the "
+        "medians nor any single pair are to be trusted, and the breakdown below is the reliable part.", "",
+        "## Where the time goes (mean of two profiled steps each, PyTorch profiler; forward + backward per part)", "",
+        "transformers' `MixtralExperts` does its own dispatch and combine, so those land in its `experts` row; "
+        "`other` is embedding, norms, output layer, residuals and Python.", "",
+        format_breakdown(parts), "",
+        "## By kind of work (same profiled steps; self time of the kernels)", "", kinds_table(kinds), ""])
+
+
+def layout_worker(path, layout_kw, ids, iters, threads):
+    """On every rank: the engine's own step in one layout; returns (first loss, step times)."""
+    import torch.distributed as dist
+    from folding.model.hf import from_hf
+    from folding.parallel import ParallelLayout, build_parallel_state
+    torch.set_num_threads(threads)
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw))
+    try:
+        model = from_hf(path, parallel_state=ps)
+        b = ids.shape[0] // ps.dp_size                  # each data-parallel replica its slice of the batch
+        step = make_step(model, engine_loss, ids[ps.dp_rank * b:(ps.dp_rank + 1) * b])
+        first = step()
+        ts = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        return first, ts
+    finally:
+        ps.destroy()
+
+
+def parse_layout(s: str) -> dict:
+    """``"tp2,ep4,etp1"`` -> ``{"tp": 2, "ep": 4, "etp": 1}``."""
+    out = {}
+    for tok in filter(None, s.split(",")):
+        key = tok.rstrip("0123456789")
+        if key not in ("tp", "cp", "ep", "etp", "pp") or key == tok:
+            raise ValueError(f"--layouts: {tok!r} is not <axis><size> with axis in tp, cp, ep, etp")
+        out[key] = int(tok[len(key):])
+    return out
+
+
+def main(argv=None):
+    """Parse arguments, run the mode, print the table last and write the report."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("sidebyside", "layouts", "gpu"), default="sidebyside")
+    for name, d in (("hidden", 512), ("ffn", 1024), ("experts", 8), ("topk", 2), ("layers", 4), ("heads", 8),
+                    ("kv-heads", 4), ("vocab", 8192), ("batch", 2), ("seq", 1024), ("iters", 7), ("threads", 2),
+                    ("seed", 0), ("world", 4)):
+        p.add_argument(f"--{name}", type=int, default=d)
+    p.add_argument("--layouts", default="tp2;ep2;ep4;tp2,ep4,etp1")
+    p.add_argument("--out", default=None, help="markdown report path")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if a.mode == "gpu":
+        from gpu_mfu import main as gpu_main
+        return gpu_main(argv)
+    if a.mode == "sidebyside":
+        first, times, parts, kinds = sidebyside(a)
+        text = report_sidebyside(a, argv, first, times, parts, kinds)
+    else:
+        text = run_layouts(a, argv)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+def run_layouts(a, argv) -> str:
+    """The engine's own step on 1 rank and on ``--world`` gloo ranks per layout; markdown report."""
+    from transformers import MixtralForCausalLM
+    from folding.testing import RankPool
+    torch.manual_seed(a.seed)
+    tmp = tempfile.mkdtemp(prefix="bench_layouts_")
+    MixtralForCausalLM(mixtral_config(a)).float().save_pretrained(tmp)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
+    rows = ["| layout | ranks | first loss | median s/step | tokens/s (all ranks) |", "|---|---|---|---|---|"]
+    with RankPool(1) as one:
+        first, ts = one.run(layout_worker, tmp, {}, ids, a.iters, a.threads)[0]
+        rows.append(f"| 1 rank | 1 | {first:.4f} | {statistics.median(ts):.3f} | "
+                    f"{a.batch * a.seq / statistics.median(ts):.0f} |")
+    with RankPool(a.world) as pool:
+        for s in filter(None, a.layouts.split(";")):
+            res = pool.run(layout_worker, tmp, parse_layout(s), ids, a.iters, max(1, a.threads // a.world))
+            med = statistics.median(max(r[1][i] for r in res) for i in range(a.iters))
+            rows.append(f"| {s} | {a.world} | {res[0][0]:.4f} | {med:.3f} | {a.batch * a.seq / med:.0f} |")
+    return "\n".join(["# Engine training step by layout (gloo, CPU)", "", header(a, argv), "",
+                      "Step time of a layout = the slowest rank's; each data-parallel replica trains on its slice of the "
+                      "batch (first loss: rank 0's, equal to the 1-rank loss when DP = 1). No gradient reduction "
+                      "over DP here: this times the model, not the optimizer's communication.", "",
+                      *rows, ""])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

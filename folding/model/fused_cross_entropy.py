@@ -1,0 +1,107 @@
+"""Output layer fused with vocab-parallel cross-entropy, chunked over tokens: no full-batch logits.
+
+``loss_T = fused_linear_cross_entropy(x_TH, weight_VH, target_T, tp_group, chunk_tokens=2048)`` equals
+``vocab_parallel_cross_entropy(F.linear(x_TH, weight_VH), target_T, tp_group)`` (to round-off), but
+only one chunk of ``chunk_tokens`` rows of fp32 logits ``[chunk, V/TP]`` exists at a time, in
+forward and in backward. Forward keeps ``x_TH`` (which autograd holds anyway for the output layer)
+and one fp32 log-sum-exp per token; backward recomputes each chunk's logits (one extra
+``T·H·V/TP`` GEMM per step; when all tokens fit in one chunk its softmax is kept instead, which
+costs no more than the chunk bound) and accumulates the gradients of ``x`` and of the weight chunk by
+chunk. The unchunked path keeps ``[T, V/TP]`` logits plus the same-sized softmax: at Mixtral's
+vocabulary (32000) and 8192 tokens per micro-batch that is 2 GiB in fp32, here 0.5 GiB per 2048-token
+chunk, transient.
+
+Collectives (each forward chunk, over ``tp_group``; none when it has one rank): all-reduce MAX of the
+per-token logit maximum, all-reduce SUM of the per-token target logit and sum of exponentials.
+Backward: none (each rank's gradient is ``softmax − onehot`` on its vocabulary slice).
+
+Shape-suffix legend: ``T`` tokens, ``H`` hidden, ``V`` this rank's vocabulary slice (V/TP), ``C`` a
+chunk of tokens.
+
+Usage::
+
+    loss_T = fused_linear_cross_entropy(hidden_TH, output_weight, labels_T, tp_group)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.collectives import group_rank, group_size
+
+
+def _chunk_stats(x_CH, w_VH, target_C, start, group):
+    """fp32 logits of one chunk, their per-token max-shifted log-sum-exp and target logit (all reduced)."""
+    logits_CV = (x_CH @ w_VH.t()).float()
+    v_local = logits_CV.shape[-1]
+    max_C = logits_CV.max(dim=-1).values
+    if group_size(group) > 1:
+        dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=group)
+    outside_C = (target_C < start) | (target_C >= start + v_local)
+    local_t_C = (target_C - start).masked_fill(outside_C, 0)
+    target_logit_C = logits_CV.gather(-1, local_t_C.unsqueeze(-1)).squeeze(-1).masked_fill(outside_C, 0.0)
+    sum_exp_C = (logits_CV - max_C.unsqueeze(-1)).exp_().sum(-1)
+    if group_size(group) > 1:
+        both = torch.stack([target_logit_C, sum_exp_C])
+        dist.all_reduce(both, group=group)
+        target_logit_C, sum_exp_C = both[0], both[1]
+    lse_C = sum_exp_C.log() + max_C
+    return logits_CV, lse_C, target_logit_C, local_t_C, outside_C
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w_VH, target_T, group, chunk):
+        start = group_rank(group) * w_VH.shape[0]
+        loss_T = torch.empty(x_TH.shape[0], dtype=torch.float32, device=x_TH.device)
+        lse_T = torch.empty_like(loss_T)
+        softmax_TV = None
+        for c0 in range(0, x_TH.shape[0], chunk):
+            sl = slice(c0, c0 + chunk)
+            logits_CV, lse_C, tl_C, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
+            lse_T[sl], loss_T[sl] = lse_C, lse_C - tl_C
+            if x_TH.shape[0] <= chunk:   # one chunk: keep its softmax, backward needs no recompute GEMM
+                softmax_TV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()
+        ctx.softmax_TV = softmax_TV
+        ctx.save_for_backward(x_TH, w_VH, target_T, lse_T)
+        ctx.start, ctx.chunk = start, chunk
+        return loss_T
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        x_TH, w_VH, target_T, lse_T = ctx.saved_tensors
+        start, chunk = ctx.start, ctx.chunk
+        grad_x = torch.empty_like(x_TH) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if ctx.needs_input_grad[1] else None
+        v_local = w_VH.shape[0]
+        for c0 in range(0, x_TH.shape[0], chunk):
+            sl = slice(c0, c0 + chunk)
+            x_CH, t_C = x_TH[sl], target_T[sl]
+            if ctx.softmax_TV is not None:                                               # kept (one chunk)
+                g_CV = ctx.softmax_TV
+            else:                                                                        # recomputed
+                g_CV = (x_CH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()
+            inside_C = (t_C >= start) & (t_C < start + v_local)
+            rows = torch.nonzero(inside_C).squeeze(-1)
+            g_CV[rows, t_C[rows] - start] -= 1.0                                         # − onehot
+            g_CV.mul_(grad_T[sl].unsqueeze(-1))
+            if grad_x is not None:
+                grad_x[sl] = (g_CV.to(x_TH.dtype) @ w_VH)
+            if grad_w is not None:
+                grad_w.addmm_(g_CV.t(), x_CH.float())
+        ctx.softmax_TV = None
+        return grad_x, (grad_w.to(w_VH.dtype) if grad_w is not None else None), None, None, None
+
+
+def fused_linear_cross_entropy(x_TH: torch.Tensor, weight_VH: torch.Tensor, target_T: torch.Tensor, tp_group,
+                               chunk_tokens: int = 2048) -> torch.Tensor:
+    """Per-token fp32 loss ``[T]`` of the output layer ``x_TH · weight_VHᵀ`` (vocab-sharded over
+    ``tp_group``) against global ids ``target_T``, ``chunk_tokens`` tokens at a time (module docstring)."""
+    if x_TH.dim() != 2 or weight_VH.dim() != 2 or x_TH.shape[1] != weight_VH.shape[1]:
+        raise ValueError(f"fused_linear_cross_entropy: x {tuple(x_TH.shape)} and weight {tuple(weight_VH.shape)} "
+                         "must be [T, H] and [V/TP, H]")
+    if target_T.shape != x_TH.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: targets {tuple(target_T.shape)} must be [T={x_TH.shape[0]}]")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    return _FusedLinearCE.apply(x_TH, weight_VH, target_T, tp_group, int(chunk_tokens))
