@@ -55,6 +55,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_INITS = [0]  # process groups this process has initialized (one per job of a Hydra multirun)
+
+
 def init_world(timeout_s: float) -> None:
     """Initialize the default process group from the environment (torchrun's, or a local 1-rank one)."""
     if "MASTER_ADDR" not in os.environ:
@@ -64,18 +67,22 @@ def init_world(timeout_s: float) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = datetime.timedelta(seconds=timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
+    job = _INITS[0]
+    _INITS[0] += 1
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if attempt == 0 and (job == 0 or not under_torchrun):
         dist.init_process_group(backend, timeout=timeout)
         return
-    # A worker restarted by torchrun (--max-restarts) shares the rendezvous store with the attempt
-    # that died: keep this attempt's keys apart, so that no rank reads a dead peer's address.
+    # A worker restarted by torchrun (--max-restarts), or the next job of a Hydra multirun in the same
+    # workers, shares the rendezvous store with the earlier process group: keep this one's keys apart,
+    # so that no rank reads a stale peer address.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=False, timeout=timeout,
                           use_libuv=True) if _agent_store() else \
         dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
                       timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/job_{job}/", store), rank=rank,
                             world_size=world, timeout=timeout)
 
 
