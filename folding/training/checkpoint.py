@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..model.hf import resolve_spec
 from .checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
-from .config import ConfigError
+from .config import ConfigError, plain_tree as _plain
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -117,14 +117,6 @@ def read_meta(path: str) -> Dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}, this engine reads {FORMAT}")
     return meta
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
 
 
 def check_compatible(meta: Dict[str, Any], job) -> None:

@@ -286,3 +286,12 @@ def env_world_size() -> int:
         return int(value)
     except ValueError:
         raise ConfigError(f"environment WORLD_SIZE={value!r} is not an integer; launch with torchrun") from None
+
+
+def plain_tree(x):
+    """``x`` with tuples turned into lists, recursively (for YAML / JSON dumps of configs)."""
+    if isinstance(x, dict):
+        return {k: plain_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain_tree(v) for v in x]
+    return x

@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, env_world_size, job_config_from_dict
+from .config import ConfigError, env_world_size, job_config_from_dict, plain_tree as _plain
 from .dry_run import dry_run_report
 
 
@@ -111,14 +111,6 @@ def save_resolved_config(job, run_dir: str) -> str:
             return path
         except FileExistsError:
             n += 1
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
 
 
 def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
