@@ -46,6 +46,7 @@ from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
+from ..optim.expert_bias import update_expert_biases
 from .stage import build_stage_chunks, run_microbatches
 
 
@@ -207,9 +208,10 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                 grad_norm, skipped = optimizer.grad_norm(), True
             if skipped:
                 _skip_update(optimizer)
+            biased = [r for r in stats.routers if getattr(r, "expert_bias", None) is not None]
+            if biased and not skipped:  # one all-reduce for every layer's expert bias
+                update_expert_biases(biased, group=ps.tp_dp_cp_group)
             for r in stats.routers:
-                if getattr(r, "expert_bias", None) is not None and not skipped:
-                    r.update_expert_bias()
                 if getattr(getattr(r, "config", None), "aux_loss_type", None) == "global_aux_loss":
                     r.reset_global_aux_loss()
             seconds = timer.elapsed()
