@@ -13,8 +13,9 @@ Modes (``--mode``):
 - ``gpu``: see ``benchmarks/gpu_mfu.py`` (MFU of Mixtral-8x7B-shaped layers in BF16/FP8 on one GPU).
 
 Each timed step is measured with ``time.perf_counter`` (one warm-up step first, not counted); the
-report gives medians, a PyTorch-profiler breakdown (``benchmarks/breakdown.py``) of one extra step,
-the host load average, and the exact command. Nothing here asserts a timing.
+report gives medians, the kernel floor of both models' steps (``benchmarks/floor.py``: the same
+matmuls, attention, AdamW and loss timed alone), a PyTorch-profiler breakdown
+(``benchmarks/breakdown.py``) of one extra step, the host load average, and the exact command. Nothing here asserts a timing.
 
 Usage::
 
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from breakdown import Labeller, breakdown, format_breakdown, op_classes  # noqa: E402
+from floor import kernel_floor  # noqa: E402
 
 
 def mixtral_config(a):
@@ -162,9 +164,11 @@ def sidebyside(a):
             s()
             times[k].append(time.perf_counter() - t0)
         print(f"iter {i}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+    floors = {"transformers": kernel_floor(hf, steps["transformers"], a),
+              "engine": kernel_floor(eng, steps["engine"], a)}
     label_hf(hf), label_engine(eng), label_engine(eng_own)
     prof = {k: profile_step(s) for k, s in steps.items()}
-    return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}
+    return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}, floors
 
 
 def header(a, argv) -> str:
@@ -198,7 +202,30 @@ def kinds_table(kinds) -> str:
     return "\n".join(lines)
 
 
-def report_sidebyside(a, argv, first, times, parts, kinds) -> str:
+def floor_table(floors, times) -> str:
+    """Markdown: the kernel floor of each model's step (``floor.py``) and the speed-up bound it implies."""
+    names = list(floors)
+    lines = ["| piece (timed alone, best of 3) | " + " | ".join(f"{n} ms" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for k in ("gemm", "attention", "optimizer", "loss"):
+        extra = " (" + " / ".join(str(floors[n]["matmuls"]) for n in names) + " matmuls)" if k == "gemm" else ""
+        lines.append(f"| {k}{extra} | " + " | ".join(f"{floors[n][k] * 1e3:.0f}" for n in names) + " |")
+    tot = {n: sum(floors[n][k] for k in ("gemm", "attention", "optimizer", "loss")) for n in names}
+    med = {n: statistics.median(times[n]) for n in names}
+    best = {n: min(times[n]) for n in names}
+    lines.append("| **floor** | " + " | ".join(f"**{tot[n] * 1e3:.0f}**" for n in names) + " |")
+    lines.append("| step (median / best) | " + " | ".join(f"{med[n] * 1e3:.0f} / {best[n] * 1e3:.0f}" for n in names)
+                 + " |")
+    lines.append("| step − floor (median / best) | " + " | ".join(
+        f"{(med[n] - tot[n]) * 1e3:.0f} / {(best[n] - tot[n]) * 1e3:.0f}" for n in names) + " |")
+    hf = "transformers"
+    lines += ["", f"Bound: a model that did nothing but these kernels would run at most "
+              f"**{med[hf] / tot[hf]:.2f}x** (medians) / **{best[hf] / tot[hf]:.2f}x** (best steps) faster than "
+              f"transformers' step on this machine."]
+    return "\n".join(lines)
+
+
+def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
     """Markdown report: medians, ratio, breakdown."""
     tokens, fl = a.batch * a.seq, flops_per_step(a)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -226,7 +253,13 @@ def report_sidebyside(a, argv, first, times, parts, kinds) -> str:
         "transformers' `MixtralExperts` does its own dispatch and combine, so those land in its `experts` row; "
         "`other` is embedding, norms, output layer, residuals and Python.", "",
         format_breakdown(parts), "",
-        "## By kind of work (same profiled steps; self time of the kernels)", "", kinds_table(kinds), ""])
+        "## By kind of work (same profiled steps; self time of the kernels)", "", kinds_table(kinds), "",
+        "## The kernel floor (`benchmarks/floor.py`: the same matmuls, attention, AdamW and loss timed alone, "
+        "no profiler)", "",
+        "Both models must run these kernels: the matmuls of one recorded step replayed with their sizes and "
+        "strides, SDPA forward + backward per layer, `AdamW.step()` over the same parameters, and the common "
+        "driver's cross-entropy. What a step spends beyond its floor is the model's own overhead "
+        "(elementwise kernels, copies, allocation, Python).", "", floor_table(floors, times), ""])
 
 
 def layout_worker(path, layout_kw, ids, iters, threads):
@@ -280,8 +313,8 @@ def main(argv=None):
         from gpu_mfu import main as gpu_main
         return gpu_main(argv)
     if a.mode == "sidebyside":
-        first, times, parts, kinds = sidebyside(a)
-        text = report_sidebyside(a, argv, first, times, parts, kinds)
+        first, times, parts, kinds, floors = sidebyside(a)
+        text = report_sidebyside(a, argv, first, times, parts, kinds, floors)
     else:
         text = run_layouts(a, argv)
     if a.out:

@@ -169,10 +169,14 @@ class MoETransformer(nn.Module):
         return x_SBH
 
     def head(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """Final norm and output layer: ``[S/(CP*TP), B, H]`` -> logits ``[S/CP, B, V/TP]``."""
+        """Final norm and output layer: ``[S/(CP*TP), B, H]`` -> contiguous logits ``[B, S/CP, V/TP]``.
+
+        The hidden states (``H`` wide) are transposed to batch-major before the output GEMM, so the
+        ``V``-wide logits are written once in the caller's layout instead of being transposed after.
+        """
         x = sp_gather(self.final_norm(x_SBH), self.groups.tp)
         w = self.embedding.weight if self.output_weight is None else self.output_weight
-        return F.linear(x, w)
+        return F.linear(x.transpose(0, 1), w)
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_BS: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -204,7 +208,7 @@ class MoETransformer(nn.Module):
         if not self.post_process:
             return x
         if labels is None:
-            return self.head(x).transpose(0, 1)
+            return self.head(x)
         pos = self.local_positions(S, input_ids_BS.device)
         h_SBH = sp_gather(self.final_norm(x), self.groups.tp)
         w = self.embedding.weight if self.output_weight is None else self.output_weight

@@ -3,8 +3,9 @@
 Unfused, autograd keeps ``gate``, ``up``, ``silu(gate)``, ``silu(gate) ⊙ up`` and the broadcast
 probabilities alive for backward, and backward runs a chain of small elementwise kernels plus a
 ``cat`` of the two halves' gradients. The fused node saves only fc1's output ``h_NF2`` and
-``probs_N``, recomputes ``sigmoid(gate)`` in backward, and writes the gradient of both halves into
-one ``[N, 2F]`` tensor: less activation memory and fewer passes over ``[N, F]`` data.
+``probs_N``, recomputes ``silu(gate)`` in backward (aten's ``silu_backward`` forms ``silu'``), and
+writes the gradient of both halves into one ``[N, 2F]`` tensor: less activation memory and fewer
+passes over ``[N, F]`` data.
 
 Shape-suffix legend: ``N`` rows (tokens after dispatch, expert-major), ``F`` the FFN width of this
 rank's shard, ``F2`` = 2·F (``[gate | up]`` side by side, the layout of fc1's output).
@@ -35,18 +36,20 @@ class _SwiGLUProb(torch.autograd.Function):
         f = h_NF2.shape[-1] // 2
         gate_NF, up_NF = h_NF2[:, :f], h_NF2[:, f:]
         p_N1 = probs_N.to(h_NF2.dtype).unsqueeze(-1)
-        sig_NF = torch.sigmoid(gate_NF)
-        silu_NF = gate_NF * sig_NF
+        grad_NF = grad_NF.contiguous()
         grad_h_NF2 = torch.empty_like(h_NF2)
+        # Eight passes over [N, F] data, two fresh [N, F] buffers: each large temporary costs page
+        # faults on a CPU allocator, so the products are formed in place where they can be.
+        silu_NF = torch.nn.functional.silu(gate_NF)
+        gu_NF = torch.mul(grad_NF, up_NF)                          # grad · up
         grad_p_N = None
         if ctx.needs_input_grad[1]:
-            # d/dp: sum over F of grad · silu(gate) · up
-            grad_p_N = (grad_NF * silu_NF * up_NF).sum(-1).to(probs_N.dtype)
-        g_NF = grad_NF * p_N1                                      # gradient of silu(gate) ⊙ up
-        torch.mul(g_NF, silu_NF, out=grad_h_NF2[:, f:])            # d/d up = g · silu(gate)
-        # d/d gate = g · up · silu'(gate), silu'(x) = sig(x) · (1 + x · (1 − sig(x)))
-        dsilu_NF = sig_NF.mul_(1.0 + gate_NF * (1.0 - sig_NF))
-        torch.mul(g_NF.mul_(up_NF), dsilu_NF, out=grad_h_NF2[:, :f])
+            # d/dp = sum over F of grad · up · silu(gate)
+            grad_p_N = torch.mul(gu_NF, silu_NF).sum(-1).to(probs_N.dtype)
+        # d/d gate = grad · p · up · silu'(gate): aten's fused silu_backward forms silu'
+        torch.ops.aten.silu_backward.grad_input(gu_NF.mul_(p_N1), gate_NF, grad_input=grad_h_NF2[:, :f])
+        # d/d up = grad · p · silu(gate)
+        torch.mul(grad_NF, silu_NF.mul_(p_N1), out=grad_h_NF2[:, f:])
         return grad_h_NF2, grad_p_N
 
 
