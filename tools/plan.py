@@ -36,8 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
-    p.add_argument("--fused-swiglu", action="store_true",
-                   help="plan for experts with a fused weighted SwiGLU (Megatron-Core's): less activation memory")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
+                        "as folding's and Megatron-Core's are (the default; the flag is accepted for older scripts); "
+                        "--no-fused-swiglu plans for a plain-autograd activation (5 per row)")
     p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
     p.add_argument("--no-tp-comm-overlap", action="store_true",
                    help="assume TP communication is not overlapped with GEMMs")

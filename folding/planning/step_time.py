@@ -60,9 +60,10 @@ class TrainingShape:
     """Samples per optimizer step."""
     micro_batch_size: int = 1
     """Samples per micro-batch (per data-parallel replica)."""
-    fused_swiglu: bool = False
-    """Plan for an engine whose experts fuse the probability-weighted SwiGLU (Megatron-Core's), keeping
-    3 instead of folding's 5 ``F``-wide tensors per routed row for backward (memory only)."""
+    fused_swiglu: bool = True
+    """The experts' probability-weighted SwiGLU is one autograd node (folding's and Megatron-Core's), keeping
+    3 ``F``-wide tensors per routed row for backward; ``False`` plans for a plain-autograd activation that
+    keeps 5 (memory only)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,9 +35,10 @@ def test_memory_by_hand_mixtral_tiny():
     assert (dense, expert) == (29952, 73728)
     # Activations per layer and micro-batch, bf16, T = 16/TP2 = 8 tokens, R = 8*k2 = 16 expert rows:
     # norms 2*T*H = 1024 el; attention T*(H + (h+2g)d + hd) = 8*(64+128+64) = 2048 el; router T*H el +
-    # fp32 logits/probs 8*T*E bytes; experts R*H + 5*R*F (unfused weighted SwiGLU) = 1024 + 7680 el.
-    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 7680) + 8 * 8 * 8
-    assert per_layer == 25088
+    # fp32 logits/probs 8*T*E bytes; experts R*H + 3*R*F (fc1's [R, 2F] output and fc2's [R, F] input, kept by
+    # the fused weighted SwiGLU) = 1024 + 4608 el, plus the fp32 probabilities 4*R bytes.
+    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 4608) + 8 * 8 * 8 + 4 * 16
+    assert per_layer == 19008
     mem = plan_memory(TINY, plan, shape=SHAPE)
     # Stage 0 is the worse one: 1F1B keeps PP2 micro-batches of its 2 layers.
     assert mem.stage == 0
@@ -50,18 +51,20 @@ def test_memory_by_hand_mixtral_tiny():
     }
     # Without the distributed optimizer, with full recompute: the last stage is the larger one. It adds the
     # output layer (512*64/2) and final norm (64) to the parameters, keeps one micro-batch of layer inputs
-    # (2 layers * T*H) plus fp32 logits and their gradient (2 * 16 tokens * 512/2 * 4 bytes), and
+    # (2 layers * T*H) plus the fused loss's bf16 input (16 gathered tokens * 64), one fp32 log-sum-exp per token
+    # and one chunk (all 16 tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and
     # re-materializes one whole layer in backward.
     mem2 = plan_memory(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
                                    recompute="full"), shape=SHAPE)
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
     assert mem2.stage == 1
     assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert)
-    assert mem2.activations == 2 * 2 * 8 * 64 + 2 * 16 * 256 * 4
+    assert mem2.activations == 2 * 2 * 8 * 64 + (2 * 16 * 64 + 4 * 16 + 2 * 16 * 256 * 4)
     assert mem2.transient == 2 * 8 * 2 * 64 * 3 + per_layer
-    # A fused weighted SwiGLU keeps 2 fewer F-wide tensors per expert row.
-    fused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=True))
-    assert mem.activations - fused.activations == 2 * 2 * (2 * 2 * 16 * 96)
+    # A plain-autograd SwiGLU keeps 2 more F-wide bf16 tensors per expert row (R=16 rows, F=96), in each of the
+    # 2 layers of the 2 micro-batches in flight.
+    unfused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=False))
+    assert unfused.activations - mem.activations == 2 * 2 * (2 * 2 * 16 * 96)
 
 
 def test_expert_memory_falls_with_ep():
@@ -213,11 +216,13 @@ def test_tool_json_only_on_stdout():
     rows = json.loads(out.stdout)
     assert rows and rows[0]["mfu"] >= rows[-1]["mfu"]
     assert set(rows[0]["memory_breakdown_gib"]) == {"params", "grads", "optimizer", "activations", "transient"}
-    # --fused-swiglu reaches the memory model: the best layout keeps fewer expert activations than unfused.
+    # --fused-swiglu (the default, still accepted) plans the engine's experts: the best layout keeps fewer expert
+    # activations than a plain-autograd SwiGLU would.
     best = rows[0]
     plan = Plan(**{k: best[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer",
                                         "recompute", "folded")})
-    unfused = plan_memory(get_preset("mixtral_8x7b"), plan, shape=TrainingShape(seq_length=4096, global_batch_size=8))
+    unfused = plan_memory(get_preset("mixtral_8x7b"), plan,
+                          shape=TrainingShape(seq_length=4096, global_batch_size=8, fused_swiglu=False))
     assert best["memory_breakdown_gib"]["activations"] < unfused.activations / GIB - 1
     bad = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8",
                           "--gpu", "v100", "--seq-length", "16", "--global-batch-size", "8"],

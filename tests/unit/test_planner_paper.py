@@ -5,9 +5,6 @@ the paper's folded layout (matched on TP, CP, PP, EP, ETP) must predict an MFU w
 paper's, rank in the planner's top 3, and beat its Megatron-Core counterpart without folding. That
 counterpart keeps TP, CP, PP and sets ETP = TP (Megatron-Core's default) with EP carved out of DP; where the
 folded EP is then illegal (ETP·EP·PP > world) it takes the largest legal EP.
-
-The paper measured Megatron-Core, whose experts fuse the probability-weighted SwiGLU, so the rows are planned
-with ``fused_swiglu=True`` (activation memory of that engine; folding's own unfused experts keep more).
 """
 import functools
 
@@ -18,7 +15,7 @@ from folding.planning.hardware import get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, MATCH_KEYS, calibrate_compute_efficiency, plan_layouts
 from folding.planning.step_time import Cluster, TrainingShape
 
-SHAPE = TrainingShape(seq_length=4096, global_batch_size=256, fused_swiglu=True)
+SHAPE = TrainingShape(seq_length=4096, global_batch_size=256)
 
 # model, GPUs, folded (tp, cp, pp, ep, etp), paper MFU, MCore counterpart (tp, cp, pp, ep, etp), paper MFU
 ROWS = {
