@@ -41,8 +41,10 @@ def parse_args(argv=None):
                         "as folding's and Megatron-Core's are (the default; the flag is accepted for older scripts); "
                         "--no-fused-swiglu plans for a plain-autograd activation (5 per row)")
     p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
-    p.add_argument("--no-tp-comm-overlap", action="store_true",
-                   help="assume TP communication is not overlapped with GEMMs")
+    p.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="chunk all sequence-parallel communication behind the GEMMs (userbuffers, Megatron-Core's "
+                        "--tp-comm-overlap); off by default, as in Megatron-Core and folding: forward collectives "
+                        "exposed, backward ones partly overlapped (--no-tp-comm-overlap, the default, is accepted)")
     p.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
                    help=f"fraction of peak BF16 FLOP/s the GEMMs reach (default {COMPUTE_EFFICIENCY}, calibrated)")
     p.add_argument("--unfolded", action="store_true",
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         cfg = get_preset(args.model)
         gpu = get_gpu(args.gpu)
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain,
-                          tp_comm_overlap=not args.no_tp_comm_overlap)
+                          tp_comm_overlap=args.tp_comm_overlap)
         shape = TrainingShape(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                               micro_batch_size=args.micro_batch_size, fused_swiglu=args.fused_swiglu)
         results = plan_layouts(cfg, cluster=cluster, shape=shape, compute_efficiency=args.compute_efficiency,

@@ -10,8 +10,9 @@ from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
-from folding.planning.costs import _a2a_time, _exposed_behind_chunks, wave_utilization
-from folding.planning.step_time import Cluster, Plan, TrainingShape, estimate_step_time, stage_parameters
+from folding.planning.costs import (_a2a_time, _exposed_behind_chunks, gemm_time, gemm_train_times, hidden_behind,
+                                   wave_utilization)
+from folding.planning.step_time import Cluster, Plan, TrainingShape, _tp_block, estimate_step_time, stage_parameters
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -99,6 +100,56 @@ def test_wave_utilization_by_hand():
     # 266 tiles of 128x128 need 3 (67.2%): the better one counts. Per expert, 133 GEMMs would pay 133 waves.
     assert wave_utilization(128, 256, 132, groups=133) == pytest.approx(266 / (3 * 132))
     assert wave_utilization(128, 256, 132, groups=132) == pytest.approx(1.0)
+
+
+def test_gemm_roofline_by_hand():
+    gpu = get_gpu("h100")
+    hbm = 3.35e12 * 0.8                                      # achievable HBM bytes/s
+    m, n = 128 * 132, 256                                    # exactly one wave of 128x256 tiles
+    # k = 1: 2*m*n FLOPs are nothing; the bf16 operands (m*k + k*n) and output (m*n) make it HBM-bound.
+    assert gemm_time(m, n, 1, gpu, 0.5) == pytest.approx(2 * (m + n + m * n) / hbm)
+    # k = 8192: 70.9 GFLOP at half of 989.4 TFLOP/s = 143 us, against 289 MB of traffic = 108 us: compute-bound.
+    assert gemm_time(m, n, 8192, gpu, 0.5) == pytest.approx(2 * m * n * 8192 / (0.5 * 989.4e12))
+    # A fine-grained expert's wgrad (G8T8 at TP4 EP8: 1024 rows per expert, fc1 H=6144 -> 2F=4096) reduces over
+    # the 1024 rows into an fp32 [6144, 4096] accumulator read and written (8 bytes per element): 201 MB + 21 MB
+    # of operands = 83 us at 2.68 TB/s, longer than its 51.5 GFLOP at 0.68 of peak (77 us).
+    fwd, dgrad, wgrad = gemm_train_times(1024, 4096, 6144, gpu, 0.68)
+    assert wgrad == pytest.approx((2 * (6144 * 1024 + 1024 * 4096) + 8 * 6144 * 4096) / hbm)
+    assert wgrad > 2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(6144, 4096, 132))
+    assert fwd == pytest.approx(2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(1024, 4096, 132)))
+    assert dgrad == pytest.approx(2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(1024, 6144, 132)))
+
+
+def test_tp_collectives_by_hand():
+    # Collectives of 1 s; column GEMM (fwd, dgrad, wgrad) = (1, 0.5, 2) s, row GEMM (1, 1, 1) s; contention 0.3.
+    col, row = (1.0, 0.5, 2.0), (1.0, 1.0, 1.0)
+    # Default (no userbuffers): forward all-gather + reduce-scatter and the backward all-gather of the output
+    # gradient are exposed (3 s); the input re-gather outlasts the 0.5 s dgrad by 0.5 s and pays 0.3 * 0.5 for
+    # the overlapped part; the reduce-scatter hides behind the 2 s wgrad and pays 0.3 * 1.
+    assert _tp_block(1.0, 1, 4, col, row, False, 0.3) == pytest.approx(3 + 0.5 + 0.15 + 0.3)
+    # Selective recompute runs the forward pair twice: 2 more seconds exposed.
+    assert _tp_block(1.0, 2, 4, col, row, False, 0.3) == pytest.approx(5 + 0.5 + 0.15 + 0.3)
+    # tp_comm_overlap: 5 collectives chunked behind 6.5 s of GEMMs, one chunk of 4 exposed (1.25 s) and the
+    # hidden 3.75 s at 0.3.
+    assert _tp_block(1.0, 1, 4, col, row, True, 0.3) == pytest.approx(1.25 + 0.3 * 3.75)
+    assert hidden_behind(2.0, 0.5, 0.3) == pytest.approx(1.5 + 0.15)
+
+
+def test_pipeline_sends_overlap_only_when_interleaved():
+    cfg, shape = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256)
+    gpu = get_gpu("h100")
+    cl = Cluster(gpu=gpu, num_gpus=128)                      # 16 GPUs per stage: each send crosses nodes
+    send = 2048 * 6144 * 2 / (50e9 * 0.8)                    # [S/TP, H] bf16 over the NIC at 80%: 0.63 ms
+    m = 256 // 8                                             # micro-batches per replica (DP8)
+    t1 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=1, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
+                            compute_efficiency=0.6)
+    # 1F1B waits for each send and receive: 2 per micro-batch, each the transfer plus the inter-node latency.
+    assert t1.breakdown["pp"] == pytest.approx(m * 2 * (send + 40e-6))
+    # Interleaved (overlap_p2p_comm): 2 per micro-batch and virtual stage, each hidden behind a chunk's compute
+    # (tens of ms) but paying 30% contention, plus the latency.
+    t7 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=7, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
+                            compute_efficiency=0.6)
+    assert t7.breakdown["pp"] == pytest.approx(m * 2 * 7 * (0.3 * send + 40e-6))
 
 
 def test_dp_overlap_per_model_chunk_by_hand():
