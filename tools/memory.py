@@ -46,8 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step and replica (caps the pipeline's in-flight count)")
-    p.add_argument("--fused-swiglu", action="store_true",
-                   help="estimate for experts with a fused weighted SwiGLU (Megatron-Core's) instead of folding's")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
+                        "as folding's is (the default; the flag is accepted for older scripts); "
+                        "--no-fused-swiglu estimates a plain-autograd activation (5 per row)")
     p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks")
     return p.parse_args(argv)
 

@@ -36,11 +36,15 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
-    p.add_argument("--fused-swiglu", action="store_true",
-                   help="plan for experts with a fused weighted SwiGLU (Megatron-Core's): less activation memory")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
+                        "as folding's and Megatron-Core's are (the default; the flag is accepted for older scripts); "
+                        "--no-fused-swiglu plans for a plain-autograd activation (5 per row)")
     p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
-    p.add_argument("--no-tp-comm-overlap", action="store_true",
-                   help="assume TP communication is not overlapped with GEMMs")
+    p.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="chunk all sequence-parallel communication behind the GEMMs (userbuffers, Megatron-Core's "
+                        "--tp-comm-overlap); off by default, as in Megatron-Core and folding: forward collectives "
+                        "exposed, backward ones partly overlapped (--no-tp-comm-overlap, the default, is accepted)")
     p.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
                    help=f"fraction of peak BF16 FLOP/s the GEMMs reach (default {COMPUTE_EFFICIENCY}, calibrated)")
     p.add_argument("--unfolded", action="store_true",
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
         cfg = get_preset(args.model)
         gpu = get_gpu(args.gpu)
         cluster = Cluster(gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain,
-                          tp_comm_overlap=not args.no_tp_comm_overlap)
+                          tp_comm_overlap=args.tp_comm_overlap)
         shape = TrainingShape(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                               micro_batch_size=args.micro_batch_size, fused_swiglu=args.fused_swiglu)
         results = plan_layouts(cfg, cluster=cluster, shape=shape, compute_efficiency=args.compute_efficiency,

@@ -11,11 +11,11 @@ Kept per layer and micro-batch (``recompute="none"``):
 - norms: the inputs of both RMSNorms, ``2aTh``;
 - attention sublayer: QKV input, Q/K/V after RoPE, the attention output, ``aT(h + (nq+2nkv)d + nq d)``;
 - MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
-  ``aRh`` (kept by fc1); the unfused weighted SwiGLU of :mod:`folding.moe.experts` keeps fc1's output
-  (2F), ``silu(gate)``, ``silu(gate)*up`` and the probability-weighted product (fc2's input):
-  ``5aRF_e`` (``fused_swiglu=True`` models a fused weighted SwiGLU such as Megatron-Core's, which keeps
-  only fc1's output and fc2's input: ``3aRF_e``). Permute, all-to-all and unpermute keep only indices
-  (``index_select`` / ``index_add``),
+  ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.swiglu`, one
+  autograd node) keeps fc1's output ``[R, 2F_e]`` and the fp32 probabilities ``4R``, and fc2 keeps
+  its input ``[R, F_e]``: ``3aRF_e + 4R`` (``fused_swiglu=False`` estimates an engine whose
+  activation is plain autograd, which also keeps ``silu(gate)`` and ``silu(gate)*up``: ``5aRF_e + 4R``).
+  Permute, all-to-all and unpermute keep only indices (``index_select`` / ``index_add``),
   so the permuted copies are transient. A shared expert or dense MLP adds its input and
   ``width + 2F`` per token.
 
@@ -26,6 +26,9 @@ Recompute modes follow :class:`folding.model.block.TransformerLayer` exactly:
 - ``moe``: the MoE sublayer (post-attention norm + router + dispatch + experts) of MoE layers is
   checkpointed: router and expert tensors are dropped; dense layers keep everything;
 - ``full``: each layer keeps only its input ``aTh``.
+
+On the last stage the fused output layer + loss keeps its input and a log-sum-exp per token; its fp32
+logits exist one chunk of tokens at a time (:func:`logits_bytes`).
 
 Backward re-materializes one checkpointed region at a time; that working set is part of
 :func:`transient_bytes`, with the dispatcher's buffers of the layer being run.
@@ -50,7 +53,7 @@ def _check_mode(recompute: str) -> None:
 
 
 def _parts(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool,
-           fused_swiglu: bool = False) -> dict:
+           fused_swiglu: bool = True) -> dict:
     """Bytes of every kept tensor group of one layer (no recompute)."""
     return _parts_cached(sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes,
                          moe_layer, fused_swiglu)
@@ -80,19 +83,20 @@ def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batc
         r = t * s.top_k * etp
         fe = s.moe_ffn_hidden_size // etp
         router = a * t * h + 8 * t * s.num_experts
-        experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe
+        experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe + 4 * r
     return {"input": a * t * h, "norms": 2 * a * t * h, "attention": attn, "router": router,
             "experts": experts, "mlp": mlp}
 
 
 def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_size: int,
                                recompute: str = "none", act_bytes: int = 2, moe_layer: bool = True,
-                               fused_swiglu: bool = False) -> int:
+                               fused_swiglu: bool = True) -> int:
     """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
 
     ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp``
     sizes). ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``);
-    ``fused_swiglu``: the experts' weighted SwiGLU is fused (3F kept per row instead of folding's 5F). See
+    ``fused_swiglu``: the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row;
+    ``False``: plain autograd, 5F). See
     the module docstring for the terms and the recompute modes.
     """
     _check_mode(recompute)
@@ -109,7 +113,7 @@ def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_si
 
 
 def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, recompute: str = "none",
-                    act_bytes: int = 2, fused_swiglu: bool = False) -> int:
+                    act_bytes: int = 2, fused_swiglu: bool = True) -> int:
     """Peak bytes of short-lived buffers while one layer runs: the dispatcher's buffers (the permuted
     send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its expert-sorted copy,
     ``2aRh``) plus, under recompute, the largest region re-materialized in backward."""
@@ -130,11 +134,15 @@ def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, re
     return dispatch + working
 
 
-def logits_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int) -> int:
-    """fp32 logits and their gradient on the last pipeline stage (vocab-parallel: ``seq*mbs/CP`` tokens
-    times ``vocab/TP`` columns each), alive at once during the loss backward of one micro-batch."""
+def logits_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2,
+                 chunk_tokens: int = 2048) -> int:
+    """Bytes of the fused output layer + cross-entropy (:mod:`folding.model.fused_cross_entropy`) on the last
+    pipeline stage, for one micro-batch of ``tokens = seq*mbs/CP`` (the TP-gathered sequence chunk): its kept
+    input ``[tokens, H]`` and one fp32 log-sum-exp per token, plus the fp32 logits of one chunk of
+    ``chunk_tokens`` rows ``[chunk, vocab/TP]`` and their softmax (gradient), alive together."""
     tokens = seq_length * micro_batch_size // layout.cp
-    return 2 * 4 * tokens * (sizes.vocab_size // layout.tp)
+    chunk = min(chunk_tokens, tokens)
+    return act_bytes * tokens * sizes.hidden_size + 4 * tokens + 2 * 4 * chunk * (sizes.vocab_size // layout.tp)
 
 
 def in_flight_chunks(*, pp: int, vpp: int, stage: int, num_microbatches: Optional[int] = None) -> int:

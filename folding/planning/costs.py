@@ -1,4 +1,4 @@
-"""Time of the cost model's primitives: GEMMs in waves of output tiles, ring collectives, all-to-all across
+"""Time of the cost model's primitives: GEMMs in waves of output tiles under an HBM roofline, ring collectives, all-to-all across
 the NVLink domain and the network, and collectives overlapped per model chunk.
 
 Pure functions of sizes, a :class:`~folding.planning.hardware.GPUSpec` and a cluster (anything with ``gpu``
@@ -8,6 +8,7 @@ composes them into a step.
 Usage::
 
     gemm_time(4096, 2 * 14336, 4096, get_gpu("h100"), eff=0.68)            # one forward GEMM, seconds
+    fwd, dgrad, wgrad = gemm_train_times(1024, 4096, 6144, get_gpu("h100"), eff=0.68, groups=8)
     wave_utilization(1024, 5120, 132, groups=16)                           # a grouped GEMM of 16 experts
 """
 from __future__ import annotations
@@ -34,12 +35,32 @@ def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float
     return best
 
 
-def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1) -> float:
-    """Seconds of one forward GEMM ``[m, k] x [k, n]`` (or a grouped GEMM of ``groups`` of them) at ``eff``
-    of peak, scaled by wave utilization."""
+def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1,
+              out_bytes: float = 2.0) -> float:
+    """Seconds of one GEMM ``[m, k] x [k, n]`` (or a grouped GEMM of ``groups`` of them): the longer of its
+    tensor-core time at ``eff`` of peak, scaled by wave utilization, and its HBM time (roofline).
+
+    HBM traffic: the bf16 operands once, and the ``[m, n]`` output at ``out_bytes`` per element (2: a bf16
+    result; 8: an fp32 accumulator read and written, as weight-gradient GEMMs do when they accumulate into
+    fp32 main gradients, Megatron-Core's ``gradient_accumulation_fusion``).
+    """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    return 2.0 * groups * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms, groups))
+    flops_t = 2.0 * groups * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms, groups))
+    hbm_t = groups * (2.0 * (m * k + k * n) + out_bytes * m * n) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    return max(flops_t, hbm_t)
+
+
+def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1):
+    """``(forward, dgrad, wgrad)`` seconds of a linear layer whose forward GEMM is ``[m, k] x [k, n]``.
+
+    dgrad is ``[m, n] x [n, k]`` (output ``[m, k]``); wgrad is ``[k, m] x [m, n]`` (output ``[k, n]``, reduced
+    over the ``m`` rows, accumulated into fp32 main gradients); each with its own wave utilization and
+    roofline (:func:`gemm_time`). For an expert's grouped GEMM ``m`` is the rows per expert, so a
+    fine-grained expert's wgrad has a short reduction and a large fp32 output: it can be HBM-bound.
+    """
+    return (gemm_time(m, n, k, gpu, eff, groups), gemm_time(m, k, n, gpu, eff, groups),
+            gemm_time(k, n, m, gpu, eff, groups, out_bytes=8.0))
 
 
 def _crosses(span: int, cluster) -> bool:
@@ -84,3 +105,9 @@ def _exposed_behind_chunks(comm_s: float, *, pp: int, vpp: int, slot_s: float) -
         start = max(-(j * pp + 1) * slot_s, end)
         end = start + comm_s / vpp
     return max(0.0, end)
+
+
+def hidden_behind(comm_s: float, compute_s: float, contention: float) -> float:
+    """Time a collective of ``comm_s`` adds when it runs concurrently with ``compute_s`` of GEMMs: what
+    outlasts the GEMMs, plus ``contention`` of the overlapped part (its kernels take SMs and HBM bandwidth)."""
+    return max(0.0, comm_s - compute_s) + contention * min(comm_s, compute_s)

@@ -18,8 +18,8 @@ Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
   micro-batch, with ``T = seq*mbs/(TP*CP)`` tokens per rank and ``R = T*top_k*ETP`` expert rows,
   see :mod:`folding.planning.activations`; times the layers of the stage and the chunk forwards in
   flight at the schedule's peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's
-  warm-up count, capped by the step's micro-batches); plus fp32 logits and their gradient on the
-  last stage.
+  warm-up count, capped by the step's micro-batches); plus, on the last stage, the fused output
+  layer + loss's input and one chunk of fp32 logits with their softmax.
 - transient: the dispatcher's buffers of the layer being run and, under recompute, the region
   re-materialized in backward.
 
@@ -140,8 +140,8 @@ class MemoryEstimate:
     optimizer_expert: int
     """AdamW moments (+ master weights) of expert parameters held by this rank."""
     activations: int
-    """Estimated activation bytes kept for backward at the schedule's peak, fp32 logits included on the
-    last stage (0 when ``seq_length`` is 0)."""
+    """Estimated activation bytes kept for backward at the schedule's peak, the fused loss's chunk of fp32
+    logits included on the last stage (0 when ``seq_length`` is 0)."""
     stage: int
     """The pipeline stage this estimate is for."""
     transient: int = 0
@@ -266,7 +266,7 @@ def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, sta
 def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distributed: bool = False,
                     recompute: str = "none", seq_length: int = 0, micro_batch_size: int = 1,
                     act_bytes: int = 2, stage: Optional[int] = None,
-                    num_microbatches: Optional[int] = None, fused_swiglu: bool = False) -> MemoryEstimate:
+                    num_microbatches: Optional[int] = None, fused_swiglu: bool = True) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
     ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, pp, vpp,
@@ -274,8 +274,9 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
     are added to the optimizer state); ``distributed``: ZeRO-1 (``optim.distributed``);
     ``recompute``: ``train.recompute`` (none, selective, moe, full); ``seq_length=0`` leaves
     activations and transients out; ``num_microbatches``: micro-batches per step and data-parallel
-    replica, which caps the in-flight count (``None``: no cap); ``fused_swiglu``: estimate activations
-    for a fused weighted SwiGLU in the experts (Megatron-Core's) instead of folding's unfused one.
+    replica, which caps the in-flight count (``None``: no cap); ``fused_swiglu``: the experts'
+    probability-weighted SwiGLU is one autograd node that keeps 3 ``F``-wide tensors per row (folding's,
+    and Megatron-Core's; the default); ``False`` estimates a plain-autograd activation (5 per row).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
@@ -303,7 +304,8 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
         chunks = in_flight_chunks(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         acts = per_mb * chunks / vpp
         if stage == layout.pp - 1:
-            acts += logits_bytes(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size)
+            acts += logits_bytes(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                 act_bytes=act_bytes)
         transient = transient_bytes(sizes, layout, **kw)
     return MemoryEstimate(params_dense=c.dense * param_bytes, params_expert=c.expert * param_bytes,
                           grads_dense=4 * c.dense, grads_expert=4 * c.expert, optimizer_dense=int(opt_d),

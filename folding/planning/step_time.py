@@ -5,14 +5,15 @@ output layer). Per micro-batch and transformer layer, on one GPU:
 
 - **Compute**: matmul FLOPs of :mod:`folding.planning.flops` for the rank's share (tokens split over
   TP·CP for attention; the expert work of a stage is balanced over its ranks, so each GPU does
-  ``tokens/(TP·CP)`` worth whatever EP/ETP), forward + backward (+ the recomputed sublayers), at
-  ``compute_efficiency × peak``. ``compute_efficiency`` is the one calibrated constant.
-- **Memory-bound kernels**: bytes moved by norms, residuals, RoPE, permute/unpermute and SwiGLU, at the
-  achievable HBM bandwidth.
-- **TP** (sequence parallel): all-gather + reduce-scatter of the layer input around attention (and
-  around the shared expert / dense MLP) forward, the mirror pair backward; ``(TP-1)/TP`` of the
-  full-sequence activation per call, overlapped with the block's GEMMs by chunking when
-  ``Cluster.tp_comm_overlap`` (one chunk exposed, the hidden part at ``overlap_contention``).
+  ``tokens/(TP·CP)`` worth whatever EP/ETP), forward, dgrad and wgrad GEMMs (+ the recomputed
+  sublayers), each at ``compute_efficiency × peak`` in waves of output tiles or at its HBM time if longer
+  (wgrad accumulates into fp32 main gradients). ``compute_efficiency`` is the one calibrated constant.
+- **Memory-bound kernels**: bytes moved by norms, residuals, RoPE, permute/unpermute, the dispatcher's
+  expert-major sort and its inverse, and SwiGLU, at the achievable HBM bandwidth.
+- **TP** (sequence parallel), per TP block (QKV + projection; a shared expert / dense MLP): forward all-gather
+  and reduce-scatter and the backward all-gather of the output gradient exposed; the backward re-gather of
+  the input and reduce-scatter of its gradient overlapped with the column-parallel GEMM's dgrad / wgrad
+  (Megatron-Core's default); with ``Cluster.tp_comm_overlap`` all of them chunked behind the block's GEMMs.
 - **CP**: ring exchange of K/V (forward) and K/V + dK/dV (backward), overlapped with the attention core;
   only what exceeds the core's time is exposed.
 - **EP / ETP** (MoE layers): all-to-all dispatch + combine forward and backward, each sending
@@ -20,7 +21,9 @@ output layer). Per micro-batch and transformer layer, on one GPU:
   ETP of ``(ETP-1)`` times those copies. The all-to-all crosses nodes when the dispatch group
   (ETP·EP consecutive ranks folded; TP·CP·EP without folding) outgrows the NVLink domain: the share of
   peers on other nodes goes over the NIC, the rest over NVLink, at the same time.
-- **PP**: activation send/recv per micro-batch and virtual stage; **bubble** ``(PP-1)/VPP`` stage times.
+- **PP**: activation send/recv per micro-batch and virtual stage, waited for under 1F1B, overlapped with a
+  chunk's compute under interleaving (Megatron-Core's ``overlap_p2p_comm``); **bubble** ``(PP-1)/VPP``
+  stage times.
 - **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter + bf16 all-gather
   (distributed optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped
   with the backward / next forward that follows each chunk (:func:`_exposed_behind_chunks`); the hidden
@@ -43,7 +46,7 @@ from typing import Dict
 from folding.model.config import ModelConfig
 
 from . import flops as F
-from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time
+from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
 from .memory import model_sizes, param_counts
 
@@ -60,9 +63,10 @@ class TrainingShape:
     """Samples per optimizer step."""
     micro_batch_size: int = 1
     """Samples per micro-batch (per data-parallel replica)."""
-    fused_swiglu: bool = False
-    """Plan for an engine whose experts fuse the probability-weighted SwiGLU (Megatron-Core's), keeping
-    3 instead of folding's 5 ``F``-wide tensors per routed row for backward (memory only)."""
+    fused_swiglu: bool = True
+    """The experts' probability-weighted SwiGLU is one autograd node (folding's and Megatron-Core's), keeping
+    3 ``F``-wide tensors per routed row for backward; ``False`` plans for a plain-autograd activation that
+    keeps 5 (memory only)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,9 +79,11 @@ class Cluster:
     """World size."""
     nvlink_domain: int = 8
     """GPUs per NVLink domain (per node on HGX); consecutive ranks fill a domain first."""
-    tp_comm_overlap: bool = True
-    """Sequence-parallel all-gather / reduce-scatter overlapped with the adjacent GEMMs by chunking, as
-    TransformerEngine's ``tp_comm_overlap`` does; ``False`` exposes all TP communication."""
+    tp_comm_overlap: bool = False
+    """Sequence-parallel collectives chunked behind the block's GEMMs (TransformerEngine userbuffers,
+    Megatron-Core's ``--tp-comm-overlap``, off by default there). ``False`` (the default, and folding's):
+    forward all-gather / reduce-scatter and the backward all-gather of the output gradient are exposed; the
+    backward re-gather of the input and reduce-scatter of its gradient overlap the dgrad / wgrad GEMMs."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +139,27 @@ class StepTime:
     """Seconds per step on the bottleneck stage by cause (compute, tp, cp, ep, pp, memory_bound, bubble, dp, optimizer)."""
 
 
+def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap: bool, contention: float) -> float:
+    """Exposed seconds of the sequence-parallel collectives of one TP block (a column-parallel GEMM then a
+    row-parallel one: QKV + projection, or fc1 + fc2), ``fwd`` forwards and one backward, each collective
+    ``comm_s``. ``col`` / ``row``: ``(forward, dgrad, wgrad)`` seconds of the two GEMMs.
+
+    Forward: all-gather of the input, reduce-scatter of the output. Backward: all-gather of the output
+    gradient (the row-parallel GEMM needs it before its dgrad and wgrad: exposed), the re-gather of the
+    column-parallel GEMM's input (its wgrad needs it; overlapped with that GEMM's dgrad) and the
+    reduce-scatter of its input gradient (overlapped with its wgrad): Megatron-Core's and TransformerEngine's
+    default. ``overlap`` models ``tp_comm_overlap`` (userbuffers): every collective is chunked behind the
+    block's GEMMs, one chunk of ``tp`` exposed.
+    """
+    if overlap:
+        comm = (2 * fwd + 3) * comm_s
+        gemms = fwd * (col[0] + row[0]) + col[1] + col[2] + row[1] + row[2]
+        hidden = min(comm * (1 - 1 / tp), gemms)
+        return comm - hidden + contention * hidden
+    return ((2 * fwd + 1) * comm_s + hidden_behind(comm_s, col[1], contention)
+            + hidden_behind(comm_s, col[2], contention))
+
+
 def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster,
                  eff: float, moe: bool) -> Dict[str, float]:
     """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause."""
@@ -143,56 +170,63 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
     # attention sublayer runs twice under selective / full, the MoE (or dense MLP) sublayer under moe / full.
     attn_fwd = 2 if plan.recompute in ("selective", "full") else 1
     mlp_fwd = 2 if plan.recompute == "full" or (plan.recompute == "moe" and moe) else 1
-    # Each forward GEMM has two backward GEMMs, charged at the forward shape's wave utilization.
+
+    def train(times, fwd):  # (forward, dgrad, wgrad) -> seconds for `fwd` forwards and one backward
+        return fwd * times[0] + times[1] + times[2]
+
     core = F.attention_core_flops(cfg, S) * tok
     seq_tok = S * b / plan.cp                          # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * d
-    lin_t = gemm_time(seq_tok, qkv_n / plan.tp, H, gpu, eff) + gemm_time(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
+    qkv = gemm_train_times(seq_tok, qkv_n / plan.tp, H, gpu, eff)
+    proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
+    attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
+    tp_block = None                                    # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.num_experts // plan.ep
         rows = plan.etp * tok * cfg.topk / local        # routed copies per local expert (balanced)
         f = cfg.moe_ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
-        mlp_t = gemm_time(rows, 2 * f, H, gpu, eff, local) + gemm_time(rows, H, f, gpu, eff, local)
-        mlp_t += F.router_flops(cfg) * tok / flops_rate
-        tp_block_t = 0.0
+        mlp_t = (train(gemm_train_times(rows, 2 * f, H, gpu, eff, local), mlp_fwd)
+                 + train(gemm_train_times(rows, H, f, gpu, eff, local), mlp_fwd))
+        mlp_t += (2 + mlp_fwd) * F.router_flops(cfg) * tok / flops_rate
         if cfg.shared_expert_ffn_hidden_size:
             fs = cfg.shared_expert_ffn_hidden_size / plan.tp
-            tp_block_t = gemm_time(seq_tok, 2 * fs, H, gpu, eff) + gemm_time(seq_tok, H, fs, gpu, eff)
-            mlp_t += tp_block_t
+            tp_block = (gemm_train_times(seq_tok, 2 * fs, H, gpu, eff), gemm_train_times(seq_tok, H, fs, gpu, eff))
     else:
         fd = cfg.ffn_hidden_size / plan.tp
-        mlp_t = tp_block_t = gemm_time(seq_tok, 2 * fd, H, gpu, eff) + gemm_time(seq_tok, H, fd, gpu, eff)
+        tp_block = (gemm_train_times(seq_tok, 2 * fd, H, gpu, eff), gemm_train_times(seq_tok, H, fd, gpu, eff))
+        mlp_t = 0.0
+    if tp_block is not None:
+        mlp_t += train(tp_block[0], mlp_fwd) + train(tp_block[1], mlp_fwd)
     core_t = core / flops_rate
     # The dispatcher's host sync on split sizes: once per MoE forward.
     sync = mlp_fwd * gpu.host_sync_s if moe else 0.0
-    out = {"compute": (2 + attn_fwd) * (core_t + lin_t) + (2 + mlp_fwd) * mlp_t + sync,
+    out = {"compute": (2 + attn_fwd) * core_t + attn_t + mlp_t + sync,
            "core_attention": (2 + attn_fwd) * core_t}
 
     # Memory-bound element-wise traffic (bytes per forward; backward ≈ 2x): norm, RoPE and residual on each
-    # side; permute + unpermute (4 H-rows per routed copy, ETP-gathered) and SwiGLU (3 F-rows) for MoE.
+    # side. MoE: the permute (index_select) and unpermute (index_add) of the k·T routed copies, each a read
+    # and a write of an H-row; the sort of the received R = ETP·k·T rows into expert-major order and its
+    # inverse before the combine (only when there is something to sort: several local experts or ETP > 1);
+    # the SwiGLU (3 F-rows per routed copy).
     elem_attn = 5 * H * BF16 * tok
     elem_mlp = 5 * H * BF16 * tok
     if moe:
-        elem_mlp += cfg.topk * tok * (4 * H * plan.etp + 3 * cfg.moe_ffn_hidden_size) * BF16
+        routed = cfg.topk * tok
+        sort = 4 * plan.etp * routed * H if (cfg.num_experts // plan.ep > 1 or plan.etp > 1) else 0
+        elem_mlp += (4 * routed * H + sort + 3 * routed * cfg.moe_ffn_hidden_size) * BF16
     out["memory_bound"] = (((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp)
                            / (gpu.hbm_bandwidth * gpu.hbm_efficiency))
 
-    # TP: AG + RS per block (attention; shared expert / dense MLP), forward and backward, overlapped with
-    # the block's own GEMMs by chunking (the first of TP chunks is always exposed).
+    # TP (sequence parallel): the collectives of the attention block and of a TP-sharded MLP (_tp_block).
     tp_t = 0.0
     if plan.tp > 1:
-        full = S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp
-        for block_t, fwd in ((lin_t, attn_fwd), (tp_block_t, mlp_fwd)):
-            if block_t == 0.0:
-                continue
-            comm = (2 * fwd + 2) * _ring_time(full, plan.tp, cluster)
-            if cluster.tp_comm_overlap:
-                hidden = min(comm * (1 - 1 / plan.tp), (2 + fwd) * block_t)
-                tp_t += comm - hidden + gpu.overlap_contention * hidden
-            else:
-                tp_t += comm
+        c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
+        tp_t = _tp_block(c, attn_fwd, plan.tp, qkv, proj, cluster.tp_comm_overlap, gpu.overlap_contention)
+        if tp_block is not None:
+            tp_t += _tp_block(c, mlp_fwd, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap,
+                              gpu.overlap_contention)
     out["tp"] = tp_t
 
     # CP: ring K/V exchange, hidden behind the attention core where it can be.
@@ -256,9 +290,15 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     per_mb = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / plan.pp for c in causes}
 
     # Output layer + cross-entropy on the last stage (logits in fp32, a few passes over them).
-    out_compute = 3 * F.output_layer_flops(cfg) * tok / rate
+    # The output layer is column-parallel: its all-gather forward is exposed, its backward re-gather and
+    # reduce-scatter overlap its dgrad / wgrad GEMMs.
+    out_g = gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, compute_efficiency)
+    out_compute = sum(out_g)
     out_mem = 4 * tok * cfg.vocab_size / plan.tp * FP32 / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
-    out_tp = 2 * _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster) if plan.tp > 1 else 0.0
+    out_tp = 0.0
+    if plan.tp > 1:
+        c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
+        out_tp = c + hidden_behind(c, out_g[1], gpu.overlap_contention) + hidden_behind(c, out_g[2], gpu.overlap_contention)
     per_mb_last = dict(per_mb)
     per_mb_last["compute"] += out_compute
     per_mb_last["memory_bound"] += out_mem
@@ -269,7 +309,13 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     if plan.pp > 1:
         crosses = cluster.num_gpus // plan.pp >= cluster.nvlink_domain
         act = tok * H * BF16
-        pp_t = 2 * plan.vpp * (act / gpu.link_bandwidth(crosses_node=crosses, kind="ring") + gpu.latency(crosses_node=crosses))
+        send = act / gpu.link_bandwidth(crosses_node=crosses, kind="ring")
+        # Interleaved 1F1B posts each chunk's send/recv asynchronously and waits for it only before the chunk
+        # that needs it (Megatron-Core's overlap_p2p_comm, on by default with virtual stages): the transfer runs
+        # behind a chunk's compute, paying the contention of hidden traffic. Plain 1F1B waits for it.
+        if plan.vpp > 1:
+            send = hidden_behind(send, sum(per_mb.values()) / plan.vpp, gpu.overlap_contention)
+        pp_t = 2 * plan.vpp * (send + gpu.latency(crosses_node=crosses))
     per_mb_last["pp"] = pp_t
     t_last = sum(per_mb_last.values())
     t_mean = sum(per_mb.values()) + (out_compute + out_mem + out_tp) / plan.pp + pp_t

@@ -33,7 +33,8 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
 
 def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     """Bytes per rank on the worst pipeline stage, from :func:`folding.planning.memory.memory_per_rank`
-    with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch count."""
+    with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch count (the
+    experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row)."""
     t = job.train
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)
     width = 2 if t.precision == "bf16" else 4

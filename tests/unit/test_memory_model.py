@@ -90,17 +90,25 @@ def test_activations_by_hand_small_model():
     norms = 2 * 2 * 4 * 4                          # inputs of both norms: 2 * a*T*H
     attn = 2 * 4 * (4 + (2 + 2) * 2 + 2 * 2)       # a*T*(H + (nq+2nkv)d + nq*d)
     router = 2 * 4 * 4 + 8 * 4 * 4                 # a*T*H + fp32 logits and probs 8*T*E
-    experts = 2 * 8 * 4 + 5 * 2 * 8 * 2            # a*R*H + 5*a*R*F (unfused weighted SwiGLU)
+    # a*R*H (fc1's input) + 3*a*R*F (fc1's [R, 2F] output and fc2's [R, F] input, kept by the fused weighted
+    # SwiGLU) + 4*R (fp32 probabilities, one per row) = 64 + 96 + 32 = 192
+    experts = 2 * 8 * 4 + 3 * 2 * 8 * 2 + 4 * 8
     kw = dict(seq_length=8, micro_batch_size=1)
-    assert activation_bytes_per_layer(s, lay, **kw) == norms + attn + router + experts == 576
+    # 64 + 128 + 160 + 192 = 544
+    assert activation_bytes_per_layer(s, lay, **kw) == norms + attn + router + experts == 544
     assert activation_bytes_per_layer(s, lay, recompute="selective", **kw) == norms + router + experts
     assert activation_bytes_per_layer(s, lay, recompute="moe", **kw) == norms + attn
     assert activation_bytes_per_layer(s, lay, recompute="full", **kw) == 2 * 4 * 4
-    assert activation_bytes_per_layer(s, lay, fused_swiglu=True, **kw) == 576 - 2 * 2 * 8 * 2
+    # a plain-autograd activation also keeps silu(gate) and silu(gate)*up: 2 more a*R*F = 64 bytes
+    assert activation_bytes_per_layer(s, lay, fused_swiglu=False, **kw) == 544 + 2 * 2 * 8 * 2 == 608
     # dispatch buffers: permuted copies a*T*k*H, receive + sorted copies 2*a*R*H; plus the recomputed region
     assert transient_bytes(s, lay, **kw) == 2 * 4 * 2 * 4 * 3
     assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + router + experts
-    assert logits_bytes(s, lay, **kw) == 2 * 4 * 8 * (8 // 2)      # fp32 logits + grad, [s/CP, V/TP]
+    # fused output layer + loss on the last stage, s/CP = 8 tokens: its bf16 input a*8*H, one fp32 log-sum-exp
+    # per token, and one chunk (all 8 tokens fit in 2048) of fp32 logits + softmax [8, V/TP] = 64 + 32 + 256
+    assert logits_bytes(s, lay, **kw) == 2 * 8 * 4 + 4 * 8 + 2 * 4 * 8 * (8 // 2) == 352
+    # at 4096 tokens only one chunk of chunk_tokens rows of logits exists: 32768 + 16384 + 2*4*1024*4
+    assert logits_bytes(s, lay, seq_length=4096, micro_batch_size=1, chunk_tokens=1024) == 32768 + 16384 + 32768
     # a dense layer: a SwiGLU MLP of ffn_hidden_size keeps its input and 4F per token instead of the MoE terms
     d = ModelSizes(vocab_size=8, hidden_size=4, num_layers=1, num_experts=4, moe_ffn_hidden_size=2,
                    dense_layers=(0,), ffn_hidden_size=6)

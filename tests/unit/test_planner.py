@@ -10,8 +10,9 @@ from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
-from folding.planning.costs import _a2a_time, _exposed_behind_chunks, wave_utilization
-from folding.planning.step_time import Cluster, Plan, TrainingShape, estimate_step_time, stage_parameters
+from folding.planning.costs import (_a2a_time, _exposed_behind_chunks, gemm_time, gemm_train_times, hidden_behind,
+                                   wave_utilization)
+from folding.planning.step_time import Cluster, Plan, TrainingShape, _tp_block, estimate_step_time, stage_parameters
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -35,9 +36,10 @@ def test_memory_by_hand_mixtral_tiny():
     assert (dense, expert) == (29952, 73728)
     # Activations per layer and micro-batch, bf16, T = 16/TP2 = 8 tokens, R = 8*k2 = 16 expert rows:
     # norms 2*T*H = 1024 el; attention T*(H + (h+2g)d + hd) = 8*(64+128+64) = 2048 el; router T*H el +
-    # fp32 logits/probs 8*T*E bytes; experts R*H + 5*R*F (unfused weighted SwiGLU) = 1024 + 7680 el.
-    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 7680) + 8 * 8 * 8
-    assert per_layer == 25088
+    # fp32 logits/probs 8*T*E bytes; experts R*H + 3*R*F (fc1's [R, 2F] output and fc2's [R, F] input, kept by
+    # the fused weighted SwiGLU) = 1024 + 4608 el, plus the fp32 probabilities 4*R bytes.
+    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 4608) + 8 * 8 * 8 + 4 * 16
+    assert per_layer == 19008
     mem = plan_memory(TINY, plan, shape=SHAPE)
     # Stage 0 is the worse one: 1F1B keeps PP2 micro-batches of its 2 layers.
     assert mem.stage == 0
@@ -50,18 +52,20 @@ def test_memory_by_hand_mixtral_tiny():
     }
     # Without the distributed optimizer, with full recompute: the last stage is the larger one. It adds the
     # output layer (512*64/2) and final norm (64) to the parameters, keeps one micro-batch of layer inputs
-    # (2 layers * T*H) plus fp32 logits and their gradient (2 * 16 tokens * 512/2 * 4 bytes), and
+    # (2 layers * T*H) plus the fused loss's bf16 input (16 gathered tokens * 64), one fp32 log-sum-exp per token
+    # and one chunk (all 16 tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and
     # re-materializes one whole layer in backward.
     mem2 = plan_memory(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
                                    recompute="full"), shape=SHAPE)
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
     assert mem2.stage == 1
     assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert)
-    assert mem2.activations == 2 * 2 * 8 * 64 + 2 * 16 * 256 * 4
+    assert mem2.activations == 2 * 2 * 8 * 64 + (2 * 16 * 64 + 4 * 16 + 2 * 16 * 256 * 4)
     assert mem2.transient == 2 * 8 * 2 * 64 * 3 + per_layer
-    # A fused weighted SwiGLU keeps 2 fewer F-wide tensors per expert row.
-    fused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=True))
-    assert mem.activations - fused.activations == 2 * 2 * (2 * 2 * 16 * 96)
+    # A plain-autograd SwiGLU keeps 2 more F-wide bf16 tensors per expert row (R=16 rows, F=96), in each of the
+    # 2 layers of the 2 micro-batches in flight.
+    unfused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=False))
+    assert unfused.activations - mem.activations == 2 * 2 * (2 * 2 * 16 * 96)
 
 
 def test_expert_memory_falls_with_ep():
@@ -96,6 +100,56 @@ def test_wave_utilization_by_hand():
     # 266 tiles of 128x128 need 3 (67.2%): the better one counts. Per expert, 133 GEMMs would pay 133 waves.
     assert wave_utilization(128, 256, 132, groups=133) == pytest.approx(266 / (3 * 132))
     assert wave_utilization(128, 256, 132, groups=132) == pytest.approx(1.0)
+
+
+def test_gemm_roofline_by_hand():
+    gpu = get_gpu("h100")
+    hbm = 3.35e12 * 0.8                                      # achievable HBM bytes/s
+    m, n = 128 * 132, 256                                    # exactly one wave of 128x256 tiles
+    # k = 1: 2*m*n FLOPs are nothing; the bf16 operands (m*k + k*n) and output (m*n) make it HBM-bound.
+    assert gemm_time(m, n, 1, gpu, 0.5) == pytest.approx(2 * (m + n + m * n) / hbm)
+    # k = 8192: 70.9 GFLOP at half of 989.4 TFLOP/s = 143 us, against 289 MB of traffic = 108 us: compute-bound.
+    assert gemm_time(m, n, 8192, gpu, 0.5) == pytest.approx(2 * m * n * 8192 / (0.5 * 989.4e12))
+    # A fine-grained expert's wgrad (G8T8 at TP4 EP8: 1024 rows per expert, fc1 H=6144 -> 2F=4096) reduces over
+    # the 1024 rows into an fp32 [6144, 4096] accumulator read and written (8 bytes per element): 201 MB + 21 MB
+    # of operands = 83 us at 2.68 TB/s, longer than its 51.5 GFLOP at 0.68 of peak (77 us).
+    fwd, dgrad, wgrad = gemm_train_times(1024, 4096, 6144, gpu, 0.68)
+    assert wgrad == pytest.approx((2 * (6144 * 1024 + 1024 * 4096) + 8 * 6144 * 4096) / hbm)
+    assert wgrad > 2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(6144, 4096, 132))
+    assert fwd == pytest.approx(2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(1024, 4096, 132)))
+    assert dgrad == pytest.approx(2 * 1024 * 4096 * 6144 / (0.68 * 989.4e12 * wave_utilization(1024, 6144, 132)))
+
+
+def test_tp_collectives_by_hand():
+    # Collectives of 1 s; column GEMM (fwd, dgrad, wgrad) = (1, 0.5, 2) s, row GEMM (1, 1, 1) s; contention 0.3.
+    col, row = (1.0, 0.5, 2.0), (1.0, 1.0, 1.0)
+    # Default (no userbuffers): forward all-gather + reduce-scatter and the backward all-gather of the output
+    # gradient are exposed (3 s); the input re-gather outlasts the 0.5 s dgrad by 0.5 s and pays 0.3 * 0.5 for
+    # the overlapped part; the reduce-scatter hides behind the 2 s wgrad and pays 0.3 * 1.
+    assert _tp_block(1.0, 1, 4, col, row, False, 0.3) == pytest.approx(3 + 0.5 + 0.15 + 0.3)
+    # Selective recompute runs the forward pair twice: 2 more seconds exposed.
+    assert _tp_block(1.0, 2, 4, col, row, False, 0.3) == pytest.approx(5 + 0.5 + 0.15 + 0.3)
+    # tp_comm_overlap: 5 collectives chunked behind 6.5 s of GEMMs, one chunk of 4 exposed (1.25 s) and the
+    # hidden 3.75 s at 0.3.
+    assert _tp_block(1.0, 1, 4, col, row, True, 0.3) == pytest.approx(1.25 + 0.3 * 3.75)
+    assert hidden_behind(2.0, 0.5, 0.3) == pytest.approx(1.5 + 0.15)
+
+
+def test_pipeline_sends_overlap_only_when_interleaved():
+    cfg, shape = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256)
+    gpu = get_gpu("h100")
+    cl = Cluster(gpu=gpu, num_gpus=128)                      # 16 GPUs per stage: each send crosses nodes
+    send = 2048 * 6144 * 2 / (50e9 * 0.8)                    # [S/TP, H] bf16 over the NIC at 80%: 0.63 ms
+    m = 256 // 8                                             # micro-batches per replica (DP8)
+    t1 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=1, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
+                            compute_efficiency=0.6)
+    # 1F1B waits for each send and receive: 2 per micro-batch, each the transfer plus the inter-node latency.
+    assert t1.breakdown["pp"] == pytest.approx(m * 2 * (send + 40e-6))
+    # Interleaved (overlap_p2p_comm): 2 per micro-batch and virtual stage, each hidden behind a chunk's compute
+    # (tens of ms) but paying 30% contention, plus the latency.
+    t7 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=7, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
+                            compute_efficiency=0.6)
+    assert t7.breakdown["pp"] == pytest.approx(m * 2 * 7 * (0.3 * send + 40e-6))
 
 
 def test_dp_overlap_per_model_chunk_by_hand():
@@ -213,11 +267,13 @@ def test_tool_json_only_on_stdout():
     rows = json.loads(out.stdout)
     assert rows and rows[0]["mfu"] >= rows[-1]["mfu"]
     assert set(rows[0]["memory_breakdown_gib"]) == {"params", "grads", "optimizer", "activations", "transient"}
-    # --fused-swiglu reaches the memory model: the best layout keeps fewer expert activations than unfused.
+    # --fused-swiglu (the default, still accepted) plans the engine's experts: the best layout keeps fewer expert
+    # activations than a plain-autograd SwiGLU would.
     best = rows[0]
     plan = Plan(**{k: best[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer",
                                         "recompute", "folded")})
-    unfused = plan_memory(get_preset("mixtral_8x7b"), plan, shape=TrainingShape(seq_length=4096, global_batch_size=8))
+    unfused = plan_memory(get_preset("mixtral_8x7b"), plan,
+                          shape=TrainingShape(seq_length=4096, global_batch_size=8, fused_swiglu=False))
     assert best["memory_breakdown_gib"]["activations"] < unfused.activations / GIB - 1
     bad = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8",
                           "--gpu", "v100", "--seq-length", "16", "--global-batch-size", "8"],
