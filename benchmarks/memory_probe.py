@@ -68,6 +68,8 @@ class PeakProfile:
     of blocks allocated before the region are not seen, see the module docstring)."""
     end_bytes: int
     """Net change of live tensor bytes at the end of the region (negative when it freed more)."""
+    peak_time_ns: int
+    """When the peak was reached (profiler clock, ``time.time_ns()``'s epoch; 0 when never above the start)."""
     num_events: int
     """Allocation plus free events replayed."""
     live_at_peak: List[Allocation]
@@ -110,7 +112,8 @@ def peak_of(events: Iterable[Allocation]) -> PeakProfile:
             live.pop(ev.ptr, None)       # frees of tensors made before the region are not listed
     at_peak = sorted(live.values(), key=lambda a: -a.size)
     n = len(events)
-    return PeakProfile(peak_bytes=peak, end_bytes=running, num_events=n, live_at_peak=at_peak)
+    return PeakProfile(peak_bytes=peak, end_bytes=running, num_events=n,
+                      peak_time_ns=events[peak_index].time_ns if peak_index >= 0 else 0, live_at_peak=at_peak)
 
 
 class PeakProbe:

@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import sys
+import time
 
 import torch
 
@@ -29,9 +30,12 @@ def _known_pattern(keep):
 
 def test_probe_reports_the_known_peak_net_change_and_live_set():
     keep = []
+    t0 = time.time_ns()
     with mp.PeakProbe() as probe:
         _known_pattern(keep)
+    t1 = time.time_ns()
     r = probe.result
+    assert t0 <= r.peak_time_ns <= t1                       # same clock as time.time_ns() (phase marks)
     assert r.peak_bytes == (192 + 256) * KB                 # b and c alive together
     assert r.end_bytes == 192 * KB                           # only d survives
     assert sorted(a.size for a in r.live_at_peak) == [192 * KB, 256 * KB]
