@@ -65,11 +65,14 @@ def model_config(a):
 
 
 def _frame(stack, top: int = 2) -> str:
-    """The innermost ``top`` Python frames of the engine (``folding/``) that lead to an allocation."""
-    own = [s for s in stack if "folding/" in s and ".py(" in s]
-    if not own:
-        own = [s for s in stack if ".py(" in s] or list(stack[-1:])
-    return " < ".join(s.split("folding/")[-1] for s in reversed(own[-top:]))
+    """Where an allocation came from: the innermost ``top`` engine frames (``folding/``) and the op or
+    backward node that made it (``stack`` from a ``with_stack`` profile, outermost first)."""
+    own = [s.split("folding/")[-1] for s in stack if "folding/" in s and ".py(" in s
+           and "testing/rank_pool" not in s]
+    nodes = [s.split(": ", 1)[-1] for s in stack if s.startswith("autograd::engine::evaluate_function")]
+    ops = [s for s in stack if s.startswith("aten::")]
+    op = nodes[-1] + " (backward)" if nodes else (ops[0] if ops else "?")
+    return (" < ".join(reversed(own[-top:])) + " · " if own else "") + op
 
 
 def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=0):
@@ -213,8 +216,9 @@ def main(argv=None):
                 if ep in (eps[0], eps[-1]):
                     res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, "balanced", a.distributed, a.explain)
                     top = max(res, key=lambda r: r["persistent"] + r["peak_delta"])
-                    explain += [f"**{name} EP{ep}** (balanced; rank with the peak, peak in {top['phase']}, "
-                                f"working set {top['peak_delta'] / MiB:.2f} MiB):", "",
+                    explain += [f"Largest allocations alive at the peak, **{name} EP{ep}** (balanced; rank "
+                                f"with the peak, peak in {top['phase']}, working set "
+                                f"{top['peak_delta'] / MiB:.2f} MiB):", "",
                                 "| KiB | allocated by |", "|---|---|",
                                 *[f"| {size / 1024:.1f} | `{where}` |" for size, where in top["top"]], ""]
     trend = []
@@ -241,7 +245,7 @@ def main(argv=None):
         "expected). Saved for backward = storages autograd kept (saved-tensor hook).",
         "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes=4, act_bytes=4, "
         "fused_swiglu=True)", "",
-        *rows, "", *trend, "", *explain])
+        *explain, *rows, "", *trend])
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
