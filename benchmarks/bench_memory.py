@@ -1,45 +1,60 @@
 """Per-rank memory as EP grows at a fixed world size, folded and non-folded, against folding/planning.
 
-On ``--world`` gloo ranks (``folding.testing.RankPool``, CPU) and a small Mixtral, for EP in
-``--eps`` (default 1, 2, 4, 8) and two attention layouts:
+On ``--world`` gloo ranks (``folding.testing.RankPool``, CPU, fp32) and a small Mixtral, for EP in
+``--eps`` (default 1, 2, 4, 8), two attention layouts and two routing modes:
 
 - ``non-folded``: attention ``TP1 DP=world``; EP is carved out of DP (EP <= DP), ETP = 1.
 - ``folded``: attention ``TP=--tp`` (sequence parallel), ``DP = world/TP``; EP up to the world,
   ETP = 1 (EP > DP is only possible with folding).
+- ``--routing balanced``: the MoE layers run with ``MoEConfig.force_balance`` (round-robin expert
+  choice, every expert gets the same rows; probabilities and gradients still come from the router),
+  so what changes with EP is the engine's own memory, not the routing's imbalance.
+- ``--routing learned``: the (untrained, random) router decides; dropless routing is then unbalanced
+  and the rank holding the busiest expert carries more rows. Both are run by default.
 
-What is measured on each rank, exactly:
+One training step is the engine's own: ``model(ids, labels=)`` (fused loss), the loss sum over the
+global token count, ``backward()``, :class:`folding.optim.FoldedOptimizer` (folded gradient
+reduction over DP / EDP, clipping, AdamW; ``--distributed`` for ZeRO-1). What is measured per rank:
 
-- ``params``, ``grads``: bytes of this rank's parameter tensors and of their ``.grad`` after one
-  backward (fp32, no gradient buffers beyond ``.grad``).
-- ``optimizer``: bytes of ``torch.optim.AdamW``'s state tensors after one ``step()`` (both moments;
-  the scalar ``step`` counters are included and negligible).
-- ``activations (peak)``: the largest total of distinct tensor storages that autograd holds for
-  backward during the forward (a ``torch.autograd.graph.saved_tensors_hooks`` pack hook adds each new
-  storage, deduplicated by data pointer, parameters and their views excluded; the total only grows during forward, so its value at the end
-  of forward is the peak). Transient buffers freed inside the forward (all-to-all staging,
-  temporaries) are *not* counted: a CPU allocator exposes no peak-allocated statistic, so this is the
-  saved-activation peak, not the process's resident peak.
+- ``persistent``: bytes of the distinct storages of parameters, model buffers, fp32 main gradients
+  and optimizer state after a warm-up step (so AdamW state exists) and ``zero_grad()``.
+- ``true peak``: ``persistent`` plus the peak increase of live CPU tensor bytes during a second,
+  profiled step (forward, backward, optimizer), replayed from the profiler's allocation events
+  (``benchmarks/memory_probe.py``): every tensor counts, activations, dispatcher send/receive
+  buffers, all-to-all staging, gradients in flight, temporaries. ``net`` is the step's net change
+  of live bytes (about 0 when nothing persistent was replaced; see the probe's docstring).
+- ``saved``: the largest total of distinct storages autograd saved for backward during forward
+  (a saved-tensor hook; parameters excluded): the activation part of the peak, for comparison with
+  the analytic model's activation term.
+- ``phase``: where the peak happened (forward, backward or optimizer) on the rank with the peak.
 
-The analytic column is ``folding.planning.memory.memory_per_rank`` for the same layout, fp32
-parameters (``param_bytes=4``), activations at ``act_bytes=4``, no distributed optimizer.
+The analytic columns are ``folding.planning.memory.memory_per_rank`` for the same layout (fp32
+parameters and activations, ``fused_swiglu=True`` as the engine runs, ``distributed`` as measured).
+``--explain`` re-runs the balanced EP1 and EP-max layouts with Python stacks and lists the largest
+allocations alive at the peak, with the function that made them.
 
 Usage::
 
-    python benchmarks/bench_memory.py --world 8 --seq 128 --out benchmarks/memory_ep_cpu.md
+    python benchmarks/bench_memory.py --out benchmarks/memory_ep_cpu.md
+    python benchmarks/bench_memory.py --routing balanced --eps 1,8 --explain
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MiB = 2.0 ** 20
+ROUTINGS = ("balanced", "learned")
 
 
 def model_config(a):
@@ -49,65 +64,118 @@ def model_config(a):
                       vocab_size=a.vocab, router_aux_loss_coef=0.0)
 
 
-def _bytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+def _frame(stack, top: int = 2) -> str:
+    """Where an allocation came from: the innermost ``top`` engine frames (``folding/``) and the op or
+    backward node that made it (``stack`` from a ``with_stack`` profile, outermost first)."""
+    own = [s.split("folding/")[-1] for s in stack if "folding/" in s and ".py(" in s
+           and "testing/rank_pool" not in s]
+    nodes = [s.split(": ", 1)[-1] for s in stack if s.startswith("autograd::engine::evaluate_function")]
+    ops = [s for s in stack if s.startswith("aten::")]
+    op = nodes[-1] + " (backward)" if nodes else (ops[0] if ops else "?")
+    return (" < ".join(reversed(own[-top:])) + " · " if own else "") + op
 
 
-def measure(cfg, layout_kw, seq, batch, seed):
-    """On every rank: one training step, returning measured and analytic bytes (see module docstring)."""
+def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=0):
+    """On every rank: a warm-up step, then a profiled step; returns measured and analytic bytes."""
     import torch.distributed as dist
+    from memory_probe import PeakProbe, storage_bytes
+    from folding.model.moe_block import moe_config_from_model
     from folding.model.transformer import MoETransformer
+    from folding.optim import FoldedOptimizer, OptimConfig
     from folding.parallel import ParallelLayout, build_parallel_state
+    from folding.pipeline.stage import moe_factory_for
     from folding.planning.memory import ModelSizes, memory_per_rank
     torch.set_num_threads(1)
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
     ps = build_parallel_state(layout)
     try:
-        model = MoETransformer(cfg, parallel_state=ps, init_seed=seed)
+        moe_cfg = moe_config_from_model(cfg, force_balance=routing == "balanced")
+        model = MoETransformer(cfg, parallel_state=ps, init_seed=seed, moe_factory=moe_factory_for(moe_cfg))
+        opt = FoldedOptimizer(model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed),
+                              parallel_state=ps)
         gen = torch.Generator().manual_seed(seed + ps.dp_rank)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
-        # parameters (and views of them, e.g. w.t()) that autograd saves are not activations
-        seen, live = {p.untyped_storage().data_ptr() for p in model.parameters()}, [0]
+        labels = torch.roll(ids, -1, 1)
+        global_tokens = batch * seq * layout.dp * layout.cp
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved, marks = [0, set()], {}
 
         def pack(t):
             key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                live[0] += t.untyped_storage().nbytes()
+            if key not in params and key not in saved[1]:
+                saved[1].add(key)
+                saved[0] += t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(ids, labels=torch.roll(ids, -1, 1)).mean()
-        act_peak = live[0]
-        loss.backward()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        opt.step()
-        params = list(model.parameters())
-        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        est = memory_per_rank(ModelSizes.from_model_config(cfg), layout, param_bytes=4, distributed=False,
-                              seq_length=seq, micro_batch_size=batch, act_bytes=4)
-        return {"params": _bytes(params), "grads": _bytes(p.grad for p in params), "optimizer": _bytes(state),
-                "activations": act_peak,
-                "est_params": est.params_dense + est.params_expert, "est_grads": est.grads_dense + est.grads_expert,
-                "est_optimizer": est.optimizer_dense + est.optimizer_expert, "est_activations": est.activations}
+        def step():
+            opt.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(ids, labels=labels).sum() / global_tokens
+            marks["backward"] = time.time_ns()
+            loss.backward()
+            marks["optimizer"] = time.time_ns()
+            opt.clip_and_step()
+
+        step()                                                         # warm-up: state exists
+        opt.zero_grad()
+        gc.collect()
+        state = [t for st in opt.state for ts in st.values() for t in ts]
+        persistent = storage_bytes([*model.parameters(), *model.buffers(), *(b.main_grad for b in opt.buffers),
+                                    *state])
+        saved[0], saved[1] = 0, set()
+        dist.barrier()
+        with PeakProbe(with_stack=explain_top > 0) as probe:
+            step()
+        r = probe.result
+        phase = ("forward" if r.peak_time_ns < marks["backward"] else
+                 "backward" if r.peak_time_ns < marks["optimizer"] else "optimizer")
+        est = memory_per_rank(ModelSizes.from_model_config(cfg), layout, param_bytes=4, distributed=distributed,
+                              seq_length=seq, micro_batch_size=batch, act_bytes=4, fused_swiglu=True)
+        out = {"persistent": persistent, "peak_delta": r.peak_bytes, "net": r.end_bytes, "saved": saved[0],
+               "phase": phase, **{f"meas_{k}": v for k, v in opt.memory_bytes().items()},
+               **{f"est_{k}": v for k, v in est.by_part().items()}, "est_total": est.total}
+        if explain_top:
+            out["top"] = [(a.size, _frame(a.stack)) for a in r.live_at_peak[:explain_top]]
+        return out
     finally:
         ps.destroy()
 
 
-def layouts(a):
+def layouts(a, num_experts):
     """``(name, ep, layout kwargs)`` for every legal combination of the sweep."""
-    out = []
-    for ep in a.eps:
-        if ep <= a.world:                                              # non-folded: EP carved from DP
-            out.append(("non-folded", ep, dict(tp=1, ep=ep, etp=1)))
-    for ep in a.eps:
-        out.append((f"folded (TP{a.tp})", ep, dict(tp=a.tp, ep=ep, etp=1)))
-    return [(n, ep, kw) for n, ep, kw in out if a.world % (ep * kw["etp"]) == 0 and cfg_ok(a, ep)]
+    out = [("non-folded (TP1)", ep, dict(tp=1, ep=ep, etp=1)) for ep in a.eps]
+    out += [(f"folded (TP{a.tp})", ep, dict(tp=a.tp, ep=ep, etp=1)) for ep in a.eps]
+    return [(n, ep, kw) for n, ep, kw in out
+            if a.world % (ep * kw["etp"]) == 0 and num_experts % ep == 0 and a.world % kw["tp"] == 0]
 
 
-def cfg_ok(a, ep) -> bool:
-    """EP must divide the 8 experts."""
-    return 8 % ep == 0
+def _pct(new, old) -> str:
+    return f"{100 * (new / old - 1):+.1f}%"
+
+
+def _row(routing, name, ep, kw, a, res):
+    """One table row and the numbers the trend lines need."""
+    peaks = [r["persistent"] + r["peak_delta"] for r in res]
+    top = res[max(range(len(res)), key=peaks.__getitem__)]
+    work = [r["peak_delta"] for r in res]
+    saved = [r["saved"] for r in res]
+    est_pers = top["est_params"] + top["est_grads"] + top["est_optimizer"]
+    peak, mean = max(peaks), sum(peaks) / len(peaks)
+    cells = [routing, name, str(ep), str(a.world // (ep * kw["etp"])),
+             f"{top['persistent'] / MiB:.2f} ({est_pers / MiB:.2f})",
+             f"{max(saved) / MiB:.2f} / {sum(saved) / len(saved) / MiB:.2f} ({top['est_activations'] / MiB:.2f})",
+             f"{max(work) / MiB:.2f} ({(top['est_activations'] + top['est_transient']) / MiB:.2f})",
+             f"{max(abs(r['net']) for r in res) / MiB:.2f}",
+             f"{peak / MiB:.2f}", f"{mean / MiB:.2f}", f"{top['est_total'] / MiB:.2f}",
+             f"{peak / top['est_total']:.2f}", top["phase"]]
+    return "| " + " | ".join(cells) + " |", dict(peak=peak, mean=mean, work=max(work), saved=max(saved),
+                                                 saved_mean=sum(saved) / len(saved))
+
+
+HEADER = ["| routing | layout | EP | EDP | persistent MiB (model) | saved for backward MiB, max / mean "
+          "(model activations) | step working set MiB, max (model act. + transient) | max abs net MiB | "
+          "true peak MiB, max rank | true peak, mean of ranks | model total MiB | peak / model | peak in |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv=None):
@@ -118,48 +186,69 @@ def main(argv=None):
                     ("seq", 128), ("batch", 2), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=d)
     p.add_argument("--eps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    p.add_argument("--out", default=None)
+    p.add_argument("--routing", choices=("both",) + ROUTINGS, default="both",
+                   help="balanced: MoEConfig.force_balance (engine memory alone); learned: the random router")
+    p.add_argument("--distributed", action="store_true", help="ZeRO-1 optimizer (optim.distributed)")
+    p.add_argument("--explain", type=int, nargs="?", const=8, default=0, metavar="N",
+                   help="list the N largest allocations alive at the peak, balanced routing, first and last EP")
+    p.add_argument("--out", default=None, help="markdown report to write")
     a = p.parse_args(argv)
     from folding.testing import RankPool
     cfg = model_config(a)
-    rows = ["| layout | EP | DP | params MiB (model) | grads MiB (model) | AdamW state MiB (model) | "
-            "saved activations peak MiB, max rank (model) | same, mean of ranks | total MiB, max rank |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    peaks = {}
+    plan = layouts(a, cfg.num_experts)
+    if not plan:
+        raise SystemExit(f"--eps {a.eps} with --world {a.world} --tp {a.tp}: no legal layout "
+                         f"(EP must divide the world and the {cfg.num_experts} experts)")
+    routings = ROUTINGS if a.routing == "both" else (a.routing,)
+    rows, stats, explain = list(HEADER), {}, []
+    t0 = time.time()
     with RankPool(a.world) as pool:
-        for name, ep, kw in layouts(a):
-            res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed)
-            top = max(res, key=lambda r: r["params"] + r["grads"] + r["optimizer"] + r["activations"])
-            act = max(r["activations"] for r in res)
-            total = top["params"] + top["grads"] + top["optimizer"] + top["activations"]
-            peaks.setdefault(name, []).append((ep, act, total))
-            rows.append(f"| {name} | {ep} | {a.world // kw['tp']} | {top['params'] / MiB:.2f} ({top['est_params'] / MiB:.2f}) | "
-                        f"{top['grads'] / MiB:.2f} ({top['est_grads'] / MiB:.2f}) | "
-                        f"{top['optimizer'] / MiB:.2f} ({top['est_optimizer'] / MiB:.2f}) | "
-                        f"{act / MiB:.2f} ({top['est_activations'] / MiB:.2f}) | "
-                        f"{sum(r['activations'] for r in res) / len(res) / MiB:.2f} | {total / MiB:.2f} |")
-            print(rows[-1], flush=True)
-    trend = ["Dropless routing with a random router is unbalanced: with EP=8 each rank holds one expert, and "
-             "the rank of the busiest expert receives more rows than the mean (the `max rank` vs `mean` "
-             "activation columns); with EP=1 every rank averages all eight experts.", ""]
-    for name, vals in peaks.items():
-        first, last = vals[0], vals[-1]
-        trend.append(f"- {name}: saved-activation peak EP{first[0]} -> EP{last[0]}: "
-                     f"{100 * (last[1] / first[1] - 1):+.1f}%; total per rank {100 * (last[2] / first[2] - 1):+.1f}%")
+        for routing in routings:
+            for name, ep, kw in plan:
+                res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, routing, a.distributed)
+                row, st = _row(routing, name, ep, kw, a, res)
+                rows.append(row)
+                stats.setdefault((routing, name), []).append((ep, st))
+                print(row, flush=True)
+        if a.explain:
+            eps = sorted({ep for _, ep, _ in plan})
+            for name, ep, kw in plan:
+                if ep in (eps[0], eps[-1]):
+                    res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, "balanced", a.distributed, a.explain)
+                    top = max(res, key=lambda r: r["persistent"] + r["peak_delta"])
+                    explain += [f"Largest allocations alive at the peak, **{name} EP{ep}** (balanced; rank "
+                                f"with the peak, peak in {top['phase']}, working set "
+                                f"{top['peak_delta'] / MiB:.2f} MiB):", "",
+                                "| KiB | allocated by |", "|---|---|",
+                                *[f"| {size / 1024:.1f} | `{where}` |" for size, where in top["top"]], ""]
+    trend = []
+    for (routing, name), vals in stats.items():
+        (e0, s0), (e1, s1) = vals[0], vals[-1]
+        trend.append(f"- {routing}, {name}, EP{e0} -> EP{e1}: true peak (max rank) {_pct(s1['peak'], s0['peak'])} "
+                     f"({s0['peak'] / MiB:.2f} -> {s1['peak'] / MiB:.2f} MiB), mean of ranks "
+                     f"{_pct(s1['mean'], s0['mean'])}; step working set {_pct(s1['work'], s0['work'])}; "
+                     f"saved for backward max {_pct(s1['saved'], s0['saved'])}, mean "
+                     f"{_pct(s1['saved_mean'], s0['saved_mean'])}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = "\n".join([
         "# Per-rank memory as EP grows (fixed world size)", "",
-        f"- device: CPU gloo, {a.world} ranks ({platform.machine()}), fp32; torch {torch.__version__}",
+        f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), fp32; "
+        f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `python benchmarks/bench_memory.py {' '.join(argv)}`",
-        f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E=8 top-2 layers={a.layers} vocab={a.vocab}; "
-        f"micro-batch {a.batch} x seq {a.seq} per data-parallel rank; torch AdamW (not distributed)",
-        "- measured: tensor bytes of parameters, `.grad` and AdamW state; activations = peak of distinct "
-        "storages saved for backward (saved-tensor hook), not transient buffers (see the script's docstring)",
-        "- in parentheses: `folding.planning.memory.memory_per_rank` for the same layout", "",
-        *rows, "", *trend, ""])
+        f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.num_experts} top-{cfg.topk} layers={a.layers} "
+        f"vocab={a.vocab}; micro-batch {a.batch} x seq {a.seq} per data-parallel rank; one step = fused-loss "
+        f"forward, backward, FoldedOptimizer (AdamW, {'ZeRO-1' if a.distributed else 'not distributed'})",
+        "- true peak = persistent bytes (parameters, buffers, main grads, optimizer state) + the largest "
+        "increase of live CPU tensor bytes during one profiled step (profiler allocation events: every "
+        "tensor, transients included). Working set = that increase. Net = the step's net change (~0 "
+        "expected). Saved for backward = storages autograd kept (saved-tensor hook).",
+        "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes=4, act_bytes=4, "
+        "fused_swiglu=True)", "",
+        *explain, *rows, "", *trend])
     if a.out:
         with open(a.out, "w") as f:
-            f.write(text)
+            f.write(text + "\n")
     print(text)
 
 
