@@ -2,7 +2,8 @@
 
 :class:`FoldedOptimizer` owns the gradient buffers of a model (one per
 :class:`~folding.optim.param_groups.ParamClass`), their reduction (:mod:`folding.optim.reducer`), the
-global grad norm (:mod:`folding.optim.clip`), an AdamW written elementwise on flat fp32 shards, and
+global grad norm (:mod:`folding.optim.clip`), AdamW on flat fp32 shards (PyTorch's fused AdamW kernel,
+one pass per bucket; an elementwise fallback where the build lacks it), and
 the LR schedule (:mod:`folding.optim.schedules`).
 
 - Gradients are *summed* over DP×CP (dense) and EDP (experts), plus TP for sequence-parallel and
@@ -38,6 +39,9 @@ import torch
 import torch.distributed as dist
 
 from .clip import clip_coefficient, global_grad_norm
+
+# PyTorch's fused AdamW kernel (CPU and CUDA): the same update as the elementwise fallback below
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
 from .param_groups import classify
@@ -132,6 +136,7 @@ class FoldedOptimizer:
         bc1 = 1.0 - c.beta1 ** self.step_count
         bc2 = 1.0 - c.beta2 ** self.step_count
         works = []
+        steps_t: Dict[torch.device, torch.Tensor] = {}             # the step count, one per device
         for buf, st in zip(self.buffers, self.state):
             wd = c.weight_decay if buf.cls.decay else 0.0
             for i, b in enumerate(buf.buckets):
@@ -140,12 +145,19 @@ class FoldedOptimizer:
                 if coef != 1.0:
                     g.mul_(coef)
                 m, v, w = st["exp_avg"][i], st["exp_avg_sq"][i], st["master"][i]
-                m.lerp_(g, 1.0 - c.beta1)
-                v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-                if wd:
-                    w.mul_(1.0 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(bc2)).add_(c.eps)
-                w.addcdiv_(m, denom, value=-lr / bc1)
+                if _FUSED_ADAMW is not None and w.device.type in ("cpu", "cuda"):
+                    # one pass, no temporaries: PyTorch's fused AdamW kernel on the flat shard
+                    if w.device not in steps_t:
+                        steps_t[w.device] = torch.tensor(float(self.step_count), device=w.device)
+                    _FUSED_ADAMW([w], [g], [m], [v], [], [steps_t[w.device]], lr=lr, beta1=c.beta1, beta2=c.beta2,
+                                 weight_decay=wd, eps=c.eps, amsgrad=False, maximize=False)
+                else:
+                    m.lerp_(g, 1.0 - c.beta1)
+                    v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+                    if wd:
+                        w.mul_(1.0 - lr * wd)
+                    denom = v.sqrt().div_(math.sqrt(bc2)).add_(c.eps)
+                    w.addcdiv_(m, denom, value=-lr / bc1)
                 if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
                     buf.param_data[lo:hi].copy_(w)
                 if buf.shard and buf.groups.dp_size > 1:

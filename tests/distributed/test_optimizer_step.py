@@ -148,10 +148,28 @@ def test_clip_threshold_is_active():
     assert LOW < min(norms) and max(norms) < 100.0
 
 
+def _step_on_rank_elementwise(cases):
+    """``_step_on_rank`` with the elementwise AdamW (the fallback where a build lacks the fused kernel)."""
+    import folding.optim.optimizer as optimizer_module
+    fused, optimizer_module._FUSED_ADAMW = optimizer_module._FUSED_ADAMW, None
+    try:
+        return _step_on_rank(cases, None)
+    finally:
+        optimizer_module._FUSED_ADAMW = fused
+
+
 def test_steps_match_one_rank_adamw(ranks):
-    results = ranks(8).run(_step_on_rank, STEP_CASES, None)
+    _check_steps(ranks(8).run(_step_on_rank, STEP_CASES, None), STEP_CASES)
+
+
+def test_elementwise_adamw_fallback_matches(ranks):
+    cases = [STEP_CASES[2], STEP_CASES[8]]                   # ZeRO-1 and plain, TP/ETP and EP folded
+    _check_steps(ranks(8).run(_step_on_rank_elementwise, cases), cases)
+
+
+def _check_steps(results, cases):
     refs = {}
-    for case_i, (layout_kwargs, tied, distributed, clip) in enumerate(STEP_CASES):
+    for case_i, (layout_kwargs, tied, distributed, clip) in enumerate(cases):
         if (tied, clip) not in refs:
             refs[(tied, clip)] = reference_steps(tied, clip)
         ref_params, ref_norms = refs[(tied, clip)]
