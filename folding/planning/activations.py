@@ -114,15 +114,18 @@ def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_si
 
 def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, recompute: str = "none",
                     act_bytes: int = 2, fused_swiglu: bool = True) -> int:
-    """Peak bytes of short-lived buffers while one layer runs: the dispatcher's buffers (the permuted
-    send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its expert-sorted copy,
-    ``2aRh``) plus, under recompute, the largest region re-materialized in backward."""
+    """Peak bytes of short-lived buffers while one layer runs: the larger of the dispatcher's buffers in
+    forward (the permuted send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its
+    expert-sorted copy, ``2aRh``) and the experts' backward working set (fc2's input gradient, ``silu(gate)``
+    and ``grad·up`` ``[R, F]`` each, and fc1's output gradient ``[R, 2F]``: ``5aRF``), which are never alive
+    together, plus, under recompute, the largest region re-materialized in backward."""
     _check_mode(recompute)
     p = _parts(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes,
                moe_layer=True, fused_swiglu=fused_swiglu)
     a, h = act_bytes, sizes.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     dispatch = a * t * sizes.top_k * h * (1 + 2 * layout.etp)
+    experts_backward = 5 * a * (t * sizes.top_k * layout.etp) * (sizes.moe_ffn_hidden_size // layout.etp)
     if recompute == "full":
         working = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
     elif recompute == "selective":
@@ -131,7 +134,7 @@ def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, re
         working = p["router"] + p["experts"] + p["mlp"]
     else:
         working = 0
-    return dispatch + working
+    return max(dispatch, experts_backward) + working
 
 
 def logits_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2,

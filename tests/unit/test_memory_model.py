@@ -101,9 +101,14 @@ def test_activations_by_hand_small_model():
     assert activation_bytes_per_layer(s, lay, recompute="full", **kw) == 2 * 4 * 4
     # a plain-autograd activation also keeps silu(gate) and silu(gate)*up: 2 more a*R*F = 64 bytes
     assert activation_bytes_per_layer(s, lay, fused_swiglu=False, **kw) == 544 + 2 * 2 * 8 * 2 == 608
-    # dispatch buffers: permuted copies a*T*k*H, receive + sorted copies 2*a*R*H; plus the recomputed region
+    # dispatch buffers: permuted copies a*T*k*H, receive + sorted copies 2*a*R*H = 192, larger than the experts'
+    # backward working set 5*a*R*F = 5*2*8*2 = 160; plus the recomputed region
     assert transient_bytes(s, lay, **kw) == 2 * 4 * 2 * 4 * 3
     assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + router + experts
+    # with experts four times as wide (F=8) the backward working set wins: 5*a*R*F = 5*2*8*8 = 640 > 192
+    wide = ModelSizes(vocab_size=8, hidden_size=4, num_layers=2, num_experts=4, moe_ffn_hidden_size=8,
+                      num_attention_heads=2, num_query_groups=1)
+    assert transient_bytes(wide, lay, **kw) == 640
     # fused output layer + loss on the last stage, s/CP = 8 tokens: its bf16 input a*8*H, one fp32 log-sum-exp
     # per token, and one chunk (all 8 tokens fit in 2048) of fp32 logits + softmax [8, V/TP] = 64 + 32 + 256
     assert logits_bytes(s, lay, **kw) == 2 * 8 * 4 + 4 * 8 + 2 * 4 * 8 * (8 // 2) == 352

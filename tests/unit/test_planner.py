@@ -48,20 +48,23 @@ def test_memory_by_hand_mixtral_tiny():
         "grads": (dense + expert) * 4,
         "optimizer": 12 * (dense / 2 + expert / 1),        # dense sharded over DP*CP=2, experts over EDP=1
         "activations": 2 * 2 * per_layer,
-        "transient": 2 * 8 * 2 * 64 * 3,                    # permuted send buffer + receive + sorted copy
+        # the experts' backward working set 5*a*R*F = 5*2*16*96 = 15360 bytes (fc2's input gradient,
+        # silu(gate), grad*up [R, F] each, fc1's output gradient [R, 2F]) outweighs the dispatcher's
+        # permuted send buffer + receive + sorted copy a*T*k*H*3 = 2*8*2*64*3 = 6144 bytes
+        "transient": 5 * 2 * 16 * 96,
     }
     # Without the distributed optimizer, with full recompute: the last stage is the larger one. It adds the
     # output layer (512*64/2) and final norm (64) to the parameters, keeps one micro-batch of layer inputs
     # (2 layers * T*H) plus the fused loss's bf16 input (16 gathered tokens * 64), one fp32 log-sum-exp per token
     # and one chunk (all 16 tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and
-    # re-materializes one whole layer in backward.
+    # re-materializes one whole layer in backward, while the experts' backward working set is alive.
     mem2 = plan_memory(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
                                    recompute="full"), shape=SHAPE)
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
     assert mem2.stage == 1
     assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert)
     assert mem2.activations == 2 * 2 * 8 * 64 + (2 * 16 * 64 + 4 * 16 + 2 * 16 * 256 * 4)
-    assert mem2.transient == 2 * 8 * 2 * 64 * 3 + per_layer
+    assert mem2.transient == 5 * 2 * 16 * 96 + per_layer          # experts' backward working set + one layer
     # A plain-autograd SwiGLU keeps 2 more F-wide bf16 tensors per expert row (R=16 rows, F=96), in each of the
     # 2 layers of the 2 micro-batches in flight.
     unfused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=False))
