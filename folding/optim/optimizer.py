@@ -64,6 +64,7 @@ class FoldedOptimizer:
         self.ps = parallel_state
         self.train_steps = train_steps
         self.step_count = 0
+        self.updates = 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("FoldedOptimizer: the model has no trainable parameters")
@@ -124,7 +125,9 @@ class FoldedOptimizer:
         """Reduce, clip to ``optim.clip_grad`` and apply one AdamW step.
 
         Returns ``(grad_norm, skipped)``: the pre-clip global norm, and True when it is NaN/Inf (then
-        no parameter or state changes and ``step_count`` does not advance). Collective on all ranks.
+        no parameter or state changes and neither ``step_count`` nor ``updates`` advances; a trainer that
+        skips the step advances ``step_count`` alone, so that the LR schedule moves on while AdamW's bias
+        correction, which counts ``updates``, sees only the updates applied). Collective on all ranks.
         """
         norm = self.grad_norm()
         if not math.isfinite(norm):
@@ -132,11 +135,12 @@ class FoldedOptimizer:
         coef = clip_coefficient(norm, self.config.clip_grad)
         lr = self.lr
         self.step_count += 1
+        self.updates += 1
         c = self.config
-        bc1 = 1.0 - c.beta1 ** self.step_count
-        bc2 = 1.0 - c.beta2 ** self.step_count
+        bc1 = 1.0 - c.beta1 ** self.updates
+        bc2 = 1.0 - c.beta2 ** self.updates
         works = []
-        steps_t: Dict[torch.device, torch.Tensor] = {}             # the step count, one per device
+        steps_t: Dict[torch.device, torch.Tensor] = {}             # the update count, one per device
         for buf, st in zip(self.buffers, self.state):
             wd = c.weight_decay if buf.cls.decay else 0.0
             for i, b in enumerate(buf.buckets):
@@ -148,7 +152,7 @@ class FoldedOptimizer:
                 if _FUSED_ADAMW is not None and w.device.type in ("cpu", "cuda"):
                     # one pass, no temporaries: PyTorch's fused AdamW kernel on the flat shard
                     if w.device not in steps_t:
-                        steps_t[w.device] = torch.tensor(float(self.step_count), device=w.device)
+                        steps_t[w.device] = torch.tensor(float(self.updates), device=w.device)
                     _FUSED_ADAMW([w], [g], [m], [v], [], [steps_t[w.device]], lr=lr, beta1=c.beta1, beta2=c.beta2,
                                  weight_decay=wd, eps=c.eps, amsgrad=False, maximize=False)
                 else:
@@ -191,7 +195,8 @@ class FoldedOptimizer:
         ZeRO-1 shard) and fp32 ``exp_avg``, ``exp_avg_sq`` and ``master`` for that range. Expert
         parameters stack their local experts along dim 0 (global dim 0 = local × EP).
         """
-        out = {"step": self.step_count, "distributed": self.config.distributed, "params": {}}
+        out = {"step": self.step_count, "updates": self.updates, "distributed": self.config.distributed,
+               "params": {}}
         for buf, st in zip(self.buffers, self.state):
             for k, (name, off) in enumerate(zip(buf.names, buf.offsets)):
                 n = buf.params[k].numel()
@@ -226,6 +231,7 @@ class FoldedOptimizer:
                     raise ValueError(f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
                                      f"rank owns {want}: saved with another optim.distributed or layout")
         self.step_count = int(sd["step"])
+        self.updates = int(sd.get("updates", sd["step"]))
         for buf, st in zip(self.buffers, self.state):
             for k, name in enumerate(buf.names):
                 e = sd["params"][name]
@@ -270,13 +276,15 @@ class FoldedOptimizer:
         return out
 
     @torch.no_grad()
-    def load_param_state(self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int) -> None:
+    def load_param_state(self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int,
+                         updates: Optional[int] = None) -> None:
         """Restore state exported by :meth:`param_state` (possibly saved under another layout or
         ``distributed`` setting, once resliced to this rank's parameter shapes): each rank keeps the
         part of every parameter it updates (its ZeRO-1 shard, or all of it). ``master`` entries, when
         present, also overwrite the parameters' owned range; when absent (saved from fp32
         parameters) non-fp32 masters are taken from the current parameter values. ``step`` becomes
-        ``step_count`` (the LR schedule position and the bias-correction step). No communication."""
+        ``step_count`` (the LR schedule position) and ``updates`` (default: ``step``) the AdamW updates
+        applied (the bias-correction step). No communication."""
         for buf in self.buffers:
             for name, p in zip(buf.names, buf.params):
                 if name not in states:
@@ -302,6 +310,7 @@ class FoldedOptimizer:
                 elif buf.param_data.dtype != torch.float32:
                     st["master"][b.index][a - lo:z - lo].copy_(buf.param_data[a:z])
         self.step_count = int(step)
+        self.updates = int(step if updates is None else updates)
 
     # ------------------------------------------------------------------------------ memory
     def memory_bytes(self) -> Dict[str, int]:

@@ -243,7 +243,8 @@ def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, l
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        meta = {"format": FORMAT, "step": int(step), "data": data.state_dict() if data is not None else None,
+        meta = {"format": FORMAT, "step": int(step), "adam_updates": int(optimizer.updates),
+                "data": data.state_dict() if data is not None else None,
                 "model": _plain(dataclasses.asdict(job.model)), "moe": _plain(dataclasses.asdict(job.moe)),
                 "optim": _plain(dataclasses.asdict(job.optim)), "layout": layout.describe(),
                 "world_size": dist.get_world_size(), "precision": job.train.precision,
@@ -293,7 +294,7 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner())
     for b in sd.values():
         b.sync_mirrors()
-    optimizer.load_param_state(fp32, step=int(meta["step"]))
+    optimizer.load_param_state(fp32, step=int(meta["step"]), updates=meta.get("adam_updates"))
     if data is not None and meta.get("data") is not None:
         data.load_state_dict(meta["data"])
     rng = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")

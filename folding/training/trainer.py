@@ -136,7 +136,8 @@ def _peak_tflops(job: JobConfig, device: torch.device) -> Optional[float]:
 
 
 def _skip_update(optimizer) -> None:
-    """Advance the LR schedule without changing parameters or optimizer moments."""
+    """Advance the LR schedule without changing parameters, optimizer moments or the count of AdamW
+    updates (its bias correction)."""
     optimizer.step_count += 1
 
 

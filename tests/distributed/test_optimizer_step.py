@@ -229,3 +229,37 @@ def _one_step_reference():
         return reference_steps(False, 100.0, dtype=torch.float32)
     finally:
         STEPS = old
+
+
+def _skip_between_updates(layout_kwargs):
+    """Parameters after [update, skipped step, update] and after [update, update], same gradients,
+    constant LR; and the update counters."""
+    from folding.training.trainer import _skip_update
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
+    try:
+        c = Coords(ps)
+        cfg = OptimConfig(lr=1e-2, warmup_steps=0, decay_style="constant", clip_grad=100.0, beta1=0.9,
+                          beta2=0.95, eps=1e-8, bucket_size=48, distributed=True)
+        out = []
+        for skip in (True, False):
+            model = TinyFolded(global_params(0, False), c, False)
+            opt = FoldedOptimizer(model, cfg, parallel_state=ps)
+            _train(model, opt, c, 1)
+            if skip:
+                (_, skipped), = _train(model, opt, c, 1, poison=True)
+                assert skipped
+                _skip_update(opt)                       # what the trainer does with a skipped step
+            _train(model, opt, c, 1)
+            out.append(({k: p.detach().clone() for k, p in model.named_parameters()},
+                        opt.step_count, opt.updates, opt.state_dict()["updates"]))
+        return out
+    finally:
+        ps.destroy()
+
+
+def test_skipped_step_is_not_an_adam_update(ranks):
+    for (skipped, plain) in ranks(4).run(_skip_between_updates, dict(tp=2, ep=2, etp=1)):
+        assert skipped[1:] == (3, 2, 2) and plain[1:] == (2, 2, 2)
+        # AdamW's bias correction counts updates: the skip leaves no trace in the parameters
+        for name, p in skipped[0].items():
+            assert torch.equal(p, plain[0][name]), name
