@@ -7,7 +7,8 @@ Modes (``--mode``):
   (its defaults), so both models hold the same weights. Both are driven the same way, alternating in
   one process: ``logits = model(ids)``; cross-entropy of the shifted logits; ``backward()``;
   ``torch.optim.AdamW.step()``. Same batch, dtype and thread count. Also times the engine's own step
-  (``model(ids, labels=...)``: its fused vocab-parallel loss) in the same alternation.
+  (``model(ids, labels=...)``: its fused vocab-parallel loss) and, unless ``--no-compile``, the engine
+  with ``train.compile`` on (its dense parts through ``torch.compile``) in the same alternation.
 - ``layouts``: the engine's own step on N gloo ranks (``folding.testing.RankPool``) for each layout of
   ``--layouts`` (e.g. ``"tp2;ep2;tp2,ep4,etp1"``), and on 1 rank, from the same checkpoint and batch.
 - ``gpu``: see ``benchmarks/gpu_mfu.py`` (MFU of Mixtral-8x7B-shaped layers in BF16/FP8 on one GPU).
@@ -143,6 +144,9 @@ def flops_per_step(a) -> float:
     return 3 * T * (per_tok + attn)
 
 
+COMPILED = "engine, train.compile=true (common driver)"
+
+
 def sidebyside(a):
     """Alternate HF, engine (common driver) and engine (own step); medians and breakdowns."""
     from transformers import MixtralForCausalLM
@@ -156,7 +160,12 @@ def sidebyside(a):
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
     steps = {"transformers": make_step(hf, hf_loss, ids), "engine": make_step(eng, hf_loss, ids),
              "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids)}
-    first = {k: s() for k, s in steps.items()}                                    # warm-up, not timed
+    if a.compile:
+        from folding.model.compile import compile_dense
+        eng_c = from_hf(tmp)
+        compile_dense(eng_c)
+        steps[COMPILED] = make_step(eng_c, hf_loss, ids)
+    first = {k: s() for k, s in steps.items()}                                    # warm-up (and compile), not timed
     times = {k: [] for k in steps}
     for i in range(a.iters):
         for k, s in steps.items():
@@ -167,7 +176,7 @@ def sidebyside(a):
     floors = {"transformers": kernel_floor(hf, steps["transformers"], a),
               "engine": kernel_floor(eng, steps["engine"], a)}
     label_hf(hf), label_engine(eng), label_engine(eng_own)
-    prof = {k: profile_step(s) for k, s in steps.items()}
+    prof = {k: profile_step(s) for k, s in steps.items() if k != COMPILED}
     return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}, floors
 
 
@@ -241,7 +250,10 @@ def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
         "Both models hold the same weights (HF `save_pretrained` -> `from_hf` with its defaults) and see the "
         "same batch; `transformers` and `engine` are driven identically (`logits = model(ids)`, cross-entropy "
         "of the shifted logits, `backward()`, `AdamW.step()`); the third row is the engine's own step "
-        "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens).", "",
+        "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens); the last row, when "
+        "present, is the common driver on the engine with `train.compile` on (`folding.model.compile.compile_dense`: "
+        "each layer's norm + attention sublayer through `torch.compile`; compile time in the untimed warm-up step), "
+        "which is not `from_hf`'s default.", "",
         *rows, "",
         f"Ratio engine/transformers tokens/s: medians **{base / med['engine']:.2f}x**; best steps "
         f"**{min(times['transformers']) / min(times['engine']):.2f}x**; per alternating pair: "
@@ -306,6 +318,8 @@ def main(argv=None):
                     ("seed", 0), ("world", 4)):
         p.add_argument(f"--{name}", type=int, default=d)
     p.add_argument("--layouts", default="tp2;ep2;ep4;tp2,ep4,etp1")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="sidebyside: skip the row of the engine with its dense parts compiled (train.compile)")
     p.add_argument("--out", default=None, help="markdown report path")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -104,6 +104,10 @@ class TrainConfig:
     """``fp32`` or ``bf16`` (bf16 parameters and compute, fp32 master weights and gradients)."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``full``, ``selective`` (attention core) or ``moe``."""
+    compile: bool = False
+    """``torch.compile`` each layer's dense part (input norm + attention sublayer,
+    :func:`folding.model.compile.compile_dense`); the MoE block stays eager. Off by default: turn it on
+    where the benchmark shows it pays (compile time is paid once per process and shape)."""
     eval_interval: int = 20
     """Evaluate on the held-out split every this many steps (and after the last step); 0 disables."""
     eval_steps: int = 2

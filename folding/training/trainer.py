@@ -163,6 +163,9 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                                 recompute=t.recompute, params_dtype=dtype, init_seed=t.seed, device=device)
     for c in chunks:
         c.train()
+    if t.compile:
+        from ..model.compile import compile_dense
+        compile_dense(chunks)
     from ..optim.optimizer import FoldedOptimizer
     model = torch.nn.ModuleList(chunks)
     optimizer = FoldedOptimizer(model, job.optim, parallel_state=ps, train_steps=t.steps)
