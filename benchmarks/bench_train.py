@@ -22,7 +22,8 @@ Usage::
 
     python benchmarks/bench_train.py --seq 1024 --batch 2 --iters 7 --threads 2 \\
         --out benchmarks/train_sidebyside_cpu.md
-    python benchmarks/bench_train.py --mode layouts --layouts "tp2;ep2;ep4" --world 4 --seq 256
+    python benchmarks/bench_train.py --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
+        --out benchmarks/train_layouts_cpu.md
 """
 from __future__ import annotations
 
@@ -275,7 +276,8 @@ def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
 
 
 def layout_worker(path, layout_kw, ids, iters, threads):
-    """On every rank: the engine's own step in one layout; returns (first loss, step times)."""
+    """On every rank: the engine's own step in one layout; returns (first loss, step times, breakdown of
+    one extra profiled step by part)."""
     import torch.distributed as dist
     from folding.model.hf import from_hf
     from folding.parallel import ParallelLayout, build_parallel_state
@@ -292,7 +294,10 @@ def layout_worker(path, layout_kw, ids, iters, threads):
             t0 = time.perf_counter()
             step()
             ts.append(time.perf_counter() - t0)
-        return first, ts
+        label_engine(model)
+        dist.barrier()
+        parts, _ = profile_step(step, n=1)
+        return first, ts, parts
     finally:
         ps.destroy()
 
@@ -345,21 +350,33 @@ def run_layouts(a, argv) -> str:
     tmp = tempfile.mkdtemp(prefix="bench_layouts_")
     MixtralForCausalLM(mixtral_config(a)).float().save_pretrained(tmp)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
-    rows = ["| layout | ranks | first loss | median s/step | tokens/s (all ranks) |", "|---|---|---|---|---|"]
+    fl = flops_per_step(a)
+    rows = ["| layout | ranks | first loss | median s/step | tokens/s (all ranks) | TFLOP/s (all ranks) | "
+            "TFLOP/s per rank |", "|---|---|---|---|---|---|---|"]
+    parts = {}
+
+    def row(name, ranks, first, med):
+        rows.append(f"| {name} | {ranks} | {first:.4f} | {med:.3f} | {a.batch * a.seq / med:.0f} | "
+                    f"{fl / med / 1e12:.4f} | {fl / med / ranks / 1e12:.4f} |")
     with RankPool(1) as one:
-        first, ts = one.run(layout_worker, tmp, {}, ids, a.iters, a.threads)[0]
-        rows.append(f"| 1 rank | 1 | {first:.4f} | {statistics.median(ts):.3f} | "
-                    f"{a.batch * a.seq / statistics.median(ts):.0f} |")
+        first, ts, parts["1 rank"] = one.run(layout_worker, tmp, {}, ids, a.iters, a.threads)[0]
+        row("1 rank", 1, first, statistics.median(ts))
     with RankPool(a.world) as pool:
         for s in filter(None, a.layouts.split(";")):
             res = pool.run(layout_worker, tmp, parse_layout(s), ids, a.iters, max(1, a.threads // a.world))
             med = statistics.median(max(r[1][i] for r in res) for i in range(a.iters))
-            rows.append(f"| {s} | {a.world} | {res[0][0]:.4f} | {med:.3f} | {a.batch * a.seq / med:.0f} |")
+            row(s, a.world, res[0][0], med)
+            parts[s] = res[0][2]
     return "\n".join(["# Engine training step by layout (gloo, CPU)", "", header(a, argv), "",
                       "Step time of a layout = the slowest rank's; each data-parallel replica trains on its slice of the "
                       "batch (first loss: rank 0's, equal to the 1-rank loss when DP = 1). No gradient reduction "
-                      "over DP here: this times the model, not the optimizer's communication.", "",
-                      *rows, ""])
+                      "over DP here: this times the model, not the optimizer's communication. TFLOP/s counts the model "
+                      "FLOPs of the whole global batch (3x forward matmuls, causal attention halved).", "",
+                      *rows, "",
+                      "## Where rank 0's time goes (one profiled step per layout; forward + backward per part, ms)", "",
+                      "With several ranks on 2 cores, the parts include waiting: a collective on one rank waits for "
+                      "the others to be scheduled.", "",
+                      format_breakdown(parts), ""])
 
 
 if __name__ == "__main__":
