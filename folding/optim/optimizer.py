@@ -165,8 +165,9 @@ class FoldedOptimizer:
                 if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
                     buf.param_data[lo:hi].copy_(w)
                 if buf.shard and buf.groups.dp_size > 1:
-                    src = buf.param_data[lo:hi].clone()
-                    works.append(all_gather_flat(buf.param_data[b.start:b.end], src, buf.groups.dp_group))
+                    # in place: this rank's shard is its own slot of the bucket (no staging copy)
+                    works.append(all_gather_flat(buf.param_data[b.start:b.end], buf.param_data[lo:hi],
+                                                 buf.groups.dp_group))
         for w in works:
             w.wait()
         return norm, False

@@ -37,6 +37,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> "dist.Work":
     """Start an all-gather of equal 1-D shards into ``out`` (rank order); returns the work handle.
+    ``shard`` may be this rank's own slot of ``out`` (in place, as ZeRO-1 uses it: no staging copy).
     Not autograd-aware (used on parameter storage after the optimizer step)."""
     return _all_gather(out, shard, group=group, async_op=True)
 
