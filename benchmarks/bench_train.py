@@ -9,8 +9,9 @@ Modes (``--mode``):
   ``torch.optim.AdamW.step()``. Same batch, dtype and thread count. Also times the engine's own step
   (``model(ids, labels=...)``: its fused vocab-parallel loss) and, unless ``--no-compile``, the engine
   with ``train.compile`` on (its dense parts through ``torch.compile``) in the same alternation.
-- ``layouts``: the engine's own step on N gloo ranks (``folding.testing.RankPool``) for each layout of
-  ``--layouts`` (e.g. ``"tp2;ep2;tp2,ep4,etp1"``), and on 1 rank, from the same checkpoint and batch.
+- ``layouts`` (``benchmarks/train_layouts.py``): the engine's own step on N gloo ranks
+  (``folding.testing.RankPool``) for each layout of ``--layouts`` (e.g. ``"tp2;ep2;tp2,ep4,etp1"``),
+  and on 1 rank, from the same checkpoint and batch.
 - ``gpu``: see ``benchmarks/gpu_mfu.py`` (MFU of Mixtral-8x7B-shaped layers in BF16/FP8 on one GPU).
 
 Each timed step is measured with ``time.perf_counter`` (one warm-up step first, not counted); the
@@ -275,44 +276,6 @@ def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
         "(elementwise kernels, copies, allocation, Python).", "", floor_table(floors, times), ""])
 
 
-def layout_worker(path, layout_kw, ids, iters, threads):
-    """On every rank: the engine's own step in one layout; returns (first loss, step times, breakdown of
-    one extra profiled step by part)."""
-    import torch.distributed as dist
-    from folding.model.hf import from_hf
-    from folding.parallel import ParallelLayout, build_parallel_state
-    torch.set_num_threads(threads)
-    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw))
-    try:
-        model = from_hf(path, parallel_state=ps)
-        b = ids.shape[0] // ps.dp_size                  # each data-parallel replica its slice of the batch
-        step = make_step(model, engine_loss, ids[ps.dp_rank * b:(ps.dp_rank + 1) * b])
-        first = step()
-        ts = []
-        for _ in range(iters):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-        label_engine(model)
-        dist.barrier()
-        parts, _ = profile_step(step, n=1)
-        return first, ts, parts
-    finally:
-        ps.destroy()
-
-
-def parse_layout(s: str) -> dict:
-    """``"tp2,ep4,etp1"`` -> ``{"tp": 2, "ep": 4, "etp": 1}``."""
-    out = {}
-    for tok in filter(None, s.split(",")):
-        key = tok.rstrip("0123456789")
-        if key not in ("tp", "cp", "ep", "etp", "pp") or key == tok:
-            raise ValueError(f"--layouts: {tok!r} is not <axis><size> with axis in tp, cp, ep, etp")
-        out[key] = int(tok[len(key):])
-    return out
-
-
 def main(argv=None):
     """Parse arguments, run the mode, print the table last and write the report."""
     argv = sys.argv[1:] if argv is None else argv
@@ -335,48 +298,12 @@ def main(argv=None):
         first, times, parts, kinds, floors = sidebyside(a)
         text = report_sidebyside(a, argv, first, times, parts, kinds, floors)
     else:
+        from train_layouts import run_layouts
         text = run_layouts(a, argv)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
     print(text)
-
-
-def run_layouts(a, argv) -> str:
-    """The engine's own step on 1 rank and on ``--world`` gloo ranks per layout; markdown report."""
-    from transformers import MixtralForCausalLM
-    from folding.testing import RankPool
-    torch.manual_seed(a.seed)
-    tmp = tempfile.mkdtemp(prefix="bench_layouts_")
-    MixtralForCausalLM(mixtral_config(a)).float().save_pretrained(tmp)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
-    fl = flops_per_step(a)
-    rows = ["| layout | ranks | first loss | median s/step | tokens/s (all ranks) | TFLOP/s (all ranks) | "
-            "TFLOP/s per rank |", "|---|---|---|---|---|---|---|"]
-    parts = {}
-
-    def row(name, ranks, first, med):
-        rows.append(f"| {name} | {ranks} | {first:.4f} | {med:.3f} | {a.batch * a.seq / med:.0f} | "
-                    f"{fl / med / 1e12:.4f} | {fl / med / ranks / 1e12:.4f} |")
-    with RankPool(1) as one:
-        first, ts, parts["1 rank"] = one.run(layout_worker, tmp, {}, ids, a.iters, a.threads)[0]
-        row("1 rank", 1, first, statistics.median(ts))
-    with RankPool(a.world) as pool:
-        for s in filter(None, a.layouts.split(";")):
-            res = pool.run(layout_worker, tmp, parse_layout(s), ids, a.iters, max(1, a.threads // a.world))
-            med = statistics.median(max(r[1][i] for r in res) for i in range(a.iters))
-            row(s, a.world, res[0][0], med)
-            parts[s] = res[0][2]
-    return "\n".join(["# Engine training step by layout (gloo, CPU)", "", header(a, argv), "",
-                      "Step time of a layout = the slowest rank's; each data-parallel replica trains on its slice of the "
-                      "batch (first loss: rank 0's, equal to the 1-rank loss when DP = 1). No gradient reduction "
-                      "over DP here: this times the model, not the optimizer's communication. TFLOP/s counts the model "
-                      "FLOPs of the whole global batch (3x forward matmuls, causal attention halved).", "",
-                      *rows, "",
-                      "## Where rank 0's time goes (one profiled step per layout; forward + backward per part, ms)", "",
-                      "With several ranks on 2 cores, the parts include waiting: a collective on one rank waits for "
-                      "the others to be scheduled.", "",
-                      format_breakdown(parts), ""])
 
 
 if __name__ == "__main__":
