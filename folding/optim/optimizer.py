@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 
 from .clip import clip_coefficient, global_grad_norm
-
-# PyTorch's fused AdamW kernel (CPU and CUDA): the same update as the elementwise fallback below
-_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
 from .param_groups import classify
 from .reducer import GradReducer, all_gather_flat
 from .schedules import lr_at
 from folding.parallel.param_attrs import param_tags
+
+# PyTorch's fused AdamW kernel (CPU and CUDA): the same update as the elementwise fallback below
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 
 
 class FoldedOptimizer:

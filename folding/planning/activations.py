@@ -31,7 +31,8 @@ On the last stage the fused output layer + loss keeps its input and a log-sum-ex
 logits exist one chunk of tokens at a time (:func:`logits_bytes`).
 
 Backward re-materializes one checkpointed region at a time; that working set is part of
-:func:`transient_bytes`, with the dispatcher's buffers of the layer being run.
+:func:`transient_bytes`, with the larger of the dispatcher's buffers and the experts' backward working
+set of the layer being run.
 
 Usage::
 
