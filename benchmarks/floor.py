@@ -26,23 +26,19 @@ import time
 import torch
 import torch.nn.functional as F
 
+from memory_probe import event_nodes
+
 
 def _mm_operands(step) -> list:
     """``[((sizes, strides), (sizes, strides)), ...]`` of every ``aten::mm`` in one call of ``step``."""
     with torch.profiler.profile(record_shapes=True) as prof:
         step()
     found = []
-
-    def walk(node):
+    for node, _ in event_nodes(prof):
         if node.name == "aten::mm":
             ins = [(tuple(t.sizes), tuple(t.strides)) for t in node.extra_fields.inputs if hasattr(t, "sizes")]
             if len(ins) >= 2:                                  # mm.out (inside grouped_mm) has a third
                 found.append(tuple(ins[:2]))
-        for child in node.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
     return found
 
 

@@ -76,21 +76,22 @@ class PeakProfile:
     """Allocations made inside the region and still alive at the peak, largest first."""
 
 
+def event_nodes(prof):
+    """Depth-first ``(node, ancestor names)`` over a finished profile's event tree (the tree keeps what
+    ``prof.events()`` drops: allocation events, and every op's input sizes and strides)."""
+    stack = [(node, ()) for node in reversed(prof.profiler.kineto_results.experimental_event_tree())]
+    while stack:
+        node, names = stack.pop()
+        yield node, names
+        stack.extend((child, names + (node.name,)) for child in reversed(node.children))
+
+
 def allocation_events(prof) -> List[Allocation]:
     """Every allocation/free event of a finished ``torch.profiler.profile(profile_memory=True)``, in time
     order (ties keep the order of the event tree's depth-first walk)."""
-    out: List[Allocation] = []
-
-    def walk(nodes, names: Tuple[str, ...]) -> None:
-        for node in nodes:
-            fields = node.extra_fields
-            if type(fields).__name__ == _ALLOC:
-                out.append(Allocation(time_ns=node.start_time_ns, size=int(fields.alloc_size),
-                                      ptr=int(fields.ptr), stack=names))
-            else:
-                walk(node.children, names + (node.name,))
-
-    walk(prof.profiler.kineto_results.experimental_event_tree(), ())
+    out = [Allocation(time_ns=node.start_time_ns, size=int(node.extra_fields.alloc_size),
+                      ptr=int(node.extra_fields.ptr), stack=names)
+           for node, names in event_nodes(prof) if type(node.extra_fields).__name__ == _ALLOC]
     return sorted(out, key=lambda a: a.time_ns)       # stable: ties keep walk order
 
 

@@ -174,9 +174,14 @@ class MoETransformer(nn.Module):
         The hidden states (``H`` wide) are transposed to batch-major before the output GEMM, so the
         ``V``-wide logits are written once in the caller's layout instead of being transposed after.
         """
-        x = sp_gather(self.final_norm(x_SBH), self.groups.tp)
-        w = self.embedding.weight if self.output_weight is None else self.output_weight
-        return F.linear(x.transpose(0, 1), w)
+        x_SBH, w_VH = self._head_inputs(x_SBH)
+        return F.linear(x_SBH.transpose(0, 1), w_VH)
+
+    def _head_inputs(self, x_SBH: torch.Tensor):
+        """The final-normed, TP-gathered hidden states ``[S/CP, B, H]`` and the output weight ``[V/TP, H]``
+        (the embedding table when tied)."""
+        w_VH = self.embedding.weight if self.output_weight is None else self.output_weight
+        return sp_gather(self.final_norm(x_SBH), self.groups.tp), w_VH
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_BS: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -210,8 +215,7 @@ class MoETransformer(nn.Module):
         if labels is None:
             return self.head(x)
         pos = self.local_positions(S, input_ids_BS.device)
-        h_SBH = sp_gather(self.final_norm(x), self.groups.tp)
-        w = self.embedding.weight if self.output_weight is None else self.output_weight
+        h_SBH, w = self._head_inputs(x)
         Sl, B, H = h_SBH.shape
         loss_SB = fused_linear_cross_entropy(h_SBH.reshape(Sl * B, H), w, labels[:, pos].t().reshape(-1),
                                              self.groups.tp, self.loss_chunk_tokens).view(Sl, B)
