@@ -9,13 +9,14 @@ Usage::
 
     dist.init_process_group("gloo")            # or "nccl"
     layout = ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=4, etp=1)
-    ps = build_parallel_state(layout)
-    ps.tp_group, ps.ep_group, ps.ep_rank, ps.edp_size
+    with build_parallel_state(layout) as ps:   # destroys the groups on exit (collective)
+        ps.tp_group, ps.ep_group, ps.ep_rank, ps.edp_size
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -75,8 +76,24 @@ class ParallelState:
         """True on the last pipeline stage."""
         return self.pp_rank == self.layout.pp - 1
 
-    def destroy(self) -> None:
-        """Destroy every group this state created (the world group is left alone)."""
+    def __enter__(self) -> "ParallelState":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.destroy(sync=exc_type is None)
+
+    def destroy(self, *, sync: Optional[bool] = None) -> None:
+        """Destroy every group this state created (the world group is left alone).
+
+        With ``sync`` this is collective over the world: a barrier first, so that no rank closes a
+        group's connections while a peer still runs a collective on it. ``sync=None`` (the default)
+        syncs unless an exception is propagating (``destroy`` called from a ``finally`` clause on
+        an error path, where the other ranks may never arrive); pass ``True``/``False`` to decide.
+        """
+        if sync is None:
+            sync = sys.exc_info()[0] is None
+        if sync and self.layout.world_size > 1:
+            dist.barrier()
         seen = set()
         for g in self._created:
             if id(g) not in seen:
@@ -88,7 +105,9 @@ def build_parallel_state(layout: ParallelLayout, *, backend: Optional[str] = Non
                          timeout_s: Optional[float] = None) -> ParallelState:
     """Create every group of ``layout`` (collective over the world) and return this rank's state.
 
-    All ranks must call this with the same layout. ``backend`` defaults to the world's backend;
+    All ranks must call this with the same layout. It returns after a world barrier, so every rank
+    has finished connecting every group before any rank may use or destroy one (gloo completes a
+    group's connection handshake at different times on the two ends of a pair). ``backend`` defaults to the world's backend;
     ``timeout_s`` sets the groups' collective timeout.
     """
     if not dist.is_initialized():
@@ -124,6 +143,8 @@ def build_parallel_state(layout: ParallelLayout, *, backend: Optional[str] = Non
         if role not in ranks:
             groups[role] = None
             ranks[role] = []
+    if world > 1:
+        dist.barrier()
     state = ParallelState(layout=layout, rank=rank, groups=groups, ranks=ranks)
     object.__setattr__(state, "_created", created)
     return state

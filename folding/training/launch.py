@@ -135,6 +135,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
             save_resolved_config(job, run_dir)
             print(f"run directory: {run_dir}\nlayout: {prepared.layout.describe()}", flush=True)
         train(job, run_dir=run_dir, prepared=prepared)
+        dist.barrier()  # no rank closes its connections while a peer still uses them
     finally:
         dist.destroy_process_group()
     return 0

@@ -125,3 +125,47 @@ def _collectives_match(seed):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_collectives(ranks, world):
     assert all(r["ok"] for r in ranks(world).run(_collectives_match, 7))
+
+
+def _timed_build_and_destroy(delay_s):
+    """Rank 0 arrives ``delay_s`` late at both creation and destruction; every rank records when it
+    got there and when it returned (the monotonic clock is shared by the processes of one host)."""
+    import time
+    late = dist.get_rank() == 0
+    if late:
+        time.sleep(delay_s)
+    t_build = time.monotonic()
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=2, etp=1))
+    t_built = time.monotonic()
+    if late:
+        time.sleep(delay_s)
+    t_destroy = time.monotonic()
+    ps.destroy()
+    return t_build, t_built, t_destroy, time.monotonic()
+
+
+def test_groups_are_connected_everywhere_before_use_and_torn_down_together(ranks):
+    """No rank returns from build_parallel_state before the slowest rank has started creating the
+    groups, nor from destroy before every rank has finished using them: gloo finishes a pair's
+    handshake at different times on its two ends, and a group closed under a peer still connecting
+    fails that peer ("Connection closed by peer")."""
+    out = ranks(4).run(_timed_build_and_destroy, 1.0)
+    slow_build, slow_destroy = out[0][0], out[0][2]
+    for rank, (_, built, _, destroyed) in enumerate(out):
+        assert built >= slow_build, f"rank {rank} returned from build before rank 0 started it"
+        assert destroyed >= slow_destroy, f"rank {rank} destroyed its groups before rank 0 was done"
+
+
+def _fail_on_rank_one_after_build():
+    with build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=2, etp=1)):
+        if dist.get_rank() == 1:
+            raise ValueError("boom after the groups were built")
+    return dist.get_rank()
+
+
+def test_destroy_on_an_error_path_does_not_wait_for_peers(ranks):
+    """A rank leaving the groups' scope by an exception tears them down without the barrier (its
+    peers may never arrive), so its traceback reaches the caller instead of a hang."""
+    from folding.testing import RankFailure
+    with pytest.raises(RankFailure, match="boom after the groups were built"):
+        ranks(4).run(_fail_on_rank_one_after_build, timeout_s=60)
