@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import List
 
 import torch
@@ -60,7 +61,16 @@ class GradReducer:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(buf)))
 
     def _make_hook(self, buf: GradBuffer):
+        # The hook lives in the parameter's own hook table, so it holds the reducer and the buffer
+        # weakly: strong references would close a cycle (parameter -> hook -> buffer -> parameter)
+        # that the collector cannot see through the tensor, keeping the buffers and their process
+        # groups alive after the optimizer is dropped.
+        reducer_ref, buf_ref = weakref.ref(self), weakref.ref(buf)
+
         def hook(p: torch.nn.Parameter) -> None:
+            self, buf = reducer_ref(), buf_ref()
+            if self is None or buf is None:
+                return  # the optimizer is gone: the gradient stays in p.grad
             bucket = buf.bucket_of[id(p)]
             if bucket.launched:
                 raise RuntimeError(

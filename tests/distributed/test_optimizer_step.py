@@ -263,3 +263,34 @@ def test_skipped_step_is_not_an_adam_update(ranks):
         # AdamW's bias correction counts updates: the skip leaves no trace in the parameters
         for name, p in skipped[0].items():
             assert torch.equal(p, plain[0][name]), name
+
+
+def _threads() -> int:
+    import os
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _optimizer_is_freed(layout_kwargs):
+    """After a step, dropping the model, the optimizer and the groups frees them all: the gradient
+    hooks must not keep the optimizer (and through its buffers the process groups, each with gloo
+    threads) alive in a cycle the collector cannot see."""
+    import gc
+    import weakref
+    gc.collect()
+    before = _threads()
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
+    with ps:
+        c = Coords(ps)
+        model = TinyFolded(global_params(0, False), c, False)
+        opt = FoldedOptimizer(model, make_config(True, 1.0), parallel_state=ps)
+        _train(model, opt, c, 1)
+        alive = weakref.ref(opt)
+    del model, opt, c, ps
+    gc.collect()
+    return alive() is None, before, _threads()
+
+
+def test_dropped_optimizer_frees_its_buffers_and_groups(ranks):
+    for freed, before, after in ranks(4).run(_optimizer_is_freed, dict(tp=2, ep=2, etp=1)):
+        assert freed, "the optimizer outlived every reference to it"
+        assert after == before, f"{after - before} threads of destroyed process groups are still alive"
