@@ -3,9 +3,10 @@
 Starting a rank costs ~1-2 s of CPU (import torch, init the process group), so a pool starts its N
 ranks once and reuses them for every function it runs. Each call sends a module-level function and
 its arguments to every rank, waits for all results, and either returns them in rank order or raises
-:class:`RankFailure` with the failing rank's traceback. A call that does not finish within its
-timeout kills the pool (a hung collective cannot be recovered) and raises ``TimeoutError``; the next
-call on a dead pool raises too, so callers re-create it (``tests/conftest.py`` does this).
+:class:`RankFailure` with the failing rank's traceback. A call that fails on any rank, or does not
+finish within its timeout, shuts the pool down (a half-done collective or group creation leaves the
+ranks disagreeing, and a hung collective cannot be recovered); the next call on a dead pool raises
+too, so callers re-create it (``tests/conftest.py`` does this).
 
 Usage::
 
@@ -20,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -56,6 +58,10 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_
             results.put((tid, rank, True, payload))
         except BaseException:  # report everything, including assertion errors, to the caller
             results.put((tid, rank, False, traceback.format_exc()))
+        # free what the call left in reference cycles now (models hold process groups, and every
+        # live gloo group keeps three threads polling), not whenever the collector next runs
+        task = fn = args = kwargs = value = payload = None
+        gc.collect()
     dist.destroy_process_group()
 
 
@@ -114,8 +120,9 @@ class RankPool:
                     grace_deadline = min(deadline, time.monotonic() + 10.0)
         missing = [r for r in range(self.world_size) if r not in got and r not in failures]
         if failures:
-            if missing:
-                self.shutdown()
+            # a rank that raised may have left collectives or group creation half done, so the
+            # ranks no longer agree on the world's state: the next call could hang; start afresh
+            self.shutdown()
             first = min(failures)
             raise RankFailure(f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}"
                               f"{'; ranks ' + str(missing) + ' did not answer' if missing else ''}."
