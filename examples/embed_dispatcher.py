@@ -34,6 +34,7 @@ def main():
     ep_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
     singles = [dist.new_group([r]) for r in range(world)]
     etp_group, ep_group = etp_groups[rank // 2], ep_groups[rank % 2]
+    dist.barrier()  # every rank has connected every group before any rank uses or closes one
 
     cfg = MoEConfig(num_experts=E, topk=TOPK, ffn_hidden_size=F)
     # No attention TP/CP here: each rank's tokens are a micro-batch of their own.
@@ -59,6 +60,7 @@ def main():
     dense = sum(((x @ Wa[e]) * probs_TE[:, e:e + 1]) @ Wb[e] for e in range(E))
     torch.testing.assert_close(y, dense)
     print(f"rank {rank}: {T} tokens, rows per local expert {tokens_per_expert.tolist()}, output matches")
+    dist.barrier()  # no rank closes its connections while a peer still uses them
 
 
 def _spawned(rank, world, init_file):
