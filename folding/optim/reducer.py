@@ -68,8 +68,8 @@ class GradReducer:
         reducer_ref, buf_ref = weakref.ref(self), weakref.ref(buf)
 
         def hook(p: torch.nn.Parameter) -> None:
-            self, buf = reducer_ref(), buf_ref()
-            if self is None or buf is None:
+            reducer, buf = reducer_ref(), buf_ref()
+            if reducer is None or buf is None:
                 return  # the optimizer is gone: the gradient stays in p.grad
             bucket = buf.bucket_of[id(p)]
             if bucket.launched:
@@ -78,9 +78,9 @@ class GradReducer:
                     "inside `with optimizer.no_sync():`, or call zero_grad() before the next step")
             p.main_grad.add_(p.grad)
             p.grad = None
-            if self.sync_enabled and self.overlap:
+            if reducer.sync_enabled and reducer.overlap:
                 bucket.ready.add(id(p))
-                self._launch_ready()
+                reducer._launch_ready()
         return hook
 
     @contextlib.contextmanager

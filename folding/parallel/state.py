@@ -107,8 +107,8 @@ def build_parallel_state(layout: ParallelLayout, *, backend: Optional[str] = Non
 
     All ranks must call this with the same layout. It returns after a world barrier, so every rank
     has finished connecting every group before any rank may use or destroy one (gloo completes a
-    group's connection handshake at different times on the two ends of a pair). ``backend`` defaults to the world's backend;
-    ``timeout_s`` sets the groups' collective timeout.
+    group's connection handshake at different times on the two ends of a pair). ``backend``
+    defaults to the world's backend; ``timeout_s`` sets the groups' collective timeout.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_state needs torch.distributed.init_process_group() first")

@@ -182,7 +182,6 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     stopped = False
     saved_at = optimizer.step_count if resumed_from else None
     exits = contextlib.ExitStack()
-    finished = False
     try:
         exits.enter_context(stop.installed())
         if sink:
@@ -253,14 +252,13 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                     print(f"stop requested by a signal: stopped after step {step}"
                           + (f", checkpoint saved" if saved_at == step else ""), flush=True)
                 break
-        finished = True
     finally:
         exits.close()
         stats.close()
         if sink:
             sink.close()
         if own_ps:
-            ps.destroy(sync=finished)  # after an error the other ranks may never reach the barrier
+            ps.destroy()  # collective, except while an exception propagates (peers may never come)
     return {"history": history, "metrics_file": sink.path if sink else None, "chunks": chunks,
             "resumed_from": resumed_from, "stopped": stopped, "last_checkpoint_step": saved_at}
 
