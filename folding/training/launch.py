@@ -134,8 +134,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
         if dist.get_rank() == 0:
             save_resolved_config(job, run_dir)
             print(f"run directory: {run_dir}\nlayout: {prepared.layout.describe()}", flush=True)
-        train(job, run_dir=run_dir, prepared=prepared)
-        dist.barrier()  # no rank closes its connections while a peer still uses them
+        train(job, run_dir=run_dir, prepared=prepared)  # its groups' destroy() is the last barrier
     finally:
         dist.destroy_process_group()
     return 0
