@@ -1,8 +1,9 @@
 """Causal self-attention with GQA and RoPE over the attention TP (heads) and CP (sequence) groups.
 
 Input and output are sequence-parallel shards ``[S_cp/TP, B, H]`` where ``S_cp`` is this CP rank's
-share of the sequence. Steps: all-gather the sequence over TP (SP), q/k/v column-parallel
-projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads), RoPE at the
+share of the sequence. Steps: all-gather the sequence over TP (SP) fused with the q/k/v column-parallel
+projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads; only the shard is
+kept for backward, see :func:`~folding.model.linear.sp_column_linears`), RoPE at the
 tokens' true positions, all-gather K/V over CP (see :mod:`.context_parallel`), PyTorch SDPA (causal;
 under CP one call per local chunk with a lower-right causal bias over its prefix), and the row-parallel output projection reduce-scattered back to the
 sequence shard. Names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
@@ -25,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..parallel.collectives import group_size
 from .config import ModelConfig
 from .context_parallel import gather_kv
-from .linear import ColumnParallelLinear, RowParallelLinear, sp_gather
+from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .rope import apply_rope
 
 
@@ -60,11 +61,11 @@ class Attention(nn.Module):
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``. ``cos/sin [S_cp, D]`` are at this CP rank's
         positions; under CP, ``kv_order`` puts the CP-gathered keys in sequence order and
         ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`)."""
-        x = sp_gather(x_SBH, self.tp_group)                       # [S_cp, B, H]
-        S, B, _ = x.shape
-        q = self.q_proj(x).view(S, B, self.heads, self.head_dim)
-        k = self.k_proj(x).view(S, B, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(S, B, self.kv_heads, self.head_dim)
+        q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
+        S, B, _ = q.shape                                          # S_cp: the TP-gathered sequence
+        q = q.view(S, B, self.heads, self.head_dim)
+        k = k.view(S, B, self.kv_heads, self.head_dim)
+        v = v.view(S, B, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         # GQA without copying K/V: query head j attends with KV head j // (heads / kv_heads)
         kw = dict(scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.kv_heads != self.heads)

@@ -1,17 +1,18 @@
 """Tensor-parallel linears over the attention TP group, with sequence parallelism (SP).
 
 Activations are sequence-first ``[S, B, H]``. Under SP (always on when TP>1) each TP rank holds
-``S/TP`` tokens between blocks. A block first calls :func:`sp_gather` once (all-gather of the
-sequence) and feeds the full-sequence activation to one or more :class:`ColumnParallelLinear`
-(weight rows sharded over TP: each rank produces its slice of the output features). The block
+``S/TP`` tokens between blocks. A block enters with :func:`sp_column_linears`: the all-gather of the
+sequence fused with the block's :class:`ColumnParallelLinear` s (weight rows sharded over TP: each
+rank produces its slice of the output features), which keeps only the sequence shard for backward
+and gathers it again there (:func:`folding.parallel.sequence_parallel.gather_linears`). The block
 then ends with a :class:`RowParallelLinear` (weight columns sharded over TP) whose partial sums are
-reduce-scattered back to the sequence shard.
+reduce-scattered back to the sequence shard. :func:`sp_gather` is the plain all-gather, for
+consumers that are not column-parallel linears.
 
 Usage::
 
-    x_full = sp_gather(x_SBH, tp_group)                  # [S, B, H]
-    h = up(x_full)                                        # ColumnParallelLinear -> [S, B, F/TP]
-    y_SBH = down(act(h))                                  # RowParallelLinear  -> [S/TP, B, H]
+    gate, up = sp_column_linears(x_SBH, [gate_proj, up_proj], tp_group)   # [S, B, F/TP] each
+    y_SBH = down(act(gate) * up)                                           # RowParallelLinear -> [S/TP, B, H]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from ..parallel.collectives import (gather_from_sequence_region, group_rank, group_size,
                                     reduce_scatter_to_sequence_region)
 from ..parallel.param_attrs import mark_param
+from ..parallel.sequence_parallel import gather_linears
 from .init import set_init_spec
 
 
@@ -32,6 +34,16 @@ def sp_gather(x_SBH: torch.Tensor, tp_group) -> torch.Tensor:
     gradient, since every TP rank's column-parallel shard contributes a partial input gradient.
     """
     return gather_from_sequence_region(x_SBH, tp_group, grad_reduce=True)
+
+
+def sp_column_linears(x_SBH: torch.Tensor, linears, tp_group):
+    """Sequence-parallel entry fused with the :class:`ColumnParallelLinear` s that read it.
+
+    Forward: all-gather of ``x [S/TP, B, H]`` over TP along the sequence, then each linear (a tuple of
+    ``[S, B, out_i/TP]``). Backward: the shard is all-gathered again for the weight gradients, and
+    the input gradient is reduce-scattered (sum) over TP; only the shard is kept between the two.
+    """
+    return gather_linears(x_SBH, [m.weight for m in linears], [m.bias for m in linears], tp_group)
 
 
 def _check_divisible(what: str, n: int, tp: int) -> None:

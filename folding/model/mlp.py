@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, RowParallelLinear, sp_gather
+from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 
 
 class DenseMLP(nn.Module):
@@ -32,5 +32,5 @@ class DenseMLP(nn.Module):
 
     def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
         """``[S/TP, B, H] -> [S/TP, B, H]``."""
-        x = sp_gather(x_SBH, self.tp_group)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = sp_column_linears(x_SBH, (self.gate_proj, self.up_proj), self.tp_group)
+        return self.down_proj(F.silu(gate) * up)

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from folding.parallel.collectives import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from folding.parallel.collectives import reduce_scatter_to_sequence_region
+from folding.parallel.sequence_parallel import gather_linears
 from folding.parallel.param_attrs import mark_param
 
 from .config import MoEConfig
@@ -95,10 +96,9 @@ class SharedExpert(nn.Module):
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
-        x = gather_from_sequence_region(tokens_TH, self.tp_group, grad_reduce=True)
-        h = F.linear(x, self.fc1_weight.to(x.dtype))
+        h, = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
         gate, up = h.split(self.ffn_local, dim=-1)
-        y = F.linear(F.silu(gate) * up, self.fc2_weight.to(x.dtype))
+        y = F.linear(F.silu(gate) * up, self.fc2_weight.to(h.dtype))
         y = reduce_scatter_to_sequence_region(y, self.tp_group)
         if self.gate_weight is not None:
             y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))

@@ -1,0 +1,93 @@
+"""The sequence-parallel all-gather fused with the column-parallel GEMMs that read it.
+
+Under sequence parallelism each TP rank holds ``[S/TP, B, H]``; a TP block all-gathers it to
+``[S, B, H]`` and feeds it to one or more column-parallel linears (Q/K/V; gate/up; a shared
+expert's fc1). Autograd would keep the gathered ``[S, B, H]`` for the weight gradients: TP times
+the shard, in every layer of every in-flight micro-batch. :func:`gather_linears` keeps only the
+shard and gathers it again in backward, the way Megatron-Core's sequence-parallel linear does:
+
+- Forward: all-gather ``x`` over TP along dim 0, then ``y_i = x_full W_iᵀ (+ b_i)`` for every weight.
+- Backward: start the all-gather of ``x`` again, compute the input gradient ``Σ_i g_i W_i`` while it
+  runs, then start the reduce-scatter (sum) of that gradient over TP (every rank holds a partial sum
+  of the full input's gradient) and compute the weight gradients ``g_iᵀ x_full`` while it runs.
+
+On one rank it is plain ``F.linear`` per weight (no custom autograd node). The collectives are
+asynchronous (``async_op=True``): on GPU they run on the communication stream beside the GEMMs.
+
+Usage::
+
+    q, k, v = gather_linears(x_SBH, [wq, wk, wv], [bq, bk, bv], tp_group)   # each [S, B, out_i/TP]
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import Group, _all_gather_single, _reduce_scatter_single, group_size
+
+
+def _gather_start(x: torch.Tensor, group: Group, n: int):
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _all_gather_single(out, x, group=group, async_op=True)
+
+
+def _reduce_scatter_start(x: torch.Tensor, group: Group, n: int):
+    x = x.contiguous()
+    if x.shape[0] % n:
+        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {n}")
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _reduce_scatter_single(out, x, group=group, async_op=True)
+
+
+class _GatherLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n_weights, *weights_and_biases):
+        weights, biases = weights_and_biases[:n_weights], weights_and_biases[n_weights:]
+        n = group_size(group)
+        full, work = _gather_start(x, group, n)
+        work.wait()
+        ctx.group, ctx.n = group, n
+        ctx.has_bias = tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype))
+                     for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full, gather = _gather_start(x, ctx.group, ctx.n)              # re-gather, overlapped with dgrad
+        dx = None
+        for g, w in zip(grads, weights):
+            d = g.matmul(w.to(g.dtype))
+            dx = d if dx is None else dx.add_(d)
+        gather.wait()
+        dx_local, scatter = _reduce_scatter_start(dx, ctx.group, ctx.n)  # overlapped with wgrad
+        full_2d = full.reshape(-1, full.shape[-1])
+        wgrads, bgrads = [], []
+        for g, w, has_b in zip(grads, weights, ctx.has_bias):
+            g_2d = g.reshape(-1, g.shape[-1])
+            wgrads.append(g_2d.t().matmul(full_2d).to(w.dtype))
+            bgrads.append(g_2d.sum(0).to(w.dtype) if has_b else None)
+        scatter.wait()
+        return (dx_local, None, None, *wgrads, *bgrads)
+
+
+def gather_linears(x_SBH: torch.Tensor, weights: Sequence[torch.Tensor],
+                   biases: Optional[Sequence[Optional[torch.Tensor]]], group: Group) -> Tuple[torch.Tensor, ...]:
+    """``F.linear(all_gather(x), W_i, b_i)`` for every weight, keeping only the shard ``x`` for backward.
+
+    Forward: all-gather of ``x [S/TP, B, H]`` over ``group`` along dim 0, then one GEMM per weight
+    ``W_i [out_i, H]`` (cast to ``x``'s dtype) giving ``[S, B, out_i]``. Backward: all-gather of ``x``
+    again (overlapped with the input-gradient GEMMs), reduce-scatter (sum) of the input gradient over
+    ``group`` (overlapped with the weight-gradient GEMMs). ``biases``: one per weight or ``None``.
+    """
+    biases: List[Optional[torch.Tensor]] = list(biases) if biases is not None else [None] * len(weights)
+    if len(biases) != len(weights):
+        raise ValueError(f"gather_linears: {len(weights)} weights but {len(biases)} biases")
+    if group_size(group) == 1:
+        return tuple(F.linear(x_SBH, w.to(x_SBH.dtype), None if b is None else b.to(x_SBH.dtype))
+                     for w, b in zip(weights, biases))
+    return _GatherLinears.apply(x_SBH, group, len(weights), *weights, *biases)
