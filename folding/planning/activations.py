@@ -9,7 +9,9 @@ kept). ``R = T*top_k*ETP`` expert rows per rank (balanced routing), ``a`` bytes 
 Kept per layer and micro-batch (``recompute="none"``):
 
 - norms: the inputs of both RMSNorms, ``2aTh``;
-- attention sublayer: QKV input, Q/K/V after RoPE, the attention output, ``aT(h + (nq+2nkv)d + nq d)``;
+- attention sublayer: QKV input, Q after RoPE, K/V as the attention core reads them (all-gathered over CP:
+  the whole sequence's keys, :mod:`folding.model.context_parallel`), the attention output,
+  ``aT(h + nq d + 2 nkv d CP + nq d)``;
 - MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
   ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.swiglu`, one
   autograd node) keeps fc1's output ``[R, 2F_e]`` and the fp32 probabilities ``4R``, and fc2 keeps
@@ -71,7 +73,7 @@ def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batc
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
         d = s.head_dim or h // nq
-        attn = a * t * (h + (nq + 2 * nkv) * d + nq * d)
+        attn = a * t * (h + nq * d + 2 * nkv * d * cp + nq * d)
     mlp = 0
     mlps = [(s.dense_ffn_hidden_size, s.dense_gated), (s.shared_expert_ffn_hidden_size, True)]
     if not moe_layer:

@@ -14,8 +14,9 @@ output layer). Per micro-batch and transformer layer, on one GPU:
   and reduce-scatter and the backward all-gather of the output gradient exposed; the backward re-gather of
   the input and reduce-scatter of its gradient overlapped with the column-parallel GEMM's dgrad / wgrad
   (Megatron-Core's default); with ``Cluster.tp_comm_overlap`` all of them chunked behind the block's GEMMs.
-- **CP**: ring exchange of K/V (forward) and K/V + dK/dV (backward), overlapped with the attention core;
-  only what exceeds the core's time is exposed.
+- **CP** (folding's, :mod:`folding.model.context_parallel`): an all-gather of K and one of V per attention
+  forward, a reduce-scatter of dK and one of dV per backward, all exposed (the attention core waits for
+  them), plus the memory-bound sort of the gathered K/V into sequence order and its backward.
 - **EP / ETP** (MoE layers): all-to-all dispatch + combine forward and backward, each sending
   ``(EP-1)/EP`` of the rank's ``tokens·k`` routed copies; with ETP>1 an all-gather / reduce-scatter over
   ETP of ``(ETP-1)`` times those copies. The all-to-all crosses nodes when the dispatch group
@@ -229,17 +230,17 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
                               gpu.overlap_contention)
     out["tp"] = tp_t
 
-    # CP: ring K/V exchange, hidden behind the attention core where it can be.
+    # CP (folding's K/V all-gather, :mod:`folding.model.context_parallel`): per attention forward an all-gather
+    # of K and one of V over CP, per backward a reduce-scatter of dK and one of dV; the attention waits for
+    # them (nothing to overlap with), so all are exposed. Plus the sort of the gathered K/V into sequence
+    # order and its backward (an index_put into zeros): memory-bound passes over the full-sequence K/V.
     cp_t = 0.0
     if plan.cp > 1:
-        kv = S * b / plan.cp * 2 * cfg.num_kv_heads * cfg.kv_channels / min(plan.tp, cfg.num_kv_heads) * BF16
-        per_step = _ring_time(kv, plan.tp * plan.cp, cluster)
-        cp_t = (plan.cp - 1) * per_step * (attn_fwd + 2)
-        cp_t = max(0.0, cp_t - out["core_attention"])
-        # Each ring step rescales and accumulates the partial output (forward) and dQ/dK/dV (backward) in
-        # fp32: about three fp32 passes over the rank's [S/CP, heads/TP, d] tensor per step.
-        acc = 3 * S * b / plan.cp * cfg.num_attention_heads / plan.tp * cfg.kv_channels * FP32
-        cp_t += (plan.cp - 1) * (attn_fwd + 2) * acc / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+        kv_local = S * b / plan.cp * cfg.num_kv_heads * cfg.kv_channels / min(plan.tp, cfg.num_kv_heads) * BF16
+        one = _ring_time(kv_local * (plan.cp - 1), plan.tp * plan.cp, cluster)
+        cp_t = 2 * (attn_fwd + 1) * one
+        full_kv = 2 * kv_local * plan.cp
+        cp_t += (2 * attn_fwd + 3) * full_kv / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     out["cp"] = cp_t
 
     # EP / ETP: all-to-all dispatch + combine, and the ETP all-gather / reduce-scatter.

@@ -98,6 +98,10 @@ def test_activations_by_hand_small_model():
     assert activation_bytes_per_layer(s, lay, **kw) == norms + attn + router + experts == 544
     assert activation_bytes_per_layer(s, lay, recompute="selective", **kw) == norms + router + experts
     assert activation_bytes_per_layer(s, lay, recompute="moe", **kw) == norms + attn
+    # CP2 (TP2): T = 8/(2*2) = 2 tokens, R = 4; K/V are kept all-gathered over CP, 2x the rank's tokens:
+    # a*T*(H + nq*d + 2*nkv*d*CP + nq*d) = 2*2*(4 + 4 + 8 + 4) = 80
+    cp = ParallelLayout(world_size=4, tp=2, cp=2, ep=2, etp=1)
+    assert activation_bytes_per_layer(s, cp, recompute="moe", **kw) == 2 * 2 * 2 * 4 + 80
     assert activation_bytes_per_layer(s, lay, recompute="full", **kw) == 2 * 4 * 4
     # a plain-autograd activation also keeps silu(gate) and silu(gate)*up: 2 more a*R*F = 64 bytes
     assert activation_bytes_per_layer(s, lay, fused_swiglu=False, **kw) == 544 + 2 * 2 * 8 * 2 == 608

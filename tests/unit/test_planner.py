@@ -1,4 +1,5 @@
 """The planner's memory model, step-time pieces and enumeration, against hand-worked values and oracles."""
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -12,7 +13,8 @@ from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
 from folding.planning.costs import (_a2a_time, _exposed_behind_chunks, gemm_time, gemm_train_times, hidden_behind,
                                    wave_utilization)
-from folding.planning.step_time import Cluster, Plan, TrainingShape, _tp_block, estimate_step_time, stage_parameters
+from folding.planning.step_time import (Cluster, Plan, TrainingShape, _layer_times, _tp_block, estimate_step_time,
+                                        stage_parameters)
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -136,6 +138,25 @@ def test_tp_collectives_by_hand():
     # hidden 3.75 s at 0.3.
     assert _tp_block(1.0, 1, 4, col, row, True, 0.3) == pytest.approx(1.25 + 0.3 * 3.75)
     assert hidden_behind(2.0, 0.5, 0.3) == pytest.approx(1.5 + 0.15)
+
+
+def test_cp_all_gather_by_hand():
+    # Mixtral-8x22B (8 KV heads of d=128), TP2 CP2: each rank computes K and V for 4096/2 = 2048 tokens of
+    # 8/2 = 4 KV heads, 2048*4*128*2 B = 2 MiB each. Folding all-gathers K and V over CP (receiving the other
+    # rank's 2 MiB, inside the NVLink domain at 80% of 450 GB/s, + 20 us) in forward and reduce-scatters dK and
+    # dV in backward: 4 exposed collectives per layer and micro-batch. The sort of the gathered K/V (2 x 4 MiB)
+    # into sequence order is 5 memory-bound passes (read+write forward, zeros + index_put + read backward).
+    cfg, shape, gpu = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256), get_gpu("h100")
+    cl = Cluster(gpu=gpu, num_gpus=128)
+    kv = 2048 * 4 * 128 * 2
+    want = 4 * (kv / (450e9 * 0.8) + 20e-6) + 5 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    plan = _plan(tp=2, cp=2, pp=8, ep=8, dp=4, edp=2)
+    assert _layer_times(cfg, plan, shape, cl, 0.6, True)["cp"] == pytest.approx(want)
+    # selective recompute repeats the forward all-gathers and the forward sort: 6 collectives, 7 passes
+    sel = dataclasses.replace(plan, recompute="selective")
+    want_sel = 6 * (kv / (450e9 * 0.8) + 20e-6) + 7 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    assert _layer_times(cfg, sel, shape, cl, 0.6, True)["cp"] == pytest.approx(want_sel)
+    assert _layer_times(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape, cl, 0.6, True)["cp"] == 0.0
 
 
 def test_pipeline_sends_overlap_only_when_interleaved():
