@@ -13,7 +13,8 @@ output layer). Per micro-batch and transformer layer, on one GPU:
 - **TP** (sequence parallel), per TP block (QKV + projection; a shared expert / dense MLP): forward all-gather
   and reduce-scatter and the backward all-gather of the output gradient exposed; the backward re-gather of
   the input and reduce-scatter of its gradient overlapped with the column-parallel GEMM's dgrad / wgrad
-  (Megatron-Core's default); with ``Cluster.tp_comm_overlap`` all of them chunked behind the block's GEMMs.
+  (Megatron-Core's default, and folding's :mod:`folding.parallel.sequence_parallel`); with
+  ``Cluster.tp_comm_overlap`` all of them chunked behind the block's GEMMs.
 - **CP** (folding's, :mod:`folding.model.context_parallel`): an all-gather of K and one of V per attention
   forward, a reduce-scatter of dK and one of dV per backward, all exposed (the attention core waits for
   them), plus the memory-bound sort of the gathered K/V into sequence order and its backward.
@@ -291,15 +292,16 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     per_mb = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / plan.pp for c in causes}
 
     # Output layer + cross-entropy on the last stage (logits in fp32, a few passes over them).
-    # The output layer is column-parallel: its all-gather forward is exposed, its backward re-gather and
-    # reduce-scatter overlap its dgrad / wgrad GEMMs.
+    # The output layer (folding's fused output layer + loss, folding/model/fused_cross_entropy.py) reads the
+    # TP-gathered input and keeps it: the forward all-gather and the backward reduce-scatter of the input
+    # gradient (after the fused backward) are exposed, and there is no re-gather.
     out_g = gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, compute_efficiency)
     out_compute = sum(out_g)
     out_mem = 4 * tok * cfg.vocab_size / plan.tp * FP32 / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     out_tp = 0.0
     if plan.tp > 1:
         c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
-        out_tp = c + hidden_behind(c, out_g[1], gpu.overlap_contention) + hidden_behind(c, out_g[2], gpu.overlap_contention)
+        out_tp = 2 * c
     per_mb_last = dict(per_mb)
     per_mb_last["compute"] += out_compute
     per_mb_last["memory_bound"] += out_mem
