@@ -26,7 +26,8 @@ Usage::
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -69,12 +70,15 @@ def schedule_order(*, num_microbatches: int, pp_size: int, pp_rank: int, vpp: in
 def forward_backward(*, forward_step: ForwardStep, num_microbatches: int, pp_size: int, pp_rank: int,
                      vpp: int = 1, p2p: Optional[P2P] = None, tensor_shape=None,
                      dtype: torch.dtype = torch.float32, device=None,
-                     forward_only: bool = False) -> List[torch.Tensor]:
+                     forward_only: bool = False,
+                     backward_context: Optional[Callable[[int, int], ContextManager]] = None) -> List[torch.Tensor]:
     """Run the schedule; return the detached per-micro-batch losses (in micro-batch order) on the
     rank holding the last virtual stage, and ``[]`` elsewhere.
 
     ``p2p`` and ``tensor_shape`` are required when ``pp_size > 1``. With ``forward_only`` no
-    backward runs (evaluation).
+    backward runs (evaluation). ``backward_context(chunk, microbatch)``, when given, returns a
+    context manager entered around that backward (the optimizer's ``no_sync`` for every micro-batch
+    but a chunk's last, so that its gradient reduction starts during that last backward).
     """
     vpp = vpp or 1
     V = pp_size * vpp
@@ -116,7 +120,8 @@ def forward_backward(*, forward_step: ForwardStep, num_microbatches: int, pp_siz
         if kind == "F":
             run_forward(chunk, m)
         elif not forward_only:
-            run_backward(chunk, m)
+            with backward_context(chunk, m) if backward_context is not None else contextlib.nullcontext():
+                run_backward(chunk, m)
     if p2p is not None:
         p2p.wait_sends()
     return [losses[m] for m in sorted(losses)]

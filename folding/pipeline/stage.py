@@ -84,8 +84,11 @@ def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[st
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
     ``microbatches[m]`` holds full ``tokens``, ``labels`` and ``loss_mask`` ``[MBS, S]`` (the same on
-    every TP/CP/PP rank of one data-parallel replica). ``no_sync`` (the optimizer's) is entered for
-    the whole schedule when given, so gradient reduction is left to the caller after the step.
+    every TP/CP/PP rank of one data-parallel replica). ``no_sync`` (the optimizer's), when given, is
+    entered around every backward but each chunk's last micro-batch: during that last backward the
+    optimizer's buckets start reducing as their gradients complete (Megatron-Core's
+    ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
+    optimizer step completes the reduction.
     Returns ``{"lm_loss_sum": float64 tensor}``: the detached masked loss sum of this rank's
     micro-batches on the last pipeline stage, 0 on other stages.
     """
@@ -117,10 +120,14 @@ def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[st
     if pp > 1:
         p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"],
                   pp_rank=parallel_state.pp_rank, num_virtual=pp * vpp)
-    ctx = no_sync() if (no_sync is not None and not forward_only) else contextlib.nullcontext()
-    with ctx:
-        forward_backward(forward_step=step, num_microbatches=len(microbatches), pp_size=pp,
-                         pp_rank=parallel_state.pp_rank, vpp=vpp, p2p=p2p, tensor_shape=shape,
-                         dtype=dtype, device=device, forward_only=forward_only)
+    last = len(microbatches) - 1
+
+    def grad_sync(chunk: int, m: int):
+        return contextlib.nullcontext() if m == last else no_sync()
+
+    forward_backward(forward_step=step, num_microbatches=len(microbatches), pp_size=pp,
+                     pp_rank=parallel_state.pp_rank, vpp=vpp, p2p=p2p, tensor_shape=shape,
+                     dtype=dtype, device=device, forward_only=forward_only,
+                     backward_context=grad_sync if no_sync is not None else None)
     total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
     return {"lm_loss_sum": total}
