@@ -94,9 +94,7 @@ def _exposed_behind_chunks(comm_s: float, *, pp: int, vpp: int, slot_s: float) -
     For the gradient reduce-scatter, counted back from the stage's last backward: chunk ``j``'s gradients
     are ready once its last micro-batch's backward starts (bucket by bucket), ``j·pp + 1`` chunk-backward
     slots of ``slot_s`` before the end under interleaved 1F1B (the last chunk first); the chunks' transfers
-    queue on the links. The parameter all-gather of the next step is the mirror image (chunk ``j`` is needed
-    ``j·pp`` chunk-forward slots after the step starts, its buckets layer by layer during its first forward).
-    With ``vpp = 1`` this is ``max(0, comm_s - slot_s)``.
+    queue on the links. With ``vpp = 1`` this is ``max(0, comm_s - slot_s)``.
     """
     if comm_s <= 0:
         return 0.0

@@ -35,7 +35,7 @@ from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_st
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
 #: 128 H100 (seq 4096, global batch 256), whose folded layout TP2 CP1 PP8 EP8 ETP1 the MoE Parallel Folding
 #: paper measured at 49.3% MFU. Reproduce with ``calibrate_compute_efficiency`` (tests do).
-COMPUTE_EFFICIENCY = 0.644
+COMPUTE_EFFICIENCY = 0.651
 
 MATCH_KEYS = ("tp", "cp", "pp", "ep", "etp")
 

@@ -26,10 +26,11 @@ output layer). Per micro-batch and transformer layer, on one GPU:
 - **PP**: activation send/recv per micro-batch and virtual stage, waited for under 1F1B, overlapped with a
   chunk's compute under interleaving (Megatron-Core's ``overlap_p2p_comm``); **bubble** ``(PP-1)/VPP``
   stage times.
-- **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter + bf16 all-gather
-  (distributed optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped
-  with the backward / next forward that follows each chunk (:func:`_exposed_behind_chunks`); the hidden
-  part still costs ``overlap_contention`` of its time; plus the optimizer step (memory-bound).
+- **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter (distributed
+  optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped with the backward
+  that follows each chunk's last micro-batch (:func:`_exposed_behind_chunks`; the hidden part still costs
+  ``overlap_contention`` of its time); the distributed optimizer's bf16 parameter all-gather, hidden only
+  behind the optimizer step itself (memory-bound), as folding waits for it at the end of the step.
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
@@ -325,8 +326,11 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     bubble = (plan.pp - 1) / plan.vpp * t_mean
 
     # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
-    # the backward, parameter all-gather with the next step's forward (Megatron-Core's overlap_grad_reduce /
-    # overlap_param_gather), per model chunk; dense and expert traffic share the GPU's links.
+    # the backward per model chunk (folding starts a chunk's buckets during its last micro-batch's backward,
+    # as Megatron-Core's overlap_grad_reduce); dense and expert traffic share the GPU's links. The parameter
+    # all-gather of the distributed optimizer starts bucket by bucket as the optimizer updates them and is
+    # waited for at the end of the step: it hides only behind the rest of the update (folding has no
+    # overlap_param_gather).
     params = stage_parameters(cfg, plan, last=True)
     fwd_share = per_mb_last["compute"] / 3
     grad_s = param_s = 0.0
@@ -343,10 +347,9 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
         else:
             grad_s += _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
     exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
-    exposed_param = _exposed_behind_chunks(param_s, pp=plan.pp, vpp=plan.vpp, slot_s=fwd_share / plan.vpp)
-    hidden = grad_s + param_s - exposed_grad - exposed_param
-    exposed_dp = exposed_grad + exposed_param + gpu.overlap_contention * hidden
     optimizer = 30 * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    exposed_dp = (exposed_grad + gpu.overlap_contention * (grad_s - exposed_grad)
+                  + hidden_behind(param_s, optimizer, gpu.overlap_contention))
 
     breakdown = {c: m * v for c, v in per_mb_last.items()}
     breakdown.update(bubble=bubble, dp=exposed_dp, optimizer=optimizer)
