@@ -44,13 +44,36 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x
 
 
+def all_gather_start(x: torch.Tensor, group: Group):
+    """Start an all-gather of ``x`` along dim 0 over ``group`` (rank order); return ``(out, work)``.
+
+    Not autograd-aware: for autograd functions that overlap the collective with their own GEMMs
+    (:mod:`folding.parallel.sequence_parallel`); ``work.wait()`` before reading ``out``.
+    """
+    x = x.contiguous()
+    out = torch.empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _all_gather_single(out, x, group=group, async_op=True)
+
+
+def reduce_scatter_start(x: torch.Tensor, group: Group):
+    """Start a reduce-scatter (sum) of ``x`` along dim 0 over ``group``; return ``(out, work)``.
+
+    Not autograd-aware, like :func:`all_gather_start`; dim 0 must divide by the group size.
+    """
+    n = group_size(group)
+    if x.shape[0] % n:
+        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {n}")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, _reduce_scatter_single(out, x, group=group, async_op=True)
+
+
 def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
-    x0 = x.movedim(dim, 0).contiguous()
-    out = torch.empty((n * x0.shape[0],) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x0, group=group)
+    out, work = all_gather_start(x.movedim(dim, 0), group)
+    work.wait()
     if dim % x.dim() == 0:
         return out
     return torch.cat([c.movedim(0, dim) for c in out.chunk(n, dim=0)], dim=dim)
@@ -71,9 +94,8 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         return x
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
-    x0 = x.movedim(dim, 0).contiguous()
-    out = torch.empty((x0.shape[0] // n,) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x0, group=group)
+    out, work = reduce_scatter_start(x.movedim(dim, 0), group)
+    work.wait()
     return out.movedim(0, dim)
 
 

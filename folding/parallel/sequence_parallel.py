@@ -25,31 +25,16 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import Group, _all_gather_single, _reduce_scatter_single, group_size
-
-
-def _gather_start(x: torch.Tensor, group: Group, n: int):
-    x = x.contiguous()
-    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, _all_gather_single(out, x, group=group, async_op=True)
-
-
-def _reduce_scatter_start(x: torch.Tensor, group: Group, n: int):
-    x = x.contiguous()
-    if x.shape[0] % n:
-        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by the group size {n}")
-    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, _reduce_scatter_single(out, x, group=group, async_op=True)
+from .collectives import Group, all_gather_start, group_size, reduce_scatter_start
 
 
 class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, n_weights, *weights_and_biases):
         weights, biases = weights_and_biases[:n_weights], weights_and_biases[n_weights:]
-        n = group_size(group)
-        full, work = _gather_start(x, group, n)
+        full, work = all_gather_start(x, group)
         work.wait()
-        ctx.group, ctx.n = group, n
+        ctx.group = group
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.save_for_backward(x, *weights)
         return tuple(F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype))
@@ -58,13 +43,13 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full, gather = _gather_start(x, ctx.group, ctx.n)              # re-gather, overlapped with dgrad
+        full, gather = all_gather_start(x, ctx.group)                   # re-gather, overlapped with dgrad
         dx = None
         for g, w in zip(grads, weights):
             d = g.matmul(w.to(g.dtype))
             dx = d if dx is None else dx.add_(d)
         gather.wait()
-        dx_local, scatter = _reduce_scatter_start(dx, ctx.group, ctx.n)  # overlapped with wgrad
+        dx_local, scatter = reduce_scatter_start(dx, ctx.group)          # overlapped with wgrad
         full_2d = full.reshape(-1, full.shape[-1])
         wgrads, bgrads = [], []
         for g, w, has_b in zip(grads, weights, ctx.has_bias):
