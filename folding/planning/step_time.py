@@ -205,8 +205,7 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
     core_t = core / flops_rate
     # The dispatcher's host sync on split sizes: once per MoE forward.
     sync = mlp_fwd * gpu.host_sync_s if moe else 0.0
-    out = {"compute": (2 + attn_fwd) * core_t + attn_t + mlp_t + sync,
-           "core_attention": (2 + attn_fwd) * core_t}
+    out = {"compute": (2 + attn_fwd) * core_t + attn_t + mlp_t + sync}
 
     # Memory-bound element-wise traffic (bytes per forward; backward ≈ 2x): norm, RoPE and residual on each
     # side. MoE: the permute (index_select) and unpermute (index_add) of the k·T routed copies, each a read
