@@ -1,68 +1,55 @@
 """Point-to-point activation and gradient exchange between pipeline stages.
 
-Virtual stage ``v`` of a pipeline of ``pp`` ranks with ``vpp`` chunks per rank lives on pipeline
-rank ``v % pp`` as chunk ``v // pp``; activations flow from ``v`` to ``v + 1`` (the next rank in the
-ring) and gradients back. Every message has a tag derived from (direction, virtual stage,
-micro-batch), so messages can never be matched out of order. Sends are asynchronous
-(``isend``; the buffers are kept alive until :meth:`P2P.wait_sends`), receives block.
+Every exchange is one ``torch.distributed.batch_isend_irecv`` group (one ``ncclGroupStart/End`` on
+NCCL), waited for before the caller goes on; no other kind of point-to-point call is made, so
+batched and unbatched operations never meet on one pair of ranks. Tags are not used: which message
+is which follows from the order in which both ends issue them, which :mod:`.comm_plan` makes the same
+on both ends. The previous rank is offset −1 and the next offset +1 in the pipeline ring.
 
 Usage::
 
-    p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank, num_virtual=pp * vpp)
-    p2p.send_forward(out, vstage=v, microbatch=m)          # to v + 1
-    x = p2p.recv_forward(shape, dtype, vstage=v, microbatch=m, device=dev)   # from v - 1
+    p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
+    got = p2p.exchange(sends=[(+1, activation)], recvs=[(-1, shape, dtype, device)])
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 
 class P2P:
-    """Tagged point-to-point messages on one pipeline group (see the module docstring)."""
+    """Grouped sends and receives on one pipeline group (see the module docstring)."""
 
-    def __init__(self, *, pp_group, pp_ranks: Sequence[int], pp_rank: int, num_virtual: int):
+    def __init__(self, *, pp_group, pp_ranks: Sequence[int], pp_rank: int):
         self.group = pp_group
         self.ranks = list(pp_ranks)
         self.pp = len(self.ranks)
         self.pp_rank = pp_rank
-        self.num_virtual = num_virtual
-        self._pending: List = []
 
-    def _tag(self, direction: int, vstage: int, microbatch: int) -> int:
-        return (microbatch * self.num_virtual + vstage) * 2 + direction
-
-    def _peer(self, offset: int) -> int:
+    def peer(self, offset: int) -> int:
+        """The global rank ``offset`` steps along the pipeline ring from this one."""
         return self.ranks[(self.pp_rank + offset) % self.pp]
 
-    def send_forward(self, t: torch.Tensor, *, vstage: int, microbatch: int) -> None:
-        """Send the output of virtual stage ``vstage`` to the rank holding ``vstage + 1`` (async)."""
-        buf = t.detach().contiguous()
-        self._pending.append((dist.isend(buf, self._peer(1), group=self.group,
-                                         tag=self._tag(0, vstage + 1, microbatch)), buf))
+    def exchange(self, *, sends: Sequence[Tuple[int, torch.Tensor]],
+                 recvs: Sequence[Tuple[int, Sequence[int], torch.dtype, torch.device]]) -> List[torch.Tensor]:
+        """Send each ``(offset, tensor)`` and receive one ``(offset, shape, dtype, device)`` buffer
+        each, all in one group, in the order given; return the received tensors once all complete.
 
-    def recv_forward(self, shape, dtype, *, vstage: int, microbatch: int, device) -> torch.Tensor:
-        """Receive the input of virtual stage ``vstage`` from the rank holding ``vstage - 1`` (blocking)."""
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(buf, self._peer(-1), group=self.group, tag=self._tag(0, vstage, microbatch)).wait()
-        return buf
-
-    def send_backward(self, t: torch.Tensor, *, vstage: int, microbatch: int) -> None:
-        """Send the gradient of the input of ``vstage`` to the rank holding ``vstage - 1`` (async)."""
-        buf = t.detach().contiguous()
-        self._pending.append((dist.isend(buf, self._peer(-1), group=self.group,
-                                         tag=self._tag(1, vstage - 1, microbatch)), buf))
-
-    def recv_backward(self, shape, dtype, *, vstage: int, microbatch: int, device) -> torch.Tensor:
-        """Receive the gradient of the output of ``vstage`` from the rank holding ``vstage + 1`` (blocking)."""
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(buf, self._peer(1), group=self.group, tag=self._tag(1, vstage, microbatch)).wait()
-        return buf
-
-    def wait_sends(self) -> None:
-        """Wait for every outstanding send and release its buffer."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        No autograd: the schedule routes gradients itself (a forward activation is sent here, its
+        gradient comes back through a later exchange).
+        """
+        ops, bufs, keep = [], [], []
+        for offset, t in sends:
+            buf = t.detach().contiguous()
+            keep.append(buf)
+            ops.append(dist.P2POp(dist.isend, buf, self.peer(offset), group=self.group))
+        for offset, shape, dtype, device in recvs:
+            buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+            bufs.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, self.peer(offset), group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return bufs

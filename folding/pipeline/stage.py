@@ -119,7 +119,7 @@ def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[st
     p2p = None
     if pp > 1:
         p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"],
-                  pp_rank=parallel_state.pp_rank, num_virtual=pp * vpp)
+                  pp_rank=parallel_state.pp_rank)
     last = len(microbatches) - 1
 
     def grad_sync(chunk: int, m: int):

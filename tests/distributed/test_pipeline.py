@@ -54,7 +54,7 @@ def _run(cases):
                 v = chunk * pp + ps.pp_rank
                 return (x ** 2).sum() / M if v == V - 1 else x
 
-            p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank, num_virtual=V)
+            p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
             losses = forward_backward(forward_step=step, num_microbatches=M, pp_size=pp, pp_rank=ps.pp_rank,
                                       vpp=vpp, p2p=p2p, tensor_shape=(S, B, H), dtype=torch.float64)
             grads = {i: w.grad for c in mine for i, w in mine[c]}

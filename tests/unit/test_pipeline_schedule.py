@@ -1,7 +1,7 @@
 """Pipeline schedule orders: every step exactly once, dependencies respected, no deadlock."""
 import pytest
 
-from folding.pipeline.schedules import schedule_order
+from folding.pipeline.order import schedule_order
 
 
 def simulate(M, pp, vpp):

@@ -1,0 +1,48 @@
+"""The order of a rank's forward and backward steps under each pipeline schedule (pure).
+
+No pipelining, 1F1B and interleaved 1F1B, in Megatron-Core's order: with ``V = pp·vpp`` virtual
+stages, virtual stage ``v`` lives on rank ``v % pp`` as chunk ``v // pp``. 1F1B runs
+``pp − rank − 1`` warm-up forwards, then alternates one forward and one backward, then drains the
+backwards. Interleaved 1F1B walks the virtual micro-batches ``k = 0 .. M·vpp − 1`` in groups of
+``pp``: forward chunk ``(k mod pp·vpp) // pp``, backward chunk ``vpp − 1 −`` that; warm-up is
+``2·(pp − rank − 1) + (vpp − 1)·pp`` (all forwards first when ``M == pp``). It needs ``M``
+divisible by ``pp``.
+
+Usage::
+
+    schedule_order(num_microbatches=8, pp_size=4, pp_rank=0, vpp=2)   # [("F", 0, 0), ...]
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+
+def schedule_order(*, num_microbatches: int, pp_size: int, pp_rank: int, vpp: int) -> List[Tuple[str, int, int]]:
+    """The ordered list of ``("F" | "B", chunk, microbatch)`` steps this rank runs (pure function)."""
+    M, pp, r = num_microbatches, pp_size, pp_rank
+    if M < 1:
+        raise ValueError(f"num_microbatches={M} must be >= 1")
+    if vpp == 1:
+        fwd = [(0, m) for m in range(M)]
+        bwd = [(0, m) for m in range(M)]
+        warmup = min(pp - r - 1, M)
+    else:
+        if M % pp:
+            raise ValueError(f"interleaved pipelining needs the number of micro-batches ({M}) to be a "
+                             f"multiple of parallel.pp={pp}; change train.global_batch_size or "
+                             f"train.micro_batch_size, or set parallel.vpp=null")
+        group = pp * vpp
+        total = M * vpp
+
+        def mb(k):
+            return (k // group) * pp + k % pp
+
+        fwd = [((k % group) // pp, mb(k)) for k in range(total)]
+        bwd = [(vpp - 1 - (k % group) // pp, mb(k)) for k in range(total)]
+        warmup = total if M == pp else min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+    order = [("F",) + fwd[k] for k in range(warmup)]
+    for k in range(len(fwd) - warmup):
+        order.append(("F",) + fwd[k + warmup])
+        order.append(("B",) + bwd[k])
+    order += [("B",) + bwd[k] for k in range(len(fwd) - warmup, len(bwd))]
+    return order
