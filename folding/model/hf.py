@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
-from .init import InitSpec, init_spec, shard_index
+from .init import InitSpec, init_spec, materialize, shard_index
 from ..parallel.collectives import group_rank, group_size
 from ..parallel.param_attrs import param_tags
 from .transformer import MoETransformer
@@ -224,15 +224,19 @@ def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.flo
     Without a layout, ``model(input_ids_BS)`` returns logits ``[B, S, V]``; with one, see
     :class:`~folding.model.transformer.MoETransformer` for what each rank returns.
     ``config_overrides`` replaces :class:`ModelConfig` fields that do not change tensor shapes
-    (e.g. ``router_aux_loss_coef`` for training).
+    (e.g. ``router_aux_loss_coef`` for training). The model is built on ``meta`` and its tensors
+    allocated directly on ``device`` (default CPU) before the weights are read into them, so nothing
+    is initialized only to be overwritten; ``device="meta"`` returns the structure without reading.
     """
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype,
-                           device=device, initialize=False)
-    load_hf_weights(model, path)
+                           device="meta")
+    if torch.device(device or "cpu").type != "meta":  # meta: the structure only, nothing is read
+        materialize(model, device=device or "cpu", init_seed=None)
+        load_hf_weights(model, path)
     model.hf_config = hf
     return model
 
@@ -256,14 +260,20 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     """Write ``model`` as a Hugging Face checkpoint (``config.json`` + ``model.safetensors``).
 
     Collective over the world when ``torch.distributed`` is initialized: every rank sends its pieces
-    to global rank 0 (``gather_object``), which assembles and writes the full tensors. ``dtype``
-    defaults to the parameters' dtype.
+    (host copies) to global rank 0, which assembles and writes the full tensors. The pieces travel
+    on a gloo group over host memory, never through a GPU (on NCCL, ``gather_object`` would stage
+    world × the largest message on rank 0's GPU). ``dtype`` defaults to the parameters' dtype.
     """
     from safetensors.torch import save_file
     pieces = hf_pieces(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(pieces, gathered, dst=0)
+        host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        try:
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(pieces, gathered, dst=0, group=host_group)
+        finally:
+            if host_group is not None:
+                dist.destroy_process_group(host_group)
         if dist.get_rank() != 0:
             return
     else:

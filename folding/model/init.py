@@ -5,8 +5,12 @@ which slice of it this rank holds (:func:`set_init_spec`). :func:`initialize_par
 walks ``model.named_parameters()`` and, for each recorded parameter, draws the full tensor from a
 ``torch.Generator`` seeded by ``(init_seed, parameter name)`` and copies this rank's slice. The
 name is the same in every layout (the module tree does not depend on the layout), so 1 rank and any
-TP/EP/ETP layout hold exactly the same numbers. Parameters without a spec (e.g. from a module that
-initializes itself) are left alone; parameters on the ``meta`` device are skipped.
+TP/EP/ETP layout hold exactly the same numbers. Modules that initialize themselves (the MoE
+router, experts and shared expert: per-expert seeds, so a rank draws only its own experts) expose
+``init_own_parameters()``, which :func:`initialize_parameters` calls too; parameters on the ``meta``
+device are skipped. :func:`materialize` turns a model built on ``meta`` into one on a real device with
+the same numbers as building it there (``nn.Module.to_empty`` would drop the parameters' recorded
+specs and tags, so it is not used).
 
 The full tensor is generated on CPU on every rank that holds a slice of it (simple and exact; for
 a 151936x3584 embedding this is ~2 GiB of transient host memory per rank).
@@ -17,13 +21,16 @@ Usage::
     set_init_spec(w, full_shape=(out, inp), shards=((0, tp_rank, tp),), kind="normal", std=0.02)
     ...
     initialize_parameters(model, init_seed=1234)
+
+    model = MoETransformer(cfg, parallel_state=ps, device="meta")   # nothing allocated
+    materialize(model, device=torch.device("cuda", local_rank), init_seed=1234)
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import math
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -94,7 +101,14 @@ def take_slice(full: torch.Tensor, shards: Sequence[Tuple[int, int, int]]) -> to
 
 @torch.no_grad()
 def initialize_parameters(model: torch.nn.Module, init_seed: int) -> None:
-    """Fill every parameter of ``model`` that has an :class:`InitSpec` with its slice of the full tensor."""
+    """Fill every parameter of ``model`` that has an :class:`InitSpec` with its slice of the full
+    tensor, and call ``init_own_parameters()`` on every submodule that defines it (the router, the
+    experts and the shared expert draw their layout-independent values from seeds they were built
+    with). Meta tensors are skipped, so a model built on ``meta`` is initialized after ``to_empty``."""
+    for module in model.modules():
+        own = getattr(module, "init_own_parameters", None)
+        if own is not None and not any(p.is_meta for p in module.parameters(recurse=False)):
+            own()
     for name, p in model.named_parameters():
         spec = init_spec(p)
         if spec is None or p.is_meta:
@@ -111,3 +125,28 @@ def shard_index(full_shape: Sequence[int], shards: Sequence[Tuple[int, int, int]
         size[dim] //= count
         start[dim] += index * size[dim]
     return tuple(slice(a, a + n) for a, n in zip(start, size))
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, *, device, init_seed: Optional[int]) -> torch.nn.Module:
+    """Allocate every ``meta`` parameter and buffer of ``model`` on ``device`` and, unless
+    ``init_seed`` is None (weights about to be loaded), initialize them.
+
+    Parameters keep their Python attributes (init specs, gradient-reduction tags) and their
+    ``requires_grad``; buffers are zero-filled, then set by the modules' ``init_own_parameters``.
+    Returns ``model``.
+    """
+    device = torch.device(device)
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            module._parameters[key] = new
+        for key, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[key] = torch.zeros_like(b, device=device)
+    if init_seed is not None:
+        initialize_parameters(model, init_seed)
+    return model

@@ -53,8 +53,8 @@ def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: Model
                         device=None, dtype=torch.float32):
     """Build the engine's :class:`folding.moe.layer.MoELayer` for layer ``layer_number``.
 
-    The layer initializes its own weights from ``(init_seed, layer_number)`` (layout-independent) in
-    ``dtype``; it creates them on the CPU, so ``device`` is not used here (move the model afterwards).
+    The layer creates its weights on ``device`` in ``dtype`` and initializes them from
+    ``(init_seed, layer_number)`` (layout-independent), unless ``device`` is ``meta``.
     """
     try:
         from ..moe.layer import MoELayer
@@ -65,4 +65,4 @@ def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: Model
     return MoELayer(config=moe_config_from_model(config), hidden_size=config.hidden_size, ep_group=groups.ep,
                     etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
                     tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed, init_std=config.init_std,
-                    params_dtype=dtype)
+                    params_dtype=dtype, device=device)

@@ -92,6 +92,7 @@ class GroupedMLP(torch.nn.Module):
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
         init_seed: int = 0,
+        device=None,
     ):
         """Validate the settings and create this rank's shards of the layout-independent initial weights."""
         super().__init__()
@@ -128,15 +129,29 @@ class GroupedMLP(torch.nn.Module):
         self.backend = backend
         self.fp8_recipe = fp8_recipe
         self.init_std, self.init_seed = init_std, init_seed
-        maps = self.full_shape_slices()
-        fc1 = torch.stack([maps["fc1_weight"].shard(self._full(g, 0)) for g in maps["fc1_weight"].global_experts])
-        fc2 = torch.stack([maps["fc2_weight"].shard(self._full(g, 1)) for g in maps["fc2_weight"].global_experts])
-        self.fc1_weight = mark_param(torch.nn.Parameter(fc1.to(params_dtype)), expert=True, tp_sharded=True, tp_dim=1)
-        self.fc2_weight = mark_param(torch.nn.Parameter(fc2.to(params_dtype)), expert=True, tp_sharded=True, tp_dim=2)
+        E, fl, h = num_local_experts, self.ffn_local, hidden_size
+        kw = dict(dtype=params_dtype, device=device)
+        self.fc1_weight = mark_param(torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True,
+                                     tp_sharded=True, tp_dim=1)
+        self.fc2_weight = mark_param(torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True,
+                                     tp_sharded=True, tp_dim=2)
         self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
+        if not self.fc1_weight.is_meta:
+            self.init_own_parameters()
+
+    @torch.no_grad()
+    def init_own_parameters(self) -> None:
+        """Fill the local expert shards with their layout-independent initial values: each global
+        expert's full weights are drawn on the CPU from ``(init_seed, expert, which)`` and this rank's
+        ETP shard is copied to the parameter's device."""
+        maps = self.full_shape_slices()
+        for name, which in (("fc1_weight", 0), ("fc2_weight", 1)):
+            param = getattr(self, name)
+            for i, g in enumerate(maps[name].global_experts):
+                param[i].copy_(maps[name].shard(self._full(g, which)))
 
     def _full(self, global_expert: int, which: int) -> torch.Tensor:
         """The full fp32 initial tensor of one expert weight (``which``: 0 = fc1 [2F, H], 1 = fc2 [H, F])."""

@@ -65,23 +65,36 @@ class SharedExpert(nn.Module):
     """
 
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int, tp_group, gate: bool, init_seed: int,
-                 layer_number: int, init_std: float = 0.02, params_dtype: torch.dtype = torch.float32):
+                 layer_number: int, init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
+                 device=None):
         super().__init__()
         tp = dist.get_world_size(tp_group)
         if ffn_hidden_size % tp:
             raise ValueError(f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
                              f"parallel.tp={tp}; pick a multiple of tp")
-        r = dist.get_rank(tp_group)
+        self.tp_rank = dist.get_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
+        self.init_seed, self.layer_number, self.init_std = init_seed, layer_number, init_std
         self.ffn_local = fl = ffn_hidden_size // tp
-        full1, full2, fullg = self.full_weights(hidden_size, ffn_hidden_size, init_seed, layer_number, init_std)
-        fc1 = torch.cat([full1[r * fl:(r + 1) * fl], full1[ffn_hidden_size + r * fl:ffn_hidden_size + (r + 1) * fl]])
-        self.fc1_weight = mark_param(nn.Parameter(fc1.to(params_dtype)), tp_sharded=True, tp_dim=0)
-        self.fc2_weight = mark_param(nn.Parameter(full2[:, r * fl:(r + 1) * fl].clone().to(params_dtype)),
-                                     tp_sharded=True, tp_dim=1)
+        kw = dict(dtype=params_dtype, device=device)
+        self.fc1_weight = mark_param(nn.Parameter(torch.empty(2 * fl, hidden_size, **kw)), tp_sharded=True, tp_dim=0)
+        self.fc2_weight = mark_param(nn.Parameter(torch.empty(hidden_size, fl, **kw)), tp_sharded=True, tp_dim=1)
         self.gate_weight = None
         if gate:
-            self.gate_weight = mark_param(nn.Parameter(fullg.to(params_dtype)), sequence_parallel=True)
+            self.gate_weight = mark_param(nn.Parameter(torch.empty(1, hidden_size, **kw)), sequence_parallel=True)
+        if not self.fc1_weight.is_meta:
+            self.init_own_parameters()
+
+    @torch.no_grad()
+    def init_own_parameters(self) -> None:
+        """Fill this rank's TP shards from the full initial weights (:meth:`full_weights`, drawn on
+        the CPU), copied to the parameters' device."""
+        f, fl, r = self.ffn_hidden_size, self.ffn_local, self.tp_rank
+        full1, full2, fullg = self.full_weights(self.hidden_size, f, self.init_seed, self.layer_number, self.init_std)
+        self.fc1_weight.copy_(torch.cat([full1[r * fl:(r + 1) * fl], full1[f + r * fl:f + (r + 1) * fl]]))
+        self.fc2_weight.copy_(full2[:, r * fl:(r + 1) * fl])
+        if self.gate_weight is not None:
+            self.gate_weight.copy_(fullg)
 
     @staticmethod
     def full_weights(hidden_size: int, ffn_hidden_size: int, init_seed: int, layer_number: int,
@@ -118,11 +131,13 @@ class MoELayer(nn.Module):
         init_seed: model seed.
         init_std: std of all initial weights.
         params_dtype: dtype of the expert and shared-expert parameters (the router keeps fp32).
+        device: where every parameter and buffer is created (``meta``: nothing is allocated or
+            initialized; after ``to_empty``, :func:`folding.model.init.initialize_parameters` fills them).
     """
 
     def __init__(self, *, config: MoEConfig, hidden_size: int, ep_group, etp_group, tp_cp_group, tp_dp_cp_group,
                  tp_group, layer_number: int = 0, init_seed: int = 0, init_std: float = 0.02,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         config.validate()
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
@@ -136,17 +151,18 @@ class MoELayer(nn.Module):
                              f"{d.etp_size}; pick an etp that divides it")
         self.router = Router(hidden_size=hidden_size, config=config, tp_cp_group=tp_cp_group,
                              tp_dp_cp_group=tp_dp_cp_group, init_std=init_std, init_seed=init_seed,
-                             layer_number=layer_number)
+                             layer_number=layer_number, device=device)
         self.experts = GroupedMLP(num_local_experts=d.num_local_experts, hidden_size=hidden_size,
                                   ffn_hidden_size=config.ffn_hidden_size, etp_size=d.etp_size, etp_rank=d.etp_rank,
                                   expert_offset=d.local_expert_offset, backend=config.expert_backend,
                                   fp8_recipe=config.fp8_recipe, params_dtype=params_dtype, init_std=init_std,
-                                  init_seed=layer_init_seed(init_seed, layer_number, "experts"))
+                                  init_seed=layer_init_seed(init_seed, layer_number, "experts"), device=device)
         self.shared_expert: Optional[SharedExpert] = None
         if config.shared_expert_ffn_hidden_size is not None:
             self.shared_expert = SharedExpert(hidden_size=hidden_size, ffn_hidden_size=config.shared_expert_ffn_hidden_size,
                                               tp_group=tp_group, gate=config.shared_expert_gate, init_seed=init_seed,
-                                              layer_number=layer_number, init_std=init_std, params_dtype=params_dtype)
+                                              layer_number=layer_number, init_std=init_std, params_dtype=params_dtype,
+                                              device=device)
         self.last_routing_map_TE: Optional[torch.Tensor] = None
         """The routing map (after capacity) of the last forward, detached: load and drop metrics."""
 

@@ -86,7 +86,7 @@ class Router(nn.Module):
     """
 
     def __init__(self, *, hidden_size: int, config: MoEConfig, tp_cp_group, tp_dp_cp_group,
-                 init_std: float = 0.02, init_seed: int = 0, layer_number: int = 0):
+                 init_std: float = 0.02, init_seed: int = 0, layer_number: int = 0, device=None):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size={hidden_size!r} must be a positive integer (model.hidden_size)")
@@ -98,19 +98,20 @@ class Router(nn.Module):
         self.tp_dp_cp_group = tp_dp_cp_group
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
-        gen = torch.Generator().manual_seed(router_init_seed(init_seed, layer_number))
-        weight = torch.empty(E, hidden_size, dtype=torch.float32).normal_(0.0, init_std, generator=gen)
-        self.weight = mark_param(nn.Parameter(weight), sequence_parallel=True)
+        self.init_std, self.init_seed = init_std, init_seed
+        self.weight = mark_param(nn.Parameter(torch.empty(E, hidden_size, dtype=torch.float32, device=device)),
+                                 sequence_parallel=True)
         if config.expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32),
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=device),
                                  persistent=False)
         else:
             self.register_buffer("expert_bias", None)
-        self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float64), persistent=False)
+        self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float64, device=device),
+                             persistent=False)
         self.global_aux_steps = 0
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
-        self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.bool), persistent=False)
+        self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
         self.aux_loss_scale: Union[float, torch.Tensor] = 1.0
         """Gradient given to each loss: the objective gains ``aux_loss_scale · loss`` per forward."""
         self.last_losses: Dict[str, torch.Tensor] = {}
@@ -119,6 +120,20 @@ class Router(nn.Module):
         """Rows per expert after capacity (this rank's tokens) of the last forward, for load metrics."""
         self.last_dropped: Optional[torch.Tensor] = None
         """Routed (token, expert) pairs dropped by capacity in the last forward (this rank)."""
+
+        if not self.weight.is_meta:
+            self.init_own_parameters()
+
+    @torch.no_grad()
+    def init_own_parameters(self) -> None:
+        """Fill ``weight`` with its layout-independent initial value (drawn on the CPU from
+        ``(init_seed, layer_number)``, copied to the parameter's device); zero every buffer (the expert
+        bias and the token counters)."""
+        gen = torch.Generator().manual_seed(router_init_seed(self.init_seed, self.layer_number))
+        full = torch.empty(tuple(self.weight.shape), dtype=torch.float32).normal_(0.0, self.init_std, generator=gen)
+        self.weight.copy_(full)
+        for buf in self.buffers():
+            buf.zero_()
 
     # ------------------------------------------------------------------------------- forward
     def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,

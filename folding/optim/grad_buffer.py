@@ -130,6 +130,10 @@ class GradBuffer:
         self.numel = pos
         dtype = self.params[0].dtype
         device = self.params[0].device
+        elsewhere = sorted({str(q.device) for q in self.params} - {str(device)})
+        if elsewhere:  # one flat buffer per group: a parameter left behind would be copied every step
+            raise ValueError(f"gradient buffer: parameters on {device} and on {elsewhere}; build the model "
+                             f"on one device (every builder takes device=)")
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.bucket_of = {}

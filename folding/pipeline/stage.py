@@ -44,7 +44,7 @@ def moe_factory_for(moe_config) -> Callable[..., nn.Module]:
         return MoELayer(config=moe_config, hidden_size=config.hidden_size, ep_group=groups.ep,
                         etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
                         tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed,
-                        init_std=config.init_std, params_dtype=dtype)
+                        init_std=config.init_std, params_dtype=dtype, device=device)
     return factory
 
 
