@@ -20,8 +20,12 @@ plus :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` doing th
   map over ETP×EP, keep the local experts' columns; reduce-scatter on the way back.
 
 Router probabilities travel with the tokens; the experts apply them (after the activation) and the
-combine is an unweighted sum. ``tokens_per_expert`` is a CPU ``int64`` tensor (known on the host
-from the split sizes), so grouped GEMMs need no further device-to-host read.
+combine is an unweighted sum. ``tokens_per_expert`` is an ``int64`` tensor on the tokens' device
+(derived there from the gathered counts, so a grouped GEMM builds its offsets without a host
+copy); the same counts as a Python list, known on the host from the split sizes, are in
+``tokens_per_expert_host`` for backends that need host sizes (TransformerEngine's ``m_splits``), so
+neither direction crosses again. Chunks are reordered by split/cat with host sizes: no index
+tensor is built from host data on the hot path.
 
 Under folding, the input tokens are this *attention* rank's local tokens, distinct on every rank,
 and every rank of the ETP×EP domain must hold the same number ``T`` of them (equal micro-batch
@@ -98,6 +102,8 @@ class TokenDispatcher:
             raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
         if pad_to_capacity and capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
+        self.tokens_per_expert_host: Optional[list] = None
+        """Rows per local expert of the last dispatch, as Python ints (host copy of the counts)."""
         for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire),
                           ("grad_wire", grad_wire)):
             if fmt not in WIRE_FORMATS:
@@ -158,7 +164,8 @@ class TokenDispatcher:
 
     def dispatch(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (CPU int64), probs_N)``."""
+        """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (int64, on the tokens'
+        device), probs_N)``; the counts are also in ``tokens_per_expert_host`` (a list)."""
         h, p = self.dispatch_preprocess(hidden, routing_map_TE, probs_TE)
         h, p = self.token_dispatch(h, p)
         return self.dispatch_postprocess(h, p)

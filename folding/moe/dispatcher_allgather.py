@@ -85,11 +85,14 @@ class AllGatherDispatcher(TokenDispatcher):
             R = self.ep_size * self.etp_size
             rows = padded_rows_per_expert(self._num_tokens, self.topk, self.num_experts, self.capacity_factor)
             out, p, self._token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
-            tpe = [rows * R] * self.num_local_experts
+            self.tokens_per_expert_host = [rows * R] * self.num_local_experts
+            tpe = torch.full((self.num_local_experts,), rows * R, dtype=torch.long, device=hidden.device)
         else:
-            tpe = host_sync.to_host(map_GL.sum(0), reason="allgather counts")
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(tpe))
-        return out, torch.tensor(tpe, dtype=torch.long), p
+            tpe = map_GL.sum(0)
+            self.tokens_per_expert_host = host_sync.to_host(tpe, reason="allgather counts")
+            out, p, self._token_idx = permute(hidden, map_GL, probs_GL,
+                                              num_out_tokens=sum(self.tokens_per_expert_host))
+        return out, tpe, p
 
     def combine_preprocess(self, out):
         """Sum each gathered token's expert rows (unweighted): ``[G, H]``."""

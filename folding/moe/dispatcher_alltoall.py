@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from . import host_sync
 from .dispatcher import TokenDispatcher
-from .permute import (AllToAllPlan, chunk_permutation, inverse_order, padded_rows_per_expert, permute,
-                      plan_alltoall, unpermute)
+from .permute import (AllToAllPlan, inverse_order, padded_rows_per_expert, permute, plan_alltoall,
+                      sort_chunks_by_idxs, unpermute)
 from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row
 
 
@@ -95,12 +95,9 @@ class AllToAllDispatcher(TokenDispatcher):
         plan = plan_alltoall(counts, ep_size=self.ep_size, etp_size=self.etp_size, ep_rank=self.ep_rank,
                              etp_rank=self.etp_rank, num_local_experts=self.num_local_experts)
         self._plan = plan
-        if plan.sort_idxs != sorted(plan.sort_idxs):  # e.g. one local expert and ETP=1: already sorted
-            perm = chunk_permutation(plan.chunk_sizes, plan.sort_idxs)
-            self._sort_idx = torch.tensor(perm, dtype=torch.long)
-            self._unsort_idx = torch.tensor(inverse_order(perm), dtype=torch.long)
-        else:
-            self._sort_idx = self._unsort_idx = None
+        # chunk reordering by split/cat with the host sizes: no index tensor crosses to the device
+        self._sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
+        self.tokens_per_expert_host = list(plan.tokens_per_expert)
 
     def _spec(self, wire: str) -> ExchangeSpec:
         p = self._plan
@@ -118,17 +115,25 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch_postprocess(self, hidden, probs):
         """Sort rank-major chunks expert-major. Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
-        if self._sort_idx is not None:
-            idx = self._sort_idx.to(hidden.device)
-            hidden = hidden.index_select(0, idx)
-            probs = None if probs is None else probs.index_select(0, idx)
-        return hidden, torch.tensor(self._plan.tokens_per_expert, dtype=torch.long), probs
+        p = self._plan
+        if not self._sorted:
+            hidden = sort_chunks_by_idxs(hidden, p.chunk_sizes, p.sort_idxs)
+            probs = None if probs is None else sort_chunks_by_idxs(probs, p.chunk_sizes, p.sort_idxs)
+        return hidden, self._device_tokens_per_expert(hidden.device), probs
+
+    def _device_tokens_per_expert(self, device) -> torch.Tensor:
+        """Rows per local expert as a device tensor, from the gathered device counts (no host copy)."""
+        L, lo = self.num_local_experts, self.local_expert_offset
+        if self._counts_dev is None:  # pad-to-capacity: static
+            return torch.full((L,), self._plan.tokens_per_expert[0], dtype=torch.long, device=device)
+        return self._counts_dev[:, :, lo:lo + L].sum((0, 1)).to(torch.long)
 
     # -------------------------------------------------------------------------------- combine
     def combine_preprocess(self, out):
         """Undo the expert-major sort (back to rank-major chunks)."""
-        if self._unsort_idx is not None:
-            out = out.index_select(0, self._unsort_idx.to(out.device))
+        p = self._plan
+        if not self._sorted:
+            out = sort_chunks_by_idxs(out, [p.chunk_sizes[i] for i in p.sort_idxs], inverse_order(p.sort_idxs))
         return out
 
     def token_combine(self, out):

@@ -165,11 +165,11 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_EOK[e]ᵀ``; rows expert-major.
 
-    ``tokens_per_expert``: list or 1-D integer tensor [E] (CPU or device). ``backend`` is ``loop``,
+    ``tokens_per_expert``: list or 1-D integer tensor [E] on the inputs' device. ``backend`` is ``loop``,
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
     no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
-    tensor of counts and an input that fits one call runs without a host sync (and without
-    checking that the counts sum to N). ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
+    tensor of counts and an input that fits one call runs without a host transfer either way (and
+    without checking that the counts sum to N); with a list it builds the offsets by one host copy. ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     """
     num_rows, num_experts = x_NK.shape[0], w_EOK.shape[0]
@@ -183,7 +183,6 @@ def grouped_linear(
         backend == "torch"
         and fits
         and isinstance(tokens_per_expert, torch.Tensor)
-        and tokens_per_expert.device.type != "cpu"
     ):
         if tuple(tokens_per_expert.shape) != (num_experts,):
             raise ValueError(

@@ -212,8 +212,9 @@ class GroupedMLP(torch.nn.Module):
     def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:
         """Expert outputs ``[N, H]`` for tokens sorted expert-major (a partial sum over F shards under ETP).
 
-        ``tokens_per_expert``: list or 1-D int tensor ``[E_local]`` (CPU or device); ``probs_N``: the
-        router probability of each row. Experts with zero rows and ``N == 0`` are fine.
+        ``tokens_per_expert``: a list (host sizes, validated here) or a 1-D int tensor ``[E_local]`` on
+        the tokens' device (the ``torch`` backend then builds its offsets there without any host
+        copy; other backends read it once); ``probs_N``: the router probability of each row. Experts with zero rows and ``N == 0`` are fine.
         """
         if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
             raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
@@ -231,8 +232,7 @@ class GroupedMLP(torch.nn.Module):
                 h = self._te.linear("fc1", tokens_NH, w1, counts, self.fp8_recipe)
                 act = self._activation(h, probs_N)
                 return self._te.linear("fc2", act, w2, counts, self.fp8_recipe)
-        on_device = isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu"
-        if not on_device:  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
+        if not isinstance(tokens_per_expert, torch.Tensor):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
         kw = dict(delayed=self.delayed_scaling)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)

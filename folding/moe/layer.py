@@ -178,6 +178,9 @@ class MoELayer(nn.Module):
         probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
         self.last_routing_map_TE = routing_map_TE.detach()
         tokens_NH, tokens_per_expert, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
+        if self.experts.resolve_backend(tokens_NH.device, tokens_NH.dtype) != "torch":
+            # host sizes for per-expert loops and TE's m_splits: the copy the dispatcher already made
+            tokens_per_expert = self.dispatcher.tokens_per_expert_host
         out_NH = self.experts(tokens_NH, tokens_per_expert, probs_N)
         out = self.dispatcher.combine(out_NH)
         if self.shared_expert is not None:

@@ -1,0 +1,57 @@
+"""Host-transfer budget of one MoE layer forward + backward with the ``torch`` expert backend.
+
+Audited on CPU by :class:`folding.testing.transfer_audit.TransferAudit` (which models what a GPU
+would copy): device→host reads D2H ≤ 1 dropless (the all-to-all split sizes) and 0 with
+pad-to-capacity; host→device copies H2D = 0 in both, for both dispatchers, on a 1×1 expert
+domain and on EP-only and EP×ETP layouts of 4 gloo ranks. The router's aux and z losses are on, so their
+reductions are audited too.
+"""
+import torch
+import torch.distributed as dist
+
+from folding.moe.config import MoEConfig
+from folding.moe.layer import MoELayer
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.testing.transfer_audit import TransferAudit
+
+H, S, B, E = 16, 8, 2, 8
+BUDGET = {"dropless": 1, "pad": 0}   # D2H per layer forward + backward; H2D is 0 everywhere
+
+
+def _layer(ps, dispatcher, mode):
+    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=8, dispatcher=dispatcher, expert_backend="torch",
+                    capacity_factor=None if mode == "dropless" else 1.0, pad_to_capacity=mode == "pad",
+                    aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    return MoELayer(config=cfg, hidden_size=H, ep_group=ps.ep_group, etp_group=ps.etp_group,
+                    tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
+                    layer_number=1, init_seed=5)
+
+
+def _audit(layouts):
+    out = []
+    for layout_kw in layouts:
+        with build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw)) as ps:
+            for dispatcher in ("alltoall", "allgather"):
+                for mode in ("dropless", "pad"):
+                    layer = _layer(ps, dispatcher, mode)
+                    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank), requires_grad=True)
+                    layer(x).sum().backward()   # warm-up: first-call work (backend probe) is not per layer
+                    with TransferAudit() as audit:
+                        layer(x).sum().backward()
+                    out.append((layout_kw, dispatcher, mode, audit.h2d, audit.d2h, audit.events))
+    return out
+
+
+def _check(results):
+    for layout_kw, dispatcher, mode, h2d, d2h, events in results:
+        where = (layout_kw, dispatcher, mode, events)
+        assert h2d == 0, where
+        assert d2h <= BUDGET[mode], where
+
+
+def test_budget_on_one_expert_rank_ep_and_ep_etp(ranks):
+    # ep=1: each rank is its own 1x1 expert domain (the 1-rank path); then EP-only and EP x ETP
+    results = ranks(4).run(_audit, [dict(ep=1, etp=1), dict(ep=4, etp=1), dict(ep=2, etp=2)])
+    assert sum(len(r) for r in results) == 4 * 3 * 2 * 2
+    for rank_out in results:
+        _check(rank_out)
