@@ -38,12 +38,14 @@ class ModelGroups:
     """Expert tensor-parallel group."""
     tp_ep: Optional[Any] = None
     """ETP x EP group (the token dispatcher's domain)."""
+    dp_cp: Optional[Any] = None
+    """DP x CP group: the ranks that run the same layers (FP8 amax reduction of a model chunk)."""
 
     @staticmethod
     def from_state(ps) -> "ModelGroups":
         """The groups of a :class:`~folding.parallel.ParallelState` (PP is handled by the pipeline)."""
         return ModelGroups(tp=ps.tp_group, cp=ps.cp_group, tp_cp=ps.tp_cp_group, tp_dp_cp=ps.tp_dp_cp_group,
-                           ep=ps.ep_group, etp=ps.etp_group, tp_ep=ps.tp_ep_group)
+                           ep=ps.ep_group, etp=ps.etp_group, tp_ep=ps.tp_ep_group, dp_cp=ps.dp_cp_group)
 
     @staticmethod
     def single() -> "ModelGroups":

@@ -41,6 +41,7 @@ from .embedding import VocabParallelEmbedding
 from .groups import ModelGroups
 from .init import initialize_parameters, set_init_spec
 from .linear import sp_gather
+from ..moe.expert_te import fp8_region
 from .norm import RMSNorm
 from .rope import rope_cos_sin
 from ..parallel.collectives import group_rank, group_size
@@ -198,13 +199,28 @@ class MoETransformer(nn.Module):
             raise ValueError("forward() needs the whole model; a pipeline chunk runs stage_forward()")
         return self.stage_forward(input_ids_BS, labels=labels, loss_mask=loss_mask)
 
+    def fp8_region_recipe(self) -> Optional[str]:
+        """The FP8 recipe of this chunk's TransformerEngine region (None when no expert runs TE FP8)."""
+        recipes = {r for m in self.modules() if m is not self and hasattr(m, "fp8_region_recipe")
+                   for r in [m.fp8_region_recipe()] if r is not None}
+        if len(recipes) > 1:
+            raise ValueError(f"one FP8 recipe per model: the experts use {sorted(recipes)}")
+        return recipes.pop() if recipes else None
+
     def stage_forward(self, input_ids_BS: torch.Tensor, hidden_SBH: Optional[torch.Tensor] = None,
-                      labels: Optional[torch.Tensor] = None,
-                      loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                      first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """Run this chunk: the first chunk embeds ``input_ids_BS``, later ones take ``hidden_SBH``
         from the previous stage; the last chunk returns what :meth:`forward` returns, the others the
         hidden shard ``[S/(CP*TP), B, H]`` for the next stage. ``input_ids_BS`` (full ``[B, S]``) is
-        always given, for the sequence length."""
+        always given, for the sequence length. The whole chunk runs in one TransformerEngine FP8
+        region when its experts use TE with a recipe (amax reduced over DP×CP on exit);
+        ``first_microbatch`` (True on a step's first micro-batch) lets TE reuse FP8 weights."""
+        with fp8_region(self.fp8_region_recipe(), amax_reduction_group=self.groups.dp_cp,
+                        first_microbatch=first_microbatch):
+            return self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask)
+
+    def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask) -> torch.Tensor:
         S = input_ids_BS.shape[1]
         x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
         if x is None:

@@ -143,13 +143,15 @@ def _torch_call(x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int]) -> t
 
 
 def _loop_call(x_NK, w_EOK, counts, linear, experts):
-    outs, start = [], 0
-    for i, c in enumerate(counts):
-        if c:
-            outs.append(linear(x_NK[start : start + c], w_EOK[experts[i]], experts[i]))
-        start += c
+    # one unbind node: its backward stacks the per-expert gradients into one packed gradient, where
+    # per-expert ``w_EOK[e]`` views would each allocate a zero tensor the size of the whole weight
+    w_OK = w_EOK.unbind(0)
+    outs = []
+    for e, x_MK in zip(experts, x_NK.split(list(counts))):
+        if x_MK.shape[0]:
+            outs.append(linear(x_MK, w_OK[e], e))
     if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
-        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK[experts].sum() + 0 * x_NK.sum()
+        return x_NK.new_zeros((0, w_EOK.shape[1])) + 0 * w_EOK.sum() + 0 * x_NK.sum()
     return torch.cat(outs, 0)
 
 
@@ -202,8 +204,8 @@ def grouped_linear(
         experts = [e for e, _ in call]
         sub_counts = [c for _, c in call]
         if backend == "torch":
-            whole = experts == list(range(num_experts))
-            ws = w_EOK if whole else w_EOK[torch.tensor(experts, device=w_EOK.device)]
+            # a call covers consecutive experts (plan_chunks): a narrow view, no index tensor
+            ws = w_EOK.narrow(0, experts[0], len(experts))
             outs.append(_torch_call(xs, ws, sub_counts))
         elif backend in ("loop", "emulated"):
             outs.append(_loop_call(xs, w_EOK, sub_counts, linear, experts))

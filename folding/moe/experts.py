@@ -20,7 +20,8 @@ Initialization does not depend on the layout: the full tensors of GLOBAL expert
 
 Backends: ``loop`` (reference), ``torch`` (grouped_mm), ``emulated`` (loop on FP8/MXFP8-quantized
 operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
-under ``fp8_autocast``), ``auto`` (best available; logs its choice).
+inside the model chunk's FP8 region, see :mod:`folding.moe.expert_te`), ``auto`` (chosen by
+:mod:`folding.moe.expert_select` with TransformerEngine's own checks).
 
 Usage::
 
@@ -36,16 +37,15 @@ import logging
 import torch
 
 from folding.moe.swiglu import swiglu_prob
-from folding.moe.expert_backends import grouped_linear, host_counts, torch_grouped_mm_supported
-from folding.moe.expert_te import TEGroupedRunner, te_available
+from folding.moe.expert_backends import grouped_linear, host_counts
+from folding.moe.expert_select import BACKENDS, check_backend, resolve_backend
+from folding.moe.expert_te import (FP8_ROW_ALIGN, TEGroupedRunner, expert_region, pad_rows_per_expert,
+                                   unpad_rows_per_expert)
 from folding.parallel.param_attrs import mark_param
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "te", "torch", "loop", "emulated")
-"""Names accepted by ``GroupedMLP(backend=...)``."""
 
 
 def expert_init_seed(init_seed: int, global_expert: int, which: int) -> int:
@@ -120,6 +120,8 @@ class GroupedMLP(torch.nn.Module):
             raise ValueError(
                 f"backend='loop' computes in high precision; for fp8_recipe={fp8_recipe!r} use 'emulated' or 'te'"
             )
+        if device is not None and torch.device(device).type != "meta":
+            check_backend(backend, fp8_recipe, torch.device(device), params_dtype)  # before any step
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
@@ -172,42 +174,49 @@ class GroupedMLP(torch.nn.Module):
         }
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        """The backend that runs on ``device`` / ``dtype`` (``auto`` picks and logs; a named one must be available)."""
+        """The backend that runs on ``device`` / ``dtype`` (:func:`folding.moe.expert_select.resolve_backend`:
+        ``auto`` picks with TransformerEngine's checks, a named one must be able to run)."""
         key = (device.type, dtype)
-        if key in self._resolved:
-            return self._resolved[key]
-        te_ok, te_why = te_available()
-        gmm_ok = torch_grouped_mm_supported(device.type, dtype)
-        name = self.backend
-        if name == "te" and not te_ok:
-            raise RuntimeError(
-                f"backend='te' is unavailable: {te_why}. Install transformer_engine[pytorch] on a CUDA machine, "
-                "or use backend='emulated' (FP8 numerics anywhere) / 'torch' / 'loop'"
-            )
-        if name == "torch":
-            if self.fp8_recipe is not None:
-                raise RuntimeError(
-                    f"backend='torch' runs BF16/FP32 grouped GEMMs; fp8_recipe={self.fp8_recipe!r} needs backend "
-                    "'te' (GPU) or 'emulated' (numerics only)"
-                )
-            if not gmm_ok:
-                raise RuntimeError(
-                    f"backend='torch' is unavailable: this torch {torch.__version__} build has no working grouped_mm "
-                    f"for {device.type}/{dtype}; use backend='loop' or 'auto'"
-                )
-        if name == "auto":
-            if te_ok and device.type == "cuda":
-                name = "te"
-            elif self.fp8_recipe is not None:
-                name = "emulated"
-            else:
-                name = "torch" if gmm_ok else "loop"
-            logger.info(
-                "GroupedMLP backend auto -> %s (device=%s, dtype=%s, fp8_recipe=%s%s)",
-                name, device.type, dtype, self.fp8_recipe, "" if te_ok else f"; te unavailable: {te_why}",
-            )
-        self._resolved[key] = name
-        return name
+        if key not in self._resolved:
+            name = resolve_backend(self.backend, self.fp8_recipe, device, dtype)
+            logger.info("GroupedMLP backend %s -> %s (device=%s, dtype=%s, fp8_recipe=%s)",
+                        self.backend, name, device.type, dtype, self.fp8_recipe)
+            self._resolved[key] = name
+        return self._resolved[key]
+
+    def fp8_region_recipe(self) -> str | None:
+        """The FP8 recipe of the model chunk's TransformerEngine region when these experts run on
+        ``te`` with a recipe (resolved for their weights' device and dtype), else None."""
+        w = self.fc1_weight
+        if self.fp8_recipe is None or w.is_meta or self.resolve_backend(w.device, w.dtype) != "te":
+            return None
+        return self.fp8_recipe
+
+    def _te_runner(self, dtype: torch.dtype) -> TEGroupedRunner:
+        if self._te is None:  # not a registered submodule: its FP8 state travels by fp8_state()
+            runner = TEGroupedRunner(num_local_experts=self.num_local_experts, hidden_size=self.hidden_size,
+                                     ffn_local=self.ffn_local, params_dtype=dtype)
+            object.__setattr__(self, "_te", runner)
+        return self._te
+
+    def fp8_state(self) -> dict:
+        """TransformerEngine's FP8 state of these experts (scales, amax histories), keyed by the
+        experts it belongs to; empty when TE has not run. Saved with checkpoints."""
+        if self._te is None:
+            return {}
+        return {"expert_offset": self.expert_offset, "etp_rank": self.etp_rank, "etp_size": self.etp_size,
+                "gemms": {n: m.get_extra_state() for n, m in self._te.gemms.items()}}
+
+    def load_fp8_state(self, state: dict) -> bool:
+        """Restore :meth:`fp8_state` if it belongs to the same experts and shard; return whether it did
+        (a checkpoint from another layout leaves TE to recalibrate its scales)."""
+        mine = (self.expert_offset, self.etp_rank, self.etp_size)
+        if not state or (state["expert_offset"], state["etp_rank"], state["etp_size"]) != mine:
+            return False
+        runner = self._te_runner(self.fc1_weight.dtype)
+        for n, extra in state["gemms"].items():
+            runner.gemms[n].set_extra_state(extra)
+        return True
 
     def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:
         """Expert outputs ``[N, H]`` for tokens sorted expert-major (a partial sum over F shards under ETP).
@@ -225,19 +234,27 @@ class GroupedMLP(torch.nn.Module):
         w1 = self.fc1_weight.to(tokens_NH.dtype)
         w2 = self.fc2_weight.to(tokens_NH.dtype)
         if backend == "te":
-            counts = host_counts(tokens_per_expert, self.num_local_experts, n)
-            if self._te is None:
-                self._te = TEGroupedRunner(num_local_experts=self.num_local_experts, params_dtype=tokens_NH.dtype)
-            with self._te.autocast(self.fp8_recipe):
-                h = self._te.linear("fc1", tokens_NH, w1, counts, self.fp8_recipe)
-                act = self._activation(h, probs_N)
-                return self._te.linear("fc2", act, w2, counts, self.fp8_recipe)
+            return self._te_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
         if not isinstance(tokens_per_expert, torch.Tensor):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
         kw = dict(delayed=self.delayed_scaling)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
         return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
+
+    def _te_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2) -> torch.Tensor:
+        """fc1 → SwiGLU·p → fc2 through TransformerEngine, rows aligned once for the FP8 recipe."""
+        counts = host_counts(tokens_per_expert, self.num_local_experts, x_NH.shape[0])
+        runner = self._te_runner(x_NH.dtype)
+        with expert_region(self.fp8_recipe):
+            padded = counts
+            if self.fp8_recipe is not None:
+                align = FP8_ROW_ALIGN[self.fp8_recipe]
+                x_NH, padded = pad_rows_per_expert(x_NH, counts, align)
+                probs_N = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)
+            h = runner.linear("fc1", x_NH, w1, padded)
+            y = runner.linear("fc2", self._activation(h, probs_N), w2, padded)
+        return unpad_rows_per_expert(y, counts, padded)
 
     def _activation(self, h_NF2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""

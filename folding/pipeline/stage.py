@@ -108,10 +108,11 @@ def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[st
         mb = microbatches[m]
         model = chunks[chunk]
         tokens = mb["tokens"].to(device)
+        first = m == 0  # TE reuses the FP8 weights for the later micro-batches of the step
         if not model.post_process:
-            return model.stage_forward(tokens, hidden_SBH=inp)
+            return model.stage_forward(tokens, hidden_SBH=inp, first_microbatch=first)
         loss_BS = model.stage_forward(tokens, hidden_SBH=inp, labels=mb["labels"].to(device),
-                                      loss_mask=mb["loss_mask"].to(device))
+                                      loss_mask=mb["loss_mask"].to(device), first_microbatch=first)
         loss_sum = loss_BS.float().sum()
         sums.append(loss_sum.detach().double())
         return loss_sum * loss_scale

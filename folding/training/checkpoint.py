@@ -11,6 +11,9 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
   tensor is read), the layout and optimizer settings (information);
 - ``rng/rank_<r>.pt``: each rank's RNG states (restored when the world size is unchanged; read with
   ``torch.load(weights_only=True)``);
+- ``fp8/rank_<r>.pt`` (only when experts ran TransformerEngine): each rank's TE FP8 state (scales,
+  amax histories) per expert module, restored into the modules holding the same experts (same
+  layout); in another layout TE recalibrates from the next steps, with a warning;
 - ``COMPLETE``: the completion marker.
 
 Save: every rank writes into ``DIR/step_<N>.tmp-<nonce>``; then rank 0 writes ``meta.json`` and
@@ -241,6 +244,10 @@ def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, l
     dcp.save(sd, checkpoint_id=tmp, planner=BlockSavePlanner())
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    fp8 = _fp8_states(chunks)
+    if fp8:
+        os.makedirs(os.path.join(tmp, "fp8"), exist_ok=True)
+        torch.save(fp8, os.path.join(tmp, "fp8", f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
         meta = {"format": FORMAT, "step": int(step), "adam_updates": int(optimizer.updates),
@@ -257,6 +264,29 @@ def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, l
         prune(ckpt_dir, job.checkpoint.keep_last, keep=(final,))
     dist.barrier()
     return final
+
+
+def _fp8_modules(chunks):
+    """``(chunk index, module name) -> module`` for every module holding TransformerEngine FP8 state."""
+    return {(i, n): m for i, c in enumerate(chunks) for n, m in c.named_modules() if hasattr(m, "fp8_state")}
+
+
+def _fp8_states(chunks) -> Dict[Any, dict]:
+    """This rank's TransformerEngine FP8 state (scales, amax histories) per expert module, if any ran."""
+    return {k: st for k, m in _fp8_modules(chunks).items() for st in [m.fp8_state()] if st}
+
+
+def _load_fp8_states(chunks, path: str) -> None:
+    """Restore the FP8 state saved by this rank when it belongs to the same experts (same layout);
+    otherwise TransformerEngine recalibrates its scales from the next steps, and the log says so."""
+    if not os.path.exists(path):
+        return
+    saved = torch.load(path, weights_only=True)
+    modules = _fp8_modules(chunks)
+    restored = sum(1 for k, st in saved.items() if k in modules and modules[k].load_fp8_state(st))
+    if restored < len(saved):
+        warnings.warn(f"checkpoint FP8 state: {restored} of {len(saved)} expert modules restored (the others "
+                      f"belong to other experts in this layout); TransformerEngine recalibrates their scales")
 
 
 # ---------------------------------------------------------------------------------- load
@@ -297,6 +327,7 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     optimizer.load_param_state(fp32, step=int(meta["step"]), updates=meta.get("adam_updates"))
     if data is not None and meta.get("data") is not None:
         data.load_state_dict(meta["data"])
+    _load_fp8_states(chunks, os.path.join(path, "fp8", f"rank_{dist.get_rank()}.pt"))
     rng = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if meta.get("world_size") == dist.get_world_size() and os.path.exists(rng):
         st = torch.load(rng, weights_only=True)

@@ -126,3 +126,38 @@ def test_block_rejects_mismatched_shapes():
         Block.for_spec(torch.zeros(5), InitSpec((4, 2), ((0, 0, 2),)))
     with pytest.raises(ValueError, match="exceeds"):
         Block(torch.zeros(2, 2), (3, 2), (2, 0))
+
+
+class _Experts(torch.nn.Module):
+    """Stands in for GroupedMLP's FP8-state interface."""
+
+    def __init__(self, offset, state=None):
+        super().__init__()
+        self.offset, self.state, self.loaded = offset, state, None
+
+    def fp8_state(self):
+        return self.state or {}
+
+    def load_fp8_state(self, state):
+        if state["expert_offset"] != self.offset:
+            return False
+        self.loaded = state
+        return True
+
+
+def test_fp8_state_saved_per_rank_and_restored_only_into_the_same_experts(tmp_path):
+    from folding.training.checkpoint import _fp8_states, _load_fp8_states
+    saved_chunks = [torch.nn.ModuleDict({"a": _Experts(0, {"expert_offset": 0, "scale": torch.ones(2)}),
+                                         "b": _Experts(4)})]           # b never ran TE: nothing saved
+    states = _fp8_states(saved_chunks)
+    assert list(states) == [(0, "a")]
+    path = tmp_path / "rank_0.pt"
+    torch.save(states, path)
+    same = [torch.nn.ModuleDict({"a": _Experts(0), "b": _Experts(4)})]
+    _load_fp8_states(same, str(path))
+    assert torch.equal(same[0]["a"].loaded["scale"], torch.ones(2))
+    other = [torch.nn.ModuleDict({"a": _Experts(2), "b": _Experts(4)})]   # another layout's experts
+    with pytest.warns(UserWarning, match="0 of 1 expert modules restored"):
+        _load_fp8_states(other, str(path))
+    assert other[0]["a"].loaded is None
+    _load_fp8_states(same, str(tmp_path / "absent.pt"))   # no FP8 state saved: nothing to do

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from folding.moe.expert_backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
-from folding.moe.expert_te import pad_rows_per_expert, te_available
+from folding.moe.expert_te import pad_rows_per_expert, te_available, unpad_rows_per_expert
 from folding.moe.experts import GroupedMLP
 from folding.parallel.param_attrs import param_tags
 
@@ -153,11 +153,12 @@ def test_chunked_grouped_linear_matches_one_call(backend):
 
 def test_pad_rows_per_expert_hand_worked():
     x = torch.arange(5.0).unsqueeze(1)  # rows 0,1 -> expert 0; none -> expert 1; rows 2,3,4 -> expert 2
-    xp, padded, keep = pad_rows_per_expert(x, [2, 0, 3], 4)
+    xp, padded = pad_rows_per_expert(x, [2, 0, 3], 4)
     assert padded == [4, 0, 4]
-    assert keep.tolist() == [0, 1, 4, 5, 6]
     assert xp.squeeze(1).tolist() == [0, 1, 0, 0, 2, 3, 4, 0]
-    assert torch.equal(xp[keep], x)
+    assert torch.equal(unpad_rows_per_expert(xp, [2, 0, 3], padded), x)
+    same, p2 = pad_rows_per_expert(x, [2, 0, 3], 1)  # already aligned: no copy
+    assert same is x and p2 == [2, 0, 3]
 
 
 def test_bad_settings_and_inputs_fail_clearly():
@@ -183,7 +184,7 @@ def test_bad_settings_and_inputs_fail_clearly():
         mod(torch.randn(5, 8), [5, 0, 0, 0], p)
     ok, why = te_available()
     if not ok:
-        with pytest.raises(RuntimeError, match="backend='te' is unavailable"):
+        with pytest.raises(RuntimeError, match="expert_backend='te'.*cannot run"):
             _make("te", torch.float32)(x, [5, 0, 0, 0], p)
     with pytest.raises(RuntimeError, match="fp8_recipe"):
         _make("torch", torch.float32, fp8_recipe="mxfp8")(x, [5, 0, 0, 0], p)
