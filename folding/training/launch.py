@@ -63,15 +63,17 @@ def init_world(timeout_s: float) -> None:
     if "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    bind = {}
+    if backend == "nccl":  # bound to its GPU: one communicator per group, created eagerly
+        bind["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(bind["device_id"])
     timeout = datetime.timedelta(seconds=timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     job = _INITS[0]
     _INITS[0] += 1
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if attempt == 0 and (job == 0 or not under_torchrun):
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bind)
         return
     # A worker restarted by torchrun (--max-restarts), or the next job of a Hydra multirun in the same
     # workers, shares the rendezvous store with the earlier process group: keep this one's keys apart,
@@ -83,7 +85,7 @@ def init_world(timeout_s: float) -> None:
         dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
                       timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/job_{job}/", store), rank=rank,
-                            world_size=world, timeout=timeout)
+                            world_size=world, timeout=timeout, **bind)
 
 
 def _agent_store() -> bool:
