@@ -64,6 +64,7 @@ def moe_layer_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of one Mixtral-8x7B MoE layer on ``a.tokens`` tokens."""
     from folding.model.moe_block import moe_config_from_model
     from folding.model.presets import get_preset
+    from folding.moe.expert_te import fp8_region
     from folding.moe.layer import MoELayer
     import torch.distributed as dist
     cfg = get_preset("mixtral_8x7b")
@@ -71,12 +72,14 @@ def moe_layer_case(a, fp8_recipe):
     moe_cfg = moe_config_from_model(cfg, aux_loss_coeff=0.0, fp8_recipe=fp8_recipe,
                                     expert_backend="te" if fp8_recipe else "auto")
     layer = MoELayer(config=moe_cfg, hidden_size=cfg.hidden_size, ep_group=world, etp_group=world,
-                     tp_cp_group=world, tp_dp_cp_group=world, tp_group=world, params_dtype=torch.bfloat16)
-    layer = layer.cuda()
+                     tp_cp_group=world, tp_dp_cp_group=world, tp_group=world, params_dtype=torch.bfloat16,
+                     device="cuda")
     x = torch.randn(a.tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def step():
-        layer(x).sum().backward()
+        with fp8_region(fp8_recipe, amax_reduction_group=None):   # one region per forward, as a model chunk
+            y = layer(x)
+        y.sum().backward()
     H, F, k, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.topk, cfg.num_experts
     flops = 3 * a.tokens * (2 * k * 3 * H * F + 2 * H * E)
     return _time(step, a.iters), flops
@@ -89,6 +92,7 @@ def layers_case(a, fp8_recipe):
     from folding.model.moe_block import default_moe_factory, moe_config_from_model
     from folding.model.presets import get_preset
     from folding.model.rope import rope_cos_sin
+    from folding.moe.expert_te import fp8_region
     from folding.moe.layer import MoELayer
     from folding.planning.flops import flops_per_token
     cfg = get_preset("mixtral_8x7b", num_layers=a.layers, router_aux_loss_coef=0.0)
@@ -101,9 +105,9 @@ def layers_case(a, fp8_recipe):
         return MoELayer(config=moe_config_from_model(kw["config"], fp8_recipe=fp8_recipe, expert_backend="te"),
                         hidden_size=kw["config"].hidden_size, ep_group=g.ep, etp_group=g.etp,
                         tp_cp_group=g.tp_cp, tp_dp_cp_group=g.tp_dp_cp, tp_group=g.tp,
-                        layer_number=kw["layer_number"], params_dtype=kw["dtype"])
+                        layer_number=kw["layer_number"], params_dtype=kw["dtype"], device=kw["device"])
     blocks = torch.nn.ModuleList(TransformerLayer(cfg, layer_number=i, groups=groups, moe_factory=factory,
-                                                  dtype=torch.bfloat16) for i in range(a.layers)).cuda()
+                                                  dtype=torch.bfloat16, device="cuda") for i in range(a.layers))
     pos = torch.arange(a.seq, device="cuda")
     cos, sin = rope_cos_sin(pos, cfg.kv_channels, cfg.rope_theta)
     rope = (cos, sin, None, (0,))
@@ -111,8 +115,9 @@ def layers_case(a, fp8_recipe):
 
     def step():
         y = x
-        for b in blocks:
-            y = b(y, rope)
+        with fp8_region(fp8_recipe, amax_reduction_group=None):   # one region per forward, as a model chunk
+            for b in blocks:
+                y = b(y, rope)
         y.float().sum().backward()
     f = flops_per_token(cfg, a.seq)
     per_tok = 3 * (f.forward - f.output_layer)
