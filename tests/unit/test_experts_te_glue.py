@@ -215,3 +215,10 @@ def test_loop_backend_backward_has_no_per_expert_select_nodes():
         stack.extend(f for f, _ in fn.next_functions)
     assert not [n for n in names if n.startswith("Select")], names
     assert names.count("UnbindBackward0") == 2   # one per weight (fc1, fc2), whatever E is
+
+
+def test_te_extra_pins_the_range_the_backend_was_written_against():
+    import os
+    setup = os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")
+    with open(setup, encoding="utf-8") as f:
+        assert f'"transformer_engine[pytorch]{te_mod.TE_VERSION_RANGE}"' in f.read()
