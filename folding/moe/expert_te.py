@@ -202,7 +202,8 @@ def expert_region(recipe_name: Optional[str]):
         raise RuntimeError(
             "moe.fp8_recipe='delayed' with the te backend needs one FP8 region per model-chunk forward, "
             "with its amax reduced over the data-parallel x context-parallel group: run the experts "
-            "through MoETransformer (which opens it), open folding.moe.expert_te.fp8_region yourself, "
-            "or choose a recipe without an amax history (moe.fp8_recipe=tensorwise, blockwise or mxfp8)")
+            "through MoETransformer (which opens it; recomputing the experts in backward, train.recompute="
+            "full or moe, runs them outside it), open folding.moe.expert_te.fp8_region yourself, or choose "
+            "a recipe without an amax history (moe.fp8_recipe=tensorwise, blockwise or mxfp8)")
     with fp8_region(recipe_name, amax_reduction_group=None):
         yield

@@ -34,6 +34,12 @@ def _check_train(job: JobConfig) -> None:
         _fail("train.precision", t.precision, "unknown precision", f"choose one of {', '.join(PRECISIONS)}")
     if t.recompute not in RECOMPUTE_MODES:
         _fail("train.recompute", t.recompute, "unknown mode", f"choose one of {', '.join(RECOMPUTE_MODES)}")
+    moe = job.moe
+    if t.recompute in ("full", "moe") and moe.fp8_recipe == "delayed" and moe.expert_backend == "te":
+        # a recomputed expert forward runs in backward, outside the chunk's FP8 region
+        _fail("train.recompute", t.recompute, "recomputes the experts outside the FP8 region that "
+              "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
+              "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8")
     tmo = t.collective_timeout_s
     if isinstance(tmo, bool) or not isinstance(tmo, (int, float)) or not math.isfinite(tmo) or tmo <= 0:
         _fail("train.collective_timeout_s", tmo, "must be a positive number of seconds",
