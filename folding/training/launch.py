@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -138,5 +139,8 @@ def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
             print(f"run directory: {run_dir}\nlayout: {prepared.layout.describe()}", flush=True)
         train(job, run_dir=run_dir, prepared=prepared)  # its groups' destroy() is the last barrier
     finally:
+        # objects in reference cycles (modules, optimizer) still hold subgroups whose gloo threads
+        # poll until the C++ object goes: free them now, not during interpreter shutdown
+        gc.collect()
         dist.destroy_process_group()
     return 0
