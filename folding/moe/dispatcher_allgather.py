@@ -89,7 +89,18 @@ class AllGatherDispatcher(TokenDispatcher):
             tpe = torch.full((self.num_local_experts,), rows * R, dtype=torch.long, device=hidden.device)
         else:
             tpe = map_GL.sum(0)
-            self.tokens_per_expert_host = host_sync.to_host(tpe, reason="allgather counts")
+            R, L = self.ep_size * self.etp_size, self.num_local_experts
+            # one host read: the local experts' counts, and each source rank's routed pairs (dropless check)
+            per_rank = self._map_GE.view(R, -1).sum(1)
+            host = host_sync.to_host(torch.cat([tpe, per_rank.to(tpe.dtype)]), reason="allgather counts")
+            self.tokens_per_expert_host = host[:L]
+            want = self._num_tokens * self.topk
+            short = [(r, n) for r, n in enumerate(host[L:]) if n != want]
+            if self.dropless and short:
+                raise ValueError(f"dropless dispatch expects exactly topk={self.topk} experts per token ({want} "
+                                 f"pairs per rank) but the routing map holds "
+                                 + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
+                                 + "; set capacity_factor if the router drops tokens")
             out, p, self._token_idx = permute(hidden, map_GL, probs_GL,
                                               num_out_tokens=sum(self.tokens_per_expert_host))
         return out, tpe, p

@@ -85,11 +85,21 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _read_counts(self) -> None:
         counts = host_sync.to_host(self._counts_dev, reason="alltoall splits")
+        if self.dropless:
+            self._check_dropless(counts)
         self._set_plan(counts)
-        if self.dropless and self._plan.num_out_tokens != self._num_tokens * self.topk:
+
+    def _check_dropless(self, counts) -> None:
+        """Every rank holds every rank's counts ``[EP][ETP][E]`` after the count gather: all ranks of
+        the domain check all of them, so a short map on one rank raises the same error everywhere
+        before any token moves (instead of on that rank alone, leaving its peers in the all-to-all)."""
+        want = self._num_tokens * self.topk
+        short = [(i, j, sum(c)) for i, row in enumerate(counts) for j, c in enumerate(row) if sum(c) != want]
+        if short:
+            where = ", ".join(f"ep rank {i} etp rank {j}: {n}" for i, j, n in short)
             raise ValueError(f"dropless dispatch expects exactly topk={self.topk} experts per token "
-                             f"({self._num_tokens * self.topk} pairs) but the routing map holds "
-                             f"{self._plan.num_out_tokens}; set capacity_factor if the router drops tokens")
+                             f"({want} pairs per rank) but the routing map holds {where}; set "
+                             f"capacity_factor if the router drops tokens")
 
     def _set_plan(self, counts) -> None:
         plan = plan_alltoall(counts, ep_size=self.ep_size, etp_size=self.etp_size, ep_rank=self.ep_rank,
