@@ -201,6 +201,33 @@ def test_backend_selection_uses_te_checks(stand_in_te):
         GroupedMLP(backend="te", device="cpu", **KW)   # at construction, before any step
 
 
+def _autograd_node_names(y):
+    seen, stack, names = set(), [y.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("num_experts", [8, 32])
+def test_te_backend_backward_has_no_per_expert_select_nodes(te_on_cpu, num_experts):
+    # each per-expert select view would add a SelectBackward node that allocates a zero tensor the
+    # size of the whole [E, O, K] weight in backward; one unbind per weight hands all E over at once
+    mod = GroupedMLP(backend="te", **dict(KW, num_local_experts=num_experts))
+    counts = [i % 3 for i in range(num_experts)]
+    n = sum(counts)
+    y = mod(torch.randn(n, 8), counts, torch.rand(n))
+    names = _autograd_node_names(y)
+    assert not [m for m in names if m.startswith("Select")], names
+    assert names.count("UnbindBackward0") == 2   # fc1 and fc2, whatever E is
+    y.sum().backward()
+    assert mod.fc1_weight.grad.shape[0] == num_experts and mod.fc2_weight.grad.shape[0] == num_experts
+
+
 def test_loop_backend_backward_has_no_per_expert_select_nodes():
     mod = GroupedMLP(backend="loop", **dict(KW, num_local_experts=8))
     counts = [3, 1, 0, 2, 4, 1, 2, 3]
