@@ -20,13 +20,14 @@ setup(
         "hydra-core>=1.3",
         "omegaconf>=2.3",
         "safetensors",
-        "wandb",
+        "wandb>=0.20",      # reinit="finish_previous"
+        "matplotlib",       # tools/plot_run.py, shown in the README right after the install
     ],
     extras_require={
         # the TE range folding/moe/expert_te.py was written against (TE_VERSION_RANGE there)
         "te": ["transformer_engine[pytorch]>=2.10,<3"],
         "hf": ["transformers>=4.46"],
         # megatron-core: an independent oracle for the routing helpers in the tests
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "transformers>=4.46", "matplotlib", "megatron-core==0.16.1"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "transformers>=4.46", "megatron-core==0.16.1"],
     },
 )

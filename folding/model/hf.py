@@ -296,7 +296,11 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
             raise RuntimeError(f"export: no rank holds every slice of {hf_name}")
         tensors[hf_name] = full.contiguous()
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)   # like config.json (safetensors creates its file 0600)
     hf = dict(getattr(model, "hf_config", None) or config_to_hf(cfg))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)

@@ -113,7 +113,7 @@ class MetricsSink:
             import wandb
             self._wandb = wandb.init(project=config.wandb.project, mode=config.wandb.mode,
                                      name=config.wandb.name or os.path.basename(os.path.abspath(run_dir)),
-                                     dir=run_dir, config=run_config or {}, reinit=True)
+                                     dir=run_dir, config=run_config or {}, reinit="finish_previous")
 
     def log(self, record: Dict[str, Any]) -> None:
         """Write ``record`` (must carry ``kind``) to the JSONL file, and to console / W&B when due."""

@@ -52,3 +52,19 @@ def test_plot_run_writes_png(tmp_path):
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
     subprocess.run([sys.executable, tool, str(path), "--out", str(out)], check=True, capture_output=True)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_plot_run_needs_only_the_base_install():
+    # the README shows plot_run.py right after `pip install -e .`: its imports are base requirements
+    import ast
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "setup.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    base = next(kw.value for kw in call.keywords if kw.arg == "install_requires")
+    names = {ast.literal_eval(e).split(">")[0].split("=")[0].split("[")[0] for e in base.elts}
+    with open(os.path.join(root, "tools", "plot_run.py"), encoding="utf-8") as f:
+        imported = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Import)}
+    third_party = imported - {"argparse", "json", "sys", "os", "math", "folding"}
+    assert third_party <= names, third_party - names
+    assert "matplotlib" in third_party
