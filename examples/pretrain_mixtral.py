@@ -6,6 +6,8 @@
     torchrun --nproc-per-node 4 examples/pretrain_mixtral.py -m parallel.ep=1,2,4 parallel.etp=1
 
 Configuration: configs/ (Hydra), typed and validated by folding.training.config; see docs/training.md.
+The command line is checked before Hydra starts (folding.training.cli): an error is one line, printed
+once per node, exit status 2, and no run directory is created.
 """
 import os
 import sys
@@ -14,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from folding.training.cli import check_command_line, normalize_overrides
 from folding.training.config import register_schema
 from folding.training.launch import quiet_hydra_argv, run_job
 
@@ -22,12 +25,18 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "config
 
 @hydra.main(config_path=CONFIGS, config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=hc.runtime.output_dir,
+                     overrides=list(hc.overrides.task))
     if status:
         sys.exit(status)
 
 
 if __name__ == "__main__":
     register_schema()
+    sys.argv = [sys.argv[0]] + normalize_overrides(sys.argv[1:])
+    status = check_command_line(sys.argv[1:], config_dir=CONFIGS, config_name="config")
+    if status is not None:  # a bad setting (printed once) or a dry run: no run directory is made
+        sys.exit(status)
     sys.argv = quiet_hydra_argv(sys.argv)
     main()

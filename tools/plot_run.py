@@ -1,12 +1,17 @@
 """Plot a run's metrics JSONL: the loss curve (train and eval) and a layer x expert load heatmap.
 
+    python tools/plot_run.py outputs/2026-01-01/12-00-00 --out run.png      # a run directory
     python tools/plot_run.py outputs/2026-01-01/12-00-00/metrics.jsonl --out run.png
+
+A resumed run appends to the same file: the records written after each restart replace the earlier
+ones of the steps it repeats (steps after the checkpoint it resumed from).
 
 The heatmap shows each expert's share of its layer's routed tokens, averaged over the steps of the
 run (or the last ``--last`` steps); 1/E everywhere is perfect balance.
 """
 import argparse
 import json
+import os
 import sys
 
 import matplotlib
@@ -17,9 +22,24 @@ import numpy as np  # noqa: E402
 
 
 def read_records(path):
-    """Every JSON record of ``path`` (blank lines skipped)."""
+    """Every JSON record of ``path`` (a metrics file, or a run directory holding ``metrics.jsonl``;
+    blank lines skipped), with the steps repeated by a resumed run taken from its latest attempt."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return latest_attempt([json.loads(line) for line in f if line.strip()])
+
+
+def latest_attempt(records):
+    """``records`` where each ``run`` record starting at step ``s`` drops the earlier ``train`` and
+    ``eval`` records of steps ``>= s`` (they were redone after a resume)."""
+    out = []
+    for r in records:
+        if r.get("kind") == "run" and r.get("start_step") is not None:
+            s = r["start_step"]
+            out = [o for o in out if o.get("kind") not in ("train", "eval") or o.get("step", 0) < s]
+        out.append(r)
+    return out
 
 
 def load_matrix(train, last=None):
@@ -73,7 +93,7 @@ def plot(records, out, last=None, title=None):
 def main(argv=None):
     """Command-line entry point."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("metrics", help="metrics JSONL file of a run")
+    p.add_argument("metrics", help="a run directory, or its metrics JSONL file")
     p.add_argument("--out", default="run.png", help="output PNG (default run.png)")
     p.add_argument("--last", type=int, default=None, help="average the heatmap over the last N steps only")
     p.add_argument("--title", default=None)

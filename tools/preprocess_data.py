@@ -1,10 +1,13 @@
-"""Tokenize a JSON-lines file into a Megatron-format indexed dataset (PREFIX.bin + PREFIX.idx).
+"""Tokenize a JSON-lines or plain-text file into a Megatron-format indexed dataset (PREFIX.bin + PREFIX.idx).
 
-The output reads unchanged in Megatron-LM, and Megatron-LM's outputs read unchanged here.
+The output reads unchanged in Megatron-LM, and Megatron-LM's outputs read unchanged here. A ``.txt``
+file is plain text cut into documents at blank lines (``--text-split line`` or ``file`` for one
+document per line or per file).
 
 Usage::
 
     python tools/preprocess_data.py --input docs.jsonl --output-prefix data/docs --tokenizer byte --append-eod
+    python tools/preprocess_data.py --input book.txt --output-prefix data/book --append-eod
     python tools/preprocess_data.py --input docs.jsonl.gz --output-prefix data/docs \\
         --tokenizer /models/qwen2-tokenizer --json-key content --workers 8 --append-eod
 
@@ -13,13 +16,18 @@ Then train on it with ``data.paths=[data/docs]`` and the same ``data.tokenizer``
 import argparse
 import sys
 
-from folding.data.preprocess import preprocess_jsonl
+from folding.data.preprocess import INPUT_FORMATS, TEXT_SPLITS, preprocess_jsonl
 
 
 def main(argv=None) -> int:
     """Parse the command line, run the tokenization, print a summary; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="JSON-lines file (optionally .gz), one document per line")
+    p.add_argument("--input", required=True,
+                   help="JSON-lines file, one document per line, or plain text (.txt); optionally .gz")
+    p.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
+                   help="jsonl or text (default auto: text for .txt/.txt.gz, else jsonl)")
+    p.add_argument("--text-split", default="paragraph", choices=TEXT_SPLITS,
+                   help="plain text: one document per paragraph (blank-line separated; default), line or file")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (built-in byte-level) or the local path of a Hugging Face tokenizer")
@@ -35,7 +43,8 @@ def main(argv=None) -> int:
     try:
         stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer=args.tokenizer,
                                  json_key=args.json_key, append_eod=args.append_eod, workers=args.workers,
-                                 progress=not args.no_progress, dtype=args.dtype)
+                                 progress=not args.no_progress, dtype=args.dtype,
+                                 input_format=args.input_format, text_split=args.text_split)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

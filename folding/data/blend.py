@@ -29,12 +29,16 @@ import numpy as np
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def parse_split(split: str) -> List[float]:
-    """``"969,30,1"`` -> three fractions summing to 1 (missing trailing parts are 0).
+def parse_split(split) -> List[float]:
+    """``"969,30,1"`` (or a list ``[969, 30, 1]``) -> three fractions summing to 1 (missing trailing
+    parts are 0).
 
     Raises ``ValueError`` naming ``data.split`` for a malformed or all-zero split.
     """
-    parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
+    if isinstance(split, (list, tuple)):
+        parts = [str(p).strip() for p in split]
+    else:
+        parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
     try:
         values = [float(p) for p in parts]
     except ValueError:

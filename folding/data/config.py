@@ -12,7 +12,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Sequence, Union
 
 from .blend import normalize_weights, parse_split
 
@@ -25,8 +25,9 @@ class DataConfig:
     """Dataset prefixes (each names ``PREFIX.bin`` + ``PREFIX.idx``). Empty: the embedded default corpus."""
     weights: Optional[List[float]] = None
     """Blend weights, one per path (normalized to sum 1); ``None`` or empty: equal weights."""
-    split: str = "969,30,1"
-    """Train, valid, test proportions of every dataset's documents, e.g. ``"969,30,1"``."""
+    split: Union[str, Sequence[float]] = "969,30,1"
+    """Train, valid, test proportions of every dataset's documents: ``"969,30,1"`` or ``[80, 20, 0]``
+    (on the command line ``data.split=80,20,0`` works as is)."""
     tokenizer: str = "byte"
     """``"byte"`` (built-in byte-level, EOD = 256) or the local path of a Hugging Face tokenizer. Must be
     the tokenizer the datasets were written with (it gives the EOD id and ``vocab_size``)."""
@@ -60,6 +61,8 @@ class DataConfig:
                                  "or clear data.weights")
             normalize_weights(self.weights, len(self.paths))
         parse_split(self.split)
+        if isinstance(self.split, (list, tuple)):  # one spelling for the cache keys and the saved config
+            self.split = ",".join(f"{float(x):g}" for x in self.split)
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ValueError(f"data.tokenizer={self.tokenizer!r} must be 'byte' or a local tokenizer path")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

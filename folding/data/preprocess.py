@@ -1,14 +1,22 @@
-"""Tokenize JSON-lines text into a Megatron-format indexed dataset (the engine of tools/preprocess_data.py).
+"""Tokenize text into a Megatron-format indexed dataset (the engine of tools/preprocess_data.py).
 
-Each input line is one JSON object; the text under ``json_key`` becomes one document (one sequence),
-optionally followed by the tokenizer's EOD id. Lines are tokenized by ``workers`` processes
-(``multiprocessing``, results kept in input order, so the output does not depend on the worker count)
-and written with :class:`~folding.data.indexed.IndexedDatasetWriter`; token dtype is ``uint16`` when
-the vocabulary fits, else ``int32`` (Megatron's choice). ``.jsonl.gz`` input is read transparently.
+Two input formats (``input_format``; ``auto`` picks ``text`` for ``.txt`` / ``.txt.gz`` files and
+``jsonl`` otherwise):
+
+- ``jsonl``: each line is one JSON object; the text under ``json_key`` becomes one document;
+- ``text``: plain UTF-8 text cut into documents by ``text_split``: ``paragraph`` (default: blocks
+  separated by one or more blank lines), ``line`` (every non-empty line) or ``file`` (the whole file).
+
+Each document becomes one sequence of token ids, optionally followed by the tokenizer's EOD id.
+Documents are tokenized by ``workers`` processes (``multiprocessing``, results kept in input order,
+so the output does not depend on the worker count) and written with
+:class:`~folding.data.indexed.IndexedDatasetWriter`; token dtype is ``uint16`` when the vocabulary
+fits, else ``int32`` (Megatron's choice). ``.gz`` input is read transparently.
 
 Usage::
 
     stats = preprocess_jsonl("docs.jsonl", "out/docs", tokenizer="byte", append_eod=True, workers=2)
+    stats = preprocess_jsonl("book.txt", "out/book", append_eod=True)           # paragraphs
 """
 from __future__ import annotations
 
@@ -25,33 +33,72 @@ import numpy as np
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .tokenizer import build_tokenizer
 
+INPUT_FORMATS = ("auto", "jsonl", "text")
+TEXT_SPLITS = ("paragraph", "line", "file")
+
 _TOKENIZER = None
 _KEY = "text"
 _EOD = False
+_JSON = True
 
 
-def _init_worker(spec: str, key: str, append_eod: bool) -> None:
-    global _TOKENIZER, _KEY, _EOD
-    _TOKENIZER, _KEY, _EOD = build_tokenizer(spec), key, append_eod
+def _init_worker(spec: str, key: str, append_eod: bool, is_json: bool = True) -> None:
+    global _TOKENIZER, _KEY, _EOD, _JSON
+    _TOKENIZER, _KEY, _EOD, _JSON = build_tokenizer(spec), key, append_eod, is_json
 
 
 def _encode_line(args):
-    lineno, line = args
+    lineno, line, nbytes = args
     if not line.strip():
-        return lineno, None, 0
-    try:
-        text = json.loads(line)[_KEY]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"line {lineno}: not a JSON object with a string under key {_KEY!r} ({e})") from None
-    if not isinstance(text, str):
-        raise ValueError(f"line {lineno}: the value under key {_KEY!r} is not a string")
+        return lineno, None, nbytes
+    if not _JSON:
+        text = line
+    else:
+        try:
+            text = json.loads(line)[_KEY]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"line {lineno}: not a JSON object with a string under key {_KEY!r} ({e}); "
+                             "for plain text use a .txt file or --input-format text") from None
+        if not isinstance(text, str):
+            raise ValueError(f"line {lineno}: the value under key {_KEY!r} is not a string")
     if hasattr(_TOKENIZER, "encode_bytes"):
         ids = np.frombuffer(_TOKENIZER.encode_bytes(text), np.uint8).astype(np.int32)
     else:
         ids = np.asarray(_TOKENIZER.encode(text), np.int32)
     if _EOD:
         ids = np.append(ids, np.int32(_TOKENIZER.eod))
-    return lineno, ids, len(line)
+    return lineno, ids, nbytes
+
+
+def resolve_format(input_path: str, input_format: str) -> str:
+    """``jsonl`` or ``text`` for ``input_path`` (``auto``: ``text`` for ``.txt`` / ``.txt.gz``)."""
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"--input-format {input_format!r} is not one of {', '.join(INPUT_FORMATS)}")
+    if input_format != "auto":
+        return input_format
+    return "text" if input_path.endswith((".txt", ".txt.gz")) else "jsonl"
+
+
+def text_documents(lines: Iterable[str], text_split: str):
+    """``(first line number, document text, bytes read)`` of plain-text ``lines`` cut by ``text_split``."""
+    if text_split not in TEXT_SPLITS:
+        raise ValueError(f"--text-split {text_split!r} is not one of {', '.join(TEXT_SPLITS)}")
+    block, start, nbytes = [], 1, 0
+    for lineno, line in enumerate(lines, start=1):
+        nbytes += len(line)
+        if text_split == "line":
+            yield lineno, line.rstrip("\n"), nbytes
+            nbytes = 0
+        elif text_split == "paragraph" and not line.strip():
+            if block:
+                yield start, "".join(block).rstrip("\n"), nbytes
+                block, nbytes = [], 0
+        else:
+            if not block:
+                start = lineno
+            block.append(line)
+    if block or nbytes:
+        yield start, "".join(block).rstrip("\n"), nbytes
 
 
 def _open_text(path: str):
@@ -84,13 +131,17 @@ class Progress:
 
 def preprocess_jsonl(input_path: str, output_prefix: str, *, tokenizer: str = "byte", json_key: str = "text",
                      append_eod: bool = False, workers: int = 1, progress: bool = False,
-                     dtype=None) -> dict:
-    """Tokenize ``input_path`` (JSON lines) into ``output_prefix.bin/.idx``; returns counts.
+                     dtype=None, input_format: str = "auto", text_split: str = "paragraph") -> dict:
+    """Tokenize ``input_path`` (JSON lines or plain text: see the module) into
+    ``output_prefix.bin/.idx``; returns counts.
 
-    Empty lines are skipped. Raises ``FileNotFoundError`` naming the input when it does not exist and
-    ``ValueError`` for a line without ``json_key`` or an input with no documents (nothing is left
-    behind in that case).
+    Empty lines and empty documents are skipped. Raises ``FileNotFoundError`` naming the input when
+    it does not exist and ``ValueError`` for a JSON line without ``json_key`` or an input with no
+    documents (nothing is left behind in that case).
     """
+    is_json = resolve_format(input_path, input_format) == "jsonl"
+    if text_split not in TEXT_SPLITS:
+        raise ValueError(f"--text-split {text_split!r} is not one of {', '.join(TEXT_SPLITS)}")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: no such file")
     tok = build_tokenizer(tokenizer)
@@ -100,14 +151,16 @@ def preprocess_jsonl(input_path: str, output_prefix: str, *, tokenizer: str = "b
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
         with _open_text(input_path) as f:
-            lines: Iterable = enumerate(f, start=1)
+            items: Iterable = ((n, line, len(line)) for n, line in enumerate(f, start=1)) if is_json \
+                else text_documents(f, text_split)
             if workers > 1:
-                pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer, json_key, append_eod))
-                results = pool.imap(_encode_line, lines, chunksize=64)
+                pool = mp.get_context("spawn").Pool(workers, _init_worker,
+                                                    (tokenizer, json_key, append_eod, is_json))
+                results = pool.imap(_encode_line, items, chunksize=64)
             else:
                 pool = None
-                _init_worker(tokenizer, json_key, append_eod)
-                results = map(_encode_line, lines)
+                _init_worker(tokenizer, json_key, append_eod, is_json)
+                results = map(_encode_line, items)
             try:
                 for _, ids, n in results:
                     nbytes += n
@@ -121,8 +174,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, *, tokenizer: str = "b
                 if pool is not None:
                     pool.terminate()
         if docs == 0:
-            raise ValueError(f"--input {input_path} holds no documents (no non-empty lines with key "
-                             f"{json_key!r}); nothing to write")
+            what = f"no non-empty lines with key {json_key!r}" if is_json else "only blank text"
+            raise ValueError(f"--input {input_path} holds no documents ({what}); nothing to write")
         writer.finalize()
     except BaseException:
         writer._bin.close()

@@ -46,6 +46,7 @@ from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
 
 logger = logging.getLogger(__name__)
+_LOGGED_CHOICES: set = set()
 
 
 def expert_init_seed(init_seed: int, global_expert: int, which: int) -> int:
@@ -179,8 +180,10 @@ class GroupedMLP(torch.nn.Module):
         key = (device.type, dtype)
         if key not in self._resolved:
             name = resolve_backend(self.backend, self.fp8_recipe, device, dtype)
-            logger.info("GroupedMLP backend %s -> %s (device=%s, dtype=%s, fp8_recipe=%s)",
-                        self.backend, name, device.type, dtype, self.fp8_recipe)
+            choice = (self.backend, name, device.type, dtype, self.fp8_recipe)
+            if choice not in _LOGGED_CHOICES:  # once per process, not once per layer
+                _LOGGED_CHOICES.add(choice)
+                logger.info("GroupedMLP backend %s -> %s (device=%s, dtype=%s, fp8_recipe=%s)", *choice)
             self._resolved[key] = name
         return self._resolved[key]
 

@@ -222,8 +222,10 @@ def _remove_stale_tmp(ckpt_dir: str, current: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout) -> str:
+def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout,
+                    run_dir: Optional[str] = None) -> str:
     """Save step ``step`` to ``ckpt_dir/step_<N>`` (collective over the world; returns the path).
+    ``run_dir`` (the run directory, recorded in the metadata) is where a resumed run continues.
 
     The optimizer state is exported parameter-shaped first (an all-gather inside each ZeRO-1 group
     when ``optim.distributed``); DCP then writes each distinct block once.
@@ -255,7 +257,8 @@ def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, l
                 "model": _plain(dataclasses.asdict(job.model)), "moe": _plain(dataclasses.asdict(job.moe)),
                 "optim": _plain(dataclasses.asdict(job.optim)), "layout": layout.describe(),
                 "world_size": dist.get_world_size(), "precision": job.train.precision,
-                "master_weights": any(k.endswith("/master") for k in sd)}
+                "master_weights": any(k.endswith("/master") for k in sd),
+                "run_dir": os.path.abspath(run_dir) if run_dir else None}
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()

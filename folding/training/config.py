@@ -44,6 +44,18 @@ MOE_OVERRIDE_KEYS = ("topk", "score_function", "pre_softmax", "capacity_factor",
                      "fp8_recipe")
 
 
+DEFAULT_WARMUP_STEPS = 5
+"""``optim.warmup_steps`` when the job leaves it null, clamped by :func:`default_warmup_steps`."""
+
+
+def default_warmup_steps(horizon: int) -> int:
+    """The warm-up of a job that leaves ``optim.warmup_steps`` null: :data:`DEFAULT_WARMUP_STEPS`, at
+    most half of the ``horizon``-step schedule (so that a 2-step smoke run still runs)."""
+    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+        return DEFAULT_WARMUP_STEPS  # validation names the bad train.steps / optim.decay_steps
+    return min(DEFAULT_WARMUP_STEPS, horizon // 2)
+
+
 class ConfigError(ValueError):
     """An invalid job setting; the message names the key (``train.steps``, ...) and a fix."""
 
@@ -117,6 +129,10 @@ class TrainConfig:
     and the per-rank memory estimate, and exit without building the model or any process group."""
     collective_timeout_s: float = 600.0
     """A collective that does not finish in this many seconds fails the job with an error."""
+    threads: Optional[int] = None
+    """CPU threads per process (``torch.set_num_threads``). null: ``OMP_NUM_THREADS`` when set (torchrun
+    sets 1), else the CPUs this process may use (affinity and cgroup quota) divided by the processes on
+    the node. The choice is printed at start."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -201,6 +217,8 @@ class JobConfig:
     """Checkpointing."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Metrics and logging."""
+    notes: typing.Tuple[str, ...] = ()
+    """What the loader chose for settings left null (printed when the run starts)."""
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The validated folded layout of this job on ``world_size`` ranks."""
@@ -259,16 +277,26 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     if "mlp_only_layers" in model_values and model_values["mlp_only_layers"] is not None:
         model_values["mlp_only_layers"] = tuple(model_values["mlp_only_layers"])
     model = _build(ModelConfig, "model", model_values)
+    optim_values = dict(tree.get("optim") or {})
+    notes = []
+    if optim_values.get("warmup_steps", DEFAULT_WARMUP_STEPS) is None:
+        train_steps = (tree.get("train") or {}).get("steps", TrainConfig.steps)
+        horizon = optim_values.get("decay_steps") or train_steps
+        warmup = default_warmup_steps(horizon)
+        optim_values["warmup_steps"] = warmup
+        if warmup != DEFAULT_WARMUP_STEPS:
+            notes.append(f"optim.warmup_steps: {warmup} (the default {DEFAULT_WARMUP_STEPS}, at most half of "
+                         f"the {horizon}-step schedule)")
     logging_values = dict(tree.get("logging") or {})
     logging_values["wandb"] = _build(WandbConfig, "logging.wandb", logging_values.get("wandb"))
     job = JobConfig(
         model=model, moe=moe_config_for(model, tree.get("moe") or {}),
         parallel=_build(ParallelConfig, "parallel", tree.get("parallel")),
         train=_build(TrainConfig, "train", tree.get("train")),
-        optim=_build(OptimConfig, "optim", tree.get("optim")),
+        optim=_build(OptimConfig, "optim", optim_values),
         data=_build(DataConfig, "data", tree.get("data")),
         checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint")),
-        logging=_build(LoggingConfig, "logging", logging_values))
+        logging=_build(LoggingConfig, "logging", logging_values), notes=tuple(notes))
     return job
 
 

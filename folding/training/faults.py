@@ -3,7 +3,8 @@
 A signal handler only sets a flag (:class:`StopRequest`); the train loop folds the flag into the
 step's world all-reduce, so that every rank sees the request at the same step boundary (a signal
 delivered to one rank stops all of them), then saves and returns. A second SIGINT while the save
-runs is ignored (the save is atomic either way: an interrupted one is never loaded).
+runs is ignored (the save is atomic either way: an interrupted one is never loaded), and so is any
+signal after the handlers are removed, once a stop was requested: the process exits with status 0.
 
 Handlers can only be installed from the main thread; elsewhere :meth:`StopRequest.install` does
 nothing and the run simply cannot be stopped by a signal.
@@ -49,4 +50,6 @@ class StopRequest:
             yield self
         finally:
             for s, h in previous.items():
-                signal.signal(s, h)
+                # after a stop request the process is winding down: a repeated signal must not turn
+                # the clean exit into a KeyboardInterrupt traceback or a death by signal
+                signal.signal(s, signal.SIG_IGN if self.requested else h)

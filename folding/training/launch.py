@@ -4,14 +4,17 @@
 plain dict) and Hydra's output directory. Order matters:
 
 1. build the typed config and check it (and open the data) -- no process group yet, so a bad config
-   fails at once on every rank with a message naming the setting (exit status 2);
+   fails at once on every rank with a message naming the setting, printed once per node (exit status
+   2); the entry point has usually caught it already (:mod:`folding.training.cli`);
 2. ``train.dry_run``: print the report and stop;
 3. create the world process group from torchrun's environment (a 1-process world when launched with
    plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``; a worker restarted by
    ``torchrun --max-restarts`` keys its rendezvous under its attempt number);
-4. rank 0's output directory is broadcast so that every rank agrees; only rank 0 writes there (the
-   resolved config, the metrics);
-5. train, then destroy the process group (so that Hydra multirun can start the next job).
+4. rank 0's output directory (or, when resuming, the directory of the run that wrote the
+   checkpoint) is broadcast so that every rank agrees; only rank 0 writes there (the resolved config,
+   the metrics, ``train.log``, ``status.json``: :mod:`folding.training.run_dir`);
+5. pick the CPU thread count (:mod:`folding.training.threads`), train, then destroy the process group
+   (so that Hydra multirun can start the next job).
 
 Usage::
 
@@ -26,13 +29,17 @@ import os
 import socket
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .checkpoint import step_dir_name
+from .cli import report_error
 from .config import ConfigError, env_world_size, job_config_from_dict, plain_tree as _plain
 from .dry_run import dry_run_report
+from .run_dir import RunLog, discard_if_empty, write_status
+from .threads import configure_threads
 
 
 def env_rank() -> int:
@@ -41,13 +48,17 @@ def env_rank() -> int:
 
 
 def quiet_hydra_argv(argv: List[str]) -> List[str]:
-    """``argv`` plus, on ranks other than 0, overrides that send Hydra's run/sweep directories and logs
-    to a private temporary directory, so that only rank 0 creates the run directory."""
+    """``argv`` plus, on ranks other than 0, overrides that keep Hydra from creating or writing any
+    directory: its run directory becomes the working directory (which exists), with no ``.hydra``
+    subdirectory and no log files. Only rank 0 has a run directory."""
     if env_rank() == 0:
         return argv
-    scratch = tempfile.mkdtemp(prefix=f"folding-rank{env_rank()}-")
-    return argv + [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
-                   "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+             "hydra/hydra_logging=disabled"]
+    if "-m" in argv or "--multirun" in argv:  # a sweep writes multirun.yaml into its sweep directory
+        scratch = os.path.join(tempfile.gettempdir(), f"folding-hydra-sweep-{os.getuid()}")
+        quiet += [f"hydra.sweep.dir={scratch}", "hydra.sweep.subdir=."]
+    return argv + quiet
 
 
 def _free_port() -> int:
@@ -101,8 +112,9 @@ def agree_on_run_dir(run_dir: str) -> str:
     return box[0]
 
 
-def save_resolved_config(job, run_dir: str) -> str:
-    """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites)."""
+def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = None) -> str:
+    """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites), headed
+    by the command-line ``overrides`` as a comment."""
     import yaml
     os.makedirs(run_dir, exist_ok=True)
     base, n = os.path.join(run_dir, "resolved_config"), 0
@@ -110,15 +122,33 @@ def save_resolved_config(job, run_dir: str) -> str:
         path = f"{base}.yaml" if n == 0 else f"{base}.{n}.yaml"
         try:
             with open(path, "x", encoding="utf-8") as f:
+                if overrides is not None:
+                    f.write(f"# overrides: {' '.join(overrides)}\n")
                 yaml.safe_dump(_plain(job.to_dict()), f, sort_keys=False)
             return path
         except FileExistsError:
             n += 1
 
 
-def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
-    """Run the job described by the plain dict ``tree``; return the process exit status (0, or 2 for
-    a bad configuration, reported on stderr before any process group exists)."""
+def choose_run_dir(run_dir: str, prepared) -> str:
+    """Rank 0's run directory: the one that wrote the checkpoint being resumed, when it still exists
+    (Hydra's fresh ``run_dir`` is then removed if empty), else ``run_dir``."""
+    previous = getattr(prepared, "resume_run_dir", None)
+    if previous and os.path.isdir(previous) and os.path.abspath(previous) != os.path.abspath(run_dir):
+        discard_if_empty(run_dir)
+        return os.path.abspath(previous)
+    return run_dir
+
+
+def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]] = None) -> int:
+    """Run the job described by the plain dict ``tree``; return the process exit status.
+
+    0 after training (to the end, or stopped by SIGINT/SIGTERM with a checkpoint) and after a dry run;
+    2 for a bad configuration or unreadable data, reported as one ``error:`` line by the node's lead
+    process before any process group exists. In both early exits rank 0 removes ``run_dir`` if it is
+    still empty. ``status.json`` in the run directory says how the run ended (see
+    :mod:`folding.training.run_dir`); ``overrides`` (the command line) head ``resolved_config.yaml``.
+    """
     from .trainer import prepare, train
     try:
         job = job_config_from_dict(tree)
@@ -126,19 +156,40 @@ def run_job(tree: Dict[str, Any], *, run_dir: str) -> int:
         if job.train.dry_run:
             if env_rank() == 0:
                 print(dry_run_report(job, world_size=job.parallel.world_size or world), flush=True)
+                discard_if_empty(run_dir)
             return 0
         prepared = prepare(job, world_size=world, rank=env_rank())
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
+        if env_rank() == 0:
+            discard_if_empty(run_dir)
         return 2
+    threads, why = configure_threads(job.train.threads)
     init_world(job.train.collective_timeout_s)
+    log, status, state = None, "failed", {}
     try:
-        run_dir = agree_on_run_dir(run_dir)
+        run_dir = agree_on_run_dir(choose_run_dir(run_dir, prepared) if dist.get_rank() == 0 else run_dir)
         if dist.get_rank() == 0:
-            save_resolved_config(job, run_dir)
-            print(f"run directory: {run_dir}\nlayout: {prepared.layout.describe()}", flush=True)
-        train(job, run_dir=run_dir, prepared=prepared)  # its groups' destroy() is the last barrier
+            log = RunLog(run_dir)
+            log.capture_records()
+            save_resolved_config(job, run_dir, overrides)
+            write_status(run_dir, "running", step=None, checkpoint=None)
+            log.echo(f"run directory: {run_dir}" + (" (resumed run: log and metrics appended)"
+                                                      if prepared.resume_run_dir == run_dir else ""))
+            log.echo(f"layout: {prepared.layout.describe()}")
+            log.echo(f"threads: {threads} per process ({why})")
+            for note in job.notes:
+                log.echo(note)
+        result = train(job, run_dir=run_dir, prepared=prepared, run_log=log)  # its groups' destroy() is the last barrier
+        status = "stopped" if result["stopped"] else "completed"
+        last = result["history"][-1]["step"] if result["history"] else None
+        ck = result["last_checkpoint_step"]
+        state = {"step": last, "checkpoint": os.path.join(os.path.abspath(job.checkpoint.dir), step_dir_name(ck))
+                 if ck is not None and job.checkpoint.dir else None}
     finally:
+        if log is not None:
+            write_status(run_dir, status, **(state or {"step": None, "checkpoint": None}))
+            log.close()
         # objects in reference cycles (modules, optimizer) still hold subgroups whose gloo threads
         # poll until the C++ object goes: free them now, not during interpreter shutdown
         gc.collect()

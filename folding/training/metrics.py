@@ -99,21 +99,28 @@ class MetricsSink:
     """Rank 0's metrics outputs: JSONL (every record), console and W&B (every ``interval`` steps)."""
 
     def __init__(self, config: LoggingConfig, *, run_dir: str, total_steps: int,
-                 run_config: Optional[Dict[str, Any]] = None, stream=None):
+                 run_config: Optional[Dict[str, Any]] = None, stream=None, echo=None):
         """``run_dir``: the run's output directory (relative ``metrics_file`` and W&B files go there);
-        ``run_config``: the resolved config given to W&B."""
+        ``run_config``: the resolved config given to W&B; ``echo``: prints a console line (default:
+        ``print`` to ``stream``), called as ``echo(line, console=logging.console)``, e.g. a
+        :class:`~folding.training.run_dir.RunLog`'s, which also appends the line to the run's log."""
         self.config = config
         self.total_steps = total_steps
         path = os.path.expanduser(config.metrics_file)
         self.path = path if os.path.isabs(path) else os.path.join(run_dir, path)
         self.jsonl = JsonlWriter(self.path)
         self.stream = stream or sys.stdout
+        self.echo = echo or self._print
         self._wandb = None
         if config.wandb.mode != "disabled":
             import wandb
             self._wandb = wandb.init(project=config.wandb.project, mode=config.wandb.mode,
                                      name=config.wandb.name or os.path.basename(os.path.abspath(run_dir)),
                                      dir=run_dir, config=run_config or {}, reinit="finish_previous")
+
+    def _print(self, line: str, *, console: bool = True) -> None:
+        if console:
+            print(line, file=self.stream, flush=True)
 
     def log(self, record: Dict[str, Any]) -> None:
         """Write ``record`` (must carry ``kind``) to the JSONL file, and to console / W&B when due."""
@@ -125,13 +132,12 @@ class MetricsSink:
             or step == 1 or record.get("skipped")
         if not due:
             return
-        if self.config.console:
-            if kind == "train":
-                line = format_train_line(record, self.total_steps)
-            else:
-                line = f"[{kind}] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                               for k, v in record.items() if k != "kind" and not isinstance(v, list))
-            print(line, file=self.stream, flush=True)
+        if kind == "train":
+            line = format_train_line(record, self.total_steps)
+        else:
+            line = f"[{kind}] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in record.items() if k != "kind" and not isinstance(v, list))
+        self.echo(line, console=self.config.console)
         if self._wandb is not None:
             flat = {f"{kind}/{k}": v for k, v in record.items()
                     if isinstance(v, (int, float)) and k not in ("kind", "step") and v is not None}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from omegaconf import MISSING
 
@@ -56,8 +56,10 @@ def job_schema() -> type:
         section("moe", C.MoEOverrides),
         section("parallel", mirror(C.ParallelConfig)),
         section("train", mirror(C.TrainConfig)),
-        section("optim", mirror(OptimConfig)),
-        section("data", mirror(DataConfig)),
+        section("optim", mirror(OptimConfig, overrides=(
+            ("warmup_steps", Optional[int], dataclasses.field(default=None)),))),
+        section("data", mirror(DataConfig, overrides=(
+            ("split", Any, dataclasses.field(default=DataConfig.split)),))),
         section("checkpoint", mirror(C.CheckpointConfig)),
         section("logging", logging),
     ], kw_only=True)

@@ -62,6 +62,8 @@ class Prepared:
     """This rank's attention data-parallel rank (from the pure rank math)."""
     resume: Optional[str] = None
     """The checkpoint to resume from (checked against the model), or ``None``."""
+    resume_run_dir: Optional[str] = None
+    """The run directory that wrote ``resume`` (from its metadata), or ``None``."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -76,7 +78,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     """Validate ``job`` for ``world_size`` ranks and open this rank's data; no collective, no writes
     except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``)."""
     layout = validate_job(job, world_size=world_size)
-    resume = None
+    resume = resume_run_dir = None
     if job.checkpoint.dir or job.checkpoint.load:
         from .checkpoint import check_compatible, read_meta, resolve_resume
         resume = resolve_resume(job.checkpoint)
@@ -84,6 +86,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             meta = read_meta(resume)
             meta["path"] = resume
             check_compatible(meta, job)
+            resume_run_dir = meta.get("run_dir")
     from ..data.build import build_data
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(job.data, seq_length=job.train.seq_length, global_batch_size=job.train.global_batch_size,
@@ -92,7 +95,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
                           f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
                           "or use the model's tokenizer")
-    return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume)
+    return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume, resume_run_dir=resume_run_dir)
 
 
 def training_device() -> torch.device:
@@ -142,13 +145,14 @@ def _skip_update(optimizer) -> None:
 
 
 def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
-          parallel_state=None) -> Dict[str, Any]:
+          parallel_state=None, run_log=None) -> Dict[str, Any]:
     """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
     ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file`` and ``chunks``
     (this rank's trained model chunks).
 
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
-    (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``).
+    (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``); its
+    console lines also go to ``run_log`` (a :class:`~folding.training.run_dir.RunLog`) when given.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     prep = prepared or prepare(job, world_size=world, rank=rank)
@@ -172,8 +176,8 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
     stats = MoEStats(chunks, model_config=job.model)
     stats.set_aux_loss_scale(1.0 / (M * layout.dp))
-    sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=t.steps, run_config=job.to_dict()) \
-        if rank == 0 else None
+    sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=t.steps, run_config=job.to_dict(),
+                       echo=run_log.echo if run_log else None) if rank == 0 else None
     flops_tok, peak = _flops_per_token(job), _peak_tflops(job, device)
     timer = StepTimer(device)
     data = prep.data
@@ -243,14 +247,15 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
             if ck.dir and (stopped or step == t.steps or (ck.save_interval and step % ck.save_interval == 0)):
                 from .checkpoint import save_checkpoint
                 path = save_checkpoint(ck.dir, step=step, chunks=chunks, optimizer=optimizer, data=data,
-                                       job=job, layout=layout)
+                                       job=job, layout=layout, run_dir=run_dir)
                 saved_at = step
                 if sink:
                     sink.log({"kind": "checkpoint", "step": step, "path": path})
             if stopped:
                 if rank == 0:
-                    print(f"stop requested by a signal: stopped after step {step}"
-                          + (f", checkpoint saved" if saved_at == step else ""), flush=True)
+                    line = f"stop requested by a signal: stopped after step {step}" \
+                           + (", checkpoint saved" if saved_at == step else ", no checkpoint (checkpoint.dir is unset)")
+                    (run_log.echo if run_log else print)(line)
                 break
     finally:
         exits.close()

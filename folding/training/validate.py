@@ -40,6 +40,8 @@ def _check_train(job: JobConfig) -> None:
         _fail("train.recompute", t.recompute, "recomputes the experts outside the FP8 region that "
               "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
               "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8")
+    if t.threads is not None:
+        _int_at_least("train.threads", t.threads, 1)
     tmo = t.collective_timeout_s
     if isinstance(tmo, bool) or not isinstance(tmo, (int, float)) or not math.isfinite(tmo) or tmo <= 0:
         _fail("train.collective_timeout_s", tmo, "must be a positive number of seconds",

@@ -279,3 +279,24 @@ def test_empty_corpus_errors(tmp_path):
     with pytest.raises(ValueError, match="zero .*holds no tokens"):
         build_data(DataConfig(paths=[prefix], cache_dir=str(tmp_path)), seq_length=4, global_batch_size=1,
                    micro_batch_size=1, dp_rank=0, dp_size=1)
+
+
+def test_preprocess_plain_text_paragraphs_lines_and_file(tmp_path):
+    from folding.data.indexed import IndexedDataset
+    src = tmp_path / "notes.txt"
+    src.write_text("first para\nstill first\n\n\nsecond\n\nthird\n")
+    counts = {}
+    for split, workers in (("paragraph", 1), ("paragraph", 2), ("line", 1), ("file", 1)):
+        prefix = str(tmp_path / f"{split}{workers}")
+        stats = preprocess_jsonl(str(src), prefix, text_split=split, workers=workers)
+        ds = IndexedDataset(prefix)
+        docs = [bytes(ds[i].astype("uint8").tolist()).decode() for i in range(len(ds))]
+        counts[(split, workers)] = (stats["documents"], docs)
+    assert counts[("paragraph", 1)] == (3, ["first para\nstill first", "second", "third"])
+    assert counts[("paragraph", 2)] == counts[("paragraph", 1)]
+    assert counts[("line", 1)] == (4, ["first para", "still first", "second", "third"])
+    assert counts[("file", 1)] == (1, ["first para\nstill first\n\n\nsecond\n\nthird"])
+    with pytest.raises(ValueError, match="for plain text use a .txt file or --input-format text"):
+        (tmp_path / "notes.jsonl").write_text("just words\n")
+        preprocess_jsonl(str(tmp_path / "notes.jsonl"), str(tmp_path / "j"))
+    assert preprocess_jsonl(str(tmp_path / "notes.jsonl"), str(tmp_path / "j"), input_format="text")["documents"] == 1

@@ -68,3 +68,19 @@ def test_plot_run_needs_only_the_base_install():
     third_party = imported - {"argparse", "json", "sys", "os", "math", "folding"}
     assert third_party <= names, third_party - names
     assert "matplotlib" in third_party
+
+
+def test_plot_run_takes_a_resumed_runs_latest_attempt(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "plot_run", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py"))
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    recs = [{"kind": "run", "start_step": 1}] + [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)] \
+        + [{"kind": "eval", "step": 4}, {"kind": "run", "start_step": 3}] \
+        + [{"kind": "train", "step": s, "loss": 2.0} for s in (3, 4, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = plot_run.read_records(str(tmp_path))                       # a run directory works too
+    train = [(r["step"], r["loss"]) for r in out if r["kind"] == "train"]
+    assert train == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
+    assert not [r for r in out if r["kind"] == "eval"]

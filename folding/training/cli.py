@@ -1,0 +1,174 @@
+"""The training entry point's command line, checked before Hydra starts.
+
+``examples/pretrain_mixtral.py`` calls :func:`check_command_line` first. It composes the config the
+way Hydra will (same ``configs/``, same overrides), builds the typed job and validates it for the
+launched world. So a typo, a bad value or an impossible layout
+
+- is reported as one ``error: ...`` line, printed once per node (by the process with local rank 0;
+  the other processes find the same error and exit silently with the same status), with no
+  traceback, exit status 2;
+- leaves no run directory behind (Hydra creates it only when it runs the job);
+
+and ``train.dry_run=true`` prints its report and exits 0 the same way. A key that is not in the
+schema is named with its closest valid spelling (``train.stpes``: did you mean ``train.steps``?).
+
+Multirun sweeps (``-m``) and Hydra's own flags (``--help``, ``--cfg``, ...) are left to Hydra;
+:func:`folding.training.launch.run_job` checks each job of a sweep again.
+
+:func:`normalize_overrides` lets ``data.split=80,20,0`` through as a list (Hydra would otherwise read
+the commas as a sweep and ask for quotes).
+
+Usage::
+
+    register_schema()
+    status = check_command_line(sys.argv[1:], config_dir=CONFIGS, config_name="config")
+    if status is not None:
+        sys.exit(status)
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from typing import List, Optional, Sequence
+
+from .config import ConfigError, env_world_size, job_config_from_dict
+from .dry_run import dry_run_report
+from .validate import validate_job
+
+CONFIG_GROUPS = ("model", "recipes")
+"""Config groups chosen on the command line as ``group=name``."""
+
+LIST_KEYS = ("data.split",)
+"""Keys whose comma-separated command-line value is a list, not a sweep."""
+
+
+def lead_process() -> bool:
+    """Whether this process prints for its node: local rank 0 (torchrun's ``LOCAL_RANK``; plain
+    python is its own lead)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def report_error(message: str, stream=None) -> None:
+    """Print ``error: <message>`` as one line on the lead process of the node (other processes
+    print nothing)."""
+    if lead_process():
+        one_line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+        print(f"error: {one_line}", file=stream or sys.stderr, flush=True)
+
+
+def normalize_overrides(args: Sequence[str]) -> List[str]:
+    """``args`` with ``data.split=80,20,0`` rewritten to ``data.split=[80,20,0]`` (a list value rather
+    than a Hydra sweep); every other argument unchanged."""
+    out = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq and key in LIST_KEYS and "," in value and not value.startswith(("[", "'", '"')):
+            arg = f"{key}=[{value}]"
+        out.append(arg)
+    return out
+
+
+def schema_keys() -> List[str]:
+    """Every dotted key of the job schema (``train.steps``, ``moe.topk``, ``logging.wandb.mode``, ...)."""
+    from .schema import job_schema
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+    return list(walk(job_schema(), ""))
+
+
+def unknown_key(args: Sequence[str]) -> Optional[str]:
+    """The error message for the first override whose key the schema does not have (with the closest
+    valid keys), or ``None``. Hydra keys, config groups and ``+``/``~`` edits are not checked."""
+    keys = None
+    for arg in args:
+        key, eq, _ = arg.partition("=")
+        if not eq or key.startswith(("hydra", "+", "~", "-")) or "/" in key or key in CONFIG_GROUPS:
+            continue
+        keys = keys if keys is not None else set(schema_keys())
+        if key in keys:
+            continue
+        section = key.split(".")[0]
+        close = difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        hint = f"did you mean {' or '.join(close)}?" if close else \
+            f"valid keys under {section}: {', '.join(sorted(k for k in keys if k.startswith(section + '.')))}" \
+            if any(k.startswith(section + ".") for k in keys) else \
+            f"sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}"
+        return f"{key}: unknown key; {hint}"
+    return None
+
+
+def compose_tree(args: Sequence[str], *, config_dir: str, config_name: str) -> dict:
+    """The composed config as a plain dict (Hydra's compose API, without the ``hydra`` node)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra", "++hydra"))]
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def check_command_line(args: Sequence[str], *, config_dir: str, config_name: str = "config",
+                       world_size: Optional[int] = None) -> Optional[int]:
+    """Check the job that ``args`` (the overrides, without the program name) describes.
+
+    Returns the exit status to stop with (2 after printing the error; 0 after printing a dry run's
+    report) or ``None`` when the job is valid and Hydra should run it. No file is written.
+    """
+    if any(a.startswith("-") for a in args):  # multirun or a Hydra flag: Hydra handles it
+        return None
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        message = unknown_key(args)
+        if message:
+            raise ConfigError(message)
+        tree = compose_tree(args, config_dir=config_dir, config_name=config_name)
+        job = job_config_from_dict(tree)
+        world = env_world_size() if world_size is None else world_size
+        if job.train.dry_run:
+            report = dry_run_report(job, world_size=job.parallel.world_size or world)
+            if lead_process() and os.environ.get("RANK", "0") == "0":
+                print(report, flush=True)
+            return 0
+        validate_job(job, world_size=world)
+    except (HydraException, OmegaConfBaseException) as e:
+        report_error(_hydra_message(e))
+        return 2
+    except (ConfigError, ValueError) as e:
+        report_error(str(e))
+        return 2
+    return None
+
+
+def _hydra_message(e: BaseException) -> str:
+    """Hydra's and OmegaConf's message as one line: without their object-type, full-key and search-path
+    trailers, the override named first, a list of options joined by commas."""
+    lines = []
+    for exc in (e, e.__cause__):
+        for line in str(exc or "").splitlines():
+            line = line.strip()
+            if line.startswith(("Config search path", "provider=")):
+                break
+            if line and not line.startswith(("object_type=", "full_key:", "reference_type=")) \
+                    and line not in lines:
+                lines.append(line)
+    out, prefix, listing = [], "", False
+    for line in lines:
+        if line.startswith("Error merging override "):
+            prefix = line[len("Error merging override "):] + ": "
+        elif listing:
+            out[-1] += (" " if out[-1].endswith(":") else ", ") + line
+        else:
+            out.append(prefix + line)
+            prefix, listing = "", line.startswith("Available options") and line.endswith(":")
+    return "; ".join(out)

@@ -1,0 +1,125 @@
+"""The entry point's checks before Hydra (one-line errors, key suggestions, ``data.split`` lists, dry
+runs), the thread-count rules, the run directory's helpers and the default warm-up clamp."""
+import io
+import json
+import os
+
+import pytest
+
+from folding.training import cli
+from folding.training.config import ConfigError, job_config_from_dict
+from folding.training.run_dir import RunLog, discard_if_empty, read_status, write_status
+from folding.training.threads import cgroup_cpu_limit, pick_threads, usable_cpus
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+@pytest.fixture(autouse=True)
+def _schema():
+    from folding.training.config import register_schema
+    register_schema()
+
+
+def _check(args, capsys, monkeypatch, local_rank="0"):
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    status = cli.check_command_line(args, config_dir=CONFIGS, world_size=1)
+    return status, capsys.readouterr()
+
+
+def test_unknown_key_names_the_closest_valid_key(capsys, monkeypatch):
+    status, out = _check(["train.stpes=3"], capsys, monkeypatch)
+    assert status == 2 and out.err == "error: train.stpes: unknown key; did you mean train.steps?\n"
+    status, out = _check(["moe.router_dtyp=fp64"], capsys, monkeypatch)
+    assert status == 2 and "unknown key" in out.err and out.err.count("\n") == 1
+    status, out = _check(["nosuch.key=1"], capsys, monkeypatch)
+    assert status == 2 and "sections: checkpoint, data, logging, model, moe, optim, parallel, train" in out.err
+
+
+def test_errors_are_one_line_printed_by_the_lead_process_only(capsys, monkeypatch):
+    status, out = _check(["train.steps=abc"], capsys, monkeypatch)
+    assert status == 2
+    assert out.err == "error: train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer\n"
+    status, out = _check(["model=nope"], capsys, monkeypatch)
+    assert status == 2 and out.err.count("\n") == 1 and "mixtral_tiny, qwen2_57b_a14b" in out.err
+    status, out = _check(["parallel.tp=3"], capsys, monkeypatch, local_rank="1")
+    assert status == 2 and out.err == "" and out.out == ""          # same check, silent on other ranks
+    status, out = _check(["parallel.tp=3"], capsys, monkeypatch)
+    assert out.err.startswith("error: world size 1 is not divisible by parallel.tp*cp*pp = 3*1*1")
+
+
+def test_valid_job_goes_on_and_dry_run_stops_with_zero(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert _check(["train.steps=2"], capsys, monkeypatch)[0] is None
+    status, out = _check(["recipes=qwen2_57b_a14b", "train.dry_run=true"], capsys, monkeypatch)
+    assert status == 0 and out.out.startswith("dry run: qwen2_57b_a14b on 64 ranks")
+    assert list(tmp_path.iterdir()) == []                          # nothing written
+    assert cli.check_command_line(["-m", "parallel.ep=1,2"], config_dir=CONFIGS) is None  # Hydra's sweep
+
+
+def test_split_list_on_the_command_line(capsys, monkeypatch):
+    args = cli.normalize_overrides(["data.split=80,20,0", "parallel.ep=2", "data.split='1,2'"])
+    assert args == ["data.split=[80,20,0]", "parallel.ep=2", "data.split='1,2'"]
+    tree = cli.compose_tree(args[:1], config_dir=CONFIGS, config_name="config")
+    assert tree["data"]["split"] == [80, 20, 0]
+    assert job_config_from_dict(tree).data.split == "80,20,0"
+    assert _check(args[:1], capsys, monkeypatch)[0] is None
+
+
+def test_default_warmup_is_clamped_to_the_run_and_explicit_warmup_is_checked():
+    base = {"model": {"name": "mixtral_tiny"}}
+    from folding.model.presets import get_preset
+    import dataclasses
+    base["model"] = dataclasses.asdict(get_preset("mixtral_tiny"))
+    job = job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": None}})
+    assert job.optim.warmup_steps == 1 and job.notes and "at most half of the 2-step schedule" in job.notes[0]
+    job = job_config_from_dict({**base, "train": {"steps": 60}, "optim": {"warmup_steps": None}})
+    assert job.optim.warmup_steps == 5 and job.notes == ()
+    from folding.training.validate import validate_job
+    with pytest.raises(ConfigError, match="optim.warmup_steps=5: exceeds the decay horizon"):
+        validate_job(job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": 5}}),
+                     world_size=1)
+
+
+def test_thread_count_rules(tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert cgroup_cpu_limit(str(quota)) == 1.5
+    assert usable_cpus(str(quota)) <= 2
+    quota.write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(quota)) is None and cgroup_cpu_limit(str(tmp_path / "none")) is None
+    assert pick_threads(3, env={"OMP_NUM_THREADS": "1"}) == (3, "train.threads")
+    assert pick_threads(None, env={"OMP_NUM_THREADS": "1"}) == (1, "OMP_NUM_THREADS=1")
+    assert pick_threads(None, env={"LOCAL_WORLD_SIZE": "4"}, cpus=16) == \
+        (4, "16 usable CPUs / 4 processes on this node")
+    assert pick_threads(None, env={"LOCAL_WORLD_SIZE": "8"}, cpus=2)[0] == 1
+    assert pick_threads(None, env={}, cpus=2) == (2, "2 usable CPUs / 1 process on this node")
+
+
+def test_run_directory_helpers(tmp_path):
+    fresh = tmp_path / "outputs" / "2026-01-01" / "10-00-00"
+    fresh.mkdir(parents=True)
+    (tmp_path / "outputs" / "keep.txt").write_text("x")
+    assert discard_if_empty(str(fresh), stop_at=str(tmp_path))
+    assert not (tmp_path / "outputs" / "2026-01-01").exists() and (tmp_path / "outputs" / "keep.txt").exists()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text("{}\n")
+    assert not discard_if_empty(str(used), stop_at=str(tmp_path)) and (used / "metrics.jsonl").exists()
+    write_status(str(used), "running", step=None)
+    write_status(str(used), "stopped", step=7, checkpoint="/ck/step_00000007")
+    assert read_status(str(used)) == {"status": "stopped", "step": 7, "checkpoint": "/ck/step_00000007"}
+    assert sorted(p.name for p in used.iterdir()) == ["metrics.jsonl", "status.json"]
+    with pytest.raises(ValueError, match="not one of"):
+        write_status(str(used), "done")
+    out = io.StringIO()
+    log = RunLog(str(used), stream=out)
+    log.echo("step line")
+    log.echo("log only", console=False)
+    import logging
+    log.capture_records()
+    logging.getLogger("folding.test").warning("a warning")
+    log.close()
+    assert out.getvalue() == "step line\n"
+    text = (used / "train.log").read_text()
+    assert text.splitlines() == ["step line", "log only", "[folding.test] WARNING: a warning"]
+    assert json.loads((used / "status.json").read_text())["step"] == 7
