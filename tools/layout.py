@@ -6,7 +6,9 @@ Usage::
     python tools/layout.py --world 8 --tp 2 --cp 2 --ep 8 --etp 1 --json   # JSON only on stdout
 
 Omitted sizes default to 1 (``--etp`` to ``--tp``). An impossible layout exits with status 2 and a
-one-line message on stderr naming the violated constraint.
+one-line message on stderr naming the violated constraint and the flag to change. The tables name
+the expert groups ``etp``, ``ep``, ``edp`` as the user guide does; the JSON keeps the rank-math keys
+(``expert.tp`` is ETP, ``expert.dp`` is EDP).
 """
 from __future__ import annotations
 
@@ -17,7 +19,23 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import re  # noqa: E402
+
 from folding.parallel import DEFAULT_ORDER, LayoutError, ParallelLayout  # noqa: E402
+
+EXPERT_LABELS = {"tp": "etp", "dp": "edp", "tp-ep": "etp-ep", "tp-ep-pp": "etp-ep-pp"}
+"""Table labels of the expert groups (the rank math's keys -> the user guide's names)."""
+
+
+def flag_hint(message: str) -> str:
+    """A layout error with the training config's keys replaced by this tool's flags."""
+    message = re.sub(r"parallel\.(\w+\*)", r"\1", message)          # a product: tp*cp*pp
+    message = re.sub(r"parallel\.(\w+)=null", r"no --\1", message)
+    message = re.sub(r"parallel\.(\w+)=([^\s;,)]+)", r"--\1 \2", message)
+    message = re.sub(r"parallel\.(\w+)", r"--\1", message)
+    message = re.sub(r"\be\.g\. (\w+)=(\w+)", r"e.g. --\1 \2", message)
+    message = message.replace("num_experts=", "--num-experts ").replace("the number of ranks", "--world")
+    return message
 
 
 def parse_args(argv=None):
@@ -33,9 +51,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _table(title, groups):
+def _table(title, groups, labels=None):
     lines = [f"{title}"]
     for token, gs in groups.items():
+        token = (labels or {}).get(token, token)
         body = " ".join("[" + ",".join(map(str, g)) + "]" for g in gs)
         lines.append(f"  {token:<10} {len(gs):>4} x {len(gs[0]) if gs else 0:<4} {body}")
     return "\n".join(lines)
@@ -47,7 +66,7 @@ def main(argv=None) -> int:
         layout = ParallelLayout(world_size=args.world, tp=args.tp, cp=args.cp, pp=args.pp, vpp=args.vpp,
                                 ep=args.ep, etp=args.etp, order=args.order, num_experts=args.num_experts)
     except LayoutError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_hint(str(e))}", file=sys.stderr)
         return 2
     groups = layout.groups()
     if args.json:
@@ -55,7 +74,7 @@ def main(argv=None) -> int:
         return 0
     print(f"{layout.world_size} ranks, order {layout.order}: {layout.describe()}")
     print(_table("attention (TP x CP x DP x PP)", groups["attention"]))
-    print(_table("expert (ETP x EP x EDP x PP; 'tp' = ETP, 'dp' = EDP)", groups["expert"]))
+    print(_table("expert (ETP x EP x EDP x PP)", groups["expert"], EXPERT_LABELS))
     return 0
 
 

@@ -2,13 +2,14 @@
 
 Usage::
 
-    python tools/memory.py --preset mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
-        --distributed --param-dtype bfloat16 --recompute selective --seq 4096 --mbs 1
-    python tools/memory.py --preset tiny --world 8 --tp 2 --ep 2 --etp 2 --distributed --measure
+    python tools/memory.py --model mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
+        --distributed --param-dtype bfloat16 --recompute selective --seq-length 4096 --micro-batch-size 1
+    python tools/memory.py --model tiny --world 8 --tp 2 --ep 2 --etp 2 --distributed --measure
 
 ``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's parameters and the
 optimizer, and prints measured bytes next to the model (use a tiny preset). An impossible layout
-exits with status 2 and a one-line message naming the setting.
+exits with status 2 and a one-line message naming the setting. The flags are those of tools/plan.py
+and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ KINDS = ("params_dense", "params_expert", "grads_dense", "grads_expert", "optimi
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    p.add_argument("--model", "--preset", dest="preset", choices=sorted(PRESETS), required=True,
+                   help="model preset (--preset is an alias)")
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     for axis in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1)
@@ -42,8 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 (optim.distributed=true)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="train.recompute")
-    p.add_argument("--seq", type=int, default=0, help="sequence length (0: no activations)")
-    p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    p.add_argument("--seq-length", "--seq", dest="seq", type=int, default=0,
+                   help="tokens per sample (0: no activations; --seq is an alias)")
+    p.add_argument("--micro-batch-size", "--mbs", dest="mbs", type=int, default=1,
+                   help="samples per micro-batch (--mbs is an alias)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step and replica (caps the pipeline's in-flight count)")
     p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,

@@ -2,15 +2,16 @@
 
 Usage::
 
-    python tools/plan.py --model mixtral_8x22b --gpus 128 --gpu h100 --seq-length 4096 --global-batch-size 256
-    python tools/plan.py --model qwen2_57b_a14b --gpus 64 --gpu h100 --seq-length 4096 \\
+    python tools/plan.py --model mixtral_8x22b --world 128 --gpu h100 --seq-length 4096 --global-batch-size 256
+    python tools/plan.py --model qwen2_57b_a14b --world 64 --gpu h100 --seq-length 4096 \\
         --global-batch-size 256 --json          # only a JSON list on stdout, best first
     python tools/plan.py ... --top 20 --all-variants --unfolded
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
 memory. Layouts that do not fit in the GPU's memory are dropped. The cost model and its calibration are
-described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr.
+described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr. The flags are those of
+tools/memory.py and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def parse_args(argv=None):
     """Command-line arguments (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(list_presets())}")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    p.add_argument("--world", "--gpus", dest="gpus", type=int, required=True,
+                   help="number of GPUs (world size; --gpus is an alias)")
     p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(list_gpus())} (default h100)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")

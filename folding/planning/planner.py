@@ -184,13 +184,13 @@ def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
 
 
 def _check_inputs(cfg: ModelConfig, cluster: Cluster, shape: TrainingShape) -> None:
-    for name, v in (("--gpus", cluster.num_gpus), ("--nvlink-domain", cluster.nvlink_domain),
+    for name, v in (("--world", cluster.num_gpus), ("--nvlink-domain", cluster.nvlink_domain),
                     ("--seq-length", shape.seq_length), ("--global-batch-size", shape.global_batch_size),
                     ("--micro-batch-size", shape.micro_batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
     if cluster.num_gpus > cluster.nvlink_domain and cluster.num_gpus % cluster.nvlink_domain:
-        raise ValueError(f"--gpus={cluster.num_gpus} is not a whole number of NVLink domains of "
+        raise ValueError(f"--world={cluster.num_gpus} is not a whole number of NVLink domains of "
                          f"--nvlink-domain={cluster.nvlink_domain}; use a multiple of it")
 
 

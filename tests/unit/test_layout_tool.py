@@ -27,6 +27,8 @@ def test_tables_and_etp_default():
     p = _run("--world", "8", "--tp", "2", "--ep", "4")  # etp defaults to tp=2
     assert p.returncode == 0, p.stderr
     assert "MoE ETP2 EP4 EDP1" in p.stdout
+    expert = p.stdout.split("expert (ETP x EP x EDP x PP)")[1].split()
+    assert {"etp", "ep", "edp", "etp-ep"} <= set(expert) and "tp" not in expert and "dp" not in expert
 
 
 def test_impossible_layout_exits_2():
@@ -34,6 +36,25 @@ def test_impossible_layout_exits_2():
     assert p.returncode == 2
     assert p.stdout == ""
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "parallel.etp*ep*pp" in lines[0]
+    assert len(lines) == 1 and "etp*ep*pp" in lines[0] and "set --etp explicitly, e.g. --etp 1" in lines[0]
+    assert "parallel." not in lines[0]
     p = _run("--world", "8", "--ep", "4", "--num-experts", "6", "--json")
-    assert p.returncode == 2 and "num_experts=6" in p.stderr
+    assert p.returncode == 2 and "--num-experts 6 is not divisible by --ep 4" in p.stderr
+
+
+def test_tools_share_flag_names():
+    import importlib.util
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    common = ["--model", "mixtral_tiny", "--world", "8", "--seq-length", "16", "--micro-batch-size", "2"]
+    plan = load("plan").parse_args(common + ["--global-batch-size", "16"])
+    mem = load("memory").parse_args(common)
+    assert (plan.model, plan.gpus, plan.seq_length, plan.micro_batch_size) == ("mixtral_tiny", 8, 16, 2)
+    assert (mem.preset, mem.world, mem.seq, mem.mbs) == ("mixtral_tiny", 8, 16, 2)
+    old = load("memory").parse_args(["--preset", "mixtral_tiny", "--world", "8", "--seq", "16", "--mbs", "2"])
+    assert (old.preset, old.seq, old.mbs) == ("mixtral_tiny", 16, 2)               # the former spellings
+    assert load("layout").parse_args(["--world", "8"]).world == 8

@@ -294,7 +294,7 @@ def test_plan_layouts_sorted_distinct_and_fitting():
 
 
 def test_bad_input_names_the_setting():
-    with pytest.raises(ValueError, match="--gpus"):
+    with pytest.raises(ValueError, match="--world"):
         plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=12), shape=SHAPE)
     with pytest.raises(ValueError, match="--global-batch-size"):
         plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=8),
@@ -304,7 +304,7 @@ def test_bad_input_names_the_setting():
 
 
 def test_tool_json_only_on_stdout():
-    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--gpus", "8", "--gpu", "b200",
+    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--world", "8", "--gpu", "b200",
                           "--seq-length", "4096", "--global-batch-size", "8", "--json", "--fused-swiglu"],
                          capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
