@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_
         task = fn = args = kwargs = value = payload = None
         gc.collect()
     dist.destroy_process_group()
+    gc.collect()  # the group objects go (their gloo threads joined) before the interpreter finalizes
 
 
 class RankPool:

@@ -186,12 +186,28 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
         ck = result["last_checkpoint_step"]
         state = {"step": last, "checkpoint": os.path.join(os.path.abspath(job.checkpoint.dir), step_dir_name(ck))
                  if ck is not None and job.checkpoint.dir else None}
+        result = None
     finally:
         if log is not None:
             write_status(run_dir, status, **(state or {"step": None, "checkpoint": None}))
             log.close()
-        # objects in reference cycles (modules, optimizer) still hold subgroups whose gloo threads
-        # poll until the C++ object goes: free them now, not during interpreter shutdown
-        gc.collect()
-        dist.destroy_process_group()
+        release_process_groups()
     return 0
+
+
+def release_process_groups() -> None:
+    """Destroy the world process group and free every group object while the interpreter is alive.
+
+    Each gloo process group owns native worker threads until its C++ object is freed, and the object
+    lives as long as a Python reference does (a model's modules, the optimizer, reference cycles
+    among them). A group still alive when the interpreter finalizes keeps those threads running into
+    the shutdown; a thread that then releases a tensor needs the GIL, which a finalizing interpreter
+    answers by ending the thread, and a C++ thread ended that way aborts the process ("terminate
+    called without an active exception", SIGABRT). So: collect the cycles the caller dropped,
+    destroy the groups, and collect again so that the group objects go (and their threads are
+    joined) now. The caller drops its own references (the model) first.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

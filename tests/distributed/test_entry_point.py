@@ -149,3 +149,32 @@ def test_ctrl_c_under_torchrun_stops_every_worker_cleanly(tmp_path):
     assert os.path.exists(os.path.join(status["checkpoint"], "COMPLETE"))
     log = (run_dir / "train.log").read_text()
     assert log.count(f"stop requested by a signal: stopped after step {status['step']}, checkpoint saved") == 1
+
+
+PROBE = '''
+import os, sys, threading
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from folding.training import launch
+from folding.training.config import register_schema
+register_schema()
+with initialize_config_dir(config_dir=os.path.join(sys.argv[1], "configs"), version_base="1.3"):
+    tree = OmegaConf.to_container(compose("config", overrides=sys.argv[3:]), resolve=True)
+native = lambda: len(os.listdir("/proc/self/task")) - threading.active_count()
+before = native()
+status = launch.run_job(tree, run_dir=os.path.join(sys.argv[2], "run"))
+print(f"rank {os.environ['RANK']} status {status} native threads before {before} after {native()}", flush=True)
+'''
+
+
+def test_run_job_leaves_no_process_group_threads_for_interpreter_shutdown(tmp_path):
+    # every live gloo group keeps native threads; one alive while the interpreter finalizes can abort
+    # the process (SIGABRT) when it releases a tensor: run_job must have freed them all when it returns
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    job = _torchrun(tmp_path, 2, [str(probe), ROOT, str(tmp_path), "train.steps=2", "parallel.ep=2",
+                                  "parallel.etp=1", "checkpoint.dir=ck", *TINY])
+    out = job.communicate(timeout=180)[0]
+    assert job.returncode == 0, out[-3000:]
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} status 0 native threads before 0 after 0" for r in (0, 1)], out[-3000:]
