@@ -10,12 +10,14 @@
 - Ctrl-C under ``torchrun`` (SIGINT to torchrun, which forwards it to every worker): every worker saves
   and exits 0 with no traceback, and the run's ``status.json`` says ``stopped``.
 """
+import glob
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,6 +124,7 @@ def test_resume_continues_in_the_checkpoints_run_directory(tmp_path):
 def test_ctrl_c_under_torchrun_stops_every_worker_cleanly(tmp_path):
     run_dir, ck, logs = tmp_path / "run", tmp_path / "ck", tmp_path / "workers"
     logs.mkdir()
+    scratch_before = sorted(glob.glob(os.path.join(tempfile.gettempdir(), "folding-rank*")))
     # each worker is a shell that records its python's exit status and stderr (torchrun forwards the
     # signal to the worker's whole process group; the shell waits for python, then writes the status)
     worker = (f'"{sys.executable}" "{SCRIPT}" "$@" 2> "{logs}/err_$RANK.txt"; '
@@ -147,6 +150,9 @@ def test_ctrl_c_under_torchrun_stops_every_worker_cleanly(tmp_path):
     assert status["status"] == "stopped" and 3 <= status["step"] < 500, status
     assert status["checkpoint"] == str(ck / f"step_{status['step']:08d}")
     assert os.path.exists(os.path.join(status["checkpoint"], "COMPLETE"))
+    # ranks other than 0 create no directory anywhere (no per-rank scratch directories either)
+    assert sorted(glob.glob(os.path.join(tempfile.gettempdir(), "folding-rank*"))) == scratch_before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "run", "workers"]
     log = (run_dir / "train.log").read_text()
     assert log.count(f"stop requested by a signal: stopped after step {status['step']}, checkpoint saved") == 1
 
