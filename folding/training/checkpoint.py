@@ -55,7 +55,7 @@ META = "meta.json"
 _STEP = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^step_\d{8}\.tmp-")
 # ModelConfig fields that do not change any tensor: they may differ between save and load.
-_FREE_MODEL_FIELDS = ("name", "init_std", "router_aux_loss_coef")
+_FREE_MODEL_FIELDS = ("name", "init_std", "router_aux_loss_coef", "topk")  # change no tensor
 
 
 def step_dir_name(step: int) -> str:

@@ -38,10 +38,12 @@ from ..parallel import DEFAULT_ORDER, ParallelLayout
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE_MODES = ("none", "full", "selective", "moe")
 WANDB_MODES = ("offline", "online", "disabled")
-MOE_OVERRIDE_KEYS = ("topk", "score_function", "pre_softmax", "capacity_factor", "drop_policy",
-                     "pad_to_capacity", "dispatcher", "dispatch_wire", "combine_wire", "grad_wire",
-                     "aux_loss_type", "aux_loss_coeff", "z_loss_coeff", "expert_bias", "expert_backend",
-                     "fp8_recipe")
+MOE_MODEL_KEYS = ("num_experts", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate")
+"""MoE fields that are the architecture: set as ``model.num_experts``, ``model.moe_ffn_hidden_size``,
+``model.shared_expert_ffn_hidden_size``, ``model.shared_expert_gate`` (they shape the weights)."""
+MOE_OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(MoEConfig) if f.name not in MOE_MODEL_KEYS)
+"""Every other :class:`~folding.moe.config.MoEConfig` field is a ``moe.*`` key (the schema is generated
+from the dataclass, so a new field is settable from the command line at once)."""
 
 
 DEFAULT_WARMUP_STEPS = 5
@@ -289,8 +291,14 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
                          f"the {horizon}-step schedule)")
     logging_values = dict(tree.get("logging") or {})
     logging_values["wandb"] = _build(WandbConfig, "logging.wandb", logging_values.get("wandb"))
+    moe = moe_config_for(model, tree.get("moe") or {})
+    if moe.topk != model.topk:  # moe.topk overrides the preset's: FLOPs, memory and the planner read the model's
+        try:
+            model = dataclasses.replace(model, topk=moe.topk)
+        except ValueError as e:
+            raise ConfigError(f"moe.topk={moe.topk}: {e}") from None
     job = JobConfig(
-        model=model, moe=moe_config_for(model, tree.get("moe") or {}),
+        model=model, moe=moe,
         parallel=_build(ParallelConfig, "parallel", tree.get("parallel")),
         train=_build(TrainConfig, "train", tree.get("train")),
         optim=_build(OptimConfig, "optim", optim_values),
