@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from .config import ModelConfig
 from .groups import ModelGroups
@@ -38,17 +37,6 @@ def moe_config_from_model(config: ModelConfig, **overrides):
     return MoEConfig(**{k: v for k, v in values.items() if k in fields})
 
 
-def ensure_single_process_group() -> None:
-    """Start a 1-rank gloo process group (in-memory store, no ports or files) if none exists.
-
-    The engine's token dispatchers run their (trivial) collectives even on one rank; this lets a
-    plain single-process program (``from_hf(path)``, a notebook) use the 1-rank model without calling
-    ``init_process_group`` itself. A job that initializes ``torch.distributed`` first is unaffected.
-    """
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
 def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: ModelGroups, init_seed: int = 0,
                         device=None, dtype=torch.float32):
     """Build the engine's :class:`folding.moe.layer.MoELayer` for layer ``layer_number``.
@@ -61,7 +49,6 @@ def default_moe_factory(*, config: ModelConfig, layer_number: int, groups: Model
     except ImportError as e:  # pragma: no cover - depends on the MoE package being present
         raise ImportError("folding.moe.layer.MoELayer is not available in this installation; pass "
                           "moe_factory= to MoETransformer") from e
-    ensure_single_process_group()
     return MoELayer(config=moe_config_from_model(config), hidden_size=config.hidden_size, ep_group=groups.ep,
                     etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
                     tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed, init_std=config.init_std,

@@ -45,12 +45,18 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import group_rank
 from .wire import WIRE_FORMATS, check_wire
 
 DISPATCHERS = ("alltoall", "allgather")
 
 
 def _group_ranks(group, name: str):
+    if not dist.is_initialized():  # a single process without torch.distributed: a 1x1 expert domain
+        if group is not None:
+            raise ValueError(f"{name} is given but torch.distributed is not initialized; pass None for a "
+                             "single-process model, or initialize the process group first")
+        return [0]
     try:
         return dist.get_process_group_ranks(group)
     except Exception as e:  # not a group this rank belongs to, or not a group at all
@@ -77,8 +83,6 @@ class TokenDispatcher:
                  num_local_experts: Optional[int] = None, capacity_factor: Optional[float] = None,
                  pad_to_capacity: bool = False, dispatch_wire: str = "none", combine_wire: str = "none",
                  grad_wire: str = "none"):
-        if not dist.is_initialized():
-            raise RuntimeError("token dispatchers need torch.distributed initialized (a 1-rank group is fine)")
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
         if not 1 <= topk <= num_experts:
@@ -89,10 +93,11 @@ class TokenDispatcher:
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep_size}; "
                              f"choose parallel.ep among the divisors of {num_experts}")
+        me = dist.get_rank() if dist.is_initialized() else 0
         shared = set(ep_ranks) & set(etp_ranks)
-        if shared != {dist.get_rank()}:
+        if shared != {me}:
             raise ValueError(f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
-                             f"({dist.get_rank()}); they look like the same or mismatched groups: pass "
+                             f"({me}); they look like the same or mismatched groups: pass "
                              f"ParallelState.ep_group and ParallelState.etp_group of the same layout")
         self.num_local_experts = num_experts // self.ep_size
         if num_local_experts is not None and num_local_experts != self.num_local_experts:
@@ -110,7 +115,7 @@ class TokenDispatcher:
                 raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
         self.num_experts, self.topk = num_experts, topk
         self.ep_group, self.etp_group = ep_group, etp_group
-        self.ep_rank, self.etp_rank = dist.get_rank(ep_group), dist.get_rank(etp_group)
+        self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
         self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
         self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
         self.local_expert_offset = self.ep_rank * self.num_local_experts

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from folding.parallel.collectives import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from folding.parallel.collectives import gather_from_sequence_region, group_size, reduce_scatter_to_sequence_region
 
 from . import host_sync
 from .dispatcher import TokenDispatcher
@@ -33,7 +33,7 @@ from .wire import all_gather_single
 
 
 def _gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
+    n = group_size(group)
     if n == 1:
         return x
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import group_size
 from . import host_sync
 from .dispatcher import TokenDispatcher
 from .permute import (AllToAllPlan, inverse_order, padded_rows_per_expert, permute, plan_alltoall,
@@ -41,7 +42,7 @@ from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_ex
 
 def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather equal-size tensors along a new leading dim (no autograd; used for counts)."""
-    n = dist.get_world_size(group)
+    n = group_size(group)
     if n == 1:
         return x.unsqueeze(0)
     x = x.contiguous().unsqueeze(0)

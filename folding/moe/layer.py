@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from folding.parallel.collectives import reduce_scatter_to_sequence_region
+from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
 from folding.parallel.sequence_parallel import gather_linears
 from folding.parallel.param_attrs import mark_param
 
@@ -68,11 +68,11 @@ class SharedExpert(nn.Module):
                  layer_number: int, init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
                  device=None):
         super().__init__()
-        tp = dist.get_world_size(tp_group)
+        tp = group_size(tp_group)
         if ffn_hidden_size % tp:
             raise ValueError(f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
                              f"parallel.tp={tp}; pick a multiple of tp")
-        self.tp_rank = dist.get_rank(tp_group)
+        self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
         self.init_seed, self.layer_number, self.init_std = init_seed, layer_number, init_std
         self.ffn_local = fl = ffn_hidden_size // tp

@@ -33,6 +33,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import group_rank, group_size
+
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
 MX_BLOCK = 32
 _QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,7 +136,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def _size(group) -> int:
-    return dist.get_world_size(group)
+    return group_size(group)
 
 
 def _a2a(x: torch.Tensor, group, recv: List[int], send: List[int]) -> torch.Tensor:
@@ -167,7 +169,7 @@ def _reduce_scatter_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
-    me = dist.get_rank(group)
+    me = group_rank(group)
     recv = _a2a(x, group, [sizes[me]] * n, list(sizes))
     return recv.view((n, sizes[me]) + tuple(x.shape[1:])).sum(0)
 

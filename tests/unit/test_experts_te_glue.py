@@ -20,7 +20,7 @@ import torch
 import folding.moe.experts as experts_mod
 import folding.moe.expert_select as select_mod
 import folding.moe.expert_te as te_mod
-from folding.model.moe_block import ensure_single_process_group, moe_config_from_model
+from folding.model.moe_block import moe_config_from_model
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
@@ -145,7 +145,6 @@ def test_delayed_outside_a_region_is_refused(te_on_cpu):
 
 
 def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
-    ensure_single_process_group()
     cfg = get_preset("mixtral_tiny")
     moe = moe_config_from_model(cfg, expert_backend="te", fp8_recipe="delayed")
     model = MoETransformer(cfg, moe_factory=moe_factory_for(moe), init_seed=1)

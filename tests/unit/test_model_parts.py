@@ -100,3 +100,29 @@ def test_hf_aux_loss_only_with_router_logits():
     cfg = config_from_hf(dict(base, output_router_logits=True))
     assert cfg.router_aux_loss_coef == 0.02
     assert config_from_hf(config_to_hf(cfg)) == cfg.replace(name="hf_mixtral")
+
+
+def test_one_rank_model_needs_no_process_group():
+    # a fresh process: build, run forward and backward with either dispatcher, never touching torch.distributed
+    import subprocess
+    import sys
+    code = """
+import torch, torch.distributed as dist
+from folding.model.moe_block import moe_config_from_model
+from folding.pipeline.stage import moe_factory_for
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+cfg = get_preset("mixtral_tiny")
+ids = torch.randint(0, cfg.vocab_size, (2, 16))
+outs = []
+for kind in ("alltoall", "allgather"):
+    m = MoETransformer(cfg, init_seed=3, moe_factory=moe_factory_for(moe_config_from_model(cfg, dispatcher=kind)))
+    y = m(ids)
+    y.float().square().mean().backward()
+    outs.append(y)
+assert torch.equal(outs[0], outs[1])
+print("initialized", dist.is_initialized(), "grads", all(p.grad is not None for p in m.parameters()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "initialized False grads True", r.stdout
