@@ -34,6 +34,7 @@ finding out *which* tensors make the peak).
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -130,6 +131,10 @@ class PeakProbe:
         self._prof = None
 
     def __enter__(self) -> "PeakProbe":
+        # free what earlier code left in reference cycles now: the collector could otherwise run inside
+        # the region, and a free of a block from before the region whose size the allocator knows
+        # (allocated under an earlier profiler) would count against the region's running sum
+        gc.collect()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=self.with_stack)
         self._prof.__enter__()
         return self
