@@ -83,7 +83,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     from folding.model.transformer import MoETransformer
     from folding.optim import FoldedOptimizer, OptimConfig
     from folding.parallel import ParallelLayout, build_parallel_state
-    from folding.pipeline.stage import moe_factory_for
+    from folding.model.moe_block import moe_factory_for
     from folding.planning.memory import ModelSizes, memory_per_rank
     torch.set_num_threads(1)
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)

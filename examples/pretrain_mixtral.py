@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from folding.training.cli import check_command_line, normalize_overrides
-from folding.training.config import register_schema
+from folding.training.schema import register_schema
 from folding.training.launch import quiet_hydra_argv, run_job
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")

@@ -79,7 +79,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
     from folding.model.hf import to_hf
     from folding.model.transformer import MoETransformer
     from folding.moe.config import MoEConfig
-    from folding.pipeline.stage import moe_factory_for
+    from folding.model.moe_block import moe_factory_for
     from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
     path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
     if path is None:

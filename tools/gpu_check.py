@@ -34,7 +34,7 @@ from folding.moe.expert_select import backend_support  # noqa: E402
 from folding.moe.layer import MoELayer  # noqa: E402
 from folding.parallel import ParallelLayout, build_parallel_state  # noqa: E402
 from folding.pipeline.p2p import P2P  # noqa: E402
-from folding.pipeline.stage import moe_factory_for  # noqa: E402
+from folding.model.moe_block import moe_factory_for  # noqa: E402
 from folding.quant.emulate import RECIPES  # noqa: E402
 from folding.testing.transfer_audit import TransferAudit  # noqa: E402
 from folding.training.launch import init_world  # noqa: E402

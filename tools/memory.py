@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         print(f"  stage {e.stage}: " + "  ".join(f"{k}={_gib(v).strip()}" for k, v in e.as_dict().items()
                                                   if k != "stage"))
     if a.measure:
-        from folding.optim.measure import measure_on_rank
+        from memory_measure import measure_on_rank  # tools/: beside this script
         from folding.testing import RankPool
         with RankPool(a.world) as pool:
             kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp)

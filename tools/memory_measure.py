@@ -1,4 +1,5 @@
-"""Measure what the optimizer really allocates per rank, for checking the analytic memory model.
+"""Measure what the optimizer really allocates per rank, for checking the analytic memory model
+(``tools/memory.py --measure``).
 
 :class:`ShapedModel` holds, for one rank, parameters with the exact local shapes and tags that a
 model of :class:`~folding.planning.memory.ModelSizes` has under a layout (no forward: it exists to
@@ -21,8 +22,8 @@ from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import mark_param
 from folding.planning.memory import ModelSizes, memory_per_rank, stage_layers
 
-from .config import OptimConfig
-from .optimizer import FoldedOptimizer
+from folding.optim.config import OptimConfig
+from folding.optim.optimizer import FoldedOptimizer
 
 
 class ShapedModel(torch.nn.Module):

@@ -41,6 +41,7 @@ from .embedding import VocabParallelEmbedding
 from .groups import ModelGroups
 from .init import initialize_parameters, set_init_spec
 from .linear import sp_gather
+from .moe_block import default_moe_factory
 from ..moe.expert_te import fp8_region
 from .norm import RMSNorm
 from .rope import rope_cos_sin
@@ -86,7 +87,6 @@ class MoETransformer(nn.Module):
         self.config = config
         self.groups = ModelGroups.from_state(parallel_state) if parallel_state is not None else ModelGroups.single()
         if moe_factory is None:
-            from .moe_block import default_moe_factory
             moe_factory = default_moe_factory
         self.check_layout()
         kw = dict(device=device, dtype=dtype)

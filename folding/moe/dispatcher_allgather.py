@@ -27,7 +27,7 @@ import torch.distributed as dist
 from folding.parallel.collectives import gather_from_sequence_region, group_size, reduce_scatter_to_sequence_region
 
 from . import host_sync
-from .dispatcher import TokenDispatcher
+from .dispatcher_base import TokenDispatcher
 from .permute import padded_rows_per_expert, permute, unpermute
 from .wire import all_gather_single
 

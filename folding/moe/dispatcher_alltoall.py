@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..parallel.collectives import group_size
 from . import host_sync
-from .dispatcher import TokenDispatcher
+from .dispatcher_base import TokenDispatcher
 from .permute import (AllToAllPlan, inverse_order, padded_rows_per_expert, permute, plan_alltoall,
                       sort_chunks_by_idxs, unpermute)
 from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row

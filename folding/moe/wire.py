@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.collectives import group_rank, group_size
+from ..quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
 
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
 MX_BLOCK = 32
@@ -75,11 +76,9 @@ def encode(x_NH: torch.Tensor, fmt: str, probs_N: Optional[torch.Tensor] = None)
     if fmt == "none":
         parts = [_as_bytes(x_NH)]
     elif fmt == "fp8":
-        from folding.quant import quantize_fp8_rowwise
         data, scale_inv = quantize_fp8_rowwise(x_NH)
         parts = [_as_bytes(data), _as_bytes(scale_inv.to(torch.float32).reshape(-1, 1))]
     else:
-        from folding.quant import quantize_mxfp8
         data, scales = quantize_mxfp8(x_NH, block_size=MX_BLOCK, scale_mode="rceil")
         parts = [_as_bytes(data), _as_bytes(scales)]
     if probs_N is not None:
@@ -114,12 +113,10 @@ def decode(b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype,
     if fmt == "none":
         x = _view(body, dtype).reshape(n, H)
     elif fmt == "fp8":
-        from folding.quant import dequantize_fp8_rowwise
         data = _view(body[:, :H], torch.float8_e4m3fn)
         scale_inv = _view(body[:, H:], torch.float32).reshape(n, 1)
         x = dequantize_fp8_rowwise(data, scale_inv, dtype)
     else:
-        from folding.quant import dequantize_mxfp8
         data = _view(body[:, :H], torch.float8_e4m3fn)
         scales = body[:, H:]
         x = dequantize_mxfp8(data, scales, dtype)

@@ -1,12 +1,5 @@
-"""This rank's model chunks and one step's micro-batches through the pipeline schedule.
-
-``build_stage_chunks`` cuts the model into ``pp·vpp`` virtual stages (:mod:`.partition`) and builds
-the chunks this rank holds: chunk ``c`` of pipeline rank ``r`` is virtual stage ``c·pp + r``. Each
-chunk is a :class:`~folding.model.transformer.MoETransformer` restricted to its layer range
-(parameter names keep the global layer index, so checkpoints do not depend on the cut); the first
-virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
-embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
-embedding group).
+"""One step's micro-batches through the pipeline schedule, on this rank's model chunks
+(:func:`folding.model.chunks.build_stage_chunks`).
 
 ``run_microbatches`` runs the step's micro-batches through the schedule of
 :mod:`.schedules` (no pipelining, 1F1B or interleaved). Loss contract: micro-batch ``m``
@@ -16,7 +9,6 @@ depend on PP, VPP or the number of micro-batches.
 
 Usage::
 
-    chunks = build_stage_chunks(model_config=m, moe_config=moe, parallel_state=ps, recompute="none")
     out = run_microbatches(chunks, microbatches, parallel_state=ps, loss_scale=1 / n_tokens)
     out["lm_loss_sum"]      # this rank's masked loss sum (last stage; 0 elsewhere)
 """
@@ -28,53 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..model.block import RECOMPUTE_MODES
-from ..model.config import ModelConfig
 from .p2p import P2P
-from .partition import partition_layers
 from .schedules import forward_backward
-
-
-def moe_factory_for(moe_config) -> Callable[..., nn.Module]:
-    """A model ``moe_factory`` that builds :class:`folding.moe.layer.MoELayer` blocks with
-    ``moe_config`` (the preset's options with the job's ``moe.*`` overrides)."""
-    def factory(*, config: ModelConfig, layer_number: int, groups, init_seed: int = 0, device=None,
-                dtype=torch.float32) -> nn.Module:
-        from ..moe.layer import MoELayer
-        return MoELayer(config=moe_config, hidden_size=config.hidden_size, ep_group=groups.ep,
-                        etp_group=groups.etp, tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp,
-                        tp_group=groups.tp, layer_number=layer_number, init_seed=init_seed,
-                        init_std=config.init_std, params_dtype=dtype, device=device)
-    return factory
-
-
-def build_stage_chunks(*, model_config: ModelConfig, moe_config=None, parallel_state,
-                       recompute: str = "none", params_dtype: torch.dtype = torch.float32,
-                       init_seed: int = 0, device=None, first_stage_layers: Optional[int] = None,
-                       last_stage_layers: Optional[int] = None,
-                       moe_factory: Optional[Callable[..., nn.Module]] = None) -> List[nn.Module]:
-    """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
-    whatever the layout. ``moe_config=None`` takes the preset's MoE options; ``moe_factory``
-    overrides the MoE block entirely."""
-    from ..model.transformer import MoETransformer
-
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
-    layout = parallel_state.layout
-    pp, vpp = layout.pp, layout.virtual_stages
-    stages = partition_layers(num_layers=model_config.num_layers, pp=pp, vpp=vpp,
-                              first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
-    if moe_factory is None and moe_config is not None:
-        moe_factory = moe_factory_for(moe_config)
-    chunks = []
-    for c in range(vpp):
-        chunk = MoETransformer(model_config, parallel_state=parallel_state, init_seed=init_seed,
-                               moe_factory=moe_factory, device=device, dtype=params_dtype,
-                               layer_range=stages[c * pp + parallel_state.pp_rank])
-        for layer in chunk.layers.values():
-            layer.recompute = recompute
-        chunks.append(chunk)
-    return chunks
 
 
 def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[str, torch.Tensor]], *,

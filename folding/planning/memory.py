@@ -40,7 +40,7 @@ import dataclasses
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from folding.pipeline.partition import layers_of, partition_layers
+from folding.parallel.partition import layers_of, partition_layers
 
 from .activations import (RECOMPUTE_MODES, activation_bytes_per_layer, in_flight_chunks, logits_bytes,
                           transient_bytes)
@@ -176,7 +176,7 @@ def _div(n: int, d: int, what: str) -> int:
 def stage_layers(sizes: ModelSizes, layout, stage: int,
                  stages: Optional[Sequence[Tuple[int, int]]] = None) -> List[int]:
     """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
-    ``[start, end)`` of every virtual stage (default: :func:`folding.pipeline.partition.partition_layers`)."""
+    ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
         return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage))
     out: List[int] = []

@@ -34,8 +34,14 @@ import sys
 import typing
 from typing import List, Optional, Sequence
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .dry_run import dry_run_report
+from .schema import job_schema
 from .validate import validate_job
 
 CONFIG_GROUPS = ("model", "recipes")
@@ -73,8 +79,6 @@ def normalize_overrides(args: Sequence[str]) -> List[str]:
 
 def schema_keys() -> List[str]:
     """Every dotted key of the job schema (``train.steps``, ``moe.topk``, ``logging.wandb.mode``, ...)."""
-    from .schema import job_schema
-
     def walk(cls, prefix):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -109,8 +113,6 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
 
 def compose_tree(args: Sequence[str], *, config_dir: str, config_name: str) -> dict:
     """The composed config as a plain dict (Hydra's compose API, without the ``hydra`` node)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
     overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra", "++hydra"))]
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=overrides)
@@ -126,8 +128,6 @@ def check_command_line(args: Sequence[str], *, config_dir: str, config_name: str
     """
     if any(a.startswith("-") for a in args):  # multirun or a Hydra flag: Hydra handles it
         return None
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
     try:
         message = unknown_key(args)
         if message:

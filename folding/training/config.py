@@ -1,7 +1,7 @@
 """The typed configuration of a training job: ``parallel.*``, ``train.*``, ``logging.*``, ``checkpoint.*``
 composed with the model, MoE, optimizer and data sections.
 
-Hydra composes ``configs/`` on top of the schema registered here (:func:`register_schema`); the entry
+Hydra composes ``configs/`` on top of the schema of :mod:`folding.training.schema`; the entry
 point turns the composed tree into a plain ``dict`` once and calls :func:`job_config_from_dict`, which
 returns a frozen-in-spirit :class:`JobConfig` of typed dataclasses. Nothing below the entry point sees
 a ``DictConfig``.
@@ -306,17 +306,6 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
         checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint")),
         logging=_build(LoggingConfig, "logging", logging_values), notes=tuple(notes))
     return job
-
-
-from .validate import validate_job  # noqa: E402  (re-exported: the checks live in their own file)
-
-
-def register_schema() -> None:
-    """Register the Hydra structured-config schema ``job_schema`` (and ``model/schema``) in Hydra's
-    ConfigStore; ``configs/config.yaml`` lists ``job_schema`` first in its defaults."""
-    from hydra.core.config_store import ConfigStore
-    from .schema import job_schema
-    ConfigStore.instance().store(name="job_schema", node=job_schema())
 
 
 def env_world_size() -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .stage import run_microbatches
+from ..pipeline.stage import run_microbatches
 
 
 def global_token_count(microbatches, *, dp_group, device) -> torch.Tensor:

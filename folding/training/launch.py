@@ -40,6 +40,7 @@ from .config import ConfigError, env_world_size, job_config_from_dict, plain_tre
 from .dry_run import dry_run_report
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
+from .trainer import prepare, train
 
 
 def env_rank() -> int:
@@ -149,7 +150,6 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
     still empty. ``status.json`` in the run directory says how the run ended (see
     :mod:`folding.training.run_dir`); ``overrides`` (the command line) head ``resolved_config.yaml``.
     """
-    from .trainer import prepare, train
     try:
         job = job_config_from_dict(tree)
         world = env_world_size()

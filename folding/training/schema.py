@@ -8,7 +8,7 @@ Hydra can merge overrides into it; the typed objects are built afterwards by
 
 Usage::
 
-    ConfigStore.instance().store(name="job_schema", node=job_schema())
+    register_schema()          # before @hydra.main or Hydra's compose API
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import dataclasses
 import typing
 from typing import Any, List, Optional, Tuple
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from ..data.config import DataConfig
@@ -63,3 +64,9 @@ def job_schema() -> type:
         section("checkpoint", mirror(C.CheckpointConfig)),
         section("logging", logging),
     ], kw_only=True)
+
+
+def register_schema() -> None:
+    """Register the Hydra structured-config schema ``job_schema`` in Hydra's ConfigStore;
+    ``configs/config.yaml`` lists ``job_schema`` first in its defaults."""
+    ConfigStore.instance().store(name="job_schema", node=job_schema())

@@ -41,13 +41,21 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelLayout, build_parallel_state
-from .config import ConfigError, JobConfig, validate_job
+from .config import ConfigError, JobConfig
+from .validate import validate_job
+from ..data.build import build_data
+from ..model.compile import compile_dense
+from ..optim.optimizer import FoldedOptimizer
+from ..planning.flops import flops_per_token
+from ..planning.hardware import get_gpu
+from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
 from ..optim.expert_bias import update_expert_biases
-from .stage import build_stage_chunks, run_microbatches
+from ..model.chunks import build_stage_chunks
+from ..pipeline.stage import run_microbatches
 
 
 @dataclasses.dataclass
@@ -80,14 +88,12 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     layout = validate_job(job, world_size=world_size)
     resume = resume_run_dir = None
     if job.checkpoint.dir or job.checkpoint.load:
-        from .checkpoint import check_compatible, read_meta, resolve_resume
         resume = resolve_resume(job.checkpoint)
         if resume is not None:
             meta = read_meta(resume)
             meta["path"] = resume
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
-    from ..data.build import build_data
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(job.data, seq_length=job.train.seq_length, global_batch_size=job.train.global_batch_size,
                       micro_batch_size=job.train.micro_batch_size, dp_rank=dp_rank, dp_size=layout.dp)
@@ -112,14 +118,7 @@ def _memory_gib(device: torch.device) -> float:
 
 
 def _flops_per_token(job: JobConfig) -> float:
-    try:
-        from ..planning.flops import flops_per_token
-        return flops_per_token(job.model, job.train.seq_length).model_training
-    except ImportError:  # the planning model is absent: 6·active params + causal attention core
-        _, active = job.model.num_parameters()
-        m = job.model
-        attn = 6 * m.num_layers * m.num_attention_heads * m.kv_channels * job.train.seq_length
-        return 6.0 * active + attn
+    return flops_per_token(job.model, job.train.seq_length).model_training
 
 
 def _peak_tflops(job: JobConfig, device: torch.device) -> Optional[float]:
@@ -128,12 +127,11 @@ def _peak_tflops(job: JobConfig, device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     try:
-        from ..planning.hardware import get_gpu
         name = torch.cuda.get_device_name(device).lower()
         for kind in ("h200", "h100", "b200", "a100"):
             if kind in name:
                 return get_gpu(kind).peak_flops("bf16") / 1e12
-    except (ImportError, ValueError):
+    except ValueError:
         return None
     return None
 
@@ -168,9 +166,7 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     for c in chunks:
         c.train()
     if t.compile:
-        from ..model.compile import compile_dense
         compile_dense(chunks)
-    from ..optim.optimizer import FoldedOptimizer
     model = torch.nn.ModuleList(chunks)
     optimizer = FoldedOptimizer(model, job.optim, parallel_state=ps, train_steps=t.steps)
     resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
@@ -245,7 +241,6 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
                     sink.log({"kind": "eval", "step": step, **ev})
             ck = job.checkpoint
             if ck.dir and (stopped or step == t.steps or (ck.save_interval and step % ck.save_interval == 0)):
-                from .checkpoint import save_checkpoint
                 path = save_checkpoint(ck.dir, step=step, chunks=chunks, optimizer=optimizer, data=data,
                                        job=job, layout=layout, run_dir=run_dir)
                 saved_at = step
@@ -277,6 +272,5 @@ def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[st
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         return None
-    from .checkpoint import load_checkpoint
     load_checkpoint(box[0], chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     return box[0]

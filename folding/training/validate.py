@@ -16,6 +16,7 @@ import math
 import os
 
 from ..parallel import LayoutError, ParallelLayout
+from ..parallel.partition import partition_layers
 from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
 
 
@@ -108,7 +109,6 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
               f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
               "(interleaved pipelining needs it)", "change the batch sizes or set parallel.vpp=null")
     if layout.pp > 1:
-        from ..pipeline.partition import partition_layers
         try:
             partition_layers(num_layers=m.num_layers, pp=layout.pp, vpp=layout.vpp)
         except ValueError as e:

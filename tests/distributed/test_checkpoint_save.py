@@ -115,7 +115,7 @@ def test_export_after_training_loads_in_transformers(ranks, tmp_path):
     from folding.model.config import ModelConfig
     from folding.model.transformer import MoETransformer
     from folding.moe.config import MoEConfig
-    from folding.pipeline.stage import moe_factory_for
+    from folding.model.moe_block import moe_factory_for
     path = ckpt.latest_complete(str(tmp_path / "ck"))
     meta = ckpt.read_meta(path)
     mc = dict(meta["model"], mlp_only_layers=tuple(meta["model"]["mlp_only_layers"] or ()))

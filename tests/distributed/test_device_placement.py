@@ -16,7 +16,8 @@ from folding.model.moe_block import default_moe_factory, moe_config_from_model
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.pipeline.stage import build_stage_chunks, moe_factory_for
+from folding.model.chunks import build_stage_chunks
+from folding.model.moe_block import moe_factory_for
 
 PRESETS = ("mixtral_tiny", "qwen2_moe_tiny")
 LAYOUTS_4 = (dict(tp=2, ep=4, etp=1), dict(ep=2, etp=2), dict(pp=2, vpp=2, ep=2, etp=1))

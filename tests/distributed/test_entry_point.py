@@ -162,7 +162,7 @@ import os, sys, threading
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from folding.training import launch
-from folding.training.config import register_schema
+from folding.training.schema import register_schema
 register_schema()
 with initialize_config_dir(config_dir=os.path.join(sys.argv[1], "configs"), version_base="1.3"):
     tree = OmegaConf.to_container(compose("config", overrides=sys.argv[3:]), resolve=True)

@@ -12,7 +12,8 @@ from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.pipeline.stage import build_stage_chunks, run_microbatches
+from folding.model.chunks import build_stage_chunks
+from folding.pipeline.stage import run_microbatches
 
 M, S = 4, 16
 

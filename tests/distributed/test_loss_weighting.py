@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.pipeline.stage import moe_factory_for
+from folding.model.moe_block import moe_factory_for
 from folding.training import trainer
 from folding.training.config import moe_config_for
 from tests.distributed.test_train_e2e import tiny_job

@@ -14,7 +14,8 @@ from folding.model.init import take_slice
 from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import param_tags
-from folding.pipeline.stage import build_stage_chunks, run_microbatches
+from folding.model.chunks import build_stage_chunks
+from folding.pipeline.stage import run_microbatches
 
 B, S = 4, 16
 CONFIGS = {

@@ -17,7 +17,7 @@ from folding.model.init import take_slice
 from folding.model.transformer import MoETransformer
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.pipeline.stage import moe_factory_for
+from folding.model.moe_block import moe_factory_for
 from folding.training import trainer
 from tests.distributed.test_loss_weighting import GB, _global_batch
 from tests.distributed.test_train_e2e import tiny_job

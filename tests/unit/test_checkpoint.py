@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from folding.model.presets import get_preset
 from folding.training import checkpoint as ck
 from folding.training.checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
-from folding.training.config import CheckpointConfig, ConfigError, JobConfig, moe_config_for, validate_job
+from folding.training.config import CheckpointConfig, ConfigError, JobConfig, moe_config_for
+from folding.training.validate import validate_job
 
 
 def _job(**model_overrides):

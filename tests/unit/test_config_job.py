@@ -10,7 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from folding.model.presets import get_preset, list_presets
-from folding.training.config import ConfigError, job_config_from_dict, register_schema, validate_job
+from folding.training.config import ConfigError, job_config_from_dict
+from folding.training.schema import register_schema
+from folding.training.validate import validate_job
 from folding.training.dry_run import dry_run_report
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")

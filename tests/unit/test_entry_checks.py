@@ -16,7 +16,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 @pytest.fixture(autouse=True)
 def _schema():
-    from folding.training.config import register_schema
+    from folding.training.schema import register_schema
     register_schema()
 
 

@@ -26,7 +26,7 @@ from folding.model.transformer import MoETransformer
 from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
 from folding.moe.expert_te import TE_API, fp8_region
 from folding.moe.experts import GroupedMLP
-from folding.pipeline.stage import moe_factory_for
+from folding.model.moe_block import moe_factory_for
 
 CALLS = []
 SUPPORT = {}

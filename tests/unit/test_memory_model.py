@@ -153,7 +153,9 @@ def test_dry_run_uses_the_same_model():
     import os
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from folding.training.config import job_config_from_dict, register_schema, validate_job
+    from folding.training.config import job_config_from_dict
+    from folding.training.schema import register_schema
+    from folding.training.validate import validate_job
     from folding.training.dry_run import dry_run_report, memory_estimate
     register_schema()
     configs = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))

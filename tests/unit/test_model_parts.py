@@ -109,7 +109,7 @@ def test_one_rank_model_needs_no_process_group():
     code = """
 import torch, torch.distributed as dist
 from folding.model.moe_block import moe_config_from_model
-from folding.pipeline.stage import moe_factory_for
+from folding.model.moe_block import moe_factory_for
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 cfg = get_preset("mixtral_tiny")

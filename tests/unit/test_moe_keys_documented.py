@@ -9,7 +9,8 @@ import pytest
 
 from folding.moe.config import MoEConfig
 from folding.training import cli
-from folding.training.config import MOE_MODEL_KEYS, MOE_OVERRIDE_KEYS, job_config_from_dict, register_schema
+from folding.training.config import MOE_MODEL_KEYS, MOE_OVERRIDE_KEYS, job_config_from_dict
+from folding.training.schema import register_schema
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CONFIGS = os.path.join(ROOT, "configs")

@@ -1,7 +1,7 @@
 """Stage partitioning: even splits, uneven first/last stages, and clear errors."""
 import pytest
 
-from folding.pipeline.partition import layers_of, partition_layers
+from folding.parallel.partition import layers_of, partition_layers
 
 
 def test_even_and_virtual():

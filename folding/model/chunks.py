@@ -1,0 +1,51 @@
+"""This rank's model chunks for training: the model cut into ``pp·vpp`` virtual pipeline stages.
+
+Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c·pp + r`` (:mod:`folding.parallel.partition`).
+Each chunk is a :class:`~folding.model.transformer.MoETransformer` restricted to its layer range
+(parameter names keep the global layer index, so checkpoints do not depend on the cut); the first
+virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
+embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
+embedding group). :func:`folding.pipeline.stage.run_microbatches` runs a step through them.
+
+Usage::
+
+    chunks = build_stage_chunks(model_config=m, moe_config=job.moe, parallel_state=ps, recompute="none")
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from ..moe.config import MoEConfig
+from ..parallel.partition import partition_layers
+from .block import RECOMPUTE_MODES
+from .config import ModelConfig
+from .moe_block import moe_factory_for
+from .transformer import MoETransformer
+
+
+def build_stage_chunks(*, model_config: ModelConfig, moe_config: Optional[MoEConfig] = None, parallel_state,
+                       recompute: str = "none", params_dtype: torch.dtype = torch.float32,
+                       init_seed: int = 0, device=None,
+                       moe_factory: Optional[Callable[..., nn.Module]] = None) -> List[nn.Module]:
+    """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
+    whatever the layout. ``moe_config=None`` takes the preset's MoE options; ``moe_factory``
+    overrides the MoE block entirely."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
+    layout = parallel_state.layout
+    pp, vpp = layout.pp, layout.virtual_stages
+    stages = partition_layers(num_layers=model_config.num_layers, pp=pp, vpp=vpp)
+    if moe_factory is None:
+        moe_factory = moe_factory_for(moe_config)
+    chunks = []
+    for c in range(vpp):
+        chunk = MoETransformer(model_config, parallel_state=parallel_state, init_seed=init_seed,
+                               moe_factory=moe_factory, device=device, dtype=params_dtype,
+                               layer_range=stages[c * pp + parallel_state.pp_rank])
+        for layer in chunk.layers.values():
+            layer.recompute = recompute
+        chunks.append(chunk)
+    return chunks

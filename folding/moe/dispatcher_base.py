@@ -1,0 +1,141 @@
+"""The base of the token dispatchers: argument checks, the six-stage interface, ``dispatch`` and
+``combine`` (see :mod:`folding.moe.dispatcher` for the interface and :func:`build_dispatcher`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.collectives import group_rank
+from .wire import WIRE_FORMATS, check_wire
+
+
+def _group_ranks(group, name: str):
+    if not dist.is_initialized():  # a single process without torch.distributed: a 1x1 expert domain
+        if group is not None:
+            raise ValueError(f"{name} is given but torch.distributed is not initialized; pass None for a "
+                             "single-process model, or initialize the process group first")
+        return [0]
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception as e:  # not a group this rank belongs to, or not a group at all
+        raise ValueError(f"{name} is not a process group this rank belongs to ({e}); pass the group of the "
+                         f"expert view that contains this rank (e.g. ParallelState.{name})") from None
+
+
+class TokenDispatcher:
+    """Shared validation and the ``dispatch`` / ``combine`` shortcuts (see the module docstring).
+
+    Args:
+        num_experts: E, the global number of experts.
+        topk: experts per token.
+        ep_group: the expert-parallel group (EP ranks own disjoint expert slices).
+        etp_group: the expert-tensor-parallel group (ranks sharing the same experts, F sharded).
+        num_local_experts: optional check: must equal ``E / EP``.
+        capacity_factor: ``None`` for dropless; otherwise the map is capacity-limited by the router.
+        pad_to_capacity: every expert receives exactly ``min(capacity, T)`` rows from every rank
+            (static shapes, no host sync). Needs ``capacity_factor``.
+        dispatch_wire, combine_wire, grad_wire: ``none`` | ``fp8`` | ``mxfp8`` (see ``folding.moe.wire``).
+    """
+
+    def __init__(self, *, num_experts: int, topk: int, ep_group, etp_group,
+                 num_local_experts: Optional[int] = None, capacity_factor: Optional[float] = None,
+                 pad_to_capacity: bool = False, dispatch_wire: str = "none", combine_wire: str = "none",
+                 grad_wire: str = "none"):
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk={topk} must be in [1, num_experts={num_experts}]")
+        ep_ranks = _group_ranks(ep_group, "ep_group")
+        etp_ranks = _group_ranks(etp_group, "etp_group")
+        self.ep_size, self.etp_size = len(ep_ranks), len(etp_ranks)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep_size}; "
+                             f"choose parallel.ep among the divisors of {num_experts}")
+        me = dist.get_rank() if dist.is_initialized() else 0
+        shared = set(ep_ranks) & set(etp_ranks)
+        if shared != {me}:
+            raise ValueError(f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
+                             f"({me}); they look like the same or mismatched groups: pass "
+                             f"ParallelState.ep_group and ParallelState.etp_group of the same layout")
+        self.num_local_experts = num_experts // self.ep_size
+        if num_local_experts is not None and num_local_experts != self.num_local_experts:
+            raise ValueError(f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
+                             f"{self.ep_size} = {self.num_local_experts}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
+        self.tokens_per_expert_host: Optional[list] = None
+        """Rows per local expert of the last dispatch, as Python ints (host copy of the counts)."""
+        for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire),
+                          ("grad_wire", grad_wire)):
+            if fmt not in WIRE_FORMATS:
+                raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+        self.num_experts, self.topk = num_experts, topk
+        self.ep_group, self.etp_group = ep_group, etp_group
+        self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
+        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
+        self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
+        self.local_expert_offset = self.ep_rank * self.num_local_experts
+        self.last_stats: dict = {}
+        """Byte and row counts of the last dispatch/combine (host numbers, no sync needed)."""
+
+    @property
+    def dropless(self) -> bool:
+        """True when no token is ever dropped (``capacity_factor is None``)."""
+        return self.capacity_factor is None
+
+    def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
+        """Check shapes and wire formats (before any collective); return H."""
+        if hidden.dim() not in (2, 3):
+            raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
+        H = hidden.shape[-1]
+        T = hidden.numel() // H
+        if routing_map_TE.shape != (T, self.num_experts) or routing_map_TE.dtype != torch.bool:
+            raise ValueError(f"routing_map must be bool [T={T}, E={self.num_experts}], got "
+                             f"{routing_map_TE.dtype} {tuple(routing_map_TE.shape)}")
+        if probs_TE.shape != (T, self.num_experts):
+            raise ValueError(f"probs must be [T={T}, E={self.num_experts}], got {tuple(probs_TE.shape)}")
+        for name in ("dispatch_wire", "combine_wire", "grad_wire"):
+            check_wire(f"moe.{name}", getattr(self, name), hidden.dtype, H)
+        return H
+
+    # Six stages, implemented by subclasses.
+    def dispatch_preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
+        """Local work before the dispatch communication; returns ``(hidden, probs)``."""
+        raise NotImplementedError
+
+    def token_dispatch(self, hidden, probs):  # pragma: no cover - interface
+        """The dispatch communication; returns ``(hidden, probs)``."""
+        raise NotImplementedError
+
+    def dispatch_postprocess(self, hidden, probs):  # pragma: no cover - interface
+        """Local work after it; returns ``(tokens_NH, tokens_per_expert_L, probs_N)``, expert-major."""
+        raise NotImplementedError
+
+    def combine_preprocess(self, out):  # pragma: no cover - interface
+        """Local work on the experts' output before the combine communication."""
+        raise NotImplementedError
+
+    def token_combine(self, out):  # pragma: no cover - interface
+        """The combine communication."""
+        raise NotImplementedError
+
+    def combine_postprocess(self, out):  # pragma: no cover - interface
+        """Local work after it; returns the shape ``hidden`` had in ``dispatch_preprocess``."""
+        raise NotImplementedError
+
+    def dispatch(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (int64, on the tokens'
+        device), probs_N)``; the counts are also in ``tokens_per_expert_host`` (a list)."""
+        h, p = self.dispatch_preprocess(hidden, routing_map_TE, probs_TE)
+        h, p = self.token_dispatch(h, p)
+        return self.dispatch_postprocess(h, p)
+
+    def combine(self, out_NH: torch.Tensor) -> torch.Tensor:
+        """The three combine stages: expert output rows back to the input's shape (unweighted sum)."""
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(out_NH)))
