@@ -31,10 +31,10 @@ Usage::
 With ``with_stack=True`` each allocation also carries the Python frames that made it (slower; for
 finding out *which* tensors make the peak).
 """
+
 from __future__ import annotations
 
 import dataclasses
-import gc
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -90,16 +90,38 @@ def event_nodes(prof):
 def allocation_events(prof) -> List[Allocation]:
     """Every allocation/free event of a finished ``torch.profiler.profile(profile_memory=True)``, in time
     order (ties keep the order of the event tree's depth-first walk)."""
-    out = [Allocation(time_ns=node.start_time_ns, size=int(node.extra_fields.alloc_size),
-                      ptr=int(node.extra_fields.ptr), stack=names)
-           for node, names in event_nodes(prof) if type(node.extra_fields).__name__ == _ALLOC]
-    return sorted(out, key=lambda a: a.time_ns)       # stable: ties keep walk order
+    out = [
+        Allocation(
+            time_ns=node.start_time_ns,
+            size=int(node.extra_fields.alloc_size),
+            ptr=int(node.extra_fields.ptr),
+            stack=names,
+        )
+        for node, names in event_nodes(prof)
+        if type(node.extra_fields).__name__ == _ALLOC
+    ]
+    return sorted(out, key=lambda a: a.time_ns)  # stable: ties keep walk order
 
 
 def peak_of(events: Iterable[Allocation]) -> PeakProfile:
     """Replay ``events`` (time-ordered): the peak and final value of the running sum of bytes, and the
     allocations alive at the (first) peak."""
-    events = list(events)
+    # Only frees of blocks allocated inside the region count. The profiler sizes a free from a table
+    # that outlives a profiled region: a block allocated under an earlier profiler and freed outside
+    # any leaves a stale entry, and a later block at the same address, allocated before this region
+    # and freed inside it, is then reported with the stale size (seen: -192 KiB in a region that
+    # freed a 100 KiB tensor from before it).
+    events, inside = list(events), set()
+    replayed = []
+    for ev in events:
+        if ev.size > 0:
+            inside.add(ev.ptr)
+        elif ev.ptr in inside:
+            inside.discard(ev.ptr)
+        else:
+            continue
+        replayed.append(ev)
+    events = replayed
     running = peak = 0
     peak_index = -1
     for i, ev in enumerate(events):
@@ -107,15 +129,20 @@ def peak_of(events: Iterable[Allocation]) -> PeakProfile:
         if running > peak:
             peak, peak_index = running, i
     live = {}
-    for ev in events[:peak_index + 1]:             # second pass: who is alive at the peak
+    for ev in events[: peak_index + 1]:  # second pass: who is alive at the peak
         if ev.size > 0:
             live[ev.ptr] = ev
         else:
-            live.pop(ev.ptr, None)       # frees of tensors made before the region are not listed
+            live.pop(ev.ptr, None)
     at_peak = sorted(live.values(), key=lambda a: -a.size)
     n = len(events)
-    return PeakProfile(peak_bytes=peak, end_bytes=running, num_events=n,
-                      peak_time_ns=events[peak_index].time_ns if peak_index >= 0 else 0, live_at_peak=at_peak)
+    return PeakProfile(
+        peak_bytes=peak,
+        end_bytes=running,
+        num_events=n,
+        peak_time_ns=events[peak_index].time_ns if peak_index >= 0 else 0,
+        live_at_peak=at_peak,
+    )
 
 
 class PeakProbe:
@@ -131,10 +158,6 @@ class PeakProbe:
         self._prof = None
 
     def __enter__(self) -> "PeakProbe":
-        # free what earlier code left in reference cycles now: the collector could otherwise run inside
-        # the region, and a free of a block from before the region whose size the allocator knows
-        # (allocated under an earlier profiler) would count against the region's running sum
-        gc.collect()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=self.with_stack)
         self._prof.__enter__()
         return self
