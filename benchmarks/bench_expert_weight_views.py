@@ -8,8 +8,10 @@ per-expert matmuls; timings alternate in one process, best and median of ``--rep
 
 Usage::
 
-    python benchmarks/bench_expert_weight_views.py [--experts 8,32] [--reps 15] [--out benchmarks/expert_weight_views_cpu.md]
+    python benchmarks/bench_expert_weight_views.py [--experts 8,32] [--reps 15] \\
+        [--out benchmarks/expert_weight_views_cpu.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,16 +51,21 @@ def main():
     a = p.parse_args()
     torch.manual_seed(0)
     load0 = os.getloadavg()[0]
-    lines = ["| experts | select min / median (ms) | unbind min / median (ms) | select / unbind (median) |",
-             "|---|---|---|---|"]
+    lines = [
+        "| experts | select min / median (ms) | unbind min / median (ms) | select / unbind (median) |",
+        "|---|---|---|---|",
+    ]
     for E in [int(e) for e in a.experts.split(",")]:
         r = measure(E, a.reps)
         (smin, smed), (umin, umed) = r["select"], r["unbind"]
-        lines.append(f"| {E} | {smin * 1e3:.2f} / {smed * 1e3:.2f} | {umin * 1e3:.2f} / {umed * 1e3:.2f} | "
-                     f"{smed / umed:.2f}x |")
-    head = (f"Expert weight views, forward+backward of E per-expert [16 x 256] @ [256 x 256]ᵀ GEMMs, fp32, "
-            f"{a.reps} alternating reps; {platform.machine()} CPU, {torch.get_num_threads()} threads, torch "
-            f"{torch.__version__}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+        lines.append(
+            f"| {E} | {smin * 1e3:.2f} / {smed * 1e3:.2f} | {umin * 1e3:.2f} / {umed * 1e3:.2f} | {smed / umed:.2f}x |"
+        )
+    head = (
+        f"Expert weight views, forward+backward of E per-expert [16 x 256] @ [256 x 256]ᵀ GEMMs, fp32, "
+        f"{a.reps} alternating reps; {platform.machine()} CPU, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}"
+    )
     text = head + "\n\n" + "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -38,6 +38,7 @@ Usage::
     python benchmarks/bench_memory.py --out benchmarks/memory_ep_cpu.md
     python benchmarks/bench_memory.py --routing balanced --eps 1,8 --explain
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,22 +54,28 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MiB = 2.0 ** 20
+MiB = 2.0**20
 ROUTINGS = ("balanced", "learned")
 
 
 def model_config(a):
     """The benchmark's architecture: the ``mixtral_tiny`` preset at the requested sizes."""
     from folding.model.presets import get_preset
-    return get_preset("mixtral_tiny", hidden_size=a.hidden, moe_ffn_hidden_size=a.ffn, num_layers=a.layers,
-                      vocab_size=a.vocab, router_aux_loss_coef=0.0)
+
+    return get_preset(
+        "mixtral_tiny",
+        hidden_size=a.hidden,
+        moe_ffn_hidden_size=a.ffn,
+        num_layers=a.layers,
+        vocab_size=a.vocab,
+        router_aux_loss_coef=0.0,
+    )
 
 
 def _frame(stack, top: int = 2) -> str:
     """Where an allocation came from: the innermost ``top`` engine frames (``folding/``) and the op or
     backward node that made it (``stack`` from a ``with_stack`` profile, outermost first)."""
-    own = [s.split("folding/")[-1] for s in stack if "folding/" in s and ".py(" in s
-           and "testing/rank_pool" not in s]
+    own = [s.split("folding/")[-1] for s in stack if "folding/" in s and ".py(" in s and "testing/rank_pool" not in s]
     nodes = [s.split(": ", 1)[-1] for s in stack if s.startswith("autograd::engine::evaluate_function")]
     ops = [s for s in stack if s.startswith("aten::")]
     op = nodes[-1] + " (backward)" if nodes else (ops[0] if ops else "?")
@@ -79,20 +86,22 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     """On every rank: a warm-up step, then a profiled step; returns measured and analytic bytes."""
     import torch.distributed as dist
     from memory_probe import PeakProbe, storage_bytes
-    from folding.model.moe_block import moe_config_from_model
+
+    from folding.model.moe_block import moe_config_from_model, moe_factory_for
     from folding.model.transformer import MoETransformer
     from folding.optim import FoldedOptimizer, OptimConfig
     from folding.parallel import ParallelLayout, build_parallel_state
-    from folding.model.moe_block import moe_factory_for
     from folding.planning.memory import ModelSizes, memory_per_rank
+
     torch.set_num_threads(1)
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
     ps = build_parallel_state(layout)
     try:
         moe_cfg = moe_config_from_model(cfg, force_balance=routing == "balanced")
         model = MoETransformer(cfg, parallel_state=ps, init_seed=seed, moe_factory=moe_factory_for(moe_cfg))
-        opt = FoldedOptimizer(model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed),
-                              parallel_state=ps)
+        opt = FoldedOptimizer(
+            model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed), parallel_state=ps
+        )
         gen = torch.Generator().manual_seed(seed + ps.dp_rank)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
         labels = torch.roll(ids, -1, 1)
@@ -116,24 +125,43 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
             marks["optimizer"] = time.time_ns()
             opt.clip_and_step()
 
-        step()                                                         # warm-up: state exists
+        step()  # warm-up: state exists
         opt.zero_grad()
         gc.collect()
         state = [t for st in opt.state for ts in st.values() for t in ts]
-        persistent = storage_bytes([*model.parameters(), *model.buffers(), *(b.main_grad for b in opt.buffers),
-                                    *state])
+        persistent = storage_bytes([*model.parameters(), *model.buffers(), *(b.main_grad for b in opt.buffers), *state])
         saved[0], saved[1] = 0, set()
         dist.barrier()
         with PeakProbe(with_stack=explain_top > 0) as probe:
             step()
         r = probe.result
-        phase = ("forward" if r.peak_time_ns < marks["backward"] else
-                 "backward" if r.peak_time_ns < marks["optimizer"] else "optimizer")
-        est = memory_per_rank(ModelSizes.from_model_config(cfg), layout, param_bytes=4, distributed=distributed,
-                              seq_length=seq, micro_batch_size=batch, act_bytes=4, fused_swiglu=True)
-        out = {"persistent": persistent, "peak_delta": r.peak_bytes, "net": r.end_bytes, "saved": saved[0],
-               "phase": phase, **{f"meas_{k}": v for k, v in opt.memory_bytes().items()},
-               **{f"est_{k}": v for k, v in est.by_part().items()}, "est_total": est.total}
+        phase = (
+            "forward"
+            if r.peak_time_ns < marks["backward"]
+            else "backward"
+            if r.peak_time_ns < marks["optimizer"]
+            else "optimizer"
+        )
+        est = memory_per_rank(
+            ModelSizes.from_model_config(cfg),
+            layout,
+            param_bytes=4,
+            distributed=distributed,
+            seq_length=seq,
+            micro_batch_size=batch,
+            act_bytes=4,
+            fused_swiglu=True,
+        )
+        out = {
+            "persistent": persistent,
+            "peak_delta": r.peak_bytes,
+            "net": r.end_bytes,
+            "saved": saved[0],
+            "phase": phase,
+            **{f"meas_{k}": v for k, v in opt.memory_bytes().items()},
+            **{f"est_{k}": v for k, v in est.by_part().items()},
+            "est_total": est.total,
+        }
         if explain_top:
             out["top"] = [(a.size, _frame(a.stack)) for a in r.live_at_peak[:explain_top]]
         return out
@@ -145,8 +173,11 @@ def layouts(a, num_experts):
     """``(name, ep, layout kwargs)`` for every legal combination of the sweep."""
     out = [("non-folded (TP1)", ep, dict(tp=1, ep=ep, etp=1)) for ep in a.eps]
     out += [(f"folded (TP{a.tp})", ep, dict(tp=a.tp, ep=ep, etp=1)) for ep in a.eps]
-    return [(n, ep, kw) for n, ep, kw in out
-            if a.world % (ep * kw["etp"]) == 0 and num_experts % ep == 0 and a.world % kw["tp"] == 0]
+    return [
+        (n, ep, kw)
+        for n, ep, kw in out
+        if a.world % (ep * kw["etp"]) == 0 and num_experts % ep == 0 and a.world % kw["tp"] == 0
+    ]
 
 
 def _pct(new, old) -> str:
@@ -161,44 +192,78 @@ def _row(routing, name, ep, kw, a, res):
     saved = [r["saved"] for r in res]
     est_pers = top["est_params"] + top["est_grads"] + top["est_optimizer"]
     peak, mean = max(peaks), sum(peaks) / len(peaks)
-    cells = [routing, name, str(ep), str(a.world // (ep * kw["etp"])),
-             f"{top['persistent'] / MiB:.2f} ({est_pers / MiB:.2f})",
-             f"{max(saved) / MiB:.2f} / {sum(saved) / len(saved) / MiB:.2f} ({top['est_activations'] / MiB:.2f})",
-             f"{max(work) / MiB:.2f} ({(top['est_activations'] + top['est_transient']) / MiB:.2f})",
-             f"{max(abs(r['net']) for r in res) / MiB:.2f}",
-             f"{peak / MiB:.2f}", f"{mean / MiB:.2f}", f"{top['est_total'] / MiB:.2f}",
-             f"{peak / top['est_total']:.2f}", top["phase"]]
-    return "| " + " | ".join(cells) + " |", dict(peak=peak, mean=mean, work=max(work), saved=max(saved),
-                                                 saved_mean=sum(saved) / len(saved))
+    cells = [
+        routing,
+        name,
+        str(ep),
+        str(a.world // (ep * kw["etp"])),
+        f"{top['persistent'] / MiB:.2f} ({est_pers / MiB:.2f})",
+        f"{max(saved) / MiB:.2f} / {sum(saved) / len(saved) / MiB:.2f} ({top['est_activations'] / MiB:.2f})",
+        f"{max(work) / MiB:.2f} ({(top['est_activations'] + top['est_transient']) / MiB:.2f})",
+        f"{max(abs(r['net']) for r in res) / MiB:.2f}",
+        f"{peak / MiB:.2f}",
+        f"{mean / MiB:.2f}",
+        f"{top['est_total'] / MiB:.2f}",
+        f"{peak / top['est_total']:.2f}",
+        top["phase"],
+    ]
+    return "| " + " | ".join(cells) + " |", dict(
+        peak=peak, mean=mean, work=max(work), saved=max(saved), saved_mean=sum(saved) / len(saved)
+    )
 
 
-HEADER = ["| routing | layout | EP | EDP | persistent MiB (model) | saved for backward MiB, max / mean "
-          "(model activations) | step working set MiB, max (model act. + transient) | max abs net MiB | "
-          "true peak MiB, max rank | true peak, mean of ranks | model total MiB | peak / model | peak in |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+HEADER = [
+    "| routing | layout | EP | EDP | persistent MiB (model) | saved for backward MiB, max / mean "
+    "(model activations) | step working set MiB, max (model act. + transient) | max abs net MiB | "
+    "true peak MiB, max rank | true peak, mean of ranks | model total MiB | peak / model | peak in |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
 
 
 def main(argv=None):
     """Run the sweep on ``--world`` ranks, print the table last and write the report."""
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, d in (("world", 8), ("tp", 2), ("hidden", 64), ("ffn", 192), ("layers", 2), ("vocab", 512),
-                    ("seq", 128), ("batch", 2), ("seed", 0)):
+    for name, d in (
+        ("world", 8),
+        ("tp", 2),
+        ("hidden", 64),
+        ("ffn", 192),
+        ("layers", 2),
+        ("vocab", 512),
+        ("seq", 128),
+        ("batch", 2),
+        ("seed", 0),
+    ):
         p.add_argument(f"--{name}", type=int, default=d)
     p.add_argument("--eps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    p.add_argument("--routing", choices=("both",) + ROUTINGS, default="both",
-                   help="balanced: MoEConfig.force_balance (engine memory alone); learned: the random router")
+    p.add_argument(
+        "--routing",
+        choices=("both",) + ROUTINGS,
+        default="both",
+        help="balanced: MoEConfig.force_balance (engine memory alone); learned: the random router",
+    )
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 optimizer (optim.distributed)")
-    p.add_argument("--explain", type=int, nargs="?", const=8, default=0, metavar="N",
-                   help="list the N largest allocations alive at the peak, balanced routing, first and last EP")
+    p.add_argument(
+        "--explain",
+        type=int,
+        nargs="?",
+        const=8,
+        default=0,
+        metavar="N",
+        help="list the N largest allocations alive at the peak, balanced routing, first and last EP",
+    )
     p.add_argument("--out", default=None, help="markdown report to write")
     a = p.parse_args(argv)
     from folding.testing import RankPool
+
     cfg = model_config(a)
     plan = layouts(a, cfg.num_experts)
     if not plan:
-        raise SystemExit(f"--eps {a.eps} with --world {a.world} --tp {a.tp}: no legal layout "
-                         f"(EP must divide the world and the {cfg.num_experts} experts)")
+        raise SystemExit(
+            f"--eps {a.eps} with --world {a.world} --tp {a.tp}: no legal layout "
+            f"(EP must divide the world and the {cfg.num_experts} experts)"
+        )
     routings = ROUTINGS if a.routing == "both" else (a.routing,)
     rows, stats, explain = list(HEADER), {}, []
     t0 = time.time()
@@ -216,36 +281,51 @@ def main(argv=None):
                 if ep in (eps[0], eps[-1]):
                     res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, "balanced", a.distributed, a.explain)
                     top = max(res, key=lambda r: r["persistent"] + r["peak_delta"])
-                    explain += [f"Largest allocations alive at the peak, **{name} EP{ep}** (balanced; rank "
-                                f"with the peak, peak in {top['phase']}, working set "
-                                f"{top['peak_delta'] / MiB:.2f} MiB):", "",
-                                "| KiB | allocated by |", "|---|---|",
-                                *[f"| {size / 1024:.1f} | `{where}` |" for size, where in top["top"]], ""]
+                    explain += [
+                        f"Largest allocations alive at the peak, **{name} EP{ep}** (balanced; rank "
+                        f"with the peak, peak in {top['phase']}, working set "
+                        f"{top['peak_delta'] / MiB:.2f} MiB):",
+                        "",
+                        "| KiB | allocated by |",
+                        "|---|---|",
+                        *[f"| {size / 1024:.1f} | `{where}` |" for size, where in top["top"]],
+                        "",
+                    ]
     trend = []
     for (routing, name), vals in stats.items():
         (e0, s0), (e1, s1) = vals[0], vals[-1]
-        trend.append(f"- {routing}, {name}, EP{e0} -> EP{e1}: true peak (max rank) {_pct(s1['peak'], s0['peak'])} "
-                     f"({s0['peak'] / MiB:.2f} -> {s1['peak'] / MiB:.2f} MiB), mean of ranks "
-                     f"{_pct(s1['mean'], s0['mean'])}; step working set {_pct(s1['work'], s0['work'])}; "
-                     f"saved for backward max {_pct(s1['saved'], s0['saved'])}, mean "
-                     f"{_pct(s1['saved_mean'], s0['saved_mean'])}")
+        trend.append(
+            f"- {routing}, {name}, EP{e0} -> EP{e1}: true peak (max rank) {_pct(s1['peak'], s0['peak'])} "
+            f"({s0['peak'] / MiB:.2f} -> {s1['peak'] / MiB:.2f} MiB), mean of ranks "
+            f"{_pct(s1['mean'], s0['mean'])}; step working set {_pct(s1['work'], s0['work'])}; "
+            f"saved for backward max {_pct(s1['saved'], s0['saved'])}, mean "
+            f"{_pct(s1['saved_mean'], s0['saved_mean'])}"
+        )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    text = "\n".join([
-        "# Per-rank memory as EP grows (fixed world size)", "",
-        f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), fp32; "
-        f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python benchmarks/bench_memory.py {' '.join(argv)}`",
-        f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.num_experts} top-{cfg.topk} layers={a.layers} "
-        f"vocab={a.vocab}; micro-batch {a.batch} x seq {a.seq} per data-parallel rank; one step = fused-loss "
-        f"forward, backward, FoldedOptimizer (AdamW, {'ZeRO-1' if a.distributed else 'not distributed'})",
-        "- true peak = persistent bytes (parameters, buffers, main grads, optimizer state) + the largest "
-        "increase of live CPU tensor bytes during one profiled step (profiler allocation events: every "
-        "tensor, transients included). Working set = that increase. Net = the step's net change (~0 "
-        "expected). Saved for backward = storages autograd kept (saved-tensor hook).",
-        "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes=4, act_bytes=4, "
-        "fused_swiglu=True)", "",
-        *explain, *rows, "", *trend])
+    text = "\n".join(
+        [
+            "# Per-rank memory as EP grows (fixed world size)",
+            "",
+            f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), fp32; "
+            f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- command: `python benchmarks/bench_memory.py {' '.join(argv)}`",
+            f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.num_experts} top-{cfg.topk} layers={a.layers} "
+            f"vocab={a.vocab}; micro-batch {a.batch} x seq {a.seq} per data-parallel rank; one step = fused-loss "
+            f"forward, backward, FoldedOptimizer (AdamW, {'ZeRO-1' if a.distributed else 'not distributed'})",
+            "- true peak = persistent bytes (parameters, buffers, main grads, optimizer state) + the largest "
+            "increase of live CPU tensor bytes during one profiled step (profiler allocation events: every "
+            "tensor, transients included). Working set = that increase. Net = the step's net change (~0 "
+            "expected). Saved for backward = storages autograd kept (saved-tensor hook).",
+            "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes=4, act_bytes=4, "
+            "fused_swiglu=True)",
+            "",
+            *explain,
+            *rows,
+            "",
+            *trend,
+        ]
+    )
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")

@@ -17,7 +17,8 @@ Modes (``--mode``):
 Each timed step is measured with ``time.perf_counter`` (one warm-up step first, not counted); the
 report gives medians, the kernel floor of both models' steps (``benchmarks/floor.py``: the same
 matmuls, attention, AdamW and loss timed alone), a PyTorch-profiler breakdown
-(``benchmarks/breakdown.py``) of one extra step, the host load average, and the exact command. Nothing here asserts a timing.
+(``benchmarks/breakdown.py``) of one extra step, the host load average, and the exact command. Nothing
+here asserts a timing.
 
 Usage::
 
@@ -26,6 +27,7 @@ Usage::
     python benchmarks/bench_train.py --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
         --out benchmarks/train_layouts_cpu.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,11 +52,22 @@ from floor import kernel_floor  # noqa: E402
 def mixtral_config(a):
     """The transformers ``MixtralConfig`` of the benchmark (aux loss off, SDPA attention)."""
     from transformers import MixtralConfig
-    return MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_local_experts=a.experts,
-                         num_experts_per_tok=a.topk, num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                         num_key_value_heads=a.kv_heads, vocab_size=a.vocab, max_position_embeddings=max(4096, a.seq),
-                         output_router_logits=False, router_aux_loss_coef=0.0, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
+
+    return MixtralConfig(
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_local_experts=a.experts,
+        num_experts_per_tok=a.topk,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        vocab_size=a.vocab,
+        max_position_embeddings=max(4096, a.seq),
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
 
 
 def hf_loss(model, ids):
@@ -70,16 +83,17 @@ def engine_loss(model, ids):
     labels = torch.roll(ids, -1, 1)
     mask = torch.ones_like(ids, dtype=torch.float32)
     mask[:, -1] = 0
-    return (model(ids, labels=labels, loss_mask=mask).sum() / mask.sum())
+    return model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
 
 
 def label_engine(model) -> Labeller:
     """Profiler labels for the engine: attention, router, dispatch, experts, combine, fused loss."""
-    from folding.model.attention import Attention
     from folding.model import fused_cross_entropy
+    from folding.model.attention import Attention
     from folding.moe.experts import GroupedMLP
     from folding.moe.layer import MoELayer
     from folding.moe.router import Router
+
     lab = Labeller()
     lab.modules(model, {"attention": (Attention,), "router": (Router,), "experts": (GroupedMLP,)})
     for m in model.modules():
@@ -93,6 +107,7 @@ def label_engine(model) -> Labeller:
         def apply(*a):
             with torch.profiler.record_function("part:loss"):
                 return fwd(*a)
+
         ce.apply, ce._labelled = apply, True
     return lab
 
@@ -100,9 +115,11 @@ def label_engine(model) -> Labeller:
 def label_hf(model) -> Labeller:
     """Profiler labels for transformers' Mixtral (its experts module does dispatch, experts and combine)."""
     from transformers.models.mixtral import modeling_mixtral as mm
+
     lab = Labeller()
-    lab.modules(model, {"attention": (mm.MixtralAttention,), "router": (mm.MixtralTopKRouter,),
-                        "experts": (mm.MixtralExperts,)})
+    lab.modules(
+        model, {"attention": (mm.MixtralAttention,), "router": (mm.MixtralTopKRouter,), "experts": (mm.MixtralExperts,)}
+    )
     return lab
 
 
@@ -116,6 +133,7 @@ def make_step(model, loss_fn, ids):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss)
+
     return step
 
 
@@ -138,11 +156,11 @@ def flops_per_step(a) -> float:
     """Model FLOPs of one training step (3x forward matmul FLOPs, causal attention halved)."""
     T = a.batch * a.seq
     kvd = a.hidden // a.heads * a.kv_heads
-    per_tok = 2 * (a.hidden * (a.hidden + 2 * kvd) + a.hidden * a.hidden)       # q, k, v, o
-    per_tok += 2 * a.hidden * a.experts + 2 * a.topk * 3 * a.hidden * a.ffn      # router, experts
+    per_tok = 2 * (a.hidden * (a.hidden + 2 * kvd) + a.hidden * a.hidden)  # q, k, v, o
+    per_tok += 2 * a.hidden * a.experts + 2 * a.topk * 3 * a.hidden * a.ffn  # router, experts
     per_tok *= a.layers
-    per_tok += 2 * a.hidden * a.vocab                                             # output layer
-    attn = a.layers * 2 * 2 * a.seq * a.hidden / 2                                # QK^T and PV, causal
+    per_tok += 2 * a.hidden * a.vocab  # output layer
+    attn = a.layers * 2 * 2 * a.seq * a.hidden / 2  # QK^T and PV, causal
     return 3 * T * (per_tok + attn)
 
 
@@ -152,7 +170,9 @@ COMPILED = "engine, train.compile=true (common driver)"
 def sidebyside(a):
     """Alternate HF, engine (common driver) and engine (own step); medians and breakdowns."""
     from transformers import MixtralForCausalLM
+
     from folding.model.hf import from_hf
+
     torch.manual_seed(a.seed)
     hf = MixtralForCausalLM(mixtral_config(a)).float().train()
     tmp = tempfile.mkdtemp(prefix="bench_train_")
@@ -160,14 +180,18 @@ def sidebyside(a):
     eng = from_hf(tmp)
     eng_own = from_hf(tmp)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
-    steps = {"transformers": make_step(hf, hf_loss, ids), "engine": make_step(eng, hf_loss, ids),
-             "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids)}
+    steps = {
+        "transformers": make_step(hf, hf_loss, ids),
+        "engine": make_step(eng, hf_loss, ids),
+        "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids),
+    }
     if a.compile:
         from folding.model.compile import compile_dense
+
         eng_c = from_hf(tmp)
         compile_dense(eng_c)
         steps[COMPILED] = make_step(eng_c, hf_loss, ids)
-    first = {k: s() for k, s in steps.items()}                                    # warm-up (and compile), not timed
+    first = {k: s() for k, s in steps.items()}  # warm-up (and compile), not timed
     times = {k: [] for k in steps}
     for i in range(a.iters):
         for k, s in steps.items():
@@ -175,8 +199,10 @@ def sidebyside(a):
             s()
             times[k].append(time.perf_counter() - t0)
         print(f"iter {i}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
-    floors = {"transformers": kernel_floor(hf, steps["transformers"], a),
-              "engine": kernel_floor(eng, steps["engine"], a)}
+    floors = {
+        "transformers": kernel_floor(hf, steps["transformers"], a),
+        "engine": kernel_floor(eng, steps["engine"], a),
+    }
     label_hf(hf), label_engine(eng), label_engine(eng_own)
     prof = {k: profile_step(s) for k, s in steps.items() if k != COMPILED}
     return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}, floors
@@ -185,17 +211,20 @@ def sidebyside(a):
 def header(a, argv) -> str:
     """Device, versions, date, load and command."""
     import transformers
+
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return "\n".join([
-        f"- device: CPU ({platform.machine()}, {os.cpu_count()} cores visible), {a.threads} torch threads, fp32",
-        f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- host load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-        f"on {os.cpu_count()} CPUs (shared machine: timings are noisy; medians of alternating runs)",
-        f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
-        f"- model: Mixtral H={a.hidden} F={a.ffn} E={a.experts} top-{a.topk} layers={a.layers} heads={a.heads}/"
-        f"{a.kv_heads} vocab={a.vocab}; batch {a.batch} x seq {a.seq}; AdamW; aux loss off",
-    ])
+    return "\n".join(
+        [
+            f"- device: CPU ({platform.machine()}, {os.cpu_count()} cores visible), {a.threads} torch threads, fp32",
+            f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- host load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+            f"on {os.cpu_count()} CPUs (shared machine: timings are noisy; medians of alternating runs)",
+            f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
+            f"- model: Mixtral H={a.hidden} F={a.ffn} E={a.experts} top-{a.topk} layers={a.layers} heads={a.heads}/"
+            f"{a.kv_heads} vocab={a.vocab}; batch {a.batch} x seq {a.seq}; AdamW; aux loss off",
+        ]
+    )
 
 
 def kinds_table(kinds) -> str:
@@ -206,18 +235,23 @@ def kinds_table(kinds) -> str:
         lines.append(f"| {k} | " + " | ".join(f"{kinds[n][k] * 1e3:.0f}" for n in names) + " |")
     hf = kinds["transformers"]
     fixed = hf["gemm"] + hf["attention kernels"] + hf["optimizer"]
-    lines += ["", f"In the transformers step, GEMMs + attention kernels + AdamW (the same kernels and FLOPs in "
-              f"both models, fp32) are {fixed * 1e3:.0f} ms of {sum(hf.values()) * 1e3:.0f} ms: even with "
-              f"all of the rest at zero cost, a model driven this way is at most "
-              f"**{sum(hf.values()) / fixed:.2f}x** faster than transformers here."]
+    lines += [
+        "",
+        f"In the transformers step, GEMMs + attention kernels + AdamW (the same kernels and FLOPs in "
+        f"both models, fp32) are {fixed * 1e3:.0f} ms of {sum(hf.values()) * 1e3:.0f} ms: even with "
+        f"all of the rest at zero cost, a model driven this way is at most "
+        f"**{sum(hf.values()) / fixed:.2f}x** faster than transformers here.",
+    ]
     return "\n".join(lines)
 
 
 def floor_table(floors, times) -> str:
     """Markdown: the kernel floor of each model's step (``floor.py``) and the speed-up bound it implies."""
     names = list(floors)
-    lines = ["| piece (timed alone, best of 3) | " + " | ".join(f"{n} ms" for n in names) + " |",
-             "|---|" + "---|" * len(names)]
+    lines = [
+        "| piece (timed alone, best of 3) | " + " | ".join(f"{n} ms" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
     for k in ("gemm", "attention", "optimizer", "loss"):
         extra = " (" + " / ".join(str(floors[n]["matmuls"]) for n in names) + " matmuls)" if k == "gemm" else ""
         lines.append(f"| {k}{extra} | " + " | ".join(f"{floors[n][k] * 1e3:.0f}" for n in names) + " |")
@@ -225,14 +259,21 @@ def floor_table(floors, times) -> str:
     med = {n: statistics.median(times[n]) for n in names}
     best = {n: min(times[n]) for n in names}
     lines.append("| **floor** | " + " | ".join(f"**{tot[n] * 1e3:.0f}**" for n in names) + " |")
-    lines.append("| step (median / best) | " + " | ".join(f"{med[n] * 1e3:.0f} / {best[n] * 1e3:.0f}" for n in names)
-                 + " |")
-    lines.append("| step − floor (median / best) | " + " | ".join(
-        f"{(med[n] - tot[n]) * 1e3:.0f} / {(best[n] - tot[n]) * 1e3:.0f}" for n in names) + " |")
+    lines.append(
+        "| step (median / best) | " + " | ".join(f"{med[n] * 1e3:.0f} / {best[n] * 1e3:.0f}" for n in names) + " |"
+    )
+    lines.append(
+        "| step − floor (median / best) | "
+        + " | ".join(f"{(med[n] - tot[n]) * 1e3:.0f} / {(best[n] - tot[n]) * 1e3:.0f}" for n in names)
+        + " |"
+    )
     hf = "transformers"
-    lines += ["", f"Bound: a model that did nothing but these kernels would run at most "
-              f"**{med[hf] / tot[hf]:.2f}x** (medians) / **{best[hf] / tot[hf]:.2f}x** (best steps) faster than "
-              f"transformers' step on this machine."]
+    lines += [
+        "",
+        f"Bound: a model that did nothing but these kernels would run at most "
+        f"**{med[hf] / tot[hf]:.2f}x** (medians) / **{best[hf] / tot[hf]:.2f}x** (best steps) faster than "
+        f"transformers' step on this machine.",
+    ]
     return "\n".join(lines)
 
 
@@ -241,39 +282,64 @@ def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
     tokens, fl = a.batch * a.seq, flops_per_step(a)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["transformers"]
-    rows = ["| model | first loss | median s/step | min s/step | tokens/s | TFLOP/s | speed vs transformers |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | first loss | median s/step | min s/step | tokens/s | TFLOP/s | speed vs transformers |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for k, v in times.items():
-        rows.append(f"| {k} | {first[k]:.4f} | {med[k]:.3f} | {min(v):.3f} | {tokens / med[k]:.0f} | "
-                    f"{fl / med[k] / 1e12:.4f} | {base / med[k]:.2f}x |")
+        rows.append(
+            f"| {k} | {first[k]:.4f} | {med[k]:.3f} | {min(v):.3f} | {tokens / med[k]:.0f} | "
+            f"{fl / med[k] / 1e12:.4f} | {base / med[k]:.2f}x |"
+        )
     per_iter = [h / e for h, e in zip(times["transformers"], times["engine"])]
-    return "\n".join([
-        "# Training step: engine vs transformers' MixtralForCausalLM", "", header(a, argv), "",
-        "Both models hold the same weights (HF `save_pretrained` -> `from_hf` with its defaults) and see the "
-        "same batch; `transformers` and `engine` are driven identically (`logits = model(ids)`, cross-entropy "
-        "of the shifted logits, `backward()`, `AdamW.step()`); the third row is the engine's own step "
-        "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens); the last row, when "
-        "present, is the common driver on the engine with `train.compile` on (`folding.model.compile.compile_dense`: "
-        "each layer's norm + attention sublayer through `torch.compile`; compile time in the untimed warm-up step), "
-        "which is not `from_hf`'s default.", "",
-        *rows, "",
-        f"Ratio engine/transformers tokens/s: medians **{base / med['engine']:.2f}x**; best steps "
-        f"**{min(times['transformers']) / min(times['engine']):.2f}x**; per alternating pair: "
-        + ", ".join(f"{r:.2f}" for r in per_iter) + f" (median {statistics.median(per_iter):.2f}). "
-        "On a loaded, shared host a step is only ever slowed down by other processes, so the best "
-        "steps are the least disturbed estimate; when the per-pair ratios scatter widely, neither the "
-        "medians nor any single pair are to be trusted, and the breakdown below is the reliable part.", "",
-        "## Where the time goes (mean of two profiled steps each, PyTorch profiler; forward + backward per part)", "",
-        "transformers' `MixtralExperts` does its own dispatch and combine, so those land in its `experts` row; "
-        "`other` is embedding, norms, output layer, residuals and Python.", "",
-        format_breakdown(parts), "",
-        "## By kind of work (same profiled steps; self time of the kernels)", "", kinds_table(kinds), "",
-        "## The kernel floor (`benchmarks/floor.py`: the same matmuls, attention, AdamW and loss timed alone, "
-        "no profiler)", "",
-        "Both models must run these kernels: the matmuls of one recorded step replayed with their sizes and "
-        "strides, SDPA forward + backward per layer, `AdamW.step()` over the same parameters, and the common "
-        "driver's cross-entropy. What a step spends beyond its floor is the model's own overhead "
-        "(elementwise kernels, copies, allocation, Python).", "", floor_table(floors, times), ""])
+    return "\n".join(
+        [
+            "# Training step: engine vs transformers' MixtralForCausalLM",
+            "",
+            header(a, argv),
+            "",
+            "Both models hold the same weights (HF `save_pretrained` -> `from_hf` with its defaults) and see the "
+            "same batch; `transformers` and `engine` are driven identically (`logits = model(ids)`, cross-entropy "
+            "of the shifted logits, `backward()`, `AdamW.step()`); the third row is the engine's own step "
+            "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens); the last row, when "
+            "present, is the common driver on the engine with `train.compile` on "
+            "(`folding.model.compile.compile_dense`: each layer's norm + attention sublayer through "
+            "`torch.compile`; compile time in the untimed warm-up step), "
+            "which is not `from_hf`'s default.",
+            "",
+            *rows,
+            "",
+            f"Ratio engine/transformers tokens/s: medians **{base / med['engine']:.2f}x**; best steps "
+            f"**{min(times['transformers']) / min(times['engine']):.2f}x**; per alternating pair: "
+            + ", ".join(f"{r:.2f}" for r in per_iter)
+            + f" (median {statistics.median(per_iter):.2f}). "
+            "On a loaded, shared host a step is only ever slowed down by other processes, so the best "
+            "steps are the least disturbed estimate; when the per-pair ratios scatter widely, neither the "
+            "medians nor any single pair are to be trusted, and the breakdown below is the reliable part.",
+            "",
+            "## Where the time goes (mean of two profiled steps each, PyTorch profiler; forward + backward per part)",
+            "",
+            "transformers' `MixtralExperts` does its own dispatch and combine, so those land in its `experts` row; "
+            "`other` is embedding, norms, output layer, residuals and Python.",
+            "",
+            format_breakdown(parts),
+            "",
+            "## By kind of work (same profiled steps; self time of the kernels)",
+            "",
+            kinds_table(kinds),
+            "",
+            "## The kernel floor (`benchmarks/floor.py`: the same matmuls, attention, AdamW and loss timed alone, "
+            "no profiler)",
+            "",
+            "Both models must run these kernels: the matmuls of one recorded step replayed with their sizes and "
+            "strides, SDPA forward + backward per layer, `AdamW.step()` over the same parameters, and the common "
+            "driver's cross-entropy. What a step spends beyond its floor is the model's own overhead "
+            "(elementwise kernels, copies, allocation, Python).",
+            "",
+            floor_table(floors, times),
+            "",
+        ]
+    )
 
 
 def main(argv=None):
@@ -281,24 +347,43 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=("sidebyside", "layouts", "gpu"), default="sidebyside")
-    for name, d in (("hidden", 512), ("ffn", 1024), ("experts", 8), ("topk", 2), ("layers", 4), ("heads", 8),
-                    ("kv-heads", 4), ("vocab", 8192), ("batch", 2), ("seq", 1024), ("iters", 7), ("threads", 2),
-                    ("seed", 0), ("world", 4)):
+    for name, d in (
+        ("hidden", 512),
+        ("ffn", 1024),
+        ("experts", 8),
+        ("topk", 2),
+        ("layers", 4),
+        ("heads", 8),
+        ("kv-heads", 4),
+        ("vocab", 8192),
+        ("batch", 2),
+        ("seq", 1024),
+        ("iters", 7),
+        ("threads", 2),
+        ("seed", 0),
+        ("world", 4),
+    ):
         p.add_argument(f"--{name}", type=int, default=d)
     p.add_argument("--layouts", default="tp2;ep2;ep4;tp2,ep4,etp1")
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="sidebyside: skip the row of the engine with its dense parts compiled (train.compile)")
+    p.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="sidebyside: skip the row of the engine with its dense parts compiled (train.compile)",
+    )
     p.add_argument("--out", default=None, help="markdown report path")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.mode == "gpu":
         from gpu_mfu import main as gpu_main
+
         return gpu_main(argv)
     if a.mode == "sidebyside":
         first, times, parts, kinds, floors = sidebyside(a)
         text = report_sidebyside(a, argv, first, times, parts, kinds, floors)
     else:
         from train_layouts import run_layouts
+
         text = run_layouts(a, argv)
     if a.out:
         with open(a.out, "w") as f:

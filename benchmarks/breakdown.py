@@ -16,6 +16,7 @@ Usage::
         t0 = time.perf_counter(); step(); wall = time.perf_counter() - t0
     parts = breakdown(prof, wall)          # {"attention": seconds, ..., "other": seconds}
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,11 @@ def breakdown(prof, wall_s: float, backward_nodes: Dict[str, int] = None) -> Dic
     ``backward_nodes``, when given, receives the number of autograd nodes charged to each category.
     """
     events = list(prof.events())
-    ranges = [(e.name[len(PREFIX):], e.thread, e.time_range.start, e.time_range.end, e.cpu_time_total)
-              for e in events if e.name.startswith(PREFIX)]
+    ranges = [
+        (e.name[len(PREFIX) :], e.thread, e.time_range.start, e.time_range.end, e.cpu_time_total)
+        for e in events
+        if e.name.startswith(PREFIX)
+    ]
     out = {c: 0.0 for c in CATEGORIES}
     for cat, _thr, _s, _e, total in ranges:
         # a range nested in another range of the same category (a module calling itself) would count twice;
@@ -114,8 +118,7 @@ def format_breakdown(rows: Dict[str, Dict[str, float]]) -> str:
     """Markdown table: one column per model (``rows[model][category]`` seconds), ms and % of the step."""
     names = list(rows)
     cats = list(CATEGORIES) + ["other"]
-    lines = ["| part | " + " | ".join(f"{n} ms | {n} %" for n in names) + " |",
-             "|---|" + "---|---|" * len(names)]
+    lines = ["| part | " + " | ".join(f"{n} ms | {n} %" for n in names) + " |", "|---|" + "---|---|" * len(names)]
     for c in cats:
         cells = []
         for n in names:

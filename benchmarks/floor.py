@@ -19,13 +19,13 @@ Usage::
     from floor import kernel_floor
     parts = kernel_floor(hf_model, step_fn, a)     # {"gemm": s, "attention": s, "optimizer": s, "loss": s}
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.nn.functional as F
-
 from memory_probe import event_nodes
 
 
@@ -37,7 +37,7 @@ def _mm_operands(step) -> list:
     for node, _ in event_nodes(prof):
         if node.name == "aten::mm":
             ins = [(tuple(t.sizes), tuple(t.strides)) for t in node.extra_fields.inputs if hasattr(t, "sizes")]
-            if len(ins) >= 2:                                  # mm.out (inside grouped_mm) has a third
+            if len(ins) >= 2:  # mm.out (inside grouped_mm) has a third
                 found.append(tuple(ins[:2]))
     return found
 
@@ -49,7 +49,7 @@ def _strided(sizes, strides) -> torch.Tensor:
 
 
 def _best(fn, reps: int) -> float:
-    fn()                                                     # warm-up
+    fn()  # warm-up
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -65,6 +65,7 @@ def gemm_seconds(step, reps: int = 3) -> tuple[float, int]:
     def run():
         for x, w in ops:
             torch.mm(x, w)
+
     return _best(run, reps), len(ops)
 
 
@@ -80,6 +81,7 @@ def attention_seconds(a, reps: int = 3) -> float:
         for _ in range(a.layers):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=a.kv_heads != a.heads)
             out.backward(g)
+
     return _best(run, reps)
 
 
@@ -99,11 +101,17 @@ def loss_seconds(a, reps: int = 3) -> float:
 
     def run():
         F.cross_entropy(logits[:, :-1].reshape(-1, a.vocab).float(), ids[:, 1:].reshape(-1)).backward()
+
     return _best(run, reps)
 
 
 def kernel_floor(model, step, a, reps: int = 3) -> dict:
     """Seconds per piece of the floor (module docstring) for ``model`` driven by ``step``."""
     gemm, n_mm = gemm_seconds(step, reps)
-    return {"gemm": gemm, "attention": attention_seconds(a, reps), "optimizer": optimizer_seconds(model, reps),
-            "loss": loss_seconds(a, reps), "matmuls": n_mm}
+    return {
+        "gemm": gemm,
+        "attention": attention_seconds(a, reps),
+        "optimizer": optimizer_seconds(model, reps),
+        "loss": loss_seconds(a, reps),
+        "matmuls": n_mm,
+    }

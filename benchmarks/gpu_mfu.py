@@ -16,12 +16,12 @@ Usage::
 
     python benchmarks/bench_train.py --mode gpu --out benchmarks/gpu_mfu_h100.md
 """
+
 from __future__ import annotations
 
 import argparse
 import datetime
 import sys
-import time
 
 import torch
 
@@ -47,39 +47,52 @@ def matmul_peak(dtype: str, n: int = 8192, iters: int = 10):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     if dtype == "bf16":
-        return 2 * n ** 3 / _time(lambda: a @ b, iters), ""
+        return 2 * n**3 / _time(lambda: a @ b, iters), ""
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return None, f"torch {torch.__version__} has no _scaled_mm / float8_e4m3fn"
     try:
         a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()        # column-major second operand
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
         one = torch.ones((), device="cuda")
-        return 2 * n ** 3 / _time(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                           out_dtype=torch.bfloat16), iters), ""
+        return 2 * n**3 / _time(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters
+        ), ""
     except Exception as e:  # noqa: BLE001 - an unsupported GPU or build: report why
         return None, f"FP8 matmul unavailable on {torch.cuda.get_device_name()}: {e}"
 
 
 def moe_layer_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of one Mixtral-8x7B MoE layer on ``a.tokens`` tokens."""
+    import torch.distributed as dist
+
     from folding.model.moe_block import moe_config_from_model
     from folding.model.presets import get_preset
     from folding.moe.expert_te import fp8_region
     from folding.moe.layer import MoELayer
-    import torch.distributed as dist
+
     cfg = get_preset("mixtral_8x7b")
     world = dist.group.WORLD
-    moe_cfg = moe_config_from_model(cfg, aux_loss_coeff=0.0, fp8_recipe=fp8_recipe,
-                                    expert_backend="te" if fp8_recipe else "auto")
-    layer = MoELayer(config=moe_cfg, hidden_size=cfg.hidden_size, ep_group=world, etp_group=world,
-                     tp_cp_group=world, tp_dp_cp_group=world, tp_group=world, params_dtype=torch.bfloat16,
-                     device="cuda")
+    moe_cfg = moe_config_from_model(
+        cfg, aux_loss_coeff=0.0, fp8_recipe=fp8_recipe, expert_backend="te" if fp8_recipe else "auto"
+    )
+    layer = MoELayer(
+        config=moe_cfg,
+        hidden_size=cfg.hidden_size,
+        ep_group=world,
+        etp_group=world,
+        tp_cp_group=world,
+        tp_dp_cp_group=world,
+        tp_group=world,
+        params_dtype=torch.bfloat16,
+        device="cuda",
+    )
     x = torch.randn(a.tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def step():
-        with fp8_region(fp8_recipe, amax_reduction_group=None):   # one region per forward, as a model chunk
+        with fp8_region(fp8_recipe, amax_reduction_group=None):  # one region per forward, as a model chunk
             y = layer(x)
         y.sum().backward()
+
     H, F, k, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.topk, cfg.num_experts
     flops = 3 * a.tokens * (2 * k * 3 * H * F + 2 * H * E)
     return _time(step, a.iters), flops
@@ -95,6 +108,7 @@ def layers_case(a, fp8_recipe):
     from folding.moe.expert_te import fp8_region
     from folding.moe.layer import MoELayer
     from folding.planning.flops import flops_per_token
+
     cfg = get_preset("mixtral_8x7b", num_layers=a.layers, router_aux_loss_coef=0.0)
     groups = ModelGroups.single()
 
@@ -102,12 +116,23 @@ def layers_case(a, fp8_recipe):
         if not fp8_recipe:
             return default_moe_factory(**kw)
         g = kw["groups"]
-        return MoELayer(config=moe_config_from_model(kw["config"], fp8_recipe=fp8_recipe, expert_backend="te"),
-                        hidden_size=kw["config"].hidden_size, ep_group=g.ep, etp_group=g.etp,
-                        tp_cp_group=g.tp_cp, tp_dp_cp_group=g.tp_dp_cp, tp_group=g.tp,
-                        layer_number=kw["layer_number"], params_dtype=kw["dtype"], device=kw["device"])
-    blocks = torch.nn.ModuleList(TransformerLayer(cfg, layer_number=i, groups=groups, moe_factory=factory,
-                                                  dtype=torch.bfloat16, device="cuda") for i in range(a.layers))
+        return MoELayer(
+            config=moe_config_from_model(kw["config"], fp8_recipe=fp8_recipe, expert_backend="te"),
+            hidden_size=kw["config"].hidden_size,
+            ep_group=g.ep,
+            etp_group=g.etp,
+            tp_cp_group=g.tp_cp,
+            tp_dp_cp_group=g.tp_dp_cp,
+            tp_group=g.tp,
+            layer_number=kw["layer_number"],
+            params_dtype=kw["dtype"],
+            device=kw["device"],
+        )
+
+    blocks = torch.nn.ModuleList(
+        TransformerLayer(cfg, layer_number=i, groups=groups, moe_factory=factory, dtype=torch.bfloat16, device="cuda")
+        for i in range(a.layers)
+    )
     pos = torch.arange(a.seq, device="cuda")
     cos, sin = rope_cos_sin(pos, cfg.kv_channels, cfg.rope_theta)
     rope = (cos, sin, None, (0,))
@@ -115,10 +140,11 @@ def layers_case(a, fp8_recipe):
 
     def step():
         y = x
-        with fp8_region(fp8_recipe, amax_reduction_group=None):   # one region per forward, as a model chunk
+        with fp8_region(fp8_recipe, amax_reduction_group=None):  # one region per forward, as a model chunk
             for b in blocks:
                 y = b(y, rope)
         y.float().sum().backward()
+
     f = flops_per_token(cfg, a.seq)
     per_tok = 3 * (f.forward - f.output_layer)
     return _time(step, a.iters), per_tok * a.seq
@@ -140,6 +166,7 @@ def main(argv=None):
         print("GPU mode needs a CUDA device; none is visible here (nothing measured).")
         return 2
     import torch.distributed as dist
+
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     torch.cuda.set_device(0)
@@ -151,21 +178,34 @@ def main(argv=None):
             notes.append(f"- {dtype}: skipped: {why}")
             continue
         rows.append(f"| dense matmul 8192^3 | {dtype} | - | {peak / 1e12:.0f} | {peak / 1e12:.0f} | 100% |")
-        for name, case in (("MoE layer (8x7B, %d tokens)" % a.tokens, moe_layer_case),
-                           ("%d full layers (8x7B, seq %d)" % (a.layers, a.seq), layers_case)):
+        for name, case in (
+            ("MoE layer (8x7B, %d tokens)" % a.tokens, moe_layer_case),
+            ("%d full layers (8x7B, seq %d)" % (a.layers, a.seq), layers_case),
+        ):
             try:
                 sec, flops = case(a, recipe)
             except Exception as e:  # noqa: BLE001 - e.g. TransformerEngine missing for FP8: say so
                 notes.append(f"- {name} {dtype}: skipped: {type(e).__name__}: {e}")
                 continue
-            rows.append(f"| {name} | {dtype} | {sec * 1e3:.1f} | {flops / sec / 1e12:.0f} | {peak / 1e12:.0f} | "
-                        f"{100 * flops / sec / peak:.1f}% |")
-    text = "\n".join(["# GPU MFU: Mixtral-8x7B-shaped layers on one GPU", "",
-                      f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}",
-                      f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-                      f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
-                      "- MFU = model FLOPs (3 x forward) / time / measured dense-matmul peak of the same dtype", "",
-                      *rows, "", *notes, ""])
+            rows.append(
+                f"| {name} | {dtype} | {sec * 1e3:.1f} | {flops / sec / 1e12:.0f} | {peak / 1e12:.0f} | "
+                f"{100 * flops / sec / peak:.1f}% |"
+            )
+    text = "\n".join(
+        [
+            "# GPU MFU: Mixtral-8x7B-shaped layers on one GPU",
+            "",
+            f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
+            "- MFU = model FLOPs (3 x forward) / time / measured dense-matmul peak of the same dtype",
+            "",
+            *rows,
+            "",
+            *notes,
+            "",
+        ]
+    )
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

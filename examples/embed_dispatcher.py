@@ -9,6 +9,7 @@ on one rank's own tokens with the full weights.
 Run with ``torchrun --nproc-per-node 4 examples/embed_dispatcher.py`` (gloo or NCCL), or plainly with
 ``python examples/embed_dispatcher.py`` (spawns four local gloo processes).
 """
+
 import os
 import sys
 
@@ -43,7 +44,7 @@ def main():
 
     g = torch.Generator().manual_seed(0)  # the same full toy weights on every rank
     Wa, Wb = torch.randn(E, H, F, generator=g) / 4, torch.randn(E, F, H, generator=g) / 4
-    L, Fl, j = dispatcher.num_local_experts, F // dispatcher.etp_size, dispatcher.etp_rank
+    Fl, j = F // dispatcher.etp_size, dispatcher.etp_rank
     off = dispatcher.local_expert_offset
 
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank))
@@ -51,13 +52,15 @@ def main():
     tokens, tokens_per_expert, probs = dispatcher.dispatch(x, routing_map_TE, probs_TE)
     outs, start = [], 0
     for l, n in enumerate(tokens_per_expert.tolist()):  # the host codebase's experts go here
-        rows = tokens[start:start + n]
+        rows = tokens[start : start + n]
         e = off + l
-        outs.append((rows @ Wa[e, :, j * Fl:(j + 1) * Fl] * probs[start:start + n, None]) @ Wb[e, j * Fl:(j + 1) * Fl])
+        outs.append(
+            (rows @ Wa[e, :, j * Fl : (j + 1) * Fl] * probs[start : start + n, None]) @ Wb[e, j * Fl : (j + 1) * Fl]
+        )
         start += n
     y = dispatcher.combine(torch.cat(outs))
 
-    dense = sum(((x @ Wa[e]) * probs_TE[:, e:e + 1]) @ Wb[e] for e in range(E))
+    dense = sum(((x @ Wa[e]) * probs_TE[:, e : e + 1]) @ Wb[e] for e in range(E))
     torch.testing.assert_close(y, dense)
     print(f"rank {rank}: {T} tokens, rows per local expert {tokens_per_expert.tolist()}, output matches")
     dist.barrier()  # no rank closes its connections while a peer still uses them
@@ -78,5 +81,6 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:
         import tempfile
+
         path = os.path.join(tempfile.mkdtemp(), "rendezvous")
         mp.spawn(_spawned, args=(4, path), nprocs=4)

@@ -9,6 +9,7 @@ Configuration: configs/ (Hydra), typed and validated by folding.training.config;
 The command line is checked before Hydra starts (folding.training.cli): an error is one line, printed
 once per node, exit status 2, and no run directory is created.
 """
+
 import os
 import sys
 
@@ -17,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from folding.training.cli import check_command_line, normalize_overrides
-from folding.training.schema import register_schema
 from folding.training.launch import quiet_hydra_argv, run_job
+from folding.training.schema import register_schema
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 
@@ -26,8 +27,9 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "config
 @hydra.main(config_path=CONFIGS, config_name="config", version_base="1.3")
 def main(cfg) -> None:
     hc = HydraConfig.get()
-    status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=hc.runtime.output_dir,
-                     overrides=list(hc.overrides.task))
+    status = run_job(
+        OmegaConf.to_container(cfg, resolve=True), run_dir=hc.runtime.output_dir, overrides=list(hc.overrides.task)
+    )
     if status:
         sys.exit(status)
 

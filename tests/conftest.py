@@ -1,4 +1,5 @@
 """Shared pytest fixtures: long-lived gloo rank pools reused by every distributed test."""
+
 import pytest
 
 from folding.testing import RankPool

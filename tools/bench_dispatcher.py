@@ -21,6 +21,7 @@ Usage::
     python tools/bench_dispatcher.py --ranks 8 --tokens 4096 --hidden 1024 --experts 8 --topk 2 --ep 8 \\
         --etp 1 --dispatcher alltoall --wire none --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-U_E4M3 = 2.0 ** -4  # unit round-off of e4m3 (3 mantissa bits, round to nearest)
+U_E4M3 = 2.0**-4  # unit round-off of e4m3 (3 mantissa bits, round to nearest)
 
 
 def _route(T, E, k, seed, cf, pad):
     from folding.moe.permute import expert_capacity
+
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
     top = scores.topk(k, dim=1).indices
@@ -84,9 +86,18 @@ def _worker(a):
         rmap, probs = _route(T, E, k, 1000 + rank, cf, pad)
 
         def make(wire):
-            return build_dispatcher(a["dispatcher"], num_experts=E, topk=k, ep_group=ps.ep_group,
-                                    etp_group=ps.etp_group, capacity_factor=cf, pad_to_capacity=pad,
-                                    dispatch_wire=wire, combine_wire=wire, grad_wire="none")
+            return build_dispatcher(
+                a["dispatcher"],
+                num_experts=E,
+                topk=k,
+                ep_group=ps.ep_group,
+                etp_group=ps.etp_group,
+                capacity_factor=cf,
+                pad_to_capacity=pad,
+                dispatch_wire=wire,
+                combine_wire=wire,
+                grad_wire="none",
+            )
 
         d = make(a["wire"])
 
@@ -128,14 +139,18 @@ def _worker(a):
                 tok, tpe, p = ref.dispatch(x, rmap, probs)
                 y_ref = ref.combine(tok * (p / a["etp"]).unsqueeze(1).to(tok.dtype))
             # |err| <= (u(2+u) + 3 u_bf16)(1 + 2 u_bf16) * sum_k p_k |x| + subnormal slack (docs/dispatcher.md)
-            u, ub = U_E4M3, 2.0 ** -8
+            u, ub = U_E4M3, 2.0**-8
             xf = x.float()
             psum = probs.sum(1, keepdim=True)
-            bound = ((u * (2 + u) + 3 * ub) * (1 + 2 * ub) * psum * xf.abs()
-                     + 2.0 ** -8 / 448 * xf.abs().amax(1, keepdim=True) * psum)
+            bound = (u * (2 + u) + 3 * ub) * (1 + 2 * ub) * psum * xf.abs() + 2.0**-8 / 448 * xf.abs().amax(
+                1, keepdim=True
+            ) * psum
             err = (y.float() - y_ref.float()).abs()
-            res["err"] = {"max_abs": float(err.max()), "violations": int((err > bound).sum()),
-                          "rel_fro": float(err.norm() / y_ref.float().norm())}
+            res["err"] = {
+                "max_abs": float(err.max()),
+                "violations": int((err > bound).sum()),
+                "rel_fro": float(err.norm() / y_ref.float().norm()),
+            }
         return res
     finally:
         ps.destroy()
@@ -143,8 +158,8 @@ def _worker(a):
 
 def run(a) -> dict:
     """Run the benchmark described by the parsed arguments ``a`` (a dict) and return the JSON record."""
-    from folding.testing import RankPool
     from folding.moe.wire import payload_bytes_per_row
+    from folding.testing import RankPool
 
     with RankPool(a["ranks"]) as pool:
         res = pool.run(_worker, a, timeout_s=900)
@@ -154,14 +169,25 @@ def run(a) -> dict:
     floor = mean("ep_floor_bytes") if a["dispatcher"] == "alltoall" else sent
     elem = torch.empty((), dtype=DTYPES[a["dtype"]]).element_size()
     out = {
-        "ranks": a["ranks"], "tokens": a["tokens"], "hidden": a["hidden"], "experts": a["experts"],
-        "topk": a["topk"], "ep": a["ep"], "etp": a["etp"], "dispatcher": a["dispatcher"], "wire": a["wire"],
-        "dtype": a["dtype"], "capacity_factor": a["capacity_factor"], "pad_to_capacity": a["pad_to_capacity"],
+        "ranks": a["ranks"],
+        "tokens": a["tokens"],
+        "hidden": a["hidden"],
+        "experts": a["experts"],
+        "topk": a["topk"],
+        "ep": a["ep"],
+        "etp": a["etp"],
+        "dispatcher": a["dispatcher"],
+        "wire": a["wire"],
+        "dtype": a["dtype"],
+        "capacity_factor": a["capacity_factor"],
+        "pad_to_capacity": a["pad_to_capacity"],
         "bytes_sent_per_rank": sent,
         "bytes_floor_per_rank": floor,
         "bytes_ratio": round(sent / floor, 4) if floor else None,
-        "etp_bytes_per_rank": {"allgather": mean("etp_allgather_bytes"),
-                               "reduce_scatter": mean("etp_reduce_scatter_bytes")},
+        "etp_bytes_per_rank": {
+            "allgather": mean("etp_allgather_bytes"),
+            "reduce_scatter": mean("etp_reduce_scatter_bytes"),
+        },
         "dedup_floor_per_rank": 2 * sum(r["dedup_rows"] for r in res) / n * a["hidden"] * elem,
         "host_syncs_per_layer": max(r["syncs"] for r in res),
         "dispatch_combine_ms": max(r["ms"] for r in res),
@@ -171,17 +197,21 @@ def run(a) -> dict:
     out["ratio_vs_a2a"] = round(out["dispatch_combine_ms"] / out["a2a_only_ms"], 3) if out["a2a_only_ms"] else None
     out["tokens_per_s"] = a["tokens"] * a["ranks"] / (out["dispatch_combine_ms"] / 1e3)
     if "err" in res[0]:
-        out["wire_error"] = {"max_abs": max(r["err"]["max_abs"] for r in res),
-                             "bound_violations": sum(r["err"]["violations"] for r in res),
-                             "rel_fro": max(r["err"]["rel_fro"] for r in res)}
+        out["wire_error"] = {
+            "max_abs": max(r["err"]["max_abs"] for r in res),
+            "bound_violations": sum(r["err"]["violations"] for r in res),
+            "rel_fro": max(r["err"]["rel_fro"] for r in res),
+        }
     return out
 
 
 def _report(out, argv) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in out.items())
-    return (f"# Dispatcher benchmark\n\n- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC\n"
-            f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo\n"
-            f"- command: `python tools/bench_dispatcher.py {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n")
+    return (
+        f"# Dispatcher benchmark\n\n- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC\n"
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo\n"
+        f"- command: `python tools/bench_dispatcher.py {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n"
+    )
 
 
 def main(argv=None):
@@ -208,9 +238,11 @@ def main(argv=None):
     if a["pad_to_capacity"] and a["capacity_factor"] is None:
         p.error("--pad-to-capacity needs --capacity-factor")
     out = run(a)
-    path = a["report"] or (f"benchmarks/dispatcher_{a['dispatcher']}_r{a['ranks']}_t{a['tokens']}_h{a['hidden']}"
-                           f"_e{a['experts']}k{a['topk']}_ep{a['ep']}etp{a['etp']}_{a['wire']}"
-                           f"{'_pad' if a['pad_to_capacity'] else ''}.md")
+    path = a["report"] or (
+        f"benchmarks/dispatcher_{a['dispatcher']}_r{a['ranks']}_t{a['tokens']}_h{a['hidden']}"
+        f"_e{a['experts']}k{a['topk']}_ep{a['ep']}etp{a['etp']}_{a['wire']}"
+        f"{'_pad' if a['pad_to_capacity'] else ''}.md"
+    )
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(_report(out, argv))

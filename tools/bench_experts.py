@@ -15,6 +15,7 @@ Usage::
 
 Backends that cannot run here are listed as skipped with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from folding.moe.expert_te import te_available  # noqa: E402
 from folding.moe.expert_backends import torch_grouped_mm_supported  # noqa: E402
+from folding.moe.expert_te import te_available  # noqa: E402
 from folding.moe.experts import GroupedMLP  # noqa: E402
 
 DEFAULT_SHAPES = "128,256,8,2,256;256,512,8,2,512"
@@ -40,8 +41,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def parse_args(argv=None):
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=DEFAULT_SHAPES,
-                   help=f"';'-separated H,F,E,K,T shapes (default {DEFAULT_SHAPES}; Mixtral-like: {MIXTRAL_SHAPE})")
+    p.add_argument(
+        "--shapes",
+        default=DEFAULT_SHAPES,
+        help=f"';'-separated H,F,E,K,T shapes (default {DEFAULT_SHAPES}; Mixtral-like: {MIXTRAL_SHAPE})",
+    )
     p.add_argument("--backends", default="loop,torch,te", help="comma-separated backends to time")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated compute dtypes: bf16, fp32")
     p.add_argument("--fp8-recipes", default="", help="FP8 recipes to time (te backend, GPU), e.g. tensorwise,mxfp8")
@@ -85,8 +89,9 @@ def bench_layer(shape, backend, dtype, recipe, iters, device):
     """Seconds per forward+backward of one GroupedMLP, or raises with the reason it cannot run."""
     h, f, e, k, t = shape
     n = t * k
-    mod = GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
-                     fp8_recipe=recipe, params_dtype=dtype).to(device)
+    mod = GroupedMLP(
+        num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend, fp8_recipe=recipe, params_dtype=dtype
+    ).to(device)
     counts = _counts(n, e, device)
     x = torch.randn(n, h, dtype=dtype, device=device, requires_grad=True)
     p = torch.rand(n, device=device)
@@ -137,8 +142,16 @@ def accuracy_rows(device):
             normal[::50] = False
 
         def run(backend, dtype, recipe=None):
-            mod = GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
-                             fp8_recipe=recipe, params_dtype=dtype, init_std=0.05, init_seed=5)
+            mod = GroupedMLP(
+                num_local_experts=e,
+                hidden_size=h,
+                ffn_hidden_size=f,
+                backend=backend,
+                fp8_recipe=recipe,
+                params_dtype=dtype,
+                init_std=0.05,
+                init_seed=5,
+            )
             xx = x.to(dtype).detach().requires_grad_()
             y = mod(xx, counts, probs)
             y.backward(dy.to(dtype))
@@ -165,7 +178,11 @@ def main(argv=None):
     for s in shapes:
         if len(s) != 5:
             raise SystemExit(f"--shapes entry {s} must be H,F,E,K,T (five integers)")
-    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    dev_name = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
     te_ok, te_why = te_available()
     lines = [
         "# Grouped-GEMM expert benchmark",

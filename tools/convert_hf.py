@@ -13,8 +13,10 @@ its slices), exports it by gathering to rank 0, and compares every tensor bit fo
 implementation is chosen with ``--moe-factory module:function`` (default: the engine's MoE layer).
 ``export --checkpoint`` takes a training checkpoint (``step_<N>``, or a checkpoint directory: its
 latest complete one) saved in any layout, assembles the full tensors on one process (no process
-group) and writes HF safetensors. Exit status 0 on success, 1 when a round trip differs, 2 on a bad checkpoint or layout.
+group) and writes HF safetensors. Exit status 0 on success, 1 when a round trip differs, 2 on a bad
+checkpoint or layout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,21 +40,31 @@ def _factory(spec):
 
 def _parallel_state(args):
     import torch.distributed as dist
+
     from folding.parallel import ParallelLayout, build_parallel_state
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and max(args.tp, args.cp, args.ep, args.etp or 1) == 1:
         return None
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    return build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), tp=args.tp, cp=args.cp,
-                                               ep=args.ep, etp=args.etp))
+    return build_parallel_state(
+        ParallelLayout(world_size=dist.get_world_size(), tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp)
+    )
 
 
 def cmd_import(args) -> int:
     from folding.model.hf import from_hf
+
     model = from_hf(args.src, moe_factory=_factory(args.moe_factory))
-    torch.save({"model_config": dataclasses.asdict(model.config), "hf_config": model.hf_config,
-                "state_dict": model.state_dict()}, args.dst)
+    torch.save(
+        {
+            "model_config": dataclasses.asdict(model.config),
+            "hf_config": model.hf_config,
+            "state_dict": model.state_dict(),
+        },
+        args.dst,
+    )
     print(f"wrote {args.dst}: {sum(p.numel() for p in model.parameters())} parameters")
     return 0
 
@@ -62,6 +74,7 @@ def single_process_world():
     """A 1-process gloo world for the duration of the block when none exists (the engine's MoE
     layer needs an initialized ``torch.distributed``); an existing world is left as it is."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         yield
         return
@@ -77,10 +90,11 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
     Face checkpoint in ``out_dir``; return the checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
     from folding.model.config import ModelConfig
     from folding.model.hf import to_hf
+    from folding.model.moe_block import moe_factory_for
     from folding.model.transformer import MoETransformer
     from folding.moe.config import MoEConfig
-    from folding.model.moe_block import moe_factory_for
     from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
+
     path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
     if path is None:
         raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
@@ -106,6 +120,7 @@ def cmd_export(args) -> int:
     from folding.model.config import ModelConfig
     from folding.model.hf import to_hf
     from folding.model.transformer import MoETransformer
+
     blob = torch.load(args.src, map_location="cpu", weights_only=True)
     mc = dict(blob["model_config"], mlp_only_layers=tuple(blob["model_config"]["mlp_only_layers"]))
     model = MoETransformer(ModelConfig(**mc), moe_factory=_factory(args.moe_factory), initialize=False)
@@ -118,12 +133,15 @@ def cmd_export(args) -> int:
 
 def cmd_roundtrip(args) -> int:
     from safetensors import safe_open
+
     from folding.model.hf import _Reader, from_hf, to_hf
+
     ps = _parallel_state(args)
     model = from_hf(args.src, parallel_state=ps, moe_factory=_factory(args.moe_factory))
     to_hf(model, args.dst)
     if ps is not None:
         import torch.distributed as dist
+
         dist.barrier()
         if dist.get_rank() != 0:
             return 0
@@ -135,16 +153,21 @@ def cmd_roundtrip(args) -> int:
             if name not in names or not torch.equal(src._file(name).get_tensor(name), out.get_tensor(name)):
                 print(f"differs: {name}")
                 bad += 1
-    print(f"{len(src.weight_map) - bad}/{len(src.weight_map)} tensors bit-identical"
-          + (f" (layout {ps.layout.describe()})" if ps is not None else ""))
+    print(
+        f"{len(src.weight_map) - bad}/{len(src.weight_map)} tensors bit-identical"
+        + (f" (layout {ps.layout.describe()})" if ps is not None else "")
+    )
     return 1 if bad else 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("import", "HF directory -> engine .pt"), ("export", "engine .pt or training checkpoint -> HF directory"),
-                        ("roundtrip", "HF -> engine (in a layout) -> HF, compared bit for bit")):
+    for name, help_ in (
+        ("import", "HF directory -> engine .pt"),
+        ("export", "engine .pt or training checkpoint -> HF directory"),
+        ("roundtrip", "HF -> engine (in a layout) -> HF, compared bit for bit"),
+    ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("src", nargs="?" if name == "export" else None)
         s.add_argument("dst", nargs="?" if name == "export" else None)
@@ -158,6 +181,7 @@ def main(argv=None) -> int:
             s.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     args = p.parse_args(argv)
     from folding.model.hf_config import CheckpointError
+
     try:
         return {"import": cmd_import, "export": cmd_export, "roundtrip": cmd_roundtrip}[args.cmd](args)
     except (CheckpointError, ValueError) as e:

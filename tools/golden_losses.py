@@ -5,6 +5,7 @@ Run it only when a change is *meant* to change the numerics, and say so in the c
 
     python tools/golden_losses.py
 """
+
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ def main() -> None:
     out = {}
     with RankPool(1) as pool:
         for name in MODELS:
-            (losses, _, _), = pool.run(_train, [(name, {}, {}, False, {})], tempfile.mkdtemp(), False)[0]
+            ((losses, _, _),) = pool.run(_train, [(name, {}, {}, False, {})], tempfile.mkdtemp(), False)[0]
             out[name] = losses
     with open(GOLDEN, "w") as f:
         json.dump(out, f, indent=1)

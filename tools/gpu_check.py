@@ -14,6 +14,7 @@ fp32 on the ``loop`` backend; and the host↔device transfers of one MoE layer f
 Checks that need CUDA are listed as SKIPPED with the reason on a machine without it. Exits 1 if
 a check that ran failed, 0 otherwise. Takes well under a minute.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from folding.model.moe_block import moe_config_from_model  # noqa: E402
+from folding.model.moe_block import (
+    moe_config_from_model,  # noqa: E402
+    moe_factory_for,  # noqa: E402
+)
 from folding.model.presets import get_preset  # noqa: E402
 from folding.model.transformer import MoETransformer  # noqa: E402
 from folding.moe.config import MoEConfig  # noqa: E402
@@ -34,7 +38,6 @@ from folding.moe.expert_select import backend_support  # noqa: E402
 from folding.moe.layer import MoELayer  # noqa: E402
 from folding.parallel import ParallelLayout, build_parallel_state  # noqa: E402
 from folding.pipeline.p2p import P2P  # noqa: E402
-from folding.model.moe_block import moe_factory_for  # noqa: E402
 from folding.quant.emulate import RECIPES  # noqa: E402
 from folding.testing.transfer_audit import TransferAudit  # noqa: E402
 from folding.training.launch import init_world  # noqa: E402
@@ -60,8 +63,7 @@ def check_p2p(ps, dev):
         return SKIP, "needs 2 or more ranks"
     p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
     me = torch.full((4,), float(ps.rank), device=dev)
-    got = p2p.exchange(sends=[(1, me), (-1, me + 0.5)],
-                       recvs=[(-1, (4,), me.dtype, dev), (1, (4,), me.dtype, dev)])
+    got = p2p.exchange(sends=[(1, me), (-1, me + 0.5)], recvs=[(-1, (4,), me.dtype, dev), (1, (4,), me.dtype, dev)])
     want_prev, want_next = float(p2p.peer(-1)), float(p2p.peer(1)) + 0.5
     ok = bool((got[0] == want_prev).all()) and bool((got[1] == want_next).all())
     return (PASS if ok else FAIL), f"next/prev of {world} ranks" + ("" if ok else f": got {got[0][0]}, {got[1][0]}")
@@ -94,8 +96,9 @@ def backend_rows(dev):
 def _tiny_step(ps, dev, backend, recipe, dtype):
     cfg = get_preset("mixtral_tiny").replace(num_layers=2)
     moe = moe_config_from_model(cfg, expert_backend=backend, fp8_recipe=recipe)
-    model = MoETransformer(cfg, parallel_state=ps, moe_factory=moe_factory_for(moe), device=dev, dtype=dtype,
-                           init_seed=3)
+    model = MoETransformer(
+        cfg, parallel_state=ps, moe_factory=moe_factory_for(moe), device=dev, dtype=dtype, init_seed=3
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g).to(dev)
     loss = model(ids, labels=ids).float().mean()
@@ -117,8 +120,14 @@ def check_training(ps, dev, rows):
         dl, dn = abs(loss - ref[0]) / abs(ref[0]), abs(norm - ref[1]) / abs(ref[1])
         tol = 5e-2 if recipe is not None else (2e-2 if dtype == torch.bfloat16 else 1e-4)
         good = dl <= tol and dn <= 5 * tol
-        out.append((label, PASS if good else FAIL, f"loss {loss:.4f} vs {ref[0]:.4f} fp32 ({dl:.1e}), "
-                    f"grad norm {norm:.4f} vs {ref[1]:.4f} ({dn:.1e}), {dtype}"))
+        out.append(
+            (
+                label,
+                PASS if good else FAIL,
+                f"loss {loss:.4f} vs {ref[0]:.4f} fp32 ({dl:.1e}), "
+                f"grad norm {norm:.4f} vs {ref[1]:.4f} ({dn:.1e}), {dtype}",
+            )
+        )
     return out
 
 
@@ -127,9 +136,16 @@ def check_transfers(ps, dev):
     if not backend_support("torch", None, dev, torch.float32)[0]:
         return SKIP, "no torch grouped_mm on this device"
     cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32, expert_backend="torch")
-    layer = MoELayer(config=cfg, hidden_size=64, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                     tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                     device=dev)
+    layer = MoELayer(
+        config=cfg,
+        hidden_size=64,
+        ep_group=ps.ep_group,
+        etp_group=ps.etp_group,
+        tp_cp_group=ps.tp_cp_group,
+        tp_dp_cp_group=ps.tp_dp_cp_group,
+        tp_group=ps.tp_group,
+        device=dev,
+    )
     x = torch.randn(16, 2, 64, device=dev, requires_grad=True)
     layer(x).sum().backward()
     with TransferAudit() as audit:
@@ -180,8 +196,10 @@ def main() -> int:
         failed = any(status == FAIL for rows in everyone for _, status, _ in rows)
         if dist.get_rank() == 0:
             width = max(len(name) for name, _, _ in everyone[0])
-            print(f"folding gpu_check: {dist.get_world_size()} rank(s), torch {torch.__version__}, "
-                  f"backend {dist.get_backend()}")
+            print(
+                f"folding gpu_check: {dist.get_world_size()} rank(s), torch {torch.__version__}, "
+                f"backend {dist.get_backend()}"
+            )
             for i, (name, _, _) in enumerate(everyone[0]):
                 statuses = [rows[i][1] for rows in everyone]
                 worst = FAIL if FAIL in statuses else statuses[0]

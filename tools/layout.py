@@ -10,6 +10,7 @@ one-line message on stderr naming the violated constraint and the flag to change
 the expert groups ``etp``, ``ep``, ``edp`` as the user guide does; the JSON keeps the rank-math keys
 (``expert.tp`` is ETP, ``expert.dp`` is EDP).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ EXPERT_LABELS = {"tp": "etp", "dp": "edp", "tp-ep": "etp-ep", "tp-ep-pp": "etp-e
 
 def flag_hint(message: str) -> str:
     """A layout error with the training config's keys replaced by this tool's flags."""
-    message = re.sub(r"parallel\.(\w+\*)", r"\1", message)          # a product: tp*cp*pp
+    message = re.sub(r"parallel\.(\w+\*)", r"\1", message)  # a product: tp*cp*pp
     message = re.sub(r"parallel\.(\w+)=null", r"no --\1", message)
     message = re.sub(r"parallel\.(\w+)=([^\s;,)]+)", r"--\1 \2", message)
     message = re.sub(r"parallel\.(\w+)", r"--\1", message)
@@ -63,8 +64,17 @@ def _table(title, groups, labels=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        layout = ParallelLayout(world_size=args.world, tp=args.tp, cp=args.cp, pp=args.pp, vpp=args.vpp,
-                                ep=args.ep, etp=args.etp, order=args.order, num_experts=args.num_experts)
+        layout = ParallelLayout(
+            world_size=args.world,
+            tp=args.tp,
+            cp=args.cp,
+            pp=args.pp,
+            vpp=args.vpp,
+            ep=args.ep,
+            etp=args.etp,
+            order=args.order,
+            num_experts=args.num_experts,
+        )
     except LayoutError as e:
         print(f"error: {flag_hint(str(e))}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ optimizer, and prints measured bytes next to the model (use a tiny preset). An i
 exits with status 2 and a one-line message naming the setting. The flags are those of tools/plan.py
 and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,23 +20,47 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
 from folding.model.presets import get_preset, list_presets  # noqa: E402
+from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
 from folding.planning.memory import RECOMPUTE_MODES, ModelSizes, memory_per_rank  # noqa: E402
 
 PRESETS = {name: ModelSizes.from_model_config(get_preset(name)) for name in list_presets()}
-PRESETS["tiny"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8, moe_ffn_hidden_size=16,
-                             top_k=2, num_attention_heads=4, num_query_groups=2)
-PRESETS["tiny-qwen2"] = ModelSizes(vocab_size=128, hidden_size=32, num_layers=2, num_experts=8,
-                                   moe_ffn_hidden_size=8, top_k=4, num_attention_heads=4, num_query_groups=2,
-                                   qkv_bias=True, shared_expert_ffn_hidden_size=32, shared_expert_gate=True)
+PRESETS["tiny"] = ModelSizes(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=2,
+    num_experts=8,
+    moe_ffn_hidden_size=16,
+    top_k=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+)
+PRESETS["tiny-qwen2"] = ModelSizes(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=2,
+    num_experts=8,
+    moe_ffn_hidden_size=8,
+    top_k=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    qkv_bias=True,
+    shared_expert_ffn_hidden_size=32,
+    shared_expert_gate=True,
+)
 KINDS = ("params_dense", "params_expert", "grads_dense", "grads_expert", "optimizer_dense", "optimizer_expert")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", "--preset", dest="preset", choices=sorted(PRESETS), required=True,
-                   help="model preset (--preset is an alias)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="preset",
+        choices=sorted(PRESETS),
+        required=True,
+        help="model preset (--preset is an alias)",
+    )
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     for axis in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{axis}", type=int, default=1)
@@ -44,16 +69,36 @@ def parse_args(argv=None):
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 (optim.distributed=true)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="train.recompute")
-    p.add_argument("--seq-length", "--seq", dest="seq", type=int, default=0,
-                   help="tokens per sample (0: no activations; --seq is an alias)")
-    p.add_argument("--micro-batch-size", "--mbs", dest="mbs", type=int, default=1,
-                   help="samples per micro-batch (--mbs is an alias)")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches per step and replica (caps the pipeline's in-flight count)")
-    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
-                   help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
-                        "as folding's is (the default; the flag is accepted for older scripts); "
-                        "--no-fused-swiglu estimates a plain-autograd activation (5 per row)")
+    p.add_argument(
+        "--seq-length",
+        "--seq",
+        dest="seq",
+        type=int,
+        default=0,
+        help="tokens per sample (0: no activations; --seq is an alias)",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        "--mbs",
+        dest="mbs",
+        type=int,
+        default=1,
+        help="samples per micro-batch (--mbs is an alias)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step and replica (caps the pipeline's in-flight count)",
+    )
+    p.add_argument(
+        "--fused-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
+        "as folding's is (the default; the flag is accepted for older scripts); "
+        "--no-fused-swiglu estimates a plain-autograd activation (5 per row)",
+    )
     p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks")
     return p.parse_args(argv)
 
@@ -65,23 +110,45 @@ def _gib(n):
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        layout = ParallelLayout(world_size=a.world, tp=a.tp, cp=a.cp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp,
-                                num_experts=PRESETS[a.preset].num_experts)
+        layout = ParallelLayout(
+            world_size=a.world,
+            tp=a.tp,
+            cp=a.cp,
+            pp=a.pp,
+            vpp=a.vpp,
+            ep=a.ep,
+            etp=a.etp,
+            num_experts=PRESETS[a.preset].num_experts,
+        )
         pb = 4 if a.param_dtype == "float32" else 2
-        ests = [memory_per_rank(PRESETS[a.preset], layout, param_bytes=pb, distributed=a.distributed,
-                                recompute=a.recompute, seq_length=a.seq, micro_batch_size=a.mbs, stage=s,
-                                num_microbatches=a.microbatches, fused_swiglu=a.fused_swiglu)
-                for s in range(layout.pp)]
+        ests = [
+            memory_per_rank(
+                PRESETS[a.preset],
+                layout,
+                param_bytes=pb,
+                distributed=a.distributed,
+                recompute=a.recompute,
+                seq_length=a.seq,
+                micro_batch_size=a.mbs,
+                stage=s,
+                num_microbatches=a.microbatches,
+                fused_swiglu=a.fused_swiglu,
+            )
+            for s in range(layout.pp)
+        ]
     except (LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{a.preset}: {layout.describe()}  optim.distributed={a.distributed}  params {a.param_dtype}")
     for e in ests:
-        print(f"  stage {e.stage}: " + "  ".join(f"{k}={_gib(v).strip()}" for k, v in e.as_dict().items()
-                                                  if k != "stage"))
+        print(
+            f"  stage {e.stage}: " + "  ".join(f"{k}={_gib(v).strip()}" for k, v in e.as_dict().items() if k != "stage")
+        )
     if a.measure:
         from memory_measure import measure_on_rank  # tools/: beside this script
+
         from folding.testing import RankPool
+
         with RankPool(a.world) as pool:
             kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp)
             res = pool.run(measure_on_rank, PRESETS[a.preset], kw, distributed=a.distributed, dtype=a.param_dtype)

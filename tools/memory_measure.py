@@ -10,6 +10,7 @@ Usage (one call per rank, e.g. through ``folding.testing.RankPool``)::
 
     measure_on_rank(sizes, dict(tp=2, ep=2, etp=2), distributed=True, dtype="bfloat16")
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +19,11 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from folding.optim.config import OptimConfig
+from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import mark_param
 from folding.planning.memory import ModelSizes, memory_per_rank, stage_layers
-
-from folding.optim.config import OptimConfig
-from folding.optim.optimizer import FoldedOptimizer
 
 
 class ShapedModel(torch.nn.Module):
@@ -57,8 +57,10 @@ class ShapedModel(torch.nn.Module):
                 add(f"l{i}_dense_fc1_weight", (2 * s.ffn_hidden_size // tp, h), tp_sharded=True, tp_dim=0)
                 add(f"l{i}_dense_fc2_weight", (h, s.ffn_hidden_size // tp), tp_sharded=True, tp_dim=1)
                 continue
-            for tag, f, gated in (("mlp", s.dense_ffn_hidden_size, s.dense_gated),
-                                  ("shared", s.shared_expert_ffn_hidden_size, True)):
+            for tag, f, gated in (
+                ("mlp", s.dense_ffn_hidden_size, s.dense_gated),
+                ("shared", s.shared_expert_ffn_hidden_size, True),
+            ):
                 if f:
                     w = (2 if gated else 1) * f
                     add(f"l{i}_{tag}_fc1_weight", (w // tp, h), tp_sharded=True, tp_dim=0)
@@ -77,8 +79,9 @@ class ShapedModel(torch.nn.Module):
                 add("output_weight", (s.vocab_size // tp, h), tp_sharded=True, tp_dim=0, embedding_tied=tied)
 
 
-def measure_on_rank(sizes: ModelSizes, layout_kwargs: Dict, *, distributed: bool, dtype: str = "float32",
-                    bucket_size: int = 40_000_000) -> Dict:
+def measure_on_rank(
+    sizes: ModelSizes, layout_kwargs: Dict, *, distributed: bool, dtype: str = "float32", bucket_size: int = 40_000_000
+) -> Dict:
     """Build this rank's :class:`ShapedModel` and optimizer; return ``{"measured", "model", "rank"}``
     (bytes by kind, from ``FoldedOptimizer.memory_bytes`` and ``memory_per_rank``). Collective."""
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs)
@@ -86,12 +89,19 @@ def measure_on_rank(sizes: ModelSizes, layout_kwargs: Dict, *, distributed: bool
     try:
         tdtype = getattr(torch, dtype)
         model = ShapedModel(sizes, layout, stage=ps.pp_rank, dtype=tdtype)
-        opt = FoldedOptimizer(model, OptimConfig(distributed=distributed, decay_style="constant",
-                                                 bucket_size=bucket_size), parallel_state=ps)
-        est = memory_per_rank(sizes, layout, param_bytes=torch.tensor([], dtype=tdtype).element_size(),
-                              distributed=distributed, stage=ps.pp_rank)
+        opt = FoldedOptimizer(
+            model,
+            OptimConfig(distributed=distributed, decay_style="constant", bucket_size=bucket_size),
+            parallel_state=ps,
+        )
+        est = memory_per_rank(
+            sizes,
+            layout,
+            param_bytes=torch.tensor([], dtype=tdtype).element_size(),
+            distributed=distributed,
+            stage=ps.pp_rank,
+        )
         model_bytes = {k: v for k, v in dataclasses.asdict(est).items() if k not in ("activations", "stage")}
-        return {"rank": dist.get_rank(), "stage": ps.pp_rank, "measured": opt.memory_bytes(),
-                "model": model_bytes}
+        return {"rank": dist.get_rank(), "stage": ps.pp_rank, "measured": opt.memory_bytes(), "model": model_bytes}
     finally:
         ps.destroy()

@@ -13,6 +13,7 @@ memory. Layouts that do not fit in the GPU's memory are dropped. The cost model 
 described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr. The flags are those of
 tools/memory.py and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,29 +33,57 @@ def parse_args(argv=None):
     """Command-line arguments (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(list_presets())}")
-    p.add_argument("--world", "--gpus", dest="gpus", type=int, required=True,
-                   help="number of GPUs (world size; --gpus is an alias)")
+    p.add_argument(
+        "--world",
+        "--gpus",
+        dest="gpus",
+        type=int,
+        required=True,
+        help="number of GPUs (world size; --gpus is an alias)",
+    )
     p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(list_gpus())} (default h100)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
-    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
-                   help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
-                        "as folding's and Megatron-Core's are (the default; the flag is accepted for older scripts); "
-                        "--no-fused-swiglu plans for a plain-autograd activation (5 per row)")
+    p.add_argument(
+        "--fused-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the experts' weighted SwiGLU is one autograd node keeping 3 F-wide tensors per routed row, "
+        "as folding's and Megatron-Core's are (the default; the flag is accepted for older scripts); "
+        "--no-fused-swiglu plans for a plain-autograd activation (5 per row)",
+    )
     p.add_argument("--nvlink-domain", type=int, default=8, help="GPUs per NVLink domain (default 8)")
-    p.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=False,
-                   help="chunk all sequence-parallel communication behind the GEMMs (userbuffers, Megatron-Core's "
-                        "--tp-comm-overlap); off by default, as in Megatron-Core and folding: forward collectives "
-                        "exposed, backward ones partly overlapped (--no-tp-comm-overlap, the default, is accepted)")
-    p.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
-                   help=f"fraction of peak BF16 FLOP/s the GEMMs reach (default {COMPUTE_EFFICIENCY}, calibrated)")
-    p.add_argument("--unfolded", action="store_true",
-                   help="plan Megatron-Core layouts without folding (ETP=TP, EP inside DP) instead")
-    p.add_argument("--all-variants", action="store_true",
-                   help="list every VPP / recompute / optimizer variant, not only the best per mapping")
+    p.add_argument(
+        "--tp-comm-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="chunk all sequence-parallel communication behind the GEMMs (userbuffers, Megatron-Core's "
+        "--tp-comm-overlap); off by default, as in Megatron-Core and folding: forward collectives "
+        "exposed, backward ones partly overlapped (--no-tp-comm-overlap, the default, is accepted)",
+    )
+    p.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=COMPUTE_EFFICIENCY,
+        help=f"fraction of peak BF16 FLOP/s the GEMMs reach (default {COMPUTE_EFFICIENCY}, calibrated)",
+    )
+    p.add_argument(
+        "--unfolded",
+        action="store_true",
+        help="plan Megatron-Core layouts without folding (ETP=TP, EP inside DP) instead",
+    )
+    p.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="list every VPP / recompute / optimizer variant, not only the best per mapping",
+    )
     p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
-    p.add_argument("--json", action="store_true", help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)",
+    )
     return p.parse_args(argv)
 
 
@@ -62,9 +91,11 @@ def _line(i: int, r) -> str:
     p = r.plan
     vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
-    return (f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
-            f"TP{p.tp} CP{p.cp} DP{p.dp} PP{p.pp}{vpp} | ETP{p.etp} EP{p.ep} EDP{p.edp}  "
-            f"recompute={p.recompute} {opt}")
+    return (
+        f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
+        f"TP{p.tp} CP{p.cp} DP{p.dp} PP{p.pp}{vpp} | ETP{p.etp} EP{p.ep} EDP{p.edp}  "
+        f"recompute={p.recompute} {opt}"
+    )
 
 
 def main(argv=None) -> int:
@@ -73,27 +104,40 @@ def main(argv=None) -> int:
     try:
         cfg = get_preset(args.model)
         gpu = get_gpu(args.gpu)
-        cluster = Cluster(gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain,
-                          tp_comm_overlap=args.tp_comm_overlap)
-        shape = TrainingShape(seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                              micro_batch_size=args.micro_batch_size, fused_swiglu=args.fused_swiglu)
-        results = plan_layouts(cfg, cluster=cluster, shape=shape, compute_efficiency=args.compute_efficiency,
-                               folded=not args.unfolded, distinct=not args.all_variants)
+        cluster = Cluster(
+            gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain, tp_comm_overlap=args.tp_comm_overlap
+        )
+        shape = TrainingShape(
+            seq_length=args.seq_length,
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            fused_swiglu=args.fused_swiglu,
+        )
+        results = plan_layouts(
+            cfg,
+            cluster=cluster,
+            shape=shape,
+            compute_efficiency=args.compute_efficiency,
+            folded=not args.unfolded,
+            distinct=not args.all_variants,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([r.to_dict() for r in results]))
         return 0 if results else 1
-    head = (f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
-            f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
-            f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
-            f"compute efficiency {args.compute_efficiency})")
+    head = (
+        f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
+        f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
+        f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
+        f"compute efficiency {args.compute_efficiency})"
+    )
     print(head)
     if not results:
         print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
         return 1
-    for i, r in enumerate(results[:args.top], 1):
+    for i, r in enumerate(results[: args.top], 1):
         print(_line(i, r))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))

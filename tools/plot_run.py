@@ -9,6 +9,7 @@ ones of the steps it repeats (steps after the checkpoint it resumed from).
 The heatmap shows each expert's share of its layer's routed tokens, averaged over the steps of the
 run (or the last ``--last`` steps); 1/E everywhere is perfect balance.
 """
+
 import argparse
 import json
 import os
@@ -49,7 +50,7 @@ def load_matrix(train, last=None):
         rows = rows[-last:]
     if not rows:
         return None
-    counts = np.asarray(rows, dtype=np.float64)                      # [steps, L, E]
+    counts = np.asarray(rows, dtype=np.float64)  # [steps, L, E]
     share = counts / np.maximum(counts.sum(axis=2, keepdims=True), 1.0)
     return share.mean(axis=0)
 

@@ -13,6 +13,7 @@ Usage::
 
 Then train on it with ``data.paths=[data/docs]`` and the same ``data.tokenizer``.
 """
+
 import argparse
 import sys
 
@@ -22,34 +23,53 @@ from folding.data.preprocess import INPUT_FORMATS, TEXT_SPLITS, preprocess_jsonl
 def main(argv=None) -> int:
     """Parse the command line, run the tokenization, print a summary; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True,
-                   help="JSON-lines file, one document per line, or plain text (.txt); optionally .gz")
-    p.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
-                   help="jsonl or text (default auto: text for .txt/.txt.gz, else jsonl)")
-    p.add_argument("--text-split", default="paragraph", choices=TEXT_SPLITS,
-                   help="plain text: one document per paragraph (blank-line separated; default), line or file")
+    p.add_argument(
+        "--input", required=True, help="JSON-lines file, one document per line, or plain text (.txt); optionally .gz"
+    )
+    p.add_argument(
+        "--input-format",
+        default="auto",
+        choices=INPUT_FORMATS,
+        help="jsonl or text (default auto: text for .txt/.txt.gz, else jsonl)",
+    )
+    p.add_argument(
+        "--text-split",
+        default="paragraph",
+        choices=TEXT_SPLITS,
+        help="plain text: one document per paragraph (blank-line separated; default), line or file",
+    )
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
-    p.add_argument("--tokenizer", default="byte",
-                   help="'byte' (built-in byte-level) or the local path of a Hugging Face tokenizer")
+    p.add_argument(
+        "--tokenizer", default="byte", help="'byte' (built-in byte-level) or the local path of a Hugging Face tokenizer"
+    )
     p.add_argument("--json-key", default="text", help="key of the text in each JSON object (default: text)")
     p.add_argument("--append-eod", action="store_true", help="append the EOD token after every document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes (default: 1)")
-    p.add_argument("--dtype", default=None,
-                   help="token dtype (default: uint16 if the vocabulary fits, else int32)")
+    p.add_argument("--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress line")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers={args.workers} must be >= 1")
     try:
-        stats = preprocess_jsonl(args.input, args.output_prefix, tokenizer=args.tokenizer,
-                                 json_key=args.json_key, append_eod=args.append_eod, workers=args.workers,
-                                 progress=not args.no_progress, dtype=args.dtype,
-                                 input_format=args.input_format, text_split=args.text_split)
+        stats = preprocess_jsonl(
+            args.input,
+            args.output_prefix,
+            tokenizer=args.tokenizer,
+            json_key=args.json_key,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            progress=not args.no_progress,
+            dtype=args.dtype,
+            input_format=args.input_format,
+            text_split=args.text_split,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx: {stats['documents']} documents, "
-          f"{stats['tokens']} tokens, dtype {stats['dtype']}, vocab_size {stats['vocab_size']}")
+    print(
+        f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx: {stats['documents']} documents, "
+        f"{stats['tokens']} tokens, dtype {stats['dtype']}, vocab_size {stats['vocab_size']}"
+    )
     return 0
 
 

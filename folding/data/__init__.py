@@ -9,15 +9,25 @@ Usage::
 
 See docs/data.md for the user guide.
 """
+
 import importlib
 
 _EXPORTS = {
-    "BlendedDataset": "blend", "parse_split": "blend", "split_ranges": "blend",
-    "Data": "build", "build_data": "build", "DataConfig": "config",
-    "default_corpus_prefix": "corpus", "GPTDataset": "gpt_dataset",
-    "IndexedDataset": "indexed", "IndexedDatasetError": "indexed", "IndexedDatasetWriter": "indexed",
+    "BlendedDataset": "blend",
+    "parse_split": "blend",
+    "split_ranges": "blend",
+    "Data": "build",
+    "build_data": "build",
+    "DataConfig": "config",
+    "default_corpus_prefix": "corpus",
+    "GPTDataset": "gpt_dataset",
+    "IndexedDataset": "indexed",
+    "IndexedDatasetError": "indexed",
+    "IndexedDatasetWriter": "indexed",
     "MicroBatchIterator": "sampler",
-    "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "build_tokenizer": "tokenizer",
 }
 __all__ = sorted(_EXPORTS)
 

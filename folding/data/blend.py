@@ -20,6 +20,7 @@ Usage::
     blend = BlendedDataset([ds_a, ds_b], [0.7, 0.3])
     blend[i]          # -> (component d, index within d); blend.sample(i) -> the component's sample
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -44,8 +45,10 @@ def parse_split(split) -> List[float]:
     except ValueError:
         raise ValueError(f"data.split={split!r} must be comma-separated numbers such as '969,30,1'") from None
     if not 1 <= len(values) <= 3 or any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
-        raise ValueError(f"data.split={split!r} must be 1 to 3 non-negative numbers with a positive sum, "
-                         f"e.g. '969,30,1' (train, valid, test)")
+        raise ValueError(
+            f"data.split={split!r} must be 1 to 3 non-negative numbers with a positive sum, "
+            f"e.g. '969,30,1' (train, valid, test)"
+        )
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return [v / total for v in values]
@@ -62,8 +65,10 @@ def split_ranges(split: str, num_documents: int) -> List[Tuple[int, int]]:
 def normalize_weights(weights: Sequence[float], num_paths: int) -> List[float]:
     """Blend weights normalized to sum 1, checked against the number of ``data.paths``."""
     if len(weights) != num_paths:
-        raise ValueError(f"data.weights has {len(weights)} entries but data.paths has {num_paths}; "
-                         f"give one weight per path (or leave data.weights empty for equal weights)")
+        raise ValueError(
+            f"data.weights has {len(weights)} entries but data.paths has {num_paths}; "
+            f"give one weight per path (or leave data.weights empty for equal weights)"
+        )
     w = [float(x) for x in weights]
     if any(x < 0 or not np.isfinite(x) for x in w) or sum(w) <= 0:
         raise ValueError(f"data.weights={list(weights)} must be non-negative with a positive sum")
@@ -82,7 +87,6 @@ class BlendedDataset:
             raise ValueError("BlendedDataset needs one weight per dataset and at least one dataset")
         self.datasets = list(datasets)
         self.weights = np.asarray(normalize_weights(weights, len(datasets)), np.float64)
-        n = len(self.datasets)
         positive = self.weights[self.weights > 0]
         self.block_size = max(int(block_size), int(np.ceil(2.0 / positive.min())))
         """Samples per block ``M`` (at least ``2 / min weight``, so every block's quotas are >= 0)."""

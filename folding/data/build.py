@@ -14,6 +14,7 @@ Usage::
     state = data.state_dict()                     # save with the checkpoint
     data.load_state_dict(state)                   # exact resume
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,13 +54,18 @@ class Data:
 
     def describe(self) -> str:
         """A few lines for the job log: datasets, and per split the samples per epoch and the blend."""
-        lines = [f"data: {len(self.prefixes)} dataset(s), tokenizer {self.tokenizer.name} "
-                 f"(vocab_size {self.vocab_size}, eod {self.tokenizer.eod})"]
+        lines = [
+            f"data: {len(self.prefixes)} dataset(s), tokenizer {self.tokenizer.name} "
+            f"(vocab_size {self.vocab_size}, eod {self.tokenizer.eod})"
+        ]
         for name, it in self._iterators().items():
             ds = it.dataset
             parts = list(zip(ds.datasets, ds.weights)) if isinstance(ds, BlendedDataset) else [(ds, 1.0)]
-            body = ", ".join(f"{p.indexed.prefix} docs [{p.begin}, {p.end}) {p.num_tokens} tokens "
-                             f"{p.samples_per_epoch} samples/epoch weight {w:.3f}" for p, w in parts)
+            body = ", ".join(
+                f"{p.indexed.prefix} docs [{p.begin}, {p.end}) {p.num_tokens} tokens "
+                f"{p.samples_per_epoch} samples/epoch weight {w:.3f}"
+                for p, w in parts
+            )
             lines.append(f"  {name}: {body}")
         return "\n".join(lines)
 
@@ -77,9 +83,17 @@ class Data:
         return {n: it for n, it in (("train", self.train), ("valid", self.valid), ("test", self.test)) if it}
 
 
-def build_data(config: DataConfig, *, seq_length: int, global_batch_size: int, micro_batch_size: int,
-               dp_rank: int, dp_size: int, seed: Optional[int] = None,
-               eval_global_batch_size: Optional[int] = None) -> Data:
+def build_data(
+    config: DataConfig,
+    *,
+    seq_length: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: Optional[int] = None,
+    eval_global_batch_size: Optional[int] = None,
+) -> Data:
     """Open, split and blend the datasets of ``config`` and return this DP rank's iterators.
 
     ``seed`` overrides ``config.seed`` when given. ``eval_global_batch_size`` (default: the training
@@ -103,20 +117,28 @@ def build_data(config: DataConfig, *, seq_length: int, global_batch_size: int, m
     indexed = [IndexedDataset(p) for p in prefixes]
     for p, ds in zip(prefixes, indexed):
         if ds.num_tokens == 0:
-            raise ValueError(f"dataset {p} (data.paths) holds no tokens; remove it or re-run "
-                             f"tools/preprocess_data.py on non-empty input")
+            raise ValueError(
+                f"dataset {p} (data.paths) holds no tokens; remove it or re-run "
+                f"tools/preprocess_data.py on non-empty input"
+            )
         if ds.dtype.kind not in "iu":
-            raise ValueError(f"dataset {p} stores {ds.dtype.name} values, not token ids; a training "
-                             f"dataset needs an integer dtype (re-run tools/preprocess_data.py)")
+            raise ValueError(
+                f"dataset {p} stores {ds.dtype.name} values, not token ids; a training "
+                f"dataset needs an integer dtype (re-run tools/preprocess_data.py)"
+            )
         head = ds.get(0, 0, min(int(ds.sequence_lengths[0]), 1 << 20)) if len(ds) else np.zeros(0)
         if head.size and (int(head.min()) < 0 or int(head.max()) >= tok.vocab_size):
-            raise ValueError(f"dataset {p} holds token ids outside [0, {tok.vocab_size}) of "
-                             f"data.tokenizer={config.tokenizer!r}; set data.tokenizer to the one the "
-                             f"dataset was written with")
+            raise ValueError(
+                f"dataset {p} holds token ids outside [0, {tok.vocab_size}) of "
+                f"data.tokenizer={config.tokenizer!r}; set data.tokenizer to the one the "
+                f"dataset was written with"
+            )
     fractions = parse_split(config.split)
     if fractions[0] == 0:
-        raise ValueError(f"data.split={config.split!r} gives the train split no documents; "
-                         f"give it a positive first number, e.g. '969,30,1'")
+        raise ValueError(
+            f"data.split={config.split!r} gives the train split no documents; "
+            f"give it a positive first number, e.g. '969,30,1'"
+        )
     splits = {}
     for k, name in enumerate(SPLIT_NAMES):
         parts = []
@@ -129,19 +151,40 @@ def build_data(config: DataConfig, *, seq_length: int, global_batch_size: int, m
                     raise ValueError(
                         f"dataset {p} has no documents in the {name!r} split of data.split="
                         f"{config.split!r} ({ds.num_documents} documents); give that split more weight, "
-                        f"set it to 0, or use a larger dataset")
+                        f"set it to 0, or use a larger dataset"
+                    )
                 continue
-            parts.append((GPTDataset(ds, documents=(begin, end), seq_length=seq_length, seed=seed,
-                                     stream=f"{name}/{d}", pad=tok.eod, cache_dir=cache_dir,
-                                     shuffle=config.shuffle), w))
+            parts.append(
+                (
+                    GPTDataset(
+                        ds,
+                        documents=(begin, end),
+                        seq_length=seq_length,
+                        seed=seed,
+                        stream=f"{name}/{d}",
+                        pad=tok.eod,
+                        cache_dir=cache_dir,
+                        shuffle=config.shuffle,
+                    ),
+                    w,
+                )
+            )
         if not parts:
             splits[name] = None
             continue
-        dataset = parts[0][0] if len(parts) == 1 else BlendedDataset(
-            [p for p, _ in parts], [w for _, w in parts], block_size=config.blend_block_size)
+        dataset = (
+            parts[0][0]
+            if len(parts) == 1
+            else BlendedDataset([p for p, _ in parts], [w for _, w in parts], block_size=config.blend_block_size)
+        )
         splits[name] = MicroBatchIterator(
-            dataset, global_batch_size=global_batch_size if name == "train" else eval_gbs,
-            micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seq_length=seq_length,
-            eod=tok.eod, eod_mask_loss=config.eod_mask_loss)
-    return Data(train=splits["train"], valid=splits["valid"], test=splits["test"], tokenizer=tok,
-                prefixes=prefixes)
+            dataset,
+            global_batch_size=global_batch_size if name == "train" else eval_gbs,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seq_length=seq_length,
+            eod=tok.eod,
+            eod_mask_loss=config.eod_mask_loss,
+        )
+    return Data(train=splits["train"], valid=splits["valid"], test=splits["test"], tokenizer=tok, prefixes=prefixes)

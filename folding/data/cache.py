@@ -12,6 +12,7 @@ Usage::
 
     path = build_once("/cache/sample_index-3f2a", lambda tmp: np.save(f"{tmp}/idx.npy", arr))
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -34,8 +35,10 @@ def build_once(final: str, build: Callable[[str], None]) -> str:
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        raise OSError(f"cannot create the cache directory {parent} (data.cache_dir): {e}; "
-                      f"set data.cache_dir to a writable directory") from e
+        raise OSError(
+            f"cannot create the cache directory {parent} (data.cache_dir): {e}; "
+            f"set data.cache_dir to a writable directory"
+        ) from e
     with open(final + ".lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:

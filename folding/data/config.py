@@ -9,6 +9,7 @@ Usage::
                      weights=[0.7, 0.3], split="969,30,1", tokenizer="/models/tok", seed=1234)
     DataConfig()       # the embedded default corpus, byte tokenizer
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,12 +54,12 @@ class DataConfig:
         self.paths = [str(p) for p in self.paths]
         for p in self.paths:
             if p.endswith(".bin") or p.endswith(".idx"):
-                raise ValueError(f"data.paths entry {p!r} must be a prefix without .bin/.idx, "
-                                 f"e.g. {p[:-4]!r}")
+                raise ValueError(f"data.paths entry {p!r} must be a prefix without .bin/.idx, e.g. {p[:-4]!r}")
         if self.weights:
             if not self.paths:
-                raise ValueError("data.weights is set but data.paths is empty; give the paths to blend "
-                                 "or clear data.weights")
+                raise ValueError(
+                    "data.weights is set but data.paths is empty; give the paths to blend or clear data.weights"
+                )
             normalize_weights(self.weights, len(self.paths))
         parse_split(self.split)
         if isinstance(self.split, (list, tuple)):  # one spelling for the cache keys and the saved config
@@ -67,6 +68,9 @@ class DataConfig:
             raise ValueError(f"data.tokenizer={self.tokenizer!r} must be 'byte' or a local tokenizer path")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"data.seed={self.seed!r} must be an integer")
-        if isinstance(self.blend_block_size, bool) or not isinstance(self.blend_block_size, int) \
-                or self.blend_block_size < 1:
+        if (
+            isinstance(self.blend_block_size, bool)
+            or not isinstance(self.blend_block_size, int)
+            or self.blend_block_size < 1
+        ):
             raise ValueError(f"data.blend_block_size={self.blend_block_size!r} must be an integer >= 1")

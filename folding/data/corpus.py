@@ -17,6 +17,7 @@ Usage::
     prefix = default_corpus_prefix("byte", cache_dir)   # -> a prefix for IndexedDataset
     generate_stdlib_corpus("out.jsonl.gz")              # regenerate from the running Python
 """
+
 from __future__ import annotations
 
 import ast
@@ -34,8 +35,19 @@ CORPUS_FILE = os.path.join(os.path.dirname(__file__), "corpus", "stdlib_docs.jso
 """Path of the shipped corpus (JSON lines, gzip, key ``text``)."""
 LICENSE_FILE = os.path.join(os.path.dirname(__file__), "corpus", "LICENSE-PSF.txt")
 """Path of the license of the shipped corpus text."""
-_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages", "ensurepip",
-              "pydoc_data", "__pycache__", "config-3.11-x86_64-linux-gnu"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "tkinter",
+    "turtledemo",
+    "site-packages",
+    "ensurepip",
+    "pydoc_data",
+    "__pycache__",
+    "config-3.11-x86_64-linux-gnu",
+}
 
 
 def _module_entries(name: str, source: str) -> List[str]:
@@ -71,7 +83,8 @@ def generate_stdlib_corpus(out_path: str, max_bytes: int = 4_500_000, doc_bytes:
     """Write the corpus (gzip JSON lines) from the running Python's standard library; returns documents.
 
     Modules are visited in sorted path order, tests and GUI packages skipped, until ``max_bytes`` of
-    text. A module's entries are grouped into documents of about ``doc_bytes`` characters. The result depends on the Python version, which is why the package ships a fixed copy.
+    text. A module's entries are grouped into documents of about ``doc_bytes`` characters. The result
+    depends on the Python version, which is why the package ships a fixed copy.
     """
     root = sysconfig.get_paths()["stdlib"]
     paths = []
@@ -111,8 +124,10 @@ def generate_stdlib_corpus(out_path: str, max_bytes: int = 4_500_000, doc_bytes:
 def default_corpus_prefix(tokenizer: str = "byte", cache_dir: Optional[str] = None) -> str:
     """Prefix of the embedded corpus tokenized with ``tokenizer``, building it in ``cache_dir`` once."""
     if not os.path.isfile(CORPUS_FILE):
-        raise FileNotFoundError(f"the embedded corpus {CORPUS_FILE} is missing from the installation; "
-                                f"reinstall folding or set data.paths to your own datasets")
+        raise FileNotFoundError(
+            f"the embedded corpus {CORPUS_FILE} is missing from the installation; "
+            f"reinstall folding or set data.paths to your own datasets"
+        )
     tok = build_tokenizer(tokenizer)
     cache_dir = cache_dir or default_cache_dir()
     final = os.path.join(cache_dir, f"corpus-{tok.fingerprint}")
@@ -121,4 +136,3 @@ def default_corpus_prefix(tokenizer: str = "byte", cache_dir: Optional[str] = No
         preprocess_jsonl(CORPUS_FILE, os.path.join(tmp, "stdlib_docs"), tokenizer=tokenizer, append_eod=True)
 
     return os.path.join(build_once(final, build), "stdlib_docs")
-

@@ -23,6 +23,7 @@ Usage::
                     stream="train/0", pad=tok.eod, cache_dir="/tmp/cache")
     tokens, n_real = ds[0]        # int64 array of seq_length + 1 tokens, count of real ones
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,13 +51,25 @@ class GPTDataset:
     ``samples_per_epoch`` is ``N``; ``ds[i]`` returns ``(tokens, n_real)`` for global index ``i >= 0``.
     """
 
-    def __init__(self, indexed: IndexedDataset, *, documents: Tuple[int, int], seq_length: int, seed: int,
-                 stream: str, pad: int, cache_dir: Optional[str] = None, shuffle: bool = True):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        *,
+        documents: Tuple[int, int],
+        seq_length: int,
+        seed: int,
+        stream: str,
+        pad: int,
+        cache_dir: Optional[str] = None,
+        shuffle: bool = True,
+    ):
         self.indexed = indexed
         self.begin, self.end = int(documents[0]), int(documents[1])
         if not 0 <= self.begin < self.end <= indexed.num_documents:
-            raise ValueError(f"document range [{self.begin}, {self.end}) is empty or outside the "
-                             f"{indexed.num_documents} documents of {indexed.prefix}")
+            raise ValueError(
+                f"document range [{self.begin}, {self.end}) is empty or outside the "
+                f"{indexed.num_documents} documents of {indexed.prefix}"
+            )
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be >= 1")
         self.seq_length = int(seq_length)
@@ -70,15 +83,31 @@ class GPTDataset:
         self.num_tokens = int(indexed.sequence_lengths[seq_lo:seq_hi].sum(dtype=np.int64))
         """Tokens per epoch ``T`` (all tokens of the split's documents)."""
         if self.num_tokens < 2:
-            raise ValueError(f"documents [{self.begin}, {self.end}) of {indexed.prefix} hold "
-                             f"{self.num_tokens} tokens; a sample needs at least 2")
+            raise ValueError(
+                f"documents [{self.begin}, {self.end}) of {indexed.prefix} hold "
+                f"{self.num_tokens} tokens; a sample needs at least 2"
+            )
         self.samples_per_epoch = -(-(self.num_tokens - 1) // self.seq_length)
         """Samples per epoch ``N = ceil((T - 1) / seq_length)``."""
         self._epochs = {}
         st = os.stat(indexed.idx_path)
-        key = "|".join(map(str, (_INDEX_VERSION, os.path.realpath(indexed.idx_path), st.st_size,
-                                 st.st_mtime_ns, self.begin, self.end, self.seq_length, self.seed,
-                                 self.stream, self.shuffle)))
+        key = "|".join(
+            map(
+                str,
+                (
+                    _INDEX_VERSION,
+                    os.path.realpath(indexed.idx_path),
+                    st.st_size,
+                    st.st_mtime_ns,
+                    self.begin,
+                    self.end,
+                    self.seq_length,
+                    self.seed,
+                    self.stream,
+                    self.shuffle,
+                ),
+            )
+        )
         self._key = hashlib.sha256(key.encode()).hexdigest()[:20]
 
     def _build_epoch(self, epoch: int):
@@ -107,15 +136,18 @@ class GPTDataset:
         if epoch in self._epochs:
             return self._epochs[epoch]
         if self.cache_dir:
+
             def build(tmp):
                 for name, arr in zip(("order", "sample_index", "shuffle"), self._build_epoch(epoch)):
                     np.save(os.path.join(tmp, name + ".npy"), arr)
+
             path = build_once(os.path.join(self.cache_dir, f"gpt-{self._key}-e{epoch}"), build)
-            arrays = tuple(np.load(os.path.join(path, n + ".npy"), mmap_mode="r")
-                           for n in ("order", "sample_index", "shuffle"))
+            arrays = tuple(
+                np.load(os.path.join(path, n + ".npy"), mmap_mode="r") for n in ("order", "sample_index", "shuffle")
+            )
         else:
             arrays = self._build_epoch(epoch)
-        if len(self._epochs) >= 2:       # sequential readers need the current and the next epoch
+        if len(self._epochs) >= 2:  # sequential readers need the current and the next epoch
             self._epochs.pop(min(self._epochs))
         self._epochs[epoch] = arrays
         return arrays
@@ -146,7 +178,7 @@ class GPTDataset:
         tokens = np.empty(want, np.int64)
         n_real = 0
         for part in parts:
-            tokens[n_real:n_real + len(part)] = part
+            tokens[n_real : n_real + len(part)] = part
             n_real += len(part)
         tokens[n_real:] = self.pad
         return tokens, n_real

@@ -25,6 +25,7 @@ Usage::
     ds = IndexedDataset("out/corpus")
     len(ds), ds[0], ds.document_indices
 """
+
 from __future__ import annotations
 
 import os
@@ -66,25 +67,31 @@ def _read_header(idx_path: str):
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
         raise IndexedDatasetError(
             f"{idx_path} is not a Megatron indexed-dataset index (bad magic {head[:9]!r}); "
-            f"rebuild it with tools/preprocess_data.py")
+            f"rebuild it with tools/preprocess_data.py"
+        )
     if len(head) < _HEADER_BYTES:
-        raise IndexedDatasetError(f"{idx_path} is truncated ({size} bytes, header needs {_HEADER_BYTES}); "
-                                  f"rebuild it with tools/preprocess_data.py")
+        raise IndexedDatasetError(
+            f"{idx_path} is truncated ({size} bytes, header needs {_HEADER_BYTES}); "
+            f"rebuild it with tools/preprocess_data.py"
+        )
     (version,) = struct.unpack("<Q", head[9:17])
     if version != VERSION:
-        raise IndexedDatasetError(f"{idx_path} has index version {version}; only version {VERSION} "
-                                  f"(Megatron's MMIDIDX format) is supported")
+        raise IndexedDatasetError(
+            f"{idx_path} has index version {version}; only version {VERSION} (Megatron's MMIDIDX format) is supported"
+        )
     code = head[17]
     if code not in CODE_DTYPES:
-        raise IndexedDatasetError(f"{idx_path} has unknown dtype code {code}; known codes: "
-                                  f"{ {c: d.name for c, d in CODE_DTYPES.items()} }")
+        raise IndexedDatasetError(
+            f"{idx_path} has unknown dtype code {code}; known codes: { {c: d.name for c, d in CODE_DTYPES.items()} }"
+        )
     seq_count, doc_count = struct.unpack("<QQ", head[18:34])
     expected = _HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
     if size != expected:
         kind = "truncated" if size < expected else "longer than its header says"
         raise IndexedDatasetError(
             f"{idx_path} is {kind}: {size} bytes, expected {expected} for {seq_count} sequences and "
-            f"{doc_count} document-index entries (multimodal indices are not supported); rebuild it")
+            f"{doc_count} document-index entries (multimodal indices are not supported); rebuild it"
+        )
     return CODE_DTYPES[code], seq_count, doc_count
 
 
@@ -105,7 +112,8 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise IndexedDatasetError(
                     f"{path} does not exist; a dataset prefix needs both PREFIX.bin and PREFIX.idx "
-                    f"(write them with tools/preprocess_data.py --output-prefix {self.prefix})")
+                    f"(write them with tools/preprocess_data.py --output-prefix {self.prefix})"
+                )
         self.dtype, seq_count, doc_count = _read_header(self.idx_path)
         idx = np.memmap(self.idx_path, mode="r", dtype=np.uint8)
         off = _HEADER_BYTES
@@ -118,8 +126,12 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, np.int64, doc_count, off)
         """Document boundaries in sequence units (int64, length documents + 1)."""
         self._idx_map = idx
-        if doc_count < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != seq_count \
-                or np.any(np.diff(self.document_indices) < 0):
+        if (
+            doc_count < 1
+            or self.document_indices[0] != 0
+            or self.document_indices[-1] != seq_count
+            or np.any(np.diff(self.document_indices) < 0)
+        ):
             raise IndexedDatasetError(f"{self.idx_path} has an invalid document index; rebuild it")
         total = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         bin_size = os.path.getsize(self.bin_path)
@@ -128,7 +140,8 @@ class IndexedDataset:
             raise IndexedDatasetError(
                 f"{self.bin_path} is {kind}: {bin_size} bytes, but {self.idx_path} describes "
                 f"{total} bytes of {self.dtype.name} tokens; the two files do not belong together or "
-                f"the copy is incomplete")
+                f"the copy is incomplete"
+            )
         self._check_pointers()
         self._bin = np.memmap(self.bin_path, mode="r", dtype=np.uint8) if total else np.zeros(0, np.uint8)
 
@@ -137,13 +150,14 @@ class IndexedDataset:
         carry = 0
         size = self.dtype.itemsize
         for lo in range(0, len(self.sequence_lengths), chunk):
-            lengths = self.sequence_lengths[lo:lo + chunk].astype(np.int64)
+            lengths = self.sequence_lengths[lo : lo + chunk].astype(np.int64)
             if lengths.size and lengths.min() < 0:
                 raise IndexedDatasetError(f"{self.idx_path} has negative sequence lengths; rebuild it")
             expected = carry + np.concatenate(([0], np.cumsum(lengths[:-1] * size)))
-            if not np.array_equal(expected, self.sequence_pointers[lo:lo + chunk]):
-                raise IndexedDatasetError(f"{self.idx_path} has sequence pointers that do not match "
-                                          f"its lengths; rebuild it")
+            if not np.array_equal(expected, self.sequence_pointers[lo : lo + chunk]):
+                raise IndexedDatasetError(
+                    f"{self.idx_path} has sequence pointers that do not match its lengths; rebuild it"
+                )
             carry = int(expected[-1] + lengths[-1] * size)
 
     def __len__(self) -> int:
@@ -169,8 +183,9 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of "
-                             f"length {size} in {self.prefix}")
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence {i} of length {size} in {self.prefix}"
+            )
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, start)
 
@@ -195,8 +210,9 @@ class IndexedDatasetWriter:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {self.dtype} is not one Megatron writes; choose one of "
-                             f"{sorted(d.name for d in DTYPE_CODES)}")
+            raise ValueError(
+                f"dtype {self.dtype} is not one Megatron writes; choose one of {sorted(d.name for d in DTYPE_CODES)}"
+            )
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
         self._bin = open(self.prefix + ".bin", "wb")
@@ -217,8 +233,9 @@ class IndexedDatasetWriter:
         if self._range is not None and arr.size and arr.dtype != self.dtype:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._range[0] or hi > self._range[1]:
-                raise ValueError(f"token ids in [{lo}, {hi}] do not fit {self.dtype.name}; "
-                                 f"write with a wider dtype (e.g. int32)")
+                raise ValueError(
+                    f"token ids in [{lo}, {hi}] do not fit {self.dtype.name}; write with a wider dtype (e.g. int32)"
+                )
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
 

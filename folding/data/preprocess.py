@@ -18,6 +18,7 @@ Usage::
     stats = preprocess_jsonl("docs.jsonl", "out/docs", tokenizer="byte", append_eod=True, workers=2)
     stats = preprocess_jsonl("book.txt", "out/book", append_eod=True)           # paragraphs
 """
+
 from __future__ import annotations
 
 import gzip
@@ -57,8 +58,10 @@ def _encode_line(args):
         try:
             text = json.loads(line)[_KEY]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"line {lineno}: not a JSON object with a string under key {_KEY!r} ({e}); "
-                             "for plain text use a .txt file or --input-format text") from None
+            raise ValueError(
+                f"line {lineno}: not a JSON object with a string under key {_KEY!r} ({e}); "
+                "for plain text use a .txt file or --input-format text"
+            ) from None
         if not isinstance(text, str):
             raise ValueError(f"line {lineno}: the value under key {_KEY!r} is not a string")
     if hasattr(_TOKENIZER, "encode_bytes"):
@@ -129,9 +132,19 @@ class Progress:
         sys.stderr.flush()
 
 
-def preprocess_jsonl(input_path: str, output_prefix: str, *, tokenizer: str = "byte", json_key: str = "text",
-                     append_eod: bool = False, workers: int = 1, progress: bool = False,
-                     dtype=None, input_format: str = "auto", text_split: str = "paragraph") -> dict:
+def preprocess_jsonl(
+    input_path: str,
+    output_prefix: str,
+    *,
+    tokenizer: str = "byte",
+    json_key: str = "text",
+    append_eod: bool = False,
+    workers: int = 1,
+    progress: bool = False,
+    dtype=None,
+    input_format: str = "auto",
+    text_split: str = "paragraph",
+) -> dict:
     """Tokenize ``input_path`` (JSON lines or plain text: see the module) into
     ``output_prefix.bin/.idx``; returns counts.
 
@@ -151,11 +164,13 @@ def preprocess_jsonl(input_path: str, output_prefix: str, *, tokenizer: str = "b
     writer = IndexedDatasetWriter(output_prefix, dtype=dtype)
     try:
         with _open_text(input_path) as f:
-            items: Iterable = ((n, line, len(line)) for n, line in enumerate(f, start=1)) if is_json \
+            items: Iterable = (
+                ((n, line, len(line)) for n, line in enumerate(f, start=1))
+                if is_json
                 else text_documents(f, text_split)
+            )
             if workers > 1:
-                pool = mp.get_context("spawn").Pool(workers, _init_worker,
-                                                    (tokenizer, json_key, append_eod, is_json))
+                pool = mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer, json_key, append_eod, is_json))
                 results = pool.imap(_encode_line, items, chunksize=64)
             else:
                 pool = None

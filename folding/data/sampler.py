@@ -29,6 +29,7 @@ Usage::
         mb = next(it)
     state = it.state_dict()
 """
+
 from __future__ import annotations
 
 import numbers
@@ -42,8 +43,11 @@ from .blend import BlendedDataset
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:
     """Raise ``ValueError`` naming the argument unless ``GBS`` is a multiple of ``MBS * DP``."""
-    for name, v in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
-                    ("dp_size", dp_size)):
+    for name, v in (
+        ("global_batch_size", global_batch_size),
+        ("micro_batch_size", micro_batch_size),
+        ("dp_size", dp_size),
+    ):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral) or not 0 <= dp_rank < dp_size:
@@ -52,21 +56,34 @@ def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: in
         raise ValueError(
             f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp = "
             f"{micro_batch_size}*{dp_size}; choose a global batch size that is a multiple of "
-            f"{micro_batch_size * dp_size}")
+            f"{micro_batch_size * dp_size}"
+        )
 
 
 class MicroBatchIterator(Iterator[Dict[str, torch.Tensor]]):
     """Endless iterator over this DP rank's micro-batches of successive global batches."""
 
-    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, seq_length: int, eod: int, eod_mask_loss: bool = False,
-                 consumed_samples: int = 0):
+    def __init__(
+        self,
+        dataset,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seq_length: int,
+        eod: int,
+        eod_mask_loss: bool = False,
+        consumed_samples: int = 0,
+    ):
         check_batch_sizes(global_batch_size, micro_batch_size, dp_size, dp_rank)
         parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
         for part in parts:
             if getattr(part, "seq_length", seq_length) != seq_length:
-                raise ValueError(f"seq_length={seq_length} differs from the dataset's seq_length="
-                                 f"{part.seq_length}; build the dataset with the same sequence length")
+                raise ValueError(
+                    f"seq_length={seq_length} differs from the dataset's seq_length="
+                    f"{part.seq_length}; build the dataset with the same sequence length"
+                )
         self.dataset = dataset
         self.global_batch_size = int(global_batch_size)
         self.micro_batch_size = int(micro_batch_size)
@@ -120,16 +137,25 @@ class MicroBatchIterator(Iterator[Dict[str, torch.Tensor]]):
         mask = torch.arange(s).unsqueeze(0) < torch.from_numpy(real - 1).unsqueeze(1)
         if self.eod_mask_loss:
             mask &= tokens != self.eod
-        return {"tokens": tokens, "labels": labels, "loss_mask": mask.to(torch.float32),
-                "sample_index": torch.tensor(list(indices), dtype=torch.int64),
-                "dataset_index": torch.from_numpy(comp), "dataset_sample": torch.from_numpy(within)}
+        return {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": mask.to(torch.float32),
+            "sample_index": torch.tensor(list(indices), dtype=torch.int64),
+            "dataset_index": torch.from_numpy(comp),
+            "dataset_sample": torch.from_numpy(within),
+        }
 
     def state_dict(self) -> Dict[str, int]:
         """The exact position: ``{"consumed_samples", "micro_batch", "global_batch_size",
         "micro_batch_size", "dp_size"}`` (plain ints)."""
-        return {"consumed_samples": self.consumed_samples, "micro_batch": self.micro_batch,
-                "global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
-                "dp_size": self.dp_size}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "micro_batch": self.micro_batch,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "dp_size": self.dp_size,
+        }
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Restore a position saved by :meth:`state_dict` (see the module docstring for what may change)."""
@@ -141,6 +167,7 @@ class MicroBatchIterator(Iterator[Dict[str, torch.Tensor]]):
                 raise ValueError(
                     f"the data state was saved in the middle of a step with (global_batch_size, "
                     f"micro_batch_size, dp_size)={saved}, but this run has {now}; resume from a "
-                    f"checkpoint taken at a step boundary, or keep the batch sizes and DP")
+                    f"checkpoint taken at a step boundary, or keep the batch sizes and DP"
+                )
         self.consumed_samples = int(state["consumed_samples"])
         self.micro_batch = micro

@@ -14,6 +14,7 @@ Usage::
     tok.encode("hé")                         # [104, 195, 169]
     tok = build_tokenizer("/models/my-tokenizer")
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,9 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer, PreTrainedTokenizerFast
         except ImportError as e:  # pragma: no cover - transformers is a declared extra
-            raise ImportError(f"data.tokenizer={path!r} needs the 'transformers' package: "
-                              f"pip install 'folding[hf]'") from e
+            raise ImportError(
+                f"data.tokenizer={path!r} needs the 'transformers' package: pip install 'folding[hf]'"
+            ) from e
         if os.path.isfile(self.path):
             self._tok = PreTrainedTokenizerFast(tokenizer_file=self.path)
         else:
@@ -68,14 +70,19 @@ class HFTokenizer:
                     eod = tid
                     break
         if eod is None:
-            raise ValueError(f"tokenizer at data.tokenizer={path!r} has no EOS token to mark document "
-                             f"ends; set eos_token in its tokenizer_config.json")
+            raise ValueError(
+                f"tokenizer at data.tokenizer={path!r} has no EOS token to mark document "
+                f"ends; set eos_token in its tokenizer_config.json"
+            )
         self.eod = int(eod)
         self.vocab_size = len(self._tok)
         self.name = self.path
         h = hashlib.sha256()
-        files = [self.path] if os.path.isfile(self.path) else sorted(
-            os.path.join(self.path, f) for f in os.listdir(self.path))
+        files = (
+            [self.path]
+            if os.path.isfile(self.path)
+            else sorted(os.path.join(self.path, f) for f in os.listdir(self.path))
+        )
         for fp in files:
             if os.path.isfile(fp):
                 h.update(os.path.basename(fp).encode())
@@ -105,5 +112,6 @@ def build_tokenizer(spec: str):
         raise FileNotFoundError(
             f"data.tokenizer={spec!r} (--tokenizer of tools/preprocess_data.py): no such file or "
             f"directory; give 'byte' or the path of a "
-            f"tokenizer saved with save_pretrained (a directory) or a tokenizer.json file")
+            f"tokenizer saved with save_pretrained (a directory) or a tokenizer.json file"
+        )
     return HFTokenizer(spec)

@@ -5,6 +5,7 @@ Usage::
     from folding.model import MoETransformer, get_preset, from_hf
     model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, init_seed=0)
 """
+
 from .config import ModelConfig
 from .hf import from_hf, to_hf
 from .presets import get_preset, list_presets

@@ -5,14 +5,16 @@ share of the sequence. Steps: all-gather the sequence over TP (SP) fused with th
 projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads; only the shard is
 kept for backward, see :func:`~folding.model.linear.sp_column_linears`), RoPE at the
 tokens' true positions, all-gather K/V over CP (see :mod:`.context_parallel`), PyTorch SDPA (causal;
-under CP one call per local chunk with a lower-right causal bias over its prefix), and the row-parallel output projection reduce-scattered back to the
-sequence shard. Names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``).
+under CP one call per local chunk with a lower-right causal bias over its prefix), and the row-parallel
+output projection reduce-scattered back to the sequence shard. Names follow Hugging Face (``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``).
 
 Usage::
 
     attn = Attention(config, tp_group=ps.tp_group, cp_group=ps.cp_group)
     y = attn(x_SBH, cos_SD, sin_SD, kv_order, chunk_starts)   # from MoETransformer.rope()
 """
+
 from __future__ import annotations
 
 import math
@@ -33,36 +35,55 @@ from .rope import apply_rope
 class Attention(nn.Module):
     """GQA causal self-attention; heads split over TP, sequence over CP (all-gather K/V)."""
 
-    def __init__(self, config: ModelConfig, *, tp_group, cp_group, output_init_std: float, device=None,
-                 dtype=torch.float32):
+    def __init__(
+        self, config: ModelConfig, *, tp_group, cp_group, output_init_std: float, device=None, dtype=torch.float32
+    ):
         super().__init__()
         tp = group_size(tp_group)
-        for what, n in (("model.num_attention_heads", config.num_attention_heads),
-                        ("model.num_kv_heads", config.num_kv_heads)):
+        for what, n in (
+            ("model.num_attention_heads", config.num_attention_heads),
+            ("model.num_kv_heads", config.num_kv_heads),
+        ):
             if n % tp:
-                raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp "
-                                 f"among the divisors of {n}")
+                raise ValueError(
+                    f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among the divisors of {n}"
+                )
         self.tp_group, self.cp_group = tp_group, cp_group
         d = self.head_dim = config.kv_channels
         self.heads = config.num_attention_heads // tp
         self.kv_heads = config.num_kv_heads // tp
         H, kw = config.hidden_size, dict(tp_group=tp_group, device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(H, config.num_attention_heads * d, bias=config.qkv_bias,
-                                           init_std=config.init_std, name="query features", **kw)
-        self.k_proj = ColumnParallelLinear(H, config.num_kv_heads * d, bias=config.qkv_bias,
-                                           init_std=config.init_std, name="key features", **kw)
-        self.v_proj = ColumnParallelLinear(H, config.num_kv_heads * d, bias=config.qkv_bias,
-                                           init_std=config.init_std, name="value features", **kw)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, H, init_std=output_init_std,
-                                        name="attention output features", **kw)
+        self.q_proj = ColumnParallelLinear(
+            H,
+            config.num_attention_heads * d,
+            bias=config.qkv_bias,
+            init_std=config.init_std,
+            name="query features",
+            **kw,
+        )
+        self.k_proj = ColumnParallelLinear(
+            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="key features", **kw
+        )
+        self.v_proj = ColumnParallelLinear(
+            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="value features", **kw
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d, H, init_std=output_init_std, name="attention output features", **kw
+        )
 
-    def forward(self, x_SBH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                kv_order: Optional[torch.Tensor], chunk_starts: Tuple[int, ...]) -> torch.Tensor:
+    def forward(
+        self,
+        x_SBH: torch.Tensor,
+        cos_SD: torch.Tensor,
+        sin_SD: torch.Tensor,
+        kv_order: Optional[torch.Tensor],
+        chunk_starts: Tuple[int, ...],
+    ) -> torch.Tensor:
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``. ``cos/sin [S_cp, D]`` are at this CP rank's
         positions; under CP, ``kv_order`` puts the CP-gathered keys in sequence order and
         ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`)."""
         q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
-        S, B, _ = q.shape                                          # S_cp: the TP-gathered sequence
+        S, B, _ = q.shape  # S_cp: the TP-gathered sequence
         q = q.view(S, B, self.heads, self.head_dim)
         k = k.view(S, B, self.kv_heads, self.head_dim)
         v = v.view(S, B, self.kv_heads, self.head_dim)
@@ -81,9 +102,15 @@ class Attention(nn.Module):
             outs = []
             for j, start in enumerate(chunk_starts):
                 end = start + c
-                outs.append(F.scaled_dot_product_attention(
-                    q_BNSD[:, :, j * c:(j + 1) * c], k_BNSD[:, :, :end], v_BNSD[:, :, :end],
-                    attn_mask=causal_lower_right(c, end), **kw))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_BNSD[:, :, j * c : (j + 1) * c],
+                        k_BNSD[:, :, :end],
+                        v_BNSD[:, :, :end],
+                        attn_mask=causal_lower_right(c, end),
+                        **kw,
+                    )
+                )
             out = torch.cat(outs, dim=2)
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
         return self.o_proj(out)

@@ -20,6 +20,7 @@ Usage::
     layer.recompute = "full"
     x_SBH = layer(x_SBH, rope)
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,17 @@ def output_init_std(config: ModelConfig) -> float:
 class TransformerLayer(nn.Module):
     """Pre-norm decoder layer; ``mlp`` is a :class:`DenseMLP` or the factory's MoE block."""
 
-    def __init__(self, config: ModelConfig, *, layer_number: int, groups: ModelGroups, moe_factory: MoEFactory,
-                 init_seed: int = 0, device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layer_number: int,
+        groups: ModelGroups,
+        moe_factory: MoEFactory,
+        init_seed: int = 0,
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         self.layer_number = layer_number
         self.recompute = "none"
@@ -56,18 +66,25 @@ class TransformerLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer_number)
         kw = dict(device=device, dtype=dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
-        self.attention = Attention(config, tp_group=groups.tp, cp_group=groups.cp,
-                                   output_init_std=output_init_std(config), **kw)
+        self.attention = Attention(
+            config, tp_group=groups.tp, cp_group=groups.cp, output_init_std=output_init_std(config), **kw
+        )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         if self.is_moe:
-            self.mlp = moe_factory(config=config, layer_number=layer_number, groups=groups,
-                                   init_seed=init_seed, **kw)
+            self.mlp = moe_factory(config=config, layer_number=layer_number, groups=groups, init_seed=init_seed, **kw)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.ffn_hidden_size, tp_group=groups.tp,
-                                init_std=config.init_std, output_init_std=output_init_std(config), **kw)
+            self.mlp = DenseMLP(
+                config.hidden_size,
+                config.ffn_hidden_size,
+                tp_group=groups.tp,
+                init_std=config.init_std,
+                output_init_std=output_init_std(config),
+                **kw,
+            )
 
     def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
-        """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from :meth:`MoETransformer.rope`."""
+        """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from
+        :meth:`MoETransformer.rope`."""
         mode = self.recompute if torch.is_grad_enabled() else "none"
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"train.recompute={mode!r}: choose one of {RECOMPUTE_MODES}")

@@ -11,6 +11,7 @@ Usage::
 
     chunks = build_stage_chunks(model_config=m, moe_config=job.moe, parallel_state=ps, recompute="none")
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -26,10 +27,17 @@ from .moe_block import moe_factory_for
 from .transformer import MoETransformer
 
 
-def build_stage_chunks(*, model_config: ModelConfig, moe_config: Optional[MoEConfig] = None, parallel_state,
-                       recompute: str = "none", params_dtype: torch.dtype = torch.float32,
-                       init_seed: int = 0, device=None,
-                       moe_factory: Optional[Callable[..., nn.Module]] = None) -> List[nn.Module]:
+def build_stage_chunks(
+    *,
+    model_config: ModelConfig,
+    moe_config: Optional[MoEConfig] = None,
+    parallel_state,
+    recompute: str = "none",
+    params_dtype: torch.dtype = torch.float32,
+    init_seed: int = 0,
+    device=None,
+    moe_factory: Optional[Callable[..., nn.Module]] = None,
+) -> List[nn.Module]:
     """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
     whatever the layout. ``moe_config=None`` takes the preset's MoE options; ``moe_factory``
     overrides the MoE block entirely."""
@@ -42,9 +50,15 @@ def build_stage_chunks(*, model_config: ModelConfig, moe_config: Optional[MoECon
         moe_factory = moe_factory_for(moe_config)
     chunks = []
     for c in range(vpp):
-        chunk = MoETransformer(model_config, parallel_state=parallel_state, init_seed=init_seed,
-                               moe_factory=moe_factory, device=device, dtype=params_dtype,
-                               layer_range=stages[c * pp + parallel_state.pp_rank])
+        chunk = MoETransformer(
+            model_config,
+            parallel_state=parallel_state,
+            init_seed=init_seed,
+            moe_factory=moe_factory,
+            device=device,
+            dtype=params_dtype,
+            layer_range=stages[c * pp + parallel_state.pp_rank],
+        )
         for layer in chunk.layers.values():
             layer.recompute = recompute
         chunks.append(chunk)

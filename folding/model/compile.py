@@ -19,6 +19,7 @@ Usage::
     model = MoETransformer(cfg, parallel_state=ps)
     compile_dense(model)                 # before the first forward; gradients unchanged (to round-off)
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Union

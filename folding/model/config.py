@@ -10,6 +10,7 @@ Usage::
     total, active = cfg.num_parameters()      # 46.7e9, 12.9e9
     cfg.is_moe_layer(0)                       # True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,24 +79,38 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r}: choose one of {FAMILIES}")
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
-                  "num_experts", "topk", "decoder_sparse_step"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "num_experts",
+            "topk",
+            "decoder_sparse_step",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model.{f}={v!r} must be an integer >= 1")
         if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
-                             f"model.num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                             f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim")
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim"
+            )
         if self.topk > self.num_experts:
             raise ValueError(f"model.topk={self.topk} exceeds model.num_experts={self.num_experts}")
         if self.moe_ffn_hidden_size < 1:
             raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be >= 1")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size < 1:
-            raise ValueError("model.ffn_hidden_size must be >= 1 when some layers are dense "
-                             "(model.mlp_only_layers / model.decoder_sparse_step)")
+            raise ValueError(
+                "model.ffn_hidden_size must be >= 1 when some layers are dense "
+                "(model.mlp_only_layers / model.decoder_sparse_step)"
+            )
 
     # ------------------------------------------------------------------------------ derived
     @property
@@ -128,7 +143,9 @@ class ModelConfig:
         """Parameters of the shared expert and its gate (0 without one)."""
         if not self.shared_expert_ffn_hidden_size:
             return 0
-        return 3 * self.hidden_size * self.shared_expert_ffn_hidden_size + (self.hidden_size if self.shared_expert_gate else 0)
+        return 3 * self.hidden_size * self.shared_expert_ffn_hidden_size + (
+            self.hidden_size if self.shared_expert_gate else 0
+        )
 
     def num_parameters(self) -> Tuple[int, int]:
         """``(total, active)`` parameter counts; active counts ``topk`` routed experts per token."""

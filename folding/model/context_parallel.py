@@ -17,6 +17,7 @@ Usage::
     k_full = gather_kv(k_SBND, cp_group)                       # [S, B, heads, D] in rank order
     kv_order = gathered_positions(seq_len, cp_size).argsort()  # sorts k_full into sequence order
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,13 +28,17 @@ from ..parallel.collectives import gather_from_sequence_region, group_size
 def check_cp_seq_len(seq_len: int, cp_size: int, tp_size: int) -> None:
     """Raise a clear error if ``seq_len`` cannot be split over CP chunks and TP (sequence parallel)."""
     if cp_size > 1 and seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2*parallel.cp = {2 * cp_size}; "
-                         f"choose a sequence length that is a multiple of {2 * cp_size}")
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*parallel.cp = {2 * cp_size}; "
+            f"choose a sequence length that is a multiple of {2 * cp_size}"
+        )
     local = seq_len // cp_size
     if local % tp_size:
-        raise ValueError(f"sequence length {seq_len} / parallel.cp={cp_size} = {local} is not divisible by "
-                         f"parallel.tp={tp_size} (sequence parallelism); choose a sequence length that is a "
-                         f"multiple of {cp_size * tp_size * (2 if cp_size > 1 else 1)}")
+        raise ValueError(
+            f"sequence length {seq_len} / parallel.cp={cp_size} = {local} is not divisible by "
+            f"parallel.tp={tp_size} (sequence parallelism); choose a sequence length that is a "
+            f"multiple of {cp_size * tp_size * (2 if cp_size > 1 else 1)}"
+        )
 
 
 def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:

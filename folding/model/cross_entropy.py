@@ -10,6 +10,7 @@ Usage::
 
     loss_SB = vocab_parallel_cross_entropy(logits_SBV_shard, targets_SB, tp_group)
 """
+
 from __future__ import annotations
 
 import torch

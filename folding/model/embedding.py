@@ -10,6 +10,7 @@ Usage::
     emb = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=ps.tp_group)
     x_SBH = emb(input_ids_BS)         # [S/TP, B, H]
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,13 +25,24 @@ from .init import set_init_spec
 class VocabParallelEmbedding(nn.Module):
     """Embedding table ``[V, H]`` sharded by rows over TP; output sequence-sharded ``[S/TP, B, H]``."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group, init_std: float = 0.02,
-                 tied: bool = False, device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        tp_group,
+        init_std: float = 0.02,
+        tied: bool = False,
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         tp, r = group_size(tp_group), group_rank(tp_group)
         if vocab_size % tp:
-            raise ValueError(f"model.vocab_size={vocab_size} is not divisible by parallel.tp={tp}; "
-                             f"pad the vocabulary to a multiple of {tp} or change parallel.tp")
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is not divisible by parallel.tp={tp}; "
+                f"pad the vocabulary to a multiple of {tp} or change parallel.tp"
+            )
         self.tp_group = tp_group
         self.vocab_start = r * (vocab_size // tp)
         self.vocab_end = self.vocab_start + vocab_size // tp

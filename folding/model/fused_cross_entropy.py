@@ -22,6 +22,7 @@ Usage::
 
     loss_T = fused_linear_cross_entropy(hidden_TH, output_weight, labels_T, tp_group)
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,7 +61,7 @@ class _FusedLinearCE(torch.autograd.Function):
             sl = slice(c0, c0 + chunk)
             logits_CV, lse_C, tl_C, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
             lse_T[sl], loss_T[sl] = lse_C, lse_C - tl_C
-            if x_TH.shape[0] <= chunk:   # one chunk: keep its softmax, backward needs no recompute GEMM
+            if x_TH.shape[0] <= chunk:  # one chunk: keep its softmax, backward needs no recompute GEMM
                 softmax_TV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()
         ctx.softmax_TV = softmax_TV
         ctx.save_for_backward(x_TH, w_VH, target_T, lse_T)
@@ -77,29 +78,32 @@ class _FusedLinearCE(torch.autograd.Function):
         for c0 in range(0, x_TH.shape[0], chunk):
             sl = slice(c0, c0 + chunk)
             x_CH, t_C = x_TH[sl], target_T[sl]
-            if ctx.softmax_TV is not None:                                               # kept (one chunk)
+            if ctx.softmax_TV is not None:  # kept (one chunk)
                 g_CV = ctx.softmax_TV
-            else:                                                                        # recomputed
+            else:  # recomputed
                 g_CV = (x_CH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()
             inside_C = (t_C >= start) & (t_C < start + v_local)
             rows = torch.nonzero(inside_C).squeeze(-1)
-            g_CV[rows, t_C[rows] - start] -= 1.0                                         # − onehot
+            g_CV[rows, t_C[rows] - start] -= 1.0  # − onehot
             g_CV.mul_(grad_T[sl].unsqueeze(-1))
             if grad_x is not None:
-                grad_x[sl] = (g_CV.to(x_TH.dtype) @ w_VH)
+                grad_x[sl] = g_CV.to(x_TH.dtype) @ w_VH
             if grad_w is not None:
                 grad_w.addmm_(g_CV.t(), x_CH.float())
         ctx.softmax_TV = None
         return grad_x, (grad_w.to(w_VH.dtype) if grad_w is not None else None), None, None, None
 
 
-def fused_linear_cross_entropy(x_TH: torch.Tensor, weight_VH: torch.Tensor, target_T: torch.Tensor, tp_group,
-                               chunk_tokens: int = 2048) -> torch.Tensor:
+def fused_linear_cross_entropy(
+    x_TH: torch.Tensor, weight_VH: torch.Tensor, target_T: torch.Tensor, tp_group, chunk_tokens: int = 2048
+) -> torch.Tensor:
     """Per-token fp32 loss ``[T]`` of the output layer ``x_TH · weight_VHᵀ`` (vocab-sharded over
     ``tp_group``) against global ids ``target_T``, ``chunk_tokens`` tokens at a time (module docstring)."""
     if x_TH.dim() != 2 or weight_VH.dim() != 2 or x_TH.shape[1] != weight_VH.shape[1]:
-        raise ValueError(f"fused_linear_cross_entropy: x {tuple(x_TH.shape)} and weight {tuple(weight_VH.shape)} "
-                         "must be [T, H] and [V/TP, H]")
+        raise ValueError(
+            f"fused_linear_cross_entropy: x {tuple(x_TH.shape)} and weight {tuple(weight_VH.shape)} "
+            "must be [T, H] and [V/TP, H]"
+        )
     if target_T.shape != x_TH.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: targets {tuple(target_T.shape)} must be [T={x_TH.shape[0]}]")
     if chunk_tokens < 1:

@@ -10,6 +10,7 @@ Usage::
     groups = ModelGroups.from_state(ps)       # or ModelGroups.single()
     groups.tp, groups.tp_size, groups.cp_rank
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,15 +45,25 @@ class ModelGroups:
     @staticmethod
     def from_state(ps) -> "ModelGroups":
         """The groups of a :class:`~folding.parallel.ParallelState` (PP is handled by the pipeline)."""
-        return ModelGroups(tp=ps.tp_group, cp=ps.cp_group, tp_cp=ps.tp_cp_group, tp_dp_cp=ps.tp_dp_cp_group,
-                           ep=ps.ep_group, etp=ps.etp_group, tp_ep=ps.tp_ep_group, dp_cp=ps.dp_cp_group)
+        return ModelGroups(
+            tp=ps.tp_group,
+            cp=ps.cp_group,
+            tp_cp=ps.tp_cp_group,
+            tp_dp_cp=ps.tp_dp_cp_group,
+            ep=ps.ep_group,
+            etp=ps.etp_group,
+            tp_ep=ps.tp_ep_group,
+            dp_cp=ps.dp_cp_group,
+        )
 
     @staticmethod
     def single() -> "ModelGroups":
         """No parallelism; only valid outside a ``torch.distributed`` job of several ranks."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("torch.distributed is initialized with several ranks: pass parallel_state= "
-                             "(build_parallel_state(ParallelLayout(...))) to build the model")
+            raise ValueError(
+                "torch.distributed is initialized with several ranks: pass parallel_state= "
+                "(build_parallel_state(ParallelLayout(...))) to build the model"
+            )
         return ModelGroups()
 
     @property

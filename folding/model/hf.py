@@ -16,6 +16,7 @@ Usage::
     model = from_hf("Mixtral-8x7B-v0.1", parallel_state=ps)
     to_hf(model, "out_dir")
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import group_rank, group_size
+from ..parallel.param_attrs import param_tags
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
 from .init import InitSpec, init_spec, materialize, shard_index
-from ..parallel.collectives import group_rank, group_size
-from ..parallel.param_attrs import param_tags
 from .transformer import MoETransformer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -49,8 +50,11 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
 
     An empty leading index means the HF tensor *is* the full tensor.
     """
-    top = {"embedding.weight": "model.embed_tokens.weight", "output_weight": "lm_head.weight",
-           "final_norm.weight": "model.norm.weight"}
+    top = {
+        "embedding.weight": "model.embed_tokens.weight",
+        "output_weight": "lm_head.weight",
+        "final_norm.weight": "model.norm.weight",
+    }
     if name in top:
         return [((), top[name])]
     m = _LAYER.match(name)
@@ -58,14 +62,16 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
         raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
     i, rest = int(m.group(1)), m.group(2)
     L = f"model.layers.{i}"
-    simple = {"input_norm.weight": f"{L}.input_layernorm.weight",
-              "post_attention_norm.weight": f"{L}.post_attention_layernorm.weight"}
+    simple = {
+        "input_norm.weight": f"{L}.input_layernorm.weight",
+        "post_attention_norm.weight": f"{L}.post_attention_layernorm.weight",
+    }
     if rest in simple:
         return [((), simple[rest])]
     if rest.startswith("attention."):
-        return [((), f"{L}.self_attn.{rest[len('attention.'):]}")]
+        return [((), f"{L}.self_attn.{rest[len('attention.') :]}")]
     if not cfg.is_moe_layer(i):
-        return [((), f"{L}.{rest}")]                      # mlp.{gate,up,down}_proj.weight
+        return [((), f"{L}.{rest}")]  # mlp.{gate,up,down}_proj.weight
     P, (g, u, d) = f"{L}.{_moe_prefix(cfg)}", _expert_names(cfg)
     if rest == "mlp.router.weight":
         return [((), f"{P}.gate.weight")]
@@ -74,7 +80,7 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
     if rest == "mlp.experts.fc2_weight":
         return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.num_experts)]
     S = f"{L}.mlp.shared_expert"
-    if rest == "mlp.shared_expert.fc1_weight":                       # fused [gate; up] (engine MoE layer)
+    if rest == "mlp.shared_expert.fc1_weight":  # fused [gate; up] (engine MoE layer)
         return [((0,), f"{S}.gate_proj.weight"), ((1,), f"{S}.up_proj.weight")]
     if rest == "mlp.shared_expert.fc2_weight":
         return [((), f"{S}.down_proj.weight")]
@@ -87,17 +93,20 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
 
 def hf_tensor_names(cfg: ModelConfig) -> List[str]:
     """Every tensor name a Hugging Face checkpoint of ``cfg`` holds."""
-    H = [f"model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+    H = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
     for i in range(cfg.num_layers):
         L = f"model.layers.{i}"
         H += [f"{L}.input_layernorm.weight", f"{L}.post_attention_layernorm.weight", f"{L}.self_attn.o_proj.weight"]
-        H += [f"{L}.self_attn.{p}_proj.{k}" for p in "qkv" for k in (("weight", "bias") if cfg.qkv_bias else ("weight",))]
+        H += [
+            f"{L}.self_attn.{p}_proj.{k}" for p in "qkv" for k in (("weight", "bias") if cfg.qkv_bias else ("weight",))
+        ]
         if not cfg.is_moe_layer(i):
             H += [f"{L}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
             continue
         P = f"{L}.{_moe_prefix(cfg)}"
-        H += [f"{P}.gate.weight"] + [f"{P}.experts.{e}.{w}.weight" for e in range(cfg.num_experts)
-                                     for w in _expert_names(cfg)]
+        H += [f"{P}.gate.weight"] + [
+            f"{P}.experts.{e}.{w}.weight" for e in range(cfg.num_experts) for w in _expert_names(cfg)
+        ]
         if cfg.shared_expert_ffn_hidden_size:
             H += [f"{L}.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
             if cfg.shared_expert_gate:
@@ -120,9 +129,10 @@ def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
         E, F, H = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
         full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
         return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
-    if name.endswith("shared_expert.fc1_weight"):      # [gate shard; up shard] of the full [2, F, H]
-        return InitSpec((2, cfg.shared_expert_ffn_hidden_size, cfg.hidden_size),
-                        ((1, group_rank(g.tp), group_size(g.tp)),))
+    if name.endswith("shared_expert.fc1_weight"):  # [gate shard; up shard] of the full [2, F, H]
+        return InitSpec(
+            (2, cfg.shared_expert_ffn_hidden_size, cfg.hidden_size), ((1, group_rank(g.tp), group_size(g.tp)),)
+        )
     if tags.expert:
         raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
     if tags.tp_sharded:
@@ -137,6 +147,7 @@ class _Reader:
 
     def __init__(self, path: str):
         from safetensors import safe_open
+
         self._open, self.path, self._handles = safe_open, path, {}
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -148,8 +159,9 @@ class _Reader:
             raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
         missing = sorted({f for f in self.weight_map.values() if not os.path.exists(os.path.join(path, f))})
         if missing:
-            raise CheckpointError(f"checkpoint {path} is missing shard files {missing} listed in its index; "
-                                  "download them again")
+            raise CheckpointError(
+                f"checkpoint {path} is missing shard files {missing} listed in its index; download them again"
+            )
 
     def _file(self, name: str):
         fname = self.weight_map[name]
@@ -192,11 +204,15 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
     if expected - present or present - expected:
         hint = ""
         if any(k.endswith("experts.gate_up_proj") for k in present):
-            hint = ("; the checkpoint stores fused expert tensors (experts.gate_up_proj): save it with "
-                    "transformers' save_pretrained, which writes one tensor per expert")
-        raise CheckpointError(f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
-                              f"unexpected {sorted(present - expected)[:8]}{hint}")
-    tasks: Dict[str, list] = {}          # file -> [(local buffer, slot, hf name, full shape, index)]
+            hint = (
+                "; the checkpoint stores fused expert tensors (experts.gate_up_proj): save it with "
+                "transformers' save_pretrained, which writes one tensor per expert"
+            )
+        raise CheckpointError(
+            f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
+            f"unexpected {sorted(present - expected)[:8]}{hint}"
+        )
+    tasks: Dict[str, list] = {}  # file -> [(local buffer, slot, hf name, full shape, index)]
     buffers = []
     for name, p in model.named_parameters():
         spec = resolve_spec(name, p, model)
@@ -208,7 +224,8 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
                 continue
             slot = tuple(v - idx[d].start for d, v in enumerate(lead))
             tasks.setdefault(reader.weight_map[hf_name], []).append(
-                (local, slot, hf_name, spec.full_shape[len(lead):], idx[len(lead):]))
+                (local, slot, hf_name, spec.full_shape[len(lead) :], idx[len(lead) :])
+            )
     for fname in sorted(tasks):
         for local, slot, hf_name, shape, index in tasks[fname]:
             local[slot] = reader.read(hf_name, shape, index).to(local.dtype)
@@ -217,8 +234,15 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
         p.copy_(local.reshape(p.shape))
 
 
-def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.float32, device=None,
-            config_overrides: Optional[dict] = None) -> MoETransformer:
+def from_hf(
+    path: str,
+    *,
+    parallel_state=None,
+    moe_factory=None,
+    dtype=torch.float32,
+    device=None,
+    config_overrides: Optional[dict] = None,
+) -> MoETransformer:
     """Build the engine model (1 rank, or this rank's shard under ``parallel_state``) from a HF checkpoint.
 
     Without a layout, ``model(input_ids_BS)`` returns logits ``[B, S, V]``; with one, see
@@ -232,8 +256,7 @@ def from_hf(path: str, *, parallel_state=None, moe_factory=None, dtype=torch.flo
     cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
-    model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype,
-                           device="meta")
+    model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype, device="meta")
     if torch.device(device or "cpu").type != "meta":  # meta: the structure only, nothing is read
         materialize(model, device=device or "cpu", init_seed=None)
         load_hf_weights(model, path)
@@ -252,7 +275,7 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
             if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
                 continue
             t = local[tuple(v - idx[d].start for d, v in enumerate(lead))]
-            out.setdefault(hf_name, []).append((idx[len(lead):], t.clone()))
+            out.setdefault(hf_name, []).append((idx[len(lead) :], t.clone()))
     return out
 
 
@@ -265,6 +288,7 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     world × the largest message on rank 0's GPU). ``dtype`` defaults to the parameters' dtype.
     """
     from safetensors.torch import save_file
+
     pieces = hf_pieces(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
         host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -283,7 +307,7 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     for name, p in model.named_parameters():
         spec = resolve_spec(name, p, model)
         for lead, hf_name in hf_components(name, cfg):
-            shapes[hf_name] = spec.full_shape[len(lead):]
+            shapes[hf_name] = spec.full_shape[len(lead) :]
     tensors = {}
     for hf_name in hf_tensor_names(cfg):
         full = torch.empty(shapes[hf_name], dtype=dtype or next(model.parameters()).dtype)
@@ -300,7 +324,7 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     save_file(tensors, weights, metadata={"format": "pt"})
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)   # like config.json (safetensors creates its file 0600)
+    os.chmod(weights, 0o666 & ~umask)  # like config.json (safetensors creates its file 0600)
     hf = dict(getattr(model, "hf_config", None) or config_to_hf(cfg))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)

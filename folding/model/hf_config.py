@@ -17,6 +17,7 @@ Usage::
     cfg = config_from_hf(json.load(open("ckpt/config.json")))
     hf_dict = config_to_hf(cfg)
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -36,8 +37,9 @@ def _rope_theta(hf: Dict[str, Any]) -> float:
     if params:
         rtype = params.get("rope_type", params.get("type", "default"))
         if rtype != "default":
-            raise CheckpointError(f"config.json rope_parameters.rope_type={rtype!r} is not supported "
-                                  "(only 'default' RoPE)")
+            raise CheckpointError(
+                f"config.json rope_parameters.rope_type={rtype!r} is not supported (only 'default' RoPE)"
+            )
         if "rope_theta" in params:
             return float(params["rope_theta"])
     if scaling:
@@ -49,57 +51,100 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
     """The :class:`ModelConfig` of a Hugging Face Mixtral / Qwen2-MoE ``config.json`` dict."""
     mtype = hf.get("model_type")
     if mtype not in ARCHITECTURES:
-        raise CheckpointError(f"config.json model_type={mtype!r} (architectures={hf.get('architectures')}) is not "
-                              f"supported; supported: {sorted(ARCHITECTURES)}")
+        raise CheckpointError(
+            f"config.json model_type={mtype!r} (architectures={hf.get('architectures')}) is not "
+            f"supported; supported: {sorted(ARCHITECTURES)}"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     common = dict(
-        name=name or f"hf_{mtype}", family=mtype, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], head_dim=hf.get("head_dim"),
-        topk=hf["num_experts_per_tok"], rope_theta=_rope_theta(hf),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        name=name or f"hf_{mtype}",
+        family=mtype,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        topk=hf["num_experts_per_tok"],
+        rope_theta=_rope_theta(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # HF adds the load-balancing loss only with output_router_logits=true; match what it computes
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
-        init_std=float(hf.get("initializer_range", 0.02)))
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
     if mtype == "mixtral":
         if hf.get("sliding_window") is not None:
-            raise CheckpointError(f"config.json sliding_window={hf['sliding_window']} is not supported; "
-                                  "set it to null (full causal attention)")
-        return ModelConfig(**common, num_experts=hf["num_local_experts"], moe_ffn_hidden_size=hf["intermediate_size"],
-                           pre_softmax=False, norm_topk_prob=True)
+            raise CheckpointError(
+                f"config.json sliding_window={hf['sliding_window']} is not supported; "
+                "set it to null (full causal attention)"
+            )
+        return ModelConfig(
+            **common,
+            num_experts=hf["num_local_experts"],
+            moe_ffn_hidden_size=hf["intermediate_size"],
+            pre_softmax=False,
+            norm_topk_prob=True,
+        )
     if hf.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true is not supported; set it to false")
     shared = hf.get("shared_expert_intermediate_size") or None
-    return ModelConfig(**common, num_experts=hf["num_experts"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                       ffn_hidden_size=hf.get("intermediate_size", 0), shared_expert_ffn_hidden_size=shared,
-                       shared_expert_gate=shared is not None, decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                       mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()), pre_softmax=True,
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qkv_bias=bool(hf.get("qkv_bias", True)))
+    return ModelConfig(
+        **common,
+        num_experts=hf["num_experts"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        ffn_hidden_size=hf.get("intermediate_size", 0),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=shared is not None,
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        pre_softmax=True,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        qkv_bias=bool(hf.get("qkv_bias", True)),
+    )
 
 
 def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     """A transformers-5 ``config.json`` dict for ``cfg`` (rope written as ``rope_parameters``)."""
     hf: Dict[str, Any] = dict(
-        architectures=[ARCHITECTURES[cfg.family]], model_type=cfg.family, vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_kv_heads, hidden_act="silu",
-        num_experts_per_tok=cfg.topk, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.router_aux_loss_coef > 0,
+        architectures=[ARCHITECTURES[cfg.family]],
+        model_type=cfg.family,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        hidden_act="silu",
+        num_experts_per_tok=cfg.topk,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        output_router_logits=cfg.router_aux_loss_coef > 0,
         initializer_range=cfg.init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, dtype="float32")
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        dtype="float32",
+    )
     if cfg.head_dim is not None:
         hf["head_dim"] = cfg.head_dim
     if cfg.family == "mixtral":
         hf.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size, sliding_window=None)
     else:
         if cfg.shared_expert_ffn_hidden_size and not cfg.shared_expert_gate:
-            raise CheckpointError("Qwen2-MoE checkpoints always gate the shared expert: set model.shared_expert_gate=true")
-        hf.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                  intermediate_size=cfg.ffn_hidden_size,
-                  shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size or 0,
-                  decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
-                  norm_topk_prob=cfg.norm_topk_prob, qkv_bias=cfg.qkv_bias, use_sliding_window=False)
+            raise CheckpointError(
+                "Qwen2-MoE checkpoints always gate the shared expert: set model.shared_expert_gate=true"
+            )
+        hf.update(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            intermediate_size=cfg.ffn_hidden_size,
+            shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size or 0,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+            norm_topk_prob=cfg.norm_topk_prob,
+            qkv_bias=cfg.qkv_bias,
+            use_sliding_window=False,
+        )
     return hf

@@ -25,6 +25,7 @@ Usage::
     model = MoETransformer(cfg, parallel_state=ps, device="meta")   # nothing allocated
     materialize(model, device=torch.device("cuda", local_rank), init_seed=1234)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,12 +55,20 @@ class InitSpec:
     """Standard deviation for ``normal``."""
 
 
-def set_init_spec(p: torch.Tensor, *, full_shape: Sequence[int], shards: Sequence[Tuple[int, int, int]] = (),
-                  kind: str = "normal", std: float = 0.02) -> torch.Tensor:
+def set_init_spec(
+    p: torch.Tensor,
+    *,
+    full_shape: Sequence[int],
+    shards: Sequence[Tuple[int, int, int]] = (),
+    kind: str = "normal",
+    std: float = 0.02,
+) -> torch.Tensor:
     """Record on ``p`` how it is initialized (see :class:`InitSpec`); returns ``p``."""
     if kind not in KINDS:
         raise ValueError(f"init kind {kind!r}: choose one of {KINDS}")
-    spec = InitSpec(tuple(int(s) for s in full_shape), tuple(tuple(int(v) for v in s) for s in shards), kind, float(std))
+    spec = InitSpec(
+        tuple(int(s) for s in full_shape), tuple(tuple(int(v) for v in s) for s in shards), kind, float(std)
+    )
     expected = list(spec.full_shape)
     for dim, index, count in spec.shards:
         if expected[dim] % count or not 0 <= index < count:

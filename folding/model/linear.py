@@ -14,14 +14,19 @@ Usage::
     gate, up = sp_column_linears(x_SBH, [gate_proj, up_proj], tp_group)   # [S, B, F/TP] each
     y_SBH = down(act(gate) * up)                                           # RowParallelLinear -> [S/TP, B, H]
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.collectives import (gather_from_sequence_region, group_rank, group_size,
-                                    reduce_scatter_to_sequence_region)
+from ..parallel.collectives import (
+    gather_from_sequence_region,
+    group_rank,
+    group_size,
+    reduce_scatter_to_sequence_region,
+)
 from ..parallel.param_attrs import mark_param
 from ..parallel.sequence_parallel import gather_linears
 from .init import set_init_spec
@@ -48,8 +53,9 @@ def sp_column_linears(x_SBH: torch.Tensor, linears, tp_group):
 
 def _check_divisible(what: str, n: int, tp: int) -> None:
     if n % tp:
-        raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among "
-                         f"the divisors of {n}")
+        raise ValueError(
+            f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among the divisors of {n}"
+        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -60,8 +66,18 @@ class ColumnParallelLinear(nn.Module):
     along dim 0.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool = False,
-                 init_std: float = 0.02, name: str = "features", device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group,
+        bias: bool = False,
+        init_std: float = 0.02,
+        name: str = "features",
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         tp, r = group_size(tp_group), group_rank(tp_group)
         _check_divisible(name, out_features, tp)
@@ -87,8 +103,17 @@ class RowParallelLinear(nn.Module):
     TP along the sequence, backward all-gather of the gradient. Weight tagged ``tp_sharded`` dim 1.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp_group, init_std: float = 0.02,
-                 name: str = "features", device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group,
+        init_std: float = 0.02,
+        name: str = "features",
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         tp, r = group_size(tp_group), group_rank(tp_group)
         _check_divisible(name, in_features, tp)

@@ -9,6 +9,7 @@ Usage::
     mlp = DenseMLP(hidden_size, ffn_hidden_size, tp_group=ps.tp_group, init_std=0.02, output_init_std=0.005)
     y_SBH = mlp(x_SBH)
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,18 @@ from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 class DenseMLP(nn.Module):
     """SwiGLU MLP ``H -> F -> H`` with F split over TP; ``name`` is the config field of F (for errors)."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp_group, init_std: float,
-                 output_init_std: float, name: str = "model.ffn_hidden_size", device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        tp_group,
+        init_std: float,
+        output_init_std: float,
+        name: str = "model.ffn_hidden_size",
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         self.tp_group = tp_group
         kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name)

@@ -12,6 +12,7 @@ Usage::
     model = MoETransformer(cfg, parallel_state=ps, moe_factory=default_moe_factory)
     model = MoETransformer(cfg, parallel_state=ps, moe_factory=moe_factory_for(job.moe))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,18 @@ def moe_config_from_model(config: ModelConfig, **overrides) -> MoEConfig:
     """The :class:`MoEConfig` of ``config``'s MoE layers (``overrides`` replace fields)."""
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     pre_softmax = config.pre_softmax and not config.norm_topk_prob
-    values = dict(num_experts=config.num_experts, topk=config.topk, ffn_hidden_size=config.moe_ffn_hidden_size,
-                  score_function=config.score_function, pre_softmax=pre_softmax,
-                  aux_loss_coeff=config.router_aux_loss_coef, capacity_factor=None, input_jitter_eps=None,
-                  shared_expert_ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                  shared_expert_gate=config.shared_expert_gate)
+    values = dict(
+        num_experts=config.num_experts,
+        topk=config.topk,
+        ffn_hidden_size=config.moe_ffn_hidden_size,
+        score_function=config.score_function,
+        pre_softmax=pre_softmax,
+        aux_loss_coeff=config.router_aux_loss_coef,
+        capacity_factor=None,
+        input_jitter_eps=None,
+        shared_expert_ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+        shared_expert_gate=config.shared_expert_gate,
+    )
     values.update(overrides)
     return MoEConfig(**{k: v for k, v in values.items() if k in fields})
 
@@ -47,13 +55,32 @@ def moe_factory_for(moe_config: Optional[MoEConfig] = None) -> Callable[..., nn.
     The layer creates its weights on ``device`` in ``dtype`` and initializes them from
     ``(init_seed, layer_number)`` (layout-independent), unless ``device`` is ``meta``.
     """
-    def factory(*, config: ModelConfig, layer_number: int, groups: ModelGroups, init_seed: int = 0,
-                device=None, dtype=torch.float32) -> nn.Module:
+
+    def factory(
+        *,
+        config: ModelConfig,
+        layer_number: int,
+        groups: ModelGroups,
+        init_seed: int = 0,
+        device=None,
+        dtype=torch.float32,
+    ) -> nn.Module:
         moe = moe_config if moe_config is not None else moe_config_from_model(config)
-        return MoELayer(config=moe, hidden_size=config.hidden_size, ep_group=groups.ep, etp_group=groups.etp,
-                        tp_cp_group=groups.tp_cp, tp_dp_cp_group=groups.tp_dp_cp, tp_group=groups.tp,
-                        layer_number=layer_number, init_seed=init_seed, init_std=config.init_std,
-                        params_dtype=dtype, device=device)
+        return MoELayer(
+            config=moe,
+            hidden_size=config.hidden_size,
+            ep_group=groups.ep,
+            etp_group=groups.etp,
+            tp_cp_group=groups.tp_cp,
+            tp_dp_cp_group=groups.tp_dp_cp,
+            tp_group=groups.tp,
+            layer_number=layer_number,
+            init_seed=init_seed,
+            init_std=config.init_std,
+            params_dtype=dtype,
+            device=device,
+        )
+
     return factory
 
 

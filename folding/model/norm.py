@@ -9,6 +9,7 @@ Usage::
     norm = RMSNorm(hidden_size, eps=1e-5)
     y_SBH = norm(x_SBH)
 """
+
 from __future__ import annotations
 
 import torch

@@ -11,6 +11,7 @@ Usage::
     cfg = get_preset("mixtral_tiny", hidden_size=128)     # overrides, validated
     list_presets()
 """
+
 from __future__ import annotations
 
 from typing import Dict, List
@@ -24,30 +25,108 @@ def _register(cfg: ModelConfig) -> None:
     _PRESETS[cfg.name] = cfg
 
 
-_register(ModelConfig(
-    name="mixtral_8x7b", family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32,
-    num_attention_heads=32, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=14336,
-    router_aux_loss_coef=0.02, rope_theta=1e6, max_position_embeddings=32768, norm_eps=1e-5))
-_register(ModelConfig(
-    name="mixtral_8x22b", family="mixtral", vocab_size=32768, hidden_size=6144, num_layers=56,
-    num_attention_heads=48, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=16384,
-    router_aux_loss_coef=0.001, rope_theta=1e6, max_position_embeddings=65536, norm_eps=1e-5))
-_register(ModelConfig(
-    name="qwen2_57b_a14b", family="qwen2_moe", vocab_size=151936, hidden_size=3584, num_layers=28,
-    num_attention_heads=28, num_kv_heads=4, ffn_hidden_size=18944, num_experts=64, topk=8,
-    moe_ffn_hidden_size=2560, shared_expert_ffn_hidden_size=20480, shared_expert_gate=True,
-    pre_softmax=True, norm_topk_prob=False, router_aux_loss_coef=0.001, qkv_bias=True,
-    rope_theta=1e6, max_position_embeddings=32768, norm_eps=1e-6))
-_register(ModelConfig(
-    name="mixtral_tiny", family="mixtral", vocab_size=512, hidden_size=64, num_layers=4,
-    num_attention_heads=8, num_kv_heads=4, num_experts=8, topk=2, moe_ffn_hidden_size=96,
-    router_aux_loss_coef=0.01, rope_theta=1e6, max_position_embeddings=4096, norm_eps=1e-5))
-_register(ModelConfig(
-    name="qwen2_moe_tiny", family="qwen2_moe", vocab_size=512, hidden_size=64, num_layers=4,
-    num_attention_heads=8, num_kv_heads=4, ffn_hidden_size=128, num_experts=8, topk=2,
-    moe_ffn_hidden_size=32, shared_expert_ffn_hidden_size=64, shared_expert_gate=True,
-    pre_softmax=True, norm_topk_prob=False, router_aux_loss_coef=0.01, qkv_bias=True,
-    rope_theta=1e6, max_position_embeddings=4096, norm_eps=1e-6))
+_register(
+    ModelConfig(
+        name="mixtral_8x7b",
+        family="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden_size=14336,
+        router_aux_loss_coef=0.02,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        norm_eps=1e-5,
+    )
+)
+_register(
+    ModelConfig(
+        name="mixtral_8x22b",
+        family="mixtral",
+        vocab_size=32768,
+        hidden_size=6144,
+        num_layers=56,
+        num_attention_heads=48,
+        num_kv_heads=8,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden_size=16384,
+        router_aux_loss_coef=0.001,
+        rope_theta=1e6,
+        max_position_embeddings=65536,
+        norm_eps=1e-5,
+    )
+)
+_register(
+    ModelConfig(
+        name="qwen2_57b_a14b",
+        family="qwen2_moe",
+        vocab_size=151936,
+        hidden_size=3584,
+        num_layers=28,
+        num_attention_heads=28,
+        num_kv_heads=4,
+        ffn_hidden_size=18944,
+        num_experts=64,
+        topk=8,
+        moe_ffn_hidden_size=2560,
+        shared_expert_ffn_hidden_size=20480,
+        shared_expert_gate=True,
+        pre_softmax=True,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.001,
+        qkv_bias=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        norm_eps=1e-6,
+    )
+)
+_register(
+    ModelConfig(
+        name="mixtral_tiny",
+        family="mixtral",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden_size=96,
+        router_aux_loss_coef=0.01,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+    )
+)
+_register(
+    ModelConfig(
+        name="qwen2_moe_tiny",
+        family="qwen2_moe",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=128,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=64,
+        shared_expert_gate=True,
+        pre_softmax=True,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.01,
+        qkv_bias=True,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        norm_eps=1e-6,
+    )
+)
 
 
 def list_presets() -> List[str]:
@@ -67,12 +146,40 @@ def get_preset(name: str, **overrides) -> ModelConfig:
 # Mixtral-8x22B-G8T8: Mixtral-8x22B with every expert cut into 8 fine-grained experts (64 experts of
 # F = 16384/8 = 2048) and top-8 routing: the same total expert parameters as 8x22B, half the active ones
 # (8·2048 vs 2·16384 FFN width per token).
-_register(ModelConfig(
-    name="mixtral_8x22b_g8t8", family="mixtral", vocab_size=32768, hidden_size=6144, num_layers=56,
-    num_attention_heads=48, num_kv_heads=8, num_experts=64, topk=8, moe_ffn_hidden_size=2048,
-    router_aux_loss_coef=0.001, rope_theta=1e6, max_position_embeddings=65536, norm_eps=1e-5))
+_register(
+    ModelConfig(
+        name="mixtral_8x22b_g8t8",
+        family="mixtral",
+        vocab_size=32768,
+        hidden_size=6144,
+        num_layers=56,
+        num_attention_heads=48,
+        num_kv_heads=8,
+        num_experts=64,
+        topk=8,
+        moe_ffn_hidden_size=2048,
+        router_aux_loss_coef=0.001,
+        rope_theta=1e6,
+        max_position_embeddings=65536,
+        norm_eps=1e-5,
+    )
+)
 # Llama3-8x70B: Llama-3-70B's attention and vocabulary with 8 experts, each one Llama-3-70B FFN, top-2.
-_register(ModelConfig(
-    name="llama3_8x70b", family="mixtral", vocab_size=128256, hidden_size=8192, num_layers=80,
-    num_attention_heads=64, num_kv_heads=8, num_experts=8, topk=2, moe_ffn_hidden_size=28672,
-    router_aux_loss_coef=0.001, rope_theta=500000.0, max_position_embeddings=8192, norm_eps=1e-5))
+_register(
+    ModelConfig(
+        name="llama3_8x70b",
+        family="mixtral",
+        vocab_size=128256,
+        hidden_size=8192,
+        num_layers=80,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden_size=28672,
+        router_aux_loss_coef=0.001,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        norm_eps=1e-5,
+    )
+)

@@ -8,6 +8,7 @@ Usage::
     cos_SD, sin_SD = rope_cos_sin(positions_S, head_dim, theta=1e6)
     q_SBND = apply_rope(q_SBND, cos_SD, sin_SD)
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -19,7 +20,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> Tuple[
     """fp32 ``cos, sin`` of shape ``[S, head_dim]`` for integer ``positions [S]``."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

@@ -25,6 +25,7 @@ Usage::
     loss_BS = model(ids_BS, labels=labels_BS, loss_mask=mask_BS)
     (loss_BS.sum() / global_tokens).backward()
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -33,20 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe.expert_te import fp8_region
+from ..parallel.collectives import group_rank, group_size
+from ..parallel.param_attrs import mark_param
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
-from .fused_cross_entropy import fused_linear_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .fused_cross_entropy import fused_linear_cross_entropy
 from .groups import ModelGroups
 from .init import initialize_parameters, set_init_spec
 from .linear import sp_gather
 from .moe_block import default_moe_factory
-from ..moe.expert_te import fp8_region
 from .norm import RMSNorm
 from .rope import rope_cos_sin
-from ..parallel.collectives import group_rank, group_size
-from ..parallel.param_attrs import mark_param
 
 
 class MoETransformer(nn.Module):
@@ -64,23 +65,33 @@ class MoETransformer(nn.Module):
             micro-batch never exist. Larger chunks: fewer, bigger GEMMs and more transient memory.
     """
 
-    def __init__(self, config: ModelConfig, *, parallel_state=None, init_seed: int = 0,
-                 moe_factory: Optional[MoEFactory] = None, device=None, dtype=torch.float32,
-                 initialize: bool = True, layer_range: Optional[Tuple[int, int]] = None,
-                 loss_chunk_tokens: int = 2048):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        parallel_state=None,
+        init_seed: int = 0,
+        moe_factory: Optional[MoEFactory] = None,
+        device=None,
+        dtype=torch.float32,
+        initialize: bool = True,
+        layer_range: Optional[Tuple[int, int]] = None,
+        loss_chunk_tokens: int = 2048,
+    ):
         super().__init__()
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1 (tokens per fused loss chunk)")
         self.loss_chunk_tokens = loss_chunk_tokens
         if layer_range is None:
             if parallel_state is not None and parallel_state.layout.pp > 1:
-                raise ValueError("with parallel.pp > 1 build this rank's pipeline chunks with "
-                                 "folding.pipeline.stage.build_stage_chunks (or pass layer_range=)")
+                raise ValueError(
+                    "with parallel.pp > 1 build this rank's pipeline chunks with "
+                    "folding.pipeline.stage.build_stage_chunks (or pass layer_range=)"
+                )
             layer_range = (0, config.num_layers)
         start, end = layer_range
         if not 0 <= start < end <= config.num_layers:
-            raise ValueError(f"layer_range={layer_range} is not a non-empty range of the "
-                             f"{config.num_layers} layers")
+            raise ValueError(f"layer_range={layer_range} is not a non-empty range of the {config.num_layers} layers")
         self.layer_range = (start, end)
         self.pre_process = start == 0
         self.post_process = end == config.num_layers
@@ -95,15 +106,25 @@ class MoETransformer(nn.Module):
         # same init seed gives the same values); the two copies' gradients are summed over the
         # embedding group (first + last stage).
         if self.pre_process or (self.post_process and config.tie_embeddings):
-            self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=g.tp,
-                                                    init_std=config.init_std, tied=config.tie_embeddings, **kw)
+            self.embedding = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                tp_group=g.tp,
+                init_std=config.init_std,
+                tied=config.tie_embeddings,
+                **kw,
+            )
         else:
             self.embedding = None
         # keyed by the global layer index, so parameter names do not depend on the pipeline cut
-        self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory,
-                                     init_seed=init_seed, **kw)
-            for i in range(start, end)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    config, layer_number=i, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw
+                )
+                for i in range(start, end)
+            }
+        )
         self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw) if self.post_process else None
         if config.tie_embeddings or not self.post_process:
             self.output_weight = None
@@ -111,8 +132,12 @@ class MoETransformer(nn.Module):
             tp, r = group_size(g.tp), group_rank(g.tp)
             self.output_weight = nn.Parameter(torch.empty(config.vocab_size // tp, config.hidden_size, **kw))
             mark_param(self.output_weight, tp_sharded=True, tp_dim=0)
-            set_init_spec(self.output_weight, full_shape=(config.vocab_size, config.hidden_size),
-                          shards=((0, r, tp),), std=config.init_std)
+            set_init_spec(
+                self.output_weight,
+                full_shape=(config.vocab_size, config.hidden_size),
+                shards=((0, r, tp),),
+                std=config.init_std,
+            )
         if initialize and torch.device(device or "cpu").type != "meta":
             initialize_parameters(self, init_seed)
 
@@ -120,19 +145,27 @@ class MoETransformer(nn.Module):
     def check_layout(self) -> None:
         """Raise a clear error if the attention layout does not divide the architecture."""
         c, tp = self.config, self.groups.tp_size
-        for what, n in (("model.num_attention_heads", c.num_attention_heads), ("model.num_kv_heads", c.num_kv_heads),
-                        ("model.vocab_size", c.vocab_size)):
+        for what, n in (
+            ("model.num_attention_heads", c.num_attention_heads),
+            ("model.num_kv_heads", c.num_kv_heads),
+            ("model.vocab_size", c.vocab_size),
+        ):
             if n % tp:
-                raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among "
-                                 f"the divisors of {n}")
+                raise ValueError(
+                    f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among the divisors of {n}"
+                )
         ep = group_size(self.groups.ep)
         if c.num_moe_layers() and c.num_experts % ep:
-            raise ValueError(f"model.num_experts={c.num_experts} is not divisible by parallel.ep={ep}; choose "
-                             f"parallel.ep among the divisors of {c.num_experts}")
+            raise ValueError(
+                f"model.num_experts={c.num_experts} is not divisible by parallel.ep={ep}; choose "
+                f"parallel.ep among the divisors of {c.num_experts}"
+            )
         etp = group_size(self.groups.etp)
         if c.num_moe_layers() and c.moe_ffn_hidden_size % etp:
-            raise ValueError(f"model.moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by "
-                             f"parallel.etp={etp}; choose parallel.etp among its divisors")
+            raise ValueError(
+                f"model.moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by "
+                f"parallel.etp={etp}; choose parallel.etp among its divisors"
+            )
 
     def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Sequence positions held by this CP rank (before the TP split), in the model's order."""
@@ -159,8 +192,9 @@ class MoETransformer(nn.Module):
         c = seq_len // (2 * cp)
         return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
 
-    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, start: Optional[int] = None,
-                   end: Optional[int] = None) -> torch.Tensor:
+    def run_layers(
+        self, x_SBH: torch.Tensor, seq_len: int, start: Optional[int] = None, end: Optional[int] = None
+    ) -> torch.Tensor:
         """The held layers with global index in ``[start, end)`` (default: all held) on a hidden shard."""
         rope = self.rope(seq_len, x_SBH.device)
         lo = self.layer_range[0] if start is None else start
@@ -185,8 +219,12 @@ class MoETransformer(nn.Module):
         return sp_gather(self.final_norm(x_SBH), self.groups.tp), w_VH
 
     # ------------------------------------------------------------------------------ forward
-    def forward(self, input_ids_BS: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Logits ``[B, S/CP, V/TP]`` or, with ``labels``, per-token losses ``[B, S/CP]`` (module docstring)."""
         if input_ids_BS.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids_BS.shape)}")
@@ -201,23 +239,34 @@ class MoETransformer(nn.Module):
 
     def fp8_region_recipe(self) -> Optional[str]:
         """The FP8 recipe of this chunk's TransformerEngine region (None when no expert runs TE FP8)."""
-        recipes = {r for m in self.modules() if m is not self and hasattr(m, "fp8_region_recipe")
-                   for r in [m.fp8_region_recipe()] if r is not None}
+        recipes = {
+            r
+            for m in self.modules()
+            if m is not self and hasattr(m, "fp8_region_recipe")
+            for r in [m.fp8_region_recipe()]
+            if r is not None
+        }
         if len(recipes) > 1:
             raise ValueError(f"one FP8 recipe per model: the experts use {sorted(recipes)}")
         return recipes.pop() if recipes else None
 
-    def stage_forward(self, input_ids_BS: torch.Tensor, hidden_SBH: Optional[torch.Tensor] = None,
-                      labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                      first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def stage_forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        hidden_SBH: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        first_microbatch: Optional[bool] = None,
+    ) -> torch.Tensor:
         """Run this chunk: the first chunk embeds ``input_ids_BS``, later ones take ``hidden_SBH``
         from the previous stage; the last chunk returns what :meth:`forward` returns, the others the
         hidden shard ``[S/(CP*TP), B, H]`` for the next stage. ``input_ids_BS`` (full ``[B, S]``) is
         always given, for the sequence length. The whole chunk runs in one TransformerEngine FP8
         region when its experts use TE with a recipe (amax reduced over DP×CP on exit);
         ``first_microbatch`` (True on a step's first micro-batch) lets TE reuse FP8 weights."""
-        with fp8_region(self.fp8_region_recipe(), amax_reduction_group=self.groups.dp_cp,
-                        first_microbatch=first_microbatch):
+        with fp8_region(
+            self.fp8_region_recipe(), amax_reduction_group=self.groups.dp_cp, first_microbatch=first_microbatch
+        ):
             return self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask)
 
     def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask) -> torch.Tensor:
@@ -233,8 +282,9 @@ class MoETransformer(nn.Module):
         pos = self.local_positions(S, input_ids_BS.device)
         h_SBH, w = self._head_inputs(x)
         Sl, B, H = h_SBH.shape
-        loss_SB = fused_linear_cross_entropy(h_SBH.reshape(Sl * B, H), w, labels[:, pos].t().reshape(-1),
-                                             self.groups.tp, self.loss_chunk_tokens).view(Sl, B)
+        loss_SB = fused_linear_cross_entropy(
+            h_SBH.reshape(Sl * B, H), w, labels[:, pos].t().reshape(-1), self.groups.tp, self.loss_chunk_tokens
+        ).view(Sl, B)
         loss_BS = loss_SB.t()
         if loss_mask is not None:
             loss_BS = loss_BS * loss_mask[:, pos].to(loss_BS.dtype)

@@ -13,6 +13,7 @@ Usage::
     router = Router(hidden_size=4096, config=cfg, tp_cp_group=ps.tp_cp_group,
                     tp_dp_cp_group=ps.tp_dp_cp_group)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -126,11 +127,19 @@ class MoEConfig:
             _fail("topk", k, f"exceeds moe.num_experts={E}", f"set moe.topk <= {E}")
         _choice("score_function", self.score_function, SCORE_FUNCTIONS)
         if self.pre_softmax and self.score_function != "softmax":
-            _fail("pre_softmax", True, "only applies to score_function='softmax'",
-                  "set moe.pre_softmax=false or moe.score_function=softmax")
+            _fail(
+                "pre_softmax",
+                True,
+                "only applies to score_function='softmax'",
+                "set moe.pre_softmax=false or moe.score_function=softmax",
+            )
         if k == 1 and self.score_function == "softmax" and not self.pre_softmax:
-            _fail("topk", 1, "softmax over a single selected logit is always 1, so the router gets no "
-                  "gradient", "set moe.pre_softmax=true (or use moe.score_function=sigmoid)")
+            _fail(
+                "topk",
+                1,
+                "softmax over a single selected logit is always 1, so the router gets no gradient",
+                "set moe.pre_softmax=true (or use moe.score_function=sigmoid)",
+            )
         self._validate_groups()
         if self.topk_scaling_factor is not None and not self.topk_scaling_factor > 0:
             _fail("topk_scaling_factor", self.topk_scaling_factor, "must be > 0", "use a positive factor or null")
@@ -138,8 +147,7 @@ class MoEConfig:
         if self.input_jitter_eps is not None and not 0 <= self.input_jitter_eps < 1:
             _fail("input_jitter_eps", self.input_jitter_eps, "must be in [0, 1)", "use e.g. 0.01 or null")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            _fail("capacity_factor", self.capacity_factor, "must be > 0",
-                  "use e.g. 1.0, or null for dropless routing")
+            _fail("capacity_factor", self.capacity_factor, "must be > 0", "use e.g. 1.0, or null for dropless routing")
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
         if self.pad_to_capacity and self.capacity_factor is None:
             _fail("pad_to_capacity", True, "needs a capacity", "set moe.capacity_factor (e.g. 1.0)")
@@ -157,8 +165,12 @@ class MoEConfig:
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         elif self.shared_expert_gate:
-            _fail("shared_expert_gate", True, "there is no shared expert",
-                  "set moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate=false")
+            _fail(
+                "shared_expert_gate",
+                True,
+                "there is no shared expert",
+                "set moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate=false",
+            )
 
     def _validate_groups(self) -> None:
         G, g, E, k = self.num_groups, self.group_topk, self.num_experts, self.topk
@@ -166,8 +178,12 @@ class MoEConfig:
             return
         if G is None or g is None:
             missing = "num_groups" if G is None else "group_topk"
-            _fail(missing, None, "group-limited routing needs both moe.num_groups and moe.group_topk",
-                  f"set moe.{missing} or set both to null")
+            _fail(
+                missing,
+                None,
+                "group-limited routing needs both moe.num_groups and moe.group_topk",
+                f"set moe.{missing} or set both to null",
+            )
         _positive_int("num_groups", G)
         _positive_int("group_topk", g)
         if E % G:
@@ -175,11 +191,23 @@ class MoEConfig:
         if g > G:
             _fail("group_topk", g, f"exceeds moe.num_groups={G}", f"set moe.group_topk <= {G}")
         if g > k:
-            _fail("group_topk", g, f"exceeds moe.topk={k}: a group is scored by its top topk//group_topk "
-                  "experts, which would be none", f"set moe.group_topk <= {k}")
+            _fail(
+                "group_topk",
+                g,
+                f"exceeds moe.topk={k}: a group is scored by its top topk//group_topk experts, which would be none",
+                f"set moe.group_topk <= {k}",
+            )
         if k // g > E // G:
-            _fail("topk", k, f"topk//group_topk={k // g} exceeds the {E // G} experts of a group",
-                  "raise moe.group_topk or lower moe.num_groups")
+            _fail(
+                "topk",
+                k,
+                f"topk//group_topk={k // g} exceeds the {E // G} experts of a group",
+                "raise moe.group_topk or lower moe.num_groups",
+            )
         if g * (E // G) < k:
-            _fail("group_topk", g, f"the {g} kept groups hold {g * (E // G)} experts, fewer than "
-                  f"moe.topk={k}", "raise moe.group_topk")
+            _fail(
+                "group_topk",
+                g,
+                f"the {g} kept groups hold {g * (E // G)} experts, fewer than moe.topk={k}",
+                "raise moe.group_topk",
+            )

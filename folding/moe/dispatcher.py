@@ -38,6 +38,7 @@ Usage::
     tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     out_SBH = d.combine(experts(tokens_NH, tokens_per_expert_L, probs_N))
 """
+
 from __future__ import annotations
 
 from .config import DISPATCHERS

@@ -19,10 +19,10 @@ Usage::
     tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     out_SBH = d.combine(expert_out_NH)
 """
+
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from folding.parallel.collectives import gather_from_sequence_region, group_size, reduce_scatter_to_sequence_region
 
@@ -48,8 +48,10 @@ class AllGatherDispatcher(TokenDispatcher):
         super().__init__(**kwargs)
         for name in ("dispatch_wire", "combine_wire", "grad_wire"):
             if getattr(self, name) != "none":
-                raise ValueError(f"moe.{name}={getattr(self, name)!r}: the allgather dispatcher sends the "
-                                 f"activation dtype only; set moe.dispatcher=alltoall for a quantized wire")
+                raise ValueError(
+                    f"moe.{name}={getattr(self, name)!r}: the allgather dispatcher sends the "
+                    f"activation dtype only; set moe.dispatcher=alltoall for a quantized wire"
+                )
 
     def dispatch_preprocess(self, hidden, routing_map, probs):
         """Validate and flatten to ``[T, H]``; returns ``(tokens_TH, probs_TE)``."""
@@ -97,12 +99,13 @@ class AllGatherDispatcher(TokenDispatcher):
             want = self._num_tokens * self.topk
             short = [(r, n) for r, n in enumerate(host[L:]) if n != want]
             if self.dropless and short:
-                raise ValueError(f"dropless dispatch expects exactly topk={self.topk} experts per token ({want} "
-                                 f"pairs per rank) but the routing map holds "
-                                 + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
-                                 + "; set capacity_factor if the router drops tokens")
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL,
-                                              num_out_tokens=sum(self.tokens_per_expert_host))
+                raise ValueError(
+                    f"dropless dispatch expects exactly topk={self.topk} experts per token ({want} "
+                    f"pairs per rank) but the routing map holds "
+                    + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
+                    + "; set capacity_factor if the router drops tokens"
+                )
+            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(self.tokens_per_expert_host))
         return out, tpe, p
 
     def combine_preprocess(self, out):

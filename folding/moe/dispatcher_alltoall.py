@@ -25,18 +25,25 @@ Usage::
     tokens_NH, tokens_per_expert_L, probs_N = d.dispatch_postprocess(x, p)
     y = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out_NH)))
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..parallel.collectives import group_size
 from . import host_sync
 from .dispatcher_base import TokenDispatcher
-from .permute import (AllToAllPlan, inverse_order, padded_rows_per_expert, permute, plan_alltoall,
-                      sort_chunks_by_idxs, unpermute)
+from .permute import (
+    AllToAllPlan,
+    inverse_order,
+    padded_rows_per_expert,
+    permute,
+    plan_alltoall,
+    sort_chunks_by_idxs,
+    unpermute,
+)
 from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row
 
 
@@ -79,7 +86,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if self.dropless:
             num_out = T * self.topk  # static: the sync is deferred to token_dispatch
         else:
-            self._read_counts()      # dropping: the row count is needed now
+            self._read_counts()  # dropping: the row count is needed now
             num_out = self._plan.num_out_tokens
         out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
         return out, probs_N
@@ -98,13 +105,21 @@ class AllToAllDispatcher(TokenDispatcher):
         short = [(i, j, sum(c)) for i, row in enumerate(counts) for j, c in enumerate(row) if sum(c) != want]
         if short:
             where = ", ".join(f"ep rank {i} etp rank {j}: {n}" for i, j, n in short)
-            raise ValueError(f"dropless dispatch expects exactly topk={self.topk} experts per token "
-                             f"({want} pairs per rank) but the routing map holds {where}; set "
-                             f"capacity_factor if the router drops tokens")
+            raise ValueError(
+                f"dropless dispatch expects exactly topk={self.topk} experts per token "
+                f"({want} pairs per rank) but the routing map holds {where}; set "
+                f"capacity_factor if the router drops tokens"
+            )
 
     def _set_plan(self, counts) -> None:
-        plan = plan_alltoall(counts, ep_size=self.ep_size, etp_size=self.etp_size, ep_rank=self.ep_rank,
-                             etp_rank=self.etp_rank, num_local_experts=self.num_local_experts)
+        plan = plan_alltoall(
+            counts,
+            ep_size=self.ep_size,
+            etp_size=self.etp_size,
+            ep_rank=self.ep_rank,
+            etp_rank=self.etp_rank,
+            num_local_experts=self.num_local_experts,
+        )
         self._plan = plan
         # chunk reordering by split/cat with the host sizes: no index tensor crosses to the device
         self._sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
@@ -112,9 +127,17 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _spec(self, wire: str) -> ExchangeSpec:
         p = self._plan
-        return ExchangeSpec(ep_group=self.ep_group, etp_group=self.etp_group, ep_send=p.input_splits,
-                            ep_recv=p.output_splits, etp_sizes=p.etp_sizes, wire=wire, grad_wire=self.grad_wire,
-                            hidden_size=self._hidden_size, dtype=self._dtype)
+        return ExchangeSpec(
+            ep_group=self.ep_group,
+            etp_group=self.etp_group,
+            ep_send=p.input_splits,
+            ep_recv=p.output_splits,
+            etp_sizes=p.etp_sizes,
+            wire=wire,
+            grad_wire=self.grad_wire,
+            hidden_size=self._hidden_size,
+            dtype=self._dtype,
+        )
 
     def token_dispatch(self, hidden, probs):
         """EP all-to-all then ETP all-gather of rows and probabilities (the host sync happens here when
@@ -137,7 +160,7 @@ class AllToAllDispatcher(TokenDispatcher):
         L, lo = self.num_local_experts, self.local_expert_offset
         if self._counts_dev is None:  # pad-to-capacity: static
             return torch.full((L,), self._plan.tokens_per_expert[0], dtype=torch.long, device=device)
-        return self._counts_dev[:, :, lo:lo + L].sum((0, 1)).to(torch.long)
+        return self._counts_dev[:, :, lo : lo + L].sum((0, 1)).to(torch.long)
 
     # -------------------------------------------------------------------------------- combine
     def combine_preprocess(self, out):

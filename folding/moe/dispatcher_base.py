@@ -1,6 +1,7 @@
 """The base of the token dispatchers: argument checks, the six-stage interface, ``dispatch`` and
 ``combine`` (see :mod:`folding.moe.dispatcher` for the interface and :func:`build_dispatcher`).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -15,14 +16,18 @@ from .wire import WIRE_FORMATS, check_wire
 def _group_ranks(group, name: str):
     if not dist.is_initialized():  # a single process without torch.distributed: a 1x1 expert domain
         if group is not None:
-            raise ValueError(f"{name} is given but torch.distributed is not initialized; pass None for a "
-                             "single-process model, or initialize the process group first")
+            raise ValueError(
+                f"{name} is given but torch.distributed is not initialized; pass None for a "
+                "single-process model, or initialize the process group first"
+            )
         return [0]
     try:
         return dist.get_process_group_ranks(group)
     except Exception as e:  # not a group this rank belongs to, or not a group at all
-        raise ValueError(f"{name} is not a process group this rank belongs to ({e}); pass the group of the "
-                         f"expert view that contains this rank (e.g. ParallelState.{name})") from None
+        raise ValueError(
+            f"{name} is not a process group this rank belongs to ({e}); pass the group of the "
+            f"expert view that contains this rank (e.g. ParallelState.{name})"
+        ) from None
 
 
 class TokenDispatcher:
@@ -40,10 +45,20 @@ class TokenDispatcher:
         dispatch_wire, combine_wire, grad_wire: ``none`` | ``fp8`` | ``mxfp8`` (see ``folding.moe.wire``).
     """
 
-    def __init__(self, *, num_experts: int, topk: int, ep_group, etp_group,
-                 num_local_experts: Optional[int] = None, capacity_factor: Optional[float] = None,
-                 pad_to_capacity: bool = False, dispatch_wire: str = "none", combine_wire: str = "none",
-                 grad_wire: str = "none"):
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        topk: int,
+        ep_group,
+        etp_group,
+        num_local_experts: Optional[int] = None,
+        capacity_factor: Optional[float] = None,
+        pad_to_capacity: bool = False,
+        dispatch_wire: str = "none",
+        combine_wire: str = "none",
+        grad_wire: str = "none",
+    ):
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
         if not 1 <= topk <= num_experts:
@@ -52,26 +67,31 @@ class TokenDispatcher:
         etp_ranks = _group_ranks(etp_group, "etp_group")
         self.ep_size, self.etp_size = len(ep_ranks), len(etp_ranks)
         if num_experts % self.ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep_size}; "
-                             f"choose parallel.ep among the divisors of {num_experts}")
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the EP group size {self.ep_size}; "
+                f"choose parallel.ep among the divisors of {num_experts}"
+            )
         me = dist.get_rank() if dist.is_initialized() else 0
         shared = set(ep_ranks) & set(etp_ranks)
         if shared != {me}:
-            raise ValueError(f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
-                             f"({me}); they look like the same or mismatched groups: pass "
-                             f"ParallelState.ep_group and ParallelState.etp_group of the same layout")
+            raise ValueError(
+                f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
+                f"({me}); they look like the same or mismatched groups: pass "
+                f"ParallelState.ep_group and ParallelState.etp_group of the same layout"
+            )
         self.num_local_experts = num_experts // self.ep_size
         if num_local_experts is not None and num_local_experts != self.num_local_experts:
-            raise ValueError(f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
-                             f"{self.ep_size} = {self.num_local_experts}")
+            raise ValueError(
+                f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
+                f"{self.ep_size} = {self.num_local_experts}"
+            )
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
         if pad_to_capacity and capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
         self.tokens_per_expert_host: Optional[list] = None
         """Rows per local expert of the last dispatch, as Python ints (host copy of the counts)."""
-        for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire),
-                          ("grad_wire", grad_wire)):
+        for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire), ("grad_wire", grad_wire)):
             if fmt not in WIRE_FORMATS:
                 raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
         self.num_experts, self.topk = num_experts, topk
@@ -95,8 +115,10 @@ class TokenDispatcher:
         H = hidden.shape[-1]
         T = hidden.numel() // H
         if routing_map_TE.shape != (T, self.num_experts) or routing_map_TE.dtype != torch.bool:
-            raise ValueError(f"routing_map must be bool [T={T}, E={self.num_experts}], got "
-                             f"{routing_map_TE.dtype} {tuple(routing_map_TE.shape)}")
+            raise ValueError(
+                f"routing_map must be bool [T={T}, E={self.num_experts}], got "
+                f"{routing_map_TE.dtype} {tuple(routing_map_TE.shape)}"
+            )
         if probs_TE.shape != (T, self.num_experts):
             raise ValueError(f"probs must be [T={T}, E={self.num_experts}], got {tuple(probs_TE.shape)}")
         for name in ("dispatch_wire", "combine_wire", "grad_wire"):
@@ -128,8 +150,9 @@ class TokenDispatcher:
         """Local work after it; returns the shape ``hidden`` had in ``dispatch_preprocess``."""
         raise NotImplementedError
 
-    def dispatch(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (int64, on the tokens'
         device), probs_N)``; the counts are also in ``tokens_per_expert_host`` (a list)."""
         h, p = self.dispatch_preprocess(hidden, routing_map_TE, probs_TE)

@@ -20,6 +20,7 @@ Usage::
 
     y_NO = grouped_linear(x_NK, w_EOK, counts_E, backend="torch")
 """
+
 from __future__ import annotations
 
 import functools
@@ -171,7 +172,8 @@ def grouped_linear(
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
     no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
     tensor of counts and an input that fits one call runs without a host transfer either way (and
-    without checking that the counts sum to N); with a list it builds the offsets by one host copy. ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
+    without checking that the counts sum to N); with a list it builds the offsets by one host copy.
+    ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     """
     num_rows, num_experts = x_NK.shape[0], w_EOK.shape[0]
@@ -181,11 +183,7 @@ def grouped_linear(
         return x_NK @ w_EOK[0].t()
     width = max(x_NK.shape[1], w_EOK.shape[1])
     fits = num_rows * (width + 16) <= index_limit
-    if (
-        backend == "torch"
-        and fits
-        and isinstance(tokens_per_expert, torch.Tensor)
-    ):
+    if backend == "torch" and fits and isinstance(tokens_per_expert, torch.Tensor):
         if tuple(tokens_per_expert.shape) != (num_experts,):
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"

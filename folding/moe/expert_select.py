@@ -18,6 +18,7 @@ Usage::
     ok, why = backend_support("te", "mxfp8", torch.device("cuda", 0))
     name = resolve_backend("auto", "mxfp8", torch.device("cuda", 0), torch.bfloat16)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,9 +26,9 @@ from typing import Optional
 
 import torch
 
+from ..quant.emulate import RECIPES
 from .expert_backends import torch_grouped_mm_supported
 from .expert_te import te_available, te_recipe_support
-from ..quant.emulate import RECIPES
 
 BACKENDS = ("auto", "te", "torch", "loop", "emulated")
 """Names accepted by ``moe.expert_backend``."""
@@ -44,8 +45,9 @@ def _capability(device: torch.device) -> str:
     return f"compute capability {major}.{minor}"
 
 
-def backend_support(backend: str, recipe: Optional[str], device: torch.device,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
+def backend_support(
+    backend: str, recipe: Optional[str], device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> tuple[bool, str]:
     """Whether ``backend`` can run FP8 ``recipe`` (None: none) on ``device``; the reason when not."""
     device = torch.device(device)
     if backend not in BACKENDS or backend == "auto":
@@ -65,22 +67,31 @@ def backend_support(backend: str, recipe: Optional[str], device: torch.device,
         ok = torch_grouped_mm_supported(device.type, dtype)
         return ok, "" if ok else f"torch {torch.__version__} has no working grouped_mm for {device.type}/{dtype}"
     if backend == "loop":
-        return (recipe is None, "" if recipe is None else "the loop backend computes in high precision; "
-                "use emulated or te for an FP8 recipe")
+        return (
+            recipe is None,
+            ""
+            if recipe is None
+            else "the loop backend computes in high precision; use emulated or te for an FP8 recipe",
+        )
     return (recipe is not None, "" if recipe is not None else "the emulated backend needs an fp8_recipe")
 
 
-def check_backend(backend: str, recipe: Optional[str], device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16) -> None:
+def check_backend(
+    backend: str, recipe: Optional[str], device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> None:
     """Raise :class:`BackendError` if an explicit ``backend`` cannot run ``recipe`` on ``device``."""
     if backend == "auto":
         return
     ok, why = backend_support(backend, recipe, device, dtype)
     if not ok:
-        fix = ("set moe.expert_backend=auto, or a recipe this GPU supports" if backend == "te"
-               else "set moe.expert_backend=auto")
-        raise BackendError(f"moe.expert_backend={backend!r} with moe.fp8_recipe={recipe!r} cannot run on "
-                           f"{device}: {why}; {fix}")
+        fix = (
+            "set moe.expert_backend=auto, or a recipe this GPU supports"
+            if backend == "te"
+            else "set moe.expert_backend=auto"
+        )
+        raise BackendError(
+            f"moe.expert_backend={backend!r} with moe.fp8_recipe={recipe!r} cannot run on {device}: {why}; {fix}"
+        )
 
 
 def resolve_backend(backend: str, recipe: Optional[str], device: torch.device, dtype: torch.dtype) -> str:
@@ -97,6 +108,9 @@ def resolve_backend(backend: str, recipe: Optional[str], device: torch.device, d
     else:
         name = "torch" if backend_support("torch", None, device, dtype)[0] else "loop"
     if device.type == "cuda":
-        warnings.warn(f"moe.expert_backend=auto runs the {name} backend on {device} (slower than te): {te_why}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"moe.expert_backend=auto runs the {name} backend on {device} (slower than te): {te_why}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return name

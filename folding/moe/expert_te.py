@@ -32,6 +32,7 @@ size of the whole weight in backward). TE's FP8 state (scales, amax histories: t
 Rows are padded once before fc1 and the padding removed once after fc2: the zero rows pass through
 SwiGLU as zeros (their probability is 0), so fc2 sees the same aligned counts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,14 @@ TE_VERSION_RANGE = ">=2.10,<3"
 """TransformerEngine versions this backend was written against (``setup.py``'s ``te`` extra)."""
 
 TE_API = {
-    "transformer_engine.pytorch.GroupedLinear": ("num_gemms", "in_features", "out_features", "bias",
-                                                 "params_dtype", "device"),
+    "transformer_engine.pytorch.GroupedLinear": (
+        "num_gemms",
+        "in_features",
+        "out_features",
+        "bias",
+        "params_dtype",
+        "device",
+    ),
     "transformer_engine.pytorch.GroupedLinear.forward": ("inp", "m_splits", "is_first_microbatch"),
     "transformer_engine.pytorch.autocast": ("enabled", "recipe", "amax_reduction_group"),
     "transformer_engine.pytorch.is_fp8_available": ("return_reason",),
@@ -58,8 +65,12 @@ TE_API = {
 }
 """Every TransformerEngine callable the engine calls, with the keywords it passes."""
 
-_TE_CHECK = {"delayed": "is_fp8_available", "tensorwise": "is_fp8_available",
-             "blockwise": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available"}
+_TE_CHECK = {
+    "delayed": "is_fp8_available",
+    "tensorwise": "is_fp8_available",
+    "blockwise": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +182,14 @@ class TEGroupedRunner(torch.nn.Module):
         shapes = {"fc1": (hidden_size, 2 * ffn_local), "fc2": (ffn_local, hidden_size)}
         self.gemms = torch.nn.ModuleDict()
         for name, (k, o) in shapes.items():
-            mod = te.GroupedLinear(num_gemms=num_local_experts, in_features=k, out_features=o, bias=False,
-                                   params_dtype=params_dtype, device="meta")
+            mod = te.GroupedLinear(
+                num_gemms=num_local_experts,
+                in_features=k,
+                out_features=o,
+                bias=False,
+                params_dtype=params_dtype,
+                device="meta",
+            )
             for i in range(num_local_experts):
                 del mod._parameters[f"weight{i}"]  # the experts own the weights
             self.gemms[name] = mod
@@ -194,8 +211,10 @@ def expert_region(recipe_name: Optional[str]):
     region = _REGION.get()
     if recipe_name is None or region is not None:
         if region is not None and region.recipe != recipe_name:
-            raise RuntimeError(f"the FP8 region is open with recipe {region.recipe!r} but these experts use "
-                               f"fp8_recipe={recipe_name!r}; use one moe.fp8_recipe for the whole model")
+            raise RuntimeError(
+                f"the FP8 region is open with recipe {region.recipe!r} but these experts use "
+                f"fp8_recipe={recipe_name!r}; use one moe.fp8_recipe for the whole model"
+            )
         yield
         return
     if recipe_name == "delayed":
@@ -204,6 +223,7 @@ def expert_region(recipe_name: Optional[str]):
             "with its amax reduced over the data-parallel x context-parallel group: run the experts "
             "through MoETransformer (which opens it; recomputing the experts in backward, train.recompute="
             "full or moe, runs them outside it), open folding.moe.expert_te.fp8_region yourself, or choose "
-            "a recipe without an amax history (moe.fp8_recipe=tensorwise, blockwise or mxfp8)")
+            "a recipe without an amax history (moe.fp8_recipe=tensorwise, blockwise or mxfp8)"
+        )
     with fp8_region(recipe_name, amax_reduction_group=None):
         yield

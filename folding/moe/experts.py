@@ -29,6 +29,7 @@ Usage::
                      etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="auto")
     out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,11 +37,16 @@ import logging
 
 import torch
 
-from folding.moe.swiglu import swiglu_prob
 from folding.moe.expert_backends import grouped_linear, host_counts
 from folding.moe.expert_select import BACKENDS, check_backend, resolve_backend
-from folding.moe.expert_te import (FP8_ROW_ALIGN, TEGroupedRunner, expert_region, pad_rows_per_expert,
-                                   unpad_rows_per_expert)
+from folding.moe.expert_te import (
+    FP8_ROW_ALIGN,
+    TEGroupedRunner,
+    expert_region,
+    pad_rows_per_expert,
+    unpad_rows_per_expert,
+)
+from folding.moe.swiglu import swiglu_prob
 from folding.parallel.param_attrs import mark_param
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
@@ -134,10 +140,12 @@ class GroupedMLP(torch.nn.Module):
         self.init_std, self.init_seed = init_std, init_seed
         E, fl, h = num_local_experts, self.ffn_local, hidden_size
         kw = dict(dtype=params_dtype, device=device)
-        self.fc1_weight = mark_param(torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True,
-                                     tp_sharded=True, tp_dim=1)
-        self.fc2_weight = mark_param(torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True,
-                                     tp_sharded=True, tp_dim=2)
+        self.fc1_weight = mark_param(
+            torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True, tp_dim=1
+        )
+        self.fc2_weight = mark_param(
+            torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True, tp_dim=2
+        )
         self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
@@ -164,7 +172,8 @@ class GroupedMLP(torch.nn.Module):
         return torch.empty(shape).normal_(0.0, self.init_std, generator=gen)
 
     def full_shape_slices(self) -> dict[str, ShardMap]:
-        """For each parameter, how its local tensor maps onto the full per-expert tensors (checkpoints, HF conversion)."""
+        """For each parameter, how its local tensor maps onto the full per-expert tensors (checkpoints, HF
+        conversion)."""
         f, fl, r = self.ffn_hidden_size, self.ffn_local, self.etp_rank
         experts = tuple(range(self.expert_offset, self.expert_offset + self.num_local_experts))
         gate = (slice(0, fl), slice(r * fl, (r + 1) * fl))
@@ -197,8 +206,12 @@ class GroupedMLP(torch.nn.Module):
 
     def _te_runner(self, dtype: torch.dtype) -> TEGroupedRunner:
         if self._te is None:  # not a registered submodule: its FP8 state travels by fp8_state()
-            runner = TEGroupedRunner(num_local_experts=self.num_local_experts, hidden_size=self.hidden_size,
-                                     ffn_local=self.ffn_local, params_dtype=dtype)
+            runner = TEGroupedRunner(
+                num_local_experts=self.num_local_experts,
+                hidden_size=self.hidden_size,
+                ffn_local=self.ffn_local,
+                params_dtype=dtype,
+            )
             object.__setattr__(self, "_te", runner)
         return self._te
 
@@ -207,8 +220,12 @@ class GroupedMLP(torch.nn.Module):
         experts it belongs to; empty when TE has not run. Saved with checkpoints."""
         if self._te is None:
             return {}
-        return {"expert_offset": self.expert_offset, "etp_rank": self.etp_rank, "etp_size": self.etp_size,
-                "gemms": {n: m.get_extra_state() for n, m in self._te.gemms.items()}}
+        return {
+            "expert_offset": self.expert_offset,
+            "etp_rank": self.etp_rank,
+            "etp_size": self.etp_size,
+            "gemms": {n: m.get_extra_state() for n, m in self._te.gemms.items()},
+        }
 
     def load_fp8_state(self, state: dict) -> bool:
         """Restore :meth:`fp8_state` if it belongs to the same experts and shard; return whether it did
@@ -226,7 +243,8 @@ class GroupedMLP(torch.nn.Module):
 
         ``tokens_per_expert``: a list (host sizes, validated here) or a 1-D int tensor ``[E_local]`` on
         the tokens' device (the ``torch`` backend then builds its offsets there without any host
-        copy; other backends read it once); ``probs_N``: the router probability of each row. Experts with zero rows and ``N == 0`` are fine.
+        copy; other backends read it once); ``probs_N``: the router probability of each row. Experts with
+        zero rows and ``N == 0`` are fine.
         """
         if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
             raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
@@ -238,7 +256,9 @@ class GroupedMLP(torch.nn.Module):
         w2 = self.fc2_weight.to(tokens_NH.dtype)
         if backend == "te":
             return self._te_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
-        if not isinstance(tokens_per_expert, torch.Tensor):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
+        if not isinstance(
+            tokens_per_expert, torch.Tensor
+        ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
         kw = dict(delayed=self.delayed_scaling)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)

@@ -13,6 +13,7 @@ Usage::
     splits = host_sync.to_host(counts_RE, reason="alltoall splits")   # nested Python lists
     assert host_sync.count() - before == 1
 """
+
 from __future__ import annotations
 
 import collections
@@ -51,4 +52,3 @@ def reset() -> None:
     global _COUNT
     _COUNT = 0
     _BY_REASON.clear()
-

@@ -25,19 +25,19 @@ Usage::
                      layer_number=3)
     out_SBH = layer(hidden_SBH)
 """
+
 from __future__ import annotations
 
 import hashlib
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
-from folding.parallel.sequence_parallel import gather_linears
 from folding.parallel.param_attrs import mark_param
+from folding.parallel.sequence_parallel import gather_linears
 
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
@@ -64,14 +64,26 @@ class SharedExpert(nn.Module):
     dim 1), ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
     """
 
-    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, tp_group, gate: bool, init_seed: int,
-                 layer_number: int, init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device=None):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        tp_group,
+        gate: bool,
+        init_seed: int,
+        layer_number: int,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__()
         tp = group_size(tp_group)
         if ffn_hidden_size % tp:
-            raise ValueError(f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
-                             f"parallel.tp={tp}; pick a multiple of tp")
+            raise ValueError(
+                f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
+                f"parallel.tp={tp}; pick a multiple of tp"
+            )
         self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
         self.init_seed, self.layer_number, self.init_std = init_seed, layer_number, init_std
@@ -91,25 +103,27 @@ class SharedExpert(nn.Module):
         the CPU), copied to the parameters' device."""
         f, fl, r = self.ffn_hidden_size, self.ffn_local, self.tp_rank
         full1, full2, fullg = self.full_weights(self.hidden_size, f, self.init_seed, self.layer_number, self.init_std)
-        self.fc1_weight.copy_(torch.cat([full1[r * fl:(r + 1) * fl], full1[f + r * fl:f + (r + 1) * fl]]))
-        self.fc2_weight.copy_(full2[:, r * fl:(r + 1) * fl])
+        self.fc1_weight.copy_(torch.cat([full1[r * fl : (r + 1) * fl], full1[f + r * fl : f + (r + 1) * fl]]))
+        self.fc2_weight.copy_(full2[:, r * fl : (r + 1) * fl])
         if self.gate_weight is not None:
             self.gate_weight.copy_(fullg)
 
     @staticmethod
-    def full_weights(hidden_size: int, ffn_hidden_size: int, init_seed: int, layer_number: int,
-                     init_std: float = 0.02):
+    def full_weights(hidden_size: int, ffn_hidden_size: int, init_seed: int, layer_number: int, init_std: float = 0.02):
         """The full (unsharded) initial ``fc1 [2F, H]``, ``fc2 [H, F]`` and ``gate [1, H]`` (fp32)."""
         out = []
-        for which, shape in (("shared_fc1", (2 * ffn_hidden_size, hidden_size)),
-                             ("shared_fc2", (hidden_size, ffn_hidden_size)), ("shared_gate", (1, hidden_size))):
+        for which, shape in (
+            ("shared_fc1", (2 * ffn_hidden_size, hidden_size)),
+            ("shared_fc2", (hidden_size, ffn_hidden_size)),
+            ("shared_gate", (1, hidden_size)),
+        ):
             g = torch.Generator().manual_seed(layer_init_seed(init_seed, layer_number, which))
             out.append(torch.empty(shape).normal_(0.0, init_std, generator=g))
         return tuple(out)
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
-        h, = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
+        (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
         gate, up = h.split(self.ffn_local, dim=-1)
         y = F.linear(F.silu(gate) * up, self.fc2_weight.to(h.dtype))
         y = reduce_scatter_to_sequence_region(y, self.tp_group)
@@ -135,39 +149,86 @@ class MoELayer(nn.Module):
             initialized; after ``to_empty``, :func:`folding.model.init.initialize_parameters` fills them).
     """
 
-    def __init__(self, *, config: MoEConfig, hidden_size: int, ep_group, etp_group, tp_cp_group, tp_dp_cp_group,
-                 tp_group, layer_number: int = 0, init_seed: int = 0, init_std: float = 0.02,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        *,
+        config: MoEConfig,
+        hidden_size: int,
+        ep_group,
+        etp_group,
+        tp_cp_group,
+        tp_dp_cp_group,
+        tp_group,
+        layer_number: int = 0,
+        init_seed: int = 0,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__()
         config.validate()
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
         self.dispatcher = build_dispatcher(
-            config.dispatcher, num_experts=config.num_experts, topk=config.topk, ep_group=ep_group,
-            etp_group=etp_group, capacity_factor=config.capacity_factor, pad_to_capacity=config.pad_to_capacity,
-            dispatch_wire=config.dispatch_wire, combine_wire=config.combine_wire, grad_wire=config.grad_wire)
+            config.dispatcher,
+            num_experts=config.num_experts,
+            topk=config.topk,
+            ep_group=ep_group,
+            etp_group=etp_group,
+            capacity_factor=config.capacity_factor,
+            pad_to_capacity=config.pad_to_capacity,
+            dispatch_wire=config.dispatch_wire,
+            combine_wire=config.combine_wire,
+            grad_wire=config.grad_wire,
+        )
         d = self.dispatcher
         if config.ffn_hidden_size % d.etp_size:
-            raise ValueError(f"moe.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.etp="
-                             f"{d.etp_size}; pick an etp that divides it")
-        self.router = Router(hidden_size=hidden_size, config=config, tp_cp_group=tp_cp_group,
-                             tp_dp_cp_group=tp_dp_cp_group, init_std=init_std, init_seed=init_seed,
-                             layer_number=layer_number, device=device)
-        self.experts = GroupedMLP(num_local_experts=d.num_local_experts, hidden_size=hidden_size,
-                                  ffn_hidden_size=config.ffn_hidden_size, etp_size=d.etp_size, etp_rank=d.etp_rank,
-                                  expert_offset=d.local_expert_offset, backend=config.expert_backend,
-                                  fp8_recipe=config.fp8_recipe, params_dtype=params_dtype, init_std=init_std,
-                                  init_seed=layer_init_seed(init_seed, layer_number, "experts"), device=device)
+            raise ValueError(
+                f"moe.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.etp="
+                f"{d.etp_size}; pick an etp that divides it"
+            )
+        self.router = Router(
+            hidden_size=hidden_size,
+            config=config,
+            tp_cp_group=tp_cp_group,
+            tp_dp_cp_group=tp_dp_cp_group,
+            init_std=init_std,
+            init_seed=init_seed,
+            layer_number=layer_number,
+            device=device,
+        )
+        self.experts = GroupedMLP(
+            num_local_experts=d.num_local_experts,
+            hidden_size=hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size,
+            etp_size=d.etp_size,
+            etp_rank=d.etp_rank,
+            expert_offset=d.local_expert_offset,
+            backend=config.expert_backend,
+            fp8_recipe=config.fp8_recipe,
+            params_dtype=params_dtype,
+            init_std=init_std,
+            init_seed=layer_init_seed(init_seed, layer_number, "experts"),
+            device=device,
+        )
         self.shared_expert: Optional[SharedExpert] = None
         if config.shared_expert_ffn_hidden_size is not None:
-            self.shared_expert = SharedExpert(hidden_size=hidden_size, ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                                              tp_group=tp_group, gate=config.shared_expert_gate, init_seed=init_seed,
-                                              layer_number=layer_number, init_std=init_std, params_dtype=params_dtype,
-                                              device=device)
+            self.shared_expert = SharedExpert(
+                hidden_size=hidden_size,
+                ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+                tp_group=tp_group,
+                gate=config.shared_expert_gate,
+                init_seed=init_seed,
+                layer_number=layer_number,
+                init_std=init_std,
+                params_dtype=params_dtype,
+                device=device,
+            )
         self.last_routing_map_TE: Optional[torch.Tensor] = None
         """The routing map (after capacity) of the last forward, detached: load and drop metrics."""
 
-    def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,
-                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``hidden`` ``[S_local, B, H]`` or ``[T, H]`` (this attention rank's tokens) → the same shape.
 
         ``num_sequences`` and ``padding_mask`` are passed to the router (see ``Router.forward``):

@@ -22,6 +22,7 @@ Usage::
     out_TH = unpermute(rows_NH, token_idx_N, num_tokens=T)          # unweighted sum per token
     plan = plan_alltoall(counts, ep_size=4, etp_size=2, ep_rank=1, etp_rank=0, num_local_experts=2)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +53,15 @@ def padded_rows_per_expert(num_tokens: int, topk: int, num_experts: int, capacit
     return min(expert_capacity(num_tokens, topk, num_experts, capacity_factor), num_tokens)
 
 
-def permute(tokens_TH: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: Optional[torch.Tensor] = None,
-            *, num_out_tokens: Optional[int] = None, rows_per_expert: Optional[int] = None,
-            num_chunks: int = 1) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+def permute(
+    tokens_TH: torch.Tensor,
+    routing_map_TE: torch.Tensor,
+    probs_TE: Optional[torch.Tensor] = None,
+    *,
+    num_out_tokens: Optional[int] = None,
+    rows_per_expert: Optional[int] = None,
+    num_chunks: int = 1,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Gather one row per routed (token, expert) pair, expert-major.
 
     Args:
@@ -65,8 +72,9 @@ def permute(tokens_TH: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: Opt
             the call free of device-to-host syncs. If neither this nor ``rows_per_expert`` is given,
             the count is read once through :func:`host_sync.to_host`.
         rows_per_expert: pad-to-capacity mode: every expert gets exactly this many rows (``<= T``),
-            its routed tokens first (in token order), then unrouted filler tokens with probability 0. Routed tokens beyond this
-            many are not sent, so the map must come from capacity-limited routing.
+            its routed tokens first (in token order), then unrouted filler tokens with probability 0.
+            Routed tokens beyond this many are not sent, so the map must come from capacity-limited
+            routing.
         num_chunks: pad-to-capacity only: the ``T`` rows are ``num_chunks`` equal chunks (tokens
             gathered from several ranks) and every expert takes ``rows_per_expert`` rows from *each*
             chunk; the output is expert-major, then chunk-major.
@@ -107,8 +115,9 @@ def permute(tokens_TH: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: Opt
     return rows_NH, probs_N, token_idx_N
 
 
-def unpermute(rows_NH: torch.Tensor, token_idx_N: torch.Tensor, *, num_tokens: int,
-              probs_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+def unpermute(
+    rows_NH: torch.Tensor, token_idx_N: torch.Tensor, *, num_tokens: int, probs_N: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Sum rows back into their source tokens: ``out[t] = Σ_{n: token_idx[n]=t} rows[n] (· probs[n])``.
 
     The dispatchers call it without ``probs_N`` (the experts already applied the probabilities); a
@@ -180,8 +189,15 @@ class AllToAllPlan:
         return [self.chunk_sizes[i] for i in self.sort_idxs]
 
 
-def plan_alltoall(counts: Sequence[Sequence[Sequence[int]]], *, ep_size: int, etp_size: int, ep_rank: int,
-                  etp_rank: int, num_local_experts: int) -> AllToAllPlan:
+def plan_alltoall(
+    counts: Sequence[Sequence[Sequence[int]]],
+    *,
+    ep_size: int,
+    etp_size: int,
+    ep_rank: int,
+    etp_rank: int,
+    num_local_experts: int,
+) -> AllToAllPlan:
     """Split sizes of the all-to-all dispatcher from every rank's per-expert counts.
 
     Args:
@@ -198,13 +214,20 @@ def plan_alltoall(counts: Sequence[Sequence[Sequence[int]]], *, ep_size: int, et
         raise ValueError(f"plan_alltoall: {E} experts in counts but EP*L = {ep_size}*{L}")
     mine = counts[ep_rank][etp_rank]
     local = range(ep_rank * L, (ep_rank + 1) * L)
-    input_splits = [sum(mine[d * L:(d + 1) * L]) for d in range(ep_size)]
+    input_splits = [sum(mine[d * L : (d + 1) * L]) for d in range(ep_size)]
     output_splits = [sum(counts[s][etp_rank][e] for e in local) for s in range(ep_size)]
     etp_sizes = [sum(counts[s][j][e] for s in range(ep_size) for e in local) for j in range(etp_size)]
     chunk_sizes = [counts[s][j][e] for j in range(etp_size) for s in range(ep_size) for e in local]
     sort_idxs = [(j * ep_size + s) * L + l for l in range(L) for j in range(etp_size) for s in range(ep_size)]
     tokens_per_expert = [sum(counts[s][j][e] for s in range(ep_size) for j in range(etp_size)) for e in local]
     num_out = sum(mine)
-    return AllToAllPlan(input_splits=input_splits, output_splits=output_splits, etp_sizes=etp_sizes,
-                        chunk_sizes=chunk_sizes, sort_idxs=sort_idxs, tokens_per_expert=tokens_per_expert,
-                        num_out_tokens=num_out, remote_rows=num_out - input_splits[ep_rank])
+    return AllToAllPlan(
+        input_splits=input_splits,
+        output_splits=output_splits,
+        etp_sizes=etp_sizes,
+        chunk_sizes=chunk_sizes,
+        sort_idxs=sort_idxs,
+        tokens_per_expert=tokens_per_expert,
+        num_out_tokens=num_out,
+        remote_rows=num_out - input_splits[ep_rank],
+    )

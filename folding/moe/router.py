@@ -22,6 +22,7 @@ Usage::
     ...                                                               # after the global batch:
     router.update_expert_bias(); router.reset_global_aux_loss(); check_routers_finite(routers)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -85,8 +86,18 @@ class Router(nn.Module):
     ``local_tokens_per_expert [E]`` when ``config.expert_bias``; ``nonfinite_logits`` (bool flag).
     """
 
-    def __init__(self, *, hidden_size: int, config: MoEConfig, tp_cp_group, tp_dp_cp_group,
-                 init_std: float = 0.02, init_seed: int = 0, layer_number: int = 0, device=None):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        config: MoEConfig,
+        tp_cp_group,
+        tp_dp_cp_group,
+        init_std: float = 0.02,
+        init_seed: int = 0,
+        layer_number: int = 0,
+        device=None,
+    ):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size={hidden_size!r} must be a positive integer (model.hidden_size)")
@@ -99,16 +110,19 @@ class Router(nn.Module):
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
         self.init_std, self.init_seed = init_std, init_seed
-        self.weight = mark_param(nn.Parameter(torch.empty(E, hidden_size, dtype=torch.float32, device=device)),
-                                 sequence_parallel=True)
+        self.weight = mark_param(
+            nn.Parameter(torch.empty(E, hidden_size, dtype=torch.float32, device=device)), sequence_parallel=True
+        )
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=device),
-                                 persistent=False)
+            self.register_buffer(
+                "local_tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=device), persistent=False
+            )
         else:
             self.register_buffer("expert_bias", None)
-        self.register_buffer("global_tokens_per_expert", torch.zeros(E, dtype=torch.float64, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "global_tokens_per_expert", torch.zeros(E, dtype=torch.float64, device=device), persistent=False
+        )
         self.global_aux_steps = 0
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
         self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
@@ -136,9 +150,14 @@ class Router(nn.Module):
             buf.zero_()
 
     # ------------------------------------------------------------------------------- forward
-    def forward(self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None,
-                padding_mask: Optional[torch.Tensor] = None,
-                aux_loss_scale: Union[float, torch.Tensor, None] = None):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        num_sequences: Optional[int] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        aux_loss_scale: Union[float, torch.Tensor, None] = None,
+    ):
         """Route this rank's tokens.
 
         Args:
@@ -160,21 +179,26 @@ class Router(nn.Module):
         elif hidden.dim() != 2:
             raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
         if hidden.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden has size {hidden.shape[-1]} in its last dim, the router expects "
-                             f"hidden_size={self.hidden_size}")
+            raise ValueError(
+                f"hidden has size {hidden.shape[-1]} in its last dim, the router expects hidden_size={self.hidden_size}"
+            )
         hidden_TH = hidden.reshape(-1, self.hidden_size)
         losses_on = self.training and torch.is_grad_enabled()
         aux_on = losses_on and cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0
         if aux_on and cfg.aux_loss_type == "seq_aux_loss":
             if num_sequences is None:
-                raise ValueError("moe.aux_loss_type=seq_aux_loss needs the sequences: pass hidden as "
-                                 "[S, B, H] or num_sequences=B with [T, H]")
+                raise ValueError(
+                    "moe.aux_loss_type=seq_aux_loss needs the sequences: pass hidden as "
+                    "[S, B, H] or num_sequences=B with [T, H]"
+                )
             if hidden_TH.shape[0] % num_sequences:
                 raise ValueError(f"{hidden_TH.shape[0]} tokens are not a multiple of num_sequences={num_sequences}")
         if padding_mask is not None:
             if tuple(padding_mask.shape) != tuple(hidden.shape[:-1]):
-                raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)}, expected "
-                                 f"{tuple(hidden.shape[:-1])} (hidden without its last dim)")
+                raise ValueError(
+                    f"padding_mask has shape {tuple(padding_mask.shape)}, expected "
+                    f"{tuple(hidden.shape[:-1])} (hidden without its last dim)"
+                )
             padding_mask = padding_mask.reshape(-1).bool()
         scale = self.aux_loss_scale if aux_loss_scale is None else aux_loss_scale
 
@@ -191,8 +215,9 @@ class Router(nn.Module):
                 total = logits_TE.shape[0] * C.group_size(self.tp_cp_group)
             else:
                 total = self._sum((~padding_mask).sum(), self.tp_cp_group)
-            losses["z_loss"] = R.z_loss(logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask,
-                                        total_num_tokens=total)
+            losses["z_loss"] = R.z_loss(
+                logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask, total_num_tokens=total
+            )
             logits_TE = attach_loss(logits_TE, losses["z_loss"], scale)
 
         probs_TE, routing_map_TE = self._route(logits_TE)
@@ -203,8 +228,13 @@ class Router(nn.Module):
         if cfg.capacity_factor is not None:
             routed_TE = routing_map_TE
             probs_TE, routing_map_TE = R.apply_capacity(
-                probs_TE, routing_map_TE, topk=cfg.topk, capacity_factor=cfg.capacity_factor,
-                drop_policy=cfg.drop_policy, pad_to_capacity=cfg.pad_to_capacity)
+                probs_TE,
+                routing_map_TE,
+                topk=cfg.topk,
+                capacity_factor=cfg.capacity_factor,
+                drop_policy=cfg.drop_policy,
+                pad_to_capacity=cfg.pad_to_capacity,
+            )
             self.last_dropped = (routed_TE & ~routing_map_TE).sum()
         else:
             self.last_dropped = torch.zeros((), dtype=torch.int64, device=logits_TE.device)
@@ -219,23 +249,36 @@ class Router(nn.Module):
     def _route(self, logits_TE: torch.Tensor):
         cfg = self.config
         if cfg.force_balance:
-            return R.balanced_routing(logits_TE, topk=cfg.topk, score_function=cfg.score_function,
-                                      pre_softmax=cfg.pre_softmax, scaling_factor=cfg.topk_scaling_factor)
-        return R.topk_routing(logits_TE, topk=cfg.topk, score_function=cfg.score_function,
-                              pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
-                              group_topk=cfg.group_topk, scaling_factor=cfg.topk_scaling_factor,
-                              expert_bias_E=self.expert_bias)
+            return R.balanced_routing(
+                logits_TE,
+                topk=cfg.topk,
+                score_function=cfg.score_function,
+                pre_softmax=cfg.pre_softmax,
+                scaling_factor=cfg.topk_scaling_factor,
+            )
+        return R.topk_routing(
+            logits_TE,
+            topk=cfg.topk,
+            score_function=cfg.score_function,
+            pre_softmax=cfg.pre_softmax,
+            num_groups=cfg.num_groups,
+            group_topk=cfg.group_topk,
+            scaling_factor=cfg.topk_scaling_factor,
+            expert_bias_E=self.expert_bias,
+        )
 
-    def _aux_loss(self, logits_TE: torch.Tensor, num_sequences: Optional[int],
-                  padding_mask_T: Optional[torch.Tensor]) -> torch.Tensor:
+    def _aux_loss(
+        self, logits_TE: torch.Tensor, num_sequences: Optional[int], padding_mask_T: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """This rank's share of the load-balancing loss (token counts reduced over its group).
         Token totals are T·group size, or with padding the valid tokens read off the reduced counts
         (each valid token counts ``topk`` times), which needs no extra collective."""
         cfg = self.config
         T, k = logits_TE.shape[0], cfg.topk
         kw = dict(topk=k, num_experts=cfg.num_experts, coeff=cfg.aux_loss_coeff)
-        scores_TE, map_TE = R.aux_loss_scores(logits_TE, topk=k, score_function=cfg.score_function,
-                                              padding_mask_T=padding_mask_T)
+        scores_TE, map_TE = R.aux_loss_scores(
+            logits_TE, topk=k, score_function=cfg.score_function, padding_mask_T=padding_mask_T
+        )
         padded = padding_mask_T is not None
         if cfg.aux_loss_type == "aux_loss":
             counts_E = self._sum(map_TE.sum(dim=0), self.tp_cp_group)
@@ -268,8 +311,9 @@ class Router(nn.Module):
             raise RuntimeError("update_expert_bias() needs moe.expert_bias=true")
         with torch.no_grad():
             counts_E = C.all_reduce(self.local_tokens_per_expert.clone(), self.tp_dp_cp_group)
-            self.expert_bias.copy_(R.updated_expert_bias(self.expert_bias, counts_E,
-                                                         rate=self.config.expert_bias_update_rate))
+            self.expert_bias.copy_(
+                R.updated_expert_bias(self.expert_bias, counts_E, rate=self.config.expert_bias_update_rate)
+            )
             self.local_tokens_per_expert.zero_()
 
     def reset_global_aux_loss(self) -> None:
@@ -285,7 +329,8 @@ class Router(nn.Module):
             raise FloatingPointError(
                 f"the router of layer {self.layer_number} produced NaN/Inf logits: the model diverged "
                 "or its input is not finite; lower the learning rate, enable gradient clipping, or "
-                "set moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router")
+                "set moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router"
+            )
 
     def reduced_losses(self) -> Dict[str, float]:
         """Collective: the last forward's losses of the whole micro-batch (shares summed over
@@ -312,4 +357,5 @@ def check_routers_finite(routers) -> None:
         raise FloatingPointError(
             f"the routers of layers {bad} produced NaN/Inf logits: the model diverged or its input is "
             "not finite; lower the learning rate, enable gradient clipping, or set "
-            "moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router")
+            "moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router"
+        )

@@ -23,6 +23,7 @@ Usage::
     loss = switch_aux_loss(scores_TE, aux_map_TE.sum(0), total_num_tokens=T, topk=2,
                            num_experts=E, coeff=1e-2)
 """
+
 from __future__ import annotations
 
 import math
@@ -70,12 +71,19 @@ def _group_limited_topk(scores_TE: Tensor, topk: int, num_groups: int, group_top
     return scores_TE.masked_fill(~expert_mask_TE, float("-inf")).topk(topk, dim=-1).indices
 
 
-def _probs_from_choice(logits_TE: Tensor, scores_TE: Tensor, idx_TK: Tensor, *, score_function: str,
-                       pre_softmax: bool, scaling_factor: Optional[float]) -> Tuple[Tensor, Tensor]:
+def _probs_from_choice(
+    logits_TE: Tensor,
+    scores_TE: Tensor,
+    idx_TK: Tensor,
+    *,
+    score_function: str,
+    pre_softmax: bool,
+    scaling_factor: Optional[float],
+) -> Tuple[Tensor, Tensor]:
     """Dense probs and routing map from the chosen expert indices ``idx_TK``."""
     vals_TK = scores_TE.gather(1, idx_TK)
     if score_function == "softmax" and not pre_softmax:
-        vals_TK = _softmax(vals_TK)                  # scores are the logits here
+        vals_TK = _softmax(vals_TK)  # scores are the logits here
     elif score_function == "sigmoid" and idx_TK.shape[1] > 1:
         vals_TK = vals_TK / (vals_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor is not None:
@@ -98,10 +106,17 @@ def _scores(logits_TE: Tensor, score_function: str, pre_softmax: bool) -> Tensor
 
 
 # ------------------------------------------------------------------------------------- top-k
-def topk_routing(logits_TE: Tensor, *, topk: int, score_function: str = "softmax",
-                 pre_softmax: bool = False, num_groups: Optional[int] = None,
-                 group_topk: Optional[int] = None, scaling_factor: Optional[float] = None,
-                 expert_bias_E: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def topk_routing(
+    logits_TE: Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    expert_bias_E: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
     """Choose ``topk`` experts per token and their probabilities.
 
     - ``softmax``, ``pre_softmax=False``: top-k of the logits, softmax over the k chosen logits.
@@ -125,13 +140,25 @@ def topk_routing(logits_TE: Tensor, *, topk: int, score_function: str = "softmax
         idx_TK = select_TE.topk(topk, dim=-1).indices
     else:
         idx_TK = _group_limited_topk(select_TE, topk, num_groups, group_topk)
-    return _probs_from_choice(logits_TE, scores_TE, idx_TK, score_function=score_function,
-                              pre_softmax=pre_softmax, scaling_factor=scaling_factor)
+    return _probs_from_choice(
+        logits_TE,
+        scores_TE,
+        idx_TK,
+        score_function=score_function,
+        pre_softmax=pre_softmax,
+        scaling_factor=scaling_factor,
+    )
 
 
-def balanced_routing(logits_TE: Tensor, *, topk: int, score_function: str = "softmax",
-                     pre_softmax: bool = False, scaling_factor: Optional[float] = None,
-                     offset: int = 0) -> Tuple[Tensor, Tensor]:
+def balanced_routing(
+    logits_TE: Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    scaling_factor: Optional[float] = None,
+    offset: int = 0,
+) -> Tuple[Tensor, Tensor]:
     """Force-balanced routing for benchmarks: token ``t``'s j-th choice is expert
     ``(offset + t·k + j) mod E``, so every expert gets ⌊T·k/E⌋ or ⌈T·k/E⌉ tokens.
 
@@ -142,8 +169,14 @@ def balanced_routing(logits_TE: Tensor, *, topk: int, score_function: str = "sof
     scores_TE = _scores(logits_TE, score_function, pre_softmax)
     pos_TK = torch.arange(T, device=logits_TE.device).unsqueeze(1) * topk + torch.arange(topk, device=logits_TE.device)
     idx_TK = (pos_TK + offset) % E
-    return _probs_from_choice(logits_TE, scores_TE, idx_TK, score_function=score_function,
-                              pre_softmax=pre_softmax, scaling_factor=scaling_factor)
+    return _probs_from_choice(
+        logits_TE,
+        scores_TE,
+        idx_TK,
+        score_function=score_function,
+        pre_softmax=pre_softmax,
+        scaling_factor=scaling_factor,
+    )
 
 
 # ------------------------------------------------------------------------------------ capacity
@@ -154,8 +187,15 @@ def expert_capacity(num_tokens: int, *, topk: int, num_experts: int, capacity_fa
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
 
 
-def apply_capacity(probs_TE: Tensor, routing_map_TE: Tensor, *, topk: int, capacity_factor: float,
-                   drop_policy: str = "probs", pad_to_capacity: bool = False) -> Tuple[Tensor, Tensor]:
+def apply_capacity(
+    probs_TE: Tensor,
+    routing_map_TE: Tensor,
+    *,
+    topk: int,
+    capacity_factor: float,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> Tuple[Tensor, Tensor]:
     """Drop the (token, expert) pairs beyond each expert's capacity, decided from these tokens only.
 
     ``capacity = expert_capacity(T, topk, E, capacity_factor)``. Per expert, the routed tokens are
@@ -170,8 +210,10 @@ def apply_capacity(probs_TE: Tensor, routing_map_TE: Tensor, *, topk: int, capac
     Returns ``(probs_TE, routing_map_TE)`` with dropped pairs zeroed / cleared.
     """
     if probs_TE.shape != routing_map_TE.shape or probs_TE.dim() != 2:
-        raise ValueError(f"probs_TE {tuple(probs_TE.shape)} and routing_map_TE "
-                         f"{tuple(routing_map_TE.shape)} must have the same 2-D shape")
+        raise ValueError(
+            f"probs_TE {tuple(probs_TE.shape)} and routing_map_TE "
+            f"{tuple(routing_map_TE.shape)} must have the same 2-D shape"
+        )
     if drop_policy not in ("probs", "position"):
         raise ValueError(f"drop_policy={drop_policy!r} must be 'probs' or 'position'")
     T, E = probs_TE.shape
@@ -190,8 +232,9 @@ def apply_capacity(probs_TE: Tensor, routing_map_TE: Tensor, *, topk: int, capac
 
 
 # -------------------------------------------------------------------------------------- losses
-def aux_loss_scores(logits_TE: Tensor, *, topk: int, score_function: str = "softmax",
-                    padding_mask_T: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def aux_loss_scores(
+    logits_TE: Tensor, *, topk: int, score_function: str = "softmax", padding_mask_T: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor]:
     """Scores and top-k map the load-balancing losses use: full scores over all E experts for every
     token (softmax, or sigmoid normalized to sum 1) and the plain top-k of those scores (no groups,
     no expert bias, no dropping). Tokens where ``padding_mask_T`` is True get zero scores and an
@@ -212,8 +255,9 @@ def aux_loss_scores(logits_TE: Tensor, *, topk: int, score_function: str = "soft
     return scores_TE, routing_map_TE
 
 
-def switch_aux_loss(scores_TE: Tensor, tokens_per_expert_E: Tensor, *, total_num_tokens: int,
-                    topk: int, num_experts: int, coeff: float) -> Tensor:
+def switch_aux_loss(
+    scores_TE: Tensor, tokens_per_expert_E: Tensor, *, total_num_tokens: int, topk: int, num_experts: int, coeff: float
+) -> Tensor:
     """Switch/GShard load-balancing loss ``E·coeff/(k·T²) · Σ_e (Σ_t scores[t,e]) · n_e``.
 
     ``scores_TE`` may be this rank's share of the tokens and ``tokens_per_expert_E`` (n_e) the counts
@@ -233,8 +277,16 @@ def tokens_per_sequence_expert(routing_map_TE: Tensor, *, num_sequences: int) ->
     return routing_map_TE.view(T // num_sequences, num_sequences, E).sum(dim=0)
 
 
-def seq_aux_loss(scores_TE: Tensor, tokens_per_seq_expert_BE: Tensor, *, num_sequences: int,
-                 seq_length: Union[int, Tensor], topk: int, num_experts: int, coeff: float) -> Tensor:
+def seq_aux_loss(
+    scores_TE: Tensor,
+    tokens_per_seq_expert_BE: Tensor,
+    *,
+    num_sequences: int,
+    seq_length: Union[int, Tensor],
+    topk: int,
+    num_experts: int,
+    coeff: float,
+) -> Tensor:
     """Sequence-level load-balancing loss: :func:`switch_aux_loss` of every sequence (T = the full
     ``seq_length``), averaged over the ``num_sequences`` sequences of the micro-batch.
 
@@ -252,8 +304,13 @@ def seq_aux_loss(scores_TE: Tensor, tokens_per_seq_expert_BE: Tensor, *, num_seq
     return (scores_BE * tokens_per_seq_expert_BE.to(scores_BE.dtype) * scale).sum() / num_sequences
 
 
-def z_loss(logits_TE: Tensor, *, coeff: float, padding_mask_T: Optional[Tensor] = None,
-           total_num_tokens: Union[int, Tensor, None] = None) -> Tensor:
+def z_loss(
+    logits_TE: Tensor,
+    *,
+    coeff: float,
+    padding_mask_T: Optional[Tensor] = None,
+    total_num_tokens: Union[int, Tensor, None] = None,
+) -> Tensor:
     """Router z-loss ``coeff · Σ_t logsumexp_e(logits)² / N`` (ST-MoE), the sum over the tokens that
     are not padding. N defaults to their number (a mean); pass ``total_num_tokens`` when these
     tokens are one rank's share of N, so that the ranks' results sum to the batch's loss."""

@@ -14,6 +14,7 @@ Usage::
 
     act_NF = swiglu_prob(h_NF2, probs_N)      # == F.silu(gate) * up * probs_N[:, None]
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ class _SwiGLUProb(torch.autograd.Function):
         # Eight passes over [N, F] data, two fresh [N, F] buffers: each large temporary costs page
         # faults on a CPU allocator, so the products are formed in place where they can be.
         silu_NF = torch.nn.functional.silu(gate_NF)
-        gu_NF = torch.mul(grad_NF, up_NF)                          # grad · up
+        gu_NF = torch.mul(grad_NF, up_NF)  # grad · up
         grad_p_N = None
         if ctx.needs_input_grad[1]:
             # d/dp = sum over F of grad · up · silu(gate)

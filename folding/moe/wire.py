@@ -23,12 +23,12 @@ Usage (inside a dispatcher)::
     rows_NH, probs_N = dispatch_exchange(rows_NH, probs_N, spec)
     out_NH = combine_exchange(out_NH, spec_for_combine)
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
-
 import math
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,11 +48,15 @@ def check_wire(setting: str, fmt: str, dtype: torch.dtype, hidden_size: int) -> 
     if fmt == "none":
         return
     if dtype not in _QUANT_DTYPES:
-        raise ValueError(f"{setting}={fmt!r} quantizes from fp32/bf16/fp16 activations, not {dtype}; "
-                         f"set {setting}=none or run the layer in bf16/fp32")
+        raise ValueError(
+            f"{setting}={fmt!r} quantizes from fp32/bf16/fp16 activations, not {dtype}; "
+            f"set {setting}=none or run the layer in bf16/fp32"
+        )
     if fmt == "mxfp8" and hidden_size % MX_BLOCK:
-        raise ValueError(f"{setting}=mxfp8 needs the hidden size to be a multiple of {MX_BLOCK} "
-                         f"(got {hidden_size}); use {setting}=fp8 or none")
+        raise ValueError(
+            f"{setting}=mxfp8 needs the hidden size to be a multiple of {MX_BLOCK} "
+            f"(got {hidden_size}); use {setting}=fp8 or none"
+        )
 
 
 def payload_bytes_per_row(fmt: str, hidden_size: int, dtype: torch.dtype) -> int:
@@ -101,8 +105,9 @@ def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b).view(dtype)
 
 
-def decode(b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype,
-           probs_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def decode(
+    b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype, probs_dtype: Optional[torch.dtype] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Inverse of :func:`encode`: ``(x_NH in dtype, probs_N in probs_dtype, or None without probs)``.
 
     For ``none`` the results are views into ``b_NB`` where the row stride allows it (no copy)."""
@@ -141,8 +146,9 @@ def _a2a(x: torch.Tensor, group, recv: List[int], send: List[int]) -> torch.Tens
     if _size(group) == 1:
         return x
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send),
-                           group=group)
+    dist.all_to_all_single(
+        out, x.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send), group=group
+    )
     return out
 
 
@@ -158,7 +164,7 @@ def _gather_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
     all_gather_single(out, pad, group=group)
     if all(s == m for s in sizes):
         return out
-    return torch.cat([out[i * m:i * m + s] for i, s in enumerate(sizes)], dim=0)
+    return torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0)
 
 
 def _reduce_scatter_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
@@ -222,7 +228,7 @@ class _Dispatch(torch.autograd.Function):
             acc = torch.float64 if torch.float64 in (s.dtype, pdt) else torch.float32
             both = g_NH.to(acc) if pdt is None else torch.cat([g_NH.to(acc), gp_N.reshape(-1, 1).to(acc)], 1)
             both = _reduce_scatter_v(both, s.etp_group, s.etp_sizes)
-            g_NH = both[:, :s.hidden_size].to(s.dtype)
+            g_NH = both[:, : s.hidden_size].to(s.dtype)
             gp_N = None if pdt is None else both[:, s.hidden_size].to(pdt)
         b = encode(g_NH, s.grad_wire, gp_N)
         b = _a2a(b, s.ep_group, s.ep_send, s.ep_recv)
@@ -253,8 +259,9 @@ class _Combine(torch.autograd.Function):
         return gx, None
 
 
-def dispatch_exchange(rows_NH: torch.Tensor, probs_N: Optional[torch.Tensor], spec: ExchangeSpec
-                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def dispatch_exchange(
+    rows_NH: torch.Tensor, probs_N: Optional[torch.Tensor], spec: ExchangeSpec
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Move permuted rows (and their probabilities) to the ranks of their experts.
 
     Forward: EP all-to-all with splits ``(ep_send → ep_recv)``, then ETP all-gather-v, in ``spec.wire``.

@@ -13,6 +13,7 @@ Usage::
     norm = global_grad_norm(buffers, world_group=None)
     clip_coefficient(norm, max_norm=1.0)      # <= 1.0
 """
+
 from __future__ import annotations
 
 import math

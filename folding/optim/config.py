@@ -8,6 +8,7 @@ Usage::
 
 Every bad value raises :class:`OptimConfigError` naming ``optim.<field>`` and a fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +66,7 @@ class OptimConfig:
 
     def validate(self, train_steps: Optional[int] = None) -> "OptimConfig":
         """Check every field (and ``decay_steps`` against ``train_steps`` when given); return self."""
+
         def bad(field, msg):
             raise OptimConfigError(f"optim.{field}={getattr(self, field)!r}: {msg}")
 
@@ -96,8 +98,9 @@ class OptimConfig:
             bad("wsd_decay_shape", f"must be one of {', '.join(WSD_DECAY_SHAPES)}")
         if not 0.0 <= self.wsd_decay_fraction <= 1.0:
             bad("wsd_decay_fraction", "must be in [0, 1] (e.g. 0.1 for the last 10% of the horizon)")
-        if self.clip_grad is not None and (isinstance(self.clip_grad, bool) or self.clip_grad < 0
-                                           or not math.isfinite(self.clip_grad)):
+        if self.clip_grad is not None and (
+            isinstance(self.clip_grad, bool) or self.clip_grad < 0 or not math.isfinite(self.clip_grad)
+        ):
             bad("clip_grad", "must be >= 0 (0 or null disables clipping)")
         if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
             bad("bucket_size", "must be an integer >= 1 (elements per bucket, e.g. 40000000)")
@@ -105,8 +108,10 @@ class OptimConfig:
             raise OptimConfigError(f"optim.decay_steps=None uses train.steps={train_steps}, which must be >= 1")
         horizon = self.decay_steps if self.decay_steps is not None else train_steps
         if horizon is not None and self.decay_style != "constant" and self.warmup_steps > horizon:
-            bad("warmup_steps", f"exceeds the decay horizon ({horizon} steps); lower warmup_steps or raise "
-                                "optim.decay_steps")
+            bad(
+                "warmup_steps",
+                f"exceeds the decay horizon ({horizon} steps); lower warmup_steps or raise optim.decay_steps",
+            )
         return self
 
     def horizon(self, train_steps: Optional[int]) -> int:

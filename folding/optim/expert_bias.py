@@ -13,6 +13,7 @@ Usage::
 
     update_expert_biases(routers, group=ps.tp_dp_cp_group)    # once per step, every rank of the stage
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -34,8 +35,10 @@ def update_expert_biases(routers: Sequence, *, group) -> None:
     routers = list(routers)
     for r in routers:
         if getattr(r, "expert_bias", None) is None:
-            raise ValueError(f"router of layer {getattr(r, 'layer_number', '?')} has no expert bias: set "
-                             "moe.expert_bias=true or leave it out of update_expert_biases()")
+            raise ValueError(
+                f"router of layer {getattr(r, 'layer_number', '?')} has no expert bias: set "
+                "moe.expert_bias=true or leave it out of update_expert_biases()"
+            )
     if not routers:
         return
     flat = torch.cat([r.local_tokens_per_expert.detach().to(torch.float64).reshape(-1) for r in routers])
@@ -45,7 +48,8 @@ def update_expert_biases(routers: Sequence, *, group) -> None:
     with torch.no_grad():
         for r in routers:
             n = r.local_tokens_per_expert.numel()
-            r.expert_bias.copy_(updated_expert_bias(r.expert_bias, flat[pos:pos + n],
-                                                    rate=r.config.expert_bias_update_rate))
+            r.expert_bias.copy_(
+                updated_expert_bias(r.expert_bias, flat[pos : pos + n], rate=r.config.expert_bias_update_rate)
+            )
             r.local_tokens_per_expert.zero_()
             pos += n

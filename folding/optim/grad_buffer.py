@@ -21,6 +21,7 @@ Usage::
                      bucket_size=40_000_000)
     buf.buckets[0].shard_range()
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,15 @@ class Bucket:
 class GradBuffer:
     """Flat parameter storage and fp32 main gradients for one parameter class (see module docstring)."""
 
-    def __init__(self, cls: ParamClass, named_params: Sequence[Tuple[str, torch.nn.Parameter, int]],
-                 *, groups: BufferGroups, shard: bool, bucket_size: int):
+    def __init__(
+        self,
+        cls: ParamClass,
+        named_params: Sequence[Tuple[str, torch.nn.Parameter, int]],
+        *,
+        groups: BufferGroups,
+        shard: bool,
+        bucket_size: int,
+    ):
         """``named_params``: (name, parameter, registration index), in any order; parameters are laid
         out in reverse registration order (roughly the order backward produces their gradients)."""
         self.cls = cls
@@ -132,8 +140,10 @@ class GradBuffer:
         device = self.params[0].device
         elsewhere = sorted({str(q.device) for q in self.params} - {str(device)})
         if elsewhere:  # one flat buffer per group: a parameter left behind would be copied every step
-            raise ValueError(f"gradient buffer: parameters on {device} and on {elsewhere}; build the model "
-                             f"on one device (every builder takes device=)")
+            raise ValueError(
+                f"gradient buffer: parameters on {device} and on {elsewhere}; build the model "
+                f"on one device (every builder takes device=)"
+            )
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.bucket_of = {}
@@ -143,9 +153,9 @@ class GradBuffer:
                 self.bucket_of[id(p)] = b
         for p, off in zip(self.params, self.offsets):
             n = p.numel()
-            self.param_data[off:off + n].copy_(p.detach().reshape(-1))
-            p.data = self.param_data[off:off + n].view(p.shape)
-            p.main_grad = self.main_grad[off:off + n].view(p.shape)
+            self.param_data[off : off + n].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[off : off + n].view(p.shape)
+            p.main_grad = self.main_grad[off : off + n].view(p.shape)
 
     def shard_range(self, bucket: Bucket) -> Tuple[int, int]:
         """This rank's ``[lo, hi)`` of ``bucket`` in buffer coordinates (its optimizer/norm share)."""

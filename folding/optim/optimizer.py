@@ -28,15 +28,16 @@ Usage::
             (loss_sum(mb) / global_token_count).backward()
     grad_norm, skipped = opt.clip_and_step()
 """
+
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
+
+from folding.parallel.param_attrs import param_tags
 
 from .clip import clip_coefficient, global_grad_norm
 from .config import OptimConfig
@@ -44,7 +45,6 @@ from .grad_buffer import BufferGroups, GradBuffer
 from .param_groups import classify
 from .reducer import GradReducer, all_gather_flat
 from .schedules import lr_at
-from folding.parallel.param_attrs import param_tags
 
 # PyTorch's fused AdamW kernel (CPU and CUDA): the same update as the elementwise fallback below
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
@@ -53,13 +53,14 @@ _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 class FoldedOptimizer:
     """AdamW with folded gradient reduction, global-norm clipping, LR schedule and optional ZeRO-1."""
 
-    def __init__(self, model: torch.nn.Module, config: OptimConfig, *, parallel_state,
-                 train_steps: Optional[int] = None):
+    def __init__(
+        self, model: torch.nn.Module, config: OptimConfig, *, parallel_state, train_steps: Optional[int] = None
+    ):
         """``parallel_state``: the :class:`~folding.parallel.state.ParallelState` whose groups reduce
         the gradients; ``train_steps``: the LR horizon when ``config.decay_steps`` is ``None``."""
         config.validate(train_steps=train_steps)
         if config.decay_style != "constant":
-            config.horizon(train_steps)          # fails early when no horizon is known
+            config.horizon(train_steps)  # fails early when no horizon is known
         self.config = config
         self.ps = parallel_state
         self.train_steps = train_steps
@@ -74,8 +75,9 @@ class FoldedOptimizer:
         self.buffers: List[GradBuffer] = []
         for cls in sorted(by_class):
             groups = BufferGroups.for_class(cls, parallel_state)
-            self.buffers.append(GradBuffer(cls, by_class[cls], groups=groups, shard=config.distributed,
-                                           bucket_size=config.bucket_size))
+            self.buffers.append(
+                GradBuffer(cls, by_class[cls], groups=groups, shard=config.distributed, bucket_size=config.bucket_size)
+            )
         self.reducer = GradReducer(self.buffers, overlap=config.overlap_grad_reduce)
         self.state = [self._init_state(buf) for buf in self.buffers]
 
@@ -87,7 +89,7 @@ class FoldedOptimizer:
             st["exp_avg"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
             st["exp_avg_sq"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
             if buf.param_data.dtype == torch.float32:
-                st["master"].append(buf.param_data[lo:hi])          # the parameter is its own master
+                st["master"].append(buf.param_data[lo:hi])  # the parameter is its own master
             else:
                 st["master"].append(buf.param_data[lo:hi].float().clone())
         return st
@@ -137,10 +139,10 @@ class FoldedOptimizer:
         self.step_count += 1
         self.updates += 1
         c = self.config
-        bc1 = 1.0 - c.beta1 ** self.updates
-        bc2 = 1.0 - c.beta2 ** self.updates
+        bc1 = 1.0 - c.beta1**self.updates
+        bc2 = 1.0 - c.beta2**self.updates
         works = []
-        steps_t: Dict[torch.device, torch.Tensor] = {}             # the update count, one per device
+        steps_t: Dict[torch.device, torch.Tensor] = {}  # the update count, one per device
         for buf, st in zip(self.buffers, self.state):
             wd = c.weight_decay if buf.cls.decay else 0.0
             for i, b in enumerate(buf.buckets):
@@ -153,8 +155,21 @@ class FoldedOptimizer:
                     # one pass, no temporaries: PyTorch's fused AdamW kernel on the flat shard
                     if w.device not in steps_t:
                         steps_t[w.device] = torch.tensor(float(self.updates), device=w.device)
-                    _FUSED_ADAMW([w], [g], [m], [v], [], [steps_t[w.device]], lr=lr, beta1=c.beta1, beta2=c.beta2,
-                                 weight_decay=wd, eps=c.eps, amsgrad=False, maximize=False)
+                    _FUSED_ADAMW(
+                        [w],
+                        [g],
+                        [m],
+                        [v],
+                        [],
+                        [steps_t[w.device]],
+                        lr=lr,
+                        beta1=c.beta1,
+                        beta2=c.beta2,
+                        weight_decay=wd,
+                        eps=c.eps,
+                        amsgrad=False,
+                        maximize=False,
+                    )
                 else:
                     m.lerp_(g, 1.0 - c.beta1)
                     v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
@@ -166,8 +181,9 @@ class FoldedOptimizer:
                     buf.param_data[lo:hi].copy_(w)
                 if buf.shard and buf.groups.dp_size > 1:
                     # in place: this rank's shard is its own slot of the bucket (no staging copy)
-                    works.append(all_gather_flat(buf.param_data[b.start:b.end], buf.param_data[lo:hi],
-                                                 buf.groups.dp_group))
+                    works.append(
+                        all_gather_flat(buf.param_data[b.start : b.end], buf.param_data[lo:hi], buf.groups.dp_group)
+                    )
         for w in works:
             w.wait()
         return norm, False
@@ -184,9 +200,16 @@ class FoldedOptimizer:
             glob[t.tp_dim] *= tp_size
         if t.expert:
             glob[0] *= self.ps.ep_size
-        return {"local_shape": shape, "global_shape": glob, "tp_dim": t.tp_dim if t.tp_sharded else None,
-                "tp_rank": tp_rank, "tp_size": tp_size, "expert": t.expert,
-                "ep_rank": self.ps.ep_rank if t.expert else 0, "ep_size": self.ps.ep_size if t.expert else 1}
+        return {
+            "local_shape": shape,
+            "global_shape": glob,
+            "tp_dim": t.tp_dim if t.tp_sharded else None,
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "expert": t.expert,
+            "ep_rank": self.ps.ep_rank if t.expert else 0,
+            "ep_size": self.ps.ep_size if t.expert else 1,
+        }
 
     def state_dict(self) -> Dict:
         """This rank's optimizer state, keyed by parameter name, with global-shape information.
@@ -196,8 +219,7 @@ class FoldedOptimizer:
         ZeRO-1 shard) and fp32 ``exp_avg``, ``exp_avg_sq`` and ``master`` for that range. Expert
         parameters stack their local experts along dim 0 (global dim 0 = local × EP).
         """
-        out = {"step": self.step_count, "updates": self.updates, "distributed": self.config.distributed,
-               "params": {}}
+        out = {"step": self.step_count, "updates": self.updates, "distributed": self.config.distributed, "params": {}}
         for buf, st in zip(self.buffers, self.state):
             for k, (name, off) in enumerate(zip(buf.names, buf.offsets)):
                 n = buf.params[k].numel()
@@ -208,7 +230,7 @@ class FoldedOptimizer:
                 entry["flat_range"] = (a - off, z - off) if z > a else (0, 0)
                 for key in ("exp_avg", "exp_avg_sq", "master"):
                     t = st[key][b.index]
-                    entry[key] = t[a - lo:z - lo].clone() if z > a else t[:0].clone()
+                    entry[key] = t[a - lo : z - lo].clone() if z > a else t[:0].clone()
                 out["params"][name] = entry
         return out
 
@@ -221,16 +243,20 @@ class FoldedOptimizer:
                     raise KeyError(f"optimizer state has no entry for parameter {name!r}")
                 e = sd["params"][name]
                 if list(e["local_shape"]) != list(buf.params[k].shape):
-                    raise ValueError(f"optimizer state for {name!r} has local shape {e['local_shape']}, the "
-                                     f"parameter is {list(buf.params[k].shape)}: saved under another layout")
+                    raise ValueError(
+                        f"optimizer state for {name!r} has local shape {e['local_shape']}, the "
+                        f"parameter is {list(buf.params[k].shape)}: saved under another layout"
+                    )
                 n = buf.params[k].numel()
                 lo, hi = buf.update_range(buf.bucket_of[id(buf.params[k])])
                 off = buf.offsets[k]
                 a, z = max(lo, off), min(hi, off + n)
                 want = (a - off, z - off) if z > a else (0, 0)
                 if tuple(e["flat_range"]) != want:
-                    raise ValueError(f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
-                                     f"rank owns {want}: saved with another optim.distributed or layout")
+                    raise ValueError(
+                        f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
+                        f"rank owns {want}: saved with another optim.distributed or layout"
+                    )
         self.step_count = int(sd["step"])
         self.updates = int(sd.get("updates", sd["step"]))
         for buf, st in zip(self.buffers, self.state):
@@ -243,8 +269,8 @@ class FoldedOptimizer:
                 if z <= a:
                     continue
                 for key in ("exp_avg", "exp_avg_sq", "master"):
-                    st[key][b.index][a - lo:z - lo].copy_(e[key])
-                buf.param_data[a:z].copy_(st["master"][b.index][a - lo:z - lo])
+                    st[key][b.index][a - lo : z - lo].copy_(e[key])
+                buf.param_data[a:z].copy_(st["master"][b.index][a - lo : z - lo])
 
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's AdamW state in the parameter's own shape: ``name -> {"exp_avg",
@@ -272,13 +298,13 @@ class FoldedOptimizer:
                     if buf.bucket_of[id(p)] is not b:
                         continue
                     a = buf.offsets[k] - b.start
-                    out[buf.names[k]] = {key: whole[key][a:a + p.numel()].reshape(p.shape).clone()
-                                         for key in keys}
+                    out[buf.names[k]] = {key: whole[key][a : a + p.numel()].reshape(p.shape).clone() for key in keys}
         return out
 
     @torch.no_grad()
-    def load_param_state(self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int,
-                         updates: Optional[int] = None) -> None:
+    def load_param_state(
+        self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int, updates: Optional[int] = None
+    ) -> None:
         """Restore state exported by :meth:`param_state` (possibly saved under another layout or
         ``distributed`` setting, once resliced to this rank's parameter shapes): each rank keeps the
         part of every parameter it updates (its ZeRO-1 shard, or all of it). ``master`` entries, when
@@ -292,8 +318,9 @@ class FoldedOptimizer:
                     raise KeyError(f"optimizer state has no entry for parameter {name!r}")
                 for key, t in states[name].items():
                     if t.numel() != p.numel():
-                        raise ValueError(f"optimizer state {key} of {name!r} has {t.numel()} elements, the "
-                                         f"parameter {p.numel()}")
+                        raise ValueError(
+                            f"optimizer state {key} of {name!r} has {t.numel()} elements, the parameter {p.numel()}"
+                        )
         for buf, st in zip(self.buffers, self.state):
             for k, (name, p) in enumerate(zip(buf.names, buf.params)):
                 b = buf.bucket_of[id(p)]
@@ -304,12 +331,12 @@ class FoldedOptimizer:
                     continue
                 saved = states[name]
                 for key in ("exp_avg", "exp_avg_sq"):
-                    st[key][b.index][a - lo:z - lo].copy_(saved[key].reshape(-1)[a - off:z - off])
+                    st[key][b.index][a - lo : z - lo].copy_(saved[key].reshape(-1)[a - off : z - off])
                 if "master" in saved:
-                    st["master"][b.index][a - lo:z - lo].copy_(saved["master"].reshape(-1)[a - off:z - off])
-                    buf.param_data[a:z].copy_(st["master"][b.index][a - lo:z - lo])
+                    st["master"][b.index][a - lo : z - lo].copy_(saved["master"].reshape(-1)[a - off : z - off])
+                    buf.param_data[a:z].copy_(st["master"][b.index][a - lo : z - lo])
                 elif buf.param_data.dtype != torch.float32:
-                    st["master"][b.index][a - lo:z - lo].copy_(buf.param_data[a:z])
+                    st["master"][b.index][a - lo : z - lo].copy_(buf.param_data[a:z])
         self.step_count = int(step)
         self.updates = int(step if updates is None else updates)
 
@@ -317,8 +344,17 @@ class FoldedOptimizer:
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds: ``params`` (model parameters), ``grads`` (fp32 main grads) and
         ``optimizer`` (moments plus separate master weights), each split into dense and expert."""
-        out = {k: 0 for k in ("params_dense", "params_expert", "grads_dense", "grads_expert",
-                              "optimizer_dense", "optimizer_expert")}
+        out = {
+            k: 0
+            for k in (
+                "params_dense",
+                "params_expert",
+                "grads_dense",
+                "grads_expert",
+                "optimizer_dense",
+                "optimizer_expert",
+            )
+        }
         for buf, st in zip(self.buffers, self.state):
             kind = "expert" if buf.cls.expert else "dense"
             out[f"params_{kind}"] += buf.param_bytes()

@@ -15,6 +15,7 @@ Usage::
     cls = classify(name, param)
     cls.expert, cls.decay
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,9 +44,10 @@ class ParamClass:
 
     def describe(self) -> str:
         """Short human-readable name, e.g. ``expert/tp_sharded/decay/float32``."""
-        parts = ["expert" if self.expert else "dense",
-                 "tp_sharded" if self.tp_sharded else ("sequence_parallel" if self.sequence_parallel
-                                                       else "tp_replicated")]
+        parts = [
+            "expert" if self.expert else "dense",
+            "tp_sharded" if self.tp_sharded else ("sequence_parallel" if self.sequence_parallel else "tp_replicated"),
+        ]
         if self.embedding_tied:
             parts.append("embedding_tied")
         parts += ["decay" if self.decay else "no_decay", self.dtype]
@@ -63,6 +65,11 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
 def classify(name: str, param: torch.Tensor) -> ParamClass:
     """The :class:`ParamClass` of ``param`` (named ``name`` in its module) from its tags."""
     t = param_tags(param)
-    return ParamClass(expert=t.expert, tp_sharded=t.tp_sharded, sequence_parallel=t.sequence_parallel,
-                      embedding_tied=t.embedding_tied, decay=uses_weight_decay(name, param),
-                      dtype=str(param.dtype).replace("torch.", ""))
+    return ParamClass(
+        expert=t.expert,
+        tp_sharded=t.tp_sharded,
+        sequence_parallel=t.sequence_parallel,
+        embedding_tied=t.embedding_tied,
+        decay=uses_weight_decay(name, param),
+        dtype=str(param.dtype).replace("torch.", ""),
+    )

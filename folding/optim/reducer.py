@@ -20,6 +20,7 @@ Usage::
     loss1.backward()              # last micro-batch: buckets launch from hooks
     reducer.finish()              # every main grad (or shard) now holds the global-batch gradient
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from .grad_buffer import Bucket, GradBuffer
-
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,8 +51,11 @@ class GradReducer:
         self.buffers = buffers
         self.overlap = overlap
         self.sync_enabled = True
-        self.order: List = sorted(((b.deferred, b.order_key, i, j), buf, b)
-                                  for i, buf in enumerate(buffers) for j, b in enumerate(buf.buckets))
+        self.order: List = sorted(
+            ((b.deferred, b.order_key, i, j), buf, b)
+            for i, buf in enumerate(buffers)
+            for j, b in enumerate(buf.buckets)
+        )
         self.order = [(buf, b) for _, buf, b in self.order]
         self._next = 0
         self._handles = []
@@ -75,12 +78,14 @@ class GradReducer:
             if bucket.launched:
                 raise RuntimeError(
                     "a gradient arrived after its bucket was reduced: run every micro-batch but the last "
-                    "inside `with optimizer.no_sync():`, or call zero_grad() before the next step")
+                    "inside `with optimizer.no_sync():`, or call zero_grad() before the next step"
+                )
             p.main_grad.add_(p.grad)
             p.grad = None
             if reducer.sync_enabled and reducer.overlap:
                 bucket.ready.add(id(p))
                 reducer._launch_ready()
+
         return hook
 
     @contextlib.contextmanager
@@ -110,7 +115,7 @@ class GradReducer:
     @staticmethod
     def _start(buf: GradBuffer, b: Bucket, op, async_op: bool):
         kind, group = op
-        view = buf.main_grad[b.start:b.end]
+        view = buf.main_grad[b.start : b.end]
         if kind == "all_reduce":
             return dist.all_reduce(view, group=group, async_op=async_op), None
         out = torch.empty(b.numel() // buf.groups.dp_size, dtype=view.dtype, device=view.device)

@@ -17,6 +17,7 @@ Usage::
 
     lr = lr_at(step, cfg, train_steps=1000)
 """
+
 from __future__ import annotations
 
 import math

@@ -1,7 +1,15 @@
 """Folded parallel layouts: pure rank math, process groups, and autograd collectives."""
+
 from .layout import DEFAULT_ORDER, ParallelLayout
 from .rank_math import LayoutError, RankGenerator, layout_groups
 from .state import ParallelState, build_parallel_state
 
-__all__ = ["DEFAULT_ORDER", "ParallelLayout", "LayoutError", "RankGenerator", "layout_groups",
-           "ParallelState", "build_parallel_state"]
+__all__ = [
+    "DEFAULT_ORDER",
+    "ParallelLayout",
+    "LayoutError",
+    "RankGenerator",
+    "layout_groups",
+    "ParallelState",
+    "build_parallel_state",
+]

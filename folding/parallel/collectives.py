@@ -11,6 +11,7 @@ Usage::
     z = reduce_scatter_to_sequence_region(y, tp_group)   # after a row-parallel linear under SP
     out = all_to_all(tokens, ep_group, output_split_sizes=recv, input_split_sizes=send)
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -99,8 +100,9 @@ def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _all_to_all(x: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]],
-                in_splits: Optional[Sequence[int]]) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, group: Group, out_splits: Optional[Sequence[int]], in_splits: Optional[Sequence[int]]
+) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
@@ -108,8 +110,13 @@ def _all_to_all(x: torch.Tensor, group: Group, out_splits: Optional[Sequence[int
         out = torch.empty_like(x)
     else:
         out = torch.empty((int(sum(out_splits)),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, output_split_sizes=None if out_splits is None else list(out_splits),
-                           input_split_sizes=None if in_splits is None else list(in_splits), group=group)
+    dist.all_to_all_single(
+        out,
+        x,
+        output_split_sizes=None if out_splits is None else list(out_splits),
+        input_split_sizes=None if in_splits is None else list(in_splits),
+        group=group,
+    )
     return out
 
 
@@ -274,8 +281,12 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Te
     return x if group_size(group) == 1 else _ReduceScatterToRegion.apply(x, group, 0)
 
 
-def all_to_all(x: torch.Tensor, group: Group, output_split_sizes: Optional[List[int]] = None,
-               input_split_sizes: Optional[List[int]] = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    group: Group,
+    output_split_sizes: Optional[List[int]] = None,
+    input_split_sizes: Optional[List[int]] = None,
+) -> torch.Tensor:
     """Forward: ``all_to_all_single`` along dim 0 with (possibly uneven) split sizes.
 
     Backward: the reverse all-to-all of the gradient (input and output split sizes swapped).

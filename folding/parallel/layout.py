@@ -13,6 +13,7 @@ Usage::
 Every impossible layout raises :class:`~folding.parallel.rank_math.LayoutError` naming the setting,
 before any process group exists.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,35 +65,41 @@ class ParallelLayout:
             _check_size("vpp", self.vpp)
             if self.vpp > 1 and self.pp == 1:
                 raise LayoutError(
-                    f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or parallel.vpp=null")
+                    f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or parallel.vpp=null"
+                )
         parse_order(self.order)
         w = self.world_size
         if w % (self.tp * self.cp * self.pp):
             raise LayoutError(
                 f"world size {w} is not divisible by parallel.tp*cp*pp = {self.tp}*{self.cp}*{self.pp} "
-                f"= {self.tp * self.cp * self.pp}; change tp, cp or pp (or the number of ranks)")
+                f"= {self.tp * self.cp * self.pp}; change tp, cp or pp (or the number of ranks)"
+            )
         if w % (self.etp * self.ep * self.pp):
             hint = " (etp defaults to tp: set parallel.etp explicitly, e.g. etp=1)" if self.etp == self.tp else ""
             raise LayoutError(
                 f"world size {w} is not divisible by parallel.etp*ep*pp = {self.etp}*{self.ep}*{self.pp} "
-                f"= {self.etp * self.ep * self.pp}; change etp, ep or pp{hint}")
+                f"= {self.etp * self.ep * self.pp}; change etp, ep or pp{hint}"
+            )
         if self.num_experts is not None:
             _check_size("num_experts", self.num_experts)
             if self.num_experts % self.ep:
                 raise LayoutError(
                     f"num_experts={self.num_experts} is not divisible by parallel.ep={self.ep}; "
-                    f"choose ep among the divisors of {self.num_experts}")
+                    f"choose ep among the divisors of {self.num_experts}"
+                )
         att = attention_generator(self)
         exp = expert_generator(self)
         names = att.order
         if self.pp > 1 and names.index("pp") != len(names) - 1 and self.edp != self.dp:
             raise LayoutError(
                 f"parallel.order={self.order!r} does not put 'pp' last, which with pp={self.pp} requires "
-                f"EDP == DP (got EDP={self.edp}, DP={self.dp}); put 'pp' last in parallel.order")
+                f"EDP == DP (got EDP={self.edp}, DP={self.dp}); put 'pp' last in parallel.order"
+            )
         if att.get_ranks("pp") != exp.get_ranks("pp"):
             raise LayoutError(
                 f"the attention and expert views give different pipeline groups under "
-                f"parallel.order={self.order!r}; put 'pp' last in parallel.order")
+                f"parallel.order={self.order!r}; put 'pp' last in parallel.order"
+            )
 
     @property
     def dp(self) -> int:
@@ -116,5 +123,7 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
         v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
-        return (f"attention TP{self.tp} CP{self.cp} DP{self.dp} PP{self.pp}{v} | "
-                f"MoE ETP{self.etp} EP{self.ep} EDP{self.edp} PP{self.pp}")
+        return (
+            f"attention TP{self.tp} CP{self.cp} DP{self.dp} PP{self.pp}{v} | "
+            f"MoE ETP{self.etp} EP{self.ep} EDP{self.edp} PP{self.pp}"
+        )

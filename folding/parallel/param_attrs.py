@@ -19,6 +19,7 @@ Usage::
     mark_param(self.fc1_weight, expert=True, tp_sharded=True, tp_dim=1)
     param_tags(p).expert
 """
+
 from __future__ import annotations
 
 import dataclasses

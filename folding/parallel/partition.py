@@ -11,14 +11,20 @@ Usage::
     partition_layers(num_layers=30, pp=4, first_stage_layers=6, last_stage_layers=6)
     layers_of(rank=1, chunk=0, ...)                                   # range of layer indices
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
 
-def partition_layers(*, num_layers: int, pp: int, vpp: Optional[int] = None,
-                     first_stage_layers: Optional[int] = None,
-                     last_stage_layers: Optional[int] = None) -> List[Tuple[int, int]]:
+def partition_layers(
+    *,
+    num_layers: int,
+    pp: int,
+    vpp: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+) -> List[Tuple[int, int]]:
     """``[start, end)`` layer ranges of every virtual stage, in virtual-stage order.
 
     Raises ``ValueError`` naming the setting when the layers cannot be split as asked.
@@ -35,22 +41,27 @@ def partition_layers(*, num_layers: int, pp: int, vpp: Optional[int] = None,
     free = [i for i, c in enumerate(counts) if c is None]
     rest = num_layers - fixed
     if any(c is not None and c < 0 for c in counts) or rest < 0:
-        raise ValueError(f"pipeline.first_stage_layers/last_stage_layers ({first_stage_layers}, "
-                         f"{last_stage_layers}) exceed model.num_layers={num_layers}")
+        raise ValueError(
+            f"pipeline.first_stage_layers/last_stage_layers ({first_stage_layers}, "
+            f"{last_stage_layers}) exceed model.num_layers={num_layers}"
+        )
     if free:
         if rest % len(free):
             raise ValueError(
                 f"model.num_layers={num_layers} cannot be split evenly over {len(free)} virtual stages "
                 f"(pp={pp}, vpp={vpp or 1}, first_stage_layers={first_stage_layers}, "
                 f"last_stage_layers={last_stage_layers}); change parallel.pp/vpp or set the first/last "
-                f"stage layer counts")
+                f"stage layer counts"
+            )
         for i in free:
             counts[i] = rest // len(free)
     elif rest:
         raise ValueError(f"first/last stage layers leave {rest} of model.num_layers={num_layers} unassigned")
     if any(c < 1 for c in counts):
-        raise ValueError(f"every virtual stage needs at least one layer; got {counts} for "
-                         f"model.num_layers={num_layers}, pp={pp}, vpp={vpp or 1}")
+        raise ValueError(
+            f"every virtual stage needs at least one layer; got {counts} for "
+            f"model.num_layers={num_layers}, pp={pp}, vpp={vpp or 1}"
+        )
     out, start = [], 0
     for c in counts:
         out.append((start, start + c))

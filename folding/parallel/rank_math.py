@@ -22,6 +22,7 @@ Usage::
     gen.get_ranks("tp")            # [[0, 1], [2, 3], [4, 5], [6, 7]]
     layout_groups(layout)          # every group a trainer needs, for both generators
 """
+
 from __future__ import annotations
 
 import itertools
@@ -50,7 +51,8 @@ def parse_order(order: str) -> List[str]:
     for name in names:
         if name not in AXES:
             raise LayoutError(
-                f"parallel.order={order!r} names unknown axis {name!r}; allowed axes are {', '.join(AXES)}")
+                f"parallel.order={order!r} names unknown axis {name!r}; allowed axes are {', '.join(AXES)}"
+            )
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise LayoutError(f"parallel.order={order!r} repeats axis {dup[0]!r}; name each axis at most once")
@@ -81,7 +83,8 @@ class RankGenerator:
                 if sizes[name] != 1:
                     raise LayoutError(
                         f"parallel.order={order!r} omits axis {name!r} whose size is {sizes[name]}; "
-                        f"add '{name}' to the order")
+                        f"add '{name}' to the order"
+                    )
                 names.append(name)
         self.order = names
         self.sizes = [sizes[n] for n in names]
@@ -105,8 +108,10 @@ class RankGenerator:
         groups = []
         for oidx in _mixed_radix([self.sizes[i] for i in other]):
             base = sum(j * self.strides[i] for i, j in zip(other, oidx))
-            group = [base + sum(j * self.strides[i] for i, j in zip(sel, sidx))
-                     for sidx in _mixed_radix([self.sizes[i] for i in sel])]
+            group = [
+                base + sum(j * self.strides[i] for i, j in zip(sel, sidx))
+                for sidx in _mixed_radix([self.sizes[i] for i in sel])
+            ]
             groups.append(group)
         return groups
 
@@ -139,7 +144,9 @@ def layout_groups(layout) -> Dict[str, Dict[str, List[List[int]]]]:
     """
     att = attention_generator(layout)
     exp = expert_generator(layout)
-    out = {"attention": {t: att.get_ranks(t) for t in ATTENTION_TOKENS},
-           "expert": {t: exp.get_ranks(t) for t in EXPERT_TOKENS}}
+    out = {
+        "attention": {t: att.get_ranks(t) for t in ATTENTION_TOKENS},
+        "expert": {t: exp.get_ranks(t) for t in EXPERT_TOKENS},
+    }
     out["attention"]["embedding"] = embedding_groups(out["attention"]["pp"])
     return out

@@ -18,6 +18,7 @@ Usage::
 
     q, k, v = gather_linears(x_SBH, [wq, wk, wv], [bq, bk, bv], tp_group)   # each [S, B, out_i/TP]
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -37,19 +38,20 @@ class _GatherLinears(torch.autograd.Function):
         ctx.group = group
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype))
-                     for w, b in zip(weights, biases))
+        return tuple(
+            F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype)) for w, b in zip(weights, biases)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full, gather = all_gather_start(x, ctx.group)                   # re-gather, overlapped with dgrad
+        full, gather = all_gather_start(x, ctx.group)  # re-gather, overlapped with dgrad
         dx = None
         for g, w in zip(grads, weights):
             d = g.matmul(w.to(g.dtype))
             dx = d if dx is None else dx.add_(d)
         gather.wait()
-        dx_local, scatter = reduce_scatter_start(dx, ctx.group)          # overlapped with wgrad
+        dx_local, scatter = reduce_scatter_start(dx, ctx.group)  # overlapped with wgrad
         full_2d = full.reshape(-1, full.shape[-1])
         wgrads, bgrads = [], []
         for g, w, has_b in zip(grads, weights, ctx.has_bias):
@@ -60,8 +62,12 @@ class _GatherLinears(torch.autograd.Function):
         return (dx_local, None, None, *wgrads, *bgrads)
 
 
-def gather_linears(x_SBH: torch.Tensor, weights: Sequence[torch.Tensor],
-                   biases: Optional[Sequence[Optional[torch.Tensor]]], group: Group) -> Tuple[torch.Tensor, ...]:
+def gather_linears(
+    x_SBH: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Optional[Sequence[Optional[torch.Tensor]]],
+    group: Group,
+) -> Tuple[torch.Tensor, ...]:
     """``F.linear(all_gather(x), W_i, b_i)`` for every weight, keeping only the shard ``x`` for backward.
 
     Forward: all-gather of ``x [S/TP, B, H]`` over ``group`` along dim 0, then one GEMM per weight
@@ -73,6 +79,8 @@ def gather_linears(x_SBH: torch.Tensor, weights: Sequence[torch.Tensor],
     if len(biases) != len(weights):
         raise ValueError(f"gather_linears: {len(weights)} weights but {len(biases)} biases")
     if group_size(group) == 1:
-        return tuple(F.linear(x_SBH, w.to(x_SBH.dtype), None if b is None else b.to(x_SBH.dtype))
-                     for w, b in zip(weights, biases))
+        return tuple(
+            F.linear(x_SBH, w.to(x_SBH.dtype), None if b is None else b.to(x_SBH.dtype))
+            for w, b in zip(weights, biases)
+        )
     return _GatherLinears.apply(x_SBH, group, len(weights), *weights, *biases)

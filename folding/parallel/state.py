@@ -12,6 +12,7 @@ Usage::
     with build_parallel_state(layout) as ps:   # destroys the groups on exit (collective)
         ps.tp_group, ps.ep_group, ps.ep_rank, ps.edp_size
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,9 +60,11 @@ class ParallelState:
     def __getattr__(self, name: str):
         if name.startswith("_") or name in ("ranks", "groups", "rank", "layout"):
             raise AttributeError(name)
-        for suffix, fn in (("_group", lambda r: self.groups[r]),
-                           ("_rank", lambda r: self.ranks[r].index(self.rank)),
-                           ("_size", lambda r: len(self.ranks[r]))):
+        for suffix, fn in (
+            ("_group", lambda r: self.groups[r]),
+            ("_rank", lambda r: self.ranks[r].index(self.rank)),
+            ("_size", lambda r: len(self.ranks[r])),
+        ):
             if name.endswith(suffix) and name[: -len(suffix)] in self.ranks:
                 return fn(name[: -len(suffix)])
         raise AttributeError(name)
@@ -101,8 +104,9 @@ class ParallelState:
                 dist.destroy_process_group(g)
 
 
-def build_parallel_state(layout: ParallelLayout, *, backend: Optional[str] = None,
-                         timeout_s: Optional[float] = None) -> ParallelState:
+def build_parallel_state(
+    layout: ParallelLayout, *, backend: Optional[str] = None, timeout_s: Optional[float] = None
+) -> ParallelState:
     """Create every group of ``layout`` (collective over the world) and return this rank's state.
 
     All ranks must call this with the same layout. It returns after a world barrier, so every rank

@@ -28,6 +28,7 @@ Usage::
         if isinstance(action, Compute): ...      # run ("F" | "B", chunk, microbatch)
         else: ...                                # one batch_isend_irecv of action.sends + action.recvs
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ def _order_key(offset: int, send: bool) -> int:
 
 
 @lru_cache(maxsize=64)
-def global_plan(*, num_microbatches: int, pp: int, vpp: int = 1,
-                forward_only: bool = False) -> Tuple[Tuple[Action, ...], ...]:
+def global_plan(
+    *, num_microbatches: int, pp: int, vpp: int = 1, forward_only: bool = False
+) -> Tuple[Tuple[Action, ...], ...]:
     """Every pipeline rank's program (index = pipeline rank), computed identically on all ranks."""
     vpp = vpp or 1
     V = pp * vpp
@@ -127,8 +129,8 @@ def global_plan(*, num_microbatches: int, pp: int, vpp: int = 1,
     return tuple(tuple(p) for p in programs)
 
 
-def rank_program(*, num_microbatches: int, pp: int, vpp: int, pp_rank: int,
-                 forward_only: bool = False) -> Tuple[Action, ...]:
+def rank_program(
+    *, num_microbatches: int, pp: int, vpp: int, pp_rank: int, forward_only: bool = False
+) -> Tuple[Action, ...]:
     """This pipeline rank's program: its compute steps in schedule order, with its exchanges."""
-    return global_plan(num_microbatches=num_microbatches, pp=pp, vpp=vpp or 1,
-                       forward_only=forward_only)[pp_rank]
+    return global_plan(num_microbatches=num_microbatches, pp=pp, vpp=vpp or 1, forward_only=forward_only)[pp_rank]

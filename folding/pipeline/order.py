@@ -12,6 +12,7 @@ Usage::
 
     schedule_order(num_microbatches=8, pp_size=4, pp_rank=0, vpp=2)   # [("F", 0, 0), ...]
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -28,9 +29,11 @@ def schedule_order(*, num_microbatches: int, pp_size: int, pp_rank: int, vpp: in
         warmup = min(pp - r - 1, M)
     else:
         if M % pp:
-            raise ValueError(f"interleaved pipelining needs the number of micro-batches ({M}) to be a "
-                             f"multiple of parallel.pp={pp}; change train.global_batch_size or "
-                             f"train.micro_batch_size, or set parallel.vpp=null")
+            raise ValueError(
+                f"interleaved pipelining needs the number of micro-batches ({M}) to be a "
+                f"multiple of parallel.pp={pp}; change train.global_batch_size or "
+                f"train.micro_batch_size, or set parallel.vpp=null"
+            )
         group = pp * vpp
         total = M * vpp
 

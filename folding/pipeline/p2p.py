@@ -11,6 +11,7 @@ Usage::
     p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
     got = p2p.exchange(sends=[(+1, activation)], recvs=[(-1, shape, dtype, device)])
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -32,8 +33,12 @@ class P2P:
         """The global rank ``offset`` steps along the pipeline ring from this one."""
         return self.ranks[(self.pp_rank + offset) % self.pp]
 
-    def exchange(self, *, sends: Sequence[Tuple[int, torch.Tensor]],
-                 recvs: Sequence[Tuple[int, Sequence[int], torch.dtype, torch.device]]) -> List[torch.Tensor]:
+    def exchange(
+        self,
+        *,
+        sends: Sequence[Tuple[int, torch.Tensor]],
+        recvs: Sequence[Tuple[int, Sequence[int], torch.dtype, torch.device]],
+    ) -> List[torch.Tensor]:
         """Send each ``(offset, tensor)`` and receive one ``(offset, shape, dtype, device)`` buffer
         each, all in one group, in the order given; return the received tensors once all complete.
 

@@ -21,6 +21,7 @@ Usage::
                               pp_rank=ps.pp_rank, vpp=2, p2p=p2p, tensor_shape=(S, B, H),
                               dtype=torch.float32, device=dev)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,11 +35,20 @@ from .p2p import P2P
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
 
 
-def forward_backward(*, forward_step: ForwardStep, num_microbatches: int, pp_size: int, pp_rank: int,
-                     vpp: int = 1, p2p: Optional[P2P] = None, tensor_shape=None,
-                     dtype: torch.dtype = torch.float32, device=None,
-                     forward_only: bool = False,
-                     backward_context: Optional[Callable[[int, int], ContextManager]] = None) -> List[torch.Tensor]:
+def forward_backward(
+    *,
+    forward_step: ForwardStep,
+    num_microbatches: int,
+    pp_size: int,
+    pp_rank: int,
+    vpp: int = 1,
+    p2p: Optional[P2P] = None,
+    tensor_shape=None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    forward_only: bool = False,
+    backward_context: Optional[Callable[[int, int], ContextManager]] = None,
+) -> List[torch.Tensor]:
     """Run the schedule; return the detached per-micro-batch losses (in micro-batch order) on the
     rank holding the last virtual stage, and ``[]`` elsewhere.
 
@@ -54,8 +64,8 @@ def forward_backward(*, forward_step: ForwardStep, num_microbatches: int, pp_siz
         raise ValueError("pipeline schedules with pp > 1 need p2p= and tensor_shape=")
     stash: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
     losses: Dict[int, torch.Tensor] = {}
-    inbox: Dict[Key, torch.Tensor] = {}    # received, not yet consumed
-    outbox: Dict[Key, torch.Tensor] = {}   # produced, not yet sent
+    inbox: Dict[Key, torch.Tensor] = {}  # received, not yet consumed
+    outbox: Dict[Key, torch.Tensor] = {}  # produced, not yet sent
 
     def run_forward(chunk: int, m: int) -> None:
         v = chunk * pp_size + pp_rank
@@ -83,17 +93,23 @@ def forward_backward(*, forward_step: ForwardStep, num_microbatches: int, pp_siz
         if v > 0:
             outbox[("B", v - 1, m)] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
-    program = rank_program(num_microbatches=num_microbatches, pp=pp_size, vpp=vpp, pp_rank=pp_rank,
-                           forward_only=forward_only)
+    program = rank_program(
+        num_microbatches=num_microbatches, pp=pp_size, vpp=vpp, pp_rank=pp_rank, forward_only=forward_only
+    )
     for action in program:
         if isinstance(action, Exchange):
-            got = p2p.exchange(sends=[(off, outbox.pop(key)) for off, key in action.sends],
-                               recvs=[(off, tensor_shape, dtype, device) for off, _ in action.recvs])
+            got = p2p.exchange(
+                sends=[(off, outbox.pop(key)) for off, key in action.sends],
+                recvs=[(off, tensor_shape, dtype, device) for off, _ in action.recvs],
+            )
             inbox.update((key, t) for (_, key), t in zip(action.recvs, got))
         elif action.kind == "F":
             run_forward(action.chunk, action.microbatch)
         else:
-            with backward_context(action.chunk, action.microbatch) if backward_context is not None \
-                    else contextlib.nullcontext():
+            with (
+                backward_context(action.chunk, action.microbatch)
+                if backward_context is not None
+                else contextlib.nullcontext()
+            ):
                 run_backward(action.chunk, action.microbatch)
     return [losses[m] for m in sorted(losses)]

@@ -12,6 +12,7 @@ Usage::
     out = run_microbatches(chunks, microbatches, parallel_state=ps, loss_scale=1 / n_tokens)
     out["lm_loss_sum"]      # this rank's masked loss sum (last stage; 0 elsewhere)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +25,15 @@ from .p2p import P2P
 from .schedules import forward_backward
 
 
-def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[str, torch.Tensor]], *,
-                     parallel_state, loss_scale: float, forward_only: bool = False,
-                     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None
-                     ) -> Dict[str, torch.Tensor]:
+def run_microbatches(
+    chunks: Sequence[nn.Module],
+    microbatches: Sequence[Dict[str, torch.Tensor]],
+    *,
+    parallel_state,
+    loss_scale: float,
+    forward_only: bool = False,
+    no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+) -> Dict[str, torch.Tensor]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
     ``microbatches[m]`` holds full ``tokens``, ``labels`` and ``loss_mask`` ``[MBS, S]`` (the same on
@@ -58,24 +64,37 @@ def run_microbatches(chunks: Sequence[nn.Module], microbatches: Sequence[Dict[st
         first = m == 0  # TE reuses the FP8 weights for the later micro-batches of the step
         if not model.post_process:
             return model.stage_forward(tokens, hidden_SBH=inp, first_microbatch=first)
-        loss_BS = model.stage_forward(tokens, hidden_SBH=inp, labels=mb["labels"].to(device),
-                                      loss_mask=mb["loss_mask"].to(device), first_microbatch=first)
+        loss_BS = model.stage_forward(
+            tokens,
+            hidden_SBH=inp,
+            labels=mb["labels"].to(device),
+            loss_mask=mb["loss_mask"].to(device),
+            first_microbatch=first,
+        )
         loss_sum = loss_BS.float().sum()
         sums.append(loss_sum.detach().double())
         return loss_sum * loss_scale
 
     p2p = None
     if pp > 1:
-        p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"],
-                  pp_rank=parallel_state.pp_rank)
+        p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"], pp_rank=parallel_state.pp_rank)
     last = len(microbatches) - 1
 
     def grad_sync(chunk: int, m: int):
         return contextlib.nullcontext() if m == last else no_sync()
 
-    forward_backward(forward_step=step, num_microbatches=len(microbatches), pp_size=pp,
-                     pp_rank=parallel_state.pp_rank, vpp=vpp, p2p=p2p, tensor_shape=shape,
-                     dtype=dtype, device=device, forward_only=forward_only,
-                     backward_context=grad_sync if no_sync is not None else None)
+    forward_backward(
+        forward_step=step,
+        num_microbatches=len(microbatches),
+        pp_size=pp,
+        pp_rank=parallel_state.pp_rank,
+        vpp=vpp,
+        p2p=p2p,
+        tensor_shape=shape,
+        dtype=dtype,
+        device=device,
+        forward_only=forward_only,
+        backward_context=grad_sync if no_sync is not None else None,
+    )
     total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
     return {"lm_loss_sum": total}

@@ -41,6 +41,7 @@ Usage::
     per = activation_bytes_per_layer(sizes, layout, seq_length=4096, micro_batch_size=1, recompute="moe")
     n = in_flight_chunks(pp=8, vpp=2, stage=0, num_microbatches=32)   # chunk forwards alive at the peak
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,20 +52,30 @@ RECOMPUTE_MODES = ("none", "selective", "moe", "full")
 
 def _check_mode(recompute: str) -> None:
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} "
-                         f"(train.recompute)")
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
 
 
-def _parts(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool,
-           fused_swiglu: bool = True) -> dict:
+def _parts(
+    sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool, fused_swiglu: bool = True
+) -> dict:
     """Bytes of every kept tensor group of one layer (no recompute)."""
-    return _parts_cached(sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes,
-                         moe_layer, fused_swiglu)
+    return _parts_cached(
+        sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu
+    )
 
 
 @functools.lru_cache(maxsize=65536)
-def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batch_size: int, act_bytes: int,
-                  moe_layer: bool, fused_swiglu: bool) -> dict:
+def _parts_cached(
+    sizes,
+    tp: int,
+    cp: int,
+    etp: int,
+    seq_length: int,
+    micro_batch_size: int,
+    act_bytes: int,
+    moe_layer: bool,
+    fused_swiglu: bool,
+) -> dict:
     s, a = sizes, act_bytes
     h = s.hidden_size
     t = seq_length * micro_batch_size // (tp * cp)
@@ -80,20 +91,34 @@ def _parts_cached(sizes, tp: int, cp: int, etp: int, seq_length: int, micro_batc
         mlps = [(s.ffn_hidden_size, True)]
     for f, gated in mlps:
         if f:
-            mlp += a * t * h + a * t * ((2 if gated else 1) * f + 2 * f)     # [S, F/TP] = T*F elements
+            mlp += a * t * h + a * t * ((2 if gated else 1) * f + 2 * f)  # [S, F/TP] = T*F elements
     router = experts = 0
     if moe_layer:
         r = t * s.top_k * etp
         fe = s.moe_ffn_hidden_size // etp
         router = a * t * h + 8 * t * s.num_experts
         experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe + 4 * r
-    return {"input": a * t * h, "norms": 2 * a * t * h, "attention": attn, "router": router,
-            "experts": experts, "mlp": mlp}
+    return {
+        "input": a * t * h,
+        "norms": 2 * a * t * h,
+        "attention": attn,
+        "router": router,
+        "experts": experts,
+        "mlp": mlp,
+    }
 
 
-def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_size: int,
-                               recompute: str = "none", act_bytes: int = 2, moe_layer: bool = True,
-                               fused_swiglu: bool = True) -> int:
+def activation_bytes_per_layer(
+    sizes,
+    layout,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    moe_layer: bool = True,
+    fused_swiglu: bool = True,
+) -> int:
     """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
 
     ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp``
@@ -103,8 +128,15 @@ def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_si
     the module docstring for the terms and the recompute modes.
     """
     _check_mode(recompute)
-    p = _parts(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes,
-               moe_layer=moe_layer, fused_swiglu=fused_swiglu)
+    p = _parts(
+        sizes,
+        layout,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        act_bytes=act_bytes,
+        moe_layer=moe_layer,
+        fused_swiglu=fused_swiglu,
+    )
     if recompute == "full":
         return p["input"]
     total = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
@@ -115,16 +147,31 @@ def activation_bytes_per_layer(sizes, layout, *, seq_length: int, micro_batch_si
     return total
 
 
-def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, recompute: str = "none",
-                    act_bytes: int = 2, fused_swiglu: bool = True) -> int:
+def transient_bytes(
+    sizes,
+    layout,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    fused_swiglu: bool = True,
+) -> int:
     """Peak bytes of short-lived buffers while one layer runs: the larger of the dispatcher's buffers in
     forward (the permuted send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its
     expert-sorted copy, ``2aRh``) and the experts' backward working set (fc2's input gradient, ``silu(gate)``
     and ``grad·up`` ``[R, F]`` each, and fc1's output gradient ``[R, 2F]``: ``5aRF``), which are never alive
     together, plus, under recompute, the largest region re-materialized in backward."""
     _check_mode(recompute)
-    p = _parts(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes,
-               moe_layer=True, fused_swiglu=fused_swiglu)
+    p = _parts(
+        sizes,
+        layout,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        act_bytes=act_bytes,
+        moe_layer=True,
+        fused_swiglu=fused_swiglu,
+    )
     a, h = act_bytes, sizes.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     dispatch = a * t * sizes.top_k * h * (1 + 2 * layout.etp)
@@ -140,8 +187,9 @@ def transient_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, re
     return max(dispatch, experts_backward) + working
 
 
-def logits_bytes(sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2,
-                 chunk_tokens: int = 2048) -> int:
+def logits_bytes(
+    sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2, chunk_tokens: int = 2048
+) -> int:
     """Bytes of the fused output layer + cross-entropy (:mod:`folding.model.fused_cross_entropy`) on the last
     pipeline stage, for one micro-batch of ``tokens = seq*mbs/CP`` (the TP-gathered sequence chunk): its kept
     input ``[tokens, H]`` and one fp32 log-sum-exp per token, plus the fp32 logits of one chunk of

@@ -1,5 +1,6 @@
-"""Time of the cost model's primitives: GEMMs in waves of output tiles under an HBM roofline, ring collectives, all-to-all across
-the NVLink domain and the network, and collectives overlapped per model chunk.
+"""Time of the cost model's primitives: GEMMs in waves of output tiles under an HBM roofline, ring
+collectives, all-to-all across the NVLink domain and the network, and collectives overlapped per model
+chunk.
 
 Pure functions of sizes, a :class:`~folding.planning.hardware.GPUSpec` and a cluster (anything with ``gpu``
 and ``nvlink_domain``, such as :class:`folding.planning.step_time.Cluster`); :mod:`folding.planning.step_time`
@@ -11,6 +12,7 @@ Usage::
     fwd, dgrad, wgrad = gemm_train_times(1024, 4096, 6144, get_gpu("h100"), eff=0.68, groups=8)
     wave_utilization(1024, 5120, 132, groups=16)                           # a grouped GEMM of 16 experts
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +37,7 @@ def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float
     return best
 
 
-def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1,
-              out_bytes: float = 2.0) -> float:
+def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, out_bytes: float = 2.0) -> float:
     """Seconds of one GEMM ``[m, k] x [k, n]`` (or a grouped GEMM of ``groups`` of them): the longer of its
     tensor-core time at ``eff`` of peak, scaled by wave utilization, and its HBM time (roofline).
 
@@ -59,8 +60,11 @@ def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, gro
     roofline (:func:`gemm_time`). For an expert's grouped GEMM ``m`` is the rows per expert, so a
     fine-grained expert's wgrad has a short reduction and a large fp32 output: it can be HBM-bound.
     """
-    return (gemm_time(m, n, k, gpu, eff, groups), gemm_time(m, k, n, gpu, eff, groups),
-            gemm_time(k, n, m, gpu, eff, groups, out_bytes=8.0))
+    return (
+        gemm_time(m, n, k, gpu, eff, groups),
+        gemm_time(m, k, n, gpu, eff, groups),
+        gemm_time(k, n, m, gpu, eff, groups, out_bytes=8.0),
+    )
 
 
 def _crosses(span: int, cluster) -> bool:
@@ -72,7 +76,9 @@ def _ring_time(bytes_per_rank: float, span: int, cluster) -> float:
     if bytes_per_rank <= 0:
         return 0.0
     x = _crosses(span, cluster)
-    return bytes_per_rank / cluster.gpu.link_bandwidth(crosses_node=x, kind="ring") + cluster.gpu.latency(crosses_node=x)
+    return bytes_per_rank / cluster.gpu.link_bandwidth(crosses_node=x, kind="ring") + cluster.gpu.latency(
+        crosses_node=x
+    )
 
 
 def _a2a_time(bytes_per_rank: float, size: int, stride: int, cluster) -> float:

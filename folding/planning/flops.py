@@ -24,6 +24,7 @@ Usage::
     f.forward, f.model_training            # ≈ 80.7e9, 3 × that
     f.hardware_training("full")            # what the GPUs execute with full recompute
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,8 +95,15 @@ class FlopsPerToken:
     @property
     def forward(self) -> float:
         """Total forward FLOPs per token."""
-        return (self.attention_linear + self.attention_core + self.router + self.routed_experts
-                + self.shared_experts + self.dense_mlp + self.output_layer)
+        return (
+            self.attention_linear
+            + self.attention_core
+            + self.router
+            + self.routed_experts
+            + self.shared_experts
+            + self.dense_mlp
+            + self.output_layer
+        )
 
     @property
     def model_training(self) -> float:
@@ -136,8 +144,9 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> FlopsPerToken:
     )
 
 
-def mfu(cfg: ModelConfig, *, seq_length: int, tokens_per_second: float, num_gpus: int,
-        peak_flops_per_gpu: float) -> float:
+def mfu(
+    cfg: ModelConfig, *, seq_length: int, tokens_per_second: float, num_gpus: int, peak_flops_per_gpu: float
+) -> float:
     """Model FLOPs utilization: model training FLOPs per second over the cluster's peak (a fraction)."""
     achieved = flops_per_token(cfg, seq_length).model_training * tokens_per_second
     return achieved / (num_gpus * peak_flops_per_gpu)

@@ -43,12 +43,13 @@ Usage::
     gpu.peak_flops("bf16")      # 989.4e12
     gpu.link_bandwidth(crosses_node=True, kind="a2a")   # bytes/s achieved per GPU
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,15 +121,37 @@ class GPUSpec:
 
 
 _GPUS: Dict[str, GPUSpec] = {
-    "h100": GPUSpec(name="h100", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=80e9 / GIB,
-                    usable_memory_gib=80e9 / GIB - 2.5, hbm_bandwidth=3.35e12,
-                    nvlink_bandwidth=450e9, internode_bandwidth=50e9),
-    "h200": GPUSpec(name="h200", bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_gib=141e9 / GIB,
-                    usable_memory_gib=141e9 / GIB - 2.5, hbm_bandwidth=4.8e12,
-                    nvlink_bandwidth=450e9, internode_bandwidth=50e9),
-    "b200": GPUSpec(name="b200", bf16_flops=2250e12, fp8_flops=4500e12, hbm_gib=180e9 / GIB,
-                    usable_memory_gib=180e9 / GIB - 2.5, hbm_bandwidth=8.0e12,
-                    nvlink_bandwidth=900e9, internode_bandwidth=50e9, num_sms=148),
+    "h100": GPUSpec(
+        name="h100",
+        bf16_flops=989.4e12,
+        fp8_flops=1978.9e12,
+        hbm_gib=80e9 / GIB,
+        usable_memory_gib=80e9 / GIB - 2.5,
+        hbm_bandwidth=3.35e12,
+        nvlink_bandwidth=450e9,
+        internode_bandwidth=50e9,
+    ),
+    "h200": GPUSpec(
+        name="h200",
+        bf16_flops=989.4e12,
+        fp8_flops=1978.9e12,
+        hbm_gib=141e9 / GIB,
+        usable_memory_gib=141e9 / GIB - 2.5,
+        hbm_bandwidth=4.8e12,
+        nvlink_bandwidth=450e9,
+        internode_bandwidth=50e9,
+    ),
+    "b200": GPUSpec(
+        name="b200",
+        bf16_flops=2250e12,
+        fp8_flops=4500e12,
+        hbm_gib=180e9 / GIB,
+        usable_memory_gib=180e9 / GIB - 2.5,
+        hbm_bandwidth=8.0e12,
+        nvlink_bandwidth=900e9,
+        internode_bandwidth=50e9,
+        num_sms=148,
+    ),
 }
 
 

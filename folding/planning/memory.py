@@ -34,6 +34,7 @@ Usage::
                           seq_length=4096, micro_batch_size=1, num_microbatches=16)
     est.total / 2**30
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +43,23 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from folding.parallel.partition import layers_of, partition_layers
 
-from .activations import (RECOMPUTE_MODES, activation_bytes_per_layer, in_flight_chunks, logits_bytes,
-                          transient_bytes)
+from .activations import RECOMPUTE_MODES, activation_bytes_per_layer, in_flight_chunks, logits_bytes, transient_bytes
 
-__all__ = ["RECOMPUTE_MODES", "ModelSizes", "ParamCounts", "MemoryEstimate", "activation_bytes_per_layer",
-           "in_flight_chunks", "layers_on_stage", "logits_bytes", "memory_per_rank", "model_sizes", "param_counts",
-           "stage_layers", "transient_bytes"]
+__all__ = [
+    "RECOMPUTE_MODES",
+    "ModelSizes",
+    "ParamCounts",
+    "MemoryEstimate",
+    "activation_bytes_per_layer",
+    "in_flight_chunks",
+    "layers_on_stage",
+    "logits_bytes",
+    "memory_per_rank",
+    "model_sizes",
+    "param_counts",
+    "stage_layers",
+    "transient_bytes",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,14 +108,23 @@ class ModelSizes:
     @classmethod
     def from_model_config(cls, cfg) -> "ModelSizes":
         """The sizes of a :class:`folding.model.config.ModelConfig`."""
-        return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                   num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, top_k=cfg.topk,
-                   num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_kv_heads,
-                   head_dim=cfg.kv_channels, qkv_bias=cfg.qkv_bias,
-                   dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
-                   ffn_hidden_size=cfg.ffn_hidden_size,
-                   shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size or 0,
-                   shared_expert_gate=cfg.shared_expert_gate, tied_embeddings=cfg.tie_embeddings)
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            top_k=cfg.topk,
+            num_attention_heads=cfg.num_attention_heads,
+            num_query_groups=cfg.num_kv_heads,
+            head_dim=cfg.kv_channels,
+            qkv_bias=cfg.qkv_bias,
+            dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            shared_expert_ffn_hidden_size=cfg.shared_expert_ffn_hidden_size or 0,
+            shared_expert_gate=cfg.shared_expert_gate,
+            tied_embeddings=cfg.tie_embeddings,
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,14 +172,26 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """Sum of every kind."""
-        return (self.params_dense + self.params_expert + self.grads_dense + self.grads_expert
-                + self.optimizer_dense + self.optimizer_expert + self.activations + self.transient)
+        return (
+            self.params_dense
+            + self.params_expert
+            + self.grads_dense
+            + self.grads_expert
+            + self.optimizer_dense
+            + self.optimizer_expert
+            + self.activations
+            + self.transient
+        )
 
     def by_part(self) -> Dict[str, int]:
         """Bytes grouped as ``params, grads, optimizer, activations, transient`` (dense + expert)."""
-        return {"params": self.params_dense + self.params_expert, "grads": self.grads_dense + self.grads_expert,
-                "optimizer": self.optimizer_dense + self.optimizer_expert, "activations": self.activations,
-                "transient": self.transient}
+        return {
+            "params": self.params_dense + self.params_expert,
+            "grads": self.grads_dense + self.grads_expert,
+            "optimizer": self.optimizer_dense + self.optimizer_expert,
+            "activations": self.activations,
+            "transient": self.transient,
+        }
 
     def as_dict(self) -> Dict[str, int]:
         """Every field plus ``total``."""
@@ -173,8 +206,9 @@ def _div(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def stage_layers(sizes: ModelSizes, layout, stage: int,
-                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> List[int]:
+def stage_layers(
+    sizes: ModelSizes, layout, stage: int, stages: Optional[Sequence[Tuple[int, int]]] = None
+) -> List[int]:
     """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
@@ -199,14 +233,16 @@ def layers_on_stage(sizes: ModelSizes, layout, stage: int) -> int:
     return len(stage_layers(sizes, layout, stage))
 
 
-def param_counts(sizes: ModelSizes, layout, *, stage: int = 0,
-                 stages: Optional[Sequence[Tuple[int, int]]] = None) -> ParamCounts:
+def param_counts(
+    sizes: ModelSizes, layout, *, stage: int = 0, stages: Optional[Sequence[Tuple[int, int]]] = None
+) -> ParamCounts:
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
     if stages is None:
         return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage)
-    return _param_counts_of(sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage,
-                            stage_layers(sizes, layout, stage, stages))
+    return _param_counts_of(
+        sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage, stage_layers(sizes, layout, stage, stages)
+    )
 
 
 def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
@@ -225,11 +261,12 @@ def _param_counts(sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: i
     return _param_counts_of(sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage))
 
 
-def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, stage: int,
-                     mine: Sequence[int]) -> ParamCounts:
+def _param_counts_of(
+    sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, stage: int, mine: Sequence[int]
+) -> ParamCounts:
     s = sizes
     h = s.hidden_size
-    layer = s.norms_per_layer * h                                           # norms (replicated)
+    layer = s.norms_per_layer * h  # norms (replicated)
     if s.num_attention_heads:
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
@@ -241,12 +278,13 @@ def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, sta
         layer += _div(h * f * (3 if s.dense_gated else 2), tp, "dense_ffn_hidden_size*H")
         if s.dense_bias:
             layer += _div(f * (2 if s.dense_gated else 1), tp, "dense_ffn_hidden_size") + h
-    moe = s.num_experts * h                                                 # router (replicated)
+    moe = s.num_experts * h  # router (replicated)
     if s.shared_expert_ffn_hidden_size:
         moe += _div(3 * h * s.shared_expert_ffn_hidden_size, tp, "shared_expert_ffn_hidden_size*H")
         moe += h if s.shared_expert_gate else 0
-    experts = _div(s.num_experts, ep, "num_experts") * _div(3 * h * s.moe_ffn_hidden_size, etp,
-                                                            "3*H*moe_ffn_hidden_size")
+    experts = _div(s.num_experts, ep, "num_experts") * _div(
+        3 * h * s.moe_ffn_hidden_size, etp, "3*H*moe_ffn_hidden_size"
+    )
     n_dense = sum(1 for i in mine if i in s.dense_layers)
     n_moe = len(mine) - n_dense
     dense = len(mine) * layer + n_moe * moe
@@ -257,16 +295,26 @@ def _param_counts_of(sizes: ModelSizes, tp: int, pp: int, ep: int, etp: int, sta
     if first:
         dense += emb
     if last:
-        dense += h                                                          # final norm
+        dense += h  # final norm
         if not s.tied_embeddings or not first:
-            dense += emb                                                    # output layer (or tied copy)
+            dense += emb  # output layer (or tied copy)
     return ParamCounts(dense=dense, expert=n_moe * experts)
 
 
-def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distributed: bool = False,
-                    recompute: str = "none", seq_length: int = 0, micro_batch_size: int = 1,
-                    act_bytes: int = 2, stage: Optional[int] = None,
-                    num_microbatches: Optional[int] = None, fused_swiglu: bool = True) -> MemoryEstimate:
+def memory_per_rank(
+    sizes: ModelSizes,
+    layout,
+    *,
+    param_bytes: int = 2,
+    distributed: bool = False,
+    recompute: str = "none",
+    seq_length: int = 0,
+    micro_batch_size: int = 1,
+    act_bytes: int = 2,
+    stage: Optional[int] = None,
+    num_microbatches: Optional[int] = None,
+    fused_swiglu: bool = True,
+) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
     ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, pp, vpp,
@@ -281,11 +329,22 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
     if stage is None:
-        ests = [memory_per_rank(sizes, layout, param_bytes=param_bytes, distributed=distributed,
-                                recompute=recompute, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                act_bytes=act_bytes, stage=k, num_microbatches=num_microbatches,
-                                fused_swiglu=fused_swiglu)
-                for k in range(layout.pp)]
+        ests = [
+            memory_per_rank(
+                sizes,
+                layout,
+                param_bytes=param_bytes,
+                distributed=distributed,
+                recompute=recompute,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                act_bytes=act_bytes,
+                stage=k,
+                num_microbatches=num_microbatches,
+                fused_swiglu=fused_swiglu,
+            )
+            for k in range(layout.pp)
+        ]
         return max(ests, key=lambda e: e.total)
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={layout.pp}")
@@ -295,19 +354,33 @@ def memory_per_rank(sizes: ModelSizes, layout, *, param_bytes: int = 2, distribu
     opt_e = state * c.expert / (layout.edp if distributed else 1)
     acts = transient = 0
     if seq_length:
-        kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, recompute=recompute,
-                  act_bytes=act_bytes, fused_swiglu=fused_swiglu)
+        kw = dict(
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            recompute=recompute,
+            act_bytes=act_bytes,
+            fused_swiglu=fused_swiglu,
+        )
         vpp = layout.vpp or 1
         n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage)
-        per_mb = (activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense)
-                  + (activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0))
+        per_mb = activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
+            activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
+        )
         chunks = in_flight_chunks(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         acts = per_mb * chunks / vpp
         if stage == layout.pp - 1:
-            acts += logits_bytes(sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                 act_bytes=act_bytes)
+            acts += logits_bytes(
+                sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes
+            )
         transient = transient_bytes(sizes, layout, **kw)
-    return MemoryEstimate(params_dense=c.dense * param_bytes, params_expert=c.expert * param_bytes,
-                          grads_dense=4 * c.dense, grads_expert=4 * c.expert, optimizer_dense=int(opt_d),
-                          optimizer_expert=int(opt_e), activations=int(acts), stage=stage,
-                          transient=int(transient))
+    return MemoryEstimate(
+        params_dense=c.dense * param_bytes,
+        params_expert=c.expert * param_bytes,
+        grads_dense=4 * c.dense,
+        grads_expert=4 * c.expert,
+        optimizer_dense=int(opt_d),
+        optimizer_expert=int(opt_e),
+        activations=int(acts),
+        stage=stage,
+        transient=int(transient),
+    )

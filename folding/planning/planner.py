@@ -18,6 +18,7 @@ Usage::
                            shape=TrainingShape(seq_length=4096, global_batch_size=256))
     results[0].plan, results[0].mfu, results[0].memory_gib
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,9 +60,15 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
     the same layers as the first, fewer micro-batches in flight and no embedding, so it never exceeds it.
     """
     m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
-    kw = dict(param_bytes=BF16, distributed=plan.distributed_optimizer, recompute=plan.recompute,
-              seq_length=shape.seq_length, micro_batch_size=shape.micro_batch_size, num_microbatches=m,
-              fused_swiglu=shape.fused_swiglu)
+    kw = dict(
+        param_bytes=BF16,
+        distributed=plan.distributed_optimizer,
+        recompute=plan.recompute,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        num_microbatches=m,
+        fused_swiglu=shape.fused_swiglu,
+    )
     ests = [memory_per_rank(model_sizes(cfg), plan, stage=k, **kw) for k in sorted({0, plan.pp - 1})]
     return max(ests, key=lambda e: e.total)
 
@@ -77,8 +84,7 @@ def _legal(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, experts: in
     return True
 
 
-def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
-                    folded: bool = True) -> Iterator[Plan]:
+def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape, folded: bool = True) -> Iterator[Plan]:
     """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
 
     ``folded=False`` yields Megatron-Core's layouts without folding instead: ETP = TP and EP carved out of
@@ -103,7 +109,7 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
                     for ep in _divisors(cfg.num_experts):
-                        for etp in ([tp] if not folded else _divisors(min(N, dom))):
+                        for etp in [tp] if not folded else _divisors(min(N, dom)):
                             if cfg.moe_ffn_hidden_size % etp:
                                 continue
                             if not folded and dp % ep:
@@ -113,8 +119,19 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                             edp = N // (etp * ep * pp)
                             for dist in (True, False):
                                 for rc in RECOMPUTE_MODES:
-                                    yield Plan(tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, edp=edp,
-                                               distributed_optimizer=dist, recompute=rc, folded=folded)
+                                    yield Plan(
+                                        tp=tp,
+                                        cp=cp,
+                                        pp=pp,
+                                        vpp=vpp,
+                                        ep=ep,
+                                        etp=etp,
+                                        dp=dp,
+                                        edp=edp,
+                                        distributed_optimizer=dist,
+                                        recompute=rc,
+                                        folded=folded,
+                                    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,24 +158,39 @@ class PlanResult:
     def to_dict(self) -> dict:
         """A JSON-ready record: layout sizes, knobs, ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
         d = dataclasses.asdict(self.plan)
-        d.update(mfu=round(self.mfu, 4), memory_gib=round(self.memory_gib, 2),
-                 step_s=round(self.time.step_s, 4),
-                 step_breakdown_s={k: round(v, 4) for k, v in self.time.breakdown.items()},
-                 memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.by_part().items()})
+        d.update(
+            mfu=round(self.mfu, 4),
+            memory_gib=round(self.memory_gib, 2),
+            step_s=round(self.time.step_s, 4),
+            step_breakdown_s={k: round(v, 4) for k, v in self.time.breakdown.items()},
+            memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.by_part().items()},
+        )
         return d
 
 
-def evaluate(cfg: ModelConfig, plan: Plan, *, cluster: Cluster, shape: TrainingShape,
-             compute_efficiency: float = COMPUTE_EFFICIENCY) -> PlanResult:
+def evaluate(
+    cfg: ModelConfig,
+    plan: Plan,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+) -> PlanResult:
     """Memory and step time of one ``plan`` (whether it fits or not: see ``cluster.gpu.fits``)."""
     mem = plan_memory(cfg, plan, shape=shape)
     t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency)
     return PlanResult(plan=plan, time=t, memory=mem)
 
 
-def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
-                 compute_efficiency: float = COMPUTE_EFFICIENCY, folded: bool = True,
-                 distinct: bool = True) -> List[PlanResult]:
+def plan_layouts(
+    cfg: ModelConfig,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    folded: bool = True,
+    distinct: bool = True,
+) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
 
     With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
@@ -171,8 +203,11 @@ def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
         mem = plan_memory(cfg, plan, shape=shape)
         if not cluster.gpu.fits(mem.total):
             continue
-        r = PlanResult(plan=plan, memory=mem, time=estimate_step_time(
-            cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency))
+        r = PlanResult(
+            plan=plan,
+            memory=mem,
+            time=estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency),
+        )
         if not distinct:
             results.append(r)
             continue
@@ -184,18 +219,31 @@ def plan_layouts(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
 
 
 def _check_inputs(cfg: ModelConfig, cluster: Cluster, shape: TrainingShape) -> None:
-    for name, v in (("--world", cluster.num_gpus), ("--nvlink-domain", cluster.nvlink_domain),
-                    ("--seq-length", shape.seq_length), ("--global-batch-size", shape.global_batch_size),
-                    ("--micro-batch-size", shape.micro_batch_size)):
+    for name, v in (
+        ("--world", cluster.num_gpus),
+        ("--nvlink-domain", cluster.nvlink_domain),
+        ("--seq-length", shape.seq_length),
+        ("--global-batch-size", shape.global_batch_size),
+        ("--micro-batch-size", shape.micro_batch_size),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an integer >= 1")
     if cluster.num_gpus > cluster.nvlink_domain and cluster.num_gpus % cluster.nvlink_domain:
-        raise ValueError(f"--world={cluster.num_gpus} is not a whole number of NVLink domains of "
-                         f"--nvlink-domain={cluster.nvlink_domain}; use a multiple of it")
+        raise ValueError(
+            f"--world={cluster.num_gpus} is not a whole number of NVLink domains of "
+            f"--nvlink-domain={cluster.nvlink_domain}; use a multiple of it"
+        )
 
 
-def calibrate_compute_efficiency(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
-                                 mapping: Dict[str, int], target_mfu: float, require_fit: bool = True) -> float:
+def calibrate_compute_efficiency(
+    cfg: ModelConfig,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    mapping: Dict[str, int],
+    target_mfu: float,
+    require_fit: bool = True,
+) -> float:
     """The ``compute_efficiency`` at which the best fitting variant of ``mapping`` predicts ``target_mfu``.
 
     ``mapping`` gives ``tp, cp, pp, ep, etp``; found by bisection (MFU rises monotonically with efficiency).
@@ -210,8 +258,7 @@ def calibrate_compute_efficiency(cfg: ModelConfig, *, cluster: Cluster, shape: T
         raise ValueError(f"no legal layout that fits matches {mapping}")
 
     def best_mfu(eff: float) -> float:
-        return max(estimate_step_time(cfg, p, shape=shape, cluster=cluster, compute_efficiency=eff).mfu
-                   for p in plans)
+        return max(estimate_step_time(cfg, p, shape=shape, cluster=cluster, compute_efficiency=eff).mfu for p in plans)
 
     lo, hi = 0.01, 1.0
     for _ in range(40):

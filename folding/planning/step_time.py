@@ -40,6 +40,7 @@ Usage::
                            cluster=Cluster(gpu=get_gpu("h100"), num_gpus=128), compute_efficiency=0.6)
     t.step_s, t.mfu, t.breakdown
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -139,7 +140,8 @@ class StepTime:
     mfu: float
     """Model FLOPs utilization (fraction of the cluster's peak BF16 FLOP/s)."""
     breakdown: Dict[str, float]
-    """Seconds per step on the bottleneck stage by cause (compute, tp, cp, ep, pp, memory_bound, bubble, dp, optimizer)."""
+    """Seconds per step on the bottleneck stage by cause (compute, tp, cp, ep, pp, memory_bound, bubble,
+    dp, optimizer)."""
 
 
 def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap: bool, contention: float) -> float:
@@ -159,15 +161,17 @@ def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap:
         gemms = fwd * (col[0] + row[0]) + col[1] + col[2] + row[1] + row[2]
         hidden = min(comm * (1 - 1 / tp), gemms)
         return comm - hidden + contention * hidden
-    return ((2 * fwd + 1) * comm_s + hidden_behind(comm_s, col[1], contention)
-            + hidden_behind(comm_s, col[2], contention))
+    return (
+        (2 * fwd + 1) * comm_s + hidden_behind(comm_s, col[1], contention) + hidden_behind(comm_s, col[2], contention)
+    )
 
 
-def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster,
-                 eff: float, moe: bool) -> Dict[str, float]:
+def _layer_times(
+    cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster, eff: float, moe: bool
+) -> Dict[str, float]:
     """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause."""
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
-    tok = S * b / (plan.tp * plan.cp)                 # tokens this rank owns (sequence parallel)
+    tok = S * b / (plan.tp * plan.cp)  # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
     # Forwards executed per training pass, per sublayer (the recompute modes of train.recompute): the
     # attention sublayer runs twice under selective / full, the MoE (or dense MLP) sublayer under moe / full.
@@ -178,20 +182,21 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         return fwd * times[0] + times[1] + times[2]
 
     core = F.attention_core_flops(cfg, S) * tok
-    seq_tok = S * b / plan.cp                          # tokens of the full (TP-gathered) CP chunk
+    seq_tok = S * b / plan.cp  # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
     qkv_n = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * d
     qkv = gemm_train_times(seq_tok, qkv_n / plan.tp, H, gpu, eff)
     proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
     attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
-    tp_block = None                                    # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
+    tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.num_experts // plan.ep
-        rows = plan.etp * tok * cfg.topk / local        # routed copies per local expert (balanced)
+        rows = plan.etp * tok * cfg.topk / local  # routed copies per local expert (balanced)
         f = cfg.moe_ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
-        mlp_t = (train(gemm_train_times(rows, 2 * f, H, gpu, eff, local), mlp_fwd)
-                 + train(gemm_train_times(rows, H, f, gpu, eff, local), mlp_fwd))
+        mlp_t = train(gemm_train_times(rows, 2 * f, H, gpu, eff, local), mlp_fwd) + train(
+            gemm_train_times(rows, H, f, gpu, eff, local), mlp_fwd
+        )
         mlp_t += (2 + mlp_fwd) * F.router_flops(cfg) * tok / flops_rate
         if cfg.shared_expert_ffn_hidden_size:
             fs = cfg.shared_expert_ffn_hidden_size / plan.tp
@@ -218,8 +223,9 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         routed = cfg.topk * tok
         sort = 4 * plan.etp * routed * H if (cfg.num_experts // plan.ep > 1 or plan.etp > 1) else 0
         elem_mlp += (4 * routed * H + sort + 3 * routed * cfg.moe_ffn_hidden_size) * BF16
-    out["memory_bound"] = (((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp)
-                           / (gpu.hbm_bandwidth * gpu.hbm_efficiency))
+    out["memory_bound"] = ((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp) / (
+        gpu.hbm_bandwidth * gpu.hbm_efficiency
+    )
 
     # TP (sequence parallel): the collectives of the attention block and of a TP-sharded MLP (_tp_block).
     tp_t = 0.0
@@ -227,8 +233,9 @@ def _layer_times(cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cl
         c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
         tp_t = _tp_block(c, attn_fwd, plan.tp, qkv, proj, cluster.tp_comm_overlap, gpu.overlap_contention)
         if tp_block is not None:
-            tp_t += _tp_block(c, mlp_fwd, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap,
-                              gpu.overlap_contention)
+            tp_t += _tp_block(
+                c, mlp_fwd, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap, gpu.overlap_contention
+            )
     out["tp"] = tp_t
 
     # CP (folding's K/V all-gather, :mod:`folding.model.context_parallel`): per attention forward an all-gather
@@ -269,14 +276,14 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
 
 @functools.lru_cache(maxsize=4096)
 def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool) -> Dict[str, float]:
-    plan = Plan(tp=tp, cp=1, pp=pp, vpp=1, ep=ep, etp=etp, dp=1, edp=1, distributed_optimizer=False,
-                recompute="none")
+    plan = Plan(tp=tp, cp=1, pp=pp, vpp=1, ep=ep, etp=etp, dp=1, edp=1, distributed_optimizer=False, recompute="none")
     c = param_counts(model_sizes(cfg), plan, stage=pp - 1 if last else 0)
     return {"dense": c.dense, "expert": c.expert}
 
 
-def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster,
-                       compute_efficiency: float) -> StepTime:
+def estimate_step_time(
+    cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster, compute_efficiency: float
+) -> StepTime:
     """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring)."""
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1]")
@@ -284,7 +291,6 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     H, L, n_moe = cfg.hidden_size, cfg.num_layers, num_moe_layers(cfg)
     m = shape.global_batch_size // (plan.dp * b)
     tok = S * b / (plan.tp * plan.cp)
-    rate = compute_efficiency * gpu.bf16_flops
 
     moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True)
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
@@ -320,7 +326,6 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
             send = hidden_behind(send, sum(per_mb.values()) / plan.vpp, gpu.overlap_contention)
         pp_t = 2 * plan.vpp * (send + gpu.latency(crosses_node=crosses))
     per_mb_last["pp"] = pp_t
-    t_last = sum(per_mb_last.values())
     t_mean = sum(per_mb.values()) + (out_compute + out_mem + out_tp) / plan.pp + pp_t
     bubble = (plan.pp - 1) / plan.vpp * t_mean
 
@@ -334,8 +339,10 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
     fwd_share = per_mb_last["compute"] / 3
     grad_s = param_s = 0.0
     shard = 0.0
-    for kind, n, span in (("dense", plan.dp * plan.cp, plan.tp * plan.cp * plan.dp),
-                          ("expert", plan.edp, plan.etp * plan.ep * plan.edp)):
+    for kind, n, span in (
+        ("dense", plan.dp * plan.cp, plan.tp * plan.cp * plan.dp),
+        ("expert", plan.edp, plan.etp * plan.ep * plan.edp),
+    ):
         p = params[kind]
         shard += p / n if plan.distributed_optimizer else p
         if n == 1:
@@ -347,8 +354,11 @@ def estimate_step_time(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cl
             grad_s += _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
     exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
     optimizer = 30 * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
-    exposed_dp = (exposed_grad + gpu.overlap_contention * (grad_s - exposed_grad)
-                  + hidden_behind(param_s, optimizer, gpu.overlap_contention))
+    exposed_dp = (
+        exposed_grad
+        + gpu.overlap_contention * (grad_s - exposed_grad)
+        + hidden_behind(param_s, optimizer, gpu.overlap_contention)
+    )
 
     breakdown = {c: m * v for c, v in per_mb_last.items()}
     breakdown.update(bubble=bubble, dp=exposed_dp, optimizer=optimizer)

@@ -11,6 +11,7 @@ Usage::
 
 See docs/precision.md for the formats, the recipes and the measured errors.
 """
+
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES, emulated_linear, fake_quant, quant_dequant
 from folding.quant.formats import cast_to_fp8, e8m0_to_float, fp8_max

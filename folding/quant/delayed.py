@@ -11,6 +11,7 @@ Usage::
     state = DelayedScaling()
     x_hat = state.quant_dequant(x, key=("fc1", 0, "input"), fmt=torch.float8_e4m3fn)
 """
+
 from __future__ import annotations
 
 import torch

@@ -29,6 +29,7 @@ Usage::
     y = emulated_linear(x_MK, w_NK, "mxfp8")
     x_q = fake_quant(x, "blockwise")
 """
+
 from __future__ import annotations
 
 import torch
@@ -103,9 +104,11 @@ def fake_quant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = -1)
 def _quantizer(recipe: str, delayed, key):
     """``q(t, role, dim)`` for one GEMM: delayed state when given (``delayed`` recipe), else current scaling."""
     if recipe == "delayed" and delayed is not None:
+
         def q(t, role, dim):
             fmt = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
             return delayed.quant_dequant(t, tuple(key) + (role,), fmt) if t.numel() else t
+
         return q
     return lambda t, role, dim: quant_dequant(t, recipe, role, dim)
 

@@ -12,6 +12,7 @@ Usage::
     data = cast_to_fp8(x_f32 * scale, torch.float8_e4m3fn)
     s = e8m0_to_float(scale_bytes)            # float32 powers of two (NaN for byte 255)
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 def check_fp8_dtype(dtype: torch.dtype) -> None:
     """Raise a clear error unless ``dtype`` is one of :data:`FP8_DTYPES`."""
     if dtype not in FP8_DTYPES:
-        raise ValueError(
-            f"dtype={dtype} is not an FP8 element format; use torch.float8_e4m3fn or torch.float8_e5m2"
-        )
+        raise ValueError(f"dtype={dtype} is not an FP8 element format; use torch.float8_e4m3fn or torch.float8_e5m2")
 
 
 def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

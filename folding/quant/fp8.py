@@ -19,6 +19,7 @@ Usage::
     x_hat = dequantize_fp8_rowwise(data, scale_inv)       # = data.float() * scale_inv
     data, s_inv = quantize_fp8_blockwise(w_NK, block=(128, 128))
 """
+
 from __future__ import annotations
 
 import torch

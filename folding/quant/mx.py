@@ -18,6 +18,7 @@ Usage::
     data, scales = quantize_mxfp8(x_MK)                 # float8_e4m3fn [M, K], uint8 [M, K/32]
     x_hat = dequantize_mxfp8(data, scales, torch.bfloat16)
 """
+
 from __future__ import annotations
 
 import torch

@@ -20,6 +20,7 @@ Usage::
     programs = {0: [Group([Op("send", 1, key)], wait=False), Group([Op("recv", 1, key2)])], 1: [...]}
     result = simulate(programs)       # result.deadlock, result.mismatch, result.detail
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -67,7 +68,7 @@ class SimResult:
 class _Issued:
     rank: int
     ops: List[Op]
-    index: List[int]                 # per-pair sequence number of each op
+    index: List[int]  # per-pair sequence number of each op
     done: List[bool] = field(default_factory=list)
 
 
@@ -115,8 +116,11 @@ def simulate(programs: Dict[int, Sequence[Item]], *, max_steps: int = 1_000_000)
                     continue
                 og, oi = other
                 if og.ops[oi].key != op.key:
-                    return SimResult(mismatch=True, rounds=steps, detail=(
-                        f"send {op.key} from rank {r} matched receive {og.ops[oi].key} on rank {op.peer}"))
+                    return SimResult(
+                        mismatch=True,
+                        rounds=steps,
+                        detail=(f"send {op.key} from rank {r} matched receive {og.ops[oi].key} on rank {op.peer}"),
+                    )
                 g.done[i] = og.done[oi] = True
                 progress = True
         for r in ranks:  # retire completed heads, release blocked programs
@@ -133,6 +137,8 @@ def simulate(programs: Dict[int, Sequence[Item]], *, max_steps: int = 1_000_000)
     lines = []
     for r in stuck:
         head = stream[r][0] if stream[r] else None
-        pending = [] if head is None else [f"{op.kind}->{op.peer}:{op.key}" for op, d in zip(head.ops, head.done) if not d]
+        pending = (
+            [] if head is None else [f"{op.kind}->{op.peer}:{op.key}" for op, d in zip(head.ops, head.done) if not d]
+        )
         lines.append(f"rank {r}: item {pc[r]}/{len(programs[r])}, head group waits on {pending}")
     return SimResult(deadlock=True, rounds=steps, detail="; ".join(lines))

@@ -18,6 +18,7 @@ Usage::
     with RankPool(4) as pool:
         pool.run(work, 2.0)               # [12.0, 12.0, 12.0, 12.0]
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,8 +45,13 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=coll_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=coll_timeout_s),
+    )
     results.put((-1, rank, True, b""))
     while True:
         task = tasks.get()
@@ -75,8 +81,7 @@ class RankPool:
         collective_timeout_s: gloo's timeout for a collective that never completes.
     """
 
-    def __init__(self, world_size: int, *, start_timeout_s: float = 180.0,
-                 collective_timeout_s: float = 300.0):
+    def __init__(self, world_size: int, *, start_timeout_s: float = 180.0, collective_timeout_s: float = 300.0):
         self.world_size = world_size
         self._ctx = mp.get_context("spawn")
         fd, self._init_file = tempfile.mkstemp(prefix="folding_pool_")
@@ -85,10 +90,13 @@ class RankPool:
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
         self._results = self._ctx.Queue()
         self._procs = [
-            self._ctx.Process(target=_worker, daemon=True,
-                              args=(r, world_size, self._init_file, self._tasks[r], self._results,
-                                    collective_timeout_s))
-            for r in range(world_size)]
+            self._ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, self._init_file, self._tasks[r], self._results, collective_timeout_s),
+            )
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
         self._ids = itertools.count()
@@ -125,16 +133,20 @@ class RankPool:
             # ranks no longer agree on the world's state: the next call could hang; start afresh
             self.shutdown()
             first = min(failures)
-            raise RankFailure(f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}"
-                              f"{'; ranks ' + str(missing) + ' did not answer' if missing else ''}."
-                              f"\n--- traceback of rank {first} ---\n{failures[first]}")
+            raise RankFailure(
+                f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}"
+                f"{'; ranks ' + str(missing) + ' did not answer' if missing else ''}."
+                f"\n--- traceback of rank {first} ---\n{failures[first]}"
+            )
         if missing:
             dead = [r for r in missing if not self._procs[r].is_alive()]
             self.shutdown()
             if dead:
                 raise RankFailure(f"{what}: rank(s) {dead} of {self.world_size} died")
-            raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s on rank(s) {missing} "
-                               f"of {self.world_size}; the pool was shut down")
+            raise TimeoutError(
+                f"{what} did not finish within {timeout_s:.0f} s on rank(s) {missing} "
+                f"of {self.world_size}; the pool was shut down"
+            )
         return [got[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable, *args, timeout_s: float = 300.0, **kwargs) -> List[Any]:

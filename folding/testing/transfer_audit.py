@@ -7,8 +7,8 @@ models them from how tensors are born (a ``TorchFunctionMode`` sees every torch 
   ``rand*``, ``linspace``, ``eye``, ...) without a ``device=`` given as a ``torch.device`` (the
   string ``"cpu"`` counts as none) creates a tensor in host memory, as it would on a GPU machine.
   A tensor made from host data (``torch.tensor``, ``as_tensor``, ``asarray``, ``from_numpy``,
-  ``new_tensor``) is host-born without ``device=``, and **with** one it is an H2D copy. ``*_like`` / ``new_*`` factories and every
-  op whose tensor inputs are all host-born produce host-born results.
+  ``new_tensor``) is host-born without ``device=``, and **with** one it is an H2D copy. ``*_like`` /
+  ``new_*`` factories and every op whose tensor inputs are all host-born produce host-born results.
 - **H2D**: each op that combines a host-born tensor with any other tensor counts one host→device
   copy per host-born input (on a GPU the op would raise or copy, and a blocking copy synchronizes
   the stream); so does ``.to(device)`` / ``.cuda()`` of a host-born tensor to a ``torch.device``.
@@ -26,6 +26,7 @@ Usage::
         loss = layer(x).sum(); loss.backward()
     assert audit.h2d == 0 and audit.d2h <= 1, audit.events
 """
+
 from __future__ import annotations
 
 import os
@@ -39,15 +40,43 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.Tensor.new_tensor}
 _FACTORIES = {
-    torch.arange, torch.zeros, torch.ones,
-    torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.randperm, torch.linspace,
-    torch.logspace, torch.eye, torch.scalar_tensor, torch.empty_strided, torch.tril_indices, torch.triu_indices,
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.scalar_tensor,
+    torch.empty_strided,
+    torch.tril_indices,
+    torch.triu_indices,
 }
-_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
-         torch.randn_like, torch.randint_like}
+_LIKE = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.randint_like,
+}
 _NEW = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full}
-_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -108,7 +137,7 @@ class TransferAudit(TorchFunctionMode):
                     self._count("H2D", name)  # now on the device (on a CPU, possibly the same object)
                     self._host.pop(out, None)
                 else:
-                    self._mark(out)           # a dtype change stays on the host
+                    self._mark(out)  # a dtype change stays on the host
             return out
         out = func(*args, **kwargs)
         if func in _FROM_DATA:  # host data: a copy to the device when one is named, else a host tensor

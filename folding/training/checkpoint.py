@@ -30,6 +30,7 @@ Usage::
     save_checkpoint(job.checkpoint.dir, step=k, chunks=chunks, optimizer=opt, data=data, job=job,
                     layout=layout)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..model.hf import resolve_spec
 from .checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
-from .config import ConfigError, plain_tree as _plain
+from .config import ConfigError
+from .config import plain_tree as _plain
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -65,8 +67,7 @@ def step_dir_name(step: int) -> str:
 
 def is_complete(path: str) -> bool:
     """Whether ``path`` is a published checkpoint: named ``step_<N>`` and holding the marker."""
-    return bool(_STEP.match(os.path.basename(os.path.normpath(path)))) and \
-        os.path.isfile(os.path.join(path, MARKER))
+    return bool(_STEP.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(os.path.join(path, MARKER))
 
 
 def list_complete(ckpt_dir: str) -> List[Tuple[int, str]]:
@@ -100,10 +101,14 @@ def resolve_resume(config) -> Optional[str]:
         if found:
             return found
         if os.path.isdir(path) and _STEP.match(os.path.basename(os.path.normpath(path))):
-            raise ConfigError(f"checkpoint.load={config.load!r} is an incomplete checkpoint (no {MARKER} marker: "
-                              "its save was interrupted); point at an earlier step or at the directory")
-        raise ConfigError(f"checkpoint.load={config.load!r} is neither a complete checkpoint nor a directory "
-                          "holding one; give a step_<N> directory or its parent, or checkpoint.load=null")
+            raise ConfigError(
+                f"checkpoint.load={config.load!r} is an incomplete checkpoint (no {MARKER} marker: "
+                "its save was interrupted); point at an earlier step or at the directory"
+            )
+        raise ConfigError(
+            f"checkpoint.load={config.load!r} is neither a complete checkpoint nor a directory "
+            "holding one; give a step_<N> directory or its parent, or checkpoint.load=null"
+        )
     if config.dir:
         return latest_complete(os.path.abspath(config.dir))
     return None
@@ -115,8 +120,10 @@ def read_meta(path: str) -> Dict[str, Any]:
         with open(os.path.join(path, META), encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path} has no readable {META} ({e}); it was not written by this "
-                          "engine or is damaged: choose another checkpoint.load") from None
+        raise ConfigError(
+            f"checkpoint {path} has no readable {META} ({e}); it was not written by this "
+            "engine or is damaged: choose another checkpoint.load"
+        ) from None
     if meta.get("format") != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {meta.get('format')!r}, this engine reads {FORMAT}")
     return meta
@@ -126,11 +133,17 @@ def check_compatible(meta: Dict[str, Any], job) -> None:
     """Fail with :class:`ConfigError` naming every differing ``model.*`` field when the checkpoint's
     model is not ``job``'s (fields that change no tensor, such as ``model.init_std``, may differ)."""
     saved, now = meta["model"], _plain(dataclasses.asdict(job.model))
-    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}" for k in sorted(now)
-            if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]]
+    diff = [
+        f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}"
+        for k in sorted(now)
+        if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]
+    ]
     if diff:
-        raise ConfigError(f"checkpoint {meta.get('path', '')} holds another model: " + "; ".join(diff)
-                          + ". Use the model it was trained with, or a checkpoint of this model")
+        raise ConfigError(
+            f"checkpoint {meta.get('path', '')} holds another model: "
+            + "; ".join(diff)
+            + ". Use the model it was trained with, or a checkpoint of this model"
+        )
 
 
 # ---------------------------------------------------------------------------------- state dict
@@ -139,7 +152,7 @@ def _model_blocks(chunks: Sequence[torch.nn.Module]) -> Dict[str, Block]:
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             key = f"model/{name}"
-            if key in out:                                   # tied embedding: first and last chunk
+            if key in out:  # tied embedding: first and last chunk
                 out[key].mirrors.append(p.data)
                 continue
             out[key] = Block.for_spec(p.data, resolve_spec(name, p, chunk))
@@ -156,8 +169,9 @@ def _optimizer_names(chunks, optimizer) -> Dict[str, str]:
     return {n: canon[id(p)] for buf in optimizer.buffers for n, p in zip(buf.names, buf.params)}
 
 
-def _optim_blocks(chunks, optimizer, model_blocks: Dict[str, Block],
-                  states: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, Block]:
+def _optim_blocks(
+    chunks, optimizer, model_blocks: Dict[str, Block], states: Dict[str, Dict[str, torch.Tensor]]
+) -> Dict[str, Block]:
     out: Dict[str, Block] = {}
     for oname, name in _optimizer_names(chunks, optimizer).items():
         mb = model_blocks[f"model/{name}"]
@@ -222,8 +236,9 @@ def _remove_stale_tmp(ckpt_dir: str, current: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout,
-                    run_dir: Optional[str] = None) -> str:
+def save_checkpoint(
+    ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout, run_dir: Optional[str] = None
+) -> str:
     """Save step ``step`` to ``ckpt_dir/step_<N>`` (collective over the world; returns the path).
     ``run_dir`` (the run directory, recorded in the metadata) is where a resumed run continues.
 
@@ -252,13 +267,20 @@ def save_checkpoint(ckpt_dir: str, *, step: int, chunks, optimizer, data, job, l
         torch.save(fp8, os.path.join(tmp, "fp8", f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        meta = {"format": FORMAT, "step": int(step), "adam_updates": int(optimizer.updates),
-                "data": data.state_dict() if data is not None else None,
-                "model": _plain(dataclasses.asdict(job.model)), "moe": _plain(dataclasses.asdict(job.moe)),
-                "optim": _plain(dataclasses.asdict(job.optim)), "layout": layout.describe(),
-                "world_size": dist.get_world_size(), "precision": job.train.precision,
-                "master_weights": any(k.endswith("/master") for k in sd),
-                "run_dir": os.path.abspath(run_dir) if run_dir else None}
+        meta = {
+            "format": FORMAT,
+            "step": int(step),
+            "adam_updates": int(optimizer.updates),
+            "data": data.state_dict() if data is not None else None,
+            "model": _plain(dataclasses.asdict(job.model)),
+            "moe": _plain(dataclasses.asdict(job.moe)),
+            "optim": _plain(dataclasses.asdict(job.optim)),
+            "layout": layout.describe(),
+            "world_size": dist.get_world_size(),
+            "precision": job.train.precision,
+            "master_weights": any(k.endswith("/master") for k in sd),
+            "run_dir": os.path.abspath(run_dir) if run_dir else None,
+        }
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -288,8 +310,10 @@ def _load_fp8_states(chunks, path: str) -> None:
     modules = _fp8_modules(chunks)
     restored = sum(1 for k, st in saved.items() if k in modules and modules[k].load_fp8_state(st))
     if restored < len(saved):
-        warnings.warn(f"checkpoint FP8 state: {restored} of {len(saved)} expert modules restored (the others "
-                      f"belong to other experts in this layout); TransformerEngine recalibrates their scales")
+        warnings.warn(
+            f"checkpoint FP8 state: {restored} of {len(saved)} expert modules restored (the others "
+            f"belong to other experts in this layout); TransformerEngine recalibrates their scales"
+        )
 
 
 # ---------------------------------------------------------------------------------- load
@@ -297,11 +321,16 @@ def _check_saved_shapes(path: str, sd: Dict[str, Block]) -> None:
     """Compare the requested keys and full shapes with the checkpoint's metadata (no tensor read)."""
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(k for k in sd if k not in md)
-    wrong = [f"{k}: saved {tuple(md[k].size)}, expected {tuple(b.full_shape)}" for k, b in sd.items()
-             if k in md and tuple(getattr(md[k], "size", ())) != tuple(b.full_shape)]
+    wrong = [
+        f"{k}: saved {tuple(md[k].size)}, expected {tuple(b.full_shape)}"
+        for k, b in sd.items()
+        if k in md and tuple(getattr(md[k], "size", ())) != tuple(b.full_shape)
+    ]
     if missing or wrong:
-        raise ConfigError(f"checkpoint {path} does not fit this model: missing {missing[:6]}, "
-                          f"shape mismatches {wrong[:6]}; load a checkpoint of this model")
+        raise ConfigError(
+            f"checkpoint {path} does not fit this model: missing {missing[:6]}, "
+            f"shape mismatches {wrong[:6]}; load a checkpoint of this model"
+        )
 
 
 @torch.no_grad()
@@ -314,9 +343,11 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     meta["path"] = path
     check_compatible(meta, job)
     model = _model_blocks(chunks)
-    names = _optimizer_names(chunks, optimizer)
-    fp32 = {n: {k: torch.empty_like(p.data, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-            for buf in optimizer.buffers for n, p in zip(buf.names, buf.params)}
+    fp32 = {
+        n: {k: torch.empty_like(p.data, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        for buf in optimizer.buffers
+        for n, p in zip(buf.names, buf.params)
+    }
     if meta.get("master_weights"):
         for buf in optimizer.buffers:
             for n, p in zip(buf.names, buf.params):
@@ -347,7 +378,7 @@ def load_full_model(path: str, model: torch.nn.Module) -> Dict[str, Any]:
     sd = _model_blocks([model])
     sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     _check_saved_shapes(path, sd)
-    with warnings.catch_warnings():          # DCP warns that it runs without a process group: intended
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner(), no_dist=True)
     for b in sd.values():

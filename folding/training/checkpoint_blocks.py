@@ -4,8 +4,8 @@ Every parameter of a rank is one rectangular block of the parameter's full tenso
 :class:`~folding.model.init.InitSpec` (``resolve_spec``) gives the full shape and the
 ``(dim, index, count)`` cuts, :func:`~folding.model.init.shard_index` the block's offsets. A
 :class:`Block` hands DCP exactly that: the global size, one chunk ``(offsets, sizes)`` and the local
-tensor viewed in the block's shape. DCP's default planners (through :class:`BlockSavePlanner` / :class:`BlockLoadPlanner`, which only
-teach the lookup of a key's local tensor about blocks) then
+tensor viewed in the block's shape. DCP's default planners (through :class:`BlockSavePlanner` /
+:class:`BlockLoadPlanner`, which only teach the lookup of a key's local tensor about blocks) then
 
 - on save, write every distinct block once (DP replicas and TP-replicated parameters produce the
   same ``(name, offsets)`` write item, which the coordinator deduplicates), and record the global
@@ -23,6 +23,7 @@ Usage::
     dcp.save(sd, checkpoint_id=path, planner=BlockSavePlanner())
     dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner())     # fills every p in place
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,9 @@ class Block:
             raise ValueError(f"block of shape {tuple(local.shape)} does not match full shape {tuple(full_shape)}")
         for o, n, f in zip(offsets, local.shape, full_shape):
             if o < 0 or o + n > f:
-                raise ValueError(f"block {tuple(local.shape)} at {tuple(offsets)} exceeds full shape {tuple(full_shape)}")
+                raise ValueError(
+                    f"block {tuple(local.shape)} at {tuple(offsets)} exceeds full shape {tuple(full_shape)}"
+                )
         self.local = local
         self.full_shape = torch.Size(int(s) for s in full_shape)
         self.offsets = torch.Size(int(o) for o in offsets)
@@ -79,11 +82,17 @@ class Block:
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         """One shard write item: this block at its offsets."""
-        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
-                              properties=TensorProperties.create_from_tensor(self.local),
-                              size=self.full_shape))]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, self.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
+                    properties=TensorProperties.create_from_tensor(self.local),
+                    size=self.full_shape,
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
         """The single chunk this rank holds (what a load must fill)."""
@@ -105,7 +114,8 @@ class BlockSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, resolving :class:`Block` values to their local tensor."""
 
     def __init__(self):
-        """A planner with flattening off (the state dict is already flat). Identical blocks of several ranks are written once (DCP deduplicates write items by key and offsets)."""
+        """A planner with flattening off (the state dict is already flat). Identical blocks of several
+        ranks are written once (DCP deduplicates write items by key and offsets)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def lookup_object(self, index: MetadataIndex):
@@ -137,4 +147,3 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         if isinstance(obj, Block):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
-

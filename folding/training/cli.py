@@ -25,6 +25,7 @@ Usage::
     if status is not None:
         sys.exit(status)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,6 +80,7 @@ def normalize_overrides(args: Sequence[str]) -> List[str]:
 
 def schema_keys() -> List[str]:
     """Every dotted key of the job schema (``train.steps``, ``moe.topk``, ``logging.wandb.mode``, ...)."""
+
     def walk(cls, prefix):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -87,6 +89,7 @@ def schema_keys() -> List[str]:
                 yield from walk(t, f"{prefix}{f.name}.")
             else:
                 yield f"{prefix}{f.name}"
+
     return list(walk(job_schema(), ""))
 
 
@@ -103,10 +106,13 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
             continue
         section = key.split(".")[0]
         close = difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
-        hint = f"did you mean {' or '.join(close)}?" if close else \
-            f"valid keys under {section}: {', '.join(sorted(k for k in keys if k.startswith(section + '.')))}" \
-            if any(k.startswith(section + ".") for k in keys) else \
-            f"sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}"
+        hint = (
+            f"did you mean {' or '.join(close)}?"
+            if close
+            else f"valid keys under {section}: {', '.join(sorted(k for k in keys if k.startswith(section + '.')))}"
+            if any(k.startswith(section + ".") for k in keys)
+            else f"sections: {', '.join(sorted({k.split('.')[0] for k in keys}))}"
+        )
         return f"{key}: unknown key; {hint}"
     return None
 
@@ -119,8 +125,9 @@ def compose_tree(args: Sequence[str], *, config_dir: str, config_name: str) -> d
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def check_command_line(args: Sequence[str], *, config_dir: str, config_name: str = "config",
-                       world_size: Optional[int] = None) -> Optional[int]:
+def check_command_line(
+    args: Sequence[str], *, config_dir: str, config_name: str = "config", world_size: Optional[int] = None
+) -> Optional[int]:
     """Check the job that ``args`` (the overrides, without the program name) describes.
 
     Returns the exit status to stop with (2 after printing the error; 0 after printing a dry run's
@@ -159,13 +166,12 @@ def _hydra_message(e: BaseException) -> str:
             line = line.strip()
             if line.startswith(("Config search path", "provider=")):
                 break
-            if line and not line.startswith(("object_type=", "full_key:", "reference_type=")) \
-                    and line not in lines:
+            if line and not line.startswith(("object_type=", "full_key:", "reference_type=")) and line not in lines:
                 lines.append(line)
     out, prefix, listing = [], "", False
     for line in lines:
         if line.startswith("Error merging override "):
-            prefix = line[len("Error merging override "):] + ": "
+            prefix = line[len("Error merging override ") :] + ": "
         elif listing:
             out[-1] += (" " if out[-1].endswith(":") else ", ") + line
         else:

@@ -22,6 +22,7 @@ Usage::
 
 Every invalid setting raises :class:`ConfigError` (a ``ValueError``) naming ``<section>.<key>`` and a fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,8 +97,17 @@ class ParallelConfig:
 
     def layout(self, world_size: int, num_experts: Optional[int] = None) -> ParallelLayout:
         """The validated :class:`ParallelLayout` for ``world_size`` ranks (raises ``LayoutError``)."""
-        return ParallelLayout(world_size=world_size, tp=self.tp, cp=self.cp, pp=self.pp, vpp=self.vpp,
-                              ep=self.ep, etp=self.etp, order=self.order, num_experts=num_experts)
+        return ParallelLayout(
+            world_size=world_size,
+            tp=self.tp,
+            cp=self.cp,
+            pp=self.pp,
+            vpp=self.vpp,
+            ep=self.ep,
+            etp=self.etp,
+            order=self.order,
+            num_experts=num_experts,
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -188,11 +198,12 @@ def _moe_override_schema():
     fields = []
     for key in MOE_OVERRIDE_KEYS:
         t = hints[key]
-        fields.append((key, t if type(None) in typing.get_args(t) else Optional[t],
-                       dataclasses.field(default=None)))
+        fields.append((key, t if type(None) in typing.get_args(t) else Optional[t], dataclasses.field(default=None)))
     cls = dataclasses.make_dataclass("MoEOverrides", fields, kw_only=True)
-    cls.__doc__ = ("Overrides of the MoE options (``moe.*``); null keeps the value the model preset "
-                   "implies. Each key means what the same field of folding.moe.config.MoEConfig means.")
+    cls.__doc__ = (
+        "Overrides of the MoE options (``moe.*``); null keeps the value the model preset "
+        "implies. Each key means what the same field of folding.moe.config.MoEConfig means."
+    )
     return cls
 
 
@@ -234,11 +245,17 @@ class JobConfig:
 def moe_config_for(model: ModelConfig, overrides: Mapping[str, Any]) -> MoEConfig:
     """The :class:`MoEConfig` of ``model``'s MoE layers with the non-null ``overrides`` applied."""
     values: Dict[str, Any] = dict(
-        num_experts=model.num_experts, topk=model.topk, ffn_hidden_size=model.moe_ffn_hidden_size,
-        score_function=model.score_function, pre_softmax=model.pre_softmax and not model.norm_topk_prob,
-        aux_loss_coeff=model.router_aux_loss_coef, capacity_factor=None, input_jitter_eps=None,
+        num_experts=model.num_experts,
+        topk=model.topk,
+        ffn_hidden_size=model.moe_ffn_hidden_size,
+        score_function=model.score_function,
+        pre_softmax=model.pre_softmax and not model.norm_topk_prob,
+        aux_loss_coeff=model.router_aux_loss_coef,
+        capacity_factor=None,
+        input_jitter_eps=None,
         shared_expert_ffn_hidden_size=model.shared_expert_ffn_hidden_size,
-        shared_expert_gate=model.shared_expert_gate)
+        shared_expert_gate=model.shared_expert_gate,
+    )
     for key, value in overrides.items():
         if key not in MOE_OVERRIDE_KEYS:
             _fail(f"moe.{key}", value, "unknown key", f"use one of {', '.join(MOE_OVERRIDE_KEYS)}")
@@ -287,8 +304,10 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
         warmup = default_warmup_steps(horizon)
         optim_values["warmup_steps"] = warmup
         if warmup != DEFAULT_WARMUP_STEPS:
-            notes.append(f"optim.warmup_steps: {warmup} (the default {DEFAULT_WARMUP_STEPS}, at most half of "
-                         f"the {horizon}-step schedule)")
+            notes.append(
+                f"optim.warmup_steps: {warmup} (the default {DEFAULT_WARMUP_STEPS}, at most half of "
+                f"the {horizon}-step schedule)"
+            )
     logging_values = dict(tree.get("logging") or {})
     logging_values["wandb"] = _build(WandbConfig, "logging.wandb", logging_values.get("wandb"))
     moe = moe_config_for(model, tree.get("moe") or {})
@@ -298,13 +317,16 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
         except ValueError as e:
             raise ConfigError(f"moe.topk={moe.topk}: {e}") from None
     job = JobConfig(
-        model=model, moe=moe,
+        model=model,
+        moe=moe,
         parallel=_build(ParallelConfig, "parallel", tree.get("parallel")),
         train=_build(TrainConfig, "train", tree.get("train")),
         optim=_build(OptimConfig, "optim", optim_values),
         data=_build(DataConfig, "data", tree.get("data")),
         checkpoint=_build(CheckpointConfig, "checkpoint", tree.get("checkpoint")),
-        logging=_build(LoggingConfig, "logging", logging_values), notes=tuple(notes))
+        logging=_build(LoggingConfig, "logging", logging_values),
+        notes=tuple(notes),
+    )
     return job
 
 

@@ -11,6 +11,7 @@ Usage::
     print(dry_run_report(job, world_size=128))
     python examples/pretrain_mixtral.py recipes=mixtral_8x22b train.dry_run=true
 """
+
 from __future__ import annotations
 
 from typing import Dict, List
@@ -38,9 +39,17 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     t = job.train
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)
     width = 2 if t.precision == "bf16" else 4
-    return memory_per_rank(ModelSizes.from_model_config(job.model), layout, param_bytes=width,
-                           distributed=job.optim.distributed, recompute=t.recompute, seq_length=t.seq_length,
-                           micro_batch_size=t.micro_batch_size, act_bytes=width, num_microbatches=m)
+    return memory_per_rank(
+        ModelSizes.from_model_config(job.model),
+        layout,
+        param_bytes=width,
+        distributed=job.optim.distributed,
+        recompute=t.recompute,
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        act_bytes=width,
+        num_microbatches=m,
+    )
 
 
 def dry_run_report(job: JobConfig, *, world_size: int) -> str:
@@ -49,19 +58,24 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     m, t = job.model, job.train
     total, active = m.num_parameters()
     M = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    lines = [f"dry run: {m.name} on {world_size} ranks",
-             f"  layout      {layout.describe()}  (order {layout.order})",
-             f"  batch       global {t.global_batch_size} x seq {t.seq_length}, micro-batch "
-             f"{t.micro_batch_size}, {M} micro-batches per replica per step",
-             f"  parameters  total {total / 1e9:.2f} B, active {active / 1e9:.2f} B per token",
-             f"  moe         {job.moe.num_experts} experts, top-{job.moe.topk}, dispatcher {job.moe.dispatcher}, "
-             f"capacity_factor {job.moe.capacity_factor}"]
+    lines = [
+        f"dry run: {m.name} on {world_size} ranks",
+        f"  layout      {layout.describe()}  (order {layout.order})",
+        f"  batch       global {t.global_batch_size} x seq {t.seq_length}, micro-batch "
+        f"{t.micro_batch_size}, {M} micro-batches per replica per step",
+        f"  parameters  total {total / 1e9:.2f} B, active {active / 1e9:.2f} B per token",
+        f"  moe         {job.moe.num_experts} experts, top-{job.moe.topk}, dispatcher {job.moe.dispatcher}, "
+        f"capacity_factor {job.moe.capacity_factor}",
+    ]
     stages = stage_parameters_per_rank(m, layout)
     for r, s in enumerate(stages):
-        lines.append(f"  stage {r:<4d}  per rank: dense {s['dense'] / 1e9:.3f} B + expert {s['expert'] / 1e9:.3f} B "
-                     f"params")
+        lines.append(
+            f"  stage {r:<4d}  per rank: dense {s['dense'] / 1e9:.3f} B + expert {s['expert'] / 1e9:.3f} B params"
+        )
     mem = memory_estimate(job, layout)
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.by_part().items())
-    lines.append(f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
-                 f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute})")
+    lines.append(
+        f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
+        f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute})"
+    )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ Usage::
     rec = evaluate(chunks, data.valid, parallel_state=ps, num_microbatches=M, eval_steps=2)
     rec["lm_loss"], rec["ppl"]
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ def global_token_count(microbatches, *, dp_group, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(chunks: Sequence[nn.Module], valid_iter, *, parallel_state, num_microbatches: int,
-             eval_steps: int, device) -> Dict[str, float]:
+def evaluate(
+    chunks: Sequence[nn.Module], valid_iter, *, parallel_state, num_microbatches: int, eval_steps: int, device
+) -> Dict[str, float]:
     """Mean LM loss (and perplexity) of ``eval_steps`` global batches from ``valid_iter``.
 
     Collective over the world (one all-reduce per global batch for the loss sum, one over DP for the

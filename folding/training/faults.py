@@ -16,6 +16,7 @@ Usage::
         for step in ...:
             ... flag = stop.requested ...
 """
+
 from __future__ import annotations
 
 import contextlib

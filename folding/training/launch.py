@@ -21,13 +21,13 @@ Usage::
     sys.argv = quiet_hydra_argv(sys.argv)        # before @hydra.main: ranks > 0 write nothing
     status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=HydraConfig.get().runtime.output_dir)
 """
+
 from __future__ import annotations
 
 import datetime
 import gc
 import os
 import socket
-import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from .checkpoint import step_dir_name
 from .cli import report_error
-from .config import ConfigError, env_world_size, job_config_from_dict, plain_tree as _plain
+from .config import ConfigError, env_world_size, job_config_from_dict
+from .config import plain_tree as _plain
 from .dry_run import dry_run_report
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
@@ -54,8 +55,12 @@ def quiet_hydra_argv(argv: List[str]) -> List[str]:
     subdirectory and no log files. Only rank 0 has a run directory."""
     if env_rank() == 0:
         return argv
-    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-             "hydra/hydra_logging=disabled"]
+    quiet = [
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
     if "-m" in argv or "--multirun" in argv:  # a sweep writes multirun.yaml into its sweep directory
         scratch = os.path.join(tempfile.gettempdir(), f"folding-hydra-sweep-{os.getuid()}")
         quiet += [f"hydra.sweep.dir={scratch}", "hydra.sweep.subdir=."]
@@ -92,13 +97,28 @@ def init_world(timeout_s: float) -> None:
     # workers, shares the rendezvous store with the earlier process group: keep this one's keys apart,
     # so that no rank reads a stale peer address.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=timeout,
-                          use_libuv=True) if _agent_store() else \
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
-                      timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/job_{job}/", store), rank=rank,
-                            world_size=world, timeout=timeout, **bind)
+    store = (
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timeout,
+            use_libuv=True,
+        )
+        if _agent_store()
+        else dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0, timeout=timeout
+        )
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt_{attempt}/job_{job}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **bind,
+    )
 
 
 def _agent_store() -> bool:
@@ -117,6 +137,7 @@ def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = Non
     """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites), headed
     by the command-line ``overrides`` as a comment."""
     import yaml
+
     os.makedirs(run_dir, exist_ok=True)
     base, n = os.path.join(run_dir, "resolved_config"), 0
     while True:
@@ -174,18 +195,26 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
             log.capture_records()
             save_resolved_config(job, run_dir, overrides)
             write_status(run_dir, "running", step=None, checkpoint=None)
-            log.echo(f"run directory: {run_dir}" + (" (resumed run: log and metrics appended)"
-                                                      if prepared.resume_run_dir == run_dir else ""))
+            log.echo(
+                f"run directory: {run_dir}"
+                + (" (resumed run: log and metrics appended)" if prepared.resume_run_dir == run_dir else "")
+            )
             log.echo(f"layout: {prepared.layout.describe()}")
             log.echo(f"threads: {threads} per process ({why})")
             for note in job.notes:
                 log.echo(note)
-        result = train(job, run_dir=run_dir, prepared=prepared, run_log=log)  # its groups' destroy() is the last barrier
+        result = train(
+            job, run_dir=run_dir, prepared=prepared, run_log=log
+        )  # its groups' destroy() is the last barrier
         status = "stopped" if result["stopped"] else "completed"
         last = result["history"][-1]["step"] if result["history"] else None
         ck = result["last_checkpoint_step"]
-        state = {"step": last, "checkpoint": os.path.join(os.path.abspath(job.checkpoint.dir), step_dir_name(ck))
-                 if ck is not None and job.checkpoint.dir else None}
+        state = {
+            "step": last,
+            "checkpoint": os.path.join(os.path.abspath(job.checkpoint.dir), step_dir_name(ck))
+            if ck is not None and job.checkpoint.dir
+            else None,
+        }
         result = None
     finally:
         if log is not None:

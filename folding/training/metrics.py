@@ -13,6 +13,7 @@ Usage::
     sink.log({"kind": "train", "step": 1, "loss": 4.2, ...})
     sink.close()
 """
+
 from __future__ import annotations
 
 import json
@@ -81,15 +82,24 @@ def progress_bar(step: int, total: int, width: int = 24) -> str:
 
 def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
     """One console line for a ``train`` record (progress bar, losses, speed, memory, load)."""
+
     def num(key, fmt):
         v = record.get(key)
         return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
+
     imb = record.get("load_imbalance") or []
-    parts = [progress_bar(record["step"], total_steps),
-             f"loss {num('loss', '.4f')}", f"lm {num('lm_loss', '.4f')}", f"gnorm {num('grad_norm', '.3f')}",
-             f"lr {num('lr', '.2e')}", f"tok/s {num('tokens_per_s', '.0f')}",
-             f"TFLOP/s/dev {num('tflops_per_device', '.3f')}", f"mem {num('mem_gib', '.2f')}GiB",
-             f"imb {max(imb):.2f}" if imb else "imb n/a", f"drop {num('dropped_fraction', '.3f')}"]
+    parts = [
+        progress_bar(record["step"], total_steps),
+        f"loss {num('loss', '.4f')}",
+        f"lm {num('lm_loss', '.4f')}",
+        f"gnorm {num('grad_norm', '.3f')}",
+        f"lr {num('lr', '.2e')}",
+        f"tok/s {num('tokens_per_s', '.0f')}",
+        f"TFLOP/s/dev {num('tflops_per_device', '.3f')}",
+        f"mem {num('mem_gib', '.2f')}GiB",
+        f"imb {max(imb):.2f}" if imb else "imb n/a",
+        f"drop {num('dropped_fraction', '.3f')}",
+    ]
     if record.get("skipped"):
         parts.append("SKIPPED (non-finite loss or gradient)")
     return " | ".join(parts)
@@ -98,8 +108,16 @@ def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
 class MetricsSink:
     """Rank 0's metrics outputs: JSONL (every record), console and W&B (every ``interval`` steps)."""
 
-    def __init__(self, config: LoggingConfig, *, run_dir: str, total_steps: int,
-                 run_config: Optional[Dict[str, Any]] = None, stream=None, echo=None):
+    def __init__(
+        self,
+        config: LoggingConfig,
+        *,
+        run_dir: str,
+        total_steps: int,
+        run_config: Optional[Dict[str, Any]] = None,
+        stream=None,
+        echo=None,
+    ):
         """``run_dir``: the run's output directory (relative ``metrics_file`` and W&B files go there);
         ``run_config``: the resolved config given to W&B; ``echo``: prints a console line (default:
         ``print`` to ``stream``), called as ``echo(line, console=logging.console)``, e.g. a
@@ -114,9 +132,15 @@ class MetricsSink:
         self._wandb = None
         if config.wandb.mode != "disabled":
             import wandb
-            self._wandb = wandb.init(project=config.wandb.project, mode=config.wandb.mode,
-                                     name=config.wandb.name or os.path.basename(os.path.abspath(run_dir)),
-                                     dir=run_dir, config=run_config or {}, reinit="finish_previous")
+
+            self._wandb = wandb.init(
+                project=config.wandb.project,
+                mode=config.wandb.mode,
+                name=config.wandb.name or os.path.basename(os.path.abspath(run_dir)),
+                dir=run_dir,
+                config=run_config or {},
+                reinit="finish_previous",
+            )
 
     def _print(self, line: str, *, console: bool = True) -> None:
         if console:
@@ -128,19 +152,31 @@ class MetricsSink:
             raise ValueError("a metrics record needs a 'kind' field ('train', 'eval', ...)")
         self.jsonl.write(record)
         kind, step = record["kind"], record.get("step")
-        due = kind != "train" or step is None or step % self.config.interval == 0 or step == self.total_steps \
-            or step == 1 or record.get("skipped")
+        due = (
+            kind != "train"
+            or step is None
+            or step % self.config.interval == 0
+            or step == self.total_steps
+            or step == 1
+            or record.get("skipped")
+        )
         if not due:
             return
         if kind == "train":
             line = format_train_line(record, self.total_steps)
         else:
-            line = f"[{kind}] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                           for k, v in record.items() if k != "kind" and not isinstance(v, list))
+            line = f"[{kind}] " + " ".join(
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in record.items()
+                if k != "kind" and not isinstance(v, list)
+            )
         self.echo(line, console=self.config.console)
         if self._wandb is not None:
-            flat = {f"{kind}/{k}": v for k, v in record.items()
-                    if isinstance(v, (int, float)) and k not in ("kind", "step") and v is not None}
+            flat = {
+                f"{kind}/{k}": v
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and k not in ("kind", "step") and v is not None
+            }
             if kind == "train":
                 flat.update({f"load/imbalance_layer{i}": v for i, v in enumerate(record.get("load_imbalance", []))})
             self._wandb.log(flat, step=step)
@@ -164,6 +200,7 @@ class StepTimer:
     def _sync(self):
         if getattr(self.device, "type", str(self.device)) == "cuda":
             import torch
+
             torch.cuda.synchronize(self.device)
 
     def restart(self) -> None:

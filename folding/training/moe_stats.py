@@ -21,6 +21,7 @@ Usage::
     stats.reset(); ...forward/backward...; v = stats.vector()   # then all-reduce(sum)
     stats.summarize(v, num_microbatches=M_global, dp=layout.dp)
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
@@ -35,8 +36,9 @@ LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
 
 def find_routers(chunks: Sequence[nn.Module]) -> List[nn.Module]:
     """Every router module of ``chunks`` (a module with ``last_tokens_per_expert`` and ``layer_number``)."""
-    return [m for c in chunks for m in c.modules()
-            if hasattr(m, "last_tokens_per_expert") and hasattr(m, "layer_number")]
+    return [
+        m for c in chunks for m in c.modules() if hasattr(m, "last_tokens_per_expert") and hasattr(m, "layer_number")
+    ]
 
 
 class MoEStats:
@@ -92,9 +94,11 @@ class MoEStats:
         counts = summed[:n].view(len(self.moe_layers), self.E)
         dropped = float(summed[n])
         kept = float(counts.sum())
-        losses = summed[n + 1:]
-        out = {"counts_LE": counts.tolist(),
-               "dropped_fraction": dropped / (kept + dropped) if kept + dropped > 0 else 0.0}
+        losses = summed[n + 1 :]
+        out = {
+            "counts_LE": counts.tolist(),
+            "dropped_fraction": dropped / (kept + dropped) if kept + dropped > 0 else 0.0,
+        }
         for i, name in enumerate(LOSS_NAMES):
             v = float(losses[i]) / num_microbatches
             if name == "global_aux_loss":

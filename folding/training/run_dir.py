@@ -22,6 +22,7 @@ Usage::
     log.echo("layout: ...")
     write_status(run_dir, "running", step=0)
 """
+
 from __future__ import annotations
 
 import json

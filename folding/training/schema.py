@@ -10,6 +10,7 @@ Usage::
 
     register_schema()          # before @hydra.main or Hydra's compose API
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,18 +53,25 @@ def job_schema() -> type:
     section = lambda name, cls: (name, cls, dataclasses.field(default_factory=cls))  # noqa: E731
     model = mirror(ModelConfig)
     logging = mirror(C.LoggingConfig, overrides=(section("wandb", mirror(C.WandbConfig)),))
-    return dataclasses.make_dataclass("JobSchema", [
-        ("model", model, dataclasses.field(default=MISSING)),
-        section("moe", C.MoEOverrides),
-        section("parallel", mirror(C.ParallelConfig)),
-        section("train", mirror(C.TrainConfig)),
-        section("optim", mirror(OptimConfig, overrides=(
-            ("warmup_steps", Optional[int], dataclasses.field(default=None)),))),
-        section("data", mirror(DataConfig, overrides=(
-            ("split", Any, dataclasses.field(default=DataConfig.split)),))),
-        section("checkpoint", mirror(C.CheckpointConfig)),
-        section("logging", logging),
-    ], kw_only=True)
+    return dataclasses.make_dataclass(
+        "JobSchema",
+        [
+            ("model", model, dataclasses.field(default=MISSING)),
+            section("moe", C.MoEOverrides),
+            section("parallel", mirror(C.ParallelConfig)),
+            section("train", mirror(C.TrainConfig)),
+            section(
+                "optim",
+                mirror(OptimConfig, overrides=(("warmup_steps", Optional[int], dataclasses.field(default=None)),)),
+            ),
+            section(
+                "data", mirror(DataConfig, overrides=(("split", Any, dataclasses.field(default=DataConfig.split)),))
+            ),
+            section("checkpoint", mirror(C.CheckpointConfig)),
+            section("logging", logging),
+        ],
+        kw_only=True,
+    )
 
 
 def register_schema() -> None:

@@ -16,6 +16,7 @@ Usage::
     threads, why = configure_threads(job.train.threads)      # before the model is built
     print(f"threads: {threads} per process ({why})")
 """
+
 from __future__ import annotations
 
 import math

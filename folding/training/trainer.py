@@ -28,6 +28,7 @@ Usage::
     prep = prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
     summary = train(job, run_dir=run_dir, prepared=prep)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,22 +41,22 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..parallel import ParallelLayout, build_parallel_state
-from .config import ConfigError, JobConfig
-from .validate import validate_job
 from ..data.build import build_data
+from ..model.chunks import build_stage_chunks
 from ..model.compile import compile_dense
+from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
+from ..parallel import ParallelLayout, build_parallel_state
+from ..pipeline.stage import run_microbatches
 from ..planning.flops import flops_per_token
 from ..planning.hardware import get_gpu
 from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
+from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
-from ..optim.expert_bias import update_expert_biases
-from ..model.chunks import build_stage_chunks
-from ..pipeline.stage import run_microbatches
+from .validate import validate_job
 
 
 @dataclasses.dataclass
@@ -95,12 +96,20 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
     dp_rank = dp_rank_of(layout, rank)
-    data = build_data(job.data, seq_length=job.train.seq_length, global_batch_size=job.train.global_batch_size,
-                      micro_batch_size=job.train.micro_batch_size, dp_rank=dp_rank, dp_size=layout.dp)
+    data = build_data(
+        job.data,
+        seq_length=job.train.seq_length,
+        global_batch_size=job.train.global_batch_size,
+        micro_batch_size=job.train.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=layout.dp,
+    )
     if data.vocab_size > job.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
-                          f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
-                          "or use the model's tokenizer")
+        raise ConfigError(
+            f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
+            f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
+            "or use the model's tokenizer"
+        )
     return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume, resume_run_dir=resume_run_dir)
 
 
@@ -142,8 +151,9 @@ def _skip_update(optimizer) -> None:
     optimizer.step_count += 1
 
 
-def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
-          parallel_state=None, run_log=None) -> Dict[str, Any]:
+def train(
+    job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None, parallel_state=None, run_log=None
+) -> Dict[str, Any]:
     """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
     ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file`` and ``chunks``
     (this rank's trained model chunks).
@@ -161,8 +171,15 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     layout = prep.layout
     M = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    chunks = build_stage_chunks(model_config=job.model, moe_config=job.moe, parallel_state=ps,
-                                recompute=t.recompute, params_dtype=dtype, init_seed=t.seed, device=device)
+    chunks = build_stage_chunks(
+        model_config=job.model,
+        moe_config=job.moe,
+        parallel_state=ps,
+        recompute=t.recompute,
+        params_dtype=dtype,
+        init_seed=t.seed,
+        device=device,
+    )
     for c in chunks:
         c.train()
     if t.compile:
@@ -172,8 +189,17 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
     stats = MoEStats(chunks, model_config=job.model)
     stats.set_aux_loss_scale(1.0 / (M * layout.dp))
-    sink = MetricsSink(job.logging, run_dir=run_dir, total_steps=t.steps, run_config=job.to_dict(),
-                       echo=run_log.echo if run_log else None) if rank == 0 else None
+    sink = (
+        MetricsSink(
+            job.logging,
+            run_dir=run_dir,
+            total_steps=t.steps,
+            run_config=job.to_dict(),
+            echo=run_log.echo if run_log else None,
+        )
+        if rank == 0
+        else None
+    )
     flops_tok, peak = _flops_per_token(job), _peak_tflops(job, device)
     timer = StepTimer(device)
     data = prep.data
@@ -185,17 +211,26 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
     try:
         exits.enter_context(stop.installed())
         if sink:
-            sink.log({"kind": "run", "layout": layout.describe(), "world_size": world,
-                      "parameters": job.model.num_parameters()[0], "microbatches_per_step": M,
-                      "resumed_from": resumed_from, "start_step": optimizer.step_count + 1})
+            sink.log(
+                {
+                    "kind": "run",
+                    "layout": layout.describe(),
+                    "world_size": world,
+                    "parameters": job.model.num_parameters()[0],
+                    "microbatches_per_step": M,
+                    "resumed_from": resumed_from,
+                    "start_step": optimizer.step_count + 1,
+                }
+            )
         for step in range(optimizer.step_count + 1, t.steps + 1):
             timer.restart()
             mbs = [next(data.train) for _ in range(M)]
             n_tokens = global_token_count(mbs, dp_group=ps.dp_group, device=device)
             optimizer.zero_grad()
             stats.reset()
-            out = run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0 / float(n_tokens.clamp(min=1)),
-                                   no_sync=optimizer.no_sync)
+            out = run_microbatches(
+                chunks, mbs, parallel_state=ps, loss_scale=1.0 / float(n_tokens.clamp(min=1)), no_sync=optimizer.no_sync
+            )
             lm_part = out["lm_loss_sum"].to(device=device, dtype=torch.float64).view(1)
             lm_part = lm_part / layout.tp if ps.is_last_stage else torch.zeros_like(lm_part)
             flag = torch.tensor([1.0 if stop.requested else 0.0], dtype=torch.float64, device=device)
@@ -223,33 +258,55 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             tokens_per_s = t.global_batch_size * t.seq_length / seconds
             tflops = flops_tok * tokens_per_s / world / 1e12
-            record = {"kind": "train", "step": step, "loss": loss, "lm_loss": lm_loss,
-                      **{n: moe[n] for n in LOSS_NAMES}, "grad_norm": grad_norm, "lr": lr,
-                      "skipped": skipped, "tokens": int(n_tokens), "step_time_s": seconds,
-                      "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                      "mfu": tflops / peak if peak else None, "mem_gib": float(mem),
-                      **expert_load_summary(moe["counts_LE"]), "dropped_fraction": moe["dropped_fraction"],
-                      "expert_counts": moe["counts_LE"]}
+            record = {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "lm_loss": lm_loss,
+                **{n: moe[n] for n in LOSS_NAMES},
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "skipped": skipped,
+                "tokens": int(n_tokens),
+                "step_time_s": seconds,
+                "tokens_per_s": tokens_per_s,
+                "tflops_per_device": tflops,
+                "mfu": tflops / peak if peak else None,
+                "mem_gib": float(mem),
+                **expert_load_summary(moe["counts_LE"]),
+                "dropped_fraction": moe["dropped_fraction"],
+                "expert_counts": moe["counts_LE"],
+            }
             history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
             if sink:
                 sink.log(record)
             if t.eval_interval and data.valid is not None and (step % t.eval_interval == 0 or step == t.steps):
-                ev = evaluate(chunks, data.valid, parallel_state=ps, num_microbatches=M,
-                              eval_steps=t.eval_steps, device=device)
+                ev = evaluate(
+                    chunks, data.valid, parallel_state=ps, num_microbatches=M, eval_steps=t.eval_steps, device=device
+                )
                 history[-1]["eval_lm_loss"] = ev["lm_loss"]
                 if sink:
                     sink.log({"kind": "eval", "step": step, **ev})
             ck = job.checkpoint
             if ck.dir and (stopped or step == t.steps or (ck.save_interval and step % ck.save_interval == 0)):
-                path = save_checkpoint(ck.dir, step=step, chunks=chunks, optimizer=optimizer, data=data,
-                                       job=job, layout=layout, run_dir=run_dir)
+                path = save_checkpoint(
+                    ck.dir,
+                    step=step,
+                    chunks=chunks,
+                    optimizer=optimizer,
+                    data=data,
+                    job=job,
+                    layout=layout,
+                    run_dir=run_dir,
+                )
                 saved_at = step
                 if sink:
                     sink.log({"kind": "checkpoint", "step": step, "path": path})
             if stopped:
                 if rank == 0:
-                    line = f"stop requested by a signal: stopped after step {step}" \
-                           + (", checkpoint saved" if saved_at == step else ", no checkpoint (checkpoint.dir is unset)")
+                    line = f"stop requested by a signal: stopped after step {step}" + (
+                        ", checkpoint saved" if saved_at == step else ", no checkpoint (checkpoint.dir is unset)"
+                    )
                     (run_log.echo if run_log else print)(line)
                 break
     finally:
@@ -259,8 +316,14 @@ def train(job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None,
             sink.close()
         if own_ps:
             ps.destroy()  # collective, except while an exception propagates (peers may never come)
-    return {"history": history, "metrics_file": sink.path if sink else None, "chunks": chunks,
-            "resumed_from": resumed_from, "stopped": stopped, "last_checkpoint_step": saved_at}
+    return {
+        "history": history,
+        "metrics_file": sink.path if sink else None,
+        "chunks": chunks,
+        "resumed_from": resumed_from,
+        "stopped": stopped,
+        "last_checkpoint_step": saved_at,
+    }
 
 
 def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[str]:

@@ -10,6 +10,7 @@ Usage::
 
 Every failure raises :class:`~folding.training.config.ConfigError` naming the setting and a fix.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,12 @@ def _check_train(job: JobConfig) -> None:
     _int_at_least("train.eval_interval", t.eval_interval, 0)
     _int_at_least("train.eval_steps", t.eval_steps, 0)
     if t.eval_interval > 0 and t.eval_steps < 1:
-        _fail("train.eval_steps", t.eval_steps, "must be >= 1 when train.eval_interval > 0",
-              "set train.eval_steps >= 1 or train.eval_interval=0")
+        _fail(
+            "train.eval_steps",
+            t.eval_steps,
+            "must be >= 1 when train.eval_interval > 0",
+            "set train.eval_steps >= 1 or train.eval_interval=0",
+        )
     if isinstance(t.seed, bool) or not isinstance(t.seed, int):
         _fail("train.seed", t.seed, "must be an integer", "set train.seed to an integer")
     if t.precision not in PRECISIONS:
@@ -38,19 +43,30 @@ def _check_train(job: JobConfig) -> None:
     moe = job.moe
     if t.recompute in ("full", "moe") and moe.fp8_recipe == "delayed" and moe.expert_backend == "te":
         # a recomputed expert forward runs in backward, outside the chunk's FP8 region
-        _fail("train.recompute", t.recompute, "recomputes the experts outside the FP8 region that "
-              "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
-              "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8")
+        _fail(
+            "train.recompute",
+            t.recompute,
+            "recomputes the experts outside the FP8 region that "
+            "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
+            "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8",
+        )
     if t.threads is not None:
         _int_at_least("train.threads", t.threads, 1)
     tmo = t.collective_timeout_s
     if isinstance(tmo, bool) or not isinstance(tmo, (int, float)) or not math.isfinite(tmo) or tmo <= 0:
-        _fail("train.collective_timeout_s", tmo, "must be a positive number of seconds",
-              "set e.g. train.collective_timeout_s=600")
+        _fail(
+            "train.collective_timeout_s",
+            tmo,
+            "must be a positive number of seconds",
+            "set e.g. train.collective_timeout_s=600",
+        )
     if t.seq_length > job.model.max_position_embeddings:
-        _fail("train.seq_length", t.seq_length,
-              f"exceeds model.max_position_embeddings={job.model.max_position_embeddings}",
-              "lower train.seq_length or raise model.max_position_embeddings")
+        _fail(
+            "train.seq_length",
+            t.seq_length,
+            f"exceeds model.max_position_embeddings={job.model.max_position_embeddings}",
+            "lower train.seq_length or raise model.max_position_embeddings",
+        )
 
 
 def _check_logging_and_checkpoint(job: JobConfig) -> None:
@@ -67,47 +83,81 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
     if ck.save_interval is not None:
         _int_at_least("checkpoint.save_interval", ck.save_interval, 1)
         if not ck.dir:
-            _fail("checkpoint.save_interval", ck.save_interval, "is set but checkpoint.dir is not",
-                  "set checkpoint.dir=<directory> or checkpoint.save_interval=null")
+            _fail(
+                "checkpoint.save_interval",
+                ck.save_interval,
+                "is set but checkpoint.dir is not",
+                "set checkpoint.dir=<directory> or checkpoint.save_interval=null",
+            )
     if ck.keep_last is not None:
         _int_at_least("checkpoint.keep_last", ck.keep_last, 1)
     if ck.async_save:
-        _fail("checkpoint.async_save", ck.async_save, "is not supported: checkpoints are written synchronously",
-              "set checkpoint.async_save=false")
+        _fail(
+            "checkpoint.async_save",
+            ck.async_save,
+            "is not supported: checkpoints are written synchronously",
+            "set checkpoint.async_save=false",
+        )
     if ck.load is not None and not os.path.exists(os.path.expanduser(ck.load)):
-        _fail("checkpoint.load", ck.load, "does not exist",
-              "give an existing checkpoint or directory of checkpoints, or checkpoint.load=null")
+        _fail(
+            "checkpoint.load",
+            ck.load,
+            "does not exist",
+            "give an existing checkpoint or directory of checkpoints, or checkpoint.load=null",
+        )
     if ck.dir and os.path.exists(ck.dir) and not os.path.isdir(ck.dir):
         _fail("checkpoint.dir", ck.dir, "exists and is not a directory", "choose another checkpoint.dir")
 
 
 def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
     m, t, tp, cp = job.model, job.train, layout.tp, layout.cp
-    for key, n in (("model.num_attention_heads", m.num_attention_heads), ("model.num_kv_heads", m.num_kv_heads),
-                   ("model.vocab_size", m.vocab_size)):
+    for key, n in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.vocab_size", m.vocab_size),
+    ):
         if n % tp:
             _fail("parallel.tp", tp, f"does not divide {key}={n}", f"choose parallel.tp among the divisors of {n}")
     if m.moe_ffn_hidden_size % layout.etp:
-        _fail("parallel.etp", layout.etp, f"does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}",
-              "choose another parallel.etp (e.g. 1)")
+        _fail(
+            "parallel.etp",
+            layout.etp,
+            f"does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}",
+            "choose another parallel.etp (e.g. 1)",
+        )
     if m.shared_expert_ffn_hidden_size and m.shared_expert_ffn_hidden_size % tp:
-        _fail("parallel.tp", tp, f"does not divide model.shared_expert_ffn_hidden_size="
-              f"{m.shared_expert_ffn_hidden_size}", "choose another parallel.tp")
+        _fail(
+            "parallel.tp",
+            tp,
+            f"does not divide model.shared_expert_ffn_hidden_size={m.shared_expert_ffn_hidden_size}",
+            "choose another parallel.tp",
+        )
     chunk = 2 * cp if cp > 1 else 1
     if t.seq_length % (chunk * tp):
-        _fail("train.seq_length", t.seq_length,
-              f"must be divisible by {chunk * tp} (2*cp*tp with context parallelism, tp with sequence "
-              f"parallelism; parallel.tp={tp}, parallel.cp={cp})", f"use a multiple of {chunk * tp}")
+        _fail(
+            "train.seq_length",
+            t.seq_length,
+            f"must be divisible by {chunk * tp} (2*cp*tp with context parallelism, tp with sequence "
+            f"parallelism; parallel.tp={tp}, parallel.cp={cp})",
+            f"use a multiple of {chunk * tp}",
+        )
     per_step = t.micro_batch_size * layout.dp
     if t.global_batch_size % per_step:
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{layout.dp}",
-              f"use a multiple of {per_step} (DP = world/(tp*cp*pp) = {layout.dp})")
+        _fail(
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{layout.dp}",
+            f"use a multiple of {per_step} (DP = world/(tp*cp*pp) = {layout.dp})",
+        )
     num_micro = t.global_batch_size // per_step
     if layout.pp > 1 and (layout.vpp or 1) > 1 and num_micro % layout.pp:
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
-              "(interleaved pipelining needs it)", "change the batch sizes or set parallel.vpp=null")
+        _fail(
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
+            "(interleaved pipelining needs it)",
+            "change the batch sizes or set parallel.vpp=null",
+        )
     if layout.pp > 1:
         try:
             partition_layers(num_layers=m.num_layers, pp=layout.pp, vpp=layout.vpp)
@@ -126,8 +176,12 @@ def validate_job(job: JobConfig, *, world_size: int) -> ParallelLayout:
     if ws is not None:
         _int_at_least("parallel.world_size", ws, 1)
         if ws != world_size:
-            _fail("parallel.world_size", ws, f"but the job was launched on {world_size} ranks",
-                  f"launch {ws} ranks (torchrun --nproc-per-node ...) or set parallel.world_size=null")
+            _fail(
+                "parallel.world_size",
+                ws,
+                f"but the job was launched on {world_size} ranks",
+                f"launch {ws} ranks (torchrun --nproc-per-node ...) or set parallel.world_size=null",
+            )
     _check_train(job)
     _check_logging_and_checkpoint(job)
     try:

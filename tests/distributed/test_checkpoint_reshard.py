@@ -6,6 +6,7 @@ flipped) and trains steps 4-6. Its losses and grad norms must equal those of an 
 6-step run (fp32: relative 1e-5 on losses, 1e-4 on grad norms), and its final parameters too.
 Everything runs through the real trainer on 4 gloo ranks.
 """
+
 import math
 import os
 
@@ -18,8 +19,15 @@ from folding.model.hf import resolve_spec
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
-from folding.training.config import (CheckpointConfig, JobConfig, LoggingConfig, ParallelConfig, TrainConfig,
-                                     WandbConfig, moe_config_for)
+from folding.training.config import (
+    CheckpointConfig,
+    JobConfig,
+    LoggingConfig,
+    ParallelConfig,
+    TrainConfig,
+    WandbConfig,
+    moe_config_for,
+)
 
 WORLD = 4
 # (layout of run A, optim.distributed of A) -> (layout of run B, optim.distributed of B)
@@ -34,22 +42,40 @@ REFERENCE = (dict(tp=2, ep=2, etp=1), False)
 def _job(parallel, distributed, steps, ckpt_dir=None, load=None):
     model = get_preset("mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16)
     return JobConfig(
-        model=model, moe=moe_config_for(model, {}), parallel=ParallelConfig(**parallel),
-        train=TrainConfig(steps=steps, global_batch_size=8, micro_batch_size=1, seq_length=16, eval_interval=0,
-                          seed=11),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, decay_steps=6, decay_style="cosine",
-                          clip_grad=1.0, weight_decay=0.01, eps=1e-6, distributed=distributed),
-        data=DataConfig(), checkpoint=CheckpointConfig(dir=ckpt_dir, load=load),
-        logging=LoggingConfig(metrics_file="metrics.jsonl", console=False, wandb=WandbConfig(mode="disabled")))
+        model=model,
+        moe=moe_config_for(model, {}),
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(
+            steps=steps, global_batch_size=8, micro_batch_size=1, seq_length=16, eval_interval=0, seed=11
+        ),
+        optim=OptimConfig(
+            lr=3e-3,
+            min_lr=3e-4,
+            warmup_steps=2,
+            decay_steps=6,
+            decay_style="cosine",
+            clip_grad=1.0,
+            weight_decay=0.01,
+            eps=1e-6,
+            distributed=distributed,
+        ),
+        data=DataConfig(),
+        checkpoint=CheckpointConfig(dir=ckpt_dir, load=load),
+        logging=LoggingConfig(metrics_file="metrics.jsonl", console=False, wandb=WandbConfig(mode="disabled")),
+    )
 
 
 def _run(job, run_dir):
     from folding.training import trainer
+
     ps = build_parallel_state(job.layout(dist.get_world_size()))
     try:
         res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
-        params = {n: (resolve_spec(n, p, c).full_shape, resolve_spec(n, p, c).shards, p.detach().clone())
-                  for c in res["chunks"] for n, p in c.named_parameters()}
+        params = {
+            n: (resolve_spec(n, p, c).full_shape, resolve_spec(n, p, c).shards, p.detach().clone())
+            for c in res["chunks"]
+            for n, p in c.named_parameters()
+        }
     finally:
         ps.destroy()
     hist = [(h["step"], h["lm_loss"], h["grad_norm"], h["lr"]) for h in res["history"]]
@@ -68,6 +94,7 @@ def _resume_cases(root):
 
 def _assemble(per_rank_params):
     from folding.model.init import take_slice
+
     full = {}
     for params in per_rank_params:
         for name, (shape, shards, local) in params.items():
@@ -83,13 +110,13 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path):
     for i, pair in enumerate(PAIRS):
         hist_a, hist_b, resumed, _ = results[0][i]
         assert [s for s, *_ in hist_a] == [1, 2, 3], pair
-        assert [s for s, *_ in hist_b] == [4, 5, 6], pair           # B continued, did not restart
+        assert [s for s, *_ in hist_b] == [4, 5, 6], pair  # B continued, did not restart
         assert resumed and resumed.endswith("step_00000003"), resumed
         for (step, loss, norm, lr), (rs, rloss, rnorm, rlr) in zip(hist_a + hist_b, ref):
             assert step == rs
             assert abs(loss - rloss) <= 1e-5 * abs(rloss), (pair, step, loss, rloss)
             assert abs(norm - rnorm) <= 1e-4 * abs(rnorm), (pair, step, norm, rnorm)
-            assert abs(lr - rlr) <= 1e-12, (pair, step, lr, rlr)       # LR schedule position restored
+            assert abs(lr - rlr) <= 1e-12, (pair, step, lr, rlr)  # LR schedule position restored
     # every tensor is stored once: its saved chunks tile the full tensor without overlap (replicas deduplicated)
     md = dcp.FileSystemReader(str(tmp_path / "pair0" / "step_00000003")).read_metadata().state_dict_metadata
     assert any(k.startswith("optim/") for k in md) and any(k.startswith("model/layers.") for k in md)

@@ -6,6 +6,7 @@
 - A checkpoint of a folded layout (TP2 PP2 EP2) exports to HF safetensors that ``transformers``
   loads, with the weights the ranks trained and the logits of the engine.
 """
+
 import os
 import signal
 
@@ -26,12 +27,13 @@ class _Crash(RuntimeError):
 def _crash_then_resume(root):
     d = os.path.join(root, "ck")
     ref = _run(_job(dict(tp=2, ep=2, etp=1), False, steps=3), root)[0]
-    _run(_job(dict(tp=2, ep=2, etp=1), False, steps=2, ckpt_dir=d), root)          # saves step 2
+    _run(_job(dict(tp=2, ep=2, etp=1), False, steps=2, ckpt_dir=d), root)  # saves step 2
     real_save = ckpt.dcp.save
 
-    def save_then_crash(*args, **kwargs):                 # every rank dies after writing its data
+    def save_then_crash(*args, **kwargs):  # every rank dies after writing its data
         real_save(*args, **kwargs)
         raise _Crash("injected crash during the save")
+
     ckpt.dcp.save = save_then_crash
     try:
         _run(_job(dict(pp=2, ep=2, etp=1), True, steps=3, ckpt_dir=d), root)
@@ -45,16 +47,23 @@ def _crash_then_resume(root):
     latest = ckpt.latest_complete(d)
     dist.barrier()
     hist, resumed, _ = _run(_job(dict(pp=2, ep=2, etp=1), True, steps=3, ckpt_dir=d), root)
-    return dict(ref=ref, crashed=crashed, listing=listing, latest=latest, hist=hist, resumed=resumed,
-                after=sorted(os.listdir(d)))
+    return dict(
+        ref=ref,
+        crashed=crashed,
+        listing=listing,
+        latest=latest,
+        hist=hist,
+        resumed=resumed,
+        after=sorted(os.listdir(d)),
+    )
 
 
 def test_crash_during_save_leaves_previous_checkpoint(ranks, tmp_path):
     out = ranks(WORLD).run(_crash_then_resume, str(tmp_path))[0]
     assert out["crashed"]
     partial = [n for n in out["listing"] if n.startswith("step_00000003")]
-    assert len(partial) == 1 and ".tmp-" in partial[0], out["listing"]       # the partial save is there...
-    assert out["latest"].endswith("step_00000002")                         # ...and ignored
+    assert len(partial) == 1 and ".tmp-" in partial[0], out["listing"]  # the partial save is there...
+    assert out["latest"].endswith("step_00000002")  # ...and ignored
     assert out["resumed"].endswith("step_00000002")
     assert [h[0] for h in out["hist"]] == [3]
     step, loss, norm, _ = out["hist"][0]
@@ -65,15 +74,17 @@ def test_crash_during_save_leaves_previous_checkpoint(ranks, tmp_path):
 
 def _sigterm_then_resume(root):
     from folding.training import trainer
+
     d = os.path.join(root, "ck")
     ref = _run(_job(dict(tp=2, ep=2, etp=1), False, steps=4), root)[0]
     real_count, calls = trainer.global_token_count, []
 
-    def count_and_signal(*args, **kwargs):          # rank 1 receives SIGTERM during step 2
+    def count_and_signal(*args, **kwargs):  # rank 1 receives SIGTERM during step 2
         calls.append(1)
         if len(calls) == 2 and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_count(*args, **kwargs)
+
     trainer.global_token_count = count_and_signal
     try:
         stopped = _run(_job(dict(pp=2, ep=2, etp=1), False, steps=4, ckpt_dir=d), root)[0]
@@ -87,8 +98,8 @@ def _sigterm_then_resume(root):
 
 def test_sigterm_saves_and_stops_then_resumes(ranks, tmp_path):
     for out in ranks(WORLD).run(_sigterm_then_resume, str(tmp_path)):
-        assert [h[0] for h in out["stopped"]] == [1, 2]                    # every rank stopped after step 2
-        assert out["complete"] == [2]                                      # ...with a checkpoint of step 2
+        assert [h[0] for h in out["stopped"]] == [1, 2]  # every rank stopped after step 2
+        assert out["complete"] == [2]  # ...with a checkpoint of step 2
         assert [h[0] for h in out["resumed"]] == [3, 4]
         for (step, loss, norm, _), ref in zip(out["stopped"] + out["resumed"], out["ref"]):
             assert abs(loss - ref[1]) <= 1e-5 * abs(ref[1]), (step, loss, ref)
@@ -103,8 +114,10 @@ def _train_for_export(root):
 def test_export_after_training_loads_in_transformers(ranks, tmp_path):
     transformers = pytest.importorskip("transformers")
     import importlib.util
+
     spec = importlib.util.spec_from_file_location(
-        "convert_hf", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_hf.py"))
+        "convert_hf", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_hf.py")
+    )
     convert = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(convert)
     trained = _assemble(ranks(WORLD).run(_train_for_export, str(tmp_path)))
@@ -113,16 +126,18 @@ def test_export_after_training_loads_in_transformers(ranks, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     # the engine, 1 rank, from the same checkpoint: it holds exactly the weights the ranks trained
     from folding.model.config import ModelConfig
+    from folding.model.moe_block import moe_factory_for
     from folding.model.transformer import MoETransformer
     from folding.moe.config import MoEConfig
-    from folding.model.moe_block import moe_factory_for
+
     path = ckpt.latest_complete(str(tmp_path / "ck"))
     meta = ckpt.read_meta(path)
     mc = dict(meta["model"], mlp_only_layers=tuple(meta["model"]["mlp_only_layers"] or ()))
     tokens = torch.randint(0, mc["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     with convert.single_process_world():
-        engine = MoETransformer(ModelConfig(**mc), moe_factory=moe_factory_for(MoEConfig(**meta["moe"])),
-                                initialize=False)
+        engine = MoETransformer(
+            ModelConfig(**mc), moe_factory=moe_factory_for(MoEConfig(**meta["moe"])), initialize=False
+        )
         ckpt.load_full_model(path, engine)
         for name, p in engine.named_parameters():
             torch.testing.assert_close(p.detach(), trained[name].reshape(p.shape), rtol=0, atol=0, msg=name)

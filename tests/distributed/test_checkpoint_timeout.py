@@ -2,13 +2,14 @@
 fails on the other after the timeout (3 s here) with an error that says so, instead of hanging. Run as a real
 2-process torchrun job with the trainer's own group set-up (``init_world`` and
 ``build_parallel_state(timeout_s=...)``)."""
+
 import os
 import subprocess
 import sys
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from folding.parallel import ParallelLayout, build_parallel_state
     from folding.training.launch import init_world
@@ -24,15 +25,21 @@ SCRIPT = textwrap.dedent('''
         time.sleep(8)
     print("EXITED", flush=True)
     os._exit(0)
-''')
+""")
 
 
 def test_hung_collective_fails_after_timeout(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("FAILED_AFTER"))
     waited = float(line.split()[1])

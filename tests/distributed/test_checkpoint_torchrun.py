@@ -1,6 +1,7 @@
 """A dead rank costs a restart, not the run: ``torchrun --max-restarts 1`` with one rank SIGKILLed
 after the first checkpoint resumes from the latest complete checkpoint and ends with the final
 loss of an uninterrupted run (2 ranks, tiny model, fp32; a real subprocess job, ~30-60 s)."""
+
 import json
 import os
 import signal
@@ -10,17 +11,40 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 30
-OVERRIDES = [f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.seq_length=16",
-             "train.eval_interval=0", "model.hidden_size=32", "model.moe_ffn_hidden_size=16", "parallel.ep=2",
-             "parallel.etp=1", "logging.console=false", "logging.wandb.mode=disabled", "hydra/job_logging=disabled",
-             "hydra/hydra_logging=disabled", "train.collective_timeout_s=60"]
+OVERRIDES = [
+    f"train.steps={STEPS}",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.seq_length=16",
+    "train.eval_interval=0",
+    "model.hidden_size=32",
+    "model.moe_ffn_hidden_size=16",
+    "parallel.ep=2",
+    "parallel.etp=1",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "hydra/job_logging=disabled",
+    "hydra/hydra_logging=disabled",
+    "train.collective_timeout_s=60",
+]
 
 
 def _torchrun(run_dir, extra, max_restarts=0):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "--max-restarts", str(max_restarts), os.path.join(ROOT, "examples", "pretrain_mixtral.py"),
-           *OVERRIDES, *extra, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--max-restarts",
+        str(max_restarts),
+        os.path.join(ROOT, "examples", "pretrain_mixtral.py"),
+        *OVERRIDES,
+        *extra,
+        f"hydra.run.dir={run_dir}",
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -68,7 +92,7 @@ def test_sigkill_one_rank_resumes_from_last_checkpoint(tmp_path):
     assert killed_after is not None and killed_after < STEPS, "the rank was not killed mid-run"
     recs = _records(run_dir)
     runs = [r for r in recs if r.get("kind") == "run"]
-    assert len(runs) == 2, runs                                   # started, then restarted once
+    assert len(runs) == 2, runs  # started, then restarted once
     assert runs[0]["resumed_from"] is None
     resumed = runs[1]["resumed_from"]
     assert resumed and os.path.basename(resumed).startswith("step_"), runs[1]

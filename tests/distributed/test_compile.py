@@ -5,6 +5,7 @@ sublayer checkpointed), the same model is built twice from the same seed, one ea
 its dense parts compiled, and both run one forward and backward on the same batch: the losses and
 every gradient must agree to fp32 round-off.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -37,7 +38,7 @@ def _eager_and_compiled(cases):
                     layer.recompute = recompute
                 if compiled:
                     assert compile_dense(model) == cfg.num_layers
-                    assert compile_dense(model) == 0               # already compiled: a no-op
+                    assert compile_dense(model) == 0  # already compiled: a no-op
                 results.append(_run(model, ids))
             out.append(results)
         finally:

@@ -4,20 +4,20 @@ and a meta build materialized on a real device equals a direct build, on 1 rank 
 On a GPU, a tensor left on the CPU makes the first ``F.linear`` raise a device mismatch; on CPU it
 goes unnoticed. Building on ``meta`` shows it here: every tensor that is not ``meta`` is listed.
 """
+
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 
+from folding.model.chunks import build_stage_chunks
 from folding.model.hf import from_hf, to_hf
 from folding.model.init import materialize
-from folding.model.moe_block import default_moe_factory, moe_config_from_model
+from folding.model.moe_block import default_moe_factory, moe_config_from_model, moe_factory_for
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.model.chunks import build_stage_chunks
-from folding.model.moe_block import moe_factory_for
 
 PRESETS = ("mixtral_tiny", "qwen2_moe_tiny")
 LAYOUTS_4 = (dict(tp=2, ep=4, etp=1), dict(ep=2, etp=2), dict(pp=2, vpp=2, ep=2, etp=1))
@@ -37,17 +37,23 @@ def _builders(preset, ps, hf_dir):
     """``name -> callable(device) -> list of modules`` for every builder of the engine."""
     cfg = get_preset(preset)
     builders = {
-        "build_stage_chunks": lambda dev: build_stage_chunks(model_config=cfg, parallel_state=ps, device=dev,
-                                                             init_seed=7),
+        "build_stage_chunks": lambda dev: build_stage_chunks(
+            model_config=cfg, parallel_state=ps, device=dev, init_seed=7
+        ),
         "build_stage_chunks+moe_factory_for": lambda dev: build_stage_chunks(
-            model_config=cfg, parallel_state=ps, device=dev, init_seed=7,
-            moe_factory=moe_factory_for(moe_config_from_model(cfg))),
+            model_config=cfg,
+            parallel_state=ps,
+            device=dev,
+            init_seed=7,
+            moe_factory=moe_factory_for(moe_config_from_model(cfg)),
+        ),
     }
     if ps is None or ps.layout.pp == 1:  # whole models; a pipelined one is built in chunks
         builders["from_hf"] = lambda dev: [from_hf(hf_dir, parallel_state=ps, device=dev)]
         builders["MoETransformer"] = lambda dev: [MoETransformer(cfg, parallel_state=ps, device=dev, init_seed=7)]
-        builders["MoETransformer+default_moe_factory"] = lambda dev: [MoETransformer(
-            cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory)]
+        builders["MoETransformer+default_moe_factory"] = lambda dev: [
+            MoETransformer(cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory)
+        ]
     if ps is None:
         del builders["build_stage_chunks"], builders["build_stage_chunks+moe_factory_for"]
     return builders

@@ -7,6 +7,7 @@ process, ``y_t = Σ_{e kept for t} (silu(x_t A_e) · p_te) B_e`` on all tokens; 
 of tokens, probabilities and expert weights must match (fp64, so to round-off). Weight gradients
 are summed over EDP replicas before comparing, as the optimizer would.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,9 +32,9 @@ def _problem(world, E, topk, mode, seed, cf):
     if mode != "dropless":  # keep at most `capacity` earliest tokens per expert inside each rank chunk
         cap = padded_rows_per_expert(T, topk, E, cf) if mode == "pad" else expert_capacity(T, topk, E, cf)
         for r in range(world):
-            blk = rmap[r * T:(r + 1) * T]
+            blk = rmap[r * T : (r + 1) * T]
             keep = (blk.cumsum(0) <= cap) & blk
-            rmap[r * T:(r + 1) * T] = keep
+            rmap[r * T : (r + 1) * T] = keep
         dropped = (probs != 0) & ~rmap
         assert mode == "pad" or dropped.any(), "the case should drop something"
     A = torch.randn(E, H, FF, generator=g, dtype=torch.float64)
@@ -55,7 +56,7 @@ def _reference(x, rmap, probs, A, B, gy):
 def _toy_experts(tokens_NH, tpe, probs_N, A_LHF, B_LFH):
     outs, start = [], 0
     for l, n in enumerate(tpe.tolist()):
-        xs, ps = tokens_NH[start:start + n], probs_N[start:start + n]
+        xs, ps = tokens_NH[start : start + n], probs_N[start : start + n]
         outs.append((F.silu(xs @ A_LHF[l]) * ps.unsqueeze(1)) @ B_LFH[l])
         start += n
     return torch.cat(outs) if outs else tokens_NH[:0]
@@ -65,13 +66,19 @@ def _one_case(c, ps, world, rank):
     E, k, mode = c["E"], c["topk"], c["mode"]
     x, rmap, probs, A, B, gy = _problem(world, E, k, mode, c["seed"], c.get("cf", 1.0))
     sl = slice(rank * T, (rank + 1) * T)
-    d = build_dispatcher(c["kind"], num_experts=E, topk=k, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                         capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
-                         pad_to_capacity=mode == "pad")
+    d = build_dispatcher(
+        c["kind"],
+        num_experts=E,
+        topk=k,
+        ep_group=ps.ep_group,
+        etp_group=ps.etp_group,
+        capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
+        pad_to_capacity=mode == "pad",
+    )
     L, Fs = E // c["ep"], FF // c["etp"]
     off, j = d.local_expert_offset, ps.etp_rank
-    A_l = A[off:off + L, :, j * Fs:(j + 1) * Fs].clone().requires_grad_(True)
-    B_l = B[off:off + L, j * Fs:(j + 1) * Fs, :].clone().requires_grad_(True)
+    A_l = A[off : off + L, :, j * Fs : (j + 1) * Fs].clone().requires_grad_(True)
+    B_l = B[off : off + L, j * Fs : (j + 1) * Fs, :].clone().requires_grad_(True)
     xl = x[sl].clone().requires_grad_(True)
     pl = probs[sl].clone().requires_grad_(True)
     before = host_sync.count()
@@ -83,8 +90,9 @@ def _one_case(c, ps, world, rank):
     syncs = host_sync.count() - before
     assert y.shape == shape
     (y.reshape(T, H) * gy[sl]).sum().backward()
-    return dict(y=y.detach().reshape(T, H), gx=xl.grad, gp=pl.grad, gA=A_l.grad, gB=B_l.grad,
-                off=off, etp_rank=j, syncs=syncs)
+    return dict(
+        y=y.detach().reshape(T, H), gx=xl.grad, gp=pl.grad, gA=A_l.grad, gB=B_l.grad, off=off, etp_rank=j, syncs=syncs
+    )
 
 
 def _run_cases(cases):
@@ -124,8 +132,8 @@ def _check(world, cases, per_rank):
         sumA, sumB = torch.zeros_like(gA), torch.zeros_like(gB)
         for r in res:  # sum the EDP replicas' weight gradients into the full tensors
             j, off = r["etp_rank"], r["off"]
-            sumA[off:off + L, :, j * Fs:(j + 1) * Fs] += r["gA"]
-            sumB[off:off + L, j * Fs:(j + 1) * Fs, :] += r["gB"]
+            sumA[off : off + L, :, j * Fs : (j + 1) * Fs] += r["gA"]
+            sumB[off : off + L, j * Fs : (j + 1) * Fs, :] += r["gB"]
         torch.testing.assert_close(sumA, gA, msg=tag)
         torch.testing.assert_close(sumB, gB, msg=tag)
         syncs = {r["syncs"] for r in res}
@@ -139,8 +147,19 @@ def _cases(world):
         for kind in ("alltoall", "allgather"):
             for mode in ("dropless", "drop", "pad"):
                 seed += 1
-                out.append(dict(ep=ep, etp=etp, kind=kind, mode=mode, E=8, topk=2, seed=seed,
-                                cf=1.0 if mode == "drop" else 1.5, sbh=seed % 2 == 0))
+                out.append(
+                    dict(
+                        ep=ep,
+                        etp=etp,
+                        kind=kind,
+                        mode=mode,
+                        E=8,
+                        topk=2,
+                        seed=seed,
+                        cf=1.0 if mode == "drop" else 1.5,
+                        sbh=seed % 2 == 0,
+                    )
+                )
     return out
 
 
@@ -165,31 +184,41 @@ def _wire_run(ps, wires, world, rank):
     Bw = torch.randn(EW, FW, HW, generator=g) / 3
     gy = torch.randn(world * TW, HW, generator=g)
     sl = slice(rank * TW, (rank + 1) * TW)
-    d = build_dispatcher("alltoall", num_experts=EW, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                         dispatch_wire=wires[0], combine_wire=wires[1], grad_wire=wires[2])
-    L, Fs, j, off = EW // ps.ep_size, FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
+    d = build_dispatcher(
+        "alltoall",
+        num_experts=EW,
+        topk=2,
+        ep_group=ps.ep_group,
+        etp_group=ps.etp_group,
+        dispatch_wire=wires[0],
+        combine_wire=wires[1],
+        grad_wire=wires[2],
+    )
+    Fs, j, off = FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
     tok, tpe, pn = d.dispatch(xl, rmap[sl], pl)
     outs, start = [], 0
     for l, n in enumerate(tpe.tolist()):  # a linear expert: (x A_e p) B_e, F sharded over ETP
         e = off + l
-        outs.append((tok[start:start + n] @ A[e, :, j * Fs:(j + 1) * Fs] * pn[start:start + n, None])
-                    @ Bw[e, j * Fs:(j + 1) * Fs])
+        outs.append(
+            (tok[start : start + n] @ A[e, :, j * Fs : (j + 1) * Fs] * pn[start : start + n, None])
+            @ Bw[e, j * Fs : (j + 1) * Fs]
+        )
         start += n
     y = d.combine(torch.cat(outs))
     (y * gy[sl]).sum().backward()
     # elementwise bound (docs/dispatcher.md): with u = 2^-4 and sigma = 2^-9 amax/448 per row,
     # |y_q - y| <= sum_k p_k (u(2+u)|x| + (1+u) sigma_x) |A_e||B_e| + sigma_r(k)  (+ fp32 slack)
-    u = 2.0 ** -4 if wires[0] != "none" else 0.0
-    uc = 2.0 ** -4 if wires[1] != "none" else 0.0
+    u = 2.0**-4 if wires[0] != "none" else 0.0
+    uc = 2.0**-4 if wires[1] != "none" else 0.0
     xs, ps_ = x[sl], probs[sl]
-    sig_x = 2.0 ** -9 * xs.abs().amax(1, keepdim=True) / 448 * (u > 0)
+    sig_x = 2.0**-9 * xs.abs().amax(1, keepdim=True) / 448 * (u > 0)
     bound = torch.zeros_like(xs)
     for e in range(EW):
         M = A[e].abs() @ Bw[e].abs()
-        r_abs = ((1 + u) * xs.abs() + sig_x) @ M * ps_[:, e:e + 1]
-        term = ((u * (1 + uc) + uc) * xs.abs() + (1 + uc) * sig_x) @ M * ps_[:, e:e + 1]
-        bound += term + 2.0 ** -9 * r_abs.amax(1, keepdim=True) / 448 * (uc > 0)
+        r_abs = ((1 + u) * xs.abs() + sig_x) @ M * ps_[:, e : e + 1]
+        term = ((u * (1 + uc) + uc) * xs.abs() + (1 + uc) * sig_x) @ M * ps_[:, e : e + 1]
+        bound += term + 2.0**-9 * r_abs.amax(1, keepdim=True) / 448 * (uc > 0)
     return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(d.last_stats))
 
 
@@ -203,7 +232,12 @@ def _wire_cases(wire_sets):
             for wires in wire_sets:
                 q = _wire_run(ps, wires, world, rank)
                 err = (q["y"] - ref["y"]).abs()
-                assert (err <= q["bound"] + 1e-5 * ref["y"].abs() + 1e-7).all(), (wires, ep, etp, (err - q["bound"]).max())
+                assert (err <= q["bound"] + 1e-5 * ref["y"].abs() + 1e-7).all(), (
+                    wires,
+                    ep,
+                    etp,
+                    (err - q["bound"]).max(),
+                )
                 if wires[0] != "none" or wires[1] != "none":
                     assert err.max() > 0, "the wire should have quantized something"
                 # gradients flow through the quantized exchanges and stay close to the exact ones
@@ -217,7 +251,12 @@ def _wire_cases(wire_sets):
 
 
 def test_quantized_wires_bounded_error_and_bytes(ranks):
-    wire_sets = [("mxfp8", "none", "none"), ("none", "mxfp8", "mxfp8"), ("fp8", "fp8", "fp8"), ("mxfp8", "mxfp8", "none")]
+    wire_sets = [
+        ("mxfp8", "none", "none"),
+        ("none", "mxfp8", "mxfp8"),
+        ("fp8", "fp8", "fp8"),
+        ("mxfp8", "mxfp8", "none"),
+    ]
     res = ranks(4).run(_wire_cases, wire_sets)
     for ep, etp, wires, q_bytes, ref_bytes in res[0]:
         if wires[0] == "mxfp8":  # fp32 rows: (H + H/32) / 4H of the unquantized bytes
@@ -229,29 +268,44 @@ def _bad_inputs():
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), ep=2, etp=1))
     errors = []
     try:
+
         def expect(match, fn):
             with pytest.raises(ValueError, match=match):
                 fn()
             errors.append(match)
 
         kw = dict(topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
-        expect(r"num_experts=3 is not divisible by the EP group size 2", lambda: build_dispatcher("alltoall", num_experts=3, **kw))
-        expect(r"must meet only at this rank", lambda: build_dispatcher(
-            "alltoall", num_experts=4, topk=2, ep_group=ps.ep_group, etp_group=ps.ep_group))
-        expect(r"num_local_experts=4 but num_experts/EP", lambda: build_dispatcher(
-            "alltoall", num_experts=4, num_local_experts=4, **kw))
+        expect(
+            r"num_experts=3 is not divisible by the EP group size 2",
+            lambda: build_dispatcher("alltoall", num_experts=3, **kw),
+        )
+        expect(
+            r"must meet only at this rank",
+            lambda: build_dispatcher("alltoall", num_experts=4, topk=2, ep_group=ps.ep_group, etp_group=ps.ep_group),
+        )
+        expect(
+            r"num_local_experts=4 but num_experts/EP",
+            lambda: build_dispatcher("alltoall", num_experts=4, num_local_experts=4, **kw),
+        )
         expect(r"moe.dispatcher='ring'", lambda: build_dispatcher("ring", num_experts=4, **kw))
-        expect(r"allgather dispatcher sends the activation dtype only", lambda: build_dispatcher(
-            "allgather", num_experts=4, dispatch_wire="mxfp8", **kw))
-        expect(r"pad_to_capacity=True needs a capacity_factor", lambda: build_dispatcher(
-            "alltoall", num_experts=4, pad_to_capacity=True, **kw))
+        expect(
+            r"allgather dispatcher sends the activation dtype only",
+            lambda: build_dispatcher("allgather", num_experts=4, dispatch_wire="mxfp8", **kw),
+        )
+        expect(
+            r"pad_to_capacity=True needs a capacity_factor",
+            lambda: build_dispatcher("alltoall", num_experts=4, pad_to_capacity=True, **kw),
+        )
         d = build_dispatcher("alltoall", num_experts=4, dispatch_wire="fp8", **kw)
         rmap = torch.zeros(3, 4, dtype=torch.bool)
         rmap[:, :2] = True
-        expect(r"moe.dispatch_wire='fp8' quantizes from fp32/bf16/fp16", lambda: d.dispatch(
-            torch.zeros(3, 64, dtype=torch.float64), rmap, rmap.double()))
-        expect(r"routing_map must be bool \[T=3, E=4\]", lambda: d.dispatch(
-            torch.zeros(3, 64), rmap[:, :3], rmap.float()))
+        expect(
+            r"moe.dispatch_wire='fp8' quantizes from fp32/bf16/fp16",
+            lambda: d.dispatch(torch.zeros(3, 64, dtype=torch.float64), rmap, rmap.double()),
+        )
+        expect(
+            r"routing_map must be bool \[T=3, E=4\]", lambda: d.dispatch(torch.zeros(3, 64), rmap[:, :3], rmap.float())
+        )
         # every error came before any collective: the ranks are still in step
         t = torch.ones(1)
         dist.all_reduce(t)

@@ -10,6 +10,7 @@
 - Ctrl-C under ``torchrun`` (SIGINT to torchrun, which forwards it to every worker): every worker saves
   and exits 0 with no traceback, and the run's ``status.json`` says ``stopped``.
 """
+
 import glob
 import json
 import os
@@ -22,28 +23,46 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mixtral.py")
-TINY = ["train.global_batch_size=4", "train.micro_batch_size=1", "train.seq_length=16", "train.eval_interval=0",
-        "model.hidden_size=32", "model.moe_ffn_hidden_size=16", "logging.wandb.mode=disabled"]
+TINY = [
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.seq_length=16",
+    "train.eval_interval=0",
+    "model.hidden_size=32",
+    "model.moe_ffn_hidden_size=16",
+    "logging.wandb.mode=disabled",
+]
 WORKER_FRAME = re.compile(r'File ".*(pretrain_mixtral\.py|/folding/)')
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE",
-                                                            "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
 
 def _python(cwd, args, **env):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=_env(**env), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=300
+    )
 
 
 def _torchrun(cwd, nproc, args, **popen):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
-    return subprocess.Popen(cmd, cwd=cwd, env=_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 def _records(run_dir):
@@ -52,14 +71,16 @@ def _records(run_dir):
 
 
 def test_config_error_under_torchrun_printed_once_without_worker_traceback(tmp_path):
-    for bad, expect in (("train.stpes=3", "error: train.stpes: unknown key; did you mean train.steps?"),
-                        ("parallel.tp=3", "error: world size 2 is not divisible by parallel.tp*cp*pp = 3")):
+    for bad, expect in (
+        ("train.stpes=3", "error: train.stpes: unknown key; did you mean train.steps?"),
+        ("parallel.tp=3", "error: world size 2 is not divisible by parallel.tp*cp*pp = 3"),
+    ):
         job = _torchrun(tmp_path, 2, [SCRIPT, bad, *TINY])
         out = job.communicate(timeout=180)[0]
         assert job.returncode != 0, out
         lines = [line for line in out.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and lines[0].startswith(expect), out
-        assert not WORKER_FRAME.search(out), out          # torchrun's own summary only
+        assert not WORKER_FRAME.search(out), out  # torchrun's own summary only
         assert not (tmp_path / "outputs").exists()
 
 
@@ -82,21 +103,46 @@ def test_two_step_run_without_omp_setting_logs_steps_and_status(tmp_path):
     assert "optim.warmup_steps: 1 (the default 5" in log
     assert re.search(r"threads: \d+ per process \(\d+ usable CPUs / 1 process on this node\)", log), log
     assert len(re.findall(r"^\[#*\.*\] [12]/2 \| loss", log, re.M)) == 2, log
-    assert json.loads((run_dir / "status.json").read_text()) == {"status": "completed", "step": 2,
-                                                                 "checkpoint": None}
-    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "resolved_config.yaml", "status.json",
-                                                         "train.log"]
+    assert json.loads((run_dir / "status.json").read_text()) == {"status": "completed", "step": 2, "checkpoint": None}
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "metrics.jsonl",
+        "resolved_config.yaml",
+        "status.json",
+        "train.log",
+    ]
 
 
 def test_plain_text_preprocessing_and_training_with_split_list(tmp_path):
     text = "\n\n".join(f"paragraph {i}: the router sends tokens to experts.\nsecond line {i}." for i in range(40))
     (tmp_path / "notes.txt").write_text(text + "\n")
-    prep = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", "notes.txt",
-                           "--output-prefix", "data/notes", "--append-eod"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    prep = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            "notes.txt",
+            "--output-prefix",
+            "data/notes",
+            "--append-eod",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert prep.returncode == 0 and "40 documents" in prep.stdout, prep.stderr
-    run = _python(tmp_path, ["data.paths=[data/notes]", "data.split=80,20,0", "train.steps=3",
-                             "train.eval_interval=3", *TINY[:3], *TINY[4:]])
+    run = _python(
+        tmp_path,
+        [
+            "data.paths=[data/notes]",
+            "data.split=80,20,0",
+            "train.steps=3",
+            "train.eval_interval=3",
+            *TINY[:3],
+            *TINY[4:],
+        ],
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
     recs = _records(run_dir)
@@ -110,7 +156,7 @@ def test_resume_continues_in_the_checkpoints_run_directory(tmp_path):
     assert a.returncode == 0, a.stderr[-3000:]
     b = _python(tmp_path, ["train.steps=5", f"checkpoint.dir={ck}", f"hydra.run.dir={second}", *TINY])
     assert b.returncode == 0, b.stderr[-3000:]
-    assert not second.exists()                       # the resumed launch's own directory was removed
+    assert not second.exists()  # the resumed launch's own directory was removed
     assert f"run directory: {first} (resumed run: log and metrics appended)" in b.stdout
     recs = _records(first)
     runs = [r for r in recs if r["kind"] == "run"]
@@ -127,21 +173,37 @@ def test_ctrl_c_under_torchrun_stops_every_worker_cleanly(tmp_path):
     scratch_before = sorted(glob.glob(os.path.join(tempfile.gettempdir(), "folding-rank*")))
     # each worker is a shell that records its python's exit status and stderr (torchrun forwards the
     # signal to the worker's whole process group; the shell waits for python, then writes the status)
-    worker = (f'"{sys.executable}" "{SCRIPT}" "$@" 2> "{logs}/err_$RANK.txt"; '
-              f'echo $? > "{logs}/exit_$RANK"')
-    job = _torchrun(tmp_path, 4, ["--no-python", "bash", "-c", worker, "bash", "train.steps=500",
-                                  "parallel.tp=2", "parallel.ep=4", "parallel.etp=1", f"checkpoint.dir={ck}",
-                                  f"hydra.run.dir={run_dir}", *TINY], start_new_session=True)
+    worker = f'"{sys.executable}" "{SCRIPT}" "$@" 2> "{logs}/err_$RANK.txt"; echo $? > "{logs}/exit_$RANK"'
+    job = _torchrun(
+        tmp_path,
+        4,
+        [
+            "--no-python",
+            "bash",
+            "-c",
+            worker,
+            "bash",
+            "train.steps=500",
+            "parallel.tp=2",
+            "parallel.ep=4",
+            "parallel.etp=1",
+            f"checkpoint.dir={ck}",
+            f"hydra.run.dir={run_dir}",
+            *TINY,
+        ],
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and job.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and \
-                any(r.get("kind") == "train" and r["step"] >= 3 for r in _records(run_dir)):
+        if (run_dir / "metrics.jsonl").exists() and any(
+            r.get("kind") == "train" and r["step"] >= 3 for r in _records(run_dir)
+        ):
             break
         time.sleep(0.1)
     assert job.poll() is None, job.communicate()[0][-3000:]
-    os.killpg(job.pid, signal.SIGINT)                # what Ctrl-C in the terminal does
+    os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
     out = job.communicate(timeout=120)[0]
-    assert job.returncode != 0                       # stock torchrun re-raises the signal it received
+    assert job.returncode != 0  # stock torchrun re-raises the signal it received
     exits = {r: (logs / f"exit_{r}").read_text().strip() for r in range(4)}
     assert exits == {r: "0" for r in range(4)}, (exits, out[-3000:])
     for r in range(4):
@@ -157,7 +219,7 @@ def test_ctrl_c_under_torchrun_stops_every_worker_cleanly(tmp_path):
     assert log.count(f"stop requested by a signal: stopped after step {status['step']}, checkpoint saved") == 1
 
 
-PROBE = '''
+PROBE = """
 import os, sys, threading
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -170,7 +232,7 @@ native = lambda: len(os.listdir("/proc/self/task")) - threading.active_count()
 before = native()
 status = launch.run_job(tree, run_dir=os.path.join(sys.argv[2], "run"))
 print(f"rank {os.environ['RANK']} status {status} native threads before {before} after {native()}", flush=True)
-'''
+"""
 
 
 def test_run_job_leaves_no_process_group_threads_for_interpreter_shutdown(tmp_path):
@@ -178,8 +240,20 @@ def test_run_job_leaves_no_process_group_threads_for_interpreter_shutdown(tmp_pa
     # the process (SIGABRT) when it releases a tensor: run_job must have freed them all when it returns
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    job = _torchrun(tmp_path, 2, [str(probe), ROOT, str(tmp_path), "train.steps=2", "parallel.ep=2",
-                                  "parallel.etp=1", "checkpoint.dir=ck", *TINY])
+    job = _torchrun(
+        tmp_path,
+        2,
+        [
+            str(probe),
+            ROOT,
+            str(tmp_path),
+            "train.steps=2",
+            "parallel.ep=2",
+            "parallel.etp=1",
+            "checkpoint.dir=ck",
+            *TINY,
+        ],
+    )
     out = job.communicate(timeout=180)[0]
     assert job.returncode == 0, out[-3000:]
     lines = sorted(line for line in out.splitlines() if line.startswith("rank "))

@@ -5,6 +5,7 @@ over TP x DP x CP): a reduction over a smaller group gives each DP rank its own 
 signs, other biases on different ranks and other routing. Compared: every step's loss and the final
 bias buffers of every MoE layer, on every rank.
 """
+
 import dataclasses
 
 import torch
@@ -23,15 +24,19 @@ def _train(layouts, run_dir):
         moe = dataclasses.replace(moe_config_for(job.model, {"expert_bias": True}), expert_bias_update_rate=0.05)
         job = dataclasses.replace(job, moe=moe)
         res = trainer.train(job, run_dir=run_dir)
-        biases = [m.expert_bias.clone() for c in res["chunks"] for m in c.modules()
-                  if getattr(m, "expert_bias", None) is not None]
+        biases = [
+            m.expert_bias.clone()
+            for c in res["chunks"]
+            for m in c.modules()
+            if getattr(m, "expert_bias", None) is not None
+        ]
         out.append(([h["loss"] for h in res["history"]], biases))
     return out
 
 
 def test_expert_bias_through_training_matches_one_rank(ranks, tmp_path):
-    (ref_losses, ref_bias), = ranks(1).run(_train, [{}], str(tmp_path / "one"))[0]
-    assert len(ref_bias) == 2 and any(b.abs().sum() > 0 for b in ref_bias)   # the bias really moved
+    ((ref_losses, ref_bias),) = ranks(1).run(_train, [{}], str(tmp_path / "one"))[0]
+    assert len(ref_bias) == 2 and any(b.abs().sum() > 0 for b in ref_bias)  # the bias really moved
     four = ranks(4).run(_train, [dict(ep=2, etp=1), dict(tp=2, ep=4, etp=1)], str(tmp_path / "four"))
     for rank_out in four:
         for losses, biases in rank_out:

@@ -1,4 +1,5 @@
 """GroupedMLP on real EP / ETP process groups equals the 1-rank layer (outputs and gradients)."""
+
 import torch
 import torch.distributed as dist
 
@@ -28,17 +29,35 @@ def _run_layouts(backend):
             first = ps.ep_rank * e_local
             start = sum(COUNTS[:first])
             rows = slice(start, start + sum(COUNTS[first : first + e_local]))
-            mod = GroupedMLP(num_local_experts=e_local, hidden_size=H, ffn_hidden_size=F, etp_size=ps.etp_size,
-                             etp_rank=ps.etp_rank, expert_offset=first, backend=backend, init_std=0.3)
+            mod = GroupedMLP(
+                num_local_experts=e_local,
+                hidden_size=H,
+                ffn_hidden_size=F,
+                etp_size=ps.etp_size,
+                etp_rank=ps.etp_rank,
+                expert_offset=first,
+                backend=backend,
+                init_std=0.3,
+            )
             xl = x[rows].clone().requires_grad_()
             partial = mod(xl, COUNTS[first : first + e_local], p[rows])
             out = reduce_from_region(partial, ps.etp_group)  # what the dispatcher's reduce-scatter sums
             (out * dy[rows]).sum().backward()
             maps = mod.full_shape_slices()
-            results.append(dict(rows=(rows.start, rows.stop), out=out.detach(), gx_partial=xl.grad,
-                                g1=mod.fc1_weight.grad, g2=mod.fc2_weight.grad, ep_rank=ps.ep_rank,
-                                maps={k: (v.dim, [(a.start, a.stop, b.start, b.stop) for a, b in v.pieces])
-                                      for k, v in maps.items()}, experts=maps["fc1_weight"].global_experts))
+            results.append(
+                dict(
+                    rows=(rows.start, rows.stop),
+                    out=out.detach(),
+                    gx_partial=xl.grad,
+                    g1=mod.fc1_weight.grad,
+                    g2=mod.fc2_weight.grad,
+                    ep_rank=ps.ep_rank,
+                    maps={
+                        k: (v.dim, [(a.start, a.stop, b.start, b.stop) for a, b in v.pieces]) for k, v in maps.items()
+                    },
+                    experts=maps["fc1_weight"].global_experts,
+                )
+            )
         finally:
             ps.destroy()
     return results

@@ -1,5 +1,6 @@
 """``tools/gpu_check.py`` runs on a CPU machine (gloo), 1 process and 2 torchrun ranks: every check
 that can run here passes, and the rows that need CUDA are named as skipped or unsupported."""
+
 import os
 import subprocess
 import sys
@@ -17,8 +18,11 @@ def _run(cmd):
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun2"])
 def test_gpu_check_on_cpu(launcher):
-    cmd = [sys.executable, TOOL] if launcher == "python" else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", TOOL]
+    cmd = (
+        [sys.executable, TOOL]
+        if launcher == "python"
+        else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", TOOL]
+    )
     proc = _run(cmd)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -26,8 +30,12 @@ def test_gpu_check_on_cpu(launcher):
     world = 1 if launcher == "python" else 2
     assert f"{world} rank(s)" in out
     assert "all checks that ran passed" in out
-    for row in ("uneven all_to_all_single", "fwd+bwd torch/none vs fp32", "fwd+bwd emulated/mxfp8 vs fp32",
-                "MoE layer host transfers"):
+    for row in (
+        "uneven all_to_all_single",
+        "fwd+bwd torch/none vs fp32",
+        "fwd+bwd emulated/mxfp8 vs fp32",
+        "MoE layer host transfers",
+    ):
         assert " ok " in lines[row], lines[row]
     assert ("SKIPPED" in lines["pipeline p2p, both ways"]) == (world == 1)
     assert " no " in lines["backend te/mxfp8"] and "CUDA" in lines["backend te/mxfp8"]

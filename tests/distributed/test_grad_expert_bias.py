@@ -1,5 +1,6 @@
 """The batched expert-bias update (one all-reduce for all routers) equals each router's own update
 and the rule applied to the counts summed over TP×DP×CP."""
+
 import torch
 import torch.distributed as dist
 
@@ -19,24 +20,39 @@ def _update(layout_kwargs):
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
     try:
         cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=8, expert_bias=True, expert_bias_update_rate=0.5)
+
         def make():
-            rs = [Router(hidden_size=8, config=cfg, tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group,
-                         init_seed=0, layer_number=i) for i in range(2)]
+            rs = [
+                Router(
+                    hidden_size=8,
+                    config=cfg,
+                    tp_cp_group=ps.tp_cp_group,
+                    tp_dp_cp_group=ps.tp_dp_cp_group,
+                    init_seed=0,
+                    layer_number=i,
+                )
+                for i in range(2)
+            ]
             for i, r in enumerate(rs):
                 r.local_tokens_per_expert.copy_(_counts(dist.get_rank(), i).to(r.local_tokens_per_expert.dtype))
             return rs
+
         routers, own = make(), make()
         update_expert_biases(routers, group=ps.tp_dp_cp_group)
         for r in own:
             r.update_expert_bias()
-        return ([r.expert_bias.tolist() for r in routers], [r.expert_bias.tolist() for r in own],
-                [r.local_tokens_per_expert.sum().item() for r in routers], ps.ranks["tp_dp_cp"])
+        return (
+            [r.expert_bias.tolist() for r in routers],
+            [r.expert_bias.tolist() for r in own],
+            [r.local_tokens_per_expert.sum().item() for r in routers],
+            ps.ranks["tp_dp_cp"],
+        )
     finally:
         ps.destroy()
 
 
 def test_expert_bias_update(ranks):
-    out = ranks(4).run(_update, dict(tp=2, pp=2, ep=2, etp=1))     # TP×DP×CP groups of 2 ranks per stage
+    out = ranks(4).run(_update, dict(tp=2, pp=2, ep=2, etp=1))  # TP×DP×CP groups of 2 ranks per stage
     for rank, (batched, own, counts_left, group) in enumerate(out):
         assert len(group) == 2 and counts_left == [0.0, 0.0]
         assert batched == own, rank

@@ -5,14 +5,15 @@ step of 4 micro-batches through ``run_microbatches``. With the optimizer's ``no_
 trainer's path), buckets must already be launched when the schedule returns; reducing them all
 afterwards (the whole schedule inside ``no_sync``) must give the same reduced gradients, bit for bit.
 """
+
 import torch
 import torch.distributed as dist
 
+from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.model.chunks import build_stage_chunks
 from folding.pipeline.stage import run_microbatches
 
 M, S = 4, 16
@@ -21,14 +22,21 @@ M, S = 4, 16
 def _reduced_grads(layout_kw, overlap_in_schedule: bool):
     torch.set_num_threads(1)
     cfg = get_preset("mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16)
-    with build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.num_experts,
-                                             **layout_kw)) as ps:
+    with build_parallel_state(
+        ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.num_experts, **layout_kw)
+    ) as ps:
         chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=3)
-        opt = FoldedOptimizer(torch.nn.ModuleList(chunks), OptimConfig(lr=1e-3, bucket_size=2000, distributed=True),
-                              parallel_state=ps, train_steps=1)
+        opt = FoldedOptimizer(
+            torch.nn.ModuleList(chunks),
+            OptimConfig(lr=1e-3, bucket_size=2000, distributed=True),
+            parallel_state=ps,
+            train_steps=1,
+        )
         g = torch.Generator().manual_seed(11 + ps.dp_rank)  # one batch per data-parallel replica
-        mbs = [dict(tokens=t, labels=torch.roll(t, -1, 1), loss_mask=torch.ones(1, S))
-               for t in (torch.randint(0, cfg.vocab_size, (1, S), generator=g) for _ in range(M))]
+        mbs = [
+            dict(tokens=t, labels=torch.roll(t, -1, 1), loss_mask=torch.ones(1, S))
+            for t in (torch.randint(0, cfg.vocab_size, (1, S), generator=g) for _ in range(M))
+        ]
         opt.zero_grad()
         if overlap_in_schedule:
             run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0 / (M * S), no_sync=opt.no_sync)

@@ -9,6 +9,7 @@ norm must equal the 1-rank ones computed in this process with plain autograd.
 
 The model and its slicing helpers are reused by ``test_optimizer_step.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,9 +44,19 @@ def global_params(seed: int = 0, tied: bool = False):
     """The full (1-rank) parameters, identical in every layout."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.5  # noqa: E731
-    p = {"emb": r(V, H), "norm1": 1 + 0.1 * r(H), "w1": r(FF, H), "b1": 0.1 * r(FF), "w2": r(H, FF),
-         "b2": 0.1 * r(H), "norm2": 1 + 0.1 * r(H), "router": r(E, H), "expert_w1": r(E, H, 2 * FE),
-         "expert_w2": r(E, FE, H), "final_norm": 1 + 0.1 * r(H)}
+    p = {
+        "emb": r(V, H),
+        "norm1": 1 + 0.1 * r(H),
+        "w1": r(FF, H),
+        "b1": 0.1 * r(FF),
+        "w2": r(H, FF),
+        "b2": 0.1 * r(H),
+        "norm2": 1 + 0.1 * r(H),
+        "router": r(E, H),
+        "expert_w1": r(E, H, 2 * FE),
+        "expert_w2": r(E, FE, H),
+        "final_norm": 1 + 0.1 * r(H),
+    }
     if not tied:
         p["head"] = r(V, H)
     return p
@@ -57,8 +68,8 @@ def global_batch(seed: int = 1):
     ids = torch.randint(0, V, (MICRO, S), generator=g)
     tgt = torch.randint(0, V, (MICRO, S), generator=g)
     mask = (torch.rand(MICRO, S, generator=g) > 0.35).float()
-    mask[3] = 0.0                                     # one fully padded micro-batch
-    mask[5, S // 2:] = 0.0                            # a document ending mid-sequence
+    mask[3] = 0.0  # one fully padded micro-batch
+    mask[5, S // 2 :] = 0.0  # a document ending mid-sequence
     return ids, tgt, mask
 
 
@@ -87,8 +98,8 @@ def shard(name: str, full: torch.Tensor, c: Coords) -> torch.Tensor:
     t = TAGS[name]
     if t.get("expert"):
         el = E // c.ep
-        full = full[c.ep_rank * el:(c.ep_rank + 1) * el]
-        if name == "expert_w1":                        # shard gate and up halves separately
+        full = full[c.ep_rank * el : (c.ep_rank + 1) * el]
+        if name == "expert_w1":  # shard gate and up halves separately
             gate, up = full.chunk(2, dim=2)
             return torch.cat([gate.chunk(c.etp, 2)[c.etp_rank], up.chunk(c.etp, 2)[c.etp_rank]], 2)
         return full.chunk(c.etp, dim=t["tp_dim"])[c.etp_rank]
@@ -118,8 +129,8 @@ class TinyFolded(torch.nn.Module):
         """Masked loss SUM of this rank's chunk of one micro-batch (same value on every TP rank)."""
         c = self.c
         sc = S // c.cp
-        ids_c = ids_S[c.cp_rank * sc:(c.cp_rank + 1) * sc]
-        tgt_c, mask_c = (t[c.cp_rank * sc:(c.cp_rank + 1) * sc] for t in (tgt_S, mask_S))
+        ids_c = ids_S[c.cp_rank * sc : (c.cp_rank + 1) * sc]
+        tgt_c, mask_c = (t[c.cp_rank * sc : (c.cp_rank + 1) * sc] for t in (tgt_S, mask_S))
         vl = V // c.tp
         local = ids_c - c.tp_rank * vl
         inside = (local >= 0) & (local < vl)
@@ -174,14 +185,18 @@ def reference_grads(tied: bool, seed: int = 0):
 
 def _grads_on_rank(cases):
     from folding.optim import FoldedOptimizer, OptimConfig
+
     out = []
     for layout_kwargs, tied, overlap, bucket in cases:
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
         try:
             c = Coords(ps)
             model = TinyFolded(global_params(0, tied), c, tied)
-            opt = FoldedOptimizer(model, OptimConfig(lr=1e-3, decay_style="constant", bucket_size=bucket,
-                                                     overlap_grad_reduce=overlap), parallel_state=ps)
+            opt = FoldedOptimizer(
+                model,
+                OptimConfig(lr=1e-3, decay_style="constant", bucket_size=bucket, overlap_grad_reduce=overlap),
+                parallel_state=ps,
+            )
             ids, tgt, mask = global_batch()
             n = mask.sum()
             mbs = list(local_micro_batches(c))
@@ -193,9 +208,20 @@ def _grads_on_rank(cases):
             launched_in_backward = sum(b.launched for _, b in opt.reducer.order)
             opt.reduce_gradients()
             grads = {k: p.main_grad.clone() for k, p in model.named_parameters()}
-            out.append({"grads": grads, "launched_in_backward": launched_in_backward, "norm": opt.grad_norm(), "tp_rank": c.tp_rank, "ep_rank": c.ep_rank,
-                        "etp_rank": c.etp_rank, "tp": c.tp, "ep": c.ep, "etp": c.etp,
-                        "n_buckets": sum(len(b.buckets) for b in opt.buffers)})
+            out.append(
+                {
+                    "grads": grads,
+                    "launched_in_backward": launched_in_backward,
+                    "norm": opt.grad_norm(),
+                    "tp_rank": c.tp_rank,
+                    "ep_rank": c.ep_rank,
+                    "etp_rank": c.etp_rank,
+                    "tp": c.tp,
+                    "ep": c.ep,
+                    "etp": c.etp,
+                    "n_buckets": sum(len(b.buckets) for b in opt.buffers),
+                }
+            )
         finally:
             ps.destroy()
     return out
@@ -218,11 +244,11 @@ class _FakeCoords(Coords):
 
 GRAD_CASES = [
     # (layout with ETP written, tied embeddings, overlap from hooks, bucket size in elements)
-    (dict(tp=1, cp=1, ep=1, etp=1), False, True, 64),       # DP8 EDP8
-    (dict(tp=2, cp=1, ep=2, etp=2), True, True, 50),        # TP2+SP, ETP2, EDP2 != DP*CP=4
-    (dict(tp=2, cp=2, ep=8, etp=1), False, True, 10**6),    # EP8 folded over TP x CP x DP, EDP1
-    (dict(tp=1, cp=2, ep=4, etp=2), True, False, 32),       # CP2, ETP2, EDP1 != DP*CP=8
-    (dict(tp=4, cp=1, ep=2, etp=1), False, True, 16),       # TP4, EDP4 != DP*CP=2
+    (dict(tp=1, cp=1, ep=1, etp=1), False, True, 64),  # DP8 EDP8
+    (dict(tp=2, cp=1, ep=2, etp=2), True, True, 50),  # TP2+SP, ETP2, EDP2 != DP*CP=4
+    (dict(tp=2, cp=2, ep=8, etp=1), False, True, 10**6),  # EP8 folded over TP x CP x DP, EDP1
+    (dict(tp=1, cp=2, ep=4, etp=2), True, False, 32),  # CP2, ETP2, EDP1 != DP*CP=8
+    (dict(tp=4, cp=1, ep=2, etp=1), False, True, 16),  # TP4, EDP4 != DP*CP=2
 ]
 
 
@@ -251,28 +277,38 @@ def _tied_pipeline(distributed):
     weight). Each rank's gradient is a known rank-dependent tensor; after reduction both stages must
     hold the sum over the embedding group and DP, and the norm must count the tied weight once."""
     from folding.optim import FoldedOptimizer, OptimConfig
+
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), pp=2, ep=2, etp=1))
     try:
         m = torch.nn.Module()
         m.tied = mark_param(torch.nn.Parameter(torch.zeros(4, 3)), tp_sharded=True, tp_dim=0, embedding_tied=True)
         m.norm = mark_param(torch.nn.Parameter(torch.zeros(3)), sequence_parallel=True)
         m.expert = mark_param(torch.nn.Parameter(torch.zeros(1, 2, 2)), expert=True, tp_sharded=True, tp_dim=2)
-        opt = FoldedOptimizer(m, OptimConfig(decay_style="constant", distributed=distributed, bucket_size=5),
-                              parallel_state=ps)
+        opt = FoldedOptimizer(
+            m, OptimConfig(decay_style="constant", distributed=distributed, bucket_size=5), parallel_state=ps
+        )
         r = dist.get_rank()
         loss = sum(((p * _grad_of(name, r)).sum() for name, p in m.named_parameters()), torch.zeros(()))
         loss.backward()
         opt.reduce_gradients()
         grads = {k: p.main_grad.clone() for k, p in m.named_parameters()}
         norm = opt.grad_norm()
-        try:                      # a second backward without no_sync() would be lost: it must raise
+        try:  # a second backward without no_sync() would be lost: it must raise
             (m.norm * 2).sum().backward()
             late_error = ""
         except RuntimeError as e:
             late_error = str(e)
-        return {"grads": grads, "norm": norm, "late_error": late_error,
-                "dp_cp": ps.ranks["dp_cp"], "edp": ps.ranks["edp"], "emb": ps.ranks["embedding"],
-                "stage": ps.pp_rank, "ep_rank": ps.ep_rank, "distributed": distributed}
+        return {
+            "grads": grads,
+            "norm": norm,
+            "late_error": late_error,
+            "dp_cp": ps.ranks["dp_cp"],
+            "edp": ps.ranks["edp"],
+            "emb": ps.ranks["embedding"],
+            "stage": ps.pp_rank,
+            "ep_rank": ps.ep_rank,
+            "distributed": distributed,
+        }
     finally:
         ps.destroy()
 
@@ -285,6 +321,7 @@ def _grad_of(name, rank):
 
 def test_tied_embedding_across_stages(ranks):
     import math
+
     for distributed in (False, True):
         out = ranks(4).run(_tied_pipeline, distributed)
         # expected reduced gradients, and the norm from each unique parameter once

@@ -1,5 +1,6 @@
 """Process groups on 8 gloo ranks match the rank math, checked with real collectives; collectives'
 forward and backward match their single-process definitions."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ from folding.parallel import collectives as C
 from folding.parallel.state import ROLES
 
 LAYOUTS = [
-    dict(tp=2, cp=2, ep=8, etp=1),                  # REFERENCE.md worked example
+    dict(tp=2, cp=2, ep=8, etp=1),  # REFERENCE.md worked example
     dict(tp=2, ep=4, etp=2),
     dict(cp=2, ep=4, etp=1),
     dict(tp=4, ep=2, etp=1),
@@ -77,22 +78,28 @@ def _collectives_match(seed):
 
     # reduce_from_region: forward sum, backward identity
     y, gx = run(lambda x: C.reduce_from_region(x, None), xs[rank], gs[rank])
-    close(y, sum(xs)); close(gx, gs[rank])
+    close(y, sum(xs))
+    close(gx, gs[rank])
     # copy_to_region: forward identity, backward sum of the grads
     y, gx = run(lambda x: C.copy_to_region(x, None), xs[rank], gs[rank])
-    close(y, xs[rank]); close(gx, sum(gs))
+    close(y, xs[rank])
+    close(gx, sum(gs))
     # gather_from_sequence_region: forward concat on dim 0, backward reduce-scatter
-    gfull = [torch.randn(world * world * 2, 3, generator=torch.Generator().manual_seed(seed + r),
-                         dtype=torch.float64) for r in range(world)]
+    gfull = [
+        torch.randn(world * world * 2, 3, generator=torch.Generator().manual_seed(seed + r), dtype=torch.float64)
+        for r in range(world)
+    ]
     y, gx = run(lambda x: C.gather_from_sequence_region(x, None), xs[rank], gfull[rank])
-    close(y, torch.cat(xs)); close(gx, sum(gfull).chunk(world)[rank])
+    close(y, torch.cat(xs))
+    close(gx, sum(gfull).chunk(world)[rank])
     # reduce_scatter_to_sequence_region: forward sum then chunk, backward all-gather
     y, gx = run(lambda x: C.reduce_scatter_to_sequence_region(x, None), xs[rank], gs[rank][:2])
-    close(y, sum(xs).chunk(world)[rank]); close(gx, torch.cat([gg[:2] for gg in gs]))
+    close(y, sum(xs).chunk(world)[rank])
+    close(gx, torch.cat([gg[:2] for gg in gs]))
     # gather_from_region on the last dim, backward split
-    y, gx = run(lambda x: C.gather_from_region(x, None, -1), xs[rank],
-                torch.cat([gs[rank]] * world, dim=1))
-    close(y, torch.cat(xs, dim=1)); close(gx, gs[rank])
+    y, gx = run(lambda x: C.gather_from_region(x, None, -1), xs[rank], torch.cat([gs[rank]] * world, dim=1))
+    close(y, torch.cat(xs, dim=1))
+    close(gx, gs[rank])
     # all_to_all with uneven splits: rank r sends (r + d + 1) rows to rank d
     send = [[r + d + 1 for d in range(world)] for r in range(world)]
     rows = [torch.arange(sum(send[r]), dtype=torch.float64).unsqueeze(1) + 100 * r for r in range(world)]
@@ -131,6 +138,7 @@ def _timed_build_and_destroy(delay_s):
     """Rank 0 arrives ``delay_s`` late at both creation and destruction; every rank records when it
     got there and when it returned (the monotonic clock is shared by the processes of one host)."""
     import time
+
     late = dist.get_rank() == 0
     if late:
         time.sleep(delay_s)
@@ -167,5 +175,6 @@ def test_destroy_on_an_error_path_does_not_wait_for_peers(ranks):
     """A rank leaving the groups' scope by an exception tears them down without the barrier (its
     peers may never arrive), so its traceback reaches the caller instead of a hang."""
     from folding.testing import RankFailure
+
     with pytest.raises(RankFailure, match="boom after the groups were built"):
         ranks(4).run(_fail_on_rank_one_after_build, timeout_s=60)

@@ -6,6 +6,7 @@ pad-to-capacity; host→device copies H2D = 0 in both, for both dispatchers, on 
 domain and on EP-only and EP×ETP layouts of 4 gloo ranks. The router's aux and z losses are on, so their
 reductions are audited too.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -15,16 +16,32 @@ from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing.transfer_audit import TransferAudit
 
 H, S, B, E = 16, 8, 2, 8
-BUDGET = {"dropless": 1, "pad": 0}   # D2H per layer forward + backward; H2D is 0 everywhere
+BUDGET = {"dropless": 1, "pad": 0}  # D2H per layer forward + backward; H2D is 0 everywhere
 
 
 def _layer(ps, dispatcher, mode):
-    cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=8, dispatcher=dispatcher, expert_backend="torch",
-                    capacity_factor=None if mode == "dropless" else 1.0, pad_to_capacity=mode == "pad",
-                    aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
-    return MoELayer(config=cfg, hidden_size=H, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                    tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                    layer_number=1, init_seed=5)
+    cfg = MoEConfig(
+        num_experts=E,
+        topk=2,
+        ffn_hidden_size=8,
+        dispatcher=dispatcher,
+        expert_backend="torch",
+        capacity_factor=None if mode == "dropless" else 1.0,
+        pad_to_capacity=mode == "pad",
+        aux_loss_coeff=1e-2,
+        z_loss_coeff=1e-3,
+    )
+    return MoELayer(
+        config=cfg,
+        hidden_size=H,
+        ep_group=ps.ep_group,
+        etp_group=ps.etp_group,
+        tp_cp_group=ps.tp_cp_group,
+        tp_dp_cp_group=ps.tp_dp_cp_group,
+        tp_group=ps.tp_group,
+        layer_number=1,
+        init_seed=5,
+    )
 
 
 def _audit(layouts):
@@ -35,7 +52,7 @@ def _audit(layouts):
                 for mode in ("dropless", "pad"):
                     layer = _layer(ps, dispatcher, mode)
                     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank), requires_grad=True)
-                    layer(x).sum().backward()   # warm-up: first-call work (backend probe) is not per layer
+                    layer(x).sum().backward()  # warm-up: first-call work (backend probe) is not per layer
                     with TransferAudit() as audit:
                         layer(x).sum().backward()
                     out.append((layout_kw, dispatcher, mode, audit.h2d, audit.d2h, audit.events))

@@ -6,15 +6,16 @@ and micro-batch sizes. Independent reference: one rank, plain autograd on the wh
 ``loss_BS.sum() / loss_mask.sum()`` -- no schedule, no loss scaling by the engine. A per-micro-batch
 (or per-rank) mean would differ here, since the counts differ.
 """
+
 import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 
+from folding.model.moe_block import moe_factory_for
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.model.moe_block import moe_factory_for
 from folding.training import trainer
 from folding.training.config import moe_config_for
 from tests.distributed.test_train_e2e import tiny_job
@@ -26,10 +27,10 @@ def _global_batch(vocab):
     g = torch.Generator().manual_seed(21)
     ids = torch.randint(0, vocab, (GB, S), generator=g)
     labels = torch.randint(0, vocab, (GB, S), generator=g)
-    keep = [16, 3, 11, 7, 1, 16, 5, 9]                 # unmasked tokens per sequence: all different
+    keep = [16, 3, 11, 7, 1, 16, 5, 9]  # unmasked tokens per sequence: all different
     mask = torch.zeros(GB, S)
     for i, k in enumerate(keep):
-        mask[i, S - k:] = 1.0                          # e.g. left padding
+        mask[i, S - k :] = 1.0  # e.g. left padding
     return ids, labels, mask
 
 
@@ -45,10 +46,14 @@ def _train(cases, run_dir):
         job = _job(parallel, mbs, run_dir)
         prep = trainer.prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
         ids, labels, mask = _global_batch(job.model.vocab_size)
-        per = GB // prep.layout.dp                     # this DP rank's contiguous samples
+        per = GB // prep.layout.dp  # this DP rank's contiguous samples
         lo = prep.dp_rank * per
-        prep.data.train = iter([{"tokens": ids[i:i + mbs], "labels": labels[i:i + mbs],
-                                 "loss_mask": mask[i:i + mbs]} for i in range(lo, lo + per, mbs)])
+        prep.data.train = iter(
+            [
+                {"tokens": ids[i : i + mbs], "labels": labels[i : i + mbs], "loss_mask": mask[i : i + mbs]}
+                for i in range(lo, lo + per, mbs)
+            ]
+        )
         h = trainer.train(job, run_dir=run_dir, prepared=prep)["history"][0]
         out.append((h["lm_loss"], h["grad_norm"]))
     return out
@@ -58,8 +63,9 @@ def _reference(run_dir):
     """One rank, plain autograd: masked loss sum over the whole global batch / its token count."""
     job = _job({}, GB, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe),
-                               init_seed=job.train.seed)
+        model = MoETransformer(
+            job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe), init_seed=job.train.seed
+        )
         ids, labels, mask = _global_batch(job.model.vocab_size)
         loss = (model(ids, labels=labels) * mask).sum() / mask.sum()
         loss.backward()
@@ -78,4 +84,4 @@ def test_loss_is_token_weighted_over_the_global_batch(ranks, tmp_path):
         assert abs(lm - ref_loss) <= 2e-6 * ref_loss, (lm, ref_loss)
         assert abs(norm - ref_norm) <= 2e-5 * ref_norm, (norm, ref_norm)
     for rank_out in four:
-        assert rank_out == four[0]    # every rank reports the same step
+        assert rank_out == four[0]  # every rank reports the same step

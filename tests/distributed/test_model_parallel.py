@@ -7,6 +7,7 @@ summed over DP x CP (dense) or EDP (experts), and over TP for sequence-parallel 
 compared with the matching slice of the 1-rank gradient. Parameters must be bit-identical slices
 (layout-independent init).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +23,18 @@ from tests.unit.test_model_reference_moe import reference_moe_factory
 LAYOUTS = [dict(tp=2, cp=2, ep=8, etp=1), dict(tp=2, ep=4, etp=2), dict(cp=2, ep=4, etp=1), dict(tp=4, ep=2, etp=1)]
 CONFIGS = [
     dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1),
-    dict(name="qwen2_moe_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1,
-         mlp_only_layers=(0,), ffn_hidden_size=32, shared_expert_ffn_hidden_size=16, tie_embeddings=True),
+    dict(
+        name="qwen2_moe_tiny",
+        num_layers=2,
+        hidden_size=32,
+        moe_ffn_hidden_size=16,
+        vocab_size=256,
+        init_std=0.1,
+        mlp_only_layers=(0,),
+        ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=16,
+        tie_embeddings=True,
+    ),
 ]
 B, S = 4, 16
 
@@ -67,7 +78,7 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                 logits = model(ids[sl]).detach()
                 tp, tr = ps.tp_size, ps.tp_rank
                 V = cfg.vocab_size
-                want = ref_logits[sl][:, pos, tr * V // tp:(tr + 1) * V // tp]
+                want = ref_logits[sl][:, pos, tr * V // tp : (tr + 1) * V // tp]
                 torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
                 loss = model(ids[sl], labels=labels[sl], loss_mask=mask[sl]).sum() / count
                 loss.backward()
@@ -85,8 +96,9 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                         inferred = resolve_spec(name, p, model)
                         setattr(p, _ATTR, spec)
                         assert inferred.full_shape == spec.full_shape, name
-                        assert shard_index(inferred.full_shape, inferred.shards) == \
-                            shard_index(spec.full_shape, spec.shards), name
+                        assert shard_index(inferred.full_shape, inferred.shards) == shard_index(
+                            spec.full_shape, spec.shards
+                        ), name
                     full_p = ref_params[name].reshape(spec.full_shape)
                     assert torch.equal(p.detach(), take_slice(full_p, spec.shards).reshape(p.shape)), name
                     g = p.grad.clone()
@@ -97,8 +109,16 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                     want_g = take_slice(ref_grads[name].reshape(spec.full_shape), spec.shards).reshape(p.shape)
                     torch.testing.assert_close(g, want_g, rtol=1e-4, atol=1e-6, msg=f"{lkw} {name}")
                     worst = max(worst, (g - want_g).abs().max().item() / max(want_g.abs().max().item(), 1e-30))
-                report.append((cfg.name, ps.layout.describe(), float(total), ref_loss.item(), worst,
-                               len(list(model.parameters()))))
+                report.append(
+                    (
+                        cfg.name,
+                        ps.layout.describe(),
+                        float(total),
+                        ref_loss.item(),
+                        worst,
+                        len(list(model.parameters())),
+                    )
+                )
             finally:
                 ps.destroy()
     return report
@@ -117,6 +137,7 @@ HF_LAYOUTS = [dict(tp=2, ep=4, etp=2), dict(tp=2, cp=2, ep=4, etp=1)]
 
 def _load_sharded(path, out_root, ids, hf_logits, layouts):
     from folding.model import hf as hf_mod
+
     read_counts = []
     original = hf_mod._Reader.read
 
@@ -137,8 +158,11 @@ def _load_sharded(path, out_root, ids, hf_logits, layouts):
                 assert b % dp == 0, "every DP rank needs samples"
                 sl = slice(r * b // dp, (r + 1) * b // dp)
                 V = model.config.vocab_size
-                want = hf_logits[sl][:, model.local_positions(ids.shape[1]),
-                                     ps.tp_rank * V // ps.tp_size:(ps.tp_rank + 1) * V // ps.tp_size]
+                want = hf_logits[sl][
+                    :,
+                    model.local_positions(ids.shape[1]),
+                    ps.tp_rank * V // ps.tp_size : (ps.tp_rank + 1) * V // ps.tp_size,
+                ]
                 torch.testing.assert_close(model(ids[sl]).detach(), want, rtol=1e-5, atol=1e-5)
                 hf_mod.to_hf(model, f"{out_root}/layout{i}")
                 dist.barrier()
@@ -156,6 +180,7 @@ def test_hf_load_sharded_and_round_trip(ranks, tmp_path):
     from safetensors.torch import load_file
 
     from tests.unit.test_hf_parity import save, tiny_hf
+
     hf = tiny_hf("qwen2_moe", mlp_only_layers=[1], rope_theta=2e4)
     path = save(hf, str(tmp_path / "hf"))
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
@@ -177,28 +202,36 @@ def test_hf_load_sharded_and_round_trip(ranks, tmp_path):
 def _layout_errors():
     """Each bad layout raises a ValueError naming the setting, before any model collective."""
     world = dist.get_world_size()
-    cases = [(dict(tp=8, ep=1, etp=1), {}, "model.num_kv_heads=4 is not divisible by parallel.tp=8"),
-             (dict(tp=2, ep=1, etp=1), dict(vocab_size=255), "model.vocab_size=255 is not divisible by parallel.tp=2"),
-             (dict(ep=8, etp=1), dict(num_experts=4, topk=2), "model.num_experts=4 is not divisible by parallel.ep=8"),
-             (dict(ep=2, etp=4), dict(moe_ffn_hidden_size=6), "moe_ffn_hidden_size=6 is not divisible by parallel.etp=4")]
+    cases = [
+        (dict(tp=8, ep=1, etp=1), {}, "model.num_kv_heads=4 is not divisible by parallel.tp=8"),
+        (dict(tp=2, ep=1, etp=1), dict(vocab_size=255), "model.vocab_size=255 is not divisible by parallel.tp=2"),
+        (dict(ep=8, etp=1), dict(num_experts=4, topk=2), "model.num_experts=4 is not divisible by parallel.ep=8"),
+        (dict(ep=2, etp=4), dict(moe_ffn_hidden_size=6), "moe_ffn_hidden_size=6 is not divisible by parallel.etp=4"),
+    ]
     seen = []
     for lkw, ckw, msg in cases:
         ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
         try:
             try:
-                MoETransformer(get_preset("mixtral_tiny", num_layers=1, **ckw), parallel_state=ps,
-                               moe_factory=reference_moe_factory)
+                MoETransformer(
+                    get_preset("mixtral_tiny", num_layers=1, **ckw),
+                    parallel_state=ps,
+                    moe_factory=reference_moe_factory,
+                )
             except ValueError as e:
                 assert msg in str(e), (msg, str(e))
                 seen.append(msg)
         finally:
             ps.destroy()
-    for lkw, seq, msg in ((dict(tp=2, cp=2, ep=8, etp=1), 10, "sequence length 10 is not divisible by 2*parallel.cp = 4"),
-                          (dict(tp=4, ep=2, etp=1), 6, "= 6 is not divisible by parallel.tp=4")):
+    for lkw, seq, msg in (
+        (dict(tp=2, cp=2, ep=8, etp=1), 10, "sequence length 10 is not divisible by 2*parallel.cp = 4"),
+        (dict(tp=4, ep=2, etp=1), 6, "= 6 is not divisible by parallel.tp=4"),
+    ):
         ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
         try:
-            model = MoETransformer(get_preset("mixtral_tiny", num_layers=1), parallel_state=ps,
-                                   moe_factory=reference_moe_factory)
+            model = MoETransformer(
+                get_preset("mixtral_tiny", num_layers=1), parallel_state=ps, moe_factory=reference_moe_factory
+            )
             try:
                 model(torch.zeros(1, seq, dtype=torch.long))
             except ValueError as e:
@@ -216,18 +249,22 @@ def test_bad_layouts_fail_clearly(ranks):
 
 def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
     from folding.model import hf as hf_mod
+
     for i, lkw in enumerate(layouts):
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **lkw))
         try:
-            model = hf_mod.from_hf(path, parallel_state=ps)           # the default factory: folding.moe MoELayer
+            model = hf_mod.from_hf(path, parallel_state=ps)  # the default factory: folding.moe MoELayer
             assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.layers.values())
             dp, r = ps.dp_size, ps.dp_rank
             b = ids.shape[0]
             assert b % dp == 0, "every DP rank needs samples"
             sl = slice(r * b // dp, (r + 1) * b // dp)
             V = model.config.vocab_size
-            want = hf_logits[sl][:, model.local_positions(ids.shape[1]),
-                                 ps.tp_rank * V // ps.tp_size:(ps.tp_rank + 1) * V // ps.tp_size]
+            want = hf_logits[sl][
+                :,
+                model.local_positions(ids.shape[1]),
+                ps.tp_rank * V // ps.tp_size : (ps.tp_rank + 1) * V // ps.tp_size,
+            ]
             got = model(ids[sl]).detach()
             rel = ((got - want).abs().max() / want.abs().max()).item()
             assert rel <= 1e-5, (lkw, rel)
@@ -244,11 +281,13 @@ def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
 
     import pytest
     from safetensors.torch import load_file
+
     try:
         import folding.moe.layer  # noqa: F401
     except ImportError:
         pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
     from tests.unit.test_hf_parity import save, tiny_hf
+
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(4))
     layouts = [dict(tp=2, cp=2, ep=4, etp=1), dict(tp=2, ep=2, etp=2)]
     for family, kw in (("mixtral", {}), ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True))):

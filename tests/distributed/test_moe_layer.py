@@ -8,6 +8,7 @@ from local tokens). Checked, in fp64: the output, the input gradient, the kept (
 and every weight gradient after the reduction the optimizer applies (experts: sum over EDP; router
 and shared-expert gate: sum over TP×DP×CP; shared-expert shards: sum over DP×CP).
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,22 +31,43 @@ MODES = ("dropless", "drop", "pad")
 
 
 def _config(c):
-    return MoEConfig(num_experts=E, topk=2, ffn_hidden_size=FFN, router_dtype="fp64",
-                     capacity_factor=None if c["mode"] == "dropless" else 1.0, pad_to_capacity=c["mode"] == "pad",
-                     drop_policy="probs", dispatcher=c["kind"], expert_backend="loop",
-                     shared_expert_ffn_hidden_size=SHARED if c["shared"] else None, shared_expert_gate=c["shared"])
+    return MoEConfig(
+        num_experts=E,
+        topk=2,
+        ffn_hidden_size=FFN,
+        router_dtype="fp64",
+        capacity_factor=None if c["mode"] == "dropless" else 1.0,
+        pad_to_capacity=c["mode"] == "pad",
+        drop_policy="probs",
+        dispatcher=c["kind"],
+        expert_backend="loop",
+        shared_expert_ffn_hidden_size=SHARED if c["shared"] else None,
+        shared_expert_gate=c["shared"],
+    )
 
 
 def _layer(c, ps):
-    return MoELayer(config=_config(c), hidden_size=H, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                    tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                    layer_number=3, init_seed=11, init_std=0.3, params_dtype=torch.float64)
+    return MoELayer(
+        config=_config(c),
+        hidden_size=H,
+        ep_group=ps.ep_group,
+        etp_group=ps.etp_group,
+        tp_cp_group=ps.tp_cp_group,
+        tp_dp_cp_group=ps.tp_dp_cp_group,
+        tp_group=ps.tp_group,
+        layer_number=3,
+        init_seed=11,
+        init_std=0.3,
+        params_dtype=torch.float64,
+    )
 
 
 def _inputs(c, dp):
     g = torch.Generator().manual_seed(c["seed"])
-    return (torch.randn(dp, S, B, H, generator=g, dtype=torch.float64),
-            torch.randn(dp, S, B, H, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(dp, S, B, H, generator=g, dtype=torch.float64),
+        torch.randn(dp, S, B, H, generator=g, dtype=torch.float64),
+    )
 
 
 def _reference(cases):
@@ -77,9 +99,9 @@ def _reference(cases):
 def _shared_shard(name, full, r, tp):
     fl = SHARED // tp
     if name.endswith("fc1_weight"):
-        return torch.cat([full[r * fl:(r + 1) * fl], full[SHARED + r * fl:SHARED + (r + 1) * fl]])
+        return torch.cat([full[r * fl : (r + 1) * fl], full[SHARED + r * fl : SHARED + (r + 1) * fl]])
     if name.endswith("fc2_weight"):
-        return full[:, r * fl:(r + 1) * fl]
+        return full[:, r * fl : (r + 1) * fl]
     return full
 
 
@@ -98,7 +120,8 @@ def _distributed(cases, refs):
             key = (c["tp"], c["cp"], c["ep"], c["etp"])
             if key not in states:
                 states[key] = build_parallel_state(
-                    ParallelLayout(world_size=world, tp=c["tp"], cp=c["cp"], ep=c["ep"], etp=c["etp"]))
+                    ParallelLayout(world_size=world, tp=c["tp"], cp=c["cp"], ep=c["ep"], etp=c["etp"])
+                )
             ps = states[key]
             layer = _layer(c, ps)
             X, G = _inputs(c, c["dp"])
@@ -140,8 +163,19 @@ def _cases(world):
         for kind in ("alltoall", "allgather"):
             for mode in MODES:
                 seed += 1
-                out.append(dict(tp=tp, cp=cp, ep=ep, etp=etp, dp=world // (tp * cp), kind=kind, mode=mode,
-                                shared=seed % 2 == 0, seed=seed))
+                out.append(
+                    dict(
+                        tp=tp,
+                        cp=cp,
+                        ep=ep,
+                        etp=etp,
+                        dp=world // (tp * cp),
+                        kind=kind,
+                        mode=mode,
+                        shared=seed % 2 == 0,
+                        seed=seed,
+                    )
+                )
     return out
 
 
@@ -160,11 +194,26 @@ def _bf16_wires():
     try:
         outs = {}
         for wire in ("none", "mxfp8", "fp8"):
-            cfg = MoEConfig(num_experts=4, topk=2, ffn_hidden_size=64, dispatch_wire=wire, combine_wire=wire,
-                            grad_wire=wire, shared_expert_ffn_hidden_size=32)
-            layer = MoELayer(config=cfg, hidden_size=64, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                             tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                             init_std=0.2, params_dtype=torch.bfloat16)
+            cfg = MoEConfig(
+                num_experts=4,
+                topk=2,
+                ffn_hidden_size=64,
+                dispatch_wire=wire,
+                combine_wire=wire,
+                grad_wire=wire,
+                shared_expert_ffn_hidden_size=32,
+            )
+            layer = MoELayer(
+                config=cfg,
+                hidden_size=64,
+                ep_group=ps.ep_group,
+                etp_group=ps.etp_group,
+                tp_cp_group=ps.tp_cp_group,
+                tp_dp_cp_group=ps.tp_dp_cp_group,
+                tp_group=ps.tp_group,
+                init_std=0.2,
+                params_dtype=torch.bfloat16,
+            )
             g = torch.Generator().manual_seed(dist.get_rank())
             x = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
             y = layer(x)

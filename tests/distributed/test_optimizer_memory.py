@@ -7,6 +7,7 @@ multiple of the data-parallel size per bucket, so measured - model must lie in [
 At a fixed world of 8, expert parameters and gradients per rank must fall as 1/EP (and so must the
 expert optimizer state without ZeRO-1; with it, it stays total/world).
 """
+
 import torch
 import torch.distributed as dist
 
@@ -14,10 +15,20 @@ from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import param_tags
 from folding.planning.memory import ModelSizes, memory_per_rank
-from tests.distributed.test_grad_reduction import E, FE, FF, H, V, Coords, TinyFolded, global_params
+from tests.distributed.test_grad_reduction import FE, FF, Coords, E, H, TinyFolded, V, global_params
 
-SIZES = ModelSizes(vocab_size=V, hidden_size=H, num_layers=1, num_experts=E, moe_ffn_hidden_size=FE, top_k=2,
-                   dense_ffn_hidden_size=FF, dense_gated=False, dense_bias=True, tied_embeddings=True)
+SIZES = ModelSizes(
+    vocab_size=V,
+    hidden_size=H,
+    num_layers=1,
+    num_experts=E,
+    moe_ffn_hidden_size=FE,
+    top_k=2,
+    dense_ffn_hidden_size=FF,
+    dense_gated=False,
+    dense_bias=True,
+    tied_embeddings=True,
+)
 
 CASES = [  # (layout with ETP written, ZeRO-1, parameter dtype)
     *[(dict(ep=ep, etp=1), dist_opt, torch.float32) for ep in (1, 2, 4, 8) for dist_opt in (False, True)],
@@ -36,8 +47,9 @@ def _measure(cases):
             params = {"dense": 0, "expert": 0}
             for p in model.parameters():
                 params["expert" if param_tags(p).expert else "dense"] += p.numel() * p.element_size()
-            opt = FoldedOptimizer(model, OptimConfig(distributed=distributed, decay_style="constant"),
-                                  parallel_state=ps)
+            opt = FoldedOptimizer(
+                model, OptimConfig(distributed=distributed, decay_style="constant"), parallel_state=ps
+            )
             m = opt.memory_bytes()
             m["model_params_dense"], m["model_params_expert"] = params["dense"], params["expert"]
             m["buckets_dense"] = sum(len(b.buckets) for b in opt.buffers if not b.cls.expert)

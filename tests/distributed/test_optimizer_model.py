@@ -8,6 +8,7 @@ contiguous share) through :class:`FoldedOptimizer`, ZeRO-1 on or off, and every 
 after the step must equal its slice of the reference within REL relative + ABS absolute; the
 grad norm must equal the 1-rank norm within 1e-5 relative.
 """
+
 import torch
 import torch.distributed as dist
 
@@ -19,25 +20,43 @@ from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 
 MODELS = [
-    dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=128, init_std=0.1,
-         router_aux_loss_coef=0.0),
-    dict(name="qwen2_moe_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=128, init_std=0.1,
-         router_aux_loss_coef=0.0, mlp_only_layers=(0,), ffn_hidden_size=32, shared_expert_ffn_hidden_size=16,
-         tie_embeddings=True),
+    dict(
+        name="mixtral_tiny",
+        num_layers=2,
+        hidden_size=32,
+        moe_ffn_hidden_size=16,
+        vocab_size=128,
+        init_std=0.1,
+        router_aux_loss_coef=0.0,
+    ),
+    dict(
+        name="qwen2_moe_tiny",
+        num_layers=2,
+        hidden_size=32,
+        moe_ffn_hidden_size=16,
+        vocab_size=128,
+        init_std=0.1,
+        router_aux_loss_coef=0.0,
+        mlp_only_layers=(0,),
+        ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=16,
+        tie_embeddings=True,
+    ),
 ]
 LAYOUTS = [  # (layout with ETP written, ZeRO-1)
-    (dict(tp=1, cp=1, ep=1, etp=1), False),     # DP8
-    (dict(tp=2, cp=1, ep=1, etp=2), True),      # TP2 + SP, ETP2, EDP4 = DP*CP
-    (dict(tp=1, cp=2, ep=2, etp=1), True),      # CP2, EDP4 != DP*CP=8
-    (dict(tp=2, cp=2, ep=8, etp=1), True),      # EP8 folded over TP x CP x DP, EDP1
-    (dict(tp=2, cp=2, ep=8, etp=1), False),     # same without ZeRO-1
-    (dict(tp=2, cp=1, ep=2, etp=2), False),     # ETP2, EDP2 != DP*CP=4
-    (dict(tp=1, cp=1, ep=4, etp=1), True),      # DP8, EDP2
-    (dict(tp=4, cp=1, ep=2, etp=1), True),      # TP4, EDP4 != DP*CP=2
+    (dict(tp=1, cp=1, ep=1, etp=1), False),  # DP8
+    (dict(tp=2, cp=1, ep=1, etp=2), True),  # TP2 + SP, ETP2, EDP4 = DP*CP
+    (dict(tp=1, cp=2, ep=2, etp=1), True),  # CP2, EDP4 != DP*CP=8
+    (dict(tp=2, cp=2, ep=8, etp=1), True),  # EP8 folded over TP x CP x DP, EDP1
+    (dict(tp=2, cp=2, ep=8, etp=1), False),  # same without ZeRO-1
+    (dict(tp=2, cp=1, ep=2, etp=2), False),  # ETP2, EDP2 != DP*CP=4
+    (dict(tp=1, cp=1, ep=4, etp=1), True),  # DP8, EDP2
+    (dict(tp=4, cp=1, ep=2, etp=1), True),  # TP4, EDP4 != DP*CP=2
 ]
 B, S = 8, 16
-CFG = dict(lr=1e-3, decay_style="constant", weight_decay=0.1, clip_grad=0.5, beta1=0.9, beta2=0.95, eps=1e-4,
-           bucket_size=2000)
+CFG = dict(
+    lr=1e-3, decay_style="constant", weight_decay=0.1, clip_grad=0.5, beta1=0.9, beta2=0.95, eps=1e-4, bucket_size=2000
+)
 
 
 # Tolerance on parameters after the step: 1e-5 relative plus 1e-6 absolute. Adam's first update
@@ -52,8 +71,8 @@ def _data():
     ids = torch.randint(0, 128, (B, S), generator=g)
     labels = torch.randint(0, 128, (B, S), generator=g)
     mask = (torch.rand(B, S, generator=g) > 0.3).float()
-    mask[2, S // 2:] = 0.0                   # end of document
-    mask[5] = 0.0                            # a fully padded sample
+    mask[2, S // 2 :] = 0.0  # end of document
+    mask[5] = 0.0  # a fully padded sample
     return ids, labels, mask
 
 
@@ -67,19 +86,25 @@ def _decays(name, p):
 
 
 def _reference(cfg, world):
-    ps1 = build_parallel_state(ParallelLayout(world_size=world))        # every group a singleton but DP
+    ps1 = build_parallel_state(ParallelLayout(world_size=world))  # every group a singleton but DP
     try:
         ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=None)
         start = {n: p.detach().clone() for n, p in ref.named_parameters()}
         ids, labels, mask = _data()
         count = mask.sum()
         for m in range(B):
-            (ref(ids[m:m + 1], labels=labels[m:m + 1], loss_mask=mask[m:m + 1]).sum() / count).backward()
+            (ref(ids[m : m + 1], labels=labels[m : m + 1], loss_mask=mask[m : m + 1]).sum() / count).backward()
         norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CFG["clip_grad"]).item()
         named = list(ref.named_parameters())
-        opt = torch.optim.AdamW([{"params": [p for n, p in named if _decays(n, p)], "weight_decay": CFG["weight_decay"]},
-                                 {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0}],
-                                lr=CFG["lr"], betas=(CFG["beta1"], CFG["beta2"]), eps=CFG["eps"])
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if _decays(n, p)], "weight_decay": CFG["weight_decay"]},
+                {"params": [p for n, p in named if not _decays(n, p)], "weight_decay": 0.0},
+            ],
+            lr=CFG["lr"],
+            betas=(CFG["beta1"], CFG["beta2"]),
+            eps=CFG["eps"],
+        )
         opt.step()
         return start, {n: p.detach().clone() for n, p in named}, norm
     finally:
@@ -100,7 +125,7 @@ def _step_models(models, layouts):
             try:
                 model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=None)
                 specs = {n: init_spec(p) or resolve_spec(n, p, model) for n, p in model.named_parameters()}
-                with torch.no_grad():      # layout-independent init: each rank holds its slice of the start
+                with torch.no_grad():  # layout-independent init: each rank holds its slice of the start
                     for n, p in model.named_parameters():
                         assert torch.equal(p, _slice(start[n], specs[n], p)), n
                 opt = FoldedOptimizer(model, OptimConfig(distributed=distributed, **CFG), parallel_state=ps)
@@ -110,7 +135,9 @@ def _step_models(models, layouts):
                 for i, m in enumerate(mine):
                     ctx = opt.no_sync() if i < per - 1 else torch.enable_grad()
                     with ctx:
-                        (model(ids[m:m + 1], labels=labels[m:m + 1], loss_mask=mask[m:m + 1]).sum() / count).backward()
+                        (
+                            model(ids[m : m + 1], labels=labels[m : m + 1], loss_mask=mask[m : m + 1]).sum() / count
+                        ).backward()
                 norm, skipped = opt.clip_and_step()
                 assert not skipped
                 assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (cfg.name, lkw, norm, ref_norm)
@@ -122,9 +149,10 @@ def _step_models(models, layouts):
                     bad = (err > REL * want.abs() + ABS).sum().item()
                     assert bad == 0, (cfg.name, lkw, distributed, name, err.max().item())
                     worst = max(worst, err.max().item())
-                assert moved > 100 * ABS, moved                      # the step really changed weights
-                report.append((cfg.name, ParallelLayout(world_size=world, **lkw).describe(), distributed, norm,
-                               ref_norm, worst))
+                assert moved > 100 * ABS, moved  # the step really changed weights
+                report.append(
+                    (cfg.name, ParallelLayout(world_size=world, **lkw).describe(), distributed, norm, ref_norm, worst)
+                )
             finally:
                 ps.destroy()
     return report
@@ -134,5 +162,7 @@ def test_tiny_models_step_matches_one_rank(ranks):
     results = ranks(8).run(_step_models, MODELS, LAYOUTS)
     assert len(results[0]) == len(MODELS) * len(LAYOUTS)
     for name, layout, distributed, norm, ref_norm, worst in results[0]:
-        print(f"{name:15s} {layout:45s} zero1={distributed!s:5s} grad norm {norm:.7f} "
-              f"(1 rank {ref_norm:.7f}) max |dp| {worst:.1e}")
+        print(
+            f"{name:15s} {layout:45s} zero1={distributed!s:5s} grad norm {norm:.7f} "
+            f"(1 rank {ref_norm:.7f}) max |dp| {worst:.1e}"
+        )

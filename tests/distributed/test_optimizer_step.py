@@ -5,6 +5,7 @@ Uses the model of ``test_grad_reduction.py``. The reference is plain autograd on
 oracle independent of ``folding.optim``. Two steps (warmup then peak LR, weight decay, clipping
 active in half of the layouts) are compared parameter by parameter on every rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,18 +15,39 @@ import torch.distributed as dist
 
 from folding.optim import FoldedOptimizer, OptimConfig, lr_at
 from folding.parallel import ParallelLayout, build_parallel_state
-from tests.distributed.test_grad_reduction import (MICRO, NO_DECAY, Coords, TinyFolded, _FakeCoords, _null,
-                                                   global_batch, global_params, local_micro_batches,
-                                                   reference_grads, shard)
+from tests.distributed.test_grad_reduction import (
+    MICRO,
+    NO_DECAY,
+    Coords,
+    TinyFolded,
+    _FakeCoords,
+    _null,
+    global_batch,
+    global_params,
+    local_micro_batches,
+    reference_grads,
+    shard,
+)
 
 STEPS = 2
-REL, ABS = 1e-5, 1e-6        # parameters: |p - p_ref| <= REL*|p_ref| + ABS (lr = 1e-2)
+REL, ABS = 1e-5, 1e-6  # parameters: |p - p_ref| <= REL*|p_ref| + ABS (lr = 1e-2)
 
 
 def make_config(distributed: bool, clip: float) -> OptimConfig:
-    return OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=6, decay_style="cosine",
-                       weight_decay=0.1, clip_grad=clip, distributed=distributed, beta1=0.9, beta2=0.95,
-                       eps=1e-8, bucket_size=48)
+    return OptimConfig(
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=2,
+        decay_steps=6,
+        decay_style="cosine",
+        weight_decay=0.1,
+        clip_grad=clip,
+        distributed=distributed,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        bucket_size=48,
+    )
 
 
 def _train(model, opt, c, steps, poison=False):
@@ -55,8 +77,15 @@ def _step_on_rank(cases, bf16_layout):
             model = TinyFolded(global_params(0, tied), c, tied)
             opt = FoldedOptimizer(model, make_config(distributed, clip), parallel_state=ps)
             norms = _train(model, opt, c, STEPS)
-            out.append({"params": {k: p.detach().clone() for k, p in model.named_parameters()},
-                        "norms": norms, "lr": opt.lr, "coords": _coords(c), "mem": opt.memory_bytes()})
+            out.append(
+                {
+                    "params": {k: p.detach().clone() for k, p in model.named_parameters()},
+                    "norms": norms,
+                    "lr": opt.lr,
+                    "coords": _coords(c),
+                    "mem": opt.memory_bytes(),
+                }
+            )
         finally:
             ps.destroy()
     if bf16_layout is None:
@@ -76,15 +105,19 @@ def _step_on_rank(cases, bf16_layout):
         model = TinyFolded(global_params(0, False), c, False)
         opt = FoldedOptimizer(model, make_config(True, 1.0), parallel_state=ps)
         before = {k: p.detach().clone() for k, p in model.named_parameters()}
-        (norm, skipped), = _train(model, opt, c, 1, poison=True)
-        extra["skip"] = (norm, skipped, opt.step_count,
-                         all(torch.equal(before[k], p) for k, p in model.named_parameters()))
+        ((norm, skipped),) = _train(model, opt, c, 1, poison=True)
+        extra["skip"] = (
+            norm,
+            skipped,
+            opt.step_count,
+            all(torch.equal(before[k], p) for k, p in model.named_parameters()),
+        )
         # state_dict round trip: step 2 from a restored optimizer equals step 2 of the original
         for distributed in (False, True):
             m1 = TinyFolded(global_params(0, False), c, False)
             o1 = FoldedOptimizer(m1, make_config(distributed, 1.0), parallel_state=ps)
             _train(m1, o1, c, 1)
-            m2 = TinyFolded(global_params(7, False), c, False)        # other weights, then restored
+            m2 = TinyFolded(global_params(7, False), c, False)  # other weights, then restored
             m2.load_state_dict(m1.state_dict())
             o2 = FoldedOptimizer(m2, make_config(distributed, 1.0), parallel_state=ps)
             o2.load_state_dict(o1.state_dict())
@@ -98,8 +131,7 @@ def _step_on_rank(cases, bf16_layout):
 
 
 def _coords(c):
-    return {"tp": c.tp, "ep": c.ep, "etp": c.etp, "tp_rank": c.tp_rank, "ep_rank": c.ep_rank,
-            "etp_rank": c.etp_rank}
+    return {"tp": c.tp, "ep": c.ep, "etp": c.etp, "tp_rank": c.tp_rank, "ep_rank": c.ep_rank, "etp_rank": c.etp_rank}
 
 
 def reference_steps(tied: bool, clip: float, dtype=torch.float32):
@@ -108,9 +140,12 @@ def reference_steps(tied: bool, clip: float, dtype=torch.float32):
     cfg = make_config(False, clip)
     decay = [p for k, p in model.named_parameters() if k not in NO_DECAY]
     no_decay = [p for k, p in model.named_parameters() if k in NO_DECAY]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
     ids, tgt, mask = global_batch()
     n = mask.sum()
     norms = []
@@ -125,20 +160,20 @@ def reference_steps(tied: bool, clip: float, dtype=torch.float32):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-LOW = 0.5                    # below the 1-rank norm (checked below): clipping active
+LOW = 0.5  # below the 1-rank norm (checked below): clipping active
 
 STEP_CASES = [
     # (layout with ETP written, tied, distributed optimizer, clip_grad)
-    (dict(tp=1, cp=1, ep=1, etp=1), False, False, 100.0),   # DP8, plain data parallel
-    (dict(tp=1, cp=1, ep=1, etp=1), False, True, LOW),      # DP8 with ZeRO-1
-    (dict(tp=2, cp=1, ep=2, etp=2), True, True, LOW),       # TP2+SP, ETP2, EDP2 != DP*CP=4, tied
-    (dict(tp=2, cp=2, ep=8, etp=1), False, True, 100.0),    # EP8 folded over TP x CP x DP, EDP1
-    (dict(tp=2, cp=2, ep=8, etp=1), True, False, LOW),      # same, no ZeRO, tied
-    (dict(tp=1, cp=2, ep=4, etp=2), False, True, LOW),      # CP2, ETP2
-    (dict(tp=4, cp=1, ep=2, etp=1), False, True, 100.0),    # TP4, EDP4 != DP*CP=2
-    (dict(tp=1, cp=1, ep=4, etp=1), True, True, 100.0),     # DP8, EDP2
-    (dict(tp=2, cp=1, ep=4, etp=1), False, False, LOW),     # DP4, EDP2, no ZeRO
-    (dict(tp=1, cp=2, ep=2, etp=1), False, True, 100.0),    # CP2 DP4, EDP4 != DP*CP=8
+    (dict(tp=1, cp=1, ep=1, etp=1), False, False, 100.0),  # DP8, plain data parallel
+    (dict(tp=1, cp=1, ep=1, etp=1), False, True, LOW),  # DP8 with ZeRO-1
+    (dict(tp=2, cp=1, ep=2, etp=2), True, True, LOW),  # TP2+SP, ETP2, EDP2 != DP*CP=4, tied
+    (dict(tp=2, cp=2, ep=8, etp=1), False, True, 100.0),  # EP8 folded over TP x CP x DP, EDP1
+    (dict(tp=2, cp=2, ep=8, etp=1), True, False, LOW),  # same, no ZeRO, tied
+    (dict(tp=1, cp=2, ep=4, etp=2), False, True, LOW),  # CP2, ETP2
+    (dict(tp=4, cp=1, ep=2, etp=1), False, True, 100.0),  # TP4, EDP4 != DP*CP=2
+    (dict(tp=1, cp=1, ep=4, etp=1), True, True, 100.0),  # DP8, EDP2
+    (dict(tp=2, cp=1, ep=4, etp=1), False, False, LOW),  # DP4, EDP2, no ZeRO
+    (dict(tp=1, cp=2, ep=2, etp=1), False, True, 100.0),  # CP2 DP4, EDP4 != DP*CP=8
 ]
 BF16_LAYOUT = dict(tp=2, cp=1, ep=2, etp=2)
 
@@ -151,6 +186,7 @@ def test_clip_threshold_is_active():
 def _step_on_rank_elementwise(cases):
     """``_step_on_rank`` with the elementwise AdamW (the fallback where a build lacks the fused kernel)."""
     import folding.optim.optimizer as optimizer_module
+
     fused, optimizer_module._FUSED_ADAMW = optimizer_module._FUSED_ADAMW, None
     try:
         return _step_on_rank(cases, None)
@@ -163,7 +199,7 @@ def test_steps_match_one_rank_adamw(ranks):
 
 
 def test_elementwise_adamw_fallback_matches(ranks):
-    cases = [STEP_CASES[2], STEP_CASES[8]]                   # ZeRO-1 and plain, TP/ETP and EP folded
+    cases = [STEP_CASES[2], STEP_CASES[8]]  # ZeRO-1 and plain, TP/ETP and EP folded
     _check_steps(ranks(8).run(_step_on_rank_elementwise, cases), cases)
 
 
@@ -235,30 +271,46 @@ def _skip_between_updates(layout_kwargs):
     """Parameters after [update, skipped step, update] and after [update, update], same gradients,
     constant LR; and the update counters."""
     from folding.training.trainer import _skip_update
+
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
     try:
         c = Coords(ps)
-        cfg = OptimConfig(lr=1e-2, warmup_steps=0, decay_style="constant", clip_grad=100.0, beta1=0.9,
-                          beta2=0.95, eps=1e-8, bucket_size=48, distributed=True)
+        cfg = OptimConfig(
+            lr=1e-2,
+            warmup_steps=0,
+            decay_style="constant",
+            clip_grad=100.0,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            bucket_size=48,
+            distributed=True,
+        )
         out = []
         for skip in (True, False):
             model = TinyFolded(global_params(0, False), c, False)
             opt = FoldedOptimizer(model, cfg, parallel_state=ps)
             _train(model, opt, c, 1)
             if skip:
-                (_, skipped), = _train(model, opt, c, 1, poison=True)
+                ((_, skipped),) = _train(model, opt, c, 1, poison=True)
                 assert skipped
-                _skip_update(opt)                       # what the trainer does with a skipped step
+                _skip_update(opt)  # what the trainer does with a skipped step
             _train(model, opt, c, 1)
-            out.append(({k: p.detach().clone() for k, p in model.named_parameters()},
-                        opt.step_count, opt.updates, opt.state_dict()["updates"]))
+            out.append(
+                (
+                    {k: p.detach().clone() for k, p in model.named_parameters()},
+                    opt.step_count,
+                    opt.updates,
+                    opt.state_dict()["updates"],
+                )
+            )
         return out
     finally:
         ps.destroy()
 
 
 def test_skipped_step_is_not_an_adam_update(ranks):
-    for (skipped, plain) in ranks(4).run(_skip_between_updates, dict(tp=2, ep=2, etp=1)):
+    for skipped, plain in ranks(4).run(_skip_between_updates, dict(tp=2, ep=2, etp=1)):
         assert skipped[1:] == (3, 2, 2) and plain[1:] == (2, 2, 2)
         # AdamW's bias correction counts updates: the skip leaves no trace in the parameters
         for name, p in skipped[0].items():
@@ -267,6 +319,7 @@ def test_skipped_step_is_not_an_adam_update(ranks):
 
 def _threads() -> int:
     import os
+
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
@@ -276,6 +329,7 @@ def _optimizer_is_freed(layout_kwargs):
     threads) alive in a cycle the collector cannot see."""
     import gc
     import weakref
+
     gc.collect()
     before = _threads()
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))

@@ -1,4 +1,5 @@
 """Pipeline schedules on gloo ranks give the 1-rank losses and gradients (toy layer stack)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ def reference(M):
     for x in _batches(M):
         for w in ws:
             x = torch.tanh(x @ w)
-        loss = (x ** 2).sum() / M
+        loss = (x**2).sum() / M
         loss.backward()
         losses.append(loss.item())
     return losses, [w.grad for w in ws]
@@ -52,11 +53,19 @@ def _run(cases):
                 for _, w in mine[chunk]:
                     x = torch.tanh(x @ w)
                 v = chunk * pp + ps.pp_rank
-                return (x ** 2).sum() / M if v == V - 1 else x
+                return (x**2).sum() / M if v == V - 1 else x
 
             p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
-            losses = forward_backward(forward_step=step, num_microbatches=M, pp_size=pp, pp_rank=ps.pp_rank,
-                                      vpp=vpp, p2p=p2p, tensor_shape=(S, B, H), dtype=torch.float64)
+            losses = forward_backward(
+                forward_step=step,
+                num_microbatches=M,
+                pp_size=pp,
+                pp_rank=ps.pp_rank,
+                vpp=vpp,
+                p2p=p2p,
+                tensor_shape=(S, B, H),
+                dtype=torch.float64,
+            )
             grads = {i: w.grad for c in mine for i, w in mine[c]}
             out.append(([l.item() for l in losses], grads))
         finally:

@@ -6,23 +6,32 @@ its chunks' layers. Gradients are summed as the optimizer does (DP×CP for dense
 TP for sequence-parallel parameters, the embedding group for tied embeddings) and compared with the
 matching slice of the 1-rank gradient.
 """
+
 import torch
 import torch.distributed as dist
 
+from folding.model.chunks import build_stage_chunks
 from folding.model.hf import resolve_spec
 from folding.model.init import take_slice
 from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.param_attrs import param_tags
-from folding.model.chunks import build_stage_chunks
 from folding.pipeline.stage import run_microbatches
 
 B, S = 4, 16
 CONFIGS = {
     "mixtral": dict(name="mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1),
-    "qwen_tied": dict(name="qwen2_moe_tiny", hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256,
-                      init_std=0.1, mlp_only_layers=(1,), ffn_hidden_size=32, shared_expert_ffn_hidden_size=16,
-                      tie_embeddings=True),
+    "qwen_tied": dict(
+        name="qwen2_moe_tiny",
+        hidden_size=32,
+        moe_ffn_hidden_size=16,
+        vocab_size=256,
+        init_std=0.1,
+        mlp_only_layers=(1,),
+        ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=16,
+        tie_embeddings=True,
+    ),
 }
 CASES = [  # (config, layout, recompute)
     ("mixtral", dict(pp=2, tp=2, ep=2, etp=1), "none"),
@@ -44,7 +53,7 @@ def _data():
 
 
 def _microbatches(ids, labels, mask, rows):
-    return [dict(tokens=ids[i:i + 1], labels=labels[i:i + 1], loss_mask=mask[i:i + 1]) for i in rows]
+    return [dict(tokens=ids[i : i + 1], labels=labels[i : i + 1], loss_mask=mask[i : i + 1]) for i in rows]
 
 
 def _run(cases):
@@ -60,10 +69,13 @@ def _run(cases):
             ps1 = build_parallel_state(ParallelLayout(world_size=world))
             try:
                 (ref,) = build_stage_chunks(model_config=cfg, parallel_state=ps1, init_seed=5)
-                r = run_microbatches([ref], _microbatches(ids, labels, mask, range(B)), parallel_state=ps1,
-                                     loss_scale=1.0 / count)
-                refs[cname] = (r["lm_loss_sum"].item(),
-                               {n: (p.detach().clone(), p.grad.clone()) for n, p in ref.named_parameters()})
+                r = run_microbatches(
+                    [ref], _microbatches(ids, labels, mask, range(B)), parallel_state=ps1, loss_scale=1.0 / count
+                )
+                refs[cname] = (
+                    r["lm_loss_sum"].item(),
+                    {n: (p.detach().clone(), p.grad.clone()) for n, p in ref.named_parameters()},
+                )
             finally:
                 ps1.destroy()
         ref_loss, ref_params = refs[cname]
@@ -72,8 +84,9 @@ def _run(cases):
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=5, recompute=recompute)
             dp, r = ps.dp_size, ps.dp_rank
             rows = range(r * B // dp, (r + 1) * B // dp)
-            res = run_microbatches(chunks, _microbatches(ids, labels, mask, rows), parallel_state=ps,
-                                   loss_scale=1.0 / count)
+            res = run_microbatches(
+                chunks, _microbatches(ids, labels, mask, rows), parallel_state=ps, loss_scale=1.0 / count
+            )
             total = res["lm_loss_sum"].clone()
             dist.all_reduce(total)  # every token's loss is counted on exactly one rank per TP group
             total = total.item() / ps.tp_size
@@ -82,8 +95,9 @@ def _run(cases):
                 for name, p in model.named_parameters():
                     spec = resolve_spec(name, p, model)
                     full_p, full_g = ref_params[name]
-                    assert torch.equal(p.detach(), take_slice(full_p.reshape(spec.full_shape), spec.shards)
-                                       .reshape(p.shape)), name
+                    assert torch.equal(
+                        p.detach(), take_slice(full_p.reshape(spec.full_shape), spec.shards).reshape(p.shape)
+                    ), name
                     g = p.grad.clone()
                     tags = param_tags(p)
                     dist.all_reduce(g, group=ps.edp_group if tags.expert else ps.dp_cp_group)
@@ -104,8 +118,10 @@ def _run(cases):
 def test_pipelined_layouts_match_one_rank(ranks):
     results = ranks(8).run(_run, CASES)
     for i, (cname, layout, recompute, total, ref_loss, worst, seen) in enumerate(results[0]):
-        print(f"{cname:10s} {layout:52s} recompute={recompute:9s} loss sum {total:.6f} "
-              f"(1 rank {ref_loss:.6f}) worst rel grad err {worst:.1e}")
+        print(
+            f"{cname:10s} {layout:52s} recompute={recompute:9s} loss sum {total:.6f} "
+            f"(1 rank {ref_loss:.6f}) worst rel grad err {worst:.1e}"
+        )
         assert abs(total - ref_loss) <= 1e-5 * abs(ref_loss), (CASES[i], total, ref_loss)
         assert seen > 0
         # every rank reports the same global loss

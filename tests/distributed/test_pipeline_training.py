@@ -3,6 +3,7 @@ several micro-batches per step, the same micro-batch split everywhere) give the 
 losses and final parameters on 8 gloo ranks, through the real training loop (pipeline schedules,
 folded MoE, gradient reduction, optimizer). A bf16 run stays within 1e-2 of the fp32 losses.
 The 1-rank losses are also the golden losses in ``tests/golden_losses.json``."""
+
 import json
 import os
 
@@ -21,22 +22,27 @@ STEPS = 10
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden_losses.json")
 MODELS = {
     "mixtral_tiny": dict(hidden_size=32, moe_ffn_hidden_size=16),
-    "qwen2_moe_tiny": dict(hidden_size=32, moe_ffn_hidden_size=16, shared_expert_ffn_hidden_size=16,
-                           ffn_hidden_size=32, mlp_only_layers=(1,)),
+    "qwen2_moe_tiny": dict(
+        hidden_size=32,
+        moe_ffn_hidden_size=16,
+        shared_expert_ffn_hidden_size=16,
+        ffn_hidden_size=32,
+        mlp_only_layers=(1,),
+    ),
 }
 # (model, parallel, train overrides, optim.distributed, moe overrides)
 CASES = [
-    ("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1), dict(), True, {}),                    # PP2, TP2+SP, EDP2
-    ("mixtral_tiny", dict(pp=4, ep=2, etp=1), dict(recompute="full"), False, {}),          # PP4, EP over DP
+    ("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1), dict(), True, {}),  # PP2, TP2+SP, EDP2
+    ("mixtral_tiny", dict(pp=4, ep=2, etp=1), dict(recompute="full"), False, {}),  # PP4, EP over DP
     ("mixtral_tiny", dict(pp=2, vpp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), True, {}),  # VPP2
     ("mixtral_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="moe"), False, {}),  # CP2, EP over TP×CP
-    ("mixtral_tiny", dict(tp=2, cp=2, ep=8, etp=1), dict(), True, {}),                     # EP8 over TP×CP×DP
-    ("mixtral_tiny", dict(tp=2, ep=2, etp=2), dict(), False, {}),                          # ETP2, EDP2 != DP·CP
-    ("mixtral_tiny", dict(pp=2, ep=4, etp=1), dict(), True, dict(capacity_factor=1.0)),    # dropping, TP=CP=1
+    ("mixtral_tiny", dict(tp=2, cp=2, ep=8, etp=1), dict(), True, {}),  # EP8 over TP×CP×DP
+    ("mixtral_tiny", dict(tp=2, ep=2, etp=2), dict(), False, {}),  # ETP2, EDP2 != DP·CP
+    ("mixtral_tiny", dict(pp=2, ep=4, etp=1), dict(), True, dict(capacity_factor=1.0)),  # dropping, TP=CP=1
     ("qwen2_moe_tiny", dict(pp=2, tp=2, ep=2, etp=2), dict(recompute="full"), True, {}),
     ("qwen2_moe_tiny", dict(pp=4, vpp=1, ep=2, etp=1), dict(), False, {}),
     ("qwen2_moe_tiny", dict(pp=2, vpp=2, cp=2, ep=2, etp=1), dict(recompute="moe"), True, {}),
-    ("qwen2_moe_tiny", dict(ep=4, etp=1), dict(), False, dict(capacity_factor=1.0)),      # dropping, TP=CP=1
+    ("qwen2_moe_tiny", dict(ep=4, etp=1), dict(), False, dict(capacity_factor=1.0)),  # dropping, TP=CP=1
 ]
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
 
@@ -44,16 +50,33 @@ BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny"
 def _job(model_name, parallel, train, distributed, moe):
     model = get_preset(model_name, **MODELS[model_name])
     return JobConfig(
-        model=model, moe=moe_config_for(model, moe), parallel=ParallelConfig(**parallel),
-        train=TrainConfig(**{**dict(steps=STEPS, global_batch_size=8, micro_batch_size=1, seq_length=16,
-                                    eval_interval=0, seed=7), **train}),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, decay_style="cosine", clip_grad=1.0,
-                          weight_decay=0.01, eps=1e-6, distributed=distributed),
-        data=DataConfig(), logging=LoggingConfig(metrics_file="metrics.jsonl", console=False, wandb=WandbConfig(mode="disabled")))
+        model=model,
+        moe=moe_config_for(model, moe),
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(
+            **{
+                **dict(steps=STEPS, global_batch_size=8, micro_batch_size=1, seq_length=16, eval_interval=0, seed=7),
+                **train,
+            }
+        ),
+        optim=OptimConfig(
+            lr=3e-3,
+            min_lr=3e-4,
+            warmup_steps=2,
+            decay_style="cosine",
+            clip_grad=1.0,
+            weight_decay=0.01,
+            eps=1e-6,
+            distributed=distributed,
+        ),
+        data=DataConfig(),
+        logging=LoggingConfig(metrics_file="metrics.jsonl", console=False, wandb=WandbConfig(mode="disabled")),
+    )
 
 
 def _train(cases, run_dir, with_params=True):
     from folding.training import trainer
+
     out = []
     for args in cases:
         job = _job(*args)
@@ -86,7 +109,7 @@ def _full(entries):
 def test_layouts_train_like_one_rank(ranks, tmp_path):
     refs = {}
     for key in {(m, tuple(sorted(moe.items()))) for m, _, _, _, moe in CASES}:
-        (losses, norms, params), = ranks(1).run(_train, [(key[0], {}, {}, False, dict(key[1]))], str(tmp_path))[0]
+        ((losses, norms, params),) = ranks(1).run(_train, [(key[0], {}, {}, False, dict(key[1]))], str(tmp_path))[0]
         refs[key] = (losses, norms, {n: t.reshape(s.full_shape) for n, (s, t) in params.items()})
     # one call per case, each well inside the pool's timeout on a slow machine
     results = [ranks(8).run(_train, [case], str(tmp_path)) for case in CASES]
@@ -115,8 +138,9 @@ def test_layouts_train_like_one_rank(ranks, tmp_path):
 
 def test_bf16_tracks_fp32(ranks, tmp_path):
     fp32 = ranks(8).run(_train, [(m, p, {}, False, {}) for m, p in BF16_CASES], str(tmp_path), False)[0]
-    bf16 = ranks(8).run(_train, [(m, p, dict(precision="bf16"), False, {}) for m, p in BF16_CASES],
-                        str(tmp_path), False)[0]
+    bf16 = ranks(8).run(
+        _train, [(m, p, dict(precision="bf16"), False, {}) for m, p in BF16_CASES], str(tmp_path), False
+    )[0]
     for (l32, _, _), (l16, _, _), case in zip(fp32, bf16, BF16_CASES):
         for step, (a, b) in enumerate(zip(l16, l32)):
             assert abs(a - b) <= 1e-2 * abs(b), (case, step + 1, a, b)

@@ -1,4 +1,5 @@
 """The rank pool reports a failing rank's traceback and times out instead of hanging."""
+
 import pytest
 import torch
 import torch.distributed as dist

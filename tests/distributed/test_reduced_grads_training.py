@@ -7,17 +7,17 @@ of it: non-distributed optimizer) is compared with the matching slice of the 1-r
 sequence parallelism (norm and router gradients summed over TP), EP4 with EDP 1 != DP 2 and EP2 x
 ETP2 with EDP 1 != DP 4 (expert gradients over EDP, dense over DP x CP).
 """
+
 import dataclasses
 
-import torch
 import torch.distributed as dist
 
 from folding.model.hf import resolve_spec
 from folding.model.init import take_slice
+from folding.model.moe_block import moe_factory_for
 from folding.model.transformer import MoETransformer
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.model.moe_block import moe_factory_for
 from folding.training import trainer
 from tests.distributed.test_loss_weighting import GB, _global_batch
 from tests.distributed.test_train_e2e import tiny_job
@@ -26,9 +26,8 @@ MBS = 1
 
 
 def _job(parallel, run_dir):
-    job = tiny_job(parallel, f"{run_dir}/m.jsonl", steps=1, micro_batch_size=MBS, global_batch_size=GB,
-                   eval_interval=0)
-    assert job.moe.aux_loss_coeff > 0          # the preset's aux loss is on: its weight is checked too
+    job = tiny_job(parallel, f"{run_dir}/m.jsonl", steps=1, micro_batch_size=MBS, global_batch_size=GB, eval_interval=0)
+    assert job.moe.aux_loss_coeff > 0  # the preset's aux loss is on: its weight is checked too
     return dataclasses.replace(job, optim=dataclasses.replace(job.optim, distributed=False))
 
 
@@ -41,8 +40,12 @@ def _reduced(cases, run_dir):
         ids, labels, mask = _global_batch(job.model.vocab_size)
         per = GB // prep.layout.dp
         lo = prep.dp_rank * per
-        prep.data.train = iter([{"tokens": ids[i:i + MBS], "labels": labels[i:i + MBS],
-                                 "loss_mask": mask[i:i + MBS]} for i in range(lo, lo + per, MBS)])
+        prep.data.train = iter(
+            [
+                {"tokens": ids[i : i + MBS], "labels": labels[i : i + MBS], "loss_mask": mask[i : i + MBS]}
+                for i in range(lo, lo + per, MBS)
+            ]
+        )
         seen, built = {}, []
         real_build = trainer.build_stage_chunks
 
@@ -51,11 +54,12 @@ def _reduced(cases, run_dir):
             return built
 
         def snapshot(self):
-            res = real(self)   # reduces, clips (the norm is returned), steps; main_grad stays reduced
-            chunk = built[0]   # pp = 1: one chunk; its groups are alive until train() returns
+            res = real(self)  # reduces, clips (the norm is returned), steps; main_grad stays reduced
+            chunk = built[0]  # pp = 1: one chunk; its groups are alive until train() returns
             for name, p in chunk.named_parameters():
                 seen[name] = (p.main_grad.detach().clone().view(p.shape), resolve_spec(name, p, chunk).shards)
             return res
+
         FoldedOptimizer.clip_and_step, trainer.build_stage_chunks = snapshot, build
         try:
             trainer.train(job, run_dir=run_dir, prepared=prep)
@@ -68,23 +72,25 @@ def _reduced(cases, run_dir):
 def _reference(run_dir):
     job = _job({}, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe),
-                               init_seed=job.train.seed)
+        model = MoETransformer(
+            job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe), init_seed=job.train.seed
+        )
         for m in model.modules():
             if hasattr(m, "aux_loss_scale"):
-                m.aux_loss_scale = 1.0 / (GB // MBS)   # each micro-batch's aux loss, averaged
+                m.aux_loss_scale = 1.0 / (GB // MBS)  # each micro-batch's aux loss, averaged
         ids, labels, mask = _global_batch(job.model.vocab_size)
         n = mask.sum()
         for i in range(0, GB, MBS):
-            loss = (model(ids[i:i + MBS], labels=labels[i:i + MBS]) * mask[i:i + MBS]).sum() / n
+            loss = (model(ids[i : i + MBS], labels=labels[i : i + MBS]) * mask[i : i + MBS]).sum() / n
             loss.backward()
         return {name: (p.grad.clone(), resolve_spec(name, p, model).full_shape) for name, p in model.named_parameters()}
 
 
 def test_reduced_gradients_match_one_rank_tensor_by_tensor(ranks, tmp_path):
     ref = ranks(1).run(_reference, str(tmp_path / "ref"))[0]
-    results = ranks(4).run(_reduced, [dict(tp=2, ep=2, etp=1), dict(tp=2, ep=4, etp=1), dict(ep=2, etp=2)],
-                           str(tmp_path / "four"))
+    results = ranks(4).run(
+        _reduced, [dict(tp=2, ep=2, etp=1), dict(tp=2, ep=4, etp=1), dict(ep=2, etp=2)], str(tmp_path / "four")
+    )
     checked = 0
     for rank_out in results:
         for parallel, grads in rank_out:

@@ -2,11 +2,11 @@
 micro-batch: aux / seq-aux / global-aux / z-loss values (shares summed over their group), routing
 outputs, and gate-weight gradients (sequence-parallel partial grads summed over TP×CP, plus DP for
 global_aux_loss). Expert bias: one update per global batch moves every rank's bias identically."""
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from folding.moe import routing as R
 from folding.moe.config import MoEConfig
 from folding.moe.router import Router
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -25,8 +25,11 @@ CONFIGS = [
     dict(aux_loss_type="seq_aux_loss", router_dtype="fp64", padding=True),
     dict(aux_loss_type="global_aux_loss", router_dtype="fp64", z_loss_coeff=0.0, padding=True),
 ]
-LAYOUTS = {1: [dict()], 2: [dict(tp=2), dict(cp=2)],
-           4: [dict(tp=2, cp=2), dict(tp=4), dict(cp=4), dict(tp=2, dp=2), dict(cp=2, dp=2), dict(dp=4)]}
+LAYOUTS = {
+    1: [dict()],
+    2: [dict(tp=2), dict(cp=2)],
+    4: [dict(tp=2, cp=2), dict(tp=4), dict(cp=4), dict(tp=2, dp=2), dict(cp=2, dp=2), dict(dp=4)],
+}
 MICRO_BATCHES = 2
 
 
@@ -68,19 +71,27 @@ def _run(router, batches, rows, padding):
 def _rank_fn(layout_kws, cfg_kws):
     results = []
     for lkw in layout_kws:
-        ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **{k: v for k, v in lkw.items() if k != "dp"}))
+        ps = build_parallel_state(
+            ParallelLayout(world_size=dist.get_world_size(), **{k: v for k, v in lkw.items() if k != "dp"})
+        )
         try:
             assert ps.dp_size == lkw.get("dp", 1)
             rows = _positions(ps.tp_size, ps.cp_size, ps.tp_rank, ps.cp_rank)
             for ckw in cfg_kws:
-                r = Router(hidden_size=H, config=_cfg(ckw), tp_cp_group=ps.tp_cp_group,
-                           tp_dp_cp_group=ps.tp_dp_cp_group, init_seed=5, layer_number=2)
+                r = Router(
+                    hidden_size=H,
+                    config=_cfg(ckw),
+                    tp_cp_group=ps.tp_cp_group,
+                    tp_dp_cp_group=ps.tp_dp_cp_group,
+                    init_seed=5,
+                    layer_number=2,
+                )
                 batches = [_inputs(ps.dp_rank, mb) for mb in range(MICRO_BATCHES)]
                 runs = _run(r, batches, rows, ckw.get("padding", False))
-                logged = r.reduced_losses()          # collective: whole-micro-batch values
+                logged = r.reduced_losses()  # collective: whole-micro-batch values
                 grad = r.weight.grad.clone()
                 group = ps.tp_dp_cp_group if ckw["aux_loss_type"] == "global_aux_loss" else ps.tp_cp_group
-                dist.all_reduce(grad, group=group)   # sum the sequence-parallel partial gradients
+                dist.all_reduce(grad, group=group)  # sum the sequence-parallel partial gradients
                 shares = [run[0] for run in runs]
                 totals = []
                 for mb_losses in shares:
@@ -91,9 +102,19 @@ def _rank_fn(layout_kws, cfg_kws):
                         dist.all_reduce(s, group=grp)
                         t[name] = s.item()
                     totals.append(t)
-                results.append(dict(layout=lkw, cfg=ckw, dp_rank=ps.dp_rank, rows=rows.tolist(), totals=totals,
-                                    logged=logged, grad=grad, probs=[run[1] for run in runs],
-                                    maps=[run[2] for run in runs]))
+                results.append(
+                    dict(
+                        layout=lkw,
+                        cfg=ckw,
+                        dp_rank=ps.dp_rank,
+                        rows=rows.tolist(),
+                        totals=totals,
+                        logged=logged,
+                        grad=grad,
+                        probs=[run[1] for run in runs],
+                        maps=[run[2] for run in runs],
+                    )
+                )
         finally:
             ps.destroy()
     return results
@@ -151,24 +172,35 @@ def test_router_losses_and_grads_match_one_rank(ranks, world):
 def _bias_fn(rate):
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), tp=2))
     try:
-        cfg = MoEConfig(num_experts=E, topk=2, ffn_hidden_size=8, expert_bias=True, expert_bias_update_rate=rate,
-                        aux_loss_type="none")
+        cfg = MoEConfig(
+            num_experts=E,
+            topk=2,
+            ffn_hidden_size=8,
+            expert_bias=True,
+            expert_bias_update_rate=rate,
+            aux_loss_type="none",
+        )
         r = Router(hidden_size=H, config=cfg, tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group)
         with torch.no_grad():
-            r.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.2, 0.1]))   # a bias from earlier steps
+            r.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.2, 0.1]))  # a bias from earlier steps
         start = r.expert_bias.clone()
         counts = torch.zeros(E)
         probs_ok = True
-        for mb in range(3):                                          # one global batch
+        for mb in range(3):  # one global batch
             x = torch.randn(5, H, generator=torch.Generator().manual_seed(10 * dist.get_rank() + mb))
-            x[:, 0] += 2.0                                           # skew the load
+            x[:, 0] += 2.0  # skew the load
             probs, rmap = r(x)
             counts += rmap.sum(0)
             raw = torch.softmax(torch.where(rmap, x @ r.weight.detach().T, float("-inf")), -1)
-            probs_ok &= torch.allclose(probs, raw, atol=1e-6)       # selection only: probs unbiased
+            probs_ok &= torch.allclose(probs, raw, atol=1e-6)  # selection only: probs unbiased
         r.update_expert_bias()
-        return dict(start=start, bias=r.expert_bias.clone(), counts=counts, probs_ok=probs_ok,
-                    left=r.local_tokens_per_expert.clone())
+        return dict(
+            start=start,
+            bias=r.expert_bias.clone(),
+            counts=counts,
+            probs_ok=probs_ok,
+            left=r.local_tokens_per_expert.clone(),
+        )
     finally:
         ps.destroy()
 
@@ -176,11 +208,11 @@ def _bias_fn(rate):
 def test_expert_bias_update_is_global_and_balancing(ranks):
     rate = 0.01
     res = ranks(4).run(_bias_fn, rate)
-    total = sum(r["counts"] for r in res)                           # counts over TP×DP×CP
+    total = sum(r["counts"] for r in res)  # counts over TP×DP×CP
     step = torch.sign(total.mean() - total) * rate
-    assert (step > 0).any() and (step < 0).any()                      # the case is unbalanced
+    assert (step > 0).any() and (step < 0).any()  # the case is unbalanced
     for r in res:
         assert r["probs_ok"]
         assert not r["left"].any()
-        torch.testing.assert_close(r["bias"], r["start"] + step)     # ±rate towards balance
-        assert torch.equal(r["bias"], res[0]["bias"])                # identical on every rank
+        torch.testing.assert_close(r["bias"], r["start"] + step)  # ±rate towards balance
+        assert torch.equal(r["bias"], res[0]["bias"])  # identical on every rank

@@ -6,6 +6,7 @@ DP rank from the folded layout, and the assembled global batches must equal the 
 - 3 layouts with DP = 4, 2, 1 on 4 ranks: identical global batches at every step, blended data.
 - 4 ranks building the embedded corpus and the sample-index caches at once get identical results.
 """
+
 import hashlib
 import os
 
@@ -40,8 +41,7 @@ def _epoch_and_resume(cfg_kwargs, steps, resume_after):
     ps = build_parallel_state(layout)
     try:
         assert layout.dp == 2 and layout.edp == 1
-        kw = dict(seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=ps.dp_rank,
-                  dp_size=layout.dp)
+        kw = dict(seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=ps.dp_rank, dp_size=layout.dp)
         data = build_data(DataConfig(**cfg_kwargs), **kw)
         n_micro = data.train.num_micro_batches
         full = _take(data.train, steps * n_micro)
@@ -52,15 +52,23 @@ def _epoch_and_resume(cfg_kwargs, steps, resume_after):
         second = build_data(DataConfig(**cfg_kwargs), **kw)
         second.load_state_dict(state)
         rest = _take(second.train, steps * n_micro - resume_after)
-        return {"dp_rank": ps.dp_rank, "tp_rank": ps.tp_rank, "ep_rank": ps.ep_rank, "full": full,
-                "resumed": part + rest, "n_epoch": data.train.dataset.samples_per_epoch, "n_micro": n_micro}
+        return {
+            "dp_rank": ps.dp_rank,
+            "tp_rank": ps.tp_rank,
+            "ep_rank": ps.ep_rank,
+            "full": full,
+            "resumed": part + rest,
+            "n_epoch": data.train.dataset.samples_per_epoch,
+            "n_micro": n_micro,
+        }
     finally:
         ps.destroy()
 
 
 def _reference_global_batches(cfg_kwargs, steps):
-    data = build_data(DataConfig(**cfg_kwargs), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS,
-                      dp_rank=0, dp_size=1)
+    data = build_data(
+        DataConfig(**cfg_kwargs), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0, dp_size=1
+    )
     return [_take(data.train, GBS // MBS) for _ in range(steps)]
 
 
@@ -70,8 +78,7 @@ def _assemble(results, steps, n_micro):
     for r in results:
         by_dp.setdefault(r["dp_rank"], r)
     dp = len(by_dp)
-    return [[mb for d in range(dp) for mb in by_dp[d]["full"][s * n_micro:(s + 1) * n_micro]]
-            for s in range(steps)]
+    return [[mb for d in range(dp) for mb in by_dp[d]["full"][s * n_micro : (s + 1) * n_micro]] for s in range(steps)]
 
 
 def _same(a, b):
@@ -81,10 +88,16 @@ def _same(a, b):
 def test_epoch_once_and_exact_resume_dp2_ep4(ranks, tmp_path):
     _write(str(tmp_path / "a"), 60, 0)
     cfg = dict(paths=[str(tmp_path / "a")], split="90,10,0", cache_dir=str(tmp_path / "cache"), seed=7)
-    ref_probe = build_data(DataConfig(**{**cfg, "cache_dir": str(tmp_path / "ref-cache")}), seq_length=SEQ,
-                           global_batch_size=GBS, micro_batch_size=MBS, dp_rank=0, dp_size=1)
+    ref_probe = build_data(
+        DataConfig(**{**cfg, "cache_dir": str(tmp_path / "ref-cache")}),
+        seq_length=SEQ,
+        global_batch_size=GBS,
+        micro_batch_size=MBS,
+        dp_rank=0,
+        dp_size=1,
+    )
     n_epoch = ref_probe.train.dataset.samples_per_epoch
-    steps = -(-n_epoch // GBS) + 1                                  # more than one epoch
+    steps = -(-n_epoch // GBS) + 1  # more than one epoch
     results = ranks(4).run(_epoch_and_resume, cfg, steps, resume_after=3)
     n_micro = results[0]["n_micro"]
     assert n_micro == GBS // (2 * MBS) == 2 and all(r["n_epoch"] == n_epoch for r in results)
@@ -122,12 +135,19 @@ def _global_batches_for_layouts(cfg_kwargs, steps):
         layout = ParallelLayout(world_size=dist.get_world_size(), **kw)
         ps = build_parallel_state(layout)
         try:
-            data = build_data(DataConfig(**cfg_kwargs), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=1,
-                              dp_rank=ps.dp_rank, dp_size=layout.dp)
+            data = build_data(
+                DataConfig(**cfg_kwargs),
+                seq_length=SEQ,
+                global_batch_size=GBS,
+                micro_batch_size=1,
+                dp_rank=ps.dp_rank,
+                dp_size=layout.dp,
+            )
             n_micro = data.train.num_micro_batches
             full = _take(data.train, steps * n_micro)
-            out.append({"dp": layout.dp, "dp_rank": ps.dp_rank, "full": full, "n_micro": n_micro,
-                        "state": data.state_dict()})
+            out.append(
+                {"dp": layout.dp, "dp_rank": ps.dp_rank, "full": full, "n_micro": n_micro, "state": data.state_dict()}
+            )
         finally:
             ps.destroy()
     return out
@@ -136,28 +156,36 @@ def _global_batches_for_layouts(cfg_kwargs, steps):
 def test_global_batch_identical_across_layouts(ranks, tmp_path):
     _write(str(tmp_path / "a"), 50, 0)
     _write(str(tmp_path / "b"), 30, 120)
-    cfg = dict(paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[0.6, 0.4], split="9,1,0",
-               cache_dir=str(tmp_path / "cache"), seed=3, blend_block_size=8)
+    cfg = dict(
+        paths=[str(tmp_path / "a"), str(tmp_path / "b")],
+        weights=[0.6, 0.4],
+        split="9,1,0",
+        cache_dir=str(tmp_path / "cache"),
+        seed=3,
+        blend_block_size=8,
+    )
     steps = 5
     per_rank = ranks(4).run(_global_batches_for_layouts, cfg, steps)
-    ref_data = build_data(DataConfig(**cfg), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=1,
-                          dp_rank=0, dp_size=1)
+    ref_data = build_data(
+        DataConfig(**cfg), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=1, dp_rank=0, dp_size=1
+    )
     ref = [_take(ref_data.train, GBS) for _ in range(steps)]
-    assert {int(mb["dataset_index"].item()) for step in ref for mb in step} == {0, 1}   # a real blend
+    assert {int(mb["dataset_index"].item()) for step in ref for mb in step} == {0, 1}  # a real blend
     dps = []
     for li in range(len(LAYOUTS)):
         results = [r[li] for r in per_rank]
         dps.append(results[0]["dp"])
         got = _assemble(results, steps, results[0]["n_micro"])
         assert all(_same(g, r) for g, r in zip(got, ref)), LAYOUTS[li]
-        for r in results:   # ranks sharing a DP rank read the same micro-batches
+        for r in results:  # ranks sharing a DP rank read the same micro-batches
             peer = next(q for q in results if q["dp_rank"] == r["dp_rank"])
             assert _same(r["full"], peer["full"])
         assert all(r["state"]["train"]["consumed_samples"] == steps * GBS for r in results)
     assert dps == [4, 2, 1]
     # a state saved at a step boundary under DP=4 resumes under DP=1 on the same samples
-    resumed = build_data(DataConfig(**cfg), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=1,
-                         dp_rank=0, dp_size=1)
+    resumed = build_data(
+        DataConfig(**cfg), seq_length=SEQ, global_batch_size=GBS, micro_batch_size=1, dp_rank=0, dp_size=1
+    )
     state = per_rank[0][0]["state"]
     state["train"]["consumed_samples"] = 2 * GBS
     resumed.load_state_dict(state)
@@ -165,8 +193,9 @@ def test_global_batch_identical_across_layouts(ranks, tmp_path):
 
 
 def _corpus_at_once(cache_dir):
-    data = build_data(DataConfig(cache_dir=cache_dir), seq_length=64, global_batch_size=4, micro_batch_size=1,
-                      dp_rank=0, dp_size=1)
+    data = build_data(
+        DataConfig(cache_dir=cache_dir), seq_length=64, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=1
+    )
     with open(data.prefixes[0] + ".bin", "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     return digest, next(data.train)["tokens"], sorted(os.listdir(cache_dir))

@@ -6,6 +6,7 @@ slices of plain autograd on the full tensors, computed in each rank. The fused o
 shard for backward; the unfused path (all-gather, then ``F.linear``) keeps the gathered input, which
 shows that the check can fail.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -44,15 +45,25 @@ def _case(tp: int):
         n, r = group_size(grp), group_rank(grp)
         rows = lambda t: t.chunk(n, dim=0)[r].clone().requires_grad_()  # noqa: E731
         x, lw1, lb1, lw2 = rows(x_full), rows(w1), rows(b1), rows(w2)
-        cols = lambda t: t.chunk(n, dim=-1)[r]                          # noqa: E731
+        cols = lambda t: t.chunk(n, dim=-1)[r]  # noqa: E731
         (y1, y2), saved = _saved_shapes(lambda: gather_linears(x, [lw1, lw2], [lb1, None], grp))
         ((y1 * cols(cot1)).sum() + (y2 * cols(cot2)).sum()).backward()
         _, saved_unfused = _saved_shapes(
-            lambda: F.linear(gather_from_sequence_region(x.detach(), grp), lw1.detach().requires_grad_()))
-    return dict(out=(y1.detach(), cols(r1.detach()), y2.detach(), cols(r2.detach())),
-                grads=[(x.grad, rows(ref[0].grad)), (lw1.grad, rows(ref[1].grad)), (lb1.grad, rows(ref[2].grad)),
-                       (lw2.grad, rows(ref[3].grad))],
-                saved=saved, saved_unfused=saved_unfused, shard=tuple(x.shape), shard_numel=x.numel())
+            lambda: F.linear(gather_from_sequence_region(x.detach(), grp), lw1.detach().requires_grad_())
+        )
+    return dict(
+        out=(y1.detach(), cols(r1.detach()), y2.detach(), cols(r2.detach())),
+        grads=[
+            (x.grad, rows(ref[0].grad)),
+            (lw1.grad, rows(ref[1].grad)),
+            (lb1.grad, rows(ref[2].grad)),
+            (lw2.grad, rows(ref[3].grad)),
+        ],
+        saved=saved,
+        saved_unfused=saved_unfused,
+        shard=tuple(x.shape),
+        shard_numel=x.numel(),
+    )
 
 
 def test_gather_linears_match_one_rank_and_keep_only_the_shard(ranks):

@@ -1,34 +1,46 @@
 """End-to-end tiny training runs inside the gloo rank pool: a folded layout trains like 1 rank, the
 metrics file has one train record per step, and a NaN loss skips the update but not the schedule."""
+
 import json
 import math
 import os
 
-import pytest
-
-import torch
-import torch.distributed as dist
-
-from folding.model.presets import get_preset
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig, moe_config_for
-from folding.optim.config import OptimConfig
 from folding.data.config import DataConfig
+from folding.model.presets import get_preset
+from folding.optim.config import OptimConfig
+from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig, moe_config_for
 
 STEPS = 3
 
 
 def tiny_job(parallel, metrics_file, **train):
     model = get_preset("mixtral_tiny", hidden_size=32, num_layers=2, moe_ffn_hidden_size=32)
-    return JobConfig(model=model, moe=moe_config_for(model, {}), parallel=ParallelConfig(**parallel),
-                     train=TrainConfig(**{**dict(steps=STEPS, global_batch_size=8, micro_batch_size=2,
-                                                  seq_length=16, eval_interval=STEPS, eval_steps=1), **train}),
-                     optim=OptimConfig(lr=1e-3, warmup_steps=0, decay_style="constant", clip_grad=1.0),
-                     data=DataConfig(), logging=LoggingConfig(metrics_file=metrics_file, console=False,
-                                                              wandb=WandbConfig(mode="disabled")))
+    return JobConfig(
+        model=model,
+        moe=moe_config_for(model, {}),
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(
+            **{
+                **dict(
+                    steps=STEPS,
+                    global_batch_size=8,
+                    micro_batch_size=2,
+                    seq_length=16,
+                    eval_interval=STEPS,
+                    eval_steps=1,
+                ),
+                **train,
+            }
+        ),
+        optim=OptimConfig(lr=1e-3, warmup_steps=0, decay_style="constant", clip_grad=1.0),
+        data=DataConfig(),
+        logging=LoggingConfig(metrics_file=metrics_file, console=False, wandb=WandbConfig(mode="disabled")),
+    )
 
 
 def _train_layouts(run_dir, layouts, nan_step):
     from folding.training import trainer
+
     out = []
     for i, parallel in enumerate(layouts):
         job = tiny_job(parallel, os.path.join(run_dir, f"m{i}.jsonl"))
@@ -43,6 +55,7 @@ def _train_layouts(run_dir, layouts, nan_step):
             res["lm_loss_sum"] = res["lm_loss_sum"] * float("nan")
         poisoned.calls += 0 if kw.get("forward_only") else 1
         return res
+
     poisoned.calls = 0
     trainer.run_microbatches = poisoned
     try:
@@ -54,8 +67,7 @@ def _train_layouts(run_dir, layouts, nan_step):
 
 def test_folded_layout_trains_like_one_rank(ranks, tmp_path):
     single = ranks(1).run(_train_layouts, str(tmp_path / "one"), [dict()], 2)[0]
-    multi = ranks(4).run(_train_layouts, str(tmp_path / "four"),
-                         [dict(tp=2, ep=4, etp=1), dict(ep=2, etp=1)], 2)
+    multi = ranks(4).run(_train_layouts, str(tmp_path / "four"), [dict(tp=2, ep=4, etp=1), dict(ep=2, etp=1)], 2)
     ref = single[0]
     for r in range(4):
         for hist in multi[r][:2]:
@@ -69,8 +81,20 @@ def test_folded_layout_trains_like_one_rank(ranks, tmp_path):
     train = [r for r in recs if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert any(r["kind"] == "eval" for r in recs)
-    for key in ("loss", "lm_loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib",
-                "load_min", "load_max", "load_imbalance", "dropped_fraction"):
+    for key in (
+        "loss",
+        "lm_loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "mem_gib",
+        "load_min",
+        "load_max",
+        "load_imbalance",
+        "dropped_fraction",
+    ):
         assert key in train[0], key
     assert len(train[0]["load_imbalance"]) == 2 and train[0]["dropped_fraction"] == 0.0
     # NaN at step 2: skipped, parameters unchanged, the LR schedule advanced

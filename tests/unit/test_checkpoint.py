@@ -2,6 +2,7 @@
 with the marker; the latest of a directory; a restarted job's own directory), pruning that leaves
 foreign files alone, the model-compatibility check that runs before any tensor is read, and blocks
 saved in one sharding and read back in another through DCP."""
+
 import dataclasses
 import json
 import os
@@ -37,8 +38,8 @@ def test_only_published_checkpoints_with_marker_count(tmp_path):
     root = str(tmp_path)
     _fake_checkpoint(root, 2)
     _fake_checkpoint(root, 5)
-    _fake_checkpoint(root, 7, complete=False)                               # crashed before its marker
-    _fake_checkpoint(root, 9, name="step_00000009.tmp-123-456")              # crashed before its rename
+    _fake_checkpoint(root, 7, complete=False)  # crashed before its marker
+    _fake_checkpoint(root, 9, name="step_00000009.tmp-123-456")  # crashed before its rename
     open(os.path.join(root, "notes.txt"), "w").close()
     assert [s for s, _ in ck.list_complete(root)] == [2, 5]
     assert ck.latest_complete(root).endswith("step_00000005")
@@ -48,12 +49,12 @@ def test_only_published_checkpoints_with_marker_count(tmp_path):
 
 def test_resolve_resume(tmp_path):
     root = str(tmp_path)
-    assert ck.resolve_resume(CheckpointConfig(dir=root)) is None            # empty dir: a fresh start
+    assert ck.resolve_resume(CheckpointConfig(dir=root)) is None  # empty dir: a fresh start
     two = _fake_checkpoint(root, 2)
     _fake_checkpoint(root, 4)
-    assert ck.resolve_resume(CheckpointConfig(dir=root)).endswith("step_00000004")   # torchrun restart
+    assert ck.resolve_resume(CheckpointConfig(dir=root)).endswith("step_00000004")  # torchrun restart
     assert ck.resolve_resume(CheckpointConfig(load=root)).endswith("step_00000004")  # a directory of them
-    assert ck.resolve_resume(CheckpointConfig(load=two, dir=root)) == two           # an explicit one wins
+    assert ck.resolve_resume(CheckpointConfig(load=two, dir=root)) == two  # an explicit one wins
     bad = _fake_checkpoint(root, 6, complete=False)
     with pytest.raises(ConfigError, match="incomplete checkpoint"):
         ck.resolve_resume(CheckpointConfig(load=bad))
@@ -76,12 +77,13 @@ def test_prune_keeps_newest_and_foreign_files(tmp_path):
 
 
 def test_another_model_fails_before_any_tensor(tmp_path):
-    path = _fake_checkpoint(str(tmp_path), 3, job=_job(num_layers=3))      # meta only: no tensor files exist
+    path = _fake_checkpoint(str(tmp_path), 3, job=_job(num_layers=3))  # meta only: no tensor files exist
     meta = ck.read_meta(path)
     with pytest.raises(ConfigError, match=r"model\.num_layers: checkpoint 3, this job 4"):
         ck.check_compatible(meta, _job(num_layers=4))
-    ck.check_compatible(meta, _job(num_layers=3, init_std=0.5))             # init_std changes no tensor
+    ck.check_compatible(meta, _job(num_layers=3, init_std=0.5))  # init_std changes no tensor
     from folding.training.trainer import prepare
+
     job = dataclasses.replace(_job(num_layers=4), checkpoint=CheckpointConfig(load=path))
     with pytest.raises(ConfigError, match="another model"):
         prepare(job, world_size=1, rank=0)
@@ -105,24 +107,31 @@ def test_blocks_reshard_through_dcp(tmp_path):
     """Save a full [E=4, 2, F=6, H=3] expert tensor, read it back as EP4 blocks and as an EP2 x ETP3
     block held as [E/EP, 2*F/ETP, H] (sharded saves from many ranks: tests/distributed)."""
     from folding.model.init import InitSpec
+
     full = torch.arange(4 * 2 * 6 * 3, dtype=torch.float32).view(4, 2, 6, 3)
     whole = Block.whole(full.clone())
     dcp.save({"w": whole}, checkpoint_id=str(tmp_path / "c"), planner=BlockSavePlanner(), no_dist=True)
     for ep in range(4):
         spec = InitSpec(tuple(full.shape), ((0, ep, 4),))
         dest = torch.zeros(1, 2 * 6, 3)
-        dcp.load({"w": Block.for_spec(dest, spec)}, checkpoint_id=str(tmp_path / "c"), planner=BlockLoadPlanner(),
-                 no_dist=True)
-        assert torch.equal(dest, full[ep:ep + 1].reshape(1, 12, 3))
+        dcp.load(
+            {"w": Block.for_spec(dest, spec)},
+            checkpoint_id=str(tmp_path / "c"),
+            planner=BlockLoadPlanner(),
+            no_dist=True,
+        )
+        assert torch.equal(dest, full[ep : ep + 1].reshape(1, 12, 3))
     spec = InitSpec(tuple(full.shape), ((0, 1, 2), (2, 2, 3)))
     dest = torch.zeros(2, 4, 3)
-    dcp.load({"w": Block.for_spec(dest, spec)}, checkpoint_id=str(tmp_path / "c"), planner=BlockLoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        {"w": Block.for_spec(dest, spec)}, checkpoint_id=str(tmp_path / "c"), planner=BlockLoadPlanner(), no_dist=True
+    )
     assert torch.equal(dest, full[2:4, :, 4:6].reshape(2, 4, 3))
 
 
 def test_block_rejects_mismatched_shapes():
     from folding.model.init import InitSpec
+
     with pytest.raises(ValueError, match="not the block"):
         Block.for_spec(torch.zeros(5), InitSpec((4, 2), ((0, 0, 2),)))
     with pytest.raises(ValueError, match="exceeds"):
@@ -148,8 +157,10 @@ class _Experts(torch.nn.Module):
 
 def test_fp8_state_saved_per_rank_and_restored_only_into_the_same_experts(tmp_path):
     from folding.training.checkpoint import _fp8_states, _load_fp8_states
-    saved_chunks = [torch.nn.ModuleDict({"a": _Experts(0, {"expert_offset": 0, "scale": torch.ones(2)}),
-                                         "b": _Experts(4)})]           # b never ran TE: nothing saved
+
+    saved_chunks = [
+        torch.nn.ModuleDict({"a": _Experts(0, {"expert_offset": 0, "scale": torch.ones(2)}), "b": _Experts(4)})
+    ]  # b never ran TE: nothing saved
     states = _fp8_states(saved_chunks)
     assert list(states) == [(0, "a")]
     path = tmp_path / "rank_0.pt"
@@ -157,8 +168,8 @@ def test_fp8_state_saved_per_rank_and_restored_only_into_the_same_experts(tmp_pa
     same = [torch.nn.ModuleDict({"a": _Experts(0), "b": _Experts(4)})]
     _load_fp8_states(same, str(path))
     assert torch.equal(same[0]["a"].loaded["scale"], torch.ones(2))
-    other = [torch.nn.ModuleDict({"a": _Experts(2), "b": _Experts(4)})]   # another layout's experts
+    other = [torch.nn.ModuleDict({"a": _Experts(2), "b": _Experts(4)})]  # another layout's experts
     with pytest.warns(UserWarning, match="0 of 1 expert modules restored"):
         _load_fp8_states(other, str(path))
     assert other[0]["a"].loaded is None
-    _load_fp8_states(same, str(tmp_path / "absent.pt"))   # no FP8 state saved: nothing to do
+    _load_fp8_states(same, str(tmp_path / "absent.pt"))  # no FP8 state saved: nothing to do

@@ -1,19 +1,19 @@
 """The job configuration: Hydra composition on the typed schema, model YAML == presets, recipes, and
 bad configs that fail before any process group with the setting named."""
+
 import dataclasses
 import os
 
 import pytest
 import yaml
-
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from folding.model.presets import get_preset, list_presets
 from folding.training.config import ConfigError, job_config_from_dict
+from folding.training.dry_run import dry_run_report
 from folding.training.schema import register_schema
 from folding.training.validate import validate_job
-from folding.training.dry_run import dry_run_report
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 register_schema()
@@ -43,24 +43,35 @@ def test_every_model_yaml_is_a_preset():
 
 
 def test_defaults_and_overrides_reach_typed_config():
-    j = job("parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "model.hidden_size=128", "moe.capacity_factor=1.5",
-            "train.steps=7", "optim.lr=0.001", "logging.wandb.mode=disabled")
+    j = job(
+        "parallel.tp=2",
+        "parallel.ep=4",
+        "parallel.etp=1",
+        "model.hidden_size=128",
+        "moe.capacity_factor=1.5",
+        "train.steps=7",
+        "optim.lr=0.001",
+        "logging.wandb.mode=disabled",
+    )
     layout = validate_job(j, world_size=4)
     assert (layout.dp, layout.edp, layout.etp) == (2, 1, 1)
     assert j.model.hidden_size == 128 and j.model.name == "mixtral_tiny"
     assert j.moe.capacity_factor == 1.5 and j.moe.topk == j.model.topk == 2
-    assert j.moe.aux_loss_coeff == get_preset("mixtral_tiny").router_aux_loss_coef   # unset: the preset's
+    assert j.moe.aux_loss_coeff == get_preset("mixtral_tiny").router_aux_loss_coef  # unset: the preset's
     assert j.train.steps == 7 and j.optim.lr == 0.001 and j.logging.wandb.mode == "disabled"
     q = job("model=qwen2_moe_tiny")
     assert q.moe.pre_softmax is True and q.moe.shared_expert_ffn_hidden_size == 64
     assert job("moe.topk=1", "moe.pre_softmax=true").moe.topk == 1
 
 
-@pytest.mark.parametrize("recipe,world,expect", [
-    ("mixtral_8x7b", 64, "attention TP1 CP1 DP16 PP4 VPP8 | MoE ETP1 EP8 EDP2 PP4"),
-    ("mixtral_8x22b", 128, "attention TP2 CP1 DP8 PP8 | MoE ETP1 EP8 EDP2 PP8"),
-    ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
-])
+@pytest.mark.parametrize(
+    "recipe,world,expect",
+    [
+        ("mixtral_8x7b", 64, "attention TP1 CP1 DP16 PP4 VPP8 | MoE ETP1 EP8 EDP2 PP4"),
+        ("mixtral_8x22b", 128, "attention TP2 CP1 DP8 PP8 | MoE ETP1 EP8 EDP2 PP8"),
+        ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
+    ],
+)
 def test_recipes_dry_run(recipe, world, expect):
     j = job(f"recipes={recipe}")
     assert j.parallel.world_size == world and j.train.precision == "bf16"
@@ -73,20 +84,20 @@ def test_recipes_dry_run(recipe, world, expect):
 
 # Each case: overrides, the world size, and the setting the message must name.
 BAD = [
-    (["parallel.tp=3"], 4, "parallel.tp"),                                   # world not divisible
-    (["parallel.tp=2", "parallel.ep=4"], 4, "parallel.etp"),                 # etp follows tp: 2*4 > 4
-    (["parallel.ep=3", "parallel.etp=1"], 3, "ep"),                          # 8 experts not divisible by 3
+    (["parallel.tp=3"], 4, "parallel.tp"),  # world not divisible
+    (["parallel.tp=2", "parallel.ep=4"], 4, "parallel.etp"),  # etp follows tp: 2*4 > 4
+    (["parallel.ep=3", "parallel.etp=1"], 3, "ep"),  # 8 experts not divisible by 3
     (["parallel.tp=0"], 4, "parallel.tp"),
-    (["parallel.vpp=2"], 4, "parallel.vpp"),                                 # vpp without pp
+    (["parallel.vpp=2"], 4, "parallel.vpp"),  # vpp without pp
     (["parallel.order=tp-xx-ep-dp-pp"], 4, "order"),
     (["parallel.world_size=8"], 4, "parallel.world_size"),
     (["train.steps=0"], 1, "train.steps"),
-    (["train.global_batch_size=10"], 4, "train.global_batch_size"),           # 10 % (2*4)
+    (["train.global_batch_size=10"], 4, "train.global_batch_size"),  # 10 % (2*4)
     (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),
     (["train.seq_length=-4"], 1, "train.seq_length"),
-    (["train.seq_length=8192"], 1, "train.seq_length"),                      # > max_position_embeddings
+    (["train.seq_length=8192"], 1, "train.seq_length"),  # > max_position_embeddings
     (["parallel.tp=2", "parallel.etp=1", "train.seq_length=63"], 2, "train.seq_length"),
-    (["parallel.cp=2", "train.seq_length=66"], 2, "train.seq_length"),       # needs a multiple of 2*cp
+    (["parallel.cp=2", "train.seq_length=66"], 2, "train.seq_length"),  # needs a multiple of 2*cp
     (["train.precision=fp16"], 1, "train.precision"),
     (["train.recompute=everything"], 1, "train.recompute"),
     (["train.eval_interval=-1"], 1, "train.eval_interval"),
@@ -100,12 +111,12 @@ BAD = [
     (["moe.topk=9"], 1, "topk"),
     (["moe.capacity_factor=-1.0"], 1, "moe.capacity_factor"),
     (["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load"),
-    (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),        # without checkpoint.dir
+    (["checkpoint.save_interval=5"], 1, "checkpoint.save_interval"),  # without checkpoint.dir
     (["checkpoint.keep_last=0", "checkpoint.dir=/tmp/x"], 1, "checkpoint.keep_last"),
     (["logging.interval=0"], 1, "logging.interval"),
     (["logging.wandb.mode=sometimes"], 1, "logging.wandb.mode"),
-    (["parallel.tp=3", "parallel.etp=1"], 3, "parallel.tp"),                # 8 heads not divisible by 3
-    (["parallel.pp=3"], 3, "pp"),                                            # 4 layers over 3 stages
+    (["parallel.tp=3", "parallel.etp=1"], 3, "parallel.tp"),  # 8 heads not divisible by 3
+    (["parallel.pp=3"], 3, "pp"),  # 4 layers over 3 stages
     (["parallel.etp=2", "model.moe_ffn_hidden_size=95"], 2, "parallel.etp"),  # expert FFN not divisible
     (["model.num_kv_heads=3"], 1, "model.num_kv_heads"),
     (["model.topk=0"], 1, "model.topk"),
@@ -118,6 +129,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,world,setting", BAD, ids=lambda x: None)
 def test_bad_config_names_the_setting(overrides, world, setting, monkeypatch):
     import torch.distributed as dist
+
     created = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: created.append(1))
     with pytest.raises(ConfigError) as err:
@@ -126,10 +138,13 @@ def test_bad_config_names_the_setting(overrides, world, setting, monkeypatch):
     assert not created
 
 
-@pytest.mark.parametrize("override", ["model=no_such_model", "train.steps=abc", "moe.no_such_key=1",
-                                      "parallel.tp=two", "train.no_such_key=1"])
+@pytest.mark.parametrize(
+    "override",
+    ["model=no_such_model", "train.steps=abc", "moe.no_such_key=1", "parallel.tp=two", "train.no_such_key=1"],
+)
 def test_hydra_rejects_unknown_keys_and_types(override):
     from hydra.errors import HydraException
+
     with pytest.raises(HydraException) as err:
         compose_tree(override)
     assert override.split("=")[0].split(".")[-1] in str(err.value) or "no_such_model" in str(err.value)

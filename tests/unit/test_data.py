@@ -1,4 +1,5 @@
 """GPT sample construction, splits, blends, the micro-batch iterator and the embedded corpus (1 process)."""
+
 import multiprocessing as mp
 import os
 
@@ -8,8 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folding.data import (BlendedDataset, DataConfig, GPTDataset, IndexedDataset, IndexedDatasetWriter,
-                          MicroBatchIterator, build_data, parse_split, split_ranges)
+from folding.data import (
+    BlendedDataset,
+    DataConfig,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    MicroBatchIterator,
+    build_data,
+    parse_split,
+    split_ranges,
+)
 from folding.data.cache import build_once
 
 EOD = 999
@@ -36,7 +46,7 @@ def reference_epoch(docs, doc_ids_in_order, seq_length):
     stream = [t for d in doc_ids_in_order for t in docs[d]]
     out = []
     for start in range(0, len(stream) - 1, seq_length):
-        out.append(stream[start: start + seq_length + 1])
+        out.append(stream[start : start + seq_length + 1])
     return out
 
 
@@ -52,27 +62,37 @@ def test_gpt_samples_match_naive_construction(tmp_path, multi_seq, seq_length):
         got = [ds[epoch * n + k] for k in range(n)]
         order_docs = [int(x) for x in ix.document_indices.searchsorted(ds._epoch(epoch)[0], side="right") - 1]
         doc_order = list(dict.fromkeys(order_docs))
-        assert sorted(doc_order) == list(range(3, 20))           # a permutation of the split's documents
+        assert sorted(doc_order) == list(range(3, 20))  # a permutation of the split's documents
         ref = reference_epoch(docs, doc_order, seq_length)
         assert len(ref) == n
         shuffle = ds._epoch(epoch)[2]
-        assert sorted(shuffle.tolist()) == list(range(n))        # each sample once per epoch
+        assert sorted(shuffle.tolist()) == list(range(n))  # each sample once per epoch
         for k, (tokens, n_real) in enumerate(got):
             want = ref[shuffle[k]]
             assert tokens[:n_real].tolist() == want and n_real == len(want)
             assert (tokens[n_real:] == EOD).all() and len(tokens) == seq_length + 1
     # epochs differ in order, instances with the same seed agree, another seed differs
     assert ds._epoch(0)[2].tolist() != ds._epoch(1)[2].tolist() or n < 3
-    again = GPTDataset(ix, documents=(3, 20), seq_length=seq_length, seed=5, stream="train/0", pad=EOD,
-                       cache_dir=str(tmp_path / "cache"))
+    again = GPTDataset(
+        ix,
+        documents=(3, 20),
+        seq_length=seq_length,
+        seed=5,
+        stream="train/0",
+        pad=EOD,
+        cache_dir=str(tmp_path / "cache"),
+    )
     assert all(np.array_equal(again[i][0], ds[i][0]) for i in range(2 * n))
     other = GPTDataset(ix, documents=(3, 20), seq_length=seq_length, seed=6, stream="train/0", pad=EOD)
     assert any(not np.array_equal(other[i][0], ds[i][0]) for i in range(n))
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=1, max_size=12),
-       st.integers(1, 9), st.integers(0, 3))
+@given(
+    st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=1, max_size=12),
+    st.integers(1, 9),
+    st.integers(0, 3),
+)
 def test_gpt_samples_property(tmp_path_factory, doc_seq_lengths, seq_length, seed):
     """Any document/sequence lengths (empty ones included): each epoch tiles its token stream."""
     path = str(tmp_path_factory.mktemp("p") / "d")
@@ -97,17 +117,17 @@ def test_gpt_samples_property(tmp_path_factory, doc_seq_lengths, seq_length, see
         by_position = [None] * n
         for k, sample in enumerate(samples):
             by_position[ds._epoch(epoch)[2][k]] = sample
-        stream = list(by_position[0][0][:by_position[0][1]])
+        stream = list(by_position[0][0][: by_position[0][1]])
         for tokens, real in by_position[1:]:
-            assert tokens[0] == stream[-1]                      # consecutive samples share one token
+            assert tokens[0] == stream[-1]  # consecutive samples share one token
             stream += tokens[1:real].tolist()
         assert all((t[r:] == -1).all() for t, r in by_position)
-        assert sorted(stream) == list(range(value))             # every token of the epoch exactly once
+        assert sorted(stream) == list(range(value))  # every token of the epoch exactly once
         # documents appear whole and contiguous in the stream
         for doc in docs:
             if doc:
                 at = stream.index(doc[0])
-                assert stream[at:at + len(doc)] == doc
+                assert stream[at : at + len(doc)] == doc
 
 
 def test_split_ranges_and_parse():
@@ -136,8 +156,8 @@ def test_blend_proportions_and_order(weights):
     w = np.asarray(weights) / sum(weights)
     for d in range(len(weights)):
         ks = [k for c, k in picks if c == d]
-        assert ks == list(range(len(ks)))                      # each component read in order, no gaps
-        for b in range(1, 11):                                  # exact at block boundaries (within 1)
+        assert ks == list(range(len(ks)))  # each component read in order, no gaps
+        for b in range(1, 11):  # exact at block boundaries (within 1)
             count = sum(1 for c, _ in picks[: b * m] if c == d)
             assert abs(count - w[d] * b * m) < 1.0 + 1e-9
         if w[d] == 0:
@@ -151,13 +171,13 @@ def test_blend_is_evenly_interleaved_inside_a_block():
     blend = BlendedDataset([Counter(), Counter()], [0.75, 0.25], block_size=16)
     comps = [blend[i][0] for i in range(16)]
     # 12 from component 0 and 4 from component 1, the latter spread out (one in every 4)
-    assert comps.count(1) == 4 and all(comps[4 * j: 4 * j + 4].count(1) == 1 for j in range(4))
+    assert comps.count(1) == 4 and all(comps[4 * j : 4 * j + 4].count(1) == 1 for j in range(4))
 
 
 def test_iterator_masks_and_resume(tmp_path):
     make_dataset(str(tmp_path / "d"), n_docs=11)
     ix = IndexedDataset(str(tmp_path / "d"))
-    assert (ix.num_tokens - 1) % 8                              # this data has a padded last sample
+    assert (ix.num_tokens - 1) % 8  # this data has a padded last sample
     ds = GPTDataset(ix, documents=(0, 11), seq_length=8, seed=1, stream="train/0", pad=EOD)
     kw = dict(global_batch_size=4, micro_batch_size=2, dp_rank=1, dp_size=2, seq_length=8, eod=EOD)
     it = MicroBatchIterator(ds, **kw)
@@ -192,18 +212,14 @@ def test_iterator_masks_and_resume(tmp_path):
 
 def test_mid_step_state_needs_same_batch_sizes(tmp_path):
     make_dataset(str(tmp_path / "d"), n_docs=5)
-    ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), documents=(0, 5), seq_length=4, seed=1,
-                    stream="t", pad=EOD)
-    it = MicroBatchIterator(ds, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=2, seq_length=4,
-                            eod=EOD)
+    ds = GPTDataset(IndexedDataset(str(tmp_path / "d")), documents=(0, 5), seq_length=4, seed=1, stream="t", pad=EOD)
+    it = MicroBatchIterator(ds, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=2, seq_length=4, eod=EOD)
     next(it)
-    other = MicroBatchIterator(ds, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=4,
-                               seq_length=4, eod=EOD)
+    other = MicroBatchIterator(ds, global_batch_size=4, micro_batch_size=1, dp_rank=0, dp_size=4, seq_length=4, eod=EOD)
     with pytest.raises(ValueError, match="middle of a step"):
         other.load_state_dict(it.state_dict())
     with pytest.raises(ValueError, match="global_batch_size=6 is not divisible"):
-        MicroBatchIterator(ds, global_batch_size=6, micro_batch_size=1, dp_rank=0, dp_size=4, seq_length=4,
-                           eod=EOD)
+        MicroBatchIterator(ds, global_batch_size=6, micro_batch_size=1, dp_rank=0, dp_size=4, seq_length=4, eod=EOD)
 
 
 def _byte_dataset(path, n_docs, base):
@@ -216,13 +232,20 @@ def _byte_dataset(path, n_docs, base):
 def test_build_data_blend_and_splits(tmp_path):
     _byte_dataset(str(tmp_path / "a"), 40, 0)
     _byte_dataset(str(tmp_path / "b"), 20, 100)
-    cfg = DataConfig(paths=[str(tmp_path / "a"), str(tmp_path / "b")], weights=[3, 1], split="8,1,1",
-                     cache_dir=str(tmp_path / "cache"), blend_block_size=16)
+    cfg = DataConfig(
+        paths=[str(tmp_path / "a"), str(tmp_path / "b")],
+        weights=[3, 1],
+        split="8,1,1",
+        cache_dir=str(tmp_path / "cache"),
+        blend_block_size=16,
+    )
     data = build_data(cfg, seq_length=8, global_batch_size=16, micro_batch_size=4, dp_rank=0, dp_size=1)
     # documents per split: a -> train 0..31, valid 32..35, test 36..39; b -> 0..15, 16..17, 18..19
-    allowed = {"train": (set(range(0, 32)), set(range(100, 116))),
-               "valid": (set(range(32, 36)), set(range(116, 118))),
-               "test": (set(range(36, 40)), set(range(118, 120)))}
+    allowed = {
+        "train": (set(range(0, 32)), set(range(100, 116))),
+        "valid": (set(range(32, 36)), set(range(116, 118))),
+        "test": (set(range(36, 40)), set(range(118, 120))),
+    }
     for name, it in (("train", data.train), ("valid", data.valid), ("test", data.test)):
         comps = []
         for _ in range(16):
@@ -232,25 +255,52 @@ def test_build_data_blend_and_splits(tmp_path):
                 comps.append(d)
                 values = set(mb["tokens"][row].tolist() + mb["labels"][row].tolist()) - {256}
                 assert values and values <= allowed[name][d], (name, d, values)
-        assert comps.count(0) == 48 and comps.count(1) == 16           # 3:1 exactly at block ends
+        assert comps.count(0) == 48 and comps.count(1) == 16  # 3:1 exactly at block ends
     text = data.describe()
     assert "train:" in text and "docs [0, 32)" in text and "docs [116" not in text and "weight 0.750" in text
     state = data.state_dict()
     assert state["train"]["consumed_samples"] == 64 and state["valid"]["consumed_samples"] == 64
     with pytest.raises(ValueError, match="'test' split of data.split='98,1,1'"):
-        build_data(DataConfig(paths=[str(tmp_path / "a")], split="98,1,1", cache_dir=str(tmp_path / "cache")),
-                   seq_length=8, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1)
-    assert build_data(DataConfig(paths=[str(tmp_path / "a")], split="9,1,0", cache_dir=str(tmp_path / "c")),
-                      seq_length=8, global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1).test is None
+        build_data(
+            DataConfig(paths=[str(tmp_path / "a")], split="98,1,1", cache_dir=str(tmp_path / "cache")),
+            seq_length=8,
+            global_batch_size=4,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_size=1,
+        )
+    assert (
+        build_data(
+            DataConfig(paths=[str(tmp_path / "a")], split="9,1,0", cache_dir=str(tmp_path / "c")),
+            seq_length=8,
+            global_batch_size=4,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_size=1,
+        ).test
+        is None
+    )
     make_dataset(str(tmp_path / "wide"), n_docs=3)
-    with pytest.raises(ValueError, match="token ids outside"):     # ids up to 3000 with the byte tokenizer
-        build_data(DataConfig(paths=[str(tmp_path / "wide")], cache_dir=str(tmp_path / "c")), seq_length=8,
-                   global_batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1)
+    with pytest.raises(ValueError, match="token ids outside"):  # ids up to 3000 with the byte tokenizer
+        build_data(
+            DataConfig(paths=[str(tmp_path / "wide")], cache_dir=str(tmp_path / "c")),
+            seq_length=8,
+            global_batch_size=4,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_size=1,
+        )
 
 
 def test_default_corpus_is_real_text(tmp_path):
-    data = build_data(DataConfig(cache_dir=str(tmp_path)), seq_length=256, global_batch_size=2,
-                      micro_batch_size=2, dp_rank=0, dp_size=1)
+    data = build_data(
+        DataConfig(cache_dir=str(tmp_path)),
+        seq_length=256,
+        global_batch_size=2,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_size=1,
+    )
     assert data.vocab_size == 257 and data.valid is not None and data.test is not None
     mb = next(data.train)
     text = data.tokenizer.decode(mb["tokens"][0].tolist())
@@ -258,16 +308,18 @@ def test_default_corpus_is_real_text(tmp_path):
     assert len(words) > 20 and sum(w.isalpha() for w in words) > len(words) / 3, text
     ix = IndexedDataset(data.prefixes[0])
     assert ix.num_documents > 1000 and ix.num_tokens > 1_000_000
-    assert all(int(ix[i][-1]) == 256 for i in range(0, len(ix), 97))     # EOD after every document
+    assert all(int(ix[i][-1]) == 256 for i in range(0, len(ix), 97))  # EOD after every document
 
 
 def _build_in_child(args):
     final, log = args
+
     def build(tmp):
         with open(log, "a") as f:
             f.write("built\n")
         with open(os.path.join(tmp, "x"), "w") as f:
             f.write("done")
+
     return open(os.path.join(build_once(final, build), "x")).read()
 
 

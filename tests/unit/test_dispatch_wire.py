@@ -1,4 +1,5 @@
 """Wire formats: exact bytes for ``none``, bounded error and byte counts for ``fp8`` / ``mxfp8``, clear errors."""
+
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def test_quantized_wire_error_and_bytes(fmt):
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 on normals, plus half a subnormal step
     # (2^-10 * scale) for the smallest values of a block/row; scale <= 2 * amax / 448
     amax = x.abs().amax(1, keepdim=True)
-    bound = 2.0 ** -4 * x.abs() + 2.0 ** -10 * 2 * amax / 448
+    bound = 2.0**-4 * x.abs() + 2.0**-10 * 2 * amax / 448
     assert ((x2 - x).abs() <= bound).all()
     assert (x2 != x).any()  # it did quantize
 
@@ -50,8 +51,9 @@ def test_zero_rows_round_trip(fmt):
 
 def test_mxfp8_halves_bf16_bytes():
     # (H + H/32) / 2H = 0.515625 for any H multiple of 32
-    assert payload_bytes_per_row("mxfp8", 1024, torch.bfloat16) / payload_bytes_per_row("none", 1024, torch.bfloat16) \
-        == pytest.approx(0.515625)
+    assert payload_bytes_per_row("mxfp8", 1024, torch.bfloat16) / payload_bytes_per_row(
+        "none", 1024, torch.bfloat16
+    ) == pytest.approx(0.515625)
 
 
 def test_check_wire_errors_name_the_setting():

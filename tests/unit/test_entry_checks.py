@@ -1,5 +1,6 @@
 """The entry point's checks before Hydra (one-line errors, key suggestions, ``data.split`` lists, dry
 runs), the thread-count rules, the run directory's helpers and the default warm-up clamp."""
+
 import io
 import json
 import os
@@ -17,6 +18,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 @pytest.fixture(autouse=True)
 def _schema():
     from folding.training.schema import register_schema
+
     register_schema()
 
 
@@ -42,7 +44,7 @@ def test_errors_are_one_line_printed_by_the_lead_process_only(capsys, monkeypatc
     status, out = _check(["model=nope"], capsys, monkeypatch)
     assert status == 2 and out.err.count("\n") == 1 and "mixtral_tiny, qwen2_57b_a14b" in out.err
     status, out = _check(["parallel.tp=3"], capsys, monkeypatch, local_rank="1")
-    assert status == 2 and out.err == "" and out.out == ""          # same check, silent on other ranks
+    assert status == 2 and out.err == "" and out.out == ""  # same check, silent on other ranks
     status, out = _check(["parallel.tp=3"], capsys, monkeypatch)
     assert out.err.startswith("error: world size 1 is not divisible by parallel.tp*cp*pp = 3*1*1")
 
@@ -52,7 +54,7 @@ def test_valid_job_goes_on_and_dry_run_stops_with_zero(capsys, monkeypatch, tmp_
     assert _check(["train.steps=2"], capsys, monkeypatch)[0] is None
     status, out = _check(["recipes=qwen2_57b_a14b", "train.dry_run=true"], capsys, monkeypatch)
     assert status == 0 and out.out.startswith("dry run: qwen2_57b_a14b on 64 ranks")
-    assert list(tmp_path.iterdir()) == []                          # nothing written
+    assert list(tmp_path.iterdir()) == []  # nothing written
     assert cli.check_command_line(["-m", "parallel.ep=1,2"], config_dir=CONFIGS) is None  # Hydra's sweep
 
 
@@ -67,17 +69,19 @@ def test_split_list_on_the_command_line(capsys, monkeypatch):
 
 def test_default_warmup_is_clamped_to_the_run_and_explicit_warmup_is_checked():
     base = {"model": {"name": "mixtral_tiny"}}
-    from folding.model.presets import get_preset
     import dataclasses
+
+    from folding.model.presets import get_preset
+
     base["model"] = dataclasses.asdict(get_preset("mixtral_tiny"))
     job = job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": None}})
     assert job.optim.warmup_steps == 1 and job.notes and "at most half of the 2-step schedule" in job.notes[0]
     job = job_config_from_dict({**base, "train": {"steps": 60}, "optim": {"warmup_steps": None}})
     assert job.optim.warmup_steps == 5 and job.notes == ()
     from folding.training.validate import validate_job
+
     with pytest.raises(ConfigError, match="optim.warmup_steps=5: exceeds the decay horizon"):
-        validate_job(job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": 5}}),
-                     world_size=1)
+        validate_job(job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": 5}}), world_size=1)
 
 
 def test_thread_count_rules(tmp_path):
@@ -89,8 +93,10 @@ def test_thread_count_rules(tmp_path):
     assert cgroup_cpu_limit(str(quota)) is None and cgroup_cpu_limit(str(tmp_path / "none")) is None
     assert pick_threads(3, env={"OMP_NUM_THREADS": "1"}) == (3, "train.threads")
     assert pick_threads(None, env={"OMP_NUM_THREADS": "1"}) == (1, "OMP_NUM_THREADS=1")
-    assert pick_threads(None, env={"LOCAL_WORLD_SIZE": "4"}, cpus=16) == \
-        (4, "16 usable CPUs / 4 processes on this node")
+    assert pick_threads(None, env={"LOCAL_WORLD_SIZE": "4"}, cpus=16) == (
+        4,
+        "16 usable CPUs / 4 processes on this node",
+    )
     assert pick_threads(None, env={"LOCAL_WORLD_SIZE": "8"}, cpus=2)[0] == 1
     assert pick_threads(None, env={}, cpus=2) == (2, "2 usable CPUs / 1 process on this node")
 
@@ -116,6 +122,7 @@ def test_run_directory_helpers(tmp_path):
     log.echo("step line")
     log.echo("log only", console=False)
     import logging
+
     log.capture_records()
     logging.getLogger("folding.test").warning("a warning")
     log.close()

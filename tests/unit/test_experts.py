@@ -1,4 +1,5 @@
 """GroupedMLP: every CPU backend against the loop reference, sharding, initialization, chunking, errors."""
+
 import pytest
 import torch
 
@@ -6,6 +7,7 @@ from folding.moe.expert_backends import grouped_linear, plan_chunks, torch_group
 from folding.moe.expert_te import pad_rows_per_expert, te_available, unpad_rows_per_expert
 from folding.moe.experts import GroupedMLP
 from folding.parallel.param_attrs import param_tags
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -21,8 +23,16 @@ CPU_BACKENDS = ["torch", "auto"]
 
 
 def _make(backend, dtype, h=16, f=24, e=4, **kw):
-    return GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
-                      params_dtype=dtype, init_std=0.2, init_seed=3, **kw)
+    return GroupedMLP(
+        num_local_experts=e,
+        hidden_size=h,
+        ffn_hidden_size=f,
+        backend=backend,
+        params_dtype=dtype,
+        init_std=0.2,
+        init_seed=3,
+        **kw,
+    )
 
 
 def _run(mod, x, counts, probs, loss="weighted"):
@@ -72,8 +82,9 @@ def test_backend_matches_loop(dtype, backend, h, f, loss):
 @pytest.mark.parametrize("backend", ["loop", "torch", "auto"])
 def test_no_tokens_at_all(backend, experts, loss):
     mod = _make(backend, torch.float32, e=experts)
-    y, gx, gp, g1, g2 = _run(mod, torch.zeros(0, 16), torch.zeros(experts, dtype=torch.int64), torch.zeros(0),
-                             loss=loss)
+    y, gx, gp, g1, g2 = _run(
+        mod, torch.zeros(0, 16), torch.zeros(experts, dtype=torch.int64), torch.zeros(0), loss=loss
+    )
     assert y.shape == (0, 16) and gx.shape == (0, 16)
     assert g1 is not None and g2 is not None and not g1.any() and not g2.any()
 
@@ -90,7 +101,10 @@ def test_auto_picks_grouped_mm_on_this_build():
     mod = _make("auto", torch.float32)
     expected = "torch" if torch_grouped_mm_supported("cpu", torch.float32) else "loop"
     assert mod.resolve_backend(torch.device("cpu"), torch.float32) == expected
-    assert _make("auto", torch.float32, fp8_recipe="mxfp8").resolve_backend(torch.device("cpu"), torch.float32) == "emulated"
+    assert (
+        _make("auto", torch.float32, fp8_recipe="mxfp8").resolve_backend(torch.device("cpu"), torch.float32)
+        == "emulated"
+    )
 
 
 def test_etp_shards_sum_to_the_unsharded_layer_and_ep_offsets_select_experts():
@@ -131,9 +145,7 @@ def test_weights_are_slices_of_layout_free_full_tensors():
 def test_plan_chunks_hand_worked():
     # width 10, limit 50 -> at most 5 rows per call.
     # counts [3, 0, 4, 12]: call 1 = e0:3 + e1:0 + e2:2; call 2 = e2:2 + e3:3; then e3 5, e3 4.
-    assert plan_chunks([3, 0, 4, 12], 10, 50) == [
-        [(0, 3), (1, 0), (2, 2)], [(2, 2), (3, 3)], [(3, 5)], [(3, 4)]
-    ]
+    assert plan_chunks([3, 0, 4, 12], 10, 50) == [[(0, 3), (1, 0), (2, 2)], [(2, 2), (3, 3)], [(3, 5)], [(3, 4)]]
     assert plan_chunks([3, 0, 4], 10, 10**9) == [[(0, 3), (1, 0), (2, 4)]]
 
 
@@ -193,6 +205,7 @@ def test_bad_settings_and_inputs_fail_clearly():
 def test_grouped_mm_probe_ignores_the_callers_grad_mode():
     # the first caller may be an evaluation under no_grad / inference_mode: the cached answer must not depend on it
     from folding.moe.expert_backends import torch_grouped_mm_supported
+
     torch_grouped_mm_supported.cache_clear()
     with torch.inference_mode():
         under_inference = torch_grouped_mm_supported("cpu", torch.float32)

@@ -1,4 +1,5 @@
 """The emulated backend: FP8/MXFP8 numerics of the GPU recipes on CPU, layer error and a toy training run."""
+
 import pytest
 import torch
 
@@ -20,8 +21,16 @@ def _rel(a, b):
 
 
 def _layer(backend, dtype, recipe=None, h=128, f=256, e=4):
-    return GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
-                      fp8_recipe=recipe, params_dtype=dtype, init_std=0.05, init_seed=5)
+    return GroupedMLP(
+        num_local_experts=e,
+        hidden_size=h,
+        ffn_hidden_size=f,
+        backend=backend,
+        fp8_recipe=recipe,
+        params_dtype=dtype,
+        init_std=0.05,
+        init_seed=5,
+    )
 
 
 def _inputs(outliers):
@@ -98,9 +107,18 @@ def test_fake_quant_straight_through_in_a_model():
 
 def _curve(backend, recipe, steps=48, h=32, f=64, e=4, n=64):
     """A student GroupedMLP (fp32 master weights, bf16 compute) fitting a teacher's outputs."""
-    teacher = GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend="loop", init_std=0.3, init_seed=1)
-    student = GroupedMLP(num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend,
-                         fp8_recipe=recipe, init_std=0.3, init_seed=2)
+    teacher = GroupedMLP(
+        num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend="loop", init_std=0.3, init_seed=1
+    )
+    student = GroupedMLP(
+        num_local_experts=e,
+        hidden_size=h,
+        ffn_hidden_size=f,
+        backend=backend,
+        fp8_recipe=recipe,
+        init_std=0.3,
+        init_seed=2,
+    )
     opt = torch.optim.Adam(student.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     batches = []

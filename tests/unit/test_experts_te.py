@@ -1,4 +1,5 @@
 """The TransformerEngine backend against the loop / emulated references (needs TE and a CUDA GPU)."""
+
 import pytest
 import torch
 
@@ -26,7 +27,12 @@ def _inputs():
     g = torch.Generator().manual_seed(0)
     counts = [37, 0, 64, 19]
     x = torch.randn(sum(counts), 128, generator=g).bfloat16().cuda()
-    return x, counts, torch.rand(x.shape[0], generator=g).cuda(), torch.randn(x.shape[0], 128, generator=g).bfloat16().cuda()
+    return (
+        x,
+        counts,
+        torch.rand(x.shape[0], generator=g).cuda(),
+        torch.randn(x.shape[0], 128, generator=g).bfloat16().cuda(),
+    )
 
 
 def test_te_bf16_matches_loop():
@@ -42,7 +48,7 @@ def test_te_fp8_close_to_emulation(recipe):
     if recipe == "blockwise" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Float8BlockScaling is the Hopper recipe (compute capability 9)")
     x, counts, p, dy = _inputs()
-    with fp8_region(recipe, amax_reduction_group=None, first_microbatch=True):   # as a model chunk opens it
+    with fp8_region(recipe, amax_reduction_group=None, first_microbatch=True):  # as a model chunk opens it
         te_out = _run(_pair("te", recipe), x, counts, p, dy)
     emu = _run(_pair("emulated", recipe), x, counts, p, dy)
     ref = _run(_pair("loop"), x, counts, p, dy)
@@ -60,7 +66,7 @@ def test_every_te_keyword_the_engine_passes_exists_in_the_installed_te():
 
     for path, keywords in TE_API.items():
         parts = path.split(".")
-        obj = importlib.import_module(".".join(parts[:2]))   # transformer_engine.pytorch
+        obj = importlib.import_module(".".join(parts[:2]))  # transformer_engine.pytorch
         for name in parts[2:]:
             obj = getattr(obj, name)
         params = inspect.signature(obj).parameters

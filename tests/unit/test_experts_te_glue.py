@@ -10,6 +10,7 @@ one padding around fc1→fc2, TE modules built on ``meta``, FP8 state round trip
 with TE's reasons. The real kernels are exercised by test_experts_te.py where TE and a GPU exist
 (not run on CPU machines).
 """
+
 import contextlib
 import sys
 import types
@@ -17,16 +18,15 @@ import types
 import pytest
 import torch
 
-import folding.moe.experts as experts_mod
 import folding.moe.expert_select as select_mod
 import folding.moe.expert_te as te_mod
-from folding.model.moe_block import moe_config_from_model
+import folding.moe.experts as experts_mod
+from folding.model.moe_block import moe_config_from_model, moe_factory_for
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
 from folding.moe.expert_te import TE_API, fp8_region
 from folding.moe.experts import GroupedMLP
-from folding.model.moe_block import moe_factory_for
 
 CALLS = []
 SUPPORT = {}
@@ -38,14 +38,14 @@ class _StandInGroupedLinear(torch.nn.Module):
         CALLS.append(("build", str(device)))
         self.num_gemms, self.state = num_gemms, torch.zeros(2)
         for i in range(num_gemms):
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(
-                torch.empty(out_features, in_features, device=device)))
+            self.register_parameter(
+                f"weight{i}", torch.nn.Parameter(torch.empty(out_features, in_features, device=device))
+            )
 
     def forward(self, inp, m_splits, is_first_microbatch=None):
         CALLS.append(("gemm", list(m_splits), is_first_microbatch))
         self.state += 1
-        return torch.cat([x @ getattr(self, f"weight{i}").t()
-                          for i, x in enumerate(inp.split(list(m_splits)))])
+        return torch.cat([x @ getattr(self, f"weight{i}").t() for i, x in enumerate(inp.split(list(m_splits)))])
 
     def get_extra_state(self):
         return self.state.clone()
@@ -82,8 +82,12 @@ def stand_in_te(monkeypatch):
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
         setattr(recipe, name, type(name, (_Recipe,), {}))
     te.pytorch, te.common, common.recipe = pt, common, recipe
-    for name, mod in [("transformer_engine", te), ("transformer_engine.pytorch", pt),
-                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe)]:
+    for name, mod in [
+        ("transformer_engine", te),
+        ("transformer_engine.pytorch", pt),
+        ("transformer_engine.common", common),
+        ("transformer_engine.common.recipe", recipe),
+    ]:
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(te_mod, "te_available", lambda: (True, ""))
     monkeypatch.setattr(select_mod, "te_available", lambda: (True, ""))
@@ -95,26 +99,38 @@ def stand_in_te(monkeypatch):
 @pytest.fixture
 def te_on_cpu(stand_in_te, monkeypatch):
     """Let the experts resolve ``te`` on this CPU (the device check is tested separately)."""
-    monkeypatch.setattr(experts_mod, "resolve_backend", lambda backend, recipe, device, dtype:
-                        "te" if backend in ("te", "auto") else backend)
+    monkeypatch.setattr(
+        experts_mod,
+        "resolve_backend",
+        lambda backend, recipe, device, dtype: "te" if backend in ("te", "auto") else backend,
+    )
     yield
 
 
 KW = dict(num_local_experts=3, hidden_size=8, ffn_hidden_size=6, init_seed=2, init_std=0.3)
 
 
-@pytest.mark.parametrize("recipe,te_name,align", [(None, None, 1), ("delayed", "DelayedScaling", 16),
-                                                  ("tensorwise", "Float8CurrentScaling", 16),
-                                                  ("blockwise", "Float8BlockScaling", 16),
-                                                  ("mxfp8", "MXFP8BlockScaling", 32)])
+@pytest.mark.parametrize(
+    "recipe,te_name,align",
+    [
+        (None, None, 1),
+        ("delayed", "DelayedScaling", 16),
+        ("tensorwise", "Float8CurrentScaling", 16),
+        ("blockwise", "Float8BlockScaling", 16),
+        ("mxfp8", "MXFP8BlockScaling", 32),
+    ],
+)
 def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
     te, ref = GroupedMLP(backend="te", fp8_recipe=recipe, **KW), GroupedMLP(backend="loop", **KW)
     counts = [5, 0, 18]
     g = torch.Generator().manual_seed(0)
     x, p, dy = torch.randn(23, 8, generator=g), torch.rand(23, generator=g), torch.randn(23, 8, generator=g)
     outs = []
-    region = fp8_region(recipe, amax_reduction_group="dp_cp", first_microbatch=True) if recipe == "delayed" \
+    region = (
+        fp8_region(recipe, amax_reduction_group="dp_cp", first_microbatch=True)
+        if recipe == "delayed"
         else contextlib.nullcontext()
+    )
     for mod in (te, ref):
         xx = x.clone().requires_grad_()
         with region if mod is te else contextlib.nullcontext():
@@ -125,15 +141,15 @@ def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
         torch.testing.assert_close(a, b)
     padded = [-(-c // align) * align for c in counts]
     gemms = [c for c in CALLS if c[0] == "gemm"]
-    assert [c[1] for c in gemms] == [padded, padded]   # fc1 and fc2 both see the aligned rows: one pad
+    assert [c[1] for c in gemms] == [padded, padded]  # fc1 and fc2 both see the aligned rows: one pad
     builds = [c for c in CALLS if c[0] == "build"]
-    assert builds == [("build", "meta"), ("build", "meta")]   # no throwaway weight
+    assert builds == [("build", "meta"), ("build", "meta")]  # no throwaway weight
     regions = [c for c in CALLS if c[0] == "enter"]
     if recipe is None:
         assert regions == []
     elif recipe == "delayed":
         assert regions == [("enter", te_name, "dp_cp")] and gemms[0][2] is True
-    else:   # standalone experts open a local region for recipes without an amax history
+    else:  # standalone experts open a local region for recipes without an amax history
         assert regions == [("enter", te_name, None)]
     assert [n for n, _ in te.named_parameters()] == ["fc1_weight", "fc2_weight"]
 
@@ -149,11 +165,11 @@ def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
     moe = moe_config_from_model(cfg, expert_backend="te", fp8_recipe="delayed")
     model = MoETransformer(cfg, moe_factory=moe_factory_for(moe), init_seed=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
-    for m in range(3):   # three micro-batches of one step
+    for m in range(3):  # three micro-batches of one step
         CALLS.clear()
         model.stage_forward(ids, labels=ids, first_microbatch=m == 0).sum().backward()
         enters = [c for c in CALLS if c[0] == "enter"]
-        assert enters == [("enter", "DelayedScaling", model.groups.dp_cp)]   # one, not one per layer
+        assert enters == [("enter", "DelayedScaling", model.groups.dp_cp)]  # one, not one per layer
         gemms = [c for c in CALLS if c[0] == "gemm"]
         assert len(gemms) == 2 * cfg.num_moe_layers()
         assert {c[2] for c in gemms} == {m == 0}
@@ -161,7 +177,7 @@ def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
 
 def test_fp8_state_round_trip_and_layout_check(te_on_cpu):
     a = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
-    assert a.fp8_state() == {}   # TE has not run: nothing to save
+    assert a.fp8_state() == {}  # TE has not run: nothing to save
     a(torch.randn(4, 8), [1, 2, 1], torch.rand(4))
     state = a.fp8_state()
     assert state["gemms"]["fc1"].tolist() == [1.0, 1.0]
@@ -169,7 +185,7 @@ def test_fp8_state_round_trip_and_layout_check(te_on_cpu):
     assert b.load_fp8_state(state)
     assert b._te.gemms["fc1"].get_extra_state().tolist() == [1.0, 1.0]
     other = GroupedMLP(backend="te", fp8_recipe="mxfp8", **dict(KW, expert_offset=3))
-    assert not other.load_fp8_state(state)   # other experts: TE recalibrates instead
+    assert not other.load_fp8_state(state)  # other experts: TE recalibrates instead
 
 
 def test_every_te_keyword_the_engine_uses_is_listed(te_on_cpu):
@@ -177,8 +193,7 @@ def test_every_te_keyword_the_engine_uses_is_listed(te_on_cpu):
     # TE_API (or a renamed one) fails here as it would on a real TE
     mod = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
     mod(torch.randn(4, 8), [4, 0, 0], torch.rand(4))
-    assert set(TE_API["transformer_engine.pytorch.GroupedLinear.forward"]) == {"inp", "m_splits",
-                                                                                "is_first_microbatch"}
+    assert set(TE_API["transformer_engine.pytorch.GroupedLinear.forward"]) == {"inp", "m_splits", "is_first_microbatch"}
 
 
 def test_backend_selection_uses_te_checks(stand_in_te):
@@ -197,7 +212,7 @@ def test_backend_selection_uses_te_checks(stand_in_te):
     ok, why = backend_support("te", None, torch.device("cpu"))
     assert not ok and "CUDA" in why
     with pytest.raises(BackendError, match="cannot run on cpu"):
-        GroupedMLP(backend="te", device="cpu", **KW)   # at construction, before any step
+        GroupedMLP(backend="te", device="cpu", **KW)  # at construction, before any step
 
 
 def _autograd_node_names(y):
@@ -222,7 +237,7 @@ def test_te_backend_backward_has_no_per_expert_select_nodes(te_on_cpu, num_exper
     y = mod(torch.randn(n, 8), counts, torch.rand(n))
     names = _autograd_node_names(y)
     assert not [m for m in names if m.startswith("Select")], names
-    assert names.count("UnbindBackward0") == 2   # fc1 and fc2, whatever E is
+    assert names.count("UnbindBackward0") == 2  # fc1 and fc2, whatever E is
     y.sum().backward()
     assert mod.fc1_weight.grad.shape[0] == num_experts and mod.fc2_weight.grad.shape[0] == num_experts
 
@@ -233,11 +248,12 @@ def test_loop_backend_backward_has_no_per_expert_select_nodes():
     y = mod(torch.randn(16, 8), counts, torch.rand(16))
     names = _autograd_node_names(y)
     assert not [n for n in names if n.startswith("Select")], names
-    assert names.count("UnbindBackward0") == 2   # one per weight (fc1, fc2), whatever E is
+    assert names.count("UnbindBackward0") == 2  # one per weight (fc1, fc2), whatever E is
 
 
 def test_te_extra_pins_the_range_the_backend_was_written_against():
     import os
+
     setup = os.path.join(os.path.dirname(__file__), "..", "..", "setup.py")
     with open(setup, encoding="utf-8") as f:
         assert f'"transformer_engine[pytorch]{te_mod.TE_VERSION_RANGE}"' in f.read()

@@ -1,4 +1,5 @@
 """FLOPs per token against values worked out by hand for the tiny presets."""
+
 import pytest
 
 from folding.model.presets import get_preset
@@ -8,20 +9,20 @@ from folding.planning.flops import flops_per_token, mfu
 def test_mixtral_tiny_by_hand():
     # H=64, 8 heads of d=8, 4 KV heads, 8 experts of F=96, top-2, V=512, 4 layers (all MoE), s=16.
     f = flops_per_token(get_preset("mixtral_tiny"), seq_length=16)
-    per_layer_linear = 2 * 64 * (8 + 2 * 4) * 8 + 2 * 8 * 8 * 64      # QKV 16384 + O 8192
+    per_layer_linear = 2 * 64 * (8 + 2 * 4) * 8 + 2 * 8 * 8 * 64  # QKV 16384 + O 8192
     assert per_layer_linear == 24576
     assert f.attention_linear == 4 * 24576
-    assert f.attention_core == 4 * (2 * 2 * 8 * 8 * 16 / 2)            # causal: keys average s/2 -> 2048
+    assert f.attention_core == 4 * (2 * 2 * 8 * 8 * 16 / 2)  # causal: keys average s/2 -> 2048
     assert f.router == 4 * 2 * 64 * 8
-    assert f.routed_experts == 4 * 2 * 6 * 64 * 96                     # top-2 SwiGLU experts
+    assert f.routed_experts == 4 * 2 * 6 * 64 * 96  # top-2 SwiGLU experts
     assert f.shared_experts == 0 and f.dense_mlp == 0
     assert f.output_layer == 2 * 64 * 512
     assert f.forward == 4 * (24576 + 2048 + 1024 + 73728) + 65536 == 471040
     assert f.model_training == 3 * 471040
     assert f.recompute_extra("none") == 0
-    assert f.recompute_extra("selective") == 4 * (24576 + 2048)        # the attention sublayer again
-    assert f.recompute_extra("moe") == 4 * (1024 + 73728)                # router + experts again
-    assert f.recompute_extra("full") == 471040 - 65536                 # every layer again, not the output layer
+    assert f.recompute_extra("selective") == 4 * (24576 + 2048)  # the attention sublayer again
+    assert f.recompute_extra("moe") == 4 * (1024 + 73728)  # router + experts again
+    assert f.recompute_extra("full") == 471040 - 65536  # every layer again, not the output layer
     assert f.hardware_training("full") == 4 * 471040 - 65536
 
 
@@ -48,15 +49,16 @@ def test_published_scale_mixtral_8x22b():
     cfg = get_preset("mixtral_8x22b")
     f = flops_per_token(cfg, seq_length=4096)
     total, active = cfg.num_parameters()
-    approx = 2 * (active - cfg.vocab_size * cfg.hidden_size)          # embedding lookup is not a matmul
+    approx = 2 * (active - cfg.vocab_size * cfg.hidden_size)  # embedding lookup is not a matmul
     assert f.forward == pytest.approx(approx + f.attention_core, rel=1e-3)
 
 
 def test_mfu_definition():
     cfg = get_preset("mixtral_tiny")
     per_token = flops_per_token(cfg, 16).model_training
-    assert mfu(cfg, seq_length=16, tokens_per_second=1000.0, num_gpus=2,
-               peak_flops_per_gpu=per_token * 1000.0) == pytest.approx(0.5)
+    assert mfu(
+        cfg, seq_length=16, tokens_per_second=1000.0, num_gpus=2, peak_flops_per_gpu=per_token * 1000.0
+    ) == pytest.approx(0.5)
 
 
 def test_bad_input():

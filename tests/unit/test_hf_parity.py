@@ -1,5 +1,6 @@
 """Parity with transformers' MixtralForCausalLM / Qwen2MoeForCausalLM at 1 rank (fp32): logits, LM loss
 and every parameter gradient; HF -> engine -> HF round trip; clear errors for bad checkpoints."""
+
 import json
 import os
 
@@ -18,14 +19,27 @@ V, S, B = 128, 12, 2
 def tiny_hf(kind, **kw):
     """A random tiny HF model (weights ~N(0, 0.1) so that routing and attention are not trivial)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
-    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  num_experts_per_tok=2)
+
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+    )
     if kind == "mixtral":
         cfg = MixtralConfig(**common, intermediate_size=16, num_local_experts=4, **kw)
         model = MixtralForCausalLM(cfg)
     else:
-        cfg = Qwen2MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=16,
-                             num_experts=4, **kw)
+        cfg = Qwen2MoeConfig(
+            **common,
+            intermediate_size=24,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            **kw,
+        )
         model = Qwen2MoeForCausalLM(cfg)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -77,13 +91,15 @@ CASES = [
 def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory):
     """Logits (<= 1e-5 relative), LM loss and every parameter gradient against transformers."""
     from folding.model.hf import resolve_spec
+
     hf = tiny_hf(family, **kw)
     path = save(hf, os.path.join(str(tmp_dir), "ckpt"), legacy)
     model = from_hf(path, moe_factory=moe_factory)
     assert model.config.rope_theta == kw["rope_theta"]
     assert model.config.tie_embeddings == kw.get("tie_word_embeddings", False)
-    assert [model.config.is_moe_layer(i) for i in range(3)] == [type(l.mlp).__name__.endswith("MoeBlock")
-                                                                 for l in hf.model.layers]
+    assert [model.config.is_moe_layer(i) for i in range(3)] == [
+        type(l.mlp).__name__.endswith("MoeBlock") for l in hf.model.layers
+    ]
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
     out = hf(ids, labels=ids)
     logits = model(ids)
@@ -109,8 +125,9 @@ def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory)
     return rel
 
 
-@pytest.mark.parametrize("family,kw,legacy", CASES, ids=["mixtral", "mixtral-tied-legacyrope", "qwen2-pattern",
-                                                         "qwen2-norm-tied-legacyrope"])
+@pytest.mark.parametrize(
+    "family,kw,legacy", CASES, ids=["mixtral", "mixtral-tied-legacyrope", "qwen2-pattern", "qwen2-norm-tied-legacyrope"]
+)
 def test_logits_loss_grads_match_transformers(tmp_path, family, kw, legacy):
     check_parity(tmp_path, family, kw, legacy)
 
@@ -119,17 +136,21 @@ def test_parity_with_engine_moe_layer(tmp_path):
     """The same checks with the engine's MoE layer (default factory), in a fresh single process."""
     import subprocess
     import sys
+
     try:
         import folding.moe.layer  # noqa: F401
     except ImportError:
         pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
-    code = ("import sys; from tests.unit.test_hf_parity import CASES, check_parity\n"
-            "for i, (f, kw, legacy) in enumerate(CASES):\n"
-            "    print(f, check_parity(sys.argv[1] + f'/{i}', f, kw, legacy, moe_factory=None))\n")
+    code = (
+        "import sys; from tests.unit.test_hf_parity import CASES, check_parity\n"
+        "for i, (f, kw, legacy) in enumerate(CASES):\n"
+        "    print(f, check_parity(sys.argv[1] + f'/{i}', f, kw, legacy, moe_factory=None))\n"
+    )
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("e-") >= len(CASES), r.stdout
 
@@ -145,6 +166,7 @@ def test_round_trip_bit_identical(tmp_path):
         assert torch.equal(a[k], b[k]), k
     # and transformers loads the export back
     from transformers import AutoModelForCausalLM
+
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"))
     ids = torch.randint(0, V, (1, 8))
     torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
@@ -172,20 +194,27 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
         from_hf(path, moe_factory=reference_moe_factory)
     # missing shard file named by the index
     os.remove(os.path.join(path, "model.safetensors"))
-    json.dump({"weight_map": {k: "model-00002-of-00002.safetensors" for k in sd}},
-              open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    json.dump(
+        {"weight_map": {k: "model-00002-of-00002.safetensors" for k in sd}},
+        open(os.path.join(path, "model.safetensors.index.json"), "w"),
+    )
     with pytest.raises(CheckpointError, match="missing shard files.*00002"):
         from_hf(path, moe_factory=reference_moe_factory)
     # unsupported rope type
-    json.dump(dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), open(os.path.join(path, "config.json"), "w"))
+    json.dump(
+        dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+        open(os.path.join(path, "config.json"), "w"),
+    )
     with pytest.raises(CheckpointError, match="rope_type='yarn'"):
         from_hf(path, moe_factory=reference_moe_factory)
 
 
 def test_convert_tool(tmp_path, capsys):
     import importlib.util
-    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(os.path.dirname(__file__), "..", "..",
-                                                                              "tools", "convert_hf.py"))
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_hf.py")
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     hf = tiny_hf("mixtral", tie_word_embeddings=True)
@@ -226,9 +255,11 @@ def test_bf16_checkpoint_round_trip(tmp_path):
 
 def test_exported_weights_are_readable_like_the_config(tmp_path):
     import stat
+
     from folding.model.hf import to_hf
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
+
     to_hf(MoETransformer(get_preset("mixtral_tiny"), init_seed=1), str(tmp_path))
     modes = {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in ("model.safetensors", "config.json")}
     assert modes["model.safetensors"] == modes["config.json"], modes

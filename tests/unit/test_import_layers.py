@@ -2,14 +2,24 @@
 -> ``optim`` -> ``training`` (``testing`` on top); ``planning`` imports only ``parallel`` and
 ``folding.model.config``, and only ``training`` (and ``testing``) import ``planning``. No module imports
 the package's own modules inside a function (a dodged cycle) or behind an ``ImportError`` guard."""
+
 import ast
 import os
 
 import pytest
 
 PKG = os.path.join(os.path.dirname(__file__), "..", "..", "folding")
-LEVEL = {"parallel": 0, "quant": 0, "data": 0, "moe": 1, "model": 2, "pipeline": 3, "optim": 4, "training": 5,
-         "testing": 6}
+LEVEL = {
+    "parallel": 0,
+    "quant": 0,
+    "data": 0,
+    "moe": 1,
+    "model": 2,
+    "pipeline": 3,
+    "optim": 4,
+    "training": 5,
+    "testing": 6,
+}
 
 
 def modules():
@@ -18,7 +28,7 @@ def modules():
             if f.endswith(".py"):
                 path = os.path.join(root, f)
                 rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
-                yield path, rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+                yield path, rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
 def imported(node, module: str, is_package: bool):
@@ -28,7 +38,7 @@ def imported(node, module: str, is_package: bool):
     base = module if is_package else module.rsplit(".", 1)[0]
     if node.level:
         parts = base.split(".")
-        base = ".".join(parts[:len(parts) - node.level + 1])
+        base = ".".join(parts[: len(parts) - node.level + 1])
         target = f"{base}.{node.module}" if node.module else base
     else:
         target = node.module or ""
@@ -61,8 +71,13 @@ def edges():
 
 
 def test_imports_follow_the_layers():
-    bad = sorted({(src, dst.rsplit(".", 1)[0] if dst.count(".") > 2 else dst, line)
-                  for src, dst, line in edges() if not allowed(src, dst)})
+    bad = sorted(
+        {
+            (src, dst.rsplit(".", 1)[0] if dst.count(".") > 2 else dst, line)
+            for src, dst, line in edges()
+            if not allowed(src, dst)
+        }
+    )
     assert not bad, "imports against the layer order:\n" + "\n".join(f"  {s}:{ln} -> {d}" for s, d, ln in bad)
 
 
@@ -73,20 +88,33 @@ def test_no_function_level_or_guarded_imports_of_the_package():
         is_package = path.endswith("__init__.py")
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found += [f"{module}:{n.lineno} imports inside {fn.name}()" for n in ast.walk(fn)
-                          if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)]
-            if isinstance(fn, ast.Try) and any(isinstance(h.type, ast.Name) and h.type.id in
-                                               ("ImportError", "ModuleNotFoundError") for h in fn.handlers):
-                found += [f"{module}:{n.lineno} guards an import of the package" for n in ast.walk(fn)
-                          if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)]
+                found += [
+                    f"{module}:{n.lineno} imports inside {fn.name}()"
+                    for n in ast.walk(fn)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)
+                ]
+            if isinstance(fn, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                for h in fn.handlers
+            ):
+                found += [
+                    f"{module}:{n.lineno} guards an import of the package"
+                    for n in ast.walk(fn)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)
+                ]
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("src,dst,ok", [("folding.moe.layer", "folding.model.config", False),
-                                        ("folding.model.transformer", "folding.moe.layer", True),
-                                        ("folding.planning.memory", "folding.pipeline.stage", False),
-                                        ("folding.planning.flops", "folding.model.config", True),
-                                        ("folding.optim.optimizer", "folding.planning.memory", False),
-                                        ("folding.data.build", "folding.parallel", False)])
+@pytest.mark.parametrize(
+    "src,dst,ok",
+    [
+        ("folding.moe.layer", "folding.model.config", False),
+        ("folding.model.transformer", "folding.moe.layer", True),
+        ("folding.planning.memory", "folding.pipeline.stage", False),
+        ("folding.planning.flops", "folding.model.config", True),
+        ("folding.optim.optimizer", "folding.planning.memory", False),
+        ("folding.data.build", "folding.parallel", False),
+    ],
+)
 def test_the_rule_itself(src, dst, ok):
     assert allowed(src, dst) is ok

@@ -4,6 +4,7 @@ The reference reader below is written from the format description alone (magic, 
 counts, int32 lengths, int64 byte pointers, int64 document index), independently of
 folding.data.indexed, so that writer and reader cannot agree on a private mistake.
 """
+
 import json
 import os
 import struct
@@ -19,8 +20,16 @@ from folding.data.tokenizer import ByteTokenizer, build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Megatron-LM's dtype codes, as documented for its MMIDIDX index format.
-MEGATRON_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-                  7: np.float32, 8: np.uint16}
+MEGATRON_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def reference_read(prefix):
@@ -28,30 +37,34 @@ def reference_read(prefix):
     with open(prefix + ".idx", "rb") as f:
         raw = f.read()
     assert raw[:9] == b"MMIDIDX\x00\x00"
-    version, = struct.unpack_from("<Q", raw, 9)
+    (version,) = struct.unpack_from("<Q", raw, 9)
     assert version == 1
     dtype = np.dtype(MEGATRON_CODES[raw[17]])
     n_seq, n_doc = struct.unpack_from("<QQ", raw, 18)
     pos = 34
-    lengths = struct.unpack_from(f"<{n_seq}i", raw, pos); pos += 4 * n_seq
-    pointers = struct.unpack_from(f"<{n_seq}q", raw, pos); pos += 8 * n_seq
-    docs = struct.unpack_from(f"<{n_doc}q", raw, pos); pos += 8 * n_doc
+    lengths = struct.unpack_from(f"<{n_seq}i", raw, pos)
+    pos += 4 * n_seq
+    pointers = struct.unpack_from(f"<{n_seq}q", raw, pos)
+    pos += 8 * n_seq
+    docs = struct.unpack_from(f"<{n_doc}q", raw, pos)
+    pos += 8 * n_doc
     assert pos == len(raw)
     with open(prefix + ".bin", "rb") as f:
         data = f.read()
     seqs = []
     for length, ptr in zip(lengths, pointers):
-        seqs.append(np.frombuffer(data[ptr: ptr + length * dtype.itemsize], dtype=dtype).tolist())
+        seqs.append(np.frombuffer(data[ptr : ptr + length * dtype.itemsize], dtype=dtype).tolist())
     return dtype, seqs, list(docs)
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64,
-                                   np.float32, np.uint16])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float64, np.float32, np.uint16])
 def test_writer_matches_reference_reader_every_dtype(tmp_path, dtype):
     rng = np.random.default_rng(3)
     hi = 100 if np.dtype(dtype).itemsize == 1 else 30000
-    docs = [[rng.integers(0, hi, size=rng.integers(0, 9)).astype(dtype) for _ in range(rng.integers(1, 4))]
-            for _ in range(7)]
+    docs = [
+        [rng.integers(0, hi, size=rng.integers(0, 9)).astype(dtype) for _ in range(rng.integers(1, 4))]
+        for _ in range(7)
+    ]
     prefix = str(tmp_path / "ds")
     with IndexedDatasetWriter(prefix, dtype=dtype) as w:
         for doc in docs:
@@ -119,9 +132,26 @@ def test_preprocess_tool_roundtrip_byte(tmp_path):
     src = tmp_path / "in.jsonl"
     _jsonl(src, TEXTS, key="body")
     prefix = str(tmp_path / "out" / "docs")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(src),
-                        "--output-prefix", prefix, "--tokenizer", "byte", "--json-key", "body", "--append-eod",
-                        "--workers", "2"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            str(src),
+            "--output-prefix",
+            prefix,
+            "--tokenizer",
+            "byte",
+            "--json-key",
+            "body",
+            "--append-eod",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr
     assert "5 documents" in r.stdout and "uint16" in r.stdout
     tok = ByteTokenizer()
@@ -141,24 +171,42 @@ def test_preprocess_tool_roundtrip_byte(tmp_path):
 def test_preprocess_tool_errors_name_the_file(tmp_path):
     tool = os.path.join(ROOT, "tools", "preprocess_data.py")
     env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, tool, "--input", str(tmp_path / "absent.jsonl"), "--output-prefix",
-                        str(tmp_path / "o")], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, tool, "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 2 and "absent.jsonl" in r.stderr, r.stderr
     _jsonl(tmp_path / "in.jsonl", ["x"])
-    r = subprocess.run([sys.executable, tool, "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
-                        str(tmp_path / "o"), "--tokenizer", str(tmp_path / "no-tok")],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            tool,
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(tmp_path / "no-tok"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 2 and "data.tokenizer" in r.stderr and "no-tok" in r.stderr, r.stderr
 
 
 def _save_hf_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
     tk.save(os.path.join(path, "raw-tokenizer.json"))
@@ -174,7 +222,7 @@ def test_preprocess_roundtrip_hf_tokenizer(tmp_path):
     tok = build_tokenizer(tok_dir)
     assert tok.eod == tok._tok.convert_tokens_to_ids("<eos>") and stats["vocab_size"] == tok.vocab_size
     expected = [tok.encode(t) + [tok.eod] for t in TEXTS]
-    assert any(len(e) - 1 < len(t.encode()) for e, t in zip(expected, TEXTS))   # real merges happened
+    assert any(len(e) - 1 < len(t.encode()) for e, t in zip(expected, TEXTS))  # real merges happened
     ds = IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == expected
     assert reference_read(prefix)[1] == expected
@@ -185,6 +233,7 @@ def test_preprocess_roundtrip_hf_tokenizer(tmp_path):
 
 
 # ---- bad input: each error names the file (or the setting) --------------------------------------
+
 
 @pytest.fixture
 def good(tmp_path):
@@ -224,22 +273,28 @@ def test_truncated_bin_and_idx(good):
 
 def test_wrong_magic_version_and_dtype(good):
     idx = bytearray(open(good + ".idx", "rb").read())
-    bad = bytearray(idx); bad[0:3] = b"XYZ"
+    bad = bytearray(idx)
+    bad[0:3] = b"XYZ"
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "magic")
-    bad = bytearray(idx); bad[9:17] = struct.pack("<Q", 2)
+    bad = bytearray(idx)
+    bad[9:17] = struct.pack("<Q", 2)
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "version 2")
-    bad = bytearray(idx); bad[17] = 9
+    bad = bytearray(idx)
+    bad[17] = 9
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "dtype code 9")
-    bad = bytearray(idx); bad[34 + 3 * 4 + 8: 34 + 3 * 4 + 16] = struct.pack("<q", 4)   # 2nd pointer
+    bad = bytearray(idx)
+    bad[34 + 3 * 4 + 8 : 34 + 3 * 4 + 16] = struct.pack("<q", 4)  # 2nd pointer
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "pointers")
-    bad = bytearray(idx); bad[34 + 3 * 4 + 3 * 8 + 8: 34 + 3 * 4 + 3 * 8 + 16] = struct.pack("<q", 5)
+    bad = bytearray(idx)
+    bad[34 + 3 * 4 + 3 * 8 + 8 : 34 + 3 * 4 + 3 * 8 + 16] = struct.pack("<q", 5)
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".idx", "document index")
-    bad = bytearray(idx); bad[17] = 4            # int32 instead of uint16: .bin size no longer matches
+    bad = bytearray(idx)
+    bad[17] = 4  # int32 instead of uint16: .bin size no longer matches
     open(good + ".idx", "wb").write(bad)
     _raises(good, good + ".bin", "int32")
 
@@ -255,11 +310,23 @@ def test_config_and_tokenizer_errors(tmp_path, good):
     with pytest.raises(FileNotFoundError, match="data.tokenizer=.*no-such-tokenizer"):
         build_tokenizer(missing)
     with pytest.raises(FileNotFoundError, match="data.tokenizer"):
-        build_data(DataConfig(paths=[good], tokenizer=missing), seq_length=4, global_batch_size=1,
-                   micro_batch_size=1, dp_rank=0, dp_size=1)
+        build_data(
+            DataConfig(paths=[good], tokenizer=missing),
+            seq_length=4,
+            global_batch_size=1,
+            micro_batch_size=1,
+            dp_rank=0,
+            dp_size=1,
+        )
     with pytest.raises(IndexedDatasetError, match="nope.idx"):
-        build_data(DataConfig(paths=[str(tmp_path / "nope")], cache_dir=str(tmp_path)), seq_length=4,
-                   global_batch_size=1, micro_batch_size=1, dp_rank=0, dp_size=1)
+        build_data(
+            DataConfig(paths=[str(tmp_path / "nope")], cache_dir=str(tmp_path)),
+            seq_length=4,
+            global_batch_size=1,
+            micro_batch_size=1,
+            dp_rank=0,
+            dp_size=1,
+        )
 
 
 def test_empty_corpus_errors(tmp_path):
@@ -277,12 +344,19 @@ def test_empty_corpus_errors(tmp_path):
     with IndexedDatasetWriter(prefix) as w:
         w.add_document([])
     with pytest.raises(ValueError, match="zero .*holds no tokens"):
-        build_data(DataConfig(paths=[prefix], cache_dir=str(tmp_path)), seq_length=4, global_batch_size=1,
-                   micro_batch_size=1, dp_rank=0, dp_size=1)
+        build_data(
+            DataConfig(paths=[prefix], cache_dir=str(tmp_path)),
+            seq_length=4,
+            global_batch_size=1,
+            micro_batch_size=1,
+            dp_rank=0,
+            dp_size=1,
+        )
 
 
 def test_preprocess_plain_text_paragraphs_lines_and_file(tmp_path):
     from folding.data.indexed import IndexedDataset
+
     src = tmp_path / "notes.txt"
     src.write_text("first para\nstill first\n\n\nsecond\n\nthird\n")
     counts = {}

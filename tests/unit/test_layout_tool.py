@@ -1,4 +1,5 @@
 """tools/layout.py: JSON output of the worked example, tables, and exit status 2 on bad layouts."""
+
 import json
 import os
 import subprocess
@@ -8,8 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "layout.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "layout.py"), *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_json_worked_example():
@@ -50,11 +52,12 @@ def test_tools_share_flag_names():
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
+
     common = ["--model", "mixtral_tiny", "--world", "8", "--seq-length", "16", "--micro-batch-size", "2"]
     plan = load("plan").parse_args(common + ["--global-batch-size", "16"])
     mem = load("memory").parse_args(common)
     assert (plan.model, plan.gpus, plan.seq_length, plan.micro_batch_size) == ("mixtral_tiny", 8, 16, 2)
     assert (mem.preset, mem.world, mem.seq, mem.mbs) == ("mixtral_tiny", 8, 16, 2)
     old = load("memory").parse_args(["--preset", "mixtral_tiny", "--world", "8", "--seq", "16", "--mbs", "2"])
-    assert (old.preset, old.seq, old.mbs) == ("mixtral_tiny", 16, 2)               # the former spellings
+    assert (old.preset, old.seq, old.mbs) == ("mixtral_tiny", 16, 2)  # the former spellings
     assert load("layout").parse_args(["--world", "8"]).world == 8

@@ -1,4 +1,5 @@
 """LR schedules: hand-worked values, purity in the step (horizon from the config, not the run)."""
+
 import math
 
 import pytest
@@ -21,7 +22,7 @@ def test_cosine_hand_values():
     c = cfg(decay_style="cosine")
     # after warmup (step 2) progress = (k-2)/8; lr = 0.1 + 0.9 * (1 + cos(pi * progress)) / 2
     assert lr_at(2, c) == pytest.approx(1.0)
-    assert lr_at(6, c) == pytest.approx(0.1 + 0.9 * 0.5)            # half way: cos(pi/2) = 0
+    assert lr_at(6, c) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: cos(pi/2) = 0
     assert lr_at(10, c) == pytest.approx(0.1) and lr_at(1000, c) == pytest.approx(0.1)
 
 
@@ -33,8 +34,20 @@ def test_linear_hand_values():
 def test_wsd_stable_then_decay():
     c = cfg(decay_style="wsd", wsd_decay_fraction=0.5)
     # stable until step 5 = 10*(1-0.5), then linear to min_lr at 10
-    assert [round(lr_at(k, c), 6) for k in range(12)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46,
-                                                          0.28, 0.1, 0.1]
+    assert [round(lr_at(k, c), 6) for k in range(12)] == [
+        0.5,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        1.0,
+        0.82,
+        0.64,
+        0.46,
+        0.28,
+        0.1,
+        0.1,
+    ]
     s = cfg(decay_style="wsd", wsd_decay_fraction=0.5, wsd_decay_shape="sqrt")
     assert lr_at(9, s) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.8)))
 
@@ -50,13 +63,23 @@ def test_horizon_not_run_length():
         lr_at(6, d)
 
 
-@pytest.mark.parametrize("bad,field", [
-    (dict(lr=-1.0), "optim.lr"), (dict(min_lr=2.0), "optim.min_lr"), (dict(decay_style="exp"), "optim.decay_style"),
-    (dict(warmup_steps=-1), "optim.warmup_steps"), (dict(warmup_steps=20), "optim.warmup_steps"),
-    (dict(clip_grad=-1.0), "optim.clip_grad"), (dict(beta2=1.0), "optim.beta2"), (dict(eps=0.0), "optim.eps"),
-    (dict(wsd_decay_fraction=1.5), "optim.wsd_decay_fraction"), (dict(decay_steps=0), "optim.decay_steps"),
-    (dict(weight_decay=-0.1), "optim.weight_decay"), (dict(bucket_size=0), "optim.bucket_size"),
-])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        (dict(lr=-1.0), "optim.lr"),
+        (dict(min_lr=2.0), "optim.min_lr"),
+        (dict(decay_style="exp"), "optim.decay_style"),
+        (dict(warmup_steps=-1), "optim.warmup_steps"),
+        (dict(warmup_steps=20), "optim.warmup_steps"),
+        (dict(clip_grad=-1.0), "optim.clip_grad"),
+        (dict(beta2=1.0), "optim.beta2"),
+        (dict(eps=0.0), "optim.eps"),
+        (dict(wsd_decay_fraction=1.5), "optim.wsd_decay_fraction"),
+        (dict(decay_steps=0), "optim.decay_steps"),
+        (dict(weight_decay=-0.1), "optim.weight_decay"),
+        (dict(bucket_size=0), "optim.bucket_size"),
+    ],
+)
 def test_validation_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         cfg(**bad)

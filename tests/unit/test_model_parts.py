@@ -1,4 +1,5 @@
 """Model parts at 1 rank: vocab-parallel cross-entropy, CP chunking, RoPE, layout-independent init, errors."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,7 @@ def test_bad_inputs_fail_clearly():
 
 def test_moe_config_follows_the_hf_routers():
     from folding.model.moe_block import moe_config_from_model
+
     mix = moe_config_from_model(get_preset("mixtral_8x7b"))
     assert (mix.num_experts, mix.topk, mix.ffn_hidden_size, mix.pre_softmax) == (8, 2, 14336, False)
     assert mix.capacity_factor is None and mix.input_jitter_eps is None and mix.aux_loss_type == "aux_loss"
@@ -80,6 +82,7 @@ def test_moe_config_follows_the_hf_routers():
 def test_hf_specs_inferred_from_tags_match_recorded_ones():
     from folding.model.hf import resolve_spec
     from folding.model.init import _ATTR
+
     model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=2), moe_factory=reference_moe_factory)
     for name, p in model.named_parameters():
         recorded = resolve_spec(name, p, model)
@@ -93,9 +96,19 @@ def test_hf_specs_inferred_from_tags_match_recorded_ones():
 
 def test_hf_aux_loss_only_with_router_logits():
     from folding.model.hf_config import config_from_hf, config_to_hf
-    base = dict(model_type="mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4, intermediate_size=16,
-                router_aux_loss_coef=0.02)
+
+    base = dict(
+        model_type="mixtral",
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        num_local_experts=4,
+        intermediate_size=16,
+        router_aux_loss_coef=0.02,
+    )
     assert config_from_hf(base).router_aux_loss_coef == 0.0
     cfg = config_from_hf(dict(base, output_router_logits=True))
     assert cfg.router_aux_loss_coef == 0.02
@@ -106,6 +119,7 @@ def test_one_rank_model_needs_no_process_group():
     # a fresh process: build, run forward and backward with either dispatcher, never touching torch.distributed
     import subprocess
     import sys
+
     code = """
 import torch, torch.distributed as dist
 from folding.model.moe_block import moe_config_from_model

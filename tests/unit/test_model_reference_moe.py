@@ -11,21 +11,23 @@ fast. Parameter names match what ``folding.model.hf`` maps: ``router.weight [E, 
 
 Legend: T tokens, E experts, H hidden, F expert FFN, K top-k.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folding.model.block import output_init_std
 from folding.model.config import ModelConfig
 from folding.model.init import set_init_spec
 from folding.model.mlp import DenseMLP
-from folding.model.block import output_init_std
 from folding.parallel.collectives import all_gather_v, group_rank, group_size, reduce_scatter_v
 from folding.parallel.param_attrs import mark_param
 
 
 class ReferenceMoE(nn.Module):
-    def __init__(self, *, config: ModelConfig, layer_number: int, groups, init_seed: int = 0, device=None,
-                 dtype=torch.float32):
+    def __init__(
+        self, *, config: ModelConfig, layer_number: int, groups, init_seed: int = 0, device=None, dtype=torch.float32
+    ):
         super().__init__()
         c = config
         E, Fe, H = c.num_experts, c.moe_ffn_hidden_size, c.hidden_size
@@ -42,15 +44,26 @@ class ReferenceMoE(nn.Module):
         self.experts.fc2_weight = nn.Parameter(torch.empty(E // ep, H, Fe // etp, device=device, dtype=dtype))
         mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True, tp_dim=1)
         mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True, tp_dim=2)
-        set_init_spec(self.experts.fc1_weight, full_shape=(E, 2, Fe, H), shards=((0, epr, ep), (2, etpr, etp)),
-                      std=c.init_std)
-        set_init_spec(self.experts.fc2_weight, full_shape=(E, H, Fe), shards=((0, epr, ep), (2, etpr, etp)),
-                      std=output_init_std(c))
+        set_init_spec(
+            self.experts.fc1_weight, full_shape=(E, 2, Fe, H), shards=((0, epr, ep), (2, etpr, etp)), std=c.init_std
+        )
+        set_init_spec(
+            self.experts.fc2_weight,
+            full_shape=(E, H, Fe),
+            shards=((0, epr, ep), (2, etpr, etp)),
+            std=output_init_std(c),
+        )
         if c.shared_expert_ffn_hidden_size:
-            self.shared_expert = DenseMLP(H, c.shared_expert_ffn_hidden_size, tp_group=groups.tp,
-                                          name="model.shared_expert_ffn_hidden_size",
-                                          init_std=c.init_std, output_init_std=output_init_std(c),
-                                          device=device, dtype=dtype)
+            self.shared_expert = DenseMLP(
+                H,
+                c.shared_expert_ffn_hidden_size,
+                tp_group=groups.tp,
+                name="model.shared_expert_ffn_hidden_size",
+                init_std=c.init_std,
+                output_init_std=output_init_std(c),
+                device=device,
+                dtype=dtype,
+            )
             if c.shared_expert_gate:
                 self.shared_expert_gate = nn.Module()
                 self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, H, device=device, dtype=dtype))
@@ -112,9 +125,14 @@ def test_reference_moe_matches_per_token_loop():
     from folding.model.groups import ModelGroups
     from folding.model.init import initialize_parameters
     from folding.model.presets import get_preset
+
     for name in ("mixtral_tiny", "qwen2_moe_tiny"):
-        cfg = get_preset(name, hidden_size=16, moe_ffn_hidden_size=8, shared_expert_ffn_hidden_size=None
-                         if name == "mixtral_tiny" else 8)
+        cfg = get_preset(
+            name,
+            hidden_size=16,
+            moe_ffn_hidden_size=8,
+            shared_expert_ffn_hidden_size=None if name == "mixtral_tiny" else 8,
+        )
         moe = ReferenceMoE(config=cfg, layer_number=0, groups=ModelGroups.single())
         initialize_parameters(moe, 3)
         x = torch.randn(5, 2, 16)

@@ -1,4 +1,5 @@
 """Weight-decay groups and parameter classes read from tags, dims and names; clip coefficient."""
+
 import torch
 
 from folding.optim import classify, uses_weight_decay
@@ -13,11 +14,11 @@ def P(*shape, **tags):
 def test_decay_rules():
     assert uses_weight_decay("layers.0.attn.qkv.weight", P(6, 4))
     assert uses_weight_decay("layers.0.moe.experts.w1", P(2, 4, 6))
-    assert not uses_weight_decay("layers.0.input_norm.weight", P(4))          # norm scale, 1-D
-    assert not uses_weight_decay("layers.0.attn.qkv.bias", P(6))              # bias
-    assert not uses_weight_decay("layers.0.moe.router.expert_bias", P(8))     # router expert bias
-    assert not uses_weight_decay("layers.0.moe.experts.fc1_bias", P(2, 6))    # stacked expert bias
-    assert not uses_weight_decay("layers.0.q_norm.weight", P(1, 4))           # a norm with an extra dim
+    assert not uses_weight_decay("layers.0.input_norm.weight", P(4))  # norm scale, 1-D
+    assert not uses_weight_decay("layers.0.attn.qkv.bias", P(6))  # bias
+    assert not uses_weight_decay("layers.0.moe.router.expert_bias", P(8))  # router expert bias
+    assert not uses_weight_decay("layers.0.moe.experts.fc1_bias", P(2, 6))  # stacked expert bias
+    assert not uses_weight_decay("layers.0.q_norm.weight", P(1, 4))  # a norm with an extra dim
 
 
 def test_classes_follow_tags():

@@ -1,4 +1,5 @@
 """The benchmark's profiler breakdown charges forward and backward work to the labelled parts."""
+
 import importlib.util
 import os
 import time
@@ -14,7 +15,7 @@ _spec.loader.exec_module(bd)
 class Heavy(torch.nn.Module):
     def __init__(self, n):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(n, n) / n ** 0.5)
+        self.w = torch.nn.Parameter(torch.randn(n, n) / n**0.5)
 
     def forward(self, x):
         return x @ self.w
@@ -31,7 +32,7 @@ def test_backward_is_charged_to_the_part_whose_forward_made_it():
     with torch.profiler.profile() as prof:
         t0 = time.perf_counter()
         for _ in range(3):
-            y = big(big(x))                      # two forward ranges, four large backward matmuls
+            y = big(big(x))  # two forward ranges, four large backward matmuls
             small(proj(y)).sum().backward()
         wall = time.perf_counter() - t0
     nodes = {}
@@ -40,7 +41,7 @@ def test_backward_is_charged_to_the_part_whose_forward_made_it():
     # per step: two matmul nodes made inside `big`, one inside `small`; proj's and sum's are nobody's
     assert nodes == {"experts": 6, "router": 3}
     fwd = sum(e.cpu_time_total for e in prof.events() if e.name == "part:experts") * 1e-6
-    assert parts["experts"] > fwd > 0                  # the backward is added to the forward range
+    assert parts["experts"] > fwd > 0  # the backward is added to the forward range
     assert sum(parts.values()) <= wall * 1.05
     kinds = bd.op_classes(prof, wall)
     assert kinds["gemm"] > 0 and kinds["optimizer"] == 0.0

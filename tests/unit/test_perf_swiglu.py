@@ -1,4 +1,5 @@
 """The fused SwiGLU-with-probabilities node against the unfused autograd math."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ def test_gradcheck():
 def test_fp32_probs_with_bf16_rows_and_no_prob_grad():
     g = torch.Generator().manual_seed(4)
     h = torch.randn(9, 12, generator=g).bfloat16().requires_grad_()
-    p = torch.rand(9, generator=g)                       # fp32 probabilities, no gradient wanted
+    p = torch.rand(9, generator=g)  # fp32 probabilities, no gradient wanted
     y = swiglu_prob(h, p)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, unfused(h.detach(), p))

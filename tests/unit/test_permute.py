@@ -1,11 +1,21 @@
 """Pure token-movement functions: hand-worked cases (expected values explained) and round-trip properties."""
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from folding.moe import host_sync
-from folding.moe.permute import (chunk_permutation, expert_capacity, inverse_order, padded_rows_per_expert,
-                                 permute, plan_alltoall, sort_chunks_by_idxs, unpermute)
+from folding.moe.permute import (
+    chunk_permutation,
+    expert_capacity,
+    inverse_order,
+    padded_rows_per_expert,
+    permute,
+    plan_alltoall,
+    sort_chunks_by_idxs,
+    unpermute,
+)
 
 
 def _tokens(T, H=2):
@@ -16,11 +26,11 @@ def _tokens(T, H=2):
 def test_permute_expert_major_hand_worked():
     # 3 tokens, 3 experts, top-2:  t0 -> {e0, e2}, t1 -> {e1, e2}, t2 -> {e0, e1}
     rmap = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    probs = torch.tensor([[.6, 0, .4], [0, .7, .3], [.2, .8, 0]])
+    probs = torch.tensor([[0.6, 0, 0.4], [0, 0.7, 0.3], [0.2, 0.8, 0]])
     rows, p, idx = permute(_tokens(3), rmap, probs, num_out_tokens=6)
     # expert 0 gets t0, t2; expert 1 gets t1, t2; expert 2 gets t0, t1 (token order inside an expert)
     assert idx.tolist() == [0, 2, 1, 2, 0, 1]
-    assert p.tolist() == pytest.approx([.6, .2, .7, .8, .4, .3])
+    assert p.tolist() == pytest.approx([0.6, 0.2, 0.7, 0.8, 0.4, 0.3])
     assert torch.equal(rows, _tokens(3)[idx])
 
 
@@ -37,28 +47,28 @@ def test_permute_counts_through_host_sync_when_size_unknown():
 
 
 def test_unpermute_sums_rows_and_zero_fills_dropped_tokens():
-    rows = torch.tensor([[1., 1.], [2., 2.], [4., 4.]])
+    rows = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])
     idx = torch.tensor([0, 2, 2])
     out = unpermute(rows, idx, num_tokens=3)
     # token 0 <- row 0; token 1 <- nothing (dropped): zeros; token 2 <- rows 1 + 2
     assert out.tolist() == [[1, 1], [0, 0], [6, 6]]
-    weighted = unpermute(rows, idx, num_tokens=3, probs_N=torch.tensor([.5, .25, .5]))
-    assert weighted.tolist() == [[.5, .5], [0, 0], [2.5, 2.5]]
+    weighted = unpermute(rows, idx, num_tokens=3, probs_N=torch.tensor([0.5, 0.25, 0.5]))
+    assert weighted.tolist() == [[0.5, 0.5], [0, 0], [2.5, 2.5]]
 
 
 def test_pad_to_capacity_hand_worked():
     # 4 tokens, 2 experts; e0 routed from t1, t3; e1 routed from t2 only. 2 rows per expert:
     # e0 -> t1, t3 (its routed tokens); e1 -> t2 then the first unrouted token t0 as zero-prob filler.
     rmap = torch.tensor([[0, 0], [1, 0], [0, 1], [1, 0]], dtype=torch.bool)
-    probs = torch.tensor([[.9, .9], [.5, 0], [0, .6], [.7, 0]])  # t0's probs would be dropped values
+    probs = torch.tensor([[0.9, 0.9], [0.5, 0], [0, 0.6], [0.7, 0]])  # t0's probs would be dropped values
     rows, p, idx = permute(_tokens(4), rmap, probs, rows_per_expert=2)
     assert idx.tolist() == [1, 3, 2, 0]
-    assert p.tolist() == pytest.approx([.5, .7, .6, 0.0])
+    assert p.tolist() == pytest.approx([0.5, 0.7, 0.6, 0.0])
     # two chunks of 2 tokens, 1 row per expert per chunk: e0 <- t1 (chunk 0), t3 (chunk 1);
     # e1 <- t0 filler (chunk 0, no routed token), t2 (chunk 1)
     _, p2, idx2 = permute(_tokens(4), rmap, probs, rows_per_expert=1, num_chunks=2)
     assert idx2.tolist() == [1, 3, 0, 2]
-    assert p2.tolist() == pytest.approx([.5, .7, 0.0, .6])
+    assert p2.tolist() == pytest.approx([0.5, 0.7, 0.0, 0.6])
 
 
 def test_capacity_formula():
@@ -84,8 +94,10 @@ def test_sort_chunks_hand_worked():
 
 def test_plan_alltoall_hand_worked():
     # EP=2, ETP=2, E=4 (L=2: EP rank 0 owns e0, e1; EP rank 1 owns e2, e3). counts[s][j][e]:
-    counts = [[[1, 2, 3, 4], [5, 6, 7, 8]],      # ep 0: etp 0, etp 1
-              [[9, 10, 11, 12], [13, 14, 15, 16]]]  # ep 1: etp 0, etp 1
+    counts = [
+        [[1, 2, 3, 4], [5, 6, 7, 8]],  # ep 0: etp 0, etp 1
+        [[9, 10, 11, 12], [13, 14, 15, 16]],
+    ]  # ep 1: etp 0, etp 1
     plan = plan_alltoall(counts, ep_size=2, etp_size=2, ep_rank=1, etp_rank=0, num_local_experts=2)
     # this rank (ep 1, etp 0) holds counts [9, 10, 11, 12]: sends 9+10 to ep 0, 11+12 to itself
     assert plan.input_splits == [19, 23]
@@ -103,8 +115,9 @@ def test_plan_alltoall_hand_worked():
 
 
 @settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 12), E=st.integers(1, 6), H=st.integers(1, 4), seed=st.integers(0, 10_000),
-       drop=st.floats(0, 1))
+@given(
+    T=st.integers(1, 12), E=st.integers(1, 6), H=st.integers(1, 4), seed=st.integers(0, 10_000), drop=st.floats(0, 1)
+)
 def test_permute_unpermute_round_trip(T, E, H, seed, drop):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g, dtype=torch.float64)

@@ -6,6 +6,7 @@ one FIFO stream per rank, sends complete only with their matching receive, tags 
 simulator itself is shown to catch a hand-made deadlock, a mismatch, and the deadlocks of the
 previous design (async tagged ``isend`` + blocking ``irecv``).
 """
+
 import itertools
 
 import pytest
@@ -44,8 +45,17 @@ def recorded_programs(pp, vpp, M, forward_only=False):
             x = (w if inp is None else inp) * 1.0
             return x.sum() if chunk * pp + r == pp * vpp - 1 else x
 
-        forward_backward(forward_step=step, num_microbatches=M, pp_size=pp, pp_rank=r, vpp=vpp, p2p=p2p,
-                         tensor_shape=SHAPE, dtype=torch.float32, forward_only=forward_only)
+        forward_backward(
+            forward_step=step,
+            num_microbatches=M,
+            pp_size=pp,
+            pp_rank=r,
+            vpp=vpp,
+            p2p=p2p,
+            tensor_shape=SHAPE,
+            dtype=torch.float32,
+            forward_only=forward_only,
+        )
         exchanges = [a for a in plan[r] if isinstance(a, Exchange)]
         assert len(exchanges) == len(p2p.calls)
         groups = []
@@ -105,12 +115,13 @@ def test_every_schedule_is_deadlock_free_under_nccl_rules(forward_only):
 
 def test_simulator_reports_a_head_to_head_deadlock():
     # both ranks block on a send before posting the receive the other one needs
-    programs = {0: [Group([Op("send", 1, "a")]), Group([Op("recv", 1, "b")])],
-                1: [Group([Op("send", 0, "b")]), Group([Op("recv", 0, "a")])]}
+    programs = {
+        0: [Group([Op("send", 1, "a")]), Group([Op("recv", 1, "b")])],
+        1: [Group([Op("send", 0, "b")]), Group([Op("recv", 0, "a")])],
+    }
     assert simulate(programs).deadlock
     # the same four operations fused in one group per rank progress together
-    fused = {0: [Group([Op("send", 1, "a"), Op("recv", 1, "b")])],
-             1: [Group([Op("send", 0, "b"), Op("recv", 0, "a")])]}
+    fused = {0: [Group([Op("send", 1, "a"), Op("recv", 1, "b")])], 1: [Group([Op("send", 0, "b"), Op("recv", 0, "a")])]}
     result = simulate(fused)
     assert not result.deadlock and not result.mismatch
 
@@ -118,14 +129,18 @@ def test_simulator_reports_a_head_to_head_deadlock():
 def test_simulator_reports_an_async_send_queued_before_a_receive():
     # rank 0's async send sits at the head of its stream while its host blocks on a receive
     # behind it; rank 1 does the same the other way round
-    programs = {0: [Group([Op("send", 1, "a")], wait=False), Group([Op("recv", 1, "b")]), WaitAll()],
-                1: [Group([Op("send", 0, "b")], wait=False), Group([Op("recv", 0, "a")]), WaitAll()]}
+    programs = {
+        0: [Group([Op("send", 1, "a")], wait=False), Group([Op("recv", 1, "b")]), WaitAll()],
+        1: [Group([Op("send", 0, "b")], wait=False), Group([Op("recv", 0, "a")]), WaitAll()],
+    }
     assert simulate(programs).deadlock
 
 
 def test_simulator_reports_messages_matched_out_of_order():
-    programs = {0: [Group([Op("send", 1, "x")]), Group([Op("send", 1, "y")])],
-                1: [Group([Op("recv", 0, "y")]), Group([Op("recv", 0, "x")])]}
+    programs = {
+        0: [Group([Op("send", 1, "x")]), Group([Op("send", 1, "y")])],
+        1: [Group([Op("recv", 0, "y")]), Group([Op("recv", 0, "x")])],
+    }
     assert simulate(programs).mismatch
 
 

@@ -1,4 +1,5 @@
 """Stage partitioning: even splits, uneven first/last stages, and clear errors."""
+
 import pytest
 
 from folding.parallel.partition import layers_of, partition_layers
@@ -16,17 +17,24 @@ def test_even_and_virtual():
 
 def test_uneven_first_last():
     # 30 layers, first and last stage get 6, the two middle stages 9 each
-    assert partition_layers(num_layers=30, pp=4, first_stage_layers=6, last_stage_layers=6) == \
-        [(0, 6), (6, 15), (15, 24), (24, 30)]
+    assert partition_layers(num_layers=30, pp=4, first_stage_layers=6, last_stage_layers=6) == [
+        (0, 6),
+        (6, 15),
+        (15, 24),
+        (24, 30),
+    ]
     assert partition_layers(num_layers=7, pp=2, first_stage_layers=3) == [(0, 3), (3, 7)]
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(num_layers=7, pp=2), "cannot be split evenly"),
-    (dict(num_layers=4, pp=2, vpp=4), "cannot be split evenly"),
-    (dict(num_layers=4, pp=2, first_stage_layers=5), "exceed"),
-    (dict(num_layers=4, pp=2, first_stage_layers=4), "at least one layer"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(num_layers=7, pp=2), "cannot be split evenly"),
+        (dict(num_layers=4, pp=2, vpp=4), "cannot be split evenly"),
+        (dict(num_layers=4, pp=2, first_stage_layers=5), "exceed"),
+        (dict(num_layers=4, pp=2, first_stage_layers=4), "at least one layer"),
+    ],
+)
 def test_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):
         partition_layers(**kw)

@@ -1,4 +1,5 @@
 """Pipeline schedule orders: every step exactly once, dependencies respected, no deadlock."""
+
 import pytest
 
 from folding.pipeline.order import schedule_order
@@ -32,8 +33,23 @@ def simulate(M, pp, vpp):
     return orders
 
 
-@pytest.mark.parametrize("pp,vpp,M", [(1, 1, 1), (1, 1, 5), (2, 1, 1), (2, 1, 3), (4, 1, 2), (4, 1, 8),
-                                      (2, 2, 2), (2, 2, 6), (4, 2, 4), (4, 2, 12), (4, 3, 8), (8, 2, 16)])
+@pytest.mark.parametrize(
+    "pp,vpp,M",
+    [
+        (1, 1, 1),
+        (1, 1, 5),
+        (2, 1, 1),
+        (2, 1, 3),
+        (4, 1, 2),
+        (4, 1, 8),
+        (2, 2, 2),
+        (2, 2, 6),
+        (4, 2, 4),
+        (4, 2, 12),
+        (4, 3, 8),
+        (8, 2, 16),
+    ],
+)
 def test_schedule_complete_and_deadlock_free(pp, vpp, M):
     orders = simulate(M, pp, vpp)
     for r, order in orders.items():

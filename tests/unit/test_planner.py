@@ -1,4 +1,5 @@
 """The planner's memory model, step-time pieces and enumeration, against hand-worked values and oracles."""
+
 import dataclasses
 import itertools
 import json
@@ -9,12 +10,25 @@ import pytest
 
 from folding.model.presets import get_preset
 from folding.parallel import LayoutError, ParallelLayout
+from folding.planning.costs import (
+    _a2a_time,
+    _exposed_behind_chunks,
+    gemm_time,
+    gemm_train_times,
+    hidden_behind,
+    wave_utilization,
+)
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.planner import COMPUTE_EFFICIENCY, enumerate_plans, evaluate, plan_layouts, plan_memory
-from folding.planning.costs import (_a2a_time, _exposed_behind_chunks, gemm_time, gemm_train_times, hidden_behind,
-                                   wave_utilization)
-from folding.planning.step_time import (Cluster, Plan, TrainingShape, _layer_times, _tp_block, estimate_step_time,
-                                        stage_parameters)
+from folding.planning.step_time import (
+    Cluster,
+    Plan,
+    TrainingShape,
+    _layer_times,
+    _tp_block,
+    estimate_step_time,
+    stage_parameters,
+)
 
 TINY = get_preset("mixtral_tiny")
 SHAPE = TrainingShape(seq_length=16, global_batch_size=8)
@@ -48,7 +62,7 @@ def test_memory_by_hand_mixtral_tiny():
     assert mem.by_part() == {
         "params": (dense + expert) * 2,
         "grads": (dense + expert) * 4,
-        "optimizer": 12 * (dense / 2 + expert / 1),        # dense sharded over DP*CP=2, experts over EDP=1
+        "optimizer": 12 * (dense / 2 + expert / 1),  # dense sharded over DP*CP=2, experts over EDP=1
         "activations": 2 * 2 * per_layer,
         # the experts' backward working set 5*a*R*F = 5*2*16*96 = 15360 bytes (fc2's input gradient,
         # silu(gate), grad*up [R, F] each, fc1's output gradient [R, 2F]) outweighs the dispatcher's
@@ -60,13 +74,14 @@ def test_memory_by_hand_mixtral_tiny():
     # (2 layers * T*H) plus the fused loss's bf16 input (16 gathered tokens * 64), one fp32 log-sum-exp per token
     # and one chunk (all 16 tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and
     # re-materializes one whole layer in backward, while the experts' backward working set is alive.
-    mem2 = plan_memory(TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False,
-                                   recompute="full"), shape=SHAPE)
+    mem2 = plan_memory(
+        TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False, recompute="full"), shape=SHAPE
+    )
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
     assert mem2.stage == 1
     assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert)
     assert mem2.activations == 2 * 2 * 8 * 64 + (2 * 16 * 64 + 4 * 16 + 2 * 16 * 256 * 4)
-    assert mem2.transient == 5 * 2 * 16 * 96 + per_layer          # experts' backward working set + one layer
+    assert mem2.transient == 5 * 2 * 16 * 96 + per_layer  # experts' backward working set + one layer
     # A plain-autograd SwiGLU keeps 2 more F-wide bf16 tensors per expert row (R=16 rows, F=96), in each of the
     # 2 layers of the 2 micro-batches in flight.
     unfused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=False))
@@ -89,16 +104,18 @@ def test_activation_memory_shows_tp_and_recompute():
     # TP2 keeps twice the activations of TP4; the recompute modes drop what they checkpoint.
     shape = TrainingShape(seq_length=4096, global_batch_size=256)
     cfg = get_preset("mixtral_8x22b_g8t8")
-    acts = {(tp, rc): plan_memory(cfg, _plan(tp=tp, pp=8, ep=8, dp=16 // tp, edp=2, recompute=rc),
-                                  shape=shape).activations
-            for tp in (2, 4) for rc in ("none", "selective", "moe", "full")}
+    acts = {
+        (tp, rc): plan_memory(cfg, _plan(tp=tp, pp=8, ep=8, dp=16 // tp, edp=2, recompute=rc), shape=shape).activations
+        for tp in (2, 4)
+        for rc in ("none", "selective", "moe", "full")
+    }
     assert acts[(2, "none")] > 1.9 * acts[(4, "none")]
     for tp in (2, 4):
         assert acts[(tp, "full")] < acts[(tp, "moe")] < acts[(tp, "selective")] < acts[(tp, "none")]
 
 
 def test_wave_utilization_by_hand():
-    assert wave_utilization(128 * 132, 256, 132) == pytest.approx(1.0)    # exactly one wave of 128x256 tiles
+    assert wave_utilization(128 * 132, 256, 132) == pytest.approx(1.0)  # exactly one wave of 128x256 tiles
     # 129 x 128: two 128x128 tiles, one wave; useful work = 129*128 / (128*128) tiles of 132 SM slots.
     assert wave_utilization(129, 128, 132) == pytest.approx(129 * 128 / 128 / 128 / 132)
     # A grouped GEMM of 133 experts of 128x256 each: 133 tiles of 128x256 need 2 waves of 132 SMs (50.4%),
@@ -109,8 +126,8 @@ def test_wave_utilization_by_hand():
 
 def test_gemm_roofline_by_hand():
     gpu = get_gpu("h100")
-    hbm = 3.35e12 * 0.8                                      # achievable HBM bytes/s
-    m, n = 128 * 132, 256                                    # exactly one wave of 128x256 tiles
+    hbm = 3.35e12 * 0.8  # achievable HBM bytes/s
+    m, n = 128 * 132, 256  # exactly one wave of 128x256 tiles
     # k = 1: 2*m*n FLOPs are nothing; the bf16 operands (m*k + k*n) and output (m*n) make it HBM-bound.
     assert gemm_time(m, n, 1, gpu, 0.5) == pytest.approx(2 * (m + n + m * n) / hbm)
     # k = 8192: 70.9 GFLOP at half of 989.4 TFLOP/s = 143 us, against 289 MB of traffic = 108 us: compute-bound.
@@ -146,7 +163,11 @@ def test_cp_all_gather_by_hand():
     # rank's 2 MiB, inside the NVLink domain at 80% of 450 GB/s, + 20 us) in forward and reduce-scatters dK and
     # dV in backward: 4 exposed collectives per layer and micro-batch. The sort of the gathered K/V (2 x 4 MiB)
     # into sequence order is 5 memory-bound passes (read+write forward, zeros + index_put + read backward).
-    cfg, shape, gpu = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256), get_gpu("h100")
+    cfg, shape, gpu = (
+        get_preset("mixtral_8x22b"),
+        TrainingShape(seq_length=4096, global_batch_size=256),
+        get_gpu("h100"),
+    )
     cl = Cluster(gpu=gpu, num_gpus=128)
     kv = 2048 * 4 * 128 * 2
     want = 4 * (kv / (450e9 * 0.8) + 20e-6) + 5 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
@@ -162,17 +183,19 @@ def test_cp_all_gather_by_hand():
 def test_pipeline_sends_overlap_only_when_interleaved():
     cfg, shape = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256)
     gpu = get_gpu("h100")
-    cl = Cluster(gpu=gpu, num_gpus=128)                      # 16 GPUs per stage: each send crosses nodes
-    send = 2048 * 6144 * 2 / (50e9 * 0.8)                    # [S/TP, H] bf16 over the NIC at 80%: 0.63 ms
-    m = 256 // 8                                             # micro-batches per replica (DP8)
-    t1 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=1, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
-                            compute_efficiency=0.6)
+    cl = Cluster(gpu=gpu, num_gpus=128)  # 16 GPUs per stage: each send crosses nodes
+    send = 2048 * 6144 * 2 / (50e9 * 0.8)  # [S/TP, H] bf16 over the NIC at 80%: 0.63 ms
+    m = 256 // 8  # micro-batches per replica (DP8)
+    t1 = estimate_step_time(
+        cfg, _plan(tp=2, pp=8, vpp=1, ep=8, dp=8, edp=2), shape=shape, cluster=cl, compute_efficiency=0.6
+    )
     # 1F1B waits for each send and receive: 2 per micro-batch, each the transfer plus the inter-node latency.
     assert t1.breakdown["pp"] == pytest.approx(m * 2 * (send + 40e-6))
     # Interleaved (overlap_p2p_comm): 2 per micro-batch and virtual stage, each hidden behind a chunk's compute
     # (tens of ms) but paying 30% contention, plus the latency.
-    t7 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=7, ep=8, dp=8, edp=2), shape=shape, cluster=cl,
-                            compute_efficiency=0.6)
+    t7 = estimate_step_time(
+        cfg, _plan(tp=2, pp=8, vpp=7, ep=8, dp=8, edp=2), shape=shape, cluster=cl, compute_efficiency=0.6
+    )
     assert t7.breakdown["pp"] == pytest.approx(m * 2 * 7 * (0.3 * send + 40e-6))
 
 
@@ -192,18 +215,22 @@ def test_param_all_gather_hides_only_behind_the_optimizer_step():
     # Folding waits for the distributed optimizer's bf16 parameter all-gather at the end of the step: only the
     # optimizer step (30 bytes per local shard element at 80% of HBM) hides it. The fp32 gradient reduce-scatter
     # overlaps the backward: between 30% (all hidden) and 100% of it is paid.
-    cfg, shape, gpu = get_preset("mixtral_8x22b"), TrainingShape(seq_length=4096, global_batch_size=256), get_gpu("h100")
+    cfg, shape, gpu = (
+        get_preset("mixtral_8x22b"),
+        TrainingShape(seq_length=4096, global_batch_size=256),
+        get_gpu("h100"),
+    )
     cl = Cluster(gpu=gpu, num_gpus=128)
     plan = _plan(tp=2, pp=8, vpp=7, ep=8, dp=8, edp=2)
     p = stage_parameters(cfg, plan, last=True)
-    nic = 50e9 * 0.8                                   # DP (span 16) and EDP (span 16) groups cross nodes
+    nic = 50e9 * 0.8  # DP (span 16) and EDP (span 16) groups cross nodes
     param_s = (7 / 8 * p["dense"] * 2 + 1 / 2 * p["expert"] * 2) / nic + 2 * 40e-6
     grad_s = (7 / 8 * p["dense"] * 4 + 1 / 2 * p["expert"] * 4) / nic + 2 * 40e-6
     opt = 30 * (p["dense"] / 8 + p["expert"] / 2) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     t = estimate_step_time(cfg, plan, shape=shape, cluster=cl, compute_efficiency=0.6)
     assert t.breakdown["optimizer"] == pytest.approx(opt)
     gather = hidden_behind(param_s, opt, 0.3)
-    assert gather > 0.05                               # ~0.06 s: not hidden behind the next forward
+    assert gather > 0.05  # ~0.06 s: not hidden behind the next forward
     assert 0.3 * grad_s - 1e-9 <= t.breakdown["dp"] - gather <= grad_s + 1e-9
 
 
@@ -227,11 +254,12 @@ def test_step_time_structure():
     assert t.step_s == pytest.approx(sum(t.breakdown.values()))
     # MFU is model FLOPs over time and peak.
     from folding.planning.flops import flops_per_token
-    assert t.mfu == pytest.approx(flops_per_token(cfg, 4096).model_training * 256 * 4096
-                                  / (t.step_s * 128 * 989.4e12))
+
+    assert t.mfu == pytest.approx(flops_per_token(cfg, 4096).model_training * 256 * 4096 / (t.step_s * 128 * 989.4e12))
     # Interleaving shrinks the bubble; a higher efficiency shortens compute in proportion.
-    t7 = estimate_step_time(cfg, _plan(tp=2, pp=8, vpp=7, ep=8, etp=1, dp=8, edp=2), shape=shape, cluster=cl,
-                            compute_efficiency=0.5)
+    t7 = estimate_step_time(
+        cfg, _plan(tp=2, pp=8, vpp=7, ep=8, etp=1, dp=8, edp=2), shape=shape, cluster=cl, compute_efficiency=0.5
+    )
     assert t7.breakdown["bubble"] < t.breakdown["bubble"] / 5
     t2 = estimate_step_time(cfg, folded, shape=shape, cluster=cl, compute_efficiency=1.0)
     assert t2.breakdown["compute"] == pytest.approx(t.breakdown["compute"] / 2, rel=0.01)  # + host syncs
@@ -240,8 +268,9 @@ def test_step_time_structure():
     tu = estimate_step_time(cfg, unfolded, shape=shape, cluster=cl, compute_efficiency=0.5)
     assert tu.breakdown["ep"] > 3 * t.breakdown["ep"]
     # Full recompute costs an extra forward.
-    tr = estimate_step_time(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2, recompute="full"), shape=shape,
-                            cluster=cl, compute_efficiency=0.5)
+    tr = estimate_step_time(
+        cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2, recompute="full"), shape=shape, cluster=cl, compute_efficiency=0.5
+    )
     assert tr.breakdown["compute"] == pytest.approx(t.breakdown["compute"] * 4 / 3, rel=0.05)
     with pytest.raises(ValueError, match="compute_efficiency"):
         estimate_step_time(cfg, folded, shape=shape, cluster=cl, compute_efficiency=0)
@@ -253,21 +282,21 @@ def test_enumeration_matches_oracle():
     shape = TrainingShape(seq_length=16, global_batch_size=8)
     got = {(p.tp, p.cp, p.pp, p.vpp, p.ep, p.etp) for p in enumerate_plans(TINY, cluster=cl, shape=shape)}
     want = set()
-    sizes = (1, 2, 4, 8)     # every size of a legal 8-rank layout divides 8 (vpp is free: 1..8)
+    sizes = (1, 2, 4, 8)  # every size of a legal 8-rank layout divides 8 (vpp is free: 1..8)
     for tp, cp, pp, vpp, ep, etp in itertools.product(sizes, sizes, sizes, range(1, 9), sizes, sizes):
         try:
-            lay = ParallelLayout(world_size=8, tp=tp, cp=cp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp,
-                                 num_experts=8)
+            lay = ParallelLayout(
+                world_size=8, tp=tp, cp=cp, pp=pp, vpp=vpp if vpp > 1 else None, ep=ep, etp=etp, num_experts=8
+            )
         except LayoutError:
             continue
         m = 8 // lay.dp if 8 % lay.dp == 0 else 0
-        if (8 % tp or 4 % tp or 96 % etp or 4 % (pp * vpp) or 16 % (2 * cp) or not m
-                or (vpp > 1 and m % pp)):
+        if 8 % tp or 4 % tp or 96 % etp or 4 % (pp * vpp) or 16 % (2 * cp) or not m or (vpp > 1 and m % pp):
             continue
         want.add((tp, cp, pp, vpp, ep, etp))
     assert got == want and len(got) > 50
     plans = list(enumerate_plans(TINY, cluster=cl, shape=shape))
-    assert len(plans) == 8 * len(got)       # x distributed optimizer on/off x 4 recompute modes
+    assert len(plans) == 8 * len(got)  # x distributed optimizer on/off x 4 recompute modes
 
 
 def test_plan_layouts_sorted_distinct_and_fitting():
@@ -297,30 +326,71 @@ def test_bad_input_names_the_setting():
     with pytest.raises(ValueError, match="--world"):
         plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=12), shape=SHAPE)
     with pytest.raises(ValueError, match="--global-batch-size"):
-        plan_layouts(TINY, cluster=Cluster(gpu=get_gpu("h100"), num_gpus=8),
-                     shape=TrainingShape(seq_length=16, global_batch_size=0))
+        plan_layouts(
+            TINY,
+            cluster=Cluster(gpu=get_gpu("h100"), num_gpus=8),
+            shape=TrainingShape(seq_length=16, global_batch_size=0),
+        )
     with pytest.raises(ValueError, match="--gpu 'a100'"):
         get_gpu("a100")
 
 
 def test_tool_json_only_on_stdout():
-    out = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--world", "8", "--gpu", "b200",
-                          "--seq-length", "4096", "--global-batch-size", "8", "--json", "--fused-swiglu"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/plan.py",
+            "--model",
+            "mixtral_8x7b",
+            "--world",
+            "8",
+            "--gpu",
+            "b200",
+            "--seq-length",
+            "4096",
+            "--global-batch-size",
+            "8",
+            "--json",
+            "--fused-swiglu",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = json.loads(out.stdout)
     assert rows and rows[0]["mfu"] >= rows[-1]["mfu"]
     assert set(rows[0]["memory_breakdown_gib"]) == {"params", "grads", "optimizer", "activations", "transient"}
     # --fused-swiglu (the default, still accepted) plans the engine's experts: the best layout keeps fewer expert
     # activations than a plain-autograd SwiGLU would.
     best = rows[0]
-    plan = Plan(**{k: best[k] for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer",
-                                        "recompute", "folded")})
-    unfused = plan_memory(get_preset("mixtral_8x7b"), plan,
-                          shape=TrainingShape(seq_length=4096, global_batch_size=8, fused_swiglu=False))
+    plan = Plan(
+        **{
+            k: best[k]
+            for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer", "recompute", "folded")
+        }
+    )
+    unfused = plan_memory(
+        get_preset("mixtral_8x7b"), plan, shape=TrainingShape(seq_length=4096, global_batch_size=8, fused_swiglu=False)
+    )
     assert best["memory_breakdown_gib"]["activations"] < unfused.activations / GIB - 1
-    bad = subprocess.run([sys.executable, "tools/plan.py", "--model", "mixtral_tiny", "--gpus", "8",
-                          "--gpu", "v100", "--seq-length", "16", "--global-batch-size", "8"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "tools/plan.py",
+            "--model",
+            "mixtral_tiny",
+            "--gpus",
+            "8",
+            "--gpu",
+            "v100",
+            "--seq-length",
+            "16",
+            "--global-batch-size",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "--gpu" in bad.stderr and bad.stdout == ""
 
 

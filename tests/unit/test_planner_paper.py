@@ -6,6 +6,7 @@ paper's, rank in the planner's top 3, and beat its Megatron-Core counterpart wit
 counterpart keeps TP, CP, PP and sets ETP = TP (Megatron-Core's default) with EP carved out of DP; where the
 folded EP is then illegal (ETP·EP·PP > world) it takes the largest legal EP.
 """
+
 import functools
 
 import pytest
@@ -29,14 +30,18 @@ ROWS = {
 @functools.lru_cache(maxsize=None)
 def _ranked(name: str, folded: bool):
     n = ROWS[name][0]
-    res = plan_layouts(get_preset(name), cluster=Cluster(gpu=get_gpu("h100"), num_gpus=n), shape=SHAPE,
-                       folded=folded)
+    res = plan_layouts(get_preset(name), cluster=Cluster(gpu=get_gpu("h100"), num_gpus=n), shape=SHAPE, folded=folded)
     return [tuple(getattr(r.plan, k) for k in MATCH_KEYS) for r in res], res
 
 
 def test_calibration_reproduces_the_constant():
-    eff = calibrate_compute_efficiency(get_preset("mixtral_8x22b"), cluster=Cluster(gpu=get_gpu("h100"), num_gpus=128),
-                                       shape=SHAPE, mapping=dict(tp=2, cp=1, pp=8, ep=8, etp=1), target_mfu=0.493)
+    eff = calibrate_compute_efficiency(
+        get_preset("mixtral_8x22b"),
+        cluster=Cluster(gpu=get_gpu("h100"), num_gpus=128),
+        shape=SHAPE,
+        mapping=dict(tp=2, cp=1, pp=8, ep=8, etp=1),
+        target_mfu=0.493,
+    )
     assert eff == pytest.approx(COMPUTE_EFFICIENCY, abs=1e-3)
 
 
@@ -59,21 +64,29 @@ def test_folded_beats_mcore_without_folding(name):
 
 # Known gaps of the cost model (docs/planner.md, "Calibration and results"): strict, so that they fail loudly the
 # day the model ranks these layouts in the top 3.
-QWEN_GAP = ("the model ranks Qwen2-57B-A14B's TP2 PP4 EP4 ETP1 4th (37.6%, behind TP2 PP4 EP8 at 39.6% and "
-            "TP1 CP2 PP4 EP8 at 37.7%): EP4 holds "
-            "twice EP8's expert weights per GPU, and their gradient reduce-scatter / parameter all-gather over the "
-            "inter-node EDP group leave 0.36 s exposed per step against EP8's 0.15 s, more than EP8's larger "
-            "all-to-all costs (0.36 s vs 0.31 s)")
-G8T8_GAP = ("the model ranks Mixtral-8x22B-G8T8's TP4 PP8 EP8 ETP1 5th (32.2%, behind TP1 CP2 / TP2 / TP1 CP4 / "
-            "TP2 CP2 with PP8 EP8 at 33.6-32.7%): at 1024 tokens per rank TP4 exposes more sequence-parallel traffic "
-            "than TP2 (0.22 s vs 0.08 s per step); what made TP4 the paper's best is not modelled")
+QWEN_GAP = (
+    "the model ranks Qwen2-57B-A14B's TP2 PP4 EP4 ETP1 4th (37.6%, behind TP2 PP4 EP8 at 39.6% and "
+    "TP1 CP2 PP4 EP8 at 37.7%): EP4 holds "
+    "twice EP8's expert weights per GPU, and their gradient reduce-scatter / parameter all-gather over the "
+    "inter-node EDP group leave 0.36 s exposed per step against EP8's 0.15 s, more than EP8's larger "
+    "all-to-all costs (0.36 s vs 0.31 s)"
+)
+G8T8_GAP = (
+    "the model ranks Mixtral-8x22B-G8T8's TP4 PP8 EP8 ETP1 5th (32.2%, behind TP1 CP2 / TP2 / TP1 CP4 / "
+    "TP2 CP2 with PP8 EP8 at 33.6-32.7%): at 1024 tokens per rank TP4 exposes more sequence-parallel traffic "
+    "than TP2 (0.22 s vs 0.08 s per step); what made TP4 the paper's best is not modelled"
+)
 
 
-@pytest.mark.parametrize("name", [
-    "mixtral_8x22b", "llama3_8x70b",
-    pytest.param("mixtral_8x22b_g8t8", marks=pytest.mark.xfail(strict=True, reason=G8T8_GAP)),
-    pytest.param("qwen2_57b_a14b", marks=pytest.mark.xfail(strict=True, reason=QWEN_GAP)),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixtral_8x22b",
+        "llama3_8x70b",
+        pytest.param("mixtral_8x22b_g8t8", marks=pytest.mark.xfail(strict=True, reason=G8T8_GAP)),
+        pytest.param("qwen2_57b_a14b", marks=pytest.mark.xfail(strict=True, reason=QWEN_GAP)),
+    ],
+)
 def test_folded_layout_in_top_3(name):
     keys, _ = _ranked(name, True)
     assert keys.index(ROWS[name][1]) < 3

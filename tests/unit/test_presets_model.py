@@ -1,5 +1,6 @@
 """Presets build on the meta device; the module parameter counts equal ModelConfig.num_parameters() and the
 published totals (Mixtral 8x7B 46.7B / 12.9B active, 8x22B 140.6B / 39.2B, Qwen2-57B-A14B 57.4B / 14.3B)."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Delayed scaling, emulated: scales come from earlier amaxes (TransformerEngine's DelayedScaling)."""
+
 import torch
 
 from folding.moe.experts import GroupedMLP

@@ -1,4 +1,5 @@
 """FP8 per-tensor / per-row / blockwise scaling, fake quantization and the emulated FP8 linear."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """MXFP8 properties, and bit-exact agreement with a reference written from the OCP MX v1.0 text."""
+
 import math
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Rank math against an independent reshape/permute oracle, the worked examples, and bad layouts."""
+
 import itertools
 import random
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from folding.parallel import LayoutError, ParallelLayout, RankGenerator
-from folding.parallel.rank_math import AXES, ATTENTION_TOKENS, EXPERT_TOKENS
+from folding.parallel.rank_math import ATTENTION_TOKENS, AXES, EXPERT_TOKENS
 
 
 def oracle_groups(sizes: dict, order: str, token: str):
@@ -120,21 +121,24 @@ def test_derived_sizes_and_etp_default():
     assert "EP8" in lay.describe()
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(world_size=8, tp=3), "parallel.tp*cp*pp"),
-    (dict(world_size=8, tp=2, ep=8), "etp defaults to tp"),
-    (dict(world_size=8, ep=3), "parallel.etp*ep*pp"),
-    (dict(world_size=8, ep=4, num_experts=6), "num_experts=6"),
-    (dict(world_size=8, vpp=2), "parallel.vpp"),
-    (dict(world_size=8, tp=0), "parallel.tp"),
-    (dict(world_size=8, cp=-1), "parallel.cp"),
-    (dict(world_size=8, ep=1.5), "parallel.ep"),
-    (dict(world_size=8, order="tp-cp-xx-dp-pp"), "unknown axis 'xx'"),
-    (dict(world_size=8, order="tp-tp-ep-dp-pp"), "repeats axis 'tp'"),
-    (dict(world_size=8, tp=2, order="cp-ep-dp-pp"), "omits axis 'tp'"),
-    (dict(world_size=16, pp=2, ep=4, etp=1, order="tp-cp-ep-pp-dp"), "put 'pp' last"),
-    (dict(world_size=0), "world_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(world_size=8, tp=3), "parallel.tp*cp*pp"),
+        (dict(world_size=8, tp=2, ep=8), "etp defaults to tp"),
+        (dict(world_size=8, ep=3), "parallel.etp*ep*pp"),
+        (dict(world_size=8, ep=4, num_experts=6), "num_experts=6"),
+        (dict(world_size=8, vpp=2), "parallel.vpp"),
+        (dict(world_size=8, tp=0), "parallel.tp"),
+        (dict(world_size=8, cp=-1), "parallel.cp"),
+        (dict(world_size=8, ep=1.5), "parallel.ep"),
+        (dict(world_size=8, order="tp-cp-xx-dp-pp"), "unknown axis 'xx'"),
+        (dict(world_size=8, order="tp-tp-ep-dp-pp"), "repeats axis 'tp'"),
+        (dict(world_size=8, tp=2, order="cp-ep-dp-pp"), "omits axis 'tp'"),
+        (dict(world_size=16, pp=2, ep=4, etp=1, order="tp-cp-ep-pp-dp"), "put 'pp' last"),
+        (dict(world_size=0), "world_size"),
+    ],
+)
 def test_bad_layouts(kwargs, needle):
     with pytest.raises(LayoutError, match=None) as err:
         ParallelLayout(**kwargs)

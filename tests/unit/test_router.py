@@ -1,4 +1,5 @@
 """MoEConfig validation and the Router module on one process (no process group: groups of size 1)."""
+
 import dataclasses
 
 import pytest
@@ -24,27 +25,30 @@ def router(**kw):
 
 
 # ------------------------------------------------------------------------------------ config
-@pytest.mark.parametrize("kw,field", [
-    (dict(topk=5), "moe.topk"),
-    (dict(num_experts=6, num_groups=4, group_topk=1), "moe.num_groups"),
-    (dict(num_experts=8, num_groups=2, group_topk=3, topk=4), "moe.group_topk"),
-    (dict(num_groups=2), "moe.group_topk"),
-    (dict(topk=1), "moe.topk"),
-    (dict(capacity_factor=0.0), "moe.capacity_factor"),
-    (dict(capacity_factor=-1.0), "moe.capacity_factor"),
-    (dict(score_function="relu"), "moe.score_function"),
-    (dict(drop_policy="random"), "moe.drop_policy"),
-    (dict(aux_loss_type="switch"), "moe.aux_loss_type"),
-    (dict(router_dtype="bf16"), "moe.router_dtype"),
-    (dict(dispatcher="deepep"), "moe.dispatcher"),
-    (dict(dispatch_wire="int8"), "moe.dispatch_wire"),
-    (dict(expert_backend="cutlass"), "moe.expert_backend"),
-    (dict(fp8_recipe="hybrid"), "moe.fp8_recipe"),
-    (dict(pad_to_capacity=True), "moe.pad_to_capacity"),
-    (dict(aux_loss_coeff=-0.1), "moe.aux_loss_coeff"),
-    (dict(shared_expert_gate=True), "moe.shared_expert_gate"),
-    (dict(score_function="sigmoid", pre_softmax=True), "moe.pre_softmax"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(topk=5), "moe.topk"),
+        (dict(num_experts=6, num_groups=4, group_topk=1), "moe.num_groups"),
+        (dict(num_experts=8, num_groups=2, group_topk=3, topk=4), "moe.group_topk"),
+        (dict(num_groups=2), "moe.group_topk"),
+        (dict(topk=1), "moe.topk"),
+        (dict(capacity_factor=0.0), "moe.capacity_factor"),
+        (dict(capacity_factor=-1.0), "moe.capacity_factor"),
+        (dict(score_function="relu"), "moe.score_function"),
+        (dict(drop_policy="random"), "moe.drop_policy"),
+        (dict(aux_loss_type="switch"), "moe.aux_loss_type"),
+        (dict(router_dtype="bf16"), "moe.router_dtype"),
+        (dict(dispatcher="deepep"), "moe.dispatcher"),
+        (dict(dispatch_wire="int8"), "moe.dispatch_wire"),
+        (dict(expert_backend="cutlass"), "moe.expert_backend"),
+        (dict(fp8_recipe="hybrid"), "moe.fp8_recipe"),
+        (dict(pad_to_capacity=True), "moe.pad_to_capacity"),
+        (dict(aux_loss_coeff=-0.1), "moe.aux_loss_coeff"),
+        (dict(shared_expert_gate=True), "moe.shared_expert_gate"),
+        (dict(score_function="sigmoid", pre_softmax=True), "moe.pre_softmax"),
+    ],
+)
 def test_config_rejects_with_field_name(kw, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         cfg(**kw)
@@ -55,7 +59,7 @@ def test_config_accepts_legal_and_documents_every_field():
     cfg(topk=1, score_function="sigmoid")
     cfg(num_experts=8, topk=4, num_groups=4, group_topk=2, capacity_factor=1.25, pad_to_capacity=True)
     src = open(MoEConfig.__module__.replace(".", "/") + ".py").read()
-    for f in dataclasses.fields(MoEConfig):         # a docstring line follows every field
+    for f in dataclasses.fields(MoEConfig):  # a docstring line follows every field
         after = src.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1].strip()
         assert after.startswith('"""'), f.name
     c = cfg()
@@ -105,8 +109,15 @@ def test_losses_do_not_change_output_and_add_scaled_gradient(aux_type):
     logits = x.reshape(-1, H) @ W.double().T
     scores, amap = R.aux_loss_scores(logits, topk=2)
     if aux_type == "seq_aux_loss":
-        aux = R.seq_aux_loss(scores, R.tokens_per_sequence_expert(amap, num_sequences=2), num_sequences=2,
-                             seq_length=4, topk=2, num_experts=4, coeff=0.3)
+        aux = R.seq_aux_loss(
+            scores,
+            R.tokens_per_sequence_expert(amap, num_sequences=2),
+            num_sequences=2,
+            seq_length=4,
+            topk=2,
+            num_experts=4,
+            coeff=0.3,
+        )
     else:
         aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=8, topk=2, num_experts=4, coeff=0.3)
     z = R.z_loss(logits, coeff=0.05)
@@ -160,24 +171,25 @@ def test_nonfinite_logits_flag_without_raising_in_forward():
     r.check_logits_finite()
     x = torch.randn(4, H)
     x[2, 1] = float("nan")
-    r(x)                                    # forward never syncs or raises
+    r(x)  # forward never syncs or raises
     assert bool(r.nonfinite_logits)
     with pytest.raises(FloatingPointError, match="layer 0"):
         r.check_logits_finite()
-    r.check_logits_finite()                 # flag cleared
-    layers = [Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=i)
-              for i in range(3)]
+    r.check_logits_finite()  # flag cleared
+    layers = [
+        Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=i) for i in range(3)
+    ]
     for lyr in layers:
         lyr(x if lyr.layer_number == 1 else torch.randn(4, H))
     with pytest.raises(FloatingPointError, match=r"layers \[1\]"):
         check_routers_finite(m for m in layers)
-    check_routers_finite(layers)            # all flags cleared
+    check_routers_finite(layers)  # all flags cleared
 
 
 def test_capacity_stats_and_force_balance():
     r = router(num_experts=4, topk=2, capacity_factor=0.5, drop_policy="position")
     p, m = r(torch.randn(8, H))
-    cap = R.expert_capacity(8, topk=2, num_experts=4, capacity_factor=0.5)       # = 2
+    cap = R.expert_capacity(8, topk=2, num_experts=4, capacity_factor=0.5)  # = 2
     assert (m.sum(0) <= cap).all() and int(r.last_dropped) == 16 - int(m.sum())
     assert torch.equal(r.last_tokens_per_expert, m.sum(0))
     fb = router(num_experts=4, topk=2, force_balance=True)
@@ -190,7 +202,7 @@ def test_expert_bias_balances_a_skewed_router():
     torch.manual_seed(0)
     r = router(num_experts=4, topk=1, pre_softmax=True, expert_bias=True, expert_bias_update_rate=0.05)
     with torch.no_grad():
-        r.weight[0] += 0.5                  # expert 0 attracts most tokens
+        r.weight[0] += 0.5  # expert 0 attracts most tokens
     x = torch.randn(64, H) + 1.0
     x[:, :] = x.abs()
     loads = []
@@ -213,19 +225,30 @@ def test_expert_bias_balances_a_skewed_router():
 
 def test_config_is_a_hydra_structured_schema():
     from omegaconf import OmegaConf
+
     schema = OmegaConf.structured(MoEConfig)
     over = OmegaConf.from_dotlist(["num_experts=8", "topk=2", "ffn_hidden_size=16", "capacity_factor=1.5"])
     c = OmegaConf.to_object(OmegaConf.merge(schema, over))
     assert isinstance(c, MoEConfig) and c.capacity_factor == 1.5
     with pytest.raises(ValueError, match=r"moe\.topk"):
-        OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(
-            ["num_experts=8", "topk=9", "ffn_hidden_size=16"])))
+        OmegaConf.to_object(
+            OmegaConf.merge(schema, OmegaConf.from_dotlist(["num_experts=8", "topk=9", "ffn_hidden_size=16"]))
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 def test_cuda_router_matches_cpu():
-    kw = dict(num_experts=8, topk=2, capacity_factor=1.0, pad_to_capacity=True, expert_bias=True,
-              aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.01, router_dtype="fp64")
+    kw = dict(
+        num_experts=8,
+        topk=2,
+        capacity_factor=1.0,
+        pad_to_capacity=True,
+        expert_bias=True,
+        aux_loss_type="seq_aux_loss",
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.01,
+        router_dtype="fp64",
+    )
     cpu, gpu = router(**kw), router(**kw).cuda()
     x = torch.randn(4, 2, H, dtype=torch.float64)
     p0, m0 = cpu(x)
@@ -246,11 +269,11 @@ def test_padding_tokens_count_nowhere(aux_type):
     x = torch.randn(S, B, H, dtype=torch.float64)
     G = torch.randn(S, B, 4, dtype=torch.float64)
     pad = torch.zeros(S, B, dtype=torch.bool)
-    pad[3, 0] = pad[2, 1] = pad[3, 1] = True                 # sequence 0 has 3 tokens, sequence 1 has 2
+    pad[3, 0] = pad[2, 1] = pad[3, 1] = True  # sequence 0 has 3 tokens, sequence 1 has 2
     kw = dict(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05, expert_bias=True)
     padded = router(**kw)
     p, m = padded(x, padding_mask=pad)
-    assert m.sum(1).eq(2).all()                              # padding tokens are still routed
+    assert m.sum(1).eq(2).all()  # padding tokens are still routed
     (p * G.reshape(-1, 4).masked_fill(pad.reshape(-1, 1), 0)).sum().backward()
     # reference: the valid tokens alone, with the losses written out per definition
     W = padded.weight.detach().clone().requires_grad_()
@@ -259,9 +282,16 @@ def test_padding_tokens_count_nowhere(aux_type):
     probs, _ = R.topk_routing(logits, topk=2)
     scores, amap = R.aux_loss_scores(logits, topk=2)
     if aux_type == "seq_aux_loss":
-        seq_of = torch.arange(S * B).remainder(B)[valid]     # token t = s·B + b
-        aux = sum(R.switch_aux_loss(scores[seq_of == b], amap[seq_of == b].sum(0), total_num_tokens=n,
-                                    topk=2, num_experts=4, coeff=0.3) for b, n in ((0, 3), (1, 2))) / B
+        seq_of = torch.arange(S * B).remainder(B)[valid]  # token t = s·B + b
+        aux = (
+            sum(
+                R.switch_aux_loss(
+                    scores[seq_of == b], amap[seq_of == b].sum(0), total_num_tokens=n, topk=2, num_experts=4, coeff=0.3
+                )
+                for b, n in ((0, 3), (1, 2))
+            )
+            / B
+        )
     else:
         aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=5, topk=2, num_experts=4, coeff=0.3)
     z = R.z_loss(logits, coeff=0.05)
@@ -269,6 +299,6 @@ def test_padding_tokens_count_nowhere(aux_type):
     torch.testing.assert_close(padded.last_losses[aux_type], aux.detach())
     torch.testing.assert_close(padded.last_losses["z_loss"], z.detach())
     torch.testing.assert_close(padded.weight.grad, W.grad)
-    assert padded.local_tokens_per_expert.sum() == 5 * 2      # expert-bias demand: valid tokens only
+    assert padded.local_tokens_per_expert.sum() == 5 * 2  # expert-bias demand: valid tokens only
     with pytest.raises(ValueError, match="padding_mask"):
         padded(x, padding_mask=pad.reshape(-1))

@@ -1,5 +1,6 @@
 """Pure routing functions against hand-worked cases (expected values explained inline) and against
 an independent per-token loop oracle of Megatron-Core's semantics on random inputs."""
+
 import math
 
 import pytest
@@ -11,8 +12,9 @@ LN = math.log
 
 
 def _close(a, b, tol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
-                               torch.as_tensor(b, dtype=torch.float64), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), rtol=tol, atol=tol
+    )
 
 
 # ------------------------------------------------------------------------------ score functions
@@ -68,8 +70,7 @@ def test_expert_bias_changes_choice_not_probs():
     _close(probs, [[0, e3 / (e3 + 1), 0, 1 / (e3 + 1)]])
     # sigmoid: bias on expert 0 makes it chosen with its raw score .5; .5 and .9 renormalized
     logits = torch.tensor([[0.0, LN(3), -LN(3), LN(9)]])
-    probs, _ = R.topk_routing(logits, topk=2, score_function="sigmoid",
-                              expert_bias_E=torch.tensor([1.0, 0, 0, 0]))
+    probs, _ = R.topk_routing(logits, topk=2, score_function="sigmoid", expert_bias_E=torch.tensor([1.0, 0, 0, 0]))
     _close(probs, [[0.5 / 1.4, 0, 0, 0.9 / 1.4]])
 
 
@@ -89,8 +90,10 @@ def _oracle(logits, topk, score_function, pre_softmax, num_groups, group_topk, s
         allowed = list(range(E))
         if num_groups:
             per = E // num_groups
-            gscore = [sorted(sel[g * per:(g + 1) * per].tolist(), reverse=True)[: topk // group_topk]
-                      for g in range(num_groups)]
+            gscore = [
+                sorted(sel[g * per : (g + 1) * per].tolist(), reverse=True)[: topk // group_topk]
+                for g in range(num_groups)
+            ]
             best = sorted(range(num_groups), key=lambda g: -sum(gscore[g]))[:group_topk]
             allowed = [e for e in allowed if e // per in best]
         chosen = sorted(allowed, key=lambda e: -sel[e].item())[:topk]
@@ -103,23 +106,39 @@ def _oracle(logits, topk, score_function, pre_softmax, num_groups, group_topk, s
     return probs
 
 
-@pytest.mark.parametrize("case", [
-    dict(topk=2, score_function="softmax", pre_softmax=False),
-    dict(topk=3, score_function="softmax", pre_softmax=True),
-    dict(topk=2, score_function="sigmoid", pre_softmax=False, scaling=2.0),
-    dict(topk=4, score_function="softmax", pre_softmax=False, num_groups=4, group_topk=2),
-    dict(topk=4, score_function="sigmoid", pre_softmax=False, num_groups=2, group_topk=1, bias=True),
-    dict(topk=1, score_function="softmax", pre_softmax=True, bias=True),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(topk=2, score_function="softmax", pre_softmax=False),
+        dict(topk=3, score_function="softmax", pre_softmax=True),
+        dict(topk=2, score_function="sigmoid", pre_softmax=False, scaling=2.0),
+        dict(topk=4, score_function="softmax", pre_softmax=False, num_groups=4, group_topk=2),
+        dict(topk=4, score_function="sigmoid", pre_softmax=False, num_groups=2, group_topk=1, bias=True),
+        dict(topk=1, score_function="softmax", pre_softmax=True, bias=True),
+    ],
+)
 def test_topk_routing_matches_loop_oracle(case):
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(13, 8, generator=g, dtype=torch.float64)
     bias = torch.randn(8, generator=g, dtype=torch.float64) * 0.5 if case.get("bias") else None
-    kw = dict(topk=case["topk"], score_function=case["score_function"], pre_softmax=case["pre_softmax"],
-              num_groups=case.get("num_groups"), group_topk=case.get("group_topk"))
+    kw = dict(
+        topk=case["topk"],
+        score_function=case["score_function"],
+        pre_softmax=case["pre_softmax"],
+        num_groups=case.get("num_groups"),
+        group_topk=case.get("group_topk"),
+    )
     probs, rmap = R.topk_routing(logits, scaling_factor=case.get("scaling"), expert_bias_E=bias, **kw)
-    ref = _oracle(logits, case["topk"], case["score_function"], case["pre_softmax"], case.get("num_groups"),
-                  case.get("group_topk"), case.get("scaling"), bias)
+    ref = _oracle(
+        logits,
+        case["topk"],
+        case["score_function"],
+        case["pre_softmax"],
+        case.get("num_groups"),
+        case.get("group_topk"),
+        case.get("scaling"),
+        bias,
+    )
     _close(probs, ref, 1e-12)
     assert torch.equal(rmap, ref != 0)
     assert (rmap.sum(1) == case["topk"]).all()
@@ -165,8 +184,9 @@ def test_capacity_position_policy_keeps_earliest():
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_pad_to_capacity_gives_exactly_capacity_rows(policy):
-    probs, rmap = R.apply_capacity(*_capacity_case(), topk=1, capacity_factor=1.0, drop_policy=policy,
-                                   pad_to_capacity=True)
+    probs, rmap = R.apply_capacity(
+        *_capacity_case(), topk=1, capacity_factor=1.0, drop_policy=policy, pad_to_capacity=True
+    )
     assert rmap.sum(0).tolist() == [2, 2]
     # expert 1: its routed token 3 plus the earliest filler, token 0, with probability 0
     assert rmap[:, 1].int().tolist() == [1, 0, 0, 1]
@@ -192,14 +212,13 @@ def test_capacity_kept_rows_property(seed):
     for policy in ("probs", "position"):
         p2, m2 = R.apply_capacity(probs, rmap, topk=k, capacity_factor=cf, drop_policy=policy)
         assert torch.equal(m2.sum(0), rmap.sum(0).clamp(max=cap))
-        assert not (m2 & ~rmap).any()                     # never adds a pair
+        assert not (m2 & ~rmap).any()  # never adds a pair
         assert torch.equal(p2, probs * m2)
-        p3, m3 = R.apply_capacity(probs, rmap, topk=k, capacity_factor=cf, drop_policy=policy,
-                                  pad_to_capacity=True)
+        p3, m3 = R.apply_capacity(probs, rmap, topk=k, capacity_factor=cf, drop_policy=policy, pad_to_capacity=True)
         assert (m3.sum(0) == min(cap, T)).all()
-        assert torch.equal(m3 & rmap, m2)                 # same routed pairs kept as without padding
+        assert torch.equal(m3 & rmap, m2)  # same routed pairs kept as without padding
         assert torch.equal(p3, p2)
-    if cap < T:                                           # probs policy keeps the highest
+    if cap < T:  # probs policy keeps the highest
         p2, m2 = R.apply_capacity(probs, rmap, topk=k, capacity_factor=cf)
         for e in range(E):
             kept, dropped = probs[m2[:, e], e], probs[rmap[:, e] & ~m2[:, e], e]
@@ -246,8 +265,10 @@ def test_seq_aux_loss_hand_worked():
     loss = R.seq_aux_loss(scores, counts, num_sequences=2, seq_length=2, topk=1, num_experts=2, coeff=0.1)
     _close(loss, 0.125)
     # equals the mean of switch_aux_loss per sequence
-    per_seq = [R.switch_aux_loss(scores[b::2], counts[b], total_num_tokens=2, topk=1, num_experts=2,
-                                 coeff=0.1) for b in range(2)]
+    per_seq = [
+        R.switch_aux_loss(scores[b::2], counts[b], total_num_tokens=2, topk=1, num_experts=2, coeff=0.1)
+        for b in range(2)
+    ]
     _close(loss, sum(per_seq) / 2)
 
 

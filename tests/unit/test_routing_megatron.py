@@ -5,13 +5,15 @@ module is skipped with that reason. Tie-free random inputs are used, since Megat
 to ``torch.topk``; the ``position`` drop policy and pad-to-capacity filler choice are therefore not
 compared (ours are deterministic, theirs depend on ``torch.topk`` tie order).
 """
+
 import pytest
 import torch
 
 from folding.moe import routing as R
 
-mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils",
-                         reason="megatron-core is not installed (optional cross-check)")
+mu = pytest.importorskip(
+    "megatron.core.transformer.moe.moe_utils", reason="megatron-core is not installed (optional cross-check)"
+)
 
 CASES = [
     dict(topk=2, score_function="softmax", pre_softmax=False),
@@ -20,8 +22,7 @@ CASES = [
     dict(topk=4, score_function="softmax", pre_softmax=False, num_groups=4, group_topk=2),
     dict(topk=2, score_function="sigmoid", pre_softmax=False),
     dict(topk=1, score_function="sigmoid", pre_softmax=False, bias=True),
-    dict(topk=4, score_function="sigmoid", pre_softmax=False, num_groups=2, group_topk=2, bias=True,
-         scaling=1.5),
+    dict(topk=4, score_function="sigmoid", pre_softmax=False, num_groups=2, group_topk=2, bias=True, scaling=1.5),
 ]
 
 
@@ -32,12 +33,24 @@ def test_topk_routing_equals_megatron(case, dtype):
     logits = torch.randn(32, 8, generator=g, dtype=dtype)
     bias = torch.randn(8, generator=g, dtype=dtype) * 0.3 if case.get("bias") else None
     kw = dict(num_groups=case.get("num_groups"), group_topk=case.get("group_topk"))
-    ours = R.topk_routing(logits, topk=case["topk"], score_function=case["score_function"],
-                          pre_softmax=case["pre_softmax"], scaling_factor=case.get("scaling"),
-                          expert_bias_E=bias, **kw)
+    ours = R.topk_routing(
+        logits,
+        topk=case["topk"],
+        score_function=case["score_function"],
+        pre_softmax=case["pre_softmax"],
+        scaling_factor=case.get("scaling"),
+        expert_bias_E=bias,
+        **kw,
+    )
     theirs = mu.topk_routing_with_score_function(
-        logits, case["topk"], use_pre_softmax=case["pre_softmax"], scaling_factor=case.get("scaling"),
-        score_function=case["score_function"], expert_bias=bias, **kw)
+        logits,
+        case["topk"],
+        use_pre_softmax=case["pre_softmax"],
+        scaling_factor=case.get("scaling"),
+        score_function=case["score_function"],
+        expert_bias=bias,
+        **kw,
+    )
     assert torch.equal(ours[1], theirs[1])
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7)
 
@@ -71,14 +84,14 @@ def test_losses_and_bias_rule_equal_megatron(score_function):
     counts = amap.sum(0)
     torch.testing.assert_close(
         R.switch_aux_loss(scores, counts, total_num_tokens=20, topk=2, num_experts=8, coeff=0.01),
-        mu.switch_load_balancing_loss_func(their_scores, counts, 20, 2, 8, 0.01))
+        mu.switch_load_balancing_loss_func(their_scores, counts, 20, 2, 8, 0.01),
+    )
     torch.testing.assert_close(R.z_loss(logits, coeff=0.001), mu.z_loss_func(logits, 0.001))
     # seq_aux_loss: Megatron-Core reshapes [S, B·E] and divides the switch loss by B
     S, B = 5, 4
     seq_counts = R.tokens_per_sequence_expert(amap, num_sequences=B)
     ours = R.seq_aux_loss(scores, seq_counts, num_sequences=B, seq_length=S, topk=2, num_experts=8, coeff=0.01)
-    theirs = mu.switch_load_balancing_loss_func(scores.reshape(S, -1), amap.reshape(S, -1).sum(0), S, 2, 8,
-                                                0.01) / B
+    theirs = mu.switch_load_balancing_loss_func(scores.reshape(S, -1), amap.reshape(S, -1).sum(0), S, 2, 8, 0.01) / B
     torch.testing.assert_close(ours, theirs)
     # the bias rule, without Megatron-Core's all-reduce (which needs its global process groups)
     bias = torch.randn(8, generator=g)

@@ -1,12 +1,11 @@
 """Metrics: JSONL appends and never truncates, NaN becomes null, load summaries, console cadence,
 and the plot tool draws a PNG from a metrics file."""
+
 import io
 import json
 import os
 import subprocess
 import sys
-
-import pytest
 
 from folding.training.config import LoggingConfig, WandbConfig
 from folding.training.metrics import MetricsSink, expert_load_summary, progress_bar
@@ -25,18 +24,30 @@ def test_jsonl_one_record_per_step_appends_and_console_interval(tmp_path):
     cfg = LoggingConfig(metrics_file=str(path), interval=2, wandb=WandbConfig(mode="disabled"))
     sink = MetricsSink(cfg, run_dir=str(tmp_path), total_steps=5, stream=out)
     for step in range(1, 6):
-        sink.log({"kind": "train", "step": step, "loss": float("nan") if step == 3 else 1.0 / step,
-                  "load_imbalance": [1.5], "skipped": step == 3})
+        sink.log(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": float("nan") if step == 3 else 1.0 / step,
+                "load_imbalance": [1.5],
+                "skipped": step == 3,
+            }
+        )
     sink.log({"kind": "eval", "step": 5, "lm_loss": 0.5})
     sink.close()
     recs = [json.loads(line) for line in path.read_text().splitlines()]
-    assert recs[0] == {"kind": "old"}                       # never truncated
+    assert recs[0] == {"kind": "old"}  # never truncated
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5]
     assert recs[3]["loss"] is None and recs[3]["skipped"] is True
     lines = out.getvalue().splitlines()
     # console: step 1, every 2nd step, the skipped step 3, the last step, and the eval
-    assert [ln.split("]")[1].split("|")[0].strip() for ln in lines if ln.startswith("[#") or ln.startswith("[.")] \
-        == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+    assert [ln.split("]")[1].split("|")[0].strip() for ln in lines if ln.startswith("[#") or ln.startswith("[.")] == [
+        "1/5",
+        "2/5",
+        "3/5",
+        "4/5",
+        "5/5",
+    ]
     assert "SKIPPED" in lines[2] and lines[-1].startswith("[eval]")
     assert progress_bar(3, 6, width=6) == "[###...] 3/6"
 
@@ -45,8 +56,18 @@ def test_plot_run_writes_png(tmp_path):
     path = tmp_path / "m.jsonl"
     with open(path, "w") as f:
         for step in range(1, 6):
-            f.write(json.dumps({"kind": "train", "step": step, "loss": 5 - step * 0.1, "lm_loss": 5 - step * 0.1,
-                                "expert_counts": [[step, 2, 3, 4], [4, 3, 2, 1]]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "train",
+                        "step": step,
+                        "loss": 5 - step * 0.1,
+                        "lm_loss": 5 - step * 0.1,
+                        "expert_counts": [[step, 2, 3, 4], [4, 3, 2, 1]],
+                    }
+                )
+                + "\n"
+            )
         f.write(json.dumps({"kind": "eval", "step": 5, "lm_loss": 4.6}) + "\n")
     out = tmp_path / "p.png"
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
@@ -57,6 +78,7 @@ def test_plot_run_writes_png(tmp_path):
 def test_plot_run_needs_only_the_base_install():
     # the README shows plot_run.py right after `pip install -e .`: its imports are base requirements
     import ast
+
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     with open(os.path.join(root, "setup.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
@@ -72,15 +94,20 @@ def test_plot_run_needs_only_the_base_install():
 
 def test_plot_run_takes_a_resumed_runs_latest_attempt(tmp_path):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location(
-        "plot_run", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py"))
+        "plot_run", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
+    )
     plot_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_run)
-    recs = [{"kind": "run", "start_step": 1}] + [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)] \
-        + [{"kind": "eval", "step": 4}, {"kind": "run", "start_step": 3}] \
+    recs = (
+        [{"kind": "run", "start_step": 1}]
+        + [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)]
+        + [{"kind": "eval", "step": 4}, {"kind": "run", "start_step": 3}]
         + [{"kind": "train", "step": s, "loss": 2.0} for s in (3, 4, 5)]
+    )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = plot_run.read_records(str(tmp_path))                       # a run directory works too
+    out = plot_run.read_records(str(tmp_path))  # a run directory works too
     train = [(r["step"], r["loss"]) for r in out if r["kind"] == "train"]
     assert train == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
     assert not [r for r in out if r["kind"] == "eval"]
