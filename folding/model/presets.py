@@ -142,7 +142,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-# Models of the MoE Parallel Folding paper's benchmarks (REFERENCE.md §5) that have no released checkpoint.
+# Models of the MoE Parallel Folding paper's benchmarks (docs/planner.md, "Calibration and results") that
+# have no released checkpoint.
 # Mixtral-8x22B-G8T8: Mixtral-8x22B with every expert cut into 8 fine-grained experts (64 experts of
 # F = 16384/8 = 2048) and top-8 routing: the same total expert parameters as 8x22B, half the active ones
 # (8·2048 vs 2·16384 FFN width per token).

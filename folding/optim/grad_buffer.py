@@ -8,7 +8,7 @@ and padded to a multiple of the data-parallel size ``D`` so that it splits into 
 rank ``r`` of the data-parallel group owns elements ``[start + r*n/D, start + (r+1)*n/D)`` of every
 bucket (its optimizer shard under ZeRO-1, its share of the grad norm in both modes).
 
-Reduction of one bucket (``sum`` everywhere; REFERENCE.md §4b):
+Reduction of one bucket (``sum`` everywhere; docs/optimizer.md, "The loss contract"):
 
 1. ``pre_groups`` — all-reduce over TP (ETP for experts) for sequence-parallel parameters, then over
    the embedding group for tied embeddings;

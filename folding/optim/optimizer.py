@@ -8,7 +8,7 @@ the LR schedule (:mod:`folding.optim.schedules`).
 
 - Gradients are *summed* over DP×CP (dense) and EDP (experts), plus TP for sequence-parallel and
   the embedding group for tied parameters: each rank's loss must be its masked loss sum divided by
-  the *global* number of unmasked tokens (REFERENCE.md §4b).
+  the *global* number of unmasked tokens (docs/optimizer.md, "The loss contract").
 - Parameters of any dtype; gradients accumulate in fp32; for non-fp32 parameters the optimizer keeps
   fp32 master weights (for fp32 parameters the parameter itself is the master).
 - ``distributed=True`` (ZeRO-1): gradients reduce-scatter, each rank keeps AdamW moments and master

@@ -4,7 +4,7 @@
 ``run_microbatches`` runs the step's micro-batches through the schedule of
 :mod:`.schedules` (no pipelining, 1F1B or interleaved). Loss contract: micro-batch ``m``
 contributes ``masked_loss_sum_m · loss_scale`` to the objective; with ``loss_scale = 1 / global
-unmasked token count`` the gradients are *summed* over DP×CP and EDP (REFERENCE.md §4b) and do not
+unmasked token count`` the gradients are *summed* over DP×CP and EDP (docs/optimizer.md, "The loss contract") and do not
 depend on PP, VPP or the number of micro-batches.
 
 Usage::

@@ -10,7 +10,7 @@ from folding.parallel import collectives as C
 from folding.parallel.state import ROLES
 
 LAYOUTS = [
-    dict(tp=2, cp=2, ep=8, etp=1),  # REFERENCE.md worked example
+    dict(tp=2, cp=2, ep=8, etp=1),  # the README's worked example
     dict(tp=2, ep=4, etp=2),
     dict(cp=2, ep=4, etp=1),
     dict(tp=4, ep=2, etp=1),

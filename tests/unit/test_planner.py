@@ -94,7 +94,8 @@ def test_expert_memory_falls_with_ep():
     a = plan_memory(cfg, _plan(tp=2, pp=8, ep=4, dp=8, edp=4), shape=shape).by_part()
     b = plan_memory(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape=shape).by_part()
     assert b["params"] < a["params"] and b["grads"] < a["grads"]
-    # With the distributed optimizer, expert optimizer state per GPU is total/world whatever EP (REFERENCE §4b).
+    # With the distributed optimizer, expert optimizer state per GPU is total/world whatever EP
+    # (docs/optimizer.md, the memory model).
     ea = stage_parameters(cfg, _plan(tp=2, pp=8, ep=4), last=False)["expert"] / 4
     eb = stage_parameters(cfg, _plan(tp=2, pp=8, ep=8), last=False)["expert"] / 2
     assert ea == pytest.approx(eb)

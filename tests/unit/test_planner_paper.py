@@ -1,4 +1,4 @@
-"""The planner against the MoE Parallel Folding paper's four H100 rows (REFERENCE.md §5).
+"""The planner against the MoE Parallel Folding paper's four H100 rows (docs/planner.md).
 
 Only the Mixtral-8x22B row sets the calibration constant; the other three are predictions. For each row
 the paper's folded layout (matched on TP, CP, PP, EP, ETP) must predict an MFU within ±5 points of the

@@ -90,7 +90,7 @@ def test_multi_axis_token_order_does_not_matter():
 
 
 def test_worked_example_8_ranks():
-    # REFERENCE.md §1: 8 ranks, attention TP2 CP2 DP2, MoE ETP1 EP8 EDP1.
+    # worked example: 8 ranks, attention TP2 CP2 DP2, MoE ETP1 EP8 EDP1.
     g = ParallelLayout(world_size=8, tp=2, cp=2, ep=8, etp=1).groups()
     a, e = g["attention"], g["expert"]
     assert a["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -104,7 +104,7 @@ def test_worked_example_8_ranks():
 
 
 def test_worked_example_16_ranks():
-    # REFERENCE.md §1: 16 ranks, attention TP2 CP1 DP4 PP2, MoE ETP1 EP2 EDP4.
+    # worked example: 16 ranks, attention TP2 CP1 DP4 PP2, MoE ETP1 EP2 EDP4.
     g = ParallelLayout(world_size=16, tp=2, pp=2, ep=2, etp=1).groups()
     assert g["attention"]["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert g["expert"]["ep"] == [[2 * i, 2 * i + 1] for i in range(8)]

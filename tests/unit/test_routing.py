@@ -75,7 +75,7 @@ def test_expert_bias_changes_choice_not_probs():
 
 
 def _oracle(logits, topk, score_function, pre_softmax, num_groups, group_topk, scaling, bias):
-    """Per-token loop, written from the textual definition (REFERENCE.md §2)."""
+    """Per-token loop, written from the textual definition (docs/routing.md)."""
     T, E = logits.shape
     probs = torch.zeros(T, E, dtype=torch.float64)
     for t in range(T):
