@@ -23,12 +23,15 @@ LEVEL = {
 
 
 def modules():
+    """``(module name, parsed tree, is a package)`` of every file of the package."""
     for root, _, files in os.walk(PKG):
         for f in sorted(files):
             if f.endswith(".py"):
                 path = os.path.join(root, f)
                 rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
-                yield path, rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                tree = ast.parse(open(path, encoding="utf-8").read())
+                yield module, tree, path.endswith("__init__.py")
 
 
 def imported(node, module: str, is_package: bool):
@@ -61,9 +64,7 @@ def allowed(src: str, dst: str) -> bool:
 
 def edges():
     out = []
-    for path, module in modules():
-        tree = ast.parse(open(path, encoding="utf-8").read())
-        is_package = path.endswith("__init__.py")
+    for module, tree, is_package in modules():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 out.extend((module, dst, node.lineno) for dst in imported(node, module, is_package))
@@ -83,9 +84,7 @@ def test_imports_follow_the_layers():
 
 def test_no_function_level_or_guarded_imports_of_the_package():
     found = []
-    for path, module in modules():
-        tree = ast.parse(open(path, encoding="utf-8").read())
-        is_package = path.endswith("__init__.py")
+    for module, tree, is_package in modules():
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 found += [
