@@ -5,8 +5,8 @@ way Hydra will (same ``configs/``, same overrides), builds the typed job and val
 launched world. So a typo, a bad value or an impossible layout
 
 - is reported as one ``error: ...`` line, printed once per node (by the process with local rank 0;
-  the other processes find the same error and exit silently with the same status), with no
-  traceback, exit status 2;
+  the other processes find the same error and wait for torchrun to stop them: :func:`report_error`),
+  with no traceback, exit status 2;
 - leaves no run directory behind (Hydra creates it only when it runs the job);
 
 and ``train.dry_run=true`` prints its report and exits 0 the same way. A key that is not in the
@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import time
 import typing
 from typing import List, Optional, Sequence
 
@@ -58,12 +59,27 @@ def lead_process() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def report_error(message: str, stream=None) -> None:
-    """Print ``error: <message>`` as one line on the lead process of the node (other processes
-    print nothing)."""
+ERROR_GRACE_S = 30.0
+"""How long a process other than the node's lead waits, after finding an error, for the lead to
+report it and end the job (see :func:`report_error`)."""
+
+
+def report_error(message: str, stream=None, grace_s: Optional[float] = None) -> None:
+    """Print ``error: <message>`` as one line, once per node.
+
+    The lead process prints at once. Every other process finds the same error (the checks are
+    deterministic), but must not exit first: torchrun stops all workers as soon as one fails, and a
+    lead stopped before it printed would leave no message at all. So another process waits up to
+    ``grace_s`` (default :data:`ERROR_GRACE_S`) for torchrun to end it after the lead's exit; if it
+    is still running then (an error of this process alone, or a launcher that does not stop the
+    others), it prints the error itself, naming its rank, and returns.
+    """
+    one_line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
     if lead_process():
-        one_line = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
         print(f"error: {one_line}", file=stream or sys.stderr, flush=True)
+        return
+    time.sleep(ERROR_GRACE_S if grace_s is None else grace_s)
+    print(f"error (rank {os.environ.get('RANK', '?')}): {one_line}", file=stream or sys.stderr, flush=True)
 
 
 def normalize_overrides(args: Sequence[str]) -> List[str]:

@@ -71,11 +71,21 @@ def _records(run_dir):
 
 
 def test_config_error_under_torchrun_printed_once_without_worker_traceback(tmp_path):
-    for bad, expect in (
-        ("train.stpes=3", "error: train.stpes: unknown key; did you mean train.steps?"),
-        ("parallel.tp=3", "error: world size 2 is not divisible by parallel.tp*cp*pp = 3"),
+    # the third case starts the lead (local rank 0) 3 s late: rank 1 finds the error first and must
+    # not end the job before the lead has printed it (torchrun stops every worker when one exits)
+    late_lead = [
+        "--no-python",
+        "bash",
+        "-c",
+        f'[ "$LOCAL_RANK" = 0 ] && sleep 3; exec "{sys.executable}" "{SCRIPT}" "$@"',
+        "bash",
+    ]
+    for launch, bad, expect in (
+        ([SCRIPT], "train.stpes=3", "error: train.stpes: unknown key; did you mean train.steps?"),
+        ([SCRIPT], "parallel.tp=3", "error: world size 2 is not divisible by parallel.tp*cp*pp = 3"),
+        (late_lead, "parallel.tp=3", "error: world size 2 is not divisible by parallel.tp*cp*pp = 3"),
     ):
-        job = _torchrun(tmp_path, 2, [SCRIPT, bad, *TINY])
+        job = _torchrun(tmp_path, 2, [*launch, bad, *TINY])
         out = job.communicate(timeout=180)[0]
         assert job.returncode != 0, out
         lines = [line for line in out.splitlines() if line.startswith("error:")]
