@@ -65,10 +65,9 @@ def model_config(a):
     return get_preset(
         "mixtral_tiny",
         hidden_size=a.hidden,
-        moe_ffn_hidden_size=a.ffn,
         num_layers=a.layers,
         vocab_size=a.vocab,
-        router_aux_loss_coef=0.0,
+        moe={"ffn_hidden_size": a.ffn, "aux_loss_coeff": 0.0},
     )
 
 
@@ -87,7 +86,6 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     import torch.distributed as dist
     from memory_probe import PeakProbe, storage_bytes
 
-    from folding.model.moe_block import moe_config_from_model, moe_factory_for
     from folding.model.transformer import MoETransformer
     from folding.optim import FoldedOptimizer, OptimConfig
     from folding.parallel import ParallelLayout, build_parallel_state
@@ -97,8 +95,8 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
     ps = build_parallel_state(layout)
     try:
-        moe_cfg = moe_config_from_model(cfg, force_balance=routing == "balanced")
-        model = MoETransformer(cfg, parallel_state=ps, init_seed=seed, moe_factory=moe_factory_for(moe_cfg))
+        cfg = cfg.replace(moe={"force_balance": routing == "balanced"})
+        model = MoETransformer(cfg, parallel_state=ps, init_seed=seed)
         opt = FoldedOptimizer(
             model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed), parallel_state=ps
         )
@@ -258,11 +256,11 @@ def main(argv=None):
     from folding.testing import RankPool
 
     cfg = model_config(a)
-    plan = layouts(a, cfg.num_experts)
+    plan = layouts(a, cfg.moe.num_experts)
     if not plan:
         raise SystemExit(
             f"--eps {a.eps} with --world {a.world} --tp {a.tp}: no legal layout "
-            f"(EP must divide the world and the {cfg.num_experts} experts)"
+            f"(EP must divide the world and the {cfg.moe.num_experts} experts)"
         )
     routings = ROUTINGS if a.routing == "both" else (a.routing,)
     rows, stats, explain = list(HEADER), {}, []
@@ -310,7 +308,8 @@ def main(argv=None):
             f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- command: `python benchmarks/bench_memory.py {' '.join(argv)}`",
-            f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.num_experts} top-{cfg.topk} layers={a.layers} "
+            f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.moe.num_experts} top-{cfg.moe.topk} "
+            f"layers={a.layers} "
             f"vocab={a.vocab}; micro-batch {a.batch} x seq {a.seq} per data-parallel rank; one step = fused-loss "
             f"forward, backward, FoldedOptimizer (AdamW, {'ZeRO-1' if a.distributed else 'not distributed'})",
             "- true peak = persistent bytes (parameters, buffers, main grads, optimizer state) + the largest "

@@ -65,16 +65,13 @@ def moe_layer_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of one Mixtral-8x7B MoE layer on ``a.tokens`` tokens."""
     import torch.distributed as dist
 
-    from folding.model.moe_block import moe_config_from_model
     from folding.model.presets import get_preset
     from folding.moe.expert_te import fp8_region
     from folding.moe.layer import MoELayer
 
     cfg = get_preset("mixtral_8x7b")
     world = dist.group.WORLD
-    moe_cfg = moe_config_from_model(
-        cfg, aux_loss_coeff=0.0, fp8_recipe=fp8_recipe, expert_backend="te" if fp8_recipe else "auto"
-    )
+    moe_cfg = cfg.moe.replace(aux_loss_coeff=0.0, fp8_recipe=fp8_recipe, expert_backend="te" if fp8_recipe else "auto")
     layer = MoELayer(
         config=moe_cfg,
         hidden_size=cfg.hidden_size,
@@ -93,7 +90,7 @@ def moe_layer_case(a, fp8_recipe):
             y = layer(x)
         y.sum().backward()
 
-    H, F, k, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.topk, cfg.num_experts
+    H, F, k, E = cfg.hidden_size, cfg.moe.ffn_hidden_size, cfg.moe.topk, cfg.moe.num_experts
     flops = 3 * a.tokens * (2 * k * 3 * H * F + 2 * H * E)
     return _time(step, a.iters), flops
 
@@ -102,35 +99,19 @@ def layers_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of ``a.layers`` Mixtral-8x7B layers at ``a.seq`` tokens."""
     from folding.model.block import TransformerLayer
     from folding.model.groups import ModelGroups
-    from folding.model.moe_block import default_moe_factory, moe_config_from_model
     from folding.model.presets import get_preset
     from folding.model.rope import rope_cos_sin
     from folding.moe.expert_te import fp8_region
-    from folding.moe.layer import MoELayer
     from folding.planning.flops import flops_per_token
 
-    cfg = get_preset("mixtral_8x7b", num_layers=a.layers, router_aux_loss_coef=0.0)
+    moe = {"aux_loss_coeff": 0.0}
+    if fp8_recipe:
+        moe.update(fp8_recipe=fp8_recipe, expert_backend="te")
+    cfg = get_preset("mixtral_8x7b", num_layers=a.layers, moe=moe)
     groups = ModelGroups.single()
 
-    def factory(**kw):
-        if not fp8_recipe:
-            return default_moe_factory(**kw)
-        g = kw["groups"]
-        return MoELayer(
-            config=moe_config_from_model(kw["config"], fp8_recipe=fp8_recipe, expert_backend="te"),
-            hidden_size=kw["config"].hidden_size,
-            ep_group=g.ep,
-            etp_group=g.etp,
-            tp_cp_group=g.tp_cp,
-            tp_dp_cp_group=g.tp_dp_cp,
-            tp_group=g.tp,
-            layer_number=kw["layer_number"],
-            params_dtype=kw["dtype"],
-            device=kw["device"],
-        )
-
     blocks = torch.nn.ModuleList(
-        TransformerLayer(cfg, layer_number=i, groups=groups, moe_factory=factory, dtype=torch.bfloat16, device="cuda")
+        TransformerLayer(cfg, layer_number=i, groups=groups, dtype=torch.bfloat16, device="cuda")
         for i in range(a.layers)
     )
     pos = torch.arange(a.seq, device="cuda")

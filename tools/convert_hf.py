@@ -90,19 +90,15 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
     Face checkpoint in ``out_dir``; return the checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
     from folding.model.config import ModelConfig
     from folding.model.hf import to_hf
-    from folding.model.moe_block import moe_factory_for
     from folding.model.transformer import MoETransformer
-    from folding.moe.config import MoEConfig
     from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
 
     path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
     if path is None:
         raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
     meta = read_meta(path)
-    mc = dict(meta["model"], mlp_only_layers=tuple(meta["model"]["mlp_only_layers"] or ()))
-    moe = MoEConfig(**meta["moe"])
     with single_process_world():
-        model = MoETransformer(ModelConfig(**mc), moe_factory=moe_factory_for(moe), initialize=False)
+        model = MoETransformer(ModelConfig.from_dict(meta["model"]), initialize=False)
         load_full_model(path, model)
         to_hf(model, out_dir, dtype=dtype)
     return path
@@ -122,8 +118,8 @@ def cmd_export(args) -> int:
     from folding.model.transformer import MoETransformer
 
     blob = torch.load(args.src, map_location="cpu", weights_only=True)
-    mc = dict(blob["model_config"], mlp_only_layers=tuple(blob["model_config"]["mlp_only_layers"]))
-    model = MoETransformer(ModelConfig(**mc), moe_factory=_factory(args.moe_factory), initialize=False)
+    cfg = ModelConfig.from_dict(blob["model_config"])
+    model = MoETransformer(cfg, moe_factory=_factory(args.moe_factory), initialize=False)
     model.load_state_dict(blob["state_dict"])
     model.hf_config = blob.get("hf_config")
     to_hf(model, args.dst)

@@ -27,10 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from folding.model.moe_block import (
-    moe_config_from_model,  # noqa: E402
-    moe_factory_for,  # noqa: E402
-)
 from folding.model.presets import get_preset  # noqa: E402
 from folding.model.transformer import MoETransformer  # noqa: E402
 from folding.moe.config import MoEConfig  # noqa: E402
@@ -95,10 +91,8 @@ def backend_rows(dev):
 
 def _tiny_step(ps, dev, backend, recipe, dtype):
     cfg = get_preset("mixtral_tiny").replace(num_layers=2)
-    moe = moe_config_from_model(cfg, expert_backend=backend, fp8_recipe=recipe)
-    model = MoETransformer(
-        cfg, parallel_state=ps, moe_factory=moe_factory_for(moe), device=dev, dtype=dtype, init_seed=3
-    )
+    cfg = cfg.replace(moe={"expert_backend": backend, "fp8_recipe": recipe})
+    model = MoETransformer(cfg, parallel_state=ps, device=dev, dtype=dtype, init_seed=3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g).to(dev)
     loss = model(ids, labels=ids).float().mean()

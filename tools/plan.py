@@ -21,12 +21,25 @@ import json
 import os
 import sys
 
+import yaml
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from folding.model.presets import get_preset, list_presets  # noqa: E402
 from folding.planning.hardware import get_gpu, list_gpus  # noqa: E402
 from folding.planning.planner import COMPUTE_EFFICIENCY, plan_layouts  # noqa: E402
 from folding.planning.step_time import Cluster, TrainingShape  # noqa: E402
+
+
+def moe_overrides(items):
+    """``["topk=4", "capacity_factor=1.0"]`` -> ``{"topk": 4, "capacity_factor": 1.0}`` (YAML values)."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--moe {item!r}: write KEY=VALUE, e.g. --moe topk=4")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def parse_args(argv=None):
@@ -40,6 +53,13 @@ def parse_args(argv=None):
         type=int,
         required=True,
         help="number of GPUs (world size; --gpus is an alias)",
+    )
+    p.add_argument(
+        "--moe",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the preset's MoE record, as the job's moe.KEY=VALUE does (repeatable; e.g. --moe topk=4)",
     )
     p.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(list_gpus())} (default h100)")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
@@ -103,6 +123,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg = get_preset(args.model)
+        if args.moe:
+            cfg = cfg.replace(moe=moe_overrides(args.moe))
         gpu = get_gpu(args.gpu)
         cluster = Cluster(
             gpu=gpu, num_gpus=args.gpus, nvlink_domain=args.nvlink_domain, tp_comm_overlap=args.tp_comm_overlap

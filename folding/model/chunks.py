@@ -9,7 +9,7 @@ embedding group). :func:`folding.pipeline.stage.run_microbatches` runs a step th
 
 Usage::
 
-    chunks = build_stage_chunks(model_config=m, moe_config=job.moe, parallel_state=ps, recompute="none")
+    chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, recompute="none")
 """
 
 from __future__ import annotations
@@ -19,18 +19,15 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from ..moe.config import MoEConfig
 from ..parallel.partition import partition_layers
 from .block import RECOMPUTE_MODES
 from .config import ModelConfig
-from .moe_block import moe_factory_for
 from .transformer import MoETransformer
 
 
 def build_stage_chunks(
     *,
     model_config: ModelConfig,
-    moe_config: Optional[MoEConfig] = None,
     parallel_state,
     recompute: str = "none",
     params_dtype: torch.dtype = torch.float32,
@@ -39,15 +36,13 @@ def build_stage_chunks(
     moe_factory: Optional[Callable[..., nn.Module]] = None,
 ) -> List[nn.Module]:
     """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
-    whatever the layout. ``moe_config=None`` takes the preset's MoE options; ``moe_factory``
-    overrides the MoE block entirely."""
+    whatever the layout. The MoE blocks follow ``model_config.moe``; ``moe_factory`` (default:
+    :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
     stages = partition_layers(num_layers=model_config.num_layers, pp=pp, vpp=vpp)
-    if moe_factory is None:
-        moe_factory = moe_factory_for(moe_config)
     chunks = []
     for c in range(vpp):
         chunk = MoETransformer(

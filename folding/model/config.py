@@ -9,14 +9,18 @@ Usage::
     cfg = get_preset("mixtral_8x7b")
     total, active = cfg.num_parameters()      # 46.7e9, 12.9e9
     cfg.is_moe_layer(0)                       # True
+    cfg.moe.topk                              # 2: every MoE option lives in cfg.moe
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Literal, Optional, Tuple, get_args
 
-FAMILIES = ("mixtral", "qwen2_moe")
+from ..moe.config import MoEConfig
+
+Family = Literal["mixtral", "qwen2_moe"]
+FAMILIES = get_args(Family)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +29,7 @@ class ModelConfig:
 
     name: str
     """Preset name (``mixtral_8x7b``, ``mixtral_tiny``, ...)."""
-    family: str
+    family: Family
     """``mixtral`` or ``qwen2_moe``: selects the Hugging Face mapping and architectural details."""
     vocab_size: int
     """Vocabulary size of the tokenizer / checkpoint (before any padding for TP)."""
@@ -41,28 +45,14 @@ class ModelConfig:
     """Per-head width; ``None`` means ``hidden_size // num_attention_heads``."""
     ffn_hidden_size: int = 0
     """FFN width of dense (non-MoE) layers; 0 when every layer is MoE."""
-    num_experts: int = 8
-    """Routed experts per MoE layer."""
-    topk: int = 2
-    """Experts per token."""
-    moe_ffn_hidden_size: int = 0
-    """FFN width F of one routed expert."""
-    shared_expert_ffn_hidden_size: Optional[int] = None
-    """FFN width of the shared expert (Qwen2-MoE); ``None`` for no shared expert."""
-    shared_expert_gate: bool = False
-    """Sigmoid gate ``[1, H]`` on the shared expert output (Qwen2-MoE)."""
+    moe: MoEConfig
+    """Every option of the MoE layers (:class:`folding.moe.config.MoEConfig`: experts, top-k, expert FFN
+    width, router, capacity, losses, dispatcher, experts' backend, shared expert), the one record of
+    them; the Hydra keys ``moe.*``."""
     decoder_sparse_step: int = 1
     """Every ``decoder_sparse_step``-th layer is MoE (Qwen2-MoE: layer i is MoE when (i+1) % step == 0)."""
     mlp_only_layers: Tuple[int, ...] = ()
     """Layer indices that use a dense MLP whatever the sparse step (Qwen2-MoE)."""
-    score_function: str = "softmax"
-    """Router score function: ``softmax`` or ``sigmoid``."""
-    pre_softmax: bool = False
-    """Softmax over all experts before top-k (Qwen2-MoE with ``norm_topk_prob=false``)."""
-    norm_topk_prob: bool = True
-    """Renormalize the top-k probabilities (Mixtral: implied by post-softmax; Qwen2-MoE option)."""
-    router_aux_loss_coef: float = 0.0
-    """Default load-balancing loss coefficient of the architecture."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (Qwen2-MoE)."""
     rope_theta: float = 10000.0
@@ -85,8 +75,6 @@ class ModelConfig:
             "num_layers",
             "num_attention_heads",
             "num_kv_heads",
-            "num_experts",
-            "topk",
             "decoder_sparse_step",
         ):
             v = getattr(self, f)
@@ -102,10 +90,8 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim"
             )
-        if self.topk > self.num_experts:
-            raise ValueError(f"model.topk={self.topk} exceeds model.num_experts={self.num_experts}")
-        if self.moe_ffn_hidden_size < 1:
-            raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} must be >= 1")
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"model.moe={self.moe!r} must be a folding.moe.config.MoEConfig")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size < 1:
             raise ValueError(
                 "model.ffn_hidden_size must be >= 1 when some layers are dense "
@@ -137,14 +123,14 @@ class ModelConfig:
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (SwiGLU: gate, up, down)."""
-        return 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return 3 * self.hidden_size * self.moe.ffn_hidden_size
 
     def shared_expert_params(self) -> int:
         """Parameters of the shared expert and its gate (0 without one)."""
-        if not self.shared_expert_ffn_hidden_size:
+        if not self.moe.shared_expert_ffn_hidden_size:
             return 0
-        return 3 * self.hidden_size * self.shared_expert_ffn_hidden_size + (
-            self.hidden_size if self.shared_expert_gate else 0
+        return 3 * self.hidden_size * self.moe.shared_expert_ffn_hidden_size + (
+            self.hidden_size if self.moe.shared_expert_gate else 0
         )
 
     def num_parameters(self) -> Tuple[int, int]:
@@ -155,15 +141,63 @@ class ModelConfig:
         for i in range(self.num_layers):
             base = self.attention_params() + H  # + pre-MLP norm
             if self.is_moe_layer(i):
-                base += self.num_experts * H + self.shared_expert_params()  # router + shared
-                total += base + self.num_experts * self.expert_params()
-                active += base + self.topk * self.expert_params()
+                base += self.moe.num_experts * H + self.shared_expert_params()  # router + shared
+                total += base + self.moe.num_experts * self.expert_params()
+                active += base + self.moe.topk * self.expert_params()
             else:
                 mlp = 3 * H * self.ffn_hidden_size
                 total += base + mlp
                 active += base + mlp
         return total, active
 
+    def check_divisible(self, *, tp: int = 1, ep: int = 1, etp: int = 1) -> None:
+        """Raise ``ValueError`` naming the ``parallel.*`` setting and a fix when a layout's sizes do not
+        divide this architecture: heads, KV heads, vocabulary and shared-expert width by TP; routed
+        experts by EP; the expert FFN width by ETP. The one check of the model against a layout (the
+        job's validation and :class:`~folding.model.transformer.MoETransformer` both call it)."""
+        sizes = [
+            ("parallel.tp", tp, "model.num_attention_heads", self.num_attention_heads),
+            ("parallel.tp", tp, "model.num_kv_heads", self.num_kv_heads),
+            ("parallel.tp", tp, "model.vocab_size", self.vocab_size),
+        ]
+        if self.num_moe_layers():
+            sizes += [
+                ("parallel.ep", ep, "moe.num_experts", self.moe.num_experts),
+                ("parallel.etp", etp, "moe.ffn_hidden_size", self.moe.ffn_hidden_size),
+            ]
+            if self.moe.shared_expert_ffn_hidden_size:
+                sizes.append(
+                    ("parallel.tp", tp, "moe.shared_expert_ffn_hidden_size", self.moe.shared_expert_ffn_hidden_size)
+                )
+        for setting, size, key, n in sizes:
+            if n % size:
+                raise ValueError(
+                    f"{key}={n} is not divisible by {setting}={size}; choose {setting} among the divisors of {n}"
+                )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """The config of a plain dict such as ``dataclasses.asdict(cfg)`` read back from JSON (the MoE
+        record nested under ``moe``; lists where the config holds tuples)."""
+        values = dict(values)
+        values["moe"] = MoEConfig(**values["moe"])
+        values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
+        return cls(**values)
+
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (validated again). ``moe`` may be a :class:`MoEConfig` or a
+        mapping of MoE field changes (``cfg.replace(moe={"topk": 4})``)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            moe_names = {f.name for f in dataclasses.fields(MoEConfig)}
+            hint = [f"moe={{{k!r}: ...}}" for k in unknown if k in moe_names]
+            raise ValueError(
+                f"unknown ModelConfig field(s) {unknown}"
+                + (f"; MoE options go in the moe record: {', '.join(hint)}" if hint else "")
+                + f"; fields: {', '.join(sorted(names))}"
+            )
+        moe = changes.get("moe")
+        if moe is not None and not isinstance(moe, MoEConfig):
+            changes["moe"] = self.moe.replace(**dict(moe))
         return dataclasses.replace(self, **changes)

@@ -76,9 +76,11 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
     if rest == "mlp.router.weight":
         return [((), f"{P}.gate.weight")]
     if rest == "mlp.experts.fc1_weight":
-        return [((e, h), f"{P}.experts.{e}.{w}.weight") for e in range(cfg.num_experts) for h, w in enumerate((g, u))]
+        return [
+            ((e, h), f"{P}.experts.{e}.{w}.weight") for e in range(cfg.moe.num_experts) for h, w in enumerate((g, u))
+        ]
     if rest == "mlp.experts.fc2_weight":
-        return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.num_experts)]
+        return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.moe.num_experts)]
     S = f"{L}.mlp.shared_expert"
     if rest == "mlp.shared_expert.fc1_weight":  # fused [gate; up] (engine MoE layer)
         return [((0,), f"{S}.gate_proj.weight"), ((1,), f"{S}.up_proj.weight")]
@@ -105,11 +107,11 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
             continue
         P = f"{L}.{_moe_prefix(cfg)}"
         H += [f"{P}.gate.weight"] + [
-            f"{P}.experts.{e}.{w}.weight" for e in range(cfg.num_experts) for w in _expert_names(cfg)
+            f"{P}.experts.{e}.{w}.weight" for e in range(cfg.moe.num_experts) for w in _expert_names(cfg)
         ]
-        if cfg.shared_expert_ffn_hidden_size:
+        if cfg.moe.shared_expert_ffn_hidden_size:
             H += [f"{L}.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            if cfg.shared_expert_gate:
+            if cfg.moe.shared_expert_gate:
                 H.append(f"{L}.mlp.shared_expert_gate.weight")
     return H
 
@@ -126,12 +128,12 @@ def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
     cfg, g, tags = model.config, model.groups, param_tags(p)
     if tags.expert and name.endswith(("experts.fc1_weight", "experts.fc2_weight")):
         ep, epr, etp, etpr = group_size(g.ep), group_rank(g.ep), group_size(g.etp), group_rank(g.etp)
-        E, F, H = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
+        E, F, H = cfg.moe.num_experts, cfg.moe.ffn_hidden_size, cfg.hidden_size
         full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
         return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
     if name.endswith("shared_expert.fc1_weight"):  # [gate shard; up shard] of the full [2, F, H]
         return InitSpec(
-            (2, cfg.shared_expert_ffn_hidden_size, cfg.hidden_size), ((1, group_rank(g.tp), group_size(g.tp)),)
+            (2, cfg.moe.shared_expert_ffn_hidden_size, cfg.hidden_size), ((1, group_rank(g.tp), group_size(g.tp)),)
         )
     if tags.expert:
         raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
@@ -248,7 +250,7 @@ def from_hf(
     Without a layout, ``model(input_ids_BS)`` returns logits ``[B, S, V]``; with one, see
     :class:`~folding.model.transformer.MoETransformer` for what each rank returns.
     ``config_overrides`` replaces :class:`ModelConfig` fields that do not change tensor shapes
-    (e.g. ``router_aux_loss_coef`` for training). The model is built on ``meta`` and its tensors
+    (e.g. ``{"moe": {"aux_loss_coeff": 0.01}}`` for training). The model is built on ``meta`` and its tensors
     allocated directly on ``device`` (default CPU) before the weights are read into them, so nothing
     is initialized only to be overwritten; ``device="meta"`` returns the structure without reading.
     """

@@ -7,10 +7,11 @@ with an error naming the field instead of being silently ignored.
 
 The load-balancing loss coefficient is taken only when ``output_router_logits`` is true (otherwise
 Hugging Face computes no auxiliary loss, and neither does the engine); override it with
-``from_hf(path, config_overrides={"router_aux_loss_coef": ...})``.
+``from_hf(path, config_overrides={"moe": {"aux_loss_coeff": ...}})``.
 
-Qwen2-MoE's router maps to ``pre_softmax=True`` (softmax over all experts, then top-k) with
-``norm_topk_prob`` kept; Mixtral's to post-softmax (``pre_softmax=False``, ``norm_topk_prob=True``).
+Qwen2-MoE's router maps to ``moe.pre_softmax = not norm_topk_prob`` (softmax over all experts, then
+top-k; renormalizing the k probabilities equals the softmax of the k selected logits, which is
+``pre_softmax=False``); Mixtral's to post-softmax (``pre_softmax=False``).
 
 Usage::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ..moe.config import MoEConfig
 from .config import ModelConfig
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -66,14 +68,16 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
         num_attention_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
-        topk=hf["num_experts_per_tok"],
         rope_theta=_rope_theta(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        # HF adds the load-balancing loss only with output_router_logits=true; match what it computes
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
         init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    moe = dict(
+        topk=hf["num_experts_per_tok"],
+        # HF adds the load-balancing loss only with output_router_logits=true; match what it computes
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
     )
     if mtype == "mixtral":
         if hf.get("sliding_window") is not None:
@@ -81,27 +85,26 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
                 f"config.json sliding_window={hf['sliding_window']} is not supported; "
                 "set it to null (full causal attention)"
             )
-        return ModelConfig(
-            **common,
-            num_experts=hf["num_local_experts"],
-            moe_ffn_hidden_size=hf["intermediate_size"],
-            pre_softmax=False,
-            norm_topk_prob=True,
-        )
+        moe.update(num_experts=hf["num_local_experts"], ffn_hidden_size=hf["intermediate_size"])
+        return ModelConfig(**common, moe=MoEConfig(**moe, pre_softmax=False))
     if hf.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true is not supported; set it to false")
     shared = hf.get("shared_expert_intermediate_size") or None
-    return ModelConfig(
-        **common,
+    moe.update(
         num_experts=hf["num_experts"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
-        ffn_hidden_size=hf.get("intermediate_size", 0),
+        ffn_hidden_size=hf["moe_intermediate_size"],
         shared_expert_ffn_hidden_size=shared,
         shared_expert_gate=shared is not None,
+        # softmax over all experts then top-k; renormalizing the k probabilities (norm_topk_prob) gives
+        # exactly the softmax of the k selected logits, i.e. pre_softmax=False
+        pre_softmax=not hf.get("norm_topk_prob", False),
+    )
+    return ModelConfig(
+        **common,
+        moe=MoEConfig(**moe),
+        ffn_hidden_size=hf.get("intermediate_size", 0),
         decoder_sparse_step=hf.get("decoder_sparse_step", 1),
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-        pre_softmax=True,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         qkv_bias=bool(hf.get("qkv_bias", True)),
     )
 
@@ -117,12 +120,12 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_kv_heads,
         hidden_act="silu",
-        num_experts_per_tok=cfg.topk,
+        num_experts_per_tok=cfg.moe.topk,
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        output_router_logits=cfg.router_aux_loss_coef > 0,
+        router_aux_loss_coef=cfg.moe.aux_loss_coeff,
+        output_router_logits=cfg.moe.aux_loss_coeff > 0,
         initializer_range=cfg.init_std,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         dtype="float32",
@@ -130,20 +133,22 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     if cfg.head_dim is not None:
         hf["head_dim"] = cfg.head_dim
     if cfg.family == "mixtral":
-        hf.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size, sliding_window=None)
+        if cfg.moe.pre_softmax:
+            raise CheckpointError("Mixtral checkpoints route with softmax after top-k: set moe.pre_softmax=false")
+        hf.update(num_local_experts=cfg.moe.num_experts, intermediate_size=cfg.moe.ffn_hidden_size, sliding_window=None)
     else:
-        if cfg.shared_expert_ffn_hidden_size and not cfg.shared_expert_gate:
+        if cfg.moe.shared_expert_ffn_hidden_size and not cfg.moe.shared_expert_gate:
             raise CheckpointError(
-                "Qwen2-MoE checkpoints always gate the shared expert: set model.shared_expert_gate=true"
+                "Qwen2-MoE checkpoints always gate the shared expert: set moe.shared_expert_gate=true"
             )
         hf.update(
-            num_experts=cfg.num_experts,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            num_experts=cfg.moe.num_experts,
+            moe_intermediate_size=cfg.moe.ffn_hidden_size,
             intermediate_size=cfg.ffn_hidden_size,
-            shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size or 0,
+            shared_expert_intermediate_size=cfg.moe.shared_expert_ffn_hidden_size or 0,
             decoder_sparse_step=cfg.decoder_sparse_step,
             mlp_only_layers=list(cfg.mlp_only_layers),
-            norm_topk_prob=cfg.norm_topk_prob,
+            norm_topk_prob=not cfg.moe.pre_softmax,
             qkv_bias=cfg.qkv_bias,
             use_sliding_window=False,
         )

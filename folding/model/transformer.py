@@ -143,29 +143,9 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------------------ checks
     def check_layout(self) -> None:
-        """Raise a clear error if the attention layout does not divide the architecture."""
-        c, tp = self.config, self.groups.tp_size
-        for what, n in (
-            ("model.num_attention_heads", c.num_attention_heads),
-            ("model.num_kv_heads", c.num_kv_heads),
-            ("model.vocab_size", c.vocab_size),
-        ):
-            if n % tp:
-                raise ValueError(
-                    f"{what}={n} is not divisible by parallel.tp={tp}; choose parallel.tp among the divisors of {n}"
-                )
-        ep = group_size(self.groups.ep)
-        if c.num_moe_layers() and c.num_experts % ep:
-            raise ValueError(
-                f"model.num_experts={c.num_experts} is not divisible by parallel.ep={ep}; choose "
-                f"parallel.ep among the divisors of {c.num_experts}"
-            )
-        etp = group_size(self.groups.etp)
-        if c.num_moe_layers() and c.moe_ffn_hidden_size % etp:
-            raise ValueError(
-                f"model.moe_ffn_hidden_size={c.moe_ffn_hidden_size} is not divisible by "
-                f"parallel.etp={etp}; choose parallel.etp among its divisors"
-            )
+        """Raise a clear error if the layout does not divide the architecture (:meth:`ModelConfig.check_divisible`)."""
+        g = self.groups
+        self.config.check_divisible(tp=g.tp_size, ep=group_size(g.ep), etp=group_size(g.etp))
 
     def local_positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Sequence positions held by this CP rank (before the TP split), in the model's order."""

@@ -1,1 +1,31 @@
-"""moe"""
+"""The MoE layer and its parts, usable on their own: configuration, router, token dispatchers (a
+drop-in for Megatron-Core's), grouped experts.
+
+Usage::
+
+    from folding.moe import MoEConfig, MoELayer, Router, build_dispatcher
+    layer = MoELayer(config=MoEConfig(num_experts=8, topk=2, ffn_hidden_size=14336), hidden_size=4096,
+                     ep_group=ps.ep_group, etp_group=ps.etp_group, tp_cp_group=ps.tp_cp_group,
+                     tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group)
+"""
+
+from .config import MoEConfig
+from .dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher
+from .experts import GroupedMLP
+from .layer import MoELayer, SharedExpert
+from .router import Router
+from .routing import apply_capacity, topk_routing
+
+__all__ = [
+    "MoEConfig",
+    "MoELayer",
+    "SharedExpert",
+    "Router",
+    "GroupedMLP",
+    "TokenDispatcher",
+    "AllToAllDispatcher",
+    "AllGatherDispatcher",
+    "build_dispatcher",
+    "topk_routing",
+    "apply_capacity",
+]

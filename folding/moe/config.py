@@ -1,9 +1,12 @@
 """Typed configuration of one MoE layer: routing, capacity, auxiliary losses, dispatch and experts.
 
-``MoEConfig`` is the schema of the Hydra keys ``moe.*``. It is keyword-only, validated when built
-(``__post_init__`` calls :meth:`MoEConfig.validate`), and every error names the offending key as
-``moe.<field>`` together with a fix. Options mean what the same options mean in Megatron-Core
-(``--num-experts``, ``--moe-router-topk``, ``--moe-router-score-function``, ...).
+``MoEConfig`` is the one record of every MoE option: a model carries it whole
+(``ModelConfig.moe``), presets set it, and the Hydra keys ``moe.*`` are generated from its fields. It
+is frozen and keyword-only, validated when built (``__post_init__`` calls :meth:`MoEConfig.validate`),
+and every error names the offending key as ``moe.<field>`` together with a fix. String options are
+typed as ``Literal`` enumerations; the tuples of valid values below are derived from them. Options
+mean what the same options mean in Megatron-Core (``--num-experts``, ``--moe-router-topk``,
+``--moe-router-score-function``, ...).
 
 Usage::
 
@@ -17,16 +20,25 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Literal, Optional, get_args
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ROUTER_DTYPES = ("fp32", "fp64")
-DROP_POLICIES = ("probs", "position")
-AUX_LOSS_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
-DISPATCHERS = ("alltoall", "allgather")
-WIRE_FORMATS = ("none", "fp8", "mxfp8")
-EXPERT_BACKENDS = ("auto", "te", "torch", "loop", "emulated")
-FP8_RECIPES = (None, "delayed", "tensorwise", "blockwise", "mxfp8")
+ScoreFunction = Literal["softmax", "sigmoid"]
+RouterDtype = Literal["fp32", "fp64"]
+DropPolicy = Literal["probs", "position"]
+AuxLossType = Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"]
+Dispatcher = Literal["alltoall", "allgather"]
+WireFormat = Literal["none", "fp8", "mxfp8"]
+ExpertBackend = Literal["auto", "te", "torch", "loop", "emulated"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+
+SCORE_FUNCTIONS = get_args(ScoreFunction)
+ROUTER_DTYPES = get_args(RouterDtype)
+DROP_POLICIES = get_args(DropPolicy)
+AUX_LOSS_TYPES = get_args(AuxLossType)
+DISPATCHERS = get_args(Dispatcher)
+WIRE_FORMATS = get_args(WireFormat)
+EXPERT_BACKENDS = get_args(ExpertBackend)
+FP8_RECIPES = (None,) + get_args(Fp8Recipe)
 
 
 def _fail(field: str, value, why: str, fix: str) -> None:
@@ -43,7 +55,7 @@ def _choice(field: str, value, choices) -> None:
         _fail(field, value, "unknown value", f"choose one of {', '.join(repr(c) for c in choices)}")
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Configuration of the MoE layers of a model (Hydra group ``moe``); see the module docstring."""
 
@@ -53,7 +65,7 @@ class MoEConfig:
     """Experts chosen per token (k)."""
     ffn_hidden_size: int
     """Hidden size F of one routed expert's FFN (full size, before any ETP sharding)."""
-    score_function: str = "softmax"
+    score_function: ScoreFunction = "softmax"
     """How logits become probabilities: ``"softmax"`` or ``"sigmoid"`` (top-k probs renormalized to
     sum 1 when k > 1)."""
     pre_softmax: bool = False
@@ -67,20 +79,20 @@ class MoEConfig:
     top ``topk // group_topk`` scores; the other groups are masked before the top-k."""
     topk_scaling_factor: Optional[float] = None
     """Multiplies the final top-k probabilities (``None`` = 1)."""
-    router_dtype: str = "fp32"
+    router_dtype: RouterDtype = "fp32"
     """Precision of the gating GEMM, scores and losses: ``"fp32"`` or ``"fp64"``."""
     input_jitter_eps: Optional[float] = None
     """Training only: multiply router inputs by noise uniform in [1-eps, 1+eps]. ``None`` = off."""
     capacity_factor: Optional[float] = None
     """Expert capacity = ceil(T·k/E · capacity_factor) from the local tokens T; tokens beyond it are
     dropped. ``None`` = dropless."""
-    drop_policy: str = "probs"
+    drop_policy: DropPolicy = "probs"
     """Which tokens an over-full expert keeps: ``"probs"`` (highest probability) or ``"position"``
     (earliest tokens)."""
     pad_to_capacity: bool = False
     """Give every expert exactly ``capacity`` rows (filler rows have probability 0): static shapes,
     no host sync in the dispatcher. Needs ``capacity_factor``."""
-    aux_loss_type: str = "aux_loss"
+    aux_loss_type: AuxLossType = "aux_loss"
     """Load-balancing loss: ``"none"``, ``"aux_loss"`` (Switch/GShard per micro-batch, counts over
     TP×CP), ``"seq_aux_loss"`` (per sequence, averaged over the batch) or ``"global_aux_loss"``
     (counts over TP×DP×CP accumulated over micro-batches until reset)."""
@@ -96,18 +108,18 @@ class MoEConfig:
     force_balance: bool = False
     """Benchmarks only: ignore the learned choice and assign tokens round-robin so that every
     expert receives the same load (probabilities still come from the real logits)."""
-    dispatcher: str = "alltoall"
+    dispatcher: Dispatcher = "alltoall"
     """Token dispatcher: ``"alltoall"`` (EP all-to-all, ETP all-gather) or ``"allgather"``."""
-    dispatch_wire: str = "none"
+    dispatch_wire: WireFormat = "none"
     """Wire format of the dispatch exchange: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
-    combine_wire: str = "none"
+    combine_wire: WireFormat = "none"
     """Wire format of the combine exchange: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
-    grad_wire: str = "none"
+    grad_wire: WireFormat = "none"
     """Wire format of the backward exchanges: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
-    expert_backend: str = "auto"
+    expert_backend: ExpertBackend = "auto"
     """Grouped-GEMM backend: ``"auto"``, ``"te"`` (TransformerEngine), ``"torch"``, ``"loop"`` (one
     GEMM per expert) or ``"emulated"`` (FP8 emulated on any device)."""
-    fp8_recipe: Optional[str] = None
+    fp8_recipe: Optional[Fp8Recipe] = None
     """FP8 recipe of the experts: ``None`` (off), ``"delayed"``, ``"tensorwise"``, ``"blockwise"`` or
     ``"mxfp8"``."""
     shared_expert_ffn_hidden_size: Optional[int] = None
@@ -117,6 +129,14 @@ class MoEConfig:
 
     def __post_init__(self):
         self.validate()
+
+    def replace(self, **changes) -> "MoEConfig":
+        """A copy with ``changes`` applied (validated again); an unknown field names the valid ones."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ValueError(f"unknown MoE option(s) {unknown}; options: {', '.join(sorted(names))}")
+        return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``moe.<field>`` and a fix if the configuration is impossible."""

@@ -166,7 +166,8 @@ class MoELayer(nn.Module):
         device=None,
     ):
         super().__init__()
-        config.validate()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
         self.dispatcher = build_dispatcher(
             config.dispatcher,

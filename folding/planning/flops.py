@@ -47,20 +47,20 @@ def attention_core_flops(cfg: ModelConfig, seq_length: int) -> float:
 
 def routed_expert_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of one MoE layer's routed experts (top-k SwiGLU experts)."""
-    return cfg.topk * 6.0 * cfg.hidden_size * cfg.moe_ffn_hidden_size
+    return cfg.moe.topk * 6.0 * cfg.hidden_size * cfg.moe.ffn_hidden_size
 
 
 def shared_expert_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of one MoE layer's shared expert and its gate (0 without one)."""
-    if not cfg.shared_expert_ffn_hidden_size:
+    if not cfg.moe.shared_expert_ffn_hidden_size:
         return 0.0
-    gate = 2.0 * cfg.hidden_size if cfg.shared_expert_gate else 0.0
-    return 6.0 * cfg.hidden_size * cfg.shared_expert_ffn_hidden_size + gate
+    gate = 2.0 * cfg.hidden_size if cfg.moe.shared_expert_gate else 0.0
+    return 6.0 * cfg.hidden_size * cfg.moe.shared_expert_ffn_hidden_size + gate
 
 
 def router_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of one MoE layer's router (``x·Wᵀ``, W is ``[E, H]``)."""
-    return 2.0 * cfg.hidden_size * cfg.num_experts
+    return 2.0 * cfg.hidden_size * cfg.moe.num_experts
 
 
 def dense_mlp_flops(cfg: ModelConfig) -> float:

@@ -108,13 +108,13 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                 for vpp in _divisors(L // pp):
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
-                    for ep in _divisors(cfg.num_experts):
+                    for ep in _divisors(cfg.moe.num_experts):
                         for etp in [tp] if not folded else _divisors(min(N, dom)):
-                            if cfg.moe_ffn_hidden_size % etp:
+                            if cfg.moe.ffn_hidden_size % etp:
                                 continue
                             if not folded and dp % ep:
                                 continue
-                            if not _legal(N, tp, cp, pp, ep, etp, cfg.num_experts):
+                            if not _legal(N, tp, cp, pp, ep, etp, cfg.moe.num_experts):
                                 continue
                             edp = N // (etp * ep * pp)
                             for dist in (True, False):

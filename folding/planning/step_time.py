@@ -190,16 +190,16 @@ def _layer_times(
     attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
-        local = cfg.num_experts // plan.ep
-        rows = plan.etp * tok * cfg.topk / local  # routed copies per local expert (balanced)
-        f = cfg.moe_ffn_hidden_size / plan.etp
+        local = cfg.moe.num_experts // plan.ep
+        rows = plan.etp * tok * cfg.moe.topk / local  # routed copies per local expert (balanced)
+        f = cfg.moe.ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
         mlp_t = train(gemm_train_times(rows, 2 * f, H, gpu, eff, local), mlp_fwd) + train(
             gemm_train_times(rows, H, f, gpu, eff, local), mlp_fwd
         )
         mlp_t += (2 + mlp_fwd) * F.router_flops(cfg) * tok / flops_rate
-        if cfg.shared_expert_ffn_hidden_size:
-            fs = cfg.shared_expert_ffn_hidden_size / plan.tp
+        if cfg.moe.shared_expert_ffn_hidden_size:
+            fs = cfg.moe.shared_expert_ffn_hidden_size / plan.tp
             tp_block = (gemm_train_times(seq_tok, 2 * fs, H, gpu, eff), gemm_train_times(seq_tok, H, fs, gpu, eff))
     else:
         fd = cfg.ffn_hidden_size / plan.tp
@@ -220,9 +220,9 @@ def _layer_times(
     elem_attn = 5 * H * BF16 * tok
     elem_mlp = 5 * H * BF16 * tok
     if moe:
-        routed = cfg.topk * tok
-        sort = 4 * plan.etp * routed * H if (cfg.num_experts // plan.ep > 1 or plan.etp > 1) else 0
-        elem_mlp += (4 * routed * H + sort + 3 * routed * cfg.moe_ffn_hidden_size) * BF16
+        routed = cfg.moe.topk * tok
+        sort = 4 * plan.etp * routed * H if (cfg.moe.num_experts // plan.ep > 1 or plan.etp > 1) else 0
+        elem_mlp += (4 * routed * H + sort + 3 * routed * cfg.moe.ffn_hidden_size) * BF16
     out["memory_bound"] = ((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp) / (
         gpu.hbm_bandwidth * gpu.hbm_efficiency
     )
@@ -254,7 +254,7 @@ def _layer_times(
     # EP / ETP: all-to-all dispatch + combine, and the ETP all-gather / reduce-scatter.
     ep_t = 0.0
     if moe:
-        copies = tok * cfg.topk * H * BF16
+        copies = tok * cfg.moe.topk * H * BF16
         stride = plan.etp if plan.folded else plan.tp * plan.cp
         a2a = _a2a_time(copies * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
         etp = _ring_time(copies * (plan.etp - 1), plan.etp, cluster) if plan.etp > 1 else 0.0

@@ -57,7 +57,15 @@ META = "meta.json"
 _STEP = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^step_\d{8}\.tmp-")
 # ModelConfig fields that do not change any tensor: they may differ between save and load.
-_FREE_MODEL_FIELDS = ("name", "init_std", "router_aux_loss_coef", "topk")  # change no tensor
+_FREE_MODEL_FIELDS = ("name", "init_std")
+# The MoE options that shape tensors (every other MoE option, routing and dispatch alike, may change).
+_SHAPED_MOE_FIELDS = (
+    "num_experts",
+    "ffn_hidden_size",
+    "shared_expert_ffn_hidden_size",
+    "shared_expert_gate",
+    "expert_bias",  # a buffer exists only when on
+)
 
 
 def step_dir_name(step: int) -> str:
@@ -130,13 +138,19 @@ def read_meta(path: str) -> Dict[str, Any]:
 
 
 def check_compatible(meta: Dict[str, Any], job) -> None:
-    """Fail with :class:`ConfigError` naming every differing ``model.*`` field when the checkpoint's
-    model is not ``job``'s (fields that change no tensor, such as ``model.init_std``, may differ)."""
-    saved, now = meta["model"], _plain(dataclasses.asdict(job.model))
+    """Fail with :class:`ConfigError` naming every differing ``model.*`` / ``moe.*`` field when the
+    checkpoint's model is not ``job``'s (fields that change no tensor, such as ``model.init_std`` or
+    ``moe.topk``, may differ)."""
+    saved, now = dict(meta["model"]), _plain(dataclasses.asdict(job.model))
+    saved_moe, now_moe = saved.pop("moe", None) or {}, now.pop("moe")
     diff = [
         f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}"
         for k in sorted(now)
         if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]
+    ] + [
+        f"moe.{k}: checkpoint {saved_moe.get(k)!r}, this job {now_moe[k]!r}"
+        for k in _SHAPED_MOE_FIELDS
+        if _plain(saved_moe.get(k)) != now_moe[k]
     ]
     if diff:
         raise ConfigError(
@@ -273,7 +287,6 @@ def save_checkpoint(
             "adam_updates": int(optimizer.updates),
             "data": data.state_dict() if data is not None else None,
             "model": _plain(dataclasses.asdict(job.model)),
-            "moe": _plain(dataclasses.asdict(job.moe)),
             "optim": _plain(dataclasses.asdict(job.optim)),
             "layout": layout.describe(),
             "world_size": dist.get_world_size(),

@@ -109,6 +109,14 @@ def schema_keys() -> List[str]:
     return list(walk(job_schema(), ""))
 
 
+MOVED_KEYS = {
+    "model.moe_ffn_hidden_size": "moe.ffn_hidden_size",
+    "model.router_aux_loss_coef": "moe.aux_loss_coeff",
+    "model.norm_topk_prob": "moe.pre_softmax (its negation)",
+}
+"""Model keys whose option is now a field of the MoE record under another name."""
+
+
 def unknown_key(args: Sequence[str]) -> Optional[str]:
     """The error message for the first override whose key the schema does not have (with the closest
     valid keys), or ``None``. Hydra keys, config groups and ``+``/``~`` edits are not checked."""
@@ -121,7 +129,10 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
         if key in keys:
             continue
         section = key.split(".")[0]
-        close = difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        moved = MOVED_KEYS.get(key) or (
+            f"moe.{key[6:]}" if key.startswith("model.") and f"moe.{key[6:]}" in keys else None
+        )
+        close = [moved] if moved else difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
         hint = (
             f"did you mean {' or '.join(close)}?"
             if close

@@ -6,11 +6,11 @@ point turns the composed tree into a plain ``dict`` once and calls :func:`job_co
 returns a frozen-in-spirit :class:`JobConfig` of typed dataclasses. Nothing below the entry point sees
 a ``DictConfig``.
 
-- ``model``: a preset's fields (``configs/model/<preset>.yaml``, identical to
-  :mod:`folding.model.presets`), each overridable as ``model.<field>``.
-- ``moe``: overrides of the MoE options; a key left ``null`` takes the value the preset implies
-  (Mixtral: softmax after top-k; Qwen2-MoE: softmax before top-k; dropless; the preset's aux-loss
-  coefficient).
+- ``model``: a preset's fields (the presets of :mod:`folding.model.presets`, registered with Hydra
+  by :mod:`folding.training.schema`), each overridable as ``model.<field>``.
+- ``moe``: the preset's MoE record (:class:`folding.moe.config.MoEConfig`), each field overridable as
+  ``moe.<field>``; the job's ``model.moe`` is built from it, so FLOPs, the memory model, the dry run
+  and the planner read the same values as the layers.
 - ``optim`` / ``data``: :class:`folding.optim.config.OptimConfig` and
   :class:`folding.data.config.DataConfig`.
 
@@ -39,14 +39,6 @@ from ..parallel import DEFAULT_ORDER, ParallelLayout
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE_MODES = ("none", "full", "selective", "moe")
 WANDB_MODES = ("offline", "online", "disabled")
-MOE_MODEL_KEYS = ("num_experts", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "shared_expert_gate")
-"""MoE fields that are the architecture: set as ``model.num_experts``, ``model.moe_ffn_hidden_size``,
-``model.shared_expert_ffn_hidden_size``, ``model.shared_expert_gate`` (they shape the weights)."""
-MOE_OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(MoEConfig) if f.name not in MOE_MODEL_KEYS)
-"""Every other :class:`~folding.moe.config.MoEConfig` field is a ``moe.*`` key (the schema is generated
-from the dataclass, so a new field is settable from the command line at once)."""
-
-
 DEFAULT_WARMUP_STEPS = 5
 """``optim.warmup_steps`` when the job leaves it null, clamped by :func:`default_warmup_steps`."""
 
@@ -193,31 +185,13 @@ class CheckpointConfig:
     """Write checkpoints in the background."""
 
 
-def _moe_override_schema():
-    hints = typing.get_type_hints(MoEConfig)
-    fields = []
-    for key in MOE_OVERRIDE_KEYS:
-        t = hints[key]
-        fields.append((key, t if type(None) in typing.get_args(t) else Optional[t], dataclasses.field(default=None)))
-    cls = dataclasses.make_dataclass("MoEOverrides", fields, kw_only=True)
-    cls.__doc__ = (
-        "Overrides of the MoE options (``moe.*``); null keeps the value the model preset "
-        "implies. Each key means what the same field of folding.moe.config.MoEConfig means."
-    )
-    return cls
-
-
-MoEOverrides = _moe_override_schema()
-
-
 @dataclasses.dataclass(kw_only=True)
 class JobConfig:
     """The whole training job, typed and validated (see the module docstring)."""
 
     model: ModelConfig
-    """Architecture (a preset with ``model.*`` overrides)."""
-    moe: MoEConfig
-    """MoE options resolved from the preset and the ``moe.*`` overrides."""
+    """Architecture: a preset with the ``model.*`` overrides and, in ``model.moe``, the preset's MoE
+    options with the ``moe.*`` overrides."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """Folded layout sizes."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -233,38 +207,22 @@ class JobConfig:
     notes: typing.Tuple[str, ...] = ()
     """What the loader chose for settings left null (printed when the run starts)."""
 
+    @property
+    def moe(self) -> MoEConfig:
+        """The MoE options: ``model.moe`` (the one record; the Hydra section ``moe`` sets it)."""
+        return self.model.moe
+
     def layout(self, world_size: int) -> ParallelLayout:
         """The validated folded layout of this job on ``world_size`` ranks."""
-        return self.parallel.layout(world_size, self.model.num_experts)
+        return self.parallel.layout(world_size, self.model.moe.num_experts)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain nested dict of every resolved setting (what is saved with the run)."""
-        return dataclasses.asdict(self)
-
-
-def moe_config_for(model: ModelConfig, overrides: Mapping[str, Any]) -> MoEConfig:
-    """The :class:`MoEConfig` of ``model``'s MoE layers with the non-null ``overrides`` applied."""
-    values: Dict[str, Any] = dict(
-        num_experts=model.num_experts,
-        topk=model.topk,
-        ffn_hidden_size=model.moe_ffn_hidden_size,
-        score_function=model.score_function,
-        pre_softmax=model.pre_softmax and not model.norm_topk_prob,
-        aux_loss_coeff=model.router_aux_loss_coef,
-        capacity_factor=None,
-        input_jitter_eps=None,
-        shared_expert_ffn_hidden_size=model.shared_expert_ffn_hidden_size,
-        shared_expert_gate=model.shared_expert_gate,
-    )
-    for key, value in overrides.items():
-        if key not in MOE_OVERRIDE_KEYS:
-            _fail(f"moe.{key}", value, "unknown key", f"use one of {', '.join(MOE_OVERRIDE_KEYS)}")
-        if value is not None:
-            values[key] = value
-    try:
-        return MoEConfig(**values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+        """Plain nested dict of every resolved setting, shaped like the Hydra tree (``model`` without
+        its MoE record, which is the ``moe`` section): ``job_config_from_dict(job.to_dict())`` rebuilds
+        the same job."""
+        out = dataclasses.asdict(self)
+        out["moe"] = out["model"].pop("moe")
+        return {k: out[k] for k in ("model", "moe", *[k for k in out if k not in ("model", "moe")])}
 
 
 def _build(cls, section: str, values: Optional[Mapping[str, Any]]):
@@ -286,15 +244,18 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     """Build and validate a :class:`JobConfig` from a plain nested dict (Hydra's composed config after
     ``OmegaConf.to_container(resolve=True)``, or a dict written by hand). ``hydra`` keys are ignored."""
     tree = {k: v for k, v in tree.items() if k != "hydra"}
-    known = {f.name for f in dataclasses.fields(JobConfig)}
+    known = {f.name for f in dataclasses.fields(JobConfig)} | {"moe"}
     for key in tree:
         if key not in known:
             _fail(key, tree[key], "unknown section", f"use one of {', '.join(sorted(known))}")
     if not tree.get("model"):
         raise ConfigError("model is missing; choose a preset with model=<name> (e.g. model=mixtral_tiny)")
     model_values = dict(tree["model"])
+    if "moe" in model_values:
+        _fail("model.moe", "...", "the MoE options are their own section", "set them as moe.<key>")
     if "mlp_only_layers" in model_values and model_values["mlp_only_layers"] is not None:
         model_values["mlp_only_layers"] = tuple(model_values["mlp_only_layers"])
+    model_values["moe"] = _build(MoEConfig, "moe", tree.get("moe"))
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
     notes = []
@@ -310,15 +271,8 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
             )
     logging_values = dict(tree.get("logging") or {})
     logging_values["wandb"] = _build(WandbConfig, "logging.wandb", logging_values.get("wandb"))
-    moe = moe_config_for(model, tree.get("moe") or {})
-    if moe.topk != model.topk:  # moe.topk overrides the preset's: FLOPs, memory and the planner read the model's
-        try:
-            model = dataclasses.replace(model, topk=moe.topk)
-        except ValueError as e:
-            raise ConfigError(f"moe.topk={moe.topk}: {e}") from None
     job = JobConfig(
         model=model,
-        moe=moe,
         parallel=_build(ParallelConfig, "parallel", tree.get("parallel")),
         train=_build(TrainConfig, "train", tree.get("train")),
         optim=_build(OptimConfig, "optim", optim_values),

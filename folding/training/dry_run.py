@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..model.config import ModelConfig
+from ..planning.flops import flops_per_token
 from ..planning.memory import MemoryEstimate, ModelSizes, memory_per_rank, param_counts
 from .config import JobConfig
 from .validate import validate_job
@@ -66,6 +67,8 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  parameters  total {total / 1e9:.2f} B, active {active / 1e9:.2f} B per token",
         f"  moe         {job.moe.num_experts} experts, top-{job.moe.topk}, dispatcher {job.moe.dispatcher}, "
         f"capacity_factor {job.moe.capacity_factor}",
+        f"  flops       {flops_per_token(m, t.seq_length).model_training / 1e9:.1f} GFLOP per trained token "
+        "(model FLOPs: the MFU numerator)",
     ]
     stages = stage_parameters_per_rank(m, layout)
     for r, s in enumerate(stages):

@@ -48,7 +48,7 @@ class MoEStats:
         """Hook every router of ``chunks``; ``model_config`` gives the MoE layer numbering and E."""
         self.moe_layers = [i for i in range(model_config.num_layers) if model_config.is_moe_layer(i)]
         self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
-        self.E = model_config.num_experts
+        self.E = model_config.moe.num_experts
         self.routers = find_routers(chunks)
         device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
         self.counts_LE = torch.zeros(len(self.moe_layers), self.E, dtype=torch.float64, device=device)

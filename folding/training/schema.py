@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
+from ..model.presets import get_preset, list_presets
+from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from . import config as C
 
@@ -34,14 +36,27 @@ def _default_of(f: dataclasses.Field) -> dataclasses.Field:
     return dataclasses.field(default=MISSING)
 
 
-def mirror(cls, *, overrides: Tuple[Tuple[str, Any, dataclasses.Field], ...] = ()) -> type:
+def _omegaconf_type(t):
+    """``t`` with ``Literal[...]`` enumerations turned into their value type (OmegaConf has no
+    ``Literal``; the typed config checks the value when it is built)."""
+    if typing.get_origin(t) is typing.Literal:
+        return type(typing.get_args(t)[0])
+    if typing.get_origin(t) is typing.Union:
+        return Optional[_omegaconf_type(next(a for a in typing.get_args(t) if a is not type(None)))]
+    return t
+
+
+def mirror(
+    cls, *, overrides: Tuple[Tuple[str, Any, dataclasses.Field], ...] = (), without: Tuple[str, ...] = ()
+) -> type:
     """A plain (mutable, unvalidated) dataclass with ``cls``'s fields, types and defaults;
-    ``overrides`` replace some fields by ``(name, type, field)``."""
+    ``overrides`` replace some fields by ``(name, type, field)``; fields in ``without`` are left out."""
     hints = typing.get_type_hints(cls)
     replaced = {name: (name, t, f) for name, t, f in overrides}
     fields: List[tuple] = []
     for f in dataclasses.fields(cls):
-        fields.append(replaced.get(f.name, (f.name, hints[f.name], _default_of(f))))
+        if f.name not in without:
+            fields.append(replaced.get(f.name, (f.name, _omegaconf_type(hints[f.name]), _default_of(f))))
     out = dataclasses.make_dataclass(cls.__name__ + "Schema", fields, kw_only=True)
     out.__doc__ = f"Hydra schema mirroring {cls.__module__}.{cls.__name__} (see its field docs)."
     return out
@@ -51,13 +66,13 @@ def job_schema() -> type:
     """The schema class of the whole job tree (``model, moe, parallel, train, optim, data,
     checkpoint, logging``)."""
     section = lambda name, cls: (name, cls, dataclasses.field(default_factory=cls))  # noqa: E731
-    model = mirror(ModelConfig)
+    model = mirror(ModelConfig, without=("moe",))
     logging = mirror(C.LoggingConfig, overrides=(section("wandb", mirror(C.WandbConfig)),))
     return dataclasses.make_dataclass(
         "JobSchema",
         [
             ("model", model, dataclasses.field(default=MISSING)),
-            section("moe", C.MoEOverrides),
+            section("moe", mirror(MoEConfig)),
             section("parallel", mirror(C.ParallelConfig)),
             section("train", mirror(C.TrainConfig)),
             section(
@@ -74,7 +89,19 @@ def job_schema() -> type:
     )
 
 
+def preset_node(name: str) -> Dict[str, Any]:
+    """The Hydra node of model preset ``name``: ``{"model": <its fields>, "moe": <its MoE record>}``,
+    merged at the root of the job tree (so ``model.<field>`` and ``moe.<field>`` override it)."""
+    tree = C.plain_tree(dataclasses.asdict(get_preset(name)))
+    return {"moe": tree.pop("moe"), "model": tree}
+
+
 def register_schema() -> None:
-    """Register the Hydra structured-config schema ``job_schema`` in Hydra's ConfigStore;
-    ``configs/config.yaml`` lists ``job_schema`` first in its defaults."""
-    ConfigStore.instance().store(name="job_schema", node=job_schema())
+    """Register, in Hydra's ConfigStore, the structured-config schema ``job_schema`` (listed first in
+    ``configs/config.yaml``'s defaults) and every preset of :mod:`folding.model.presets` as an option
+    of the config group ``model`` (``model=mixtral_tiny``; a recipe's ``override /model: ...``). The
+    presets are defined once, in Python; there is no YAML copy of them."""
+    store = ConfigStore.instance()
+    store.store(name="job_schema", node=job_schema())
+    for name in list_presets():
+        store.store(group="model", name=name, node=preset_node(name), package="_global_")

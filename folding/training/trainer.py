@@ -173,7 +173,6 @@ def train(
     M = t.global_batch_size // (t.micro_batch_size * layout.dp)
     chunks = build_stage_chunks(
         model_config=job.model,
-        moe_config=job.moe,
         parallel_state=ps,
         recompute=t.recompute,
         params_dtype=dtype,

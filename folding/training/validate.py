@@ -111,27 +111,10 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
 
 def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
     m, t, tp, cp = job.model, job.train, layout.tp, layout.cp
-    for key, n in (
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_kv_heads", m.num_kv_heads),
-        ("model.vocab_size", m.vocab_size),
-    ):
-        if n % tp:
-            _fail("parallel.tp", tp, f"does not divide {key}={n}", f"choose parallel.tp among the divisors of {n}")
-    if m.moe_ffn_hidden_size % layout.etp:
-        _fail(
-            "parallel.etp",
-            layout.etp,
-            f"does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}",
-            "choose another parallel.etp (e.g. 1)",
-        )
-    if m.shared_expert_ffn_hidden_size and m.shared_expert_ffn_hidden_size % tp:
-        _fail(
-            "parallel.tp",
-            tp,
-            f"does not divide model.shared_expert_ffn_hidden_size={m.shared_expert_ffn_hidden_size}",
-            "choose another parallel.tp",
-        )
+    try:
+        m.check_divisible(tp=tp, ep=layout.ep, etp=layout.etp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     chunk = 2 * cp if cp > 1 else 1
     if t.seq_length % (chunk * tp):
         _fail(
@@ -163,8 +146,6 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
             partition_layers(num_layers=m.num_layers, pp=layout.pp, vpp=layout.vpp)
         except ValueError as e:
             raise ConfigError(f"parallel.pp={layout.pp}/parallel.vpp={layout.vpp}: {e}") from None
-    if job.moe.topk > m.num_experts:
-        _fail("moe.topk", job.moe.topk, f"exceeds model.num_experts={m.num_experts}", "lower moe.topk")
 
 
 def validate_job(job: JobConfig, *, world_size: int) -> ParallelLayout:

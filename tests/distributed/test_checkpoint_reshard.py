@@ -26,7 +26,6 @@ from folding.training.config import (
     ParallelConfig,
     TrainConfig,
     WandbConfig,
-    moe_config_for,
 )
 
 WORLD = 4
@@ -40,10 +39,9 @@ REFERENCE = (dict(tp=2, ep=2, etp=1), False)
 
 
 def _job(parallel, distributed, steps, ckpt_dir=None, load=None):
-    model = get_preset("mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16)
+    model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16})
     return JobConfig(
         model=model,
-        moe=moe_config_for(model, {}),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(
             steps=steps, global_batch_size=8, micro_batch_size=1, seq_length=16, eval_interval=0, seed=11

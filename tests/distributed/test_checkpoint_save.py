@@ -126,18 +126,14 @@ def test_export_after_training_loads_in_transformers(ranks, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     # the engine, 1 rank, from the same checkpoint: it holds exactly the weights the ranks trained
     from folding.model.config import ModelConfig
-    from folding.model.moe_block import moe_factory_for
     from folding.model.transformer import MoETransformer
-    from folding.moe.config import MoEConfig
 
     path = ckpt.latest_complete(str(tmp_path / "ck"))
     meta = ckpt.read_meta(path)
-    mc = dict(meta["model"], mlp_only_layers=tuple(meta["model"]["mlp_only_layers"] or ()))
-    tokens = torch.randint(0, mc["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    cfg = ModelConfig.from_dict(meta["model"])
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     with convert.single_process_world():
-        engine = MoETransformer(
-            ModelConfig(**mc), moe_factory=moe_factory_for(MoEConfig(**meta["moe"])), initialize=False
-        )
+        engine = MoETransformer(cfg, initialize=False)
         ckpt.load_full_model(path, engine)
         for name, p in engine.named_parameters():
             torch.testing.assert_close(p.detach(), trained[name].reshape(p.shape), rtol=0, atol=0, msg=name)

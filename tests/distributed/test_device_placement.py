@@ -14,7 +14,7 @@ import torch.distributed as dist
 from folding.model.chunks import build_stage_chunks
 from folding.model.hf import from_hf, to_hf
 from folding.model.init import materialize
-from folding.model.moe_block import default_moe_factory, moe_config_from_model, moe_factory_for
+from folding.model.moe_block import default_moe_factory
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -40,12 +40,8 @@ def _builders(preset, ps, hf_dir):
         "build_stage_chunks": lambda dev: build_stage_chunks(
             model_config=cfg, parallel_state=ps, device=dev, init_seed=7
         ),
-        "build_stage_chunks+moe_factory_for": lambda dev: build_stage_chunks(
-            model_config=cfg,
-            parallel_state=ps,
-            device=dev,
-            init_seed=7,
-            moe_factory=moe_factory_for(moe_config_from_model(cfg)),
+        "build_stage_chunks+default_moe_factory": lambda dev: build_stage_chunks(
+            model_config=cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory
         ),
     }
     if ps is None or ps.layout.pp == 1:  # whole models; a pipelined one is built in chunks
@@ -55,7 +51,7 @@ def _builders(preset, ps, hf_dir):
             MoETransformer(cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory)
         ]
     if ps is None:
-        del builders["build_stage_chunks"], builders["build_stage_chunks+moe_factory_for"]
+        del builders["build_stage_chunks"], builders["build_stage_chunks+default_moe_factory"]
     return builders
 
 

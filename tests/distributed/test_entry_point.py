@@ -29,7 +29,7 @@ TINY = [
     "train.seq_length=16",
     "train.eval_interval=0",
     "model.hidden_size=32",
-    "model.moe_ffn_hidden_size=16",
+    "moe.ffn_hidden_size=16",
     "logging.wandb.mode=disabled",
 ]
 WORKER_FRAME = re.compile(r'File ".*(pretrain_mixtral\.py|/folding/)')

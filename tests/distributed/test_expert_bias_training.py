@@ -11,7 +11,6 @@ import dataclasses
 import torch
 
 from folding.training import trainer
-from folding.training.config import moe_config_for
 from tests.distributed.test_train_e2e import tiny_job
 
 STEPS = 4
@@ -21,8 +20,8 @@ def _train(layouts, run_dir):
     out = []
     for i, parallel in enumerate(layouts):
         job = tiny_job(parallel, f"{run_dir}/m{i}.jsonl", steps=STEPS, eval_interval=0)
-        moe = dataclasses.replace(moe_config_for(job.model, {"expert_bias": True}), expert_bias_update_rate=0.05)
-        job = dataclasses.replace(job, moe=moe)
+        moe = {"expert_bias": True, "expert_bias_update_rate": 0.05}
+        job = dataclasses.replace(job, model=job.model.replace(moe=moe))
         res = trainer.train(job, run_dir=run_dir)
         biases = [
             m.expert_bias.clone()

@@ -21,9 +21,9 @@ M, S = 4, 16
 
 def _reduced_grads(layout_kw, overlap_in_schedule: bool):
     torch.set_num_threads(1)
-    cfg = get_preset("mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16)
+    cfg = get_preset("mixtral_tiny", hidden_size=32, moe=dict(ffn_hidden_size=16))
     with build_parallel_state(
-        ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.num_experts, **layout_kw)
+        ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.moe.num_experts, **layout_kw)
     ) as ps:
         chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=3)
         opt = FoldedOptimizer(

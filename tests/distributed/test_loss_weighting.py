@@ -13,11 +13,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from folding.model.moe_block import moe_factory_for
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.training import trainer
-from folding.training.config import moe_config_for
 from tests.distributed.test_train_e2e import tiny_job
 
 GB, S = 8, 16
@@ -36,7 +34,7 @@ def _global_batch(vocab):
 
 def _job(parallel, mbs, run_dir):
     job = tiny_job(parallel, f"{run_dir}/m.jsonl", steps=1, micro_batch_size=mbs, eval_interval=0)
-    return dataclasses.replace(job, moe=moe_config_for(job.model, {"aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}))
+    return dataclasses.replace(job, model=job.model.replace(moe={"aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}))
 
 
 def _train(cases, run_dir):
@@ -63,9 +61,7 @@ def _reference(run_dir):
     """One rank, plain autograd: masked loss sum over the whole global batch / its token count."""
     job = _job({}, GB, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(
-            job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe), init_seed=job.train.seed
-        )
+        model = MoETransformer(job.model, parallel_state=ps, init_seed=job.train.seed)
         ids, labels, mask = _global_batch(job.model.vocab_size)
         loss = (model(ids, labels=labels) * mask).sum() / mask.sum()
         loss.backward()

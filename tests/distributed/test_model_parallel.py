@@ -22,17 +22,16 @@ from tests.unit.test_model_reference_moe import reference_moe_factory
 
 LAYOUTS = [dict(tp=2, cp=2, ep=8, etp=1), dict(tp=2, ep=4, etp=2), dict(cp=2, ep=4, etp=1), dict(tp=4, ep=2, etp=1)]
 CONFIGS = [
-    dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1),
+    dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
     dict(
         name="qwen2_moe_tiny",
         num_layers=2,
         hidden_size=32,
-        moe_ffn_hidden_size=16,
+        moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16),
         vocab_size=256,
         init_std=0.1,
         mlp_only_layers=(0,),
         ffn_hidden_size=32,
-        shared_expert_ffn_hidden_size=16,
         tie_embeddings=True,
     ),
 ]
@@ -55,7 +54,7 @@ def _compare_layouts(configs, layouts, engine_moe=False):
     for ckw in configs:
         ckw = dict(ckw)
         if engine_moe:  # the engine's MoE layer; per-micro-batch aux losses depend on the DP split
-            ckw["router_aux_loss_coef"] = 0.0
+            ckw["moe"] = dict(ckw["moe"], aux_loss_coeff=0.0)
         cfg = get_preset(ckw.pop("name"), **ckw)
         factory = None if engine_moe else reference_moe_factory
         ps1 = build_parallel_state(ParallelLayout(world_size=world))
@@ -205,8 +204,16 @@ def _layout_errors():
     cases = [
         (dict(tp=8, ep=1, etp=1), {}, "model.num_kv_heads=4 is not divisible by parallel.tp=8"),
         (dict(tp=2, ep=1, etp=1), dict(vocab_size=255), "model.vocab_size=255 is not divisible by parallel.tp=2"),
-        (dict(ep=8, etp=1), dict(num_experts=4, topk=2), "model.num_experts=4 is not divisible by parallel.ep=8"),
-        (dict(ep=2, etp=4), dict(moe_ffn_hidden_size=6), "moe_ffn_hidden_size=6 is not divisible by parallel.etp=4"),
+        (
+            dict(ep=8, etp=1),
+            dict(moe=dict(num_experts=4, topk=2)),
+            "moe.num_experts=4 is not divisible by parallel.ep=8",
+        ),
+        (
+            dict(ep=2, etp=4),
+            dict(moe=dict(ffn_hidden_size=6)),
+            "moe.ffn_hidden_size=6 is not divisible by parallel.etp=4",
+        ),
     ]
     seen = []
     for lkw, ckw, msg in cases:

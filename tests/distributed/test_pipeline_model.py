@@ -20,16 +20,15 @@ from folding.pipeline.stage import run_microbatches
 
 B, S = 4, 16
 CONFIGS = {
-    "mixtral": dict(name="mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16, vocab_size=256, init_std=0.1),
+    "mixtral": dict(name="mixtral_tiny", hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
     "qwen_tied": dict(
         name="qwen2_moe_tiny",
         hidden_size=32,
-        moe_ffn_hidden_size=16,
+        moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16),
         vocab_size=256,
         init_std=0.1,
         mlp_only_layers=(1,),
         ffn_hidden_size=32,
-        shared_expert_ffn_hidden_size=16,
         tie_embeddings=True,
     ),
 }

@@ -16,16 +16,15 @@ from folding.model.init import take_slice
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig, moe_config_for
+from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 10
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden_losses.json")
 MODELS = {
-    "mixtral_tiny": dict(hidden_size=32, moe_ffn_hidden_size=16),
+    "mixtral_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16)),
     "qwen2_moe_tiny": dict(
         hidden_size=32,
-        moe_ffn_hidden_size=16,
-        shared_expert_ffn_hidden_size=16,
+        moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16),
         ffn_hidden_size=32,
         mlp_only_layers=(1,),
     ),
@@ -48,10 +47,10 @@ BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny"
 
 
 def _job(model_name, parallel, train, distributed, moe):
-    model = get_preset(model_name, **MODELS[model_name])
+    sizes = MODELS[model_name]
+    model = get_preset(model_name, **{**sizes, "moe": {**sizes["moe"], **moe}})
     return JobConfig(
         model=model,
-        moe=moe_config_for(model, moe),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(
             **{

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from folding.model.hf import resolve_spec
 from folding.model.init import take_slice
-from folding.model.moe_block import moe_factory_for
 from folding.model.transformer import MoETransformer
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -72,9 +71,7 @@ def _reduced(cases, run_dir):
 def _reference(run_dir):
     job = _job({}, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(
-            job.model, parallel_state=ps, moe_factory=moe_factory_for(job.moe), init_seed=job.train.seed
-        )
+        model = MoETransformer(job.model, parallel_state=ps, init_seed=job.train.seed)
         for m in model.modules():
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = 1.0 / (GB // MBS)  # each micro-batch's aux loss, averaged

@@ -8,16 +8,15 @@ import os
 from folding.data.config import DataConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig, moe_config_for
+from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 3
 
 
 def tiny_job(parallel, metrics_file, **train):
-    model = get_preset("mixtral_tiny", hidden_size=32, num_layers=2, moe_ffn_hidden_size=32)
+    model = get_preset("mixtral_tiny", hidden_size=32, num_layers=2, moe={"ffn_hidden_size": 32})
     return JobConfig(
         model=model,
-        moe=moe_config_for(model, {}),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(
             **{

@@ -14,13 +14,13 @@ import torch.distributed.checkpoint as dcp
 from folding.model.presets import get_preset
 from folding.training import checkpoint as ck
 from folding.training.checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
-from folding.training.config import CheckpointConfig, ConfigError, JobConfig, moe_config_for
+from folding.training.config import CheckpointConfig, ConfigError, JobConfig
 from folding.training.validate import validate_job
 
 
 def _job(**model_overrides):
-    model = get_preset("mixtral_tiny", hidden_size=32, moe_ffn_hidden_size=16, **model_overrides)
-    return JobConfig(model=model, moe=moe_config_for(model, {}))
+    model = get_preset("mixtral_tiny", hidden_size=32, **model_overrides).replace(moe={"ffn_hidden_size": 16})
+    return JobConfig(model=model)
 
 
 def _fake_checkpoint(root, step, *, complete=True, job=None, name=None):

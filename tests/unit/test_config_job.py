@@ -1,11 +1,9 @@
-"""The job configuration: Hydra composition on the typed schema, model YAML == presets, recipes, and
+"""The job configuration: Hydra composition on the typed schema, presets as Hydra options, recipes, and
 bad configs that fail before any process group with the setting named."""
 
-import dataclasses
 import os
 
 import pytest
-import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -29,17 +27,14 @@ def job(*overrides):
 
 
 @pytest.mark.parametrize("name", list_presets())
-def test_model_yaml_equals_preset(name):
-    with open(os.path.join(CONFIGS, "model", f"{name}.yaml")) as f:
-        values = yaml.safe_load(f)
-    values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
-    assert values == dataclasses.asdict(get_preset(name)) | {"mlp_only_layers": get_preset(name).mlp_only_layers}
-    assert job(f"model={name}").model == get_preset(name)
+def test_every_preset_is_a_model_option_and_round_trips(name):
+    j = job(f"model={name}")
+    assert j.model == get_preset(name)  # the Hydra option is the Python preset, MoE record included
+    assert job_config_from_dict(j.to_dict()).model == j.model
 
 
-def test_every_model_yaml_is_a_preset():
-    names = {f[:-5] for f in os.listdir(os.path.join(CONFIGS, "model")) if f.endswith(".yaml")}
-    assert names == set(list_presets())
+def test_presets_have_no_yaml_copy():
+    assert not os.path.exists(os.path.join(CONFIGS, "model"))
 
 
 def test_defaults_and_overrides_reach_typed_config():
@@ -56,8 +51,8 @@ def test_defaults_and_overrides_reach_typed_config():
     layout = validate_job(j, world_size=4)
     assert (layout.dp, layout.edp, layout.etp) == (2, 1, 1)
     assert j.model.hidden_size == 128 and j.model.name == "mixtral_tiny"
-    assert j.moe.capacity_factor == 1.5 and j.moe.topk == j.model.topk == 2
-    assert j.moe.aux_loss_coeff == get_preset("mixtral_tiny").router_aux_loss_coef  # unset: the preset's
+    assert j.moe.capacity_factor == 1.5 and j.moe.topk == 2 and j.moe is j.model.moe
+    assert j.moe.aux_loss_coeff == get_preset("mixtral_tiny").moe.aux_loss_coeff  # unset: the preset's
     assert j.train.steps == 7 and j.optim.lr == 0.001 and j.logging.wandb.mode == "disabled"
     q = job("model=qwen2_moe_tiny")
     assert q.moe.pre_softmax is True and q.moe.shared_expert_ffn_hidden_size == 64
@@ -117,9 +112,9 @@ BAD = [
     (["logging.wandb.mode=sometimes"], 1, "logging.wandb.mode"),
     (["parallel.tp=3", "parallel.etp=1"], 3, "parallel.tp"),  # 8 heads not divisible by 3
     (["parallel.pp=3"], 3, "pp"),  # 4 layers over 3 stages
-    (["parallel.etp=2", "model.moe_ffn_hidden_size=95"], 2, "parallel.etp"),  # expert FFN not divisible
+    (["parallel.etp=2", "moe.ffn_hidden_size=95"], 2, "parallel.etp"),  # expert FFN not divisible
     (["model.num_kv_heads=3"], 1, "model.num_kv_heads"),
-    (["model.topk=0"], 1, "model.topk"),
+    (["moe.topk=0"], 1, "moe.topk"),
     (["data.weights=[1.0]"], 1, "data.weights"),
     # the recomputed experts would run outside the FP8 region delayed scaling needs
     (["train.recompute=moe", "moe.expert_backend=te", "moe.fp8_recipe=delayed"], 1, "train.recompute"),

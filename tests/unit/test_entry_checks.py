@@ -74,12 +74,9 @@ def test_split_list_on_the_command_line(capsys, monkeypatch):
 
 
 def test_default_warmup_is_clamped_to_the_run_and_explicit_warmup_is_checked():
-    base = {"model": {"name": "mixtral_tiny"}}
-    import dataclasses
+    from folding.training.schema import preset_node
 
-    from folding.model.presets import get_preset
-
-    base["model"] = dataclasses.asdict(get_preset("mixtral_tiny"))
+    base = preset_node("mixtral_tiny")  # {"model": ..., "moe": ...}
     job = job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": None}})
     assert job.optim.warmup_steps == 1 and job.notes and "at most half of the 2-step schedule" in job.notes[0]
     job = job_config_from_dict({**base, "train": {"steps": 60}, "optim": {"warmup_steps": None}})

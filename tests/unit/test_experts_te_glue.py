@@ -21,7 +21,6 @@ import torch
 import folding.moe.expert_select as select_mod
 import folding.moe.expert_te as te_mod
 import folding.moe.experts as experts_mod
-from folding.model.moe_block import moe_config_from_model, moe_factory_for
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
@@ -162,8 +161,7 @@ def test_delayed_outside_a_region_is_refused(te_on_cpu):
 
 def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
     cfg = get_preset("mixtral_tiny")
-    moe = moe_config_from_model(cfg, expert_backend="te", fp8_recipe="delayed")
-    model = MoETransformer(cfg, moe_factory=moe_factory_for(moe), init_seed=1)
+    model = MoETransformer(cfg.replace(moe={"expert_backend": "te", "fp8_recipe": "delayed"}), init_seed=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     for m in range(3):  # three micro-batches of one step
         CALLS.clear()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from folding.model.context_parallel import check_cp_seq_len, cp_positions, gathered_positions
 from folding.model.cross_entropy import vocab_parallel_cross_entropy
+from folding.model.hf_config import config_from_hf, config_to_hf
 from folding.model.init import InitSpec, full_tensor, param_seed, shard_index, take_slice
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
@@ -68,15 +69,15 @@ def test_bad_inputs_fail_clearly():
 
 
 def test_moe_config_follows_the_hf_routers():
-    from folding.model.moe_block import moe_config_from_model
-
-    mix = moe_config_from_model(get_preset("mixtral_8x7b"))
+    mix = get_preset("mixtral_8x7b").moe
     assert (mix.num_experts, mix.topk, mix.ffn_hidden_size, mix.pre_softmax) == (8, 2, 14336, False)
     assert mix.capacity_factor is None and mix.input_jitter_eps is None and mix.aux_loss_type == "aux_loss"
-    qw = moe_config_from_model(get_preset("qwen2_57b_a14b"))
+    qw = get_preset("qwen2_57b_a14b").moe
     assert qw.pre_softmax and qw.shared_expert_ffn_hidden_size == 20480 and qw.shared_expert_gate
-    # norm_topk_prob=true renormalizes the pre-softmax top-k, which is post-softmax
-    assert not moe_config_from_model(get_preset("qwen2_moe_tiny", norm_topk_prob=True)).pre_softmax
+    # Qwen2-MoE's norm_topk_prob=true renormalizes the pre-softmax top-k, which is post-softmax
+    hf = config_to_hf(get_preset("qwen2_moe_tiny"))
+    assert hf["norm_topk_prob"] is False and config_from_hf(hf).moe.pre_softmax
+    assert not config_from_hf(dict(hf, norm_topk_prob=True)).moe.pre_softmax
 
 
 def test_hf_specs_inferred_from_tags_match_recorded_ones():
@@ -109,9 +110,9 @@ def test_hf_aux_loss_only_with_router_logits():
         intermediate_size=16,
         router_aux_loss_coef=0.02,
     )
-    assert config_from_hf(base).router_aux_loss_coef == 0.0
+    assert config_from_hf(base).moe.aux_loss_coeff == 0.0
     cfg = config_from_hf(dict(base, output_router_logits=True))
-    assert cfg.router_aux_loss_coef == 0.02
+    assert cfg.moe.aux_loss_coeff == 0.02
     assert config_from_hf(config_to_hf(cfg)) == cfg.replace(name="hf_mixtral")
 
 
@@ -122,15 +123,13 @@ def test_one_rank_model_needs_no_process_group():
 
     code = """
 import torch, torch.distributed as dist
-from folding.model.moe_block import moe_config_from_model
-from folding.model.moe_block import moe_factory_for
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 cfg = get_preset("mixtral_tiny")
 ids = torch.randint(0, cfg.vocab_size, (2, 16))
 outs = []
 for kind in ("alltoall", "allgather"):
-    m = MoETransformer(cfg, init_seed=3, moe_factory=moe_factory_for(moe_config_from_model(cfg, dispatcher=kind)))
+    m = MoETransformer(cfg.replace(moe={"dispatcher": kind}), init_seed=3)
     y = m(ids)
     y.float().square().mean().backward()
     outs.append(y)

@@ -30,7 +30,7 @@ class ReferenceMoE(nn.Module):
     ):
         super().__init__()
         c = config
-        E, Fe, H = c.num_experts, c.moe_ffn_hidden_size, c.hidden_size
+        E, Fe, H = c.moe.num_experts, c.moe.ffn_hidden_size, c.hidden_size
         ep, etp = group_size(groups.ep), group_size(groups.etp)
         epr, etpr = group_rank(groups.ep), group_rank(groups.etp)
         self.config, self.groups = c, groups
@@ -53,18 +53,18 @@ class ReferenceMoE(nn.Module):
             shards=((0, epr, ep), (2, etpr, etp)),
             std=output_init_std(c),
         )
-        if c.shared_expert_ffn_hidden_size:
+        if c.moe.shared_expert_ffn_hidden_size:
             self.shared_expert = DenseMLP(
                 H,
-                c.shared_expert_ffn_hidden_size,
+                c.moe.shared_expert_ffn_hidden_size,
                 tp_group=groups.tp,
-                name="model.shared_expert_ffn_hidden_size",
+                name="moe.shared_expert_ffn_hidden_size",
                 init_std=c.init_std,
                 output_init_std=output_init_std(c),
                 device=device,
                 dtype=dtype,
             )
-            if c.shared_expert_gate:
+            if c.moe.shared_expert_gate:
                 self.shared_expert_gate = nn.Module()
                 self.shared_expert_gate.weight = nn.Parameter(torch.empty(1, H, device=device, dtype=dtype))
                 mark_param(self.shared_expert_gate.weight, sequence_parallel=True)
@@ -73,13 +73,11 @@ class ReferenceMoE(nn.Module):
     def route(self, x_TH):
         c = self.config
         logits_TE = F.linear(x_TH, self.router.weight)
-        if c.pre_softmax:
+        if c.moe.pre_softmax:  # softmax over all experts, top-k, no renormalization
             scores_TE = torch.softmax(logits_TE.float(), dim=-1)
-            top_TK, idx_TK = scores_TE.topk(c.topk, dim=-1)
-            if c.norm_topk_prob:
-                top_TK = top_TK / top_TK.sum(-1, keepdim=True)
+            top_TK, idx_TK = scores_TE.topk(c.moe.topk, dim=-1)
         else:
-            top_logits_TK, idx_TK = logits_TE.topk(c.topk, dim=-1)
+            top_logits_TK, idx_TK = logits_TE.topk(c.moe.topk, dim=-1)
             top_TK = torch.softmax(top_logits_TK.float(), dim=-1)
         return torch.zeros_like(logits_TE).scatter(1, idx_TK, top_TK.to(logits_TE.dtype))
 
@@ -130,8 +128,7 @@ def test_reference_moe_matches_per_token_loop():
         cfg = get_preset(
             name,
             hidden_size=16,
-            moe_ffn_hidden_size=8,
-            shared_expert_ffn_hidden_size=None if name == "mixtral_tiny" else 8,
+            moe=dict(ffn_hidden_size=8, shared_expert_ffn_hidden_size=None if name == "mixtral_tiny" else 8),
         )
         moe = ReferenceMoE(config=cfg, layer_number=0, groups=ModelGroups.single())
         initialize_parameters(moe, 3)
@@ -141,15 +138,15 @@ def test_reference_moe_matches_per_token_loop():
         for t in range(xt.shape[0]):
             logits = moe.router.weight @ xt[t]
             p = torch.softmax(logits, -1)
-            top, idx = p.topk(cfg.topk)
-            if not cfg.pre_softmax or cfg.norm_topk_prob:
+            top, idx = p.topk(cfg.moe.topk)
+            if not cfg.moe.pre_softmax:  # post-softmax: the softmax of the k selected logits
                 top = top / top.sum()
             ref = torch.zeros(16)
-            for k in range(cfg.topk):
+            for k in range(cfg.moe.topk):
                 w1 = moe.experts.fc1_weight[idx[k]]
                 g, u = (w1 @ xt[t]).chunk(2)
                 ref += top[k] * (moe.experts.fc2_weight[idx[k]] @ (F.silu(g) * u))
-            if cfg.shared_expert_ffn_hidden_size:
+            if cfg.moe.shared_expert_ffn_hidden_size:
                 se = moe.shared_expert
                 s = se.down_proj.weight @ (F.silu(se.gate_proj.weight @ xt[t]) * (se.up_proj.weight @ xt[t]))
                 ref += torch.sigmoid(moe.shared_expert_gate.weight[0] @ xt[t]) * s

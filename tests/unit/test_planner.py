@@ -397,3 +397,22 @@ def test_tool_json_only_on_stdout():
 
 def test_constant_is_in_range():
     assert 0.3 < COMPUTE_EFFICIENCY < 0.9
+
+
+def test_tool_moe_options_reach_the_planner():
+    def best_step(*extra):
+        args = ["--model", "mixtral_8x7b", "--world", "8", "--gpu", "b200", "--seq-length", "4096"]
+        args += ["--global-batch-size", "8"]
+        out = subprocess.run(
+            [sys.executable, "tools/plan.py", *args, "--json", *extra], capture_output=True, text=True, check=True
+        )
+        return json.loads(out.stdout)[0]["step_s"]
+
+    assert best_step("--moe", "topk=1", "--moe", "pre_softmax=true") < best_step()  # top-1: half the expert work
+    bad = subprocess.run(
+        [sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--world", "8", "--seq-length", "8"]
+        + ["--global-batch-size", "8", "--moe", "top_k=1"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "unknown MoE option(s) ['top_k']" in bad.stderr

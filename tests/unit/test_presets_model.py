@@ -20,7 +20,7 @@ def module_counts(model):
         total += p.numel()
         if param_tags(p).expert:
             expert += p.numel()
-    return total, total - expert + expert * cfg.topk // cfg.num_experts
+    return total, total - expert + expert * cfg.moe.topk // cfg.moe.num_experts
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -39,8 +39,8 @@ def test_published_presets_count(name):
 @pytest.mark.parametrize("name", ["mixtral_tiny", "qwen2_moe_tiny"])
 def test_tiny_presets_run(name):
     cfg = get_preset(name)
-    assert cfg.num_experts == 8 and cfg.num_layers == 4 and (cfg.num_attention_heads, cfg.num_kv_heads) == (8, 4)
-    assert cfg.vocab_size % 128 == 0 and cfg.hidden_size % 8 == 0 and cfg.moe_ffn_hidden_size % 8 == 0
+    assert cfg.moe.num_experts == 8 and cfg.num_layers == 4 and (cfg.num_attention_heads, cfg.num_kv_heads) == (8, 4)
+    assert cfg.vocab_size % 128 == 0 and cfg.hidden_size % 8 == 0 and cfg.moe.ffn_hidden_size % 8 == 0
     model = MoETransformer(cfg, init_seed=0, moe_factory=reference_moe_factory)
     assert module_counts(model) == cfg.num_parameters()
     ids = torch.randint(0, cfg.vocab_size, (2, 16))

@@ -63,9 +63,12 @@ def test_config_accepts_legal_and_documents_every_field():
         after = src.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1].strip()
         assert after.startswith('"""'), f.name
     c = cfg()
-    c.topk = 9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.topk = 9  # the one record cannot drift after validation
     with pytest.raises(ValueError, match="moe.topk"):
-        c.validate()
+        c.replace(topk=9)
+    with pytest.raises(ValueError, match="unknown MoE option"):
+        c.replace(top_k=2)
 
 
 # ------------------------------------------------------------------------------------ module
@@ -223,17 +226,20 @@ def test_expert_bias_balances_a_skewed_router():
     torch.testing.assert_close(p[m], soft[m])
 
 
-def test_config_is_a_hydra_structured_schema():
+def test_config_mirrors_into_a_hydra_structured_schema():
     from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
 
-    schema = OmegaConf.structured(MoEConfig)
+    from folding.training.schema import mirror
+
+    schema = OmegaConf.structured(mirror(MoEConfig))  # Literal fields become str for OmegaConf
     over = OmegaConf.from_dotlist(["num_experts=8", "topk=2", "ffn_hidden_size=16", "capacity_factor=1.5"])
-    c = OmegaConf.to_object(OmegaConf.merge(schema, over))
-    assert isinstance(c, MoEConfig) and c.capacity_factor == 1.5
-    with pytest.raises(ValueError, match=r"moe\.topk"):
-        OmegaConf.to_object(
-            OmegaConf.merge(schema, OmegaConf.from_dotlist(["num_experts=8", "topk=9", "ffn_hidden_size=16"]))
-        )
+    c = MoEConfig(**OmegaConf.to_container(OmegaConf.merge(schema, over)))
+    assert c.capacity_factor == 1.5 and c.dispatcher == "alltoall"
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(schema, OmegaConf.from_dotlist(["capacity_factor=lots"]))
+    with pytest.raises(ValueError, match=r"moe\.dispatcher='magic': unknown value"):
+        MoEConfig(**OmegaConf.to_container(OmegaConf.merge(schema, over, OmegaConf.from_dotlist(["dispatcher=magic"]))))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
