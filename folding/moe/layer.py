@@ -81,8 +81,8 @@ class SharedExpert(nn.Module):
         tp = group_size(tp_group)
         if ffn_hidden_size % tp:
             raise ValueError(
-                f"moe.shared_expert_ffn_hidden_size={ffn_hidden_size} is not divisible by "
-                f"parallel.tp={tp}; pick a multiple of tp"
+                f"shared expert ffn_hidden_size={ffn_hidden_size} is not divisible by the size {tp} of "
+                "tp_group; use a multiple of it"
             )
         self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
@@ -184,8 +184,8 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
-                f"moe.ffn_hidden_size={config.ffn_hidden_size} is not divisible by parallel.etp="
-                f"{d.etp_size}; pick an etp that divides it"
+                f"config.ffn_hidden_size={config.ffn_hidden_size} is not divisible by the size {d.etp_size} "
+                "of etp_group; use an ETP group whose size divides it"
             )
         self.router = Router(
             hidden_size=hidden_size,

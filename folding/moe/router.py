@@ -100,7 +100,7 @@ class Router(nn.Module):
     ):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"hidden_size={hidden_size!r} must be a positive integer (model.hidden_size)")
+            raise ValueError(f"hidden_size={hidden_size!r} must be a positive integer")
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config = config
