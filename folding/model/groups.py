@@ -37,8 +37,6 @@ class ModelGroups:
     """Expert-parallel group."""
     etp: Optional[Any] = None
     """Expert tensor-parallel group."""
-    tp_ep: Optional[Any] = None
-    """ETP x EP group (the token dispatcher's domain)."""
     dp_cp: Optional[Any] = None
     """DP x CP group: the ranks that run the same layers (FP8 amax reduction of a model chunk)."""
 
@@ -52,7 +50,6 @@ class ModelGroups:
             tp_dp_cp=ps.tp_dp_cp_group,
             ep=ps.ep_group,
             etp=ps.etp_group,
-            tp_ep=ps.tp_ep_group,
             dp_cp=ps.dp_cp_group,
         )
 

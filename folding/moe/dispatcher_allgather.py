@@ -24,21 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from folding.parallel.collectives import gather_from_sequence_region, group_size, reduce_scatter_to_sequence_region
+from folding.parallel.collectives import (
+    all_gather_nograd,
+    gather_from_sequence_region,
+    reduce_scatter_to_sequence_region,
+)
 
 from . import host_sync
 from .dispatcher_base import TokenDispatcher
 from .permute import padded_rows_per_expert, permute, unpermute
-from .wire import all_gather_single
-
-
-def _gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
-    n = group_size(group)
-    if n == 1:
-        return x
-    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    all_gather_single(out, x.contiguous(), group=group)
-    return out
 
 
 class AllGatherDispatcher(TokenDispatcher):
@@ -70,7 +64,7 @@ class AllGatherDispatcher(TokenDispatcher):
         for group in (self.etp_group, self.ep_group):
             x = gather_from_sequence_region(x, group, grad_reduce=True)
             p = gather_from_sequence_region(p, group, grad_reduce=True)
-            m = _gather_nograd(m, group)
+            m = all_gather_nograd(m, group)
         self._map_GE = m.bool()
         H, elem = hidden.shape[-1], hidden.element_size()
         R, T = self.ep_size * self.etp_size, self._num_tokens

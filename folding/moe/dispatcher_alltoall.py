@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..parallel.collectives import group_size
+from ..parallel.collectives import all_gather_nograd
 from . import host_sync
 from .dispatcher_base import TokenDispatcher
 from .permute import (
@@ -44,18 +44,7 @@ from .permute import (
     sort_chunks_by_idxs,
     unpermute,
 )
-from .wire import ExchangeSpec, all_gather_single, combine_exchange, dispatch_exchange, payload_bytes_per_row
-
-
-def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """All-gather equal-size tensors along a new leading dim (no autograd; used for counts)."""
-    n = group_size(group)
-    if n == 1:
-        return x.unsqueeze(0)
-    x = x.contiguous().unsqueeze(0)
-    out = x.new_empty((n,) + tuple(x.shape[1:]))
-    all_gather_single(out, x, group=group)
-    return out
+from .wire import ExchangeSpec, combine_exchange, dispatch_exchange, payload_bytes_per_row
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -81,8 +70,8 @@ class AllToAllDispatcher(TokenDispatcher):
             out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
             return out, probs_N
         counts_E = routing_map.sum(0)
-        counts_ETP_E = _gather_rows(counts_E, self.etp_group)
-        self._counts_dev = _gather_rows(counts_ETP_E, self.ep_group)  # [EP, ETP, E]
+        counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
+        self._counts_dev = all_gather_nograd(counts_ETP_E, self.ep_group, stack=True)  # [EP, ETP, E]
         if self.dropless:
             num_out = T * self.topk  # static: the sync is deferred to token_dispatch
         else:

@@ -16,24 +16,22 @@ Usage::
 
 from __future__ import annotations
 
-import collections
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 _COUNT = 0
-_BY_REASON: Dict[str, int] = collections.Counter()
 
 
 def to_host(t: torch.Tensor, *, reason: str) -> Any:
     """Copy ``t`` to the host and return it as Python numbers (``tensor.tolist()``).
 
-    ``reason`` names the caller in the per-reason counter (see :func:`counts_by_reason`). This is
-    a device-to-host synchronization on accelerators: call it once per layer at most.
+    ``reason`` names the caller where the read happens (kept at every call site so that a profile or
+    a failing count test points at it). This is a device-to-host synchronization on accelerators:
+    call it once per layer at most.
     """
     global _COUNT
     _COUNT += 1
-    _BY_REASON[reason] += 1
     return t.detach().to("cpu").tolist()
 
 
@@ -42,13 +40,7 @@ def count() -> int:
     return _COUNT
 
 
-def counts_by_reason() -> Dict[str, int]:
-    """A copy of the per-reason counts."""
-    return dict(_BY_REASON)
-
-
 def reset() -> None:
-    """Set every counter back to zero."""
+    """Set the counter back to zero."""
     global _COUNT
     _COUNT = 0
-    _BY_REASON.clear()

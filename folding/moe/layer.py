@@ -29,7 +29,7 @@ Usage::
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -224,8 +224,6 @@ class MoELayer(nn.Module):
                 params_dtype=params_dtype,
                 device=device,
             )
-        self.last_routing_map_TE: Optional[torch.Tensor] = None
-        """The routing map (after capacity) of the last forward, detached: load and drop metrics."""
 
     def forward(
         self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None
@@ -238,7 +236,6 @@ class MoELayer(nn.Module):
         if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects [S, B, H={self.hidden_size}] or [T, H], got {tuple(hidden.shape)}")
         probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
-        self.last_routing_map_TE = routing_map_TE.detach()
         tokens_NH, tokens_per_expert, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
         if self.experts.resolve_backend(tokens_NH.device, tokens_NH.dtype) != "torch":
             # host sizes for per-expert loops and TE's m_splits: the copy the dispatcher already made
@@ -248,7 +245,3 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden.reshape(-1, self.hidden_size)).reshape(out.shape)
         return out
-
-    def load_metrics(self) -> Dict[str, torch.Tensor]:
-        """Per-expert rows kept on this rank in the last forward and the dropped pairs (device tensors)."""
-        return {"tokens_per_expert": self.router.last_tokens_per_expert, "dropped": self.router.last_dropped}

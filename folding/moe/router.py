@@ -20,7 +20,8 @@ Usage::
     probs_TE, routing_map_TE = router(hidden_SBH)                     # or hidden_TH, num_sequences=B
     router.last_losses["aux_loss"]                                    # this rank's share, detached
     ...                                                               # after the global batch:
-    router.update_expert_bias(); router.reset_global_aux_loss(); check_routers_finite(routers)
+    update_expert_biases(routers, group=ps.tp_dp_cp_group)           # folding.optim, if moe.expert_bias
+    router.reset_global_aux_loss()
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Router(nn.Module):
 
     Parameters and buffers: ``weight [E, H]`` (fp32, tagged ``sequence_parallel``: replicated over
     TP, partial gradients to sum over TP); ``expert_bias [E]`` (fp32, saved in checkpoints) and
-    ``local_tokens_per_expert [E]`` when ``config.expert_bias``; ``nonfinite_logits`` (bool flag).
+    ``local_tokens_per_expert [E]`` when ``config.expert_bias``.
     """
 
     def __init__(
@@ -126,7 +127,6 @@ class Router(nn.Module):
         )
         self.global_aux_steps = 0
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
-        self.register_buffer("nonfinite_logits", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
         self.aux_loss_scale: Union[float, torch.Tensor] = 1.0
         """Gradient given to each loss: the objective gains ``aux_loss_scale · loss`` per forward."""
         self.last_losses: Dict[str, torch.Tensor] = {}
@@ -207,8 +207,6 @@ class Router(nn.Module):
             eps = cfg.input_jitter_eps
             hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
         logits_TE = F.linear(hidden_TH.to(self.dtype), self.weight.to(self.dtype))
-        with torch.no_grad():  # device-side flag, no host sync: see check_logits_finite()
-            self.nonfinite_logits |= ~torch.isfinite(logits_TE).all()
 
         losses: Dict[str, torch.Tensor] = {}
         if losses_on and cfg.z_loss_coeff > 0:
@@ -304,59 +302,7 @@ class Router(nn.Module):
             return C.all_reduce(counts.to(self.dtype), group)
 
     # ---------------------------------------------------------------- once per global batch
-    def update_expert_bias(self) -> None:
-        """Collective over ``tp_dp_cp_group``: sum the token counts accumulated since the last
-        update, move ``expert_bias`` by ``±rate`` towards balance (the same on every rank) and reset
-        the counts. Call once per global batch, after the last micro-batch's backward."""
-        if self.expert_bias is None:
-            raise RuntimeError("update_expert_bias() needs moe.expert_bias=true")
-        with torch.no_grad():
-            counts_E = C.all_reduce(self.local_tokens_per_expert.clone(), self.tp_dp_cp_group)
-            self.expert_bias.copy_(
-                R.updated_expert_bias(self.expert_bias, counts_E, rate=self.config.expert_bias_update_rate)
-            )
-            self.local_tokens_per_expert.zero_()
-
     def reset_global_aux_loss(self) -> None:
         """Forget the token counts of ``global_aux_loss`` (call once per global batch)."""
         self.global_tokens_per_expert.zero_()
         self.global_aux_steps = 0
-
-    def check_logits_finite(self) -> None:
-        """Raise ``FloatingPointError`` if any forward since the last check produced NaN/Inf logits,
-        then clear the flag. One host sync: call once per step, not per layer."""
-        if bool(self.nonfinite_logits):
-            self.nonfinite_logits.zero_()
-            raise FloatingPointError(
-                f"the router of layer {self.layer_number} produced NaN/Inf logits: the model diverged "
-                "or its input is not finite; lower the learning rate, enable gradient clipping, or "
-                "set moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router"
-            )
-
-    def reduced_losses(self) -> Dict[str, float]:
-        """Collective: the last forward's losses of the whole micro-batch (shares summed over
-        ``tp_cp_group``; ``global_aux_loss`` over ``tp_dp_cp_group``), as floats for logging."""
-        out = {}
-        for name in sorted(self.last_losses):
-            group = self.tp_dp_cp_group if name == "global_aux_loss" else self.tp_cp_group
-            out[name] = float(C.all_reduce(self.last_losses[name].clone(), group))
-        return out
-
-
-def check_routers_finite(routers) -> None:
-    """One host sync for all ``routers`` (e.g. every :class:`Router` of a model): raise
-    ``FloatingPointError`` naming the layers whose logits were NaN/Inf since the last check, and clear
-    every flag. Call once per step."""
-    routers = list(routers)
-    if not routers:
-        return
-    flags = torch.stack([r.nonfinite_logits.to(routers[0].nonfinite_logits.device) for r in routers]).tolist()
-    for r in routers:
-        r.nonfinite_logits.zero_()
-    bad = [r.layer_number for r, f in zip(routers, flags) if f]
-    if bad:
-        raise FloatingPointError(
-            f"the routers of layers {bad} produced NaN/Inf logits: the model diverged or its input is "
-            "not finite; lower the learning rate, enable gradient clipping, or set "
-            "moe.router_dtype=fp64 / moe.z_loss_coeff > 0 to stabilise the router"
-        )

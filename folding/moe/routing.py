@@ -334,7 +334,3 @@ def updated_expert_bias(expert_bias_E: Tensor, tokens_per_expert_E: Tensor, *, r
     """
     counts_E = tokens_per_expert_E.to(torch.float64)
     return expert_bias_E + torch.sign(counts_E.mean() - counts_E).to(expert_bias_E.dtype) * rate
-
-
-# Token permutation lives with the dispatcher; re-exported so the routing helpers are one import.
-from folding.moe.permute import permute, sort_chunks_by_idxs, unpermute  # noqa: E402,F401

@@ -33,7 +33,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import group_rank, group_size
+from ..parallel.collectives import all_gather_single, group_rank, group_size
 from ..quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
 
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
@@ -132,9 +132,6 @@ def decode(
 
 
 # ------------------------------------------------------------------------------- raw byte moves
-# torch renamed all_gather_into_tensor to all_gather_single; use whichever this build has.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""``all_gather_single(out, x, group=...)``: all-gather of equal-size tensors concatenated on dim 0 (no autograd)."""
 
 
 def _size(group) -> int:

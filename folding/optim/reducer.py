@@ -30,17 +30,15 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import all_gather_single, reduce_scatter_single
 from .grad_buffer import Bucket, GradBuffer
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> "dist.Work":
     """Start an all-gather of equal 1-D shards into ``out`` (rank order); returns the work handle.
     ``shard`` may be this rank's own slot of ``out`` (in place, as ZeRO-1 uses it: no staging copy).
     Not autograd-aware (used on parameter storage after the optimizer step)."""
-    return _all_gather(out, shard, group=group, async_op=True)
+    return all_gather_single(out, shard, group=group, async_op=True)
 
 
 class GradReducer:
@@ -119,7 +117,7 @@ class GradReducer:
         if kind == "all_reduce":
             return dist.all_reduce(view, group=group, async_op=async_op), None
         out = torch.empty(b.numel() // buf.groups.dp_size, dtype=view.dtype, device=view.device)
-        return _reduce_scatter(out, view, group=group, async_op=async_op), out
+        return reduce_scatter_single(out, view, group=group, async_op=async_op), out
 
     @staticmethod
     def _complete(buf: GradBuffer, b: Bucket, out) -> None:

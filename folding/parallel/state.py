@@ -33,13 +33,10 @@ ROLES: Tuple[Tuple[str, str, str], ...] = (
     ("tp_cp", "attention", "tp-cp"),
     ("tp_dp_cp", "attention", "tp-dp-cp"),
     ("pp", "attention", "pp"),
-    ("tp_pp", "attention", "tp-pp"),
     ("embedding", "attention", "embedding"),
     ("ep", "expert", "ep"),
     ("etp", "expert", "tp"),
     ("edp", "expert", "dp"),
-    ("tp_ep", "expert", "tp-ep"),
-    ("tp_ep_pp", "expert", "tp-ep-pp"),
 )
 
 

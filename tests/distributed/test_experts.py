@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from folding.moe.experts import GroupedMLP
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.collectives import reduce_from_region
+from tests.reference_collectives import reduce_from_region
 
 E, H, F = 4, 8, 12
 COUNTS = [3, 0, 4, 2]  # global rows per expert (expert 1 gets none)

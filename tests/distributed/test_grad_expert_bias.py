@@ -39,8 +39,8 @@ def _update(layout_kwargs):
 
         routers, own = make(), make()
         update_expert_biases(routers, group=ps.tp_dp_cp_group)
-        for r in own:
-            r.update_expert_bias()
+        for r in own:  # one all-reduce per router
+            update_expert_biases([r], group=ps.tp_dp_cp_group)
         return (
             [r.expert_bias.tolist() for r in routers],
             [r.expert_bias.tolist() for r in own],

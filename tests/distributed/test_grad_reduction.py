@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import collectives as C
 from folding.parallel.param_attrs import mark_param
+from tests import reference_collectives as R
 
 # Legend: T tokens of a rank, H hidden, E experts, V vocab, K top-k, S sequence.
 V, H, FF, E, FE, K, S, MICRO = 16, 8, 8, 8, 4, 2, 8, 16
@@ -81,13 +82,13 @@ class Coords:
         if ps is None:
             self.tp = self.cp = self.dp = self.ep = self.etp = 1
             self.tp_rank = self.cp_rank = self.dp_rank = self.ep_rank = self.etp_rank = 0
-            self.tp_group = self.tp_ep_group = None
+            self.tp_group = self.ep_group = self.etp_group = None
         else:
             L = ps.layout
             self.tp, self.cp, self.dp, self.ep, self.etp = L.tp, L.cp, L.dp, L.ep, L.etp
             self.tp_rank, self.cp_rank, self.dp_rank = ps.tp_rank, ps.cp_rank, ps.dp_rank
             self.ep_rank, self.etp_rank = ps.ep_rank, ps.etp_rank
-            self.tp_group, self.tp_ep_group = ps.tp_group, ps.tp_ep_group
+            self.tp_group, self.ep_group, self.etp_group = ps.tp_group, ps.ep_group, ps.etp_group
 
     def coll(self, fn, x, group, *a, **k):
         return x if self.ps is None else fn(x, group, *a, **k)
@@ -143,7 +144,7 @@ class TinyFolded(torch.nn.Module):
         h_TH = h_TH + self._moe(self._rms(h_TH, self.norm2))
         f_TH = c.coll(C.gather_from_sequence_region, self._rms(h_TH, self.final_norm), c.tp_group)
         head = self.emb if self.tied else self.head
-        logits_TV = c.coll(C.gather_from_region, f_TH @ head.t(), c.tp_group, -1)
+        logits_TV = c.coll(R.gather_from_region, f_TH @ head.t(), c.tp_group)
         ce = F.cross_entropy(logits_TV.float(), tgt_c, reduction="none")
         return (ce * mask_c).sum()
 
@@ -152,16 +153,18 @@ class TinyFolded(torch.nn.Module):
         logits_TE = a_TH @ self.router.t()
         top_val_TK, top_idx_TK = logits_TE.topk(K, dim=-1)
         probs_TE = torch.zeros_like(logits_TE).scatter(1, top_idx_TK, torch.softmax(top_val_TK, -1))
-        sizes = [a_TH.shape[0]] * (c.ep * c.etp)
-        all_TH = c.coll(C.all_gather_v, a_TH, c.tp_ep_group, sizes)
-        all_TE = c.coll(C.all_gather_v, probs_TE, c.tp_ep_group, sizes)
+        if c.ps is None:
+            all_TH, all_TE = a_TH, probs_TE
+        else:  # the ETP x EP domain: gather over ETP, then EP
+            all_TH, sizes = R.domain_gather_v(a_TH, c.etp_group, c.ep_group)
+            all_TE, _ = R.domain_gather_v(probs_TE, c.etp_group, c.ep_group)
         el = E // c.ep
         out_TH = torch.zeros_like(all_TH)
         for j in range(el):
             gate_HF, up_HF = self.expert_w1[j].chunk(2, dim=-1)
             act = F.silu(all_TH @ gate_HF) * (all_TH @ up_HF) * all_TE[:, c.ep_rank * el + j, None]
             out_TH = out_TH + act @ self.expert_w2[j]
-        return c.coll(C.reduce_scatter_v, out_TH, c.tp_ep_group, sizes)
+        return out_TH if c.ps is None else R.domain_reduce_scatter_v(out_TH, c.etp_group, c.ep_group, sizes)
 
 
 def local_micro_batches(c: Coords):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import collectives as C
 from folding.parallel.state import ROLES
+from tests import reference_collectives as R
 
 LAYOUTS = [
     dict(tp=2, cp=2, ep=8, etp=1),  # the README's worked example
@@ -59,7 +60,8 @@ def test_groups_match_math(ranks, layout_kwargs):
 
 
 def _collectives_match(seed):
-    """Each collective against its definition computed from all ranks' full inputs."""
+    """Each collective (the engine's, and the tests' reference ones) against its definition computed
+    from all ranks' full inputs."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(seed)
@@ -77,13 +79,12 @@ def _collectives_match(seed):
         assert torch.allclose(a, b, atol=1e-12), (a, b)
 
     # reduce_from_region: forward sum, backward identity
-    y, gx = run(lambda x: C.reduce_from_region(x, None), xs[rank], gs[rank])
+    y, gx = run(lambda x: R.reduce_from_region(x, None), xs[rank], gs[rank])
     close(y, sum(xs))
     close(gx, gs[rank])
-    # copy_to_region: forward identity, backward sum of the grads
-    y, gx = run(lambda x: C.copy_to_region(x, None), xs[rank], gs[rank])
-    close(y, xs[rank])
-    close(gx, sum(gs))
+    # all_gather_nograd: concatenated on dim 0, or stacked on a new leading dim
+    close(C.all_gather_nograd(xs[rank], None), torch.cat(xs))
+    close(C.all_gather_nograd(xs[rank], None, stack=True), torch.stack(xs))
     # gather_from_sequence_region: forward concat on dim 0, backward reduce-scatter
     gfull = [
         torch.randn(world * world * 2, 3, generator=torch.Generator().manual_seed(seed + r), dtype=torch.float64)
@@ -97,7 +98,7 @@ def _collectives_match(seed):
     close(y, sum(xs).chunk(world)[rank])
     close(gx, torch.cat([gg[:2] for gg in gs]))
     # gather_from_region on the last dim, backward split
-    y, gx = run(lambda x: C.gather_from_region(x, None, -1), xs[rank], torch.cat([gs[rank]] * world, dim=1))
+    y, gx = run(lambda x: R.gather_from_region(x, None), xs[rank], torch.cat([gs[rank]] * world, dim=1))
     close(y, torch.cat(xs, dim=1))
     close(gx, gs[rank])
     # all_to_all with uneven splits: rank r sends (r + d + 1) rows to rank d
@@ -105,7 +106,7 @@ def _collectives_match(seed):
     rows = [torch.arange(sum(send[r]), dtype=torch.float64).unsqueeze(1) + 100 * r for r in range(world)]
     recv = [send[s][rank] for s in range(world)]
     x = rows[rank].clone().requires_grad_(True)
-    y = C.all_to_all(x, None, recv, send[rank])
+    y = R.all_to_all(x, None, recv, send[rank])
     exp = torch.cat([rows[s].split(send[s])[rank] for s in range(world)])
     close(y.detach(), exp)
     (y * (rank + 1)).sum().backward()
@@ -115,13 +116,13 @@ def _collectives_match(seed):
     sizes = [r + 1 for r in range(world)]
     parts = [torch.full((sizes[r], 2), float(r), dtype=torch.float64) for r in range(world)]
     x = parts[rank].clone().requires_grad_(True)
-    y = C.all_gather_v(x, None, sizes)
+    y = R.all_gather_v(x, None, sizes)
     close(y.detach(), torch.cat(parts))
     (y * (rank + 1)).sum().backward()
     close(x.grad, torch.full_like(x, float(sum(range(1, world + 1)))))
     full = torch.arange(sum(sizes) * 2, dtype=torch.float64).view(-1, 2)
     x = (full * (rank + 1)).requires_grad_(True)
-    y = C.reduce_scatter_v(x, None, sizes)
+    y = R.reduce_scatter_v(x, None, sizes)
     close(y.detach(), (full * sum(range(1, world + 1))).split(sizes)[rank])
     y.sum().backward()
     close(x.grad, torch.ones_like(full))

@@ -20,8 +20,9 @@ from folding.model.block import output_init_std
 from folding.model.config import ModelConfig
 from folding.model.init import set_init_spec
 from folding.model.mlp import DenseMLP
-from folding.parallel.collectives import all_gather_v, group_rank, group_size, reduce_scatter_v
+from folding.parallel.collectives import group_rank, group_size
 from folding.parallel.param_attrs import mark_param
+from tests.reference_collectives import domain_gather_v, domain_reduce_scatter_v
 
 
 class ReferenceMoE(nn.Module):
@@ -85,16 +86,9 @@ class ReferenceMoE(nn.Module):
         shape = x_SBH.shape
         x_TH = x_SBH.reshape(-1, shape[-1])
         weights_TE = self.route(x_TH)
-        dom = self.groups.tp_ep
-        n = group_size(dom)
-        if n > 1:
-            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-            torch.distributed.all_gather(counts, torch.tensor([x_TH.shape[0]]), group=dom)
-            sizes = [int(t) for t in counts]
-        else:
-            sizes = [x_TH.shape[0]]
-        xa_TH = all_gather_v(x_TH, dom, sizes)
-        wa_TE = all_gather_v(weights_TE, dom, sizes)
+        etp, ep = self.groups.etp, self.groups.ep  # the ETP x EP domain: gather over ETP, then EP
+        xa_TH, sizes = domain_gather_v(x_TH, etp, ep)
+        wa_TE, _ = domain_gather_v(weights_TE, etp, ep)
         out_TH = torch.zeros_like(xa_TH)
         for e in range(self.E_local):
             w_T = wa_TE[:, self.first_expert + e]
@@ -104,7 +98,7 @@ class ReferenceMoE(nn.Module):
             gate, up = F.linear(xa_TH[rows], self.experts.fc1_weight[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.experts.fc2_weight[e]) * w_T[rows, None]
             out_TH = out_TH.index_add(0, rows, y)
-        y_TH = reduce_scatter_v(out_TH, dom, sizes)
+        y_TH = domain_reduce_scatter_v(out_TH, etp, ep, sizes)
         y = y_TH.view(shape)
         if hasattr(self, "shared_expert"):
             s = self.shared_expert(x_SBH)

@@ -7,7 +7,8 @@ import torch
 
 from folding.moe import routing as R
 from folding.moe.config import MoEConfig
-from folding.moe.router import Router, attach_loss, check_routers_finite
+from folding.moe.router import Router, attach_loss
+from folding.optim.expert_bias import update_expert_biases
 from folding.parallel.param_attrs import param_tags
 
 H = 6
@@ -128,7 +129,6 @@ def test_losses_do_not_change_output_and_add_scaled_gradient(aux_type):
     torch.testing.assert_close(lossy.weight.grad - plain.weight.grad, W.grad)
     torch.testing.assert_close(lossy.last_losses[aux_type], aux.detach())
     torch.testing.assert_close(lossy.last_losses["z_loss"], z.detach())
-    assert lossy.reduced_losses() == {k: float(v) for k, v in lossy.last_losses.items()}
 
 
 def test_losses_off_in_eval_and_seq_aux_needs_sequences():
@@ -168,27 +168,6 @@ def test_attach_loss_identity():
     assert torch.equal(x.grad, torch.ones(3)) and w.grad.item() == 1.5
 
 
-def test_nonfinite_logits_flag_without_raising_in_forward():
-    r = router()
-    r(torch.randn(4, H))
-    r.check_logits_finite()
-    x = torch.randn(4, H)
-    x[2, 1] = float("nan")
-    r(x)  # forward never syncs or raises
-    assert bool(r.nonfinite_logits)
-    with pytest.raises(FloatingPointError, match="layer 0"):
-        r.check_logits_finite()
-    r.check_logits_finite()  # flag cleared
-    layers = [
-        Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=i) for i in range(3)
-    ]
-    for lyr in layers:
-        lyr(x if lyr.layer_number == 1 else torch.randn(4, H))
-    with pytest.raises(FloatingPointError, match=r"layers \[1\]"):
-        check_routers_finite(m for m in layers)
-    check_routers_finite(layers)  # all flags cleared
-
-
 def test_capacity_stats_and_force_balance():
     r = router(num_experts=4, topk=2, capacity_factor=0.5, drop_policy="position")
     p, m = r(torch.randn(8, H))
@@ -214,7 +193,7 @@ def test_expert_bias_balances_a_skewed_router():
         loads.append(m.sum(0))
         before = r.expert_bias.clone()
         counts = r.local_tokens_per_expert.clone()
-        r.update_expert_bias()
+        update_expert_biases([r], group=None)
         step = r.expert_bias - before
         # each expert moves by exactly ±rate (0 at the mean), downwards when overloaded
         torch.testing.assert_close(step, 0.05 * torch.sign(counts.mean() - counts))
@@ -264,8 +243,7 @@ def test_cuda_router_matches_cpu():
     p0.sum().backward()
     p1.sum().backward()
     torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad)
-    gpu.update_expert_bias()
-    gpu.check_logits_finite()
+    update_expert_biases([gpu], group=None)
 
 
 @pytest.mark.parametrize("aux_type", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
