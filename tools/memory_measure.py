@@ -71,8 +71,9 @@ class ShapedModel(torch.nn.Module):
             if s.shared_expert_gate:
                 add(f"l{i}_shared_gate_weight", (1, h), sequence_parallel=True)
             el, fe = s.num_experts // layout.ep, s.moe_ffn_hidden_size // etp
-            add(f"l{i}_experts_fc1", (el, h, 2 * fe), expert=True, tp_sharded=True, tp_dim=2)
-            add(f"l{i}_experts_fc2", (el, fe, h), expert=True, tp_sharded=True, tp_dim=1)
+            # the engine's GroupedMLP layout: fc1 [E/EP, 2·F/ETP, H] (gate; up), fc2 [E/EP, H, F/ETP]
+            add(f"l{i}_experts_fc1", (el, 2 * fe, h), expert=True, tp_sharded=True, tp_dim=1)
+            add(f"l{i}_experts_fc2", (el, h, fe), expert=True, tp_sharded=True, tp_dim=2)
         if stage == layout.pp - 1:
             add("final_norm_weight", (h,), sequence_parallel=True)
             if not s.tied_embeddings or layout.pp > 1:

@@ -1,7 +1,7 @@
 """Output layer fused with vocab-parallel cross-entropy, chunked over tokens: no full-batch logits.
 
 ``loss_T = fused_linear_cross_entropy(x_TH, weight_VH, target_T, tp_group, chunk_tokens=2048)`` equals
-``vocab_parallel_cross_entropy(F.linear(x_TH, weight_VH), target_T, tp_group)`` (to round-off), but
+the cross-entropy of the TP-gathered logits ``F.linear(x_TH, weight_VH)`` (to round-off), but
 only one chunk of ``chunk_tokens`` rows of fp32 logits ``[chunk, V/TP]`` exists at a time, in
 forward and in backward. Forward keeps ``x_TH`` (which autograd holds anyway for the output layer)
 and one fp32 log-sum-exp per token; backward recomputes each chunk's logits (one extra

@@ -172,14 +172,10 @@ class MoETransformer(nn.Module):
         c = seq_len // (2 * cp)
         return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
 
-    def run_layers(
-        self, x_SBH: torch.Tensor, seq_len: int, start: Optional[int] = None, end: Optional[int] = None
-    ) -> torch.Tensor:
-        """The held layers with global index in ``[start, end)`` (default: all held) on a hidden shard."""
+    def run_layers(self, x_SBH: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Every layer this model holds (its ``layer_range``), in order, on a hidden shard."""
         rope = self.rope(seq_len, x_SBH.device)
-        lo = self.layer_range[0] if start is None else start
-        hi = self.layer_range[1] if end is None else end
-        for i in range(max(lo, self.layer_range[0]), min(hi, self.layer_range[1])):
+        for i in range(*self.layer_range):
             x_SBH = self.layers[str(i)](x_SBH, rope)
         return x_SBH
 

@@ -26,22 +26,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import host_sync
-
-
-def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows one expert may keep from ``num_tokens`` local tokens: ``ceil(T*k/E * capacity_factor)``.
-
-    Raises ``ValueError`` for a non-positive ``capacity_factor``.
-    """
-    if capacity_factor is None or capacity_factor <= 0:
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (or None for dropless routing)")
-    return int(math.ceil(num_tokens * topk / num_experts * capacity_factor))
+from .routing import expert_capacity
 
 
 def padded_rows_per_expert(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -50,7 +40,8 @@ def padded_rows_per_expert(num_tokens: int, topk: int, num_experts: int, capacit
     When the capacity exceeds ``T`` nothing is dropped and every token is sent to every expert, the
     ones it was not routed to with probability 0 (Megatron-Core's behaviour).
     """
-    return min(expert_capacity(num_tokens, topk, num_experts, capacity_factor), num_tokens)
+    cap = expert_capacity(num_tokens, topk=topk, num_experts=num_experts, capacity_factor=capacity_factor)
+    return min(cap, num_tokens)
 
 
 def permute(

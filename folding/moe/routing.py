@@ -182,7 +182,7 @@ def balanced_routing(
 # ------------------------------------------------------------------------------------ capacity
 def expert_capacity(num_tokens: int, *, topk: int, num_experts: int, capacity_factor: float) -> int:
     """Rows an expert may receive: ``ceil(num_tokens·topk / num_experts · capacity_factor)``."""
-    if not capacity_factor > 0:
+    if capacity_factor is None or not capacity_factor > 0:
         raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (None means dropless)")
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
 

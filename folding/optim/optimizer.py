@@ -37,8 +37,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from folding.parallel.param_attrs import param_tags
-
 from .clip import clip_coefficient, global_grad_norm
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
@@ -189,89 +187,6 @@ class FoldedOptimizer:
         return norm, False
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _param_meta(self, buf: GradBuffer, k: int) -> Dict:
-        p = buf.params[k]
-        t = param_tags(p)
-        shape = list(p.shape)
-        tp_size = (self.ps.etp_size if t.expert else self.ps.tp_size) if t.tp_sharded else 1
-        tp_rank = (self.ps.etp_rank if t.expert else self.ps.tp_rank) if t.tp_sharded else 0
-        glob = list(shape)
-        if t.tp_sharded:
-            glob[t.tp_dim] *= tp_size
-        if t.expert:
-            glob[0] *= self.ps.ep_size
-        return {
-            "local_shape": shape,
-            "global_shape": glob,
-            "tp_dim": t.tp_dim if t.tp_sharded else None,
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "expert": t.expert,
-            "ep_rank": self.ps.ep_rank if t.expert else 0,
-            "ep_size": self.ps.ep_size if t.expert else 1,
-        }
-
-    def state_dict(self) -> Dict:
-        """This rank's optimizer state, keyed by parameter name, with global-shape information.
-
-        ``params[name]`` holds ``global_shape``/``local_shape``/TP and EP coordinates, ``flat_range``
-        (the ``[lo, hi)`` of the flattened local parameter this rank's state covers: all of it, or its
-        ZeRO-1 shard) and fp32 ``exp_avg``, ``exp_avg_sq`` and ``master`` for that range. Expert
-        parameters stack their local experts along dim 0 (global dim 0 = local × EP).
-        """
-        out = {"step": self.step_count, "updates": self.updates, "distributed": self.config.distributed, "params": {}}
-        for buf, st in zip(self.buffers, self.state):
-            for k, (name, off) in enumerate(zip(buf.names, buf.offsets)):
-                n = buf.params[k].numel()
-                b = buf.bucket_of[id(buf.params[k])]
-                lo, hi = buf.update_range(b)
-                a, z = max(lo, off), min(hi, off + n)
-                entry = self._param_meta(buf, k)
-                entry["flat_range"] = (a - off, z - off) if z > a else (0, 0)
-                for key in ("exp_avg", "exp_avg_sq", "master"):
-                    t = st[key][b.index]
-                    entry[key] = t[a - lo : z - lo].clone() if z > a else t[:0].clone()
-                out["params"][name] = entry
-        return out
-
-    def load_state_dict(self, sd: Dict) -> None:
-        """Restore a :meth:`state_dict` saved under the same layout (resharding is a checkpoint
-        concern: convert with the global-shape information first). Validates before changing state."""
-        for buf in self.buffers:
-            for k, name in enumerate(buf.names):
-                if name not in sd["params"]:
-                    raise KeyError(f"optimizer state has no entry for parameter {name!r}")
-                e = sd["params"][name]
-                if list(e["local_shape"]) != list(buf.params[k].shape):
-                    raise ValueError(
-                        f"optimizer state for {name!r} has local shape {e['local_shape']}, the "
-                        f"parameter is {list(buf.params[k].shape)}: saved under another layout"
-                    )
-                n = buf.params[k].numel()
-                lo, hi = buf.update_range(buf.bucket_of[id(buf.params[k])])
-                off = buf.offsets[k]
-                a, z = max(lo, off), min(hi, off + n)
-                want = (a - off, z - off) if z > a else (0, 0)
-                if tuple(e["flat_range"]) != want:
-                    raise ValueError(
-                        f"optimizer state for {name!r} covers {tuple(e['flat_range'])}, this "
-                        f"rank owns {want}: saved with another optim.distributed or layout"
-                    )
-        self.step_count = int(sd["step"])
-        self.updates = int(sd.get("updates", sd["step"]))
-        for buf, st in zip(self.buffers, self.state):
-            for k, name in enumerate(buf.names):
-                e = sd["params"][name]
-                b = buf.bucket_of[id(buf.params[k])]
-                lo, hi = buf.update_range(b)
-                off, n = buf.offsets[k], buf.params[k].numel()
-                a, z = max(lo, off), min(hi, off + n)
-                if z <= a:
-                    continue
-                for key in ("exp_avg", "exp_avg_sq", "master"):
-                    st[key][b.index][a - lo : z - lo].copy_(e[key])
-                buf.param_data[a:z].copy_(st["master"][b.index][a - lo : z - lo])
-
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's AdamW state in the parameter's own shape: ``name -> {"exp_avg",
         "exp_avg_sq"[, "master"]}`` (fp32 copies; ``master`` only for non-fp32 parameters, whose fp32

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from folding.moe import host_sync
 from folding.moe.permute import (
     chunk_permutation,
-    expert_capacity,
     inverse_order,
     padded_rows_per_expert,
     permute,
@@ -16,6 +15,7 @@ from folding.moe.permute import (
     sort_chunks_by_idxs,
     unpermute,
 )
+from folding.moe.routing import expert_capacity
 
 
 def _tokens(T, H=2):
@@ -73,11 +73,11 @@ def test_pad_to_capacity_hand_worked():
 
 def test_capacity_formula():
     # ceil(T*k/E*cf): 10 tokens * 2 / 4 experts * 1.0 = 5; * 1.1 = 5.5 -> 6; capped at T when padding
-    assert expert_capacity(10, 2, 4, 1.0) == 5
-    assert expert_capacity(10, 2, 4, 1.1) == 6
+    assert expert_capacity(10, topk=2, num_experts=4, capacity_factor=1.0) == 5
+    assert expert_capacity(10, topk=2, num_experts=4, capacity_factor=1.1) == 6
     assert padded_rows_per_expert(10, 2, 4, 4.0) == 10  # capacity 20 > T: every token to every expert
     with pytest.raises(ValueError, match="capacity_factor"):
-        expert_capacity(10, 2, 4, 0)
+        expert_capacity(10, topk=2, num_experts=4, capacity_factor=0)
 
 
 def test_sort_chunks_hand_worked():

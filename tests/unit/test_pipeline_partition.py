@@ -1,4 +1,4 @@
-"""Stage partitioning: even splits, uneven first/last stages, and clear errors."""
+"""Stage partitioning: even splits over virtual stages, and clear errors."""
 
 import pytest
 
@@ -15,24 +15,12 @@ def test_even_and_virtual():
     assert list(layers_of(rank=1, chunk=1, pp=2, stages=st)) == [6, 7]
 
 
-def test_uneven_first_last():
-    # 30 layers, first and last stage get 6, the two middle stages 9 each
-    assert partition_layers(num_layers=30, pp=4, first_stage_layers=6, last_stage_layers=6) == [
-        (0, 6),
-        (6, 15),
-        (15, 24),
-        (24, 30),
-    ]
-    assert partition_layers(num_layers=7, pp=2, first_stage_layers=3) == [(0, 3), (3, 7)]
-
-
 @pytest.mark.parametrize(
     "kw, needle",
     [
         (dict(num_layers=7, pp=2), "cannot be split evenly"),
         (dict(num_layers=4, pp=2, vpp=4), "cannot be split evenly"),
-        (dict(num_layers=4, pp=2, first_stage_layers=5), "exceed"),
-        (dict(num_layers=4, pp=2, first_stage_layers=4), "at least one layer"),
+        (dict(num_layers=3, pp=4), "parallel.pp=4"),
     ],
 )
 def test_errors(kw, needle):

@@ -9,9 +9,9 @@ the layer error of BF16 and of each emulated FP8 recipe against an fp32 layer.
 
 Usage::
 
-    python tools/bench_experts.py                                   # CPU-sized default shapes
-    python tools/bench_experts.py --shapes 4096,14336,8,2,4096       # Mixtral 8x7B-like (GPU)
-    python tools/bench_experts.py --out benchmarks/experts_cpu.md --iters 5
+    python benchmarks/bench_experts.py                                   # CPU-sized default shapes
+    python benchmarks/bench_experts.py --shapes 4096,14336,8,2,4096       # Mixtral 8x7B-like (GPU)
+    python benchmarks/bench_experts.py --out benchmarks/experts_cpu.md --iters 5
 
 Backends that cannot run here are listed as skipped with the reason.
 """
@@ -192,7 +192,7 @@ def main(argv=None):
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- host load average at start (1/5/15 min): {_load()} on {os.cpu_count()} CPUs "
         "(timings from a loaded host are indicative only)",
-        f"- command: `python tools/bench_experts.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"- command: `python benchmarks/bench_experts.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "- FLOPs per step: forward + backward, 18·N·H·F (N = T·K rows); dense baseline: matmuls of the same FLOPs",
         "",
         "| shape H,F,E,K,T | backend | dtype | fp8 recipe | ms / step | TFLOP/s | dense TFLOP/s | vs dense |",

@@ -18,7 +18,7 @@ identity expert (``out = x · p``, so that only token movement is timed) and com
 
 Usage::
 
-    python tools/bench_dispatcher.py --ranks 8 --tokens 4096 --hidden 1024 --experts 8 --topk 2 --ep 8 \\
+    python benchmarks/bench_dispatcher.py --ranks 8 --tokens 4096 --hidden 1024 --experts 8 --topk 2 --ep 8 \\
         --etp 1 --dispatcher alltoall --wire none --json
 """
 
@@ -43,14 +43,14 @@ U_E4M3 = 2.0**-4  # unit round-off of e4m3 (3 mantissa bits, round to nearest)
 
 
 def _route(T, E, k, seed, cf, pad):
-    from folding.moe.permute import expert_capacity
+    from folding.moe.routing import expert_capacity
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
     top = scores.topk(k, dim=1).indices
     rmap = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
     if cf is not None:  # keep the earliest `capacity` tokens per expert (position policy)
-        cap = expert_capacity(T, k, E, cf)
+        cap = expert_capacity(T, topk=k, num_experts=E, capacity_factor=cf)
         rmap = rmap & (rmap.cumsum(0) <= cap)
     probs = torch.where(rmap, torch.softmax(scores, dim=1), torch.zeros_like(scores))
     return rmap, probs
@@ -210,7 +210,7 @@ def _report(out, argv) -> str:
     return (
         f"# Dispatcher benchmark\n\n- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC\n"
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo\n"
-        f"- command: `python tools/bench_dispatcher.py {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n"
+        f"- command: `python benchmarks/bench_dispatcher.py {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n"
     )
 
 
