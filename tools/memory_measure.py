@@ -22,7 +22,7 @@ import torch.distributed as dist
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import mark_param
 from folding.planning.memory import ModelSizes, memory_per_rank, stage_layers
 
 

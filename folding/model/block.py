@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -38,11 +37,6 @@ from .norm import RMSNorm
 
 MoEFactory = Callable[..., nn.Module]
 RECOMPUTE_MODES = ("none", "full", "selective", "moe")
-
-
-def output_init_std(config: ModelConfig) -> float:
-    """Megatron-style scaled init for the projections that write into the residual stream."""
-    return config.init_std / math.sqrt(2.0 * config.num_layers)
 
 
 class TransformerLayer(nn.Module):
@@ -67,7 +61,7 @@ class TransformerLayer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         self.attention = Attention(
-            config, tp_group=groups.tp, cp_group=groups.cp, output_init_std=output_init_std(config), **kw
+            config, tp_group=groups.tp, cp_group=groups.cp, output_init_std=config.output_init_std, **kw
         )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         if self.is_moe:
@@ -78,7 +72,7 @@ class TransformerLayer(nn.Module):
                 config.ffn_hidden_size,
                 tp_group=groups.tp,
                 init_std=config.init_std,
-                output_init_std=output_init_std(config),
+                output_init_std=config.output_init_std,
                 **kw,
             )
 

@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Optional, Tuple, get_args
 
 from ..moe.config import MoEConfig
@@ -103,6 +104,12 @@ class ModelConfig:
     def kv_channels(self) -> int:
         """Per-head width (``head_dim`` or ``hidden_size // num_attention_heads``)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def output_init_std(self) -> float:
+        """Std of the projections that write into the residual stream (attention output, dense and
+        expert fc2): ``init_std / sqrt(2 · num_layers)`` (Megatron-Core's scaled init)."""
+        return self.init_std / math.sqrt(2.0 * self.num_layers)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (0-based) has an MoE block rather than a dense MLP."""

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
-from ..parallel.param_attrs import mark_param
-from .init import set_init_spec
+from ..parallel.params import mark_param, set_init_spec
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,10 +6,11 @@ reads, lazily and shard file by shard file (``safetensors.safe_open``), only the
 tensors it holds. ``to_hf(model, out_dir)`` writes ``config.json`` and ``model.safetensors``
 (gathering the shards to global rank 0); HF -> engine -> HF gives bit-identical tensors.
 
-The mapping is driven by each parameter's :class:`~folding.model.init.InitSpec` (its full shape and
-this rank's slice) and by :func:`hf_components`, which says which HF tensors make up the full
-tensor of an engine parameter: ``experts.fc1_weight`` is the stack ``[E, 2, F, H]`` of every
-expert's (gate, up) weights, ``experts.fc2_weight`` the stack ``[E, H, F]`` of the down weights.
+The mapping is driven by each parameter's :class:`~folding.parallel.params.ParamSpec` record (its
+full shape and this rank's slice; a parameter without one is an error) and by :func:`hf_components`,
+which says which HF tensors make up the full tensor of an engine parameter: ``experts.fc1_weight``
+is the stack ``[E, 2, F, H]`` of every expert's (gate, up) weights, ``experts.fc2_weight`` the stack
+``[E, H, F]`` of the down weights.
 
 Usage::
 
@@ -27,11 +28,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import group_rank, group_size
-from ..parallel.param_attrs import param_tags
+from ..parallel.params import materialize, require_spec, shard_index
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
-from .init import InitSpec, init_spec, materialize, shard_index
 from .transformer import MoETransformer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -116,34 +115,6 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
     return H
 
 
-def resolve_spec(name: str, p: torch.Tensor, model: MoETransformer) -> InitSpec:
-    """The full shape and slice of parameter ``name``: its recorded :class:`InitSpec`, or for a module
-    that does not record one (e.g. an MoE layer that initializes itself), inferred from its tags:
-    routed experts ``[E, 2, F, H]`` / ``[E, H, F]`` sliced over EP and ETP, a fused shared-expert
-    ``fc1_weight`` as ``[2, F, H]`` sliced over TP along F, other TP-sharded dense
-    parameters along their ``tp_dim``, everything else replicated."""
-    spec = init_spec(p)
-    if spec is not None:
-        return spec
-    cfg, g, tags = model.config, model.groups, param_tags(p)
-    if tags.expert and name.endswith(("experts.fc1_weight", "experts.fc2_weight")):
-        ep, epr, etp, etpr = group_size(g.ep), group_rank(g.ep), group_size(g.etp), group_rank(g.etp)
-        E, F, H = cfg.moe.num_experts, cfg.moe.ffn_hidden_size, cfg.hidden_size
-        full = (E, 2, F, H) if name.endswith("fc1_weight") else (E, H, F)
-        return InitSpec(full, ((0, epr, ep), (2, etpr, etp)))
-    if name.endswith("shared_expert.fc1_weight"):  # [gate shard; up shard] of the full [2, F, H]
-        return InitSpec(
-            (2, cfg.moe.shared_expert_ffn_hidden_size, cfg.hidden_size), ((1, group_rank(g.tp), group_size(g.tp)),)
-        )
-    if tags.expert:
-        raise CheckpointError(f"expert parameter {name!r} has no known Hugging Face layout")
-    if tags.tp_sharded:
-        full = list(p.shape)
-        full[tags.tp_dim] *= group_size(g.tp)
-        return InitSpec(tuple(full), ((tags.tp_dim % p.dim(), group_rank(g.tp), group_size(g.tp)),))
-    return InitSpec(tuple(p.shape), ())
-
-
 class _Reader:
     """Lazy access to the tensors of a checkpoint directory (single file or sharded with an index)."""
 
@@ -217,7 +188,7 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
     tasks: Dict[str, list] = {}  # file -> [(local buffer, slot, hf name, full shape, index)]
     buffers = []
     for name, p in model.named_parameters():
-        spec = resolve_spec(name, p, model)
+        spec = require_spec(p, name)
         idx = shard_index(spec.full_shape, spec.shards)
         local = torch.empty(tuple(s.stop - s.start for s in idx), dtype=p.dtype)
         buffers.append((p, local))
@@ -270,7 +241,7 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
     """This rank's pieces of every HF tensor: ``hf name -> [(index into the full tensor, values)]``."""
     out: Dict[str, list] = {}
     for name, p in model.named_parameters():
-        spec = resolve_spec(name, p, model)
+        spec = require_spec(p, name)
         idx = shard_index(spec.full_shape, spec.shards)
         local = p.detach().cpu().reshape(tuple(s.stop - s.start for s in idx))
         for lead, hf_name in hf_components(name, model.config):
@@ -307,7 +278,7 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     cfg = model.config
     shapes = {}
     for name, p in model.named_parameters():
-        spec = resolve_spec(name, p, model)
+        spec = require_spec(p, name)
         for lead, hf_name in hf_components(name, cfg):
             shapes[hf_name] = spec.full_shape[len(lead) :]
     tensors = {}

@@ -27,9 +27,8 @@ from ..parallel.collectives import (
     group_size,
     reduce_scatter_to_sequence_region,
 )
-from ..parallel.param_attrs import mark_param
+from ..parallel.params import mark_param, set_init_spec
 from ..parallel.sequence_parallel import gather_linears
-from .init import set_init_spec
 
 
 def sp_gather(x_SBH: torch.Tensor, tp_group) -> torch.Tensor:

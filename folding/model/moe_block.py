@@ -33,8 +33,10 @@ def default_moe_factory(
 ) -> nn.Module:
     """The engine's MoE block: :class:`MoELayer` with ``config.moe`` on the model's expert groups.
 
-    The layer creates its weights on ``device`` in ``dtype`` and initializes them from
-    ``(init_seed, layer_number)`` (layout-independent), unless ``device`` is ``meta``.
+    The layer creates its weights on ``device`` in ``dtype`` with their records and leaves their
+    values to the model, which draws every parameter from ``(init_seed, its name in the model)``
+    (layout-independent); ``init_seed`` is part of the factory signature for factories that
+    initialize on their own.
     """
     return MoELayer(
         config=config.moe,
@@ -45,8 +47,9 @@ def default_moe_factory(
         tp_dp_cp_group=groups.tp_dp_cp,
         tp_group=groups.tp,
         layer_number=layer_number,
-        init_seed=init_seed,
+        init_seed=None,
         init_std=config.init_std,
+        output_init_std=config.output_init_std,
         params_dtype=dtype,
         device=device,
     )

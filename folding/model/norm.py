@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.param_attrs import mark_param
-from .init import set_init_spec
+from ..parallel.params import mark_param, set_init_spec
 
 
 class RMSNorm(nn.Module):

@@ -36,14 +36,13 @@ from torch import nn
 
 from ..moe.expert_te import fp8_region
 from ..parallel.collectives import group_rank, group_size
-from ..parallel.param_attrs import mark_param
+from ..parallel.params import initialize_parameters, mark_param, set_init_spec
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
 from .embedding import VocabParallelEmbedding
 from .fused_cross_entropy import fused_linear_cross_entropy
 from .groups import ModelGroups
-from .init import initialize_parameters, set_init_spec
 from .linear import sp_gather
 from .moe_block import default_moe_factory
 from .norm import RMSNorm

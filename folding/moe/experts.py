@@ -13,10 +13,11 @@ Parameters (the same for every backend):
   shard of up; the logical full fc1 of an expert is ``[gate; up]`` of shape ``[2F, H]``.
 - ``fc2_weight [E, H, Fl]``: this rank's column shard of the full ``[H, F]``.
 
-Initialization does not depend on the layout: the full tensors of GLOBAL expert
-``g = expert_offset + i`` are drawn from ``normal(0, init_std)`` with a generator seeded by
-:func:`expert_init_seed` ``(init_seed, g, which)``, and each rank keeps its slice
-(:meth:`GroupedMLP.full_shape_slices` says which).
+Initialization does not depend on the layout: each weight records its full tensor (``fc1``: the
+stack ``[E_global, 2, F, H]`` of every expert's gate and up, ``fc2``: ``[E_global, H, F]``) and this
+rank's slice (EP along dim 0, ETP along F) in its :class:`~folding.parallel.params.ParamSpec`; the
+full tensor is drawn from ``normal(0, init_std)`` one expert at a time (``chunk_dim=0``), so a rank
+generates only its own experts, and every layout holds the same numbers.
 
 Backends: ``loop`` (reference), ``torch`` (grouped_mm), ``emulated`` (loop on FP8/MXFP8-quantized
 operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
@@ -32,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -47,39 +47,12 @@ from folding.moe.expert_te import (
     unpad_rows_per_expert,
 )
 from folding.moe.swiglu import swiglu_prob
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
 
 logger = logging.getLogger(__name__)
 _LOGGED_CHOICES: set = set()
-
-
-def expert_init_seed(init_seed: int, global_expert: int, which: int) -> int:
-    """Seed of the generator for one full expert weight (``which``: 0 = fc1, 1 = fc2); layout-free."""
-    return (int(init_seed) * 1_000_003 + int(global_expert) * 7919 + int(which) * 104_729) % (2**63 - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardMap:
-    """How a local expert weight maps onto the full per-expert tensor of every local expert.
-
-    ``local[i][local_slice along dim] == full(global_experts[i])[full_slice along dim]`` for each
-    ``(local_slice, full_slice)`` in ``pieces``; other dimensions are whole.
-    """
-
-    full_shape: tuple[int, ...]
-    """Shape of one expert's full (unsharded) tensor."""
-    global_experts: tuple[int, ...]
-    """Global expert index of each local expert, in local order."""
-    dim: int
-    """Dimension of the per-expert tensor that ETP shards."""
-    pieces: tuple[tuple[slice, slice], ...]
-    """``(local_slice, full_slice)`` pairs along ``dim``."""
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's local tensor for one expert, cut from its full tensor."""
-        return torch.cat([full.narrow(self.dim, fs.start, fs.stop - fs.start) for _, fs in self.pieces], self.dim)
 
 
 class GroupedMLP(torch.nn.Module):
@@ -88,6 +61,7 @@ class GroupedMLP(torch.nn.Module):
     def __init__(
         self,
         *,
+        num_experts: int | None = None,
         num_local_experts: int,
         hidden_size: int,
         ffn_hidden_size: int,
@@ -98,10 +72,13 @@ class GroupedMLP(torch.nn.Module):
         fp8_recipe: str | None = None,
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
-        init_seed: int = 0,
+        output_init_std: float | None = None,
+        init_seed: int | None = 0,
         device=None,
     ):
-        """Validate the settings and create this rank's shards of the layout-independent initial weights."""
+        """Validate the settings and create this rank's shards of the layout-independent initial weights
+        (``num_experts``: the global E, default ``num_local_experts``; ``init_seed=None`` leaves the
+        initialization to the owner, which fills every parameter from its record)."""
         super().__init__()
         if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(
@@ -115,8 +92,16 @@ class GroupedMLP(torch.nn.Module):
             )
         if not 0 <= etp_rank < etp_size:
             raise ValueError(f"etp_rank={etp_rank} must be in [0, etp_size={etp_size})")
-        if expert_offset < 0:
-            raise ValueError(f"expert_offset={expert_offset} must be >= 0 (ep_rank * num_local_experts)")
+        num_experts = num_local_experts if num_experts is None else num_experts
+        if num_experts % num_local_experts or expert_offset % num_local_experts or expert_offset < 0:
+            raise ValueError(
+                f"expert_offset={expert_offset} and num_experts={num_experts} must be multiples of "
+                f"num_local_experts={num_local_experts} (expert_offset = ep_rank * num_local_experts)"
+            )
+        if expert_offset + num_local_experts > num_experts:
+            raise ValueError(
+                f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         if fp8_recipe is not None and fp8_recipe not in RECIPES:
@@ -137,51 +122,36 @@ class GroupedMLP(torch.nn.Module):
         self.ffn_local = ffn_hidden_size // etp_size
         self.backend = backend
         self.fp8_recipe = fp8_recipe
-        self.init_std, self.init_seed = init_std, init_seed
-        E, fl, h = num_local_experts, self.ffn_local, hidden_size
+        self.num_experts = num_experts
+        E, fl, h, f = num_local_experts, self.ffn_local, hidden_size, ffn_hidden_size
         kw = dict(dtype=params_dtype, device=device)
+        ep_cut = (0, expert_offset // E, num_experts // E)
         self.fc1_weight = mark_param(
             torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True, tp_dim=1
         )
+        set_init_spec(
+            self.fc1_weight,
+            full_shape=(num_experts, 2, f, h),
+            shards=(ep_cut, (2, etp_rank, etp_size)),
+            std=init_std,
+            chunk_dim=0,
+        )
         self.fc2_weight = mark_param(
             torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True, tp_dim=2
+        )
+        set_init_spec(
+            self.fc2_weight,
+            full_shape=(num_experts, h, f),
+            shards=(ep_cut, (2, etp_rank, etp_size)),
+            std=init_std if output_init_std is None else output_init_std,
+            chunk_dim=0,
         )
         self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
-        if not self.fc1_weight.is_meta:
-            self.init_own_parameters()
-
-    @torch.no_grad()
-    def init_own_parameters(self) -> None:
-        """Fill the local expert shards with their layout-independent initial values: each global
-        expert's full weights are drawn on the CPU from ``(init_seed, expert, which)`` and this rank's
-        ETP shard is copied to the parameter's device."""
-        maps = self.full_shape_slices()
-        for name, which in (("fc1_weight", 0), ("fc2_weight", 1)):
-            param = getattr(self, name)
-            for i, g in enumerate(maps[name].global_experts):
-                param[i].copy_(maps[name].shard(self._full(g, which)))
-
-    def _full(self, global_expert: int, which: int) -> torch.Tensor:
-        """The full fp32 initial tensor of one expert weight (``which``: 0 = fc1 [2F, H], 1 = fc2 [H, F])."""
-        f, h = self.ffn_hidden_size, self.hidden_size
-        shape = (2 * f, h) if which == 0 else (h, f)
-        gen = torch.Generator().manual_seed(expert_init_seed(self.init_seed, global_expert, which))
-        return torch.empty(shape).normal_(0.0, self.init_std, generator=gen)
-
-    def full_shape_slices(self) -> dict[str, ShardMap]:
-        """For each parameter, how its local tensor maps onto the full per-expert tensors (checkpoints, HF
-        conversion)."""
-        f, fl, r = self.ffn_hidden_size, self.ffn_local, self.etp_rank
-        experts = tuple(range(self.expert_offset, self.expert_offset + self.num_local_experts))
-        gate = (slice(0, fl), slice(r * fl, (r + 1) * fl))
-        up = (slice(fl, 2 * fl), slice(f + r * fl, f + (r + 1) * fl))
-        return {
-            "fc1_weight": ShardMap((2 * f, self.hidden_size), experts, 0, (gate, up)),
-            "fc2_weight": ShardMap((self.hidden_size, f), experts, 1, ((slice(0, fl), slice(r * fl, (r + 1) * fl)),)),
-        }
+        if init_seed is not None and not self.fc1_weight.is_meta:
+            initialize_parameters(self, init_seed)
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         """The backend that runs on ``device`` / ``dtype`` (:func:`folding.moe.expert_select.resolve_backend`:

@@ -12,8 +12,9 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
   optionally scaled by ``sigmoid(x·g)``.
 
-Initialization is layout-independent: every weight is the slice of a full tensor drawn from a seed
-that depends only on ``(init_seed, layer_number, which)``.
+Initialization is layout-independent: every weight records which slice of which full tensor it
+holds (:mod:`folding.parallel.params`), and the full tensor is drawn from ``(init_seed, the
+weight's name)``; expert weights one expert at a time, so a rank draws only its own experts.
 
 Shape-suffix legend: ``S`` local sequence, ``B`` batch, ``T`` local tokens, ``H`` hidden, ``E``
 experts, ``N`` rows after dispatch, ``F`` shared-expert FFN size, ``Fl`` its TP shard.
@@ -28,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
 import torch
@@ -36,19 +36,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.parallel.sequence_parallel import gather_linears
 
 from .config import MoEConfig
 from .dispatcher import build_dispatcher
 from .experts import GroupedMLP
 from .router import Router
-
-
-def layer_init_seed(init_seed: int, layer_number: int, which: str) -> int:
-    """Seed of one weight family (``which``) of layer ``layer_number``: a stable hash, layout-free."""
-    digest = hashlib.sha256(f"folding.moe:{which}:{init_seed}:{layer_number}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
 
 
 class SharedExpert(nn.Module):
@@ -71,9 +65,9 @@ class SharedExpert(nn.Module):
         ffn_hidden_size: int,
         tp_group,
         gate: bool,
-        init_seed: int,
-        layer_number: int,
+        init_seed: Optional[int] = 0,
         init_std: float = 0.02,
+        output_init_std: Optional[float] = None,
         params_dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -86,40 +80,20 @@ class SharedExpert(nn.Module):
             )
         self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
-        self.init_seed, self.layer_number, self.init_std = init_seed, layer_number, init_std
         self.ffn_local = fl = ffn_hidden_size // tp
         kw = dict(dtype=params_dtype, device=device)
-        self.fc1_weight = mark_param(nn.Parameter(torch.empty(2 * fl, hidden_size, **kw)), tp_sharded=True, tp_dim=0)
-        self.fc2_weight = mark_param(nn.Parameter(torch.empty(hidden_size, fl, **kw)), tp_sharded=True, tp_dim=1)
+        r, f, h = self.tp_rank, ffn_hidden_size, hidden_size
+        self.fc1_weight = mark_param(nn.Parameter(torch.empty(2 * fl, h, **kw)), tp_sharded=True, tp_dim=0)
+        set_init_spec(self.fc1_weight, full_shape=(2, f, h), shards=((1, r, tp),), std=init_std)  # [gate; up]
+        self.fc2_weight = mark_param(nn.Parameter(torch.empty(h, fl, **kw)), tp_sharded=True, tp_dim=1)
+        out_std = init_std if output_init_std is None else output_init_std
+        set_init_spec(self.fc2_weight, full_shape=(h, f), shards=((1, r, tp),), std=out_std)
         self.gate_weight = None
         if gate:
-            self.gate_weight = mark_param(nn.Parameter(torch.empty(1, hidden_size, **kw)), sequence_parallel=True)
-        if not self.fc1_weight.is_meta:
-            self.init_own_parameters()
-
-    @torch.no_grad()
-    def init_own_parameters(self) -> None:
-        """Fill this rank's TP shards from the full initial weights (:meth:`full_weights`, drawn on
-        the CPU), copied to the parameters' device."""
-        f, fl, r = self.ffn_hidden_size, self.ffn_local, self.tp_rank
-        full1, full2, fullg = self.full_weights(self.hidden_size, f, self.init_seed, self.layer_number, self.init_std)
-        self.fc1_weight.copy_(torch.cat([full1[r * fl : (r + 1) * fl], full1[f + r * fl : f + (r + 1) * fl]]))
-        self.fc2_weight.copy_(full2[:, r * fl : (r + 1) * fl])
-        if self.gate_weight is not None:
-            self.gate_weight.copy_(fullg)
-
-    @staticmethod
-    def full_weights(hidden_size: int, ffn_hidden_size: int, init_seed: int, layer_number: int, init_std: float = 0.02):
-        """The full (unsharded) initial ``fc1 [2F, H]``, ``fc2 [H, F]`` and ``gate [1, H]`` (fp32)."""
-        out = []
-        for which, shape in (
-            ("shared_fc1", (2 * ffn_hidden_size, hidden_size)),
-            ("shared_fc2", (hidden_size, ffn_hidden_size)),
-            ("shared_gate", (1, hidden_size)),
-        ):
-            g = torch.Generator().manual_seed(layer_init_seed(init_seed, layer_number, which))
-            out.append(torch.empty(shape).normal_(0.0, init_std, generator=g))
-        return tuple(out)
+            self.gate_weight = mark_param(nn.Parameter(torch.empty(1, h, **kw)), sequence_parallel=True)
+            set_init_spec(self.gate_weight, full_shape=(1, h), std=init_std)
+        if init_seed is not None and not self.fc1_weight.is_meta:
+            initialize_parameters(self, init_seed)
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
@@ -141,12 +115,16 @@ class MoELayer(nn.Module):
         ep_group, etp_group: expert-view groups (token exchange; ETP shards expert F).
         tp_cp_group, tp_dp_cp_group: attention-view groups the router reduces its counts over.
         tp_group: attention TP group (shared expert; may be a 1-rank group).
-        layer_number: index of the layer (part of every init seed).
-        init_seed: model seed.
-        init_std: std of all initial weights.
+        layer_number: index of the layer (names it in errors).
+        init_seed: seed of the initialization of every weight of the layer, each drawn from its record
+            and its name in the layer (:mod:`folding.parallel.params`); ``None`` leaves them to the
+            owner (a model initializes all its parameters, named in the model, at once).
+        init_std: std of the initial weights (router, fc1, shared-expert gate).
+        output_init_std: std of the expert and shared-expert fc2 (which write into the residual
+            stream); default ``init_std``. A model passes ``ModelConfig.output_init_std``.
         params_dtype: dtype of the expert and shared-expert parameters (the router keeps fp32).
         device: where every parameter and buffer is created (``meta``: nothing is allocated or
-            initialized; after ``to_empty``, :func:`folding.model.init.initialize_parameters` fills them).
+            initialized; :func:`folding.parallel.params.materialize` allocates and fills them).
     """
 
     def __init__(
@@ -160,8 +138,9 @@ class MoELayer(nn.Module):
         tp_dp_cp_group,
         tp_group,
         layer_number: int = 0,
-        init_seed: int = 0,
+        init_seed: Optional[int] = 0,
         init_std: float = 0.02,
+        output_init_std: Optional[float] = None,
         params_dtype: torch.dtype = torch.float32,
         device=None,
     ):
@@ -193,11 +172,12 @@ class MoELayer(nn.Module):
             tp_cp_group=tp_cp_group,
             tp_dp_cp_group=tp_dp_cp_group,
             init_std=init_std,
-            init_seed=init_seed,
+            init_seed=None,
             layer_number=layer_number,
             device=device,
         )
         self.experts = GroupedMLP(
+            num_experts=config.num_experts,
             num_local_experts=d.num_local_experts,
             hidden_size=hidden_size,
             ffn_hidden_size=config.ffn_hidden_size,
@@ -208,7 +188,8 @@ class MoELayer(nn.Module):
             fp8_recipe=config.fp8_recipe,
             params_dtype=params_dtype,
             init_std=init_std,
-            init_seed=layer_init_seed(init_seed, layer_number, "experts"),
+            output_init_std=output_init_std,
+            init_seed=None,
             device=device,
         )
         self.shared_expert: Optional[SharedExpert] = None
@@ -218,12 +199,14 @@ class MoELayer(nn.Module):
                 ffn_hidden_size=config.shared_expert_ffn_hidden_size,
                 tp_group=tp_group,
                 gate=config.shared_expert_gate,
-                init_seed=init_seed,
-                layer_number=layer_number,
+                init_seed=None,
                 init_std=init_std,
+                output_init_std=output_init_std,
                 params_dtype=params_dtype,
                 device=device,
             )
+        if init_seed is not None and not self.router.weight.is_meta:
+            initialize_parameters(self, init_seed)
 
     def forward(
         self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None

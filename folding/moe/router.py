@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, Optional, Union
 
 import torch
@@ -36,16 +35,9 @@ from torch import nn
 from folding.moe import routing as R
 from folding.moe.config import MoEConfig
 from folding.parallel import collectives as C
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def router_init_seed(init_seed: int, layer_number: int) -> int:
-    """Seed of the gate weight of layer ``layer_number``: a stable hash of the pair, so every layout
-    (and every rank) draws the same tensor."""
-    digest = hashlib.sha256(f"folding.router:{init_seed}:{layer_number}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class _AttachLossGrad(torch.autograd.Function):
@@ -79,8 +71,10 @@ class Router(nn.Module):
             (aux_loss / seq_aux_loss token counts, z-loss share).
         tp_dp_cp_group: attention TP×DP×CP group (global_aux_loss and expert-bias token counts).
         init_std: std of the normal initialization of the gate weight.
-        init_seed, layer_number: the gate weight is drawn from a generator seeded by both, so it
-            is the same tensor on every rank and in every layout.
+        init_seed: seed of the gate weight's initialization (``folding.parallel.params``: the same
+            tensor on every rank and in every layout); ``None`` leaves it to the owner of the module
+            (a model initializes all its parameters from their records at once).
+        layer_number: the MoE layer's index (names the router in errors).
 
     Parameters and buffers: ``weight [E, H]`` (fp32, tagged ``sequence_parallel``: replicated over
     TP, partial gradients to sum over TP); ``expert_bias [E]`` (fp32, saved in checkpoints) and
@@ -95,7 +89,7 @@ class Router(nn.Module):
         tp_cp_group,
         tp_dp_cp_group,
         init_std: float = 0.02,
-        init_seed: int = 0,
+        init_seed: Optional[int] = 0,
         layer_number: int = 0,
         device=None,
     ):
@@ -111,10 +105,10 @@ class Router(nn.Module):
         self.tp_dp_cp_group = tp_dp_cp_group
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
-        self.init_std, self.init_seed = init_std, init_seed
         self.weight = mark_param(
             nn.Parameter(torch.empty(E, hidden_size, dtype=torch.float32, device=device)), sequence_parallel=True
         )
+        set_init_spec(self.weight, full_shape=(E, hidden_size), std=init_std)
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
             self.register_buffer(
@@ -136,19 +130,8 @@ class Router(nn.Module):
         self.last_dropped: Optional[torch.Tensor] = None
         """Routed (token, expert) pairs dropped by capacity in the last forward (this rank)."""
 
-        if not self.weight.is_meta:
-            self.init_own_parameters()
-
-    @torch.no_grad()
-    def init_own_parameters(self) -> None:
-        """Fill ``weight`` with its layout-independent initial value (drawn on the CPU from
-        ``(init_seed, layer_number)``, copied to the parameter's device); zero every buffer (the expert
-        bias and the token counters)."""
-        gen = torch.Generator().manual_seed(router_init_seed(self.init_seed, self.layer_number))
-        full = torch.empty(tuple(self.weight.shape), dtype=torch.float32).normal_(0.0, self.init_std, generator=gen)
-        self.weight.copy_(full)
-        for buf in self.buffers():
-            buf.zero_()
+        if init_seed is not None and not self.weight.is_meta:
+            initialize_parameters(self, init_seed)
 
     # ------------------------------------------------------------------------------- forward
     def forward(

@@ -1,7 +1,7 @@
 """Which parameters get weight decay, and how each parameter's gradient is reduced.
 
 Every trainable parameter falls in one :class:`ParamClass`, read from its tags
-(:mod:`folding.parallel.param_attrs`), its dimensionality and its name; parameters of one class
+(:mod:`folding.parallel.params`), its dimensionality and its name; parameters of one class
 share a gradient buffer, a reduction path and a weight-decay setting.
 
 Weight decay (AdamW's decoupled decay) is applied to matrices only. It is *not* applied to
@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -64,7 +64,7 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 def classify(name: str, param: torch.Tensor) -> ParamClass:
     """The :class:`ParamClass` of ``param`` (named ``name`` in its module) from its tags."""
-    t = param_tags(param)
+    t = param_spec(param)
     return ParamClass(
         expert=t.expert,
         tp_sharded=t.tp_sharded,

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..model.hf import resolve_spec
+from ..parallel.params import require_spec
 from .checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
 from .config import ConfigError
 from .config import plain_tree as _plain
@@ -169,7 +169,7 @@ def _model_blocks(chunks: Sequence[torch.nn.Module]) -> Dict[str, Block]:
             if key in out:  # tied embedding: first and last chunk
                 out[key].mirrors.append(p.data)
                 continue
-            out[key] = Block.for_spec(p.data, resolve_spec(name, p, chunk))
+            out[key] = Block.for_spec(p.data, require_spec(p, name))
         params = {n for n, _ in chunk.named_parameters()}
         for name, b in chunk.state_dict(keep_vars=True).items():
             if name not in params and isinstance(b, torch.Tensor) and f"buffer/{name}" not in out:

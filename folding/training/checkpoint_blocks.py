@@ -1,7 +1,7 @@
 """Tensors as blocks of their full (1-rank) tensor, in the form ``torch.distributed.checkpoint`` reads.
 
 Every parameter of a rank is one rectangular block of the parameter's full tensor: its
-:class:`~folding.model.init.InitSpec` (``resolve_spec``) gives the full shape and the
+:class:`~folding.parallel.params.ParamSpec` (``require_spec``) gives the full shape and the
 ``(dim, index, count)`` cuts, :func:`~folding.model.init.shard_index` the block's offsets. A
 :class:`Block` hands DCP exactly that: the global size, one chunk ``(offsets, sizes)`` and the local
 tensor viewed in the block's shape. DCP's default planners (through :class:`BlockSavePlanner` /
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..model.init import InitSpec, shard_index
+from ..parallel.params import ParamSpec, shard_index
 
 
 class Block:
@@ -62,7 +62,7 @@ class Block:
         self.mirrors: List[torch.Tensor] = []
 
     @classmethod
-    def for_spec(cls, tensor: torch.Tensor, spec: InitSpec) -> "Block":
+    def for_spec(cls, tensor: torch.Tensor, spec: ParamSpec) -> "Block":
         """The block that ``tensor`` (a rank's parameter, or state shaped like it) is of ``spec``'s full tensor."""
         idx = shard_index(spec.full_shape, spec.shards)
         shape = tuple(s.stop - s.start for s in idx)

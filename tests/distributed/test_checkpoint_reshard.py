@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from folding.data.config import DataConfig
-from folding.model.hf import resolve_spec
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
+from folding.parallel.params import require_spec
 from folding.training.config import (
     CheckpointConfig,
     JobConfig,
@@ -70,7 +70,7 @@ def _run(job, run_dir):
     try:
         res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
         params = {
-            n: (resolve_spec(n, p, c).full_shape, resolve_spec(n, p, c).shards, p.detach().clone())
+            n: (require_spec(p, n).full_shape, require_spec(p, n).shards, p.detach().clone())
             for c in res["chunks"]
             for n, p in c.named_parameters()
         }
@@ -91,7 +91,7 @@ def _resume_cases(root):
 
 
 def _assemble(per_rank_params):
-    from folding.model.init import take_slice
+    from folding.parallel.params import take_slice
 
     full = {}
     for params in per_rank_params:

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.hf import from_hf, to_hf
-from folding.model.init import materialize
 from folding.model.moe_block import default_moe_factory
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.params import materialize
 
 PRESETS = ("mixtral_tiny", "qwen2_moe_tiny")
 LAYOUTS_4 = (dict(tp=2, ep=4, etp=1), dict(ep=2, etp=2), dict(pp=2, vpp=2, ep=2, etp=1))

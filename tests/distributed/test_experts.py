@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from folding.moe.experts import GroupedMLP
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.params import param_spec, shard_index
 from tests.reference_collectives import reduce_from_region
 
 E, H, F = 4, 8, 12
@@ -30,6 +31,7 @@ def _run_layouts(backend):
             start = sum(COUNTS[:first])
             rows = slice(start, start + sum(COUNTS[first : first + e_local]))
             mod = GroupedMLP(
+                num_experts=E,
                 num_local_experts=e_local,
                 hidden_size=H,
                 ffn_hidden_size=F,
@@ -43,7 +45,6 @@ def _run_layouts(backend):
             partial = mod(xl, COUNTS[first : first + e_local], p[rows])
             out = reduce_from_region(partial, ps.etp_group)  # what the dispatcher's reduce-scatter sums
             (out * dy[rows]).sum().backward()
-            maps = mod.full_shape_slices()
             results.append(
                 dict(
                     rows=(rows.start, rows.stop),
@@ -52,10 +53,7 @@ def _run_layouts(backend):
                     g1=mod.fc1_weight.grad,
                     g2=mod.fc2_weight.grad,
                     ep_rank=ps.ep_rank,
-                    maps={
-                        k: (v.dim, [(a.start, a.stop, b.start, b.stop) for a, b in v.pieces]) for k, v in maps.items()
-                    },
-                    experts=maps["fc1_weight"].global_experts,
+                    specs={k: param_spec(getattr(mod, k)) for k in ("fc1_weight", "fc2_weight")},
                 )
             )
         finally:
@@ -72,10 +70,9 @@ def _reference():
     return out.detach(), x.grad, mod.fc1_weight.grad, mod.fc2_weight.grad
 
 
-def _cut(full_grad_E, experts, dim, pieces):
-    """This rank's slice of the full per-expert gradients (pieces: local/full ranges along dim)."""
-    parts = [full_grad_E[list(experts)].narrow(dim + 1, fs, fe - fs) for _, _, fs, fe in pieces]
-    return torch.cat(parts, dim + 1)
+def _cut(full_grad, spec, like):
+    """This rank's slice of a 1-rank gradient, as its parameter record describes it."""
+    return full_grad.reshape(spec.full_shape)[shard_index(spec.full_shape, spec.shards)].reshape(like.shape)
 
 
 def test_ep_etp_layouts_match_one_rank(ranks):
@@ -88,10 +85,9 @@ def test_ep_etp_layouts_match_one_rank(ranks):
             a, b = r["rows"]
             torch.testing.assert_close(r["out"], out_ref[a:b], msg=f"{kw}: output")
             gx_sum[a:b] += r["gx_partial"]
-            d1, p1 = r["maps"]["fc1_weight"]
-            d2, p2 = r["maps"]["fc2_weight"]
-            torch.testing.assert_close(r["g1"], _cut(g1_ref, r["experts"], d1, p1), msg=f"{kw}: fc1 grad")
-            torch.testing.assert_close(r["g2"], _cut(g2_ref, r["experts"], d2, p2), msg=f"{kw}: fc2 grad")
+            s1, s2 = r["specs"]["fc1_weight"], r["specs"]["fc2_weight"]
+            torch.testing.assert_close(r["g1"], _cut(g1_ref, s1, r["g1"]), msg=f"{kw}: fc1 grad")
+            torch.testing.assert_close(r["g2"], _cut(g2_ref, s2, r["g2"]), msg=f"{kw}: fc2 grad")
         # x gradients: partial over ETP shards; summed over all ranks each row is counted by the
         # ETP ranks of its EP rank and once per replica (world / (EP*ETP) data-parallel copies)
         copies = 4 // (kw.get("ep", 1) * kw["etp"])

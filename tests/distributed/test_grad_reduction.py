@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import collectives as C
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import mark_param
 from tests import reference_collectives as R
 
 # Legend: T tokens of a rank, H hidden, E experts, V vocab, K top-k, S sequence.

@@ -12,12 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from folding.model.hf import resolve_spec
-from folding.model.init import _ATTR, init_spec, shard_index, take_slice
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec, require_spec, take_slice
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
 LAYOUTS = [dict(tp=2, cp=2, ep=8, etp=1), dict(tp=2, ep=4, etp=2), dict(cp=2, ep=4, etp=1), dict(tp=4, ep=2, etp=1)]
@@ -86,22 +84,11 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                 torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=0)
                 worst = 0.0
                 for name, p in model.named_parameters():
-                    spec = init_spec(p)
-                    if spec is None:  # modules without a recorded spec (the engine's MoE layer)
-                        spec = resolve_spec(name, p, model)
-                    else:
-                        # the HF loader's inference from tags (for modules without a recorded spec) agrees
-                        delattr(p, _ATTR)
-                        inferred = resolve_spec(name, p, model)
-                        setattr(p, _ATTR, spec)
-                        assert inferred.full_shape == spec.full_shape, name
-                        assert shard_index(inferred.full_shape, inferred.shards) == shard_index(
-                            spec.full_shape, spec.shards
-                        ), name
+                    spec = require_spec(p, name)  # every parameter, dense and MoE, has its record
                     full_p = ref_params[name].reshape(spec.full_shape)
                     assert torch.equal(p.detach(), take_slice(full_p, spec.shards).reshape(p.shape)), name
                     g = p.grad.clone()
-                    tags = param_tags(p)
+                    tags = param_spec(p)
                     dist.all_reduce(g, group=ps.edp_group if tags.expert else ps.dp_cp_group)
                     if tags.sequence_parallel:
                         dist.all_reduce(g, group=ps.tp_group)

@@ -17,6 +17,7 @@ from folding.moe import host_sync
 from folding.moe.config import MoEConfig
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.params import param_spec, shard_index
 
 H, S, B, E, FFN, SHARED = 8, 8, 2, 8, 4, 4
 
@@ -150,8 +151,8 @@ def _distributed(cases, refs):
             for name, p in layer.named_parameters():
                 full = ref["grads"][name]
                 if name.startswith("experts."):
-                    m = layer.experts.full_shape_slices()[name.split(".")[1]]
-                    want = torch.stack([m.shard(full[g]) for g in m.global_experts])
+                    spec = param_spec(p)
+                    want = full.reshape(spec.full_shape)[shard_index(spec.full_shape, spec.shards)].reshape(p.shape)
                     got = _summed(p.grad, ps.edp_group)
                 elif name.startswith("shared_expert.") and not name.endswith("gate_weight"):
                     want = _shared_shard(name, full, ps.tp_rank, c["tp"])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec
 from folding.planning.memory import ModelSizes, memory_per_rank
 from tests.distributed.test_grad_reduction import FE, FF, Coords, E, H, TinyFolded, V, global_params
 
@@ -46,7 +46,7 @@ def _measure(cases):
             model = TinyFolded(global_params(0, True), Coords(ps), True, dtype=dtype)
             params = {"dense": 0, "expert": 0}
             for p in model.parameters():
-                params["expert" if param_tags(p).expert else "dense"] += p.numel() * p.element_size()
+                params["expert" if param_spec(p).expert else "dense"] += p.numel() * p.element_size()
             opt = FoldedOptimizer(
                 model, OptimConfig(distributed=distributed, decay_style="constant"), parallel_state=ps
             )

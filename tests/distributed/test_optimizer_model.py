@@ -12,12 +12,11 @@ grad norm must equal the 1-rank norm within 1e-5 relative.
 import torch
 import torch.distributed as dist
 
-from folding.model.hf import resolve_spec
-from folding.model.init import init_spec, take_slice
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.params import require_spec, take_slice
 
 MODELS = [
     dict(
@@ -121,7 +120,7 @@ def _step_models(models, layouts):
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
                 model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=None)
-                specs = {n: init_spec(p) or resolve_spec(n, p, model) for n, p in model.named_parameters()}
+                specs = {n: require_spec(p, n) for n, p in model.named_parameters()}
                 with torch.no_grad():  # layout-independent init: each rank holds its slice of the start
                     for n, p in model.named_parameters():
                         assert torch.equal(p, _slice(start[n], specs[n], p)), n

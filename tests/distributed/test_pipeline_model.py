@@ -11,11 +11,9 @@ import torch
 import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
-from folding.model.hf import resolve_spec
-from folding.model.init import take_slice
 from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec, require_spec, take_slice
 from folding.pipeline.stage import run_microbatches
 
 B, S = 4, 16
@@ -92,13 +90,13 @@ def _run(cases):
             worst, seen = 0.0, 0
             for model in chunks:
                 for name, p in model.named_parameters():
-                    spec = resolve_spec(name, p, model)
+                    spec = require_spec(p, name)
                     full_p, full_g = ref_params[name]
                     assert torch.equal(
                         p.detach(), take_slice(full_p.reshape(spec.full_shape), spec.shards).reshape(p.shape)
                     ), name
                     g = p.grad.clone()
-                    tags = param_tags(p)
+                    tags = param_spec(p)
                     dist.all_reduce(g, group=ps.edp_group if tags.expert else ps.dp_cp_group)
                     if tags.sequence_parallel:
                         dist.all_reduce(g, group=ps.tp_group)

@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
-from folding.model.hf import resolve_spec
-from folding.model.init import take_slice
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
+from folding.parallel.params import require_spec, take_slice
 from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 10
@@ -86,7 +85,7 @@ def _train(cases, run_dir, with_params=True):
             if with_params:
                 for chunk in res["chunks"]:
                     for name, p in chunk.named_parameters():
-                        params[name] = (resolve_spec(name, p, chunk), p.detach().clone())
+                        params[name] = (require_spec(p, name), p.detach().clone())
         finally:
             ps.destroy()
         out.append(([h["lm_loss"] for h in res["history"]], [h["grad_norm"] for h in res["history"]], params))

@@ -12,11 +12,10 @@ import dataclasses
 
 import torch.distributed as dist
 
-from folding.model.hf import resolve_spec
-from folding.model.init import take_slice
 from folding.model.transformer import MoETransformer
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.params import require_spec, take_slice
 from folding.training import trainer
 from tests.distributed.test_loss_weighting import GB, _global_batch
 from tests.distributed.test_train_e2e import tiny_job
@@ -56,7 +55,7 @@ def _reduced(cases, run_dir):
             res = real(self)  # reduces, clips (the norm is returned), steps; main_grad stays reduced
             chunk = built[0]  # pp = 1: one chunk; its groups are alive until train() returns
             for name, p in chunk.named_parameters():
-                seen[name] = (p.main_grad.detach().clone().view(p.shape), resolve_spec(name, p, chunk).shards)
+                seen[name] = (p.main_grad.detach().clone().view(p.shape), require_spec(p, name).shards)
             return res
 
         FoldedOptimizer.clip_and_step, trainer.build_stage_chunks = snapshot, build
@@ -80,7 +79,7 @@ def _reference(run_dir):
         for i in range(0, GB, MBS):
             loss = (model(ids[i : i + MBS], labels=labels[i : i + MBS]) * mask[i : i + MBS]).sum() / n
             loss.backward()
-        return {name: (p.grad.clone(), resolve_spec(name, p, model).full_shape) for name, p in model.named_parameters()}
+        return {name: (p.grad.clone(), require_spec(p, name).full_shape) for name, p in model.named_parameters()}
 
 
 def test_reduced_gradients_match_one_rank_tensor_by_tensor(ranks, tmp_path):

@@ -106,13 +106,13 @@ def test_unreadable_meta_is_a_clear_error(tmp_path):
 def test_blocks_reshard_through_dcp(tmp_path):
     """Save a full [E=4, 2, F=6, H=3] expert tensor, read it back as EP4 blocks and as an EP2 x ETP3
     block held as [E/EP, 2*F/ETP, H] (sharded saves from many ranks: tests/distributed)."""
-    from folding.model.init import InitSpec
+    from folding.parallel.params import ParamSpec
 
     full = torch.arange(4 * 2 * 6 * 3, dtype=torch.float32).view(4, 2, 6, 3)
     whole = Block.whole(full.clone())
     dcp.save({"w": whole}, checkpoint_id=str(tmp_path / "c"), planner=BlockSavePlanner(), no_dist=True)
     for ep in range(4):
-        spec = InitSpec(tuple(full.shape), ((0, ep, 4),))
+        spec = ParamSpec(full_shape=tuple(full.shape), shards=((0, ep, 4),))
         dest = torch.zeros(1, 2 * 6, 3)
         dcp.load(
             {"w": Block.for_spec(dest, spec)},
@@ -121,7 +121,7 @@ def test_blocks_reshard_through_dcp(tmp_path):
             no_dist=True,
         )
         assert torch.equal(dest, full[ep : ep + 1].reshape(1, 12, 3))
-    spec = InitSpec(tuple(full.shape), ((0, 1, 2), (2, 2, 3)))
+    spec = ParamSpec(full_shape=tuple(full.shape), shards=((0, 1, 2), (2, 2, 3)))
     dest = torch.zeros(2, 4, 3)
     dcp.load(
         {"w": Block.for_spec(dest, spec)}, checkpoint_id=str(tmp_path / "c"), planner=BlockLoadPlanner(), no_dist=True
@@ -130,10 +130,10 @@ def test_blocks_reshard_through_dcp(tmp_path):
 
 
 def test_block_rejects_mismatched_shapes():
-    from folding.model.init import InitSpec
+    from folding.parallel.params import ParamSpec
 
     with pytest.raises(ValueError, match="not the block"):
-        Block.for_spec(torch.zeros(5), InitSpec((4, 2), ((0, 0, 2),)))
+        Block.for_spec(torch.zeros(5), ParamSpec(full_shape=(4, 2), shards=((0, 0, 2),)))
     with pytest.raises(ValueError, match="exceeds"):
         Block(torch.zeros(2, 2), (3, 2), (2, 0))
 

@@ -6,7 +6,7 @@ import torch
 from folding.moe.expert_backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
 from folding.moe.expert_te import pad_rows_per_expert, te_available, unpad_rows_per_expert
 from folding.moe.experts import GroupedMLP
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec, shard_index
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,7 +115,7 @@ def test_etp_shards_sum_to_the_unsharded_layer_and_ep_offsets_select_experts():
     parts = [_make("loop", torch.float32, h=8, f=12, e=4, etp_size=3, etp_rank=r)(x, counts, p) for r in range(3)]
     torch.testing.assert_close(sum(parts), ref)
     # EP: a rank holding global experts 2 and 3 computes what the full layer computes for them
-    ep = _make("loop", torch.float32, h=8, f=12, e=2, expert_offset=2)
+    ep = _make("loop", torch.float32, h=8, f=12, e=2, expert_offset=2, num_experts=4)
     torch.testing.assert_close(ep(x[3:], counts[2:], p[3:]), ref[3:])
 
 
@@ -123,19 +123,19 @@ def test_weights_are_slices_of_layout_free_full_tensors():
     f = 12
     full = _make("loop", torch.float32, h=8, f=f, e=4)
     for r in range(2):
-        m = _make("loop", torch.float32, h=8, f=f, e=2, etp_size=2, etp_rank=r, expert_offset=2)
+        m = _make("loop", torch.float32, h=8, f=f, e=2, etp_size=2, etp_rank=r, expert_offset=2, num_experts=4)
         fl = f // 2
         gate = full.fc1_weight[2:, r * fl : (r + 1) * fl]
         up = full.fc1_weight[2:, f + r * fl : f + (r + 1) * fl]
         assert torch.equal(m.fc1_weight, torch.cat([gate, up], 1))
         assert torch.equal(m.fc2_weight, full.fc2_weight[2:, :, r * fl : (r + 1) * fl])
-        maps = m.full_shape_slices()
-        assert maps["fc1_weight"].full_shape == (2 * f, 8) and maps["fc1_weight"].global_experts == (2, 3)
-        for i in range(2):
-            assert torch.equal(maps["fc1_weight"].shard(full.fc1_weight[2 + i]), m.fc1_weight[i])
-            assert torch.equal(maps["fc2_weight"].shard(full.fc2_weight[2 + i]), m.fc2_weight[i])
+        for name in ("fc1_weight", "fc2_weight"):  # the record says which slice of the full tensor it is
+            spec, local = param_spec(getattr(m, name)), getattr(m, name)
+            whole = getattr(full, name).reshape(spec.full_shape)
+            assert torch.equal(whole[shard_index(spec.full_shape, spec.shards)].reshape(local.shape), local)
+        assert param_spec(m.fc1_weight).full_shape == (4, 2, f, 8) and param_spec(m.fc1_weight).chunk_dim == 0
     assert not torch.equal(full.fc1_weight[0], full.fc1_weight[1])  # experts differ
-    t1, t2 = param_tags(full.fc1_weight), param_tags(full.fc2_weight)
+    t1, t2 = param_spec(full.fc1_weight), param_spec(full.fc2_weight)
     assert (t1.expert, t1.tp_sharded, t1.tp_dim) == (True, True, 1)
     assert (t2.expert, t2.tp_sharded, t2.tp_dim) == (True, True, 2)
     bf = _make("loop", torch.bfloat16, h=8, f=f, e=4)

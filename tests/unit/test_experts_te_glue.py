@@ -182,7 +182,7 @@ def test_fp8_state_round_trip_and_layout_check(te_on_cpu):
     b = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
     assert b.load_fp8_state(state)
     assert b._te.gemms["fc1"].get_extra_state().tolist() == [1.0, 1.0]
-    other = GroupedMLP(backend="te", fp8_recipe="mxfp8", **dict(KW, expert_offset=3))
+    other = GroupedMLP(backend="te", fp8_recipe="mxfp8", **dict(KW, expert_offset=3, num_experts=6))
     assert not other.load_fp8_state(state)  # other experts: TE recalibrates instead
 
 

@@ -90,7 +90,7 @@ CASES = [
 
 def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory):
     """Logits (<= 1e-5 relative), LM loss and every parameter gradient against transformers."""
-    from folding.model.hf import resolve_spec
+    from folding.parallel.params import require_spec
 
     hf = tiny_hf(family, **kw)
     path = save(hf, os.path.join(str(tmp_dir), "ckpt"), legacy)
@@ -117,7 +117,7 @@ def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory)
     ref = hf_grads(hf, family)
     checked = 0
     for name, p in model.named_parameters():
-        g = p.grad.reshape(resolve_spec(name, p, model).full_shape)
+        g = p.grad.reshape(require_spec(p, name).full_shape)
         for lead, hf_name in hf_components(name, model.config):
             torch.testing.assert_close(g[lead] if lead else g, ref[hf_name], rtol=1e-4, atol=1e-6, msg=hf_name)
             checked += 1

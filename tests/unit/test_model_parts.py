@@ -1,13 +1,16 @@
 """Model parts at 1 rank: vocab-parallel cross-entropy, CP chunking, RoPE, layout-independent init, errors."""
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
 from folding.model.context_parallel import check_cp_seq_len, cp_positions, gathered_positions
 from folding.model.hf_config import config_from_hf, config_to_hf
-from folding.model.init import InitSpec, full_tensor, param_seed, shard_index, take_slice
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.parallel.params import ParamSpec, local_value, param_seed, shard_index, take_slice
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
 
@@ -26,23 +29,32 @@ def test_cp_chunks_are_load_balanced():
 
 
 def test_init_slices_are_those_of_the_full_tensor():
-    spec = InitSpec((8, 2, 6, 4), ((0, 1, 4), (2, 2, 3)), "normal", 0.5)
-    full = full_tensor(spec, param_seed(3, "x"))
-    idx = shard_index(spec.full_shape, spec.shards)
-    assert torch.equal(full[idx], take_slice(full, spec.shards))
-    assert idx == (slice(2, 4), slice(0, 2), slice(4, 6), slice(0, 4))
+    spec = ParamSpec(full_shape=(8, 2, 6, 4), shards=((0, 1, 4), (2, 2, 3)), std=0.5)
+    full = local_value(ParamSpec(full_shape=(8, 2, 6, 4), std=0.5), 3, "x")
+    part = local_value(spec, 3, "x")
+    assert torch.equal(part, take_slice(full, spec.shards)) and tuple(part.shape) == (2, 2, 2, 4)
+    assert torch.equal(full[shard_index(spec.full_shape, spec.shards)], part)
+    # drawn one slice of dim 0 at a time (experts): a rank draws only its own, same numbers in every split
+    chunked = dataclasses.replace(spec, chunk_dim=0)
+    whole = local_value(ParamSpec(full_shape=(8, 2, 6, 4), std=0.5, chunk_dim=0), 3, "x")
+    assert torch.equal(local_value(chunked, 3, "x"), take_slice(whole, spec.shards))
+    assert not torch.equal(whole, full)  # another drawing order, so other numbers
     assert param_seed(3, "x") != param_seed(3, "y") and param_seed(3, "x") != param_seed(4, "x")
-    # same seed, same model; another seed, another model
+    assert tuple(shard_index(spec.full_shape, spec.shards)) == (slice(2, 4), slice(0, 2), slice(4, 6), slice(0, 4))
+    # same seed, same model; another seed, another model (the engine's MoE layer and the reference one)
     cfg = get_preset("mixtral_tiny", num_layers=1)
-    a = MoETransformer(cfg, init_seed=1, moe_factory=reference_moe_factory)
-    b = MoETransformer(cfg, init_seed=1, moe_factory=reference_moe_factory)
-    c = MoETransformer(cfg, init_seed=2, moe_factory=reference_moe_factory)
-    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
-        assert torch.equal(p, q), n
-        if "norm" not in n:
-            assert not torch.equal(p, r), n
-    std = a.layers["0"].attention.q_proj.weight.std().item()
-    assert abs(std - cfg.init_std) < 0.1 * cfg.init_std
+    for factory in (None, reference_moe_factory):
+        a = MoETransformer(cfg, init_seed=1, moe_factory=factory)
+        b = MoETransformer(cfg, init_seed=1, moe_factory=factory)
+        c = MoETransformer(cfg, init_seed=2, moe_factory=factory)
+        for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+            assert torch.equal(p, q), n
+            if "norm" not in n:
+                assert not torch.equal(p, r), n
+        std = a.layers["0"].attention.q_proj.weight.std().item()
+        assert abs(std - cfg.init_std) < 0.1 * cfg.init_std
+        fc2 = a.layers["0"].mlp.experts.fc2_weight.std().item()
+        assert abs(fc2 - cfg.output_init_std) < 0.1 * cfg.output_init_std  # residual-stream projection
 
 
 def test_bad_inputs_fail_clearly():
@@ -65,19 +77,20 @@ def test_moe_config_follows_the_hf_routers():
     assert not config_from_hf(dict(hf, norm_topk_prob=True)).moe.pre_softmax
 
 
-def test_hf_specs_inferred_from_tags_match_recorded_ones():
-    from folding.model.hf import resolve_spec
-    from folding.model.init import _ATTR
+def test_every_parameter_has_one_record_and_save_refuses_one_without():
+    from folding.parallel.params import _ATTR, param_spec, require_spec
 
-    model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=2), moe_factory=reference_moe_factory)
-    for name, p in model.named_parameters():
-        recorded = resolve_spec(name, p, model)
-        saved = getattr(p, _ATTR)
-        delattr(p, _ATTR)
-        inferred = resolve_spec(name, p, model)
-        setattr(p, _ATTR, saved)
-        assert inferred.full_shape == recorded.full_shape, name
-        assert shard_index(inferred.full_shape, inferred.shards) == shard_index(recorded.full_shape, recorded.shards)
+    for factory in (None, reference_moe_factory):  # the engine's MoE layer and the reference one
+        model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=2), moe_factory=factory)
+        for name, p in model.named_parameters():
+            spec = require_spec(p, name)  # full shape and slice recorded by the module that made it
+            assert math.prod(spec.full_shape) == p.numel(), name  # 1 rank: the slice is all of it
+            assert param_spec(p) is spec
+            assert spec.expert == (".experts." in name), name
+    p = next(model.parameters())
+    delattr(p, _ATTR)
+    with pytest.raises(ValueError, match="has no init/shard record"):
+        require_spec(p, "embedding.weight")
 
 
 def test_hf_aux_loss_only_with_router_logits():

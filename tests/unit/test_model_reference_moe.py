@@ -16,12 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from folding.model.block import output_init_std
 from folding.model.config import ModelConfig
-from folding.model.init import set_init_spec
 from folding.model.mlp import DenseMLP
 from folding.parallel.collectives import group_rank, group_size
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import mark_param, set_init_spec
 from tests.reference_collectives import domain_gather_v, domain_reduce_scatter_v
 
 
@@ -46,13 +44,18 @@ class ReferenceMoE(nn.Module):
         mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True, tp_dim=1)
         mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True, tp_dim=2)
         set_init_spec(
-            self.experts.fc1_weight, full_shape=(E, 2, Fe, H), shards=((0, epr, ep), (2, etpr, etp)), std=c.init_std
+            self.experts.fc1_weight,
+            full_shape=(E, 2, Fe, H),
+            shards=((0, epr, ep), (2, etpr, etp)),
+            std=c.init_std,
+            chunk_dim=0,
         )
         set_init_spec(
             self.experts.fc2_weight,
             full_shape=(E, H, Fe),
             shards=((0, epr, ep), (2, etpr, etp)),
-            std=output_init_std(c),
+            std=c.output_init_std,
+            chunk_dim=0,
         )
         if c.moe.shared_expert_ffn_hidden_size:
             self.shared_expert = DenseMLP(
@@ -61,7 +64,7 @@ class ReferenceMoE(nn.Module):
                 tp_group=groups.tp,
                 name="moe.shared_expert_ffn_hidden_size",
                 init_std=c.init_std,
-                output_init_std=output_init_std(c),
+                output_init_std=c.output_init_std,
                 device=device,
                 dtype=dtype,
             )
@@ -115,8 +118,8 @@ def reference_moe_factory(**kwargs):
 def test_reference_moe_matches_per_token_loop():
     """The reference MoE equals a per-token loop over the chosen experts (Mixtral and Qwen2 routing)."""
     from folding.model.groups import ModelGroups
-    from folding.model.init import initialize_parameters
     from folding.model.presets import get_preset
+    from folding.parallel.params import initialize_parameters
 
     for name in ("mixtral_tiny", "qwen2_moe_tiny"):
         cfg = get_preset(

@@ -4,7 +4,7 @@ import torch
 
 from folding.optim import classify, uses_weight_decay
 from folding.optim.clip import clip_coefficient
-from folding.parallel.param_attrs import mark_param
+from folding.parallel.params import mark_param
 
 
 def P(*shape, **tags):

@@ -6,7 +6,7 @@ import torch
 
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import param_spec
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
 PUBLISHED = {"mixtral_8x7b": (46.7e9, 12.9e9), "mixtral_8x22b": (140.6e9, 39.2e9), "qwen2_57b_a14b": (57.4e9, 14.3e9)}
@@ -18,7 +18,7 @@ def module_counts(model):
     total = expert = 0
     for p in model.parameters():
         total += p.numel()
-        if param_tags(p).expert:
+        if param_spec(p).expert:
             expert += p.numel()
     return total, total - expert + expert * cfg.moe.topk // cfg.moe.num_experts
 

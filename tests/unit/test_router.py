@@ -9,7 +9,7 @@ from folding.moe import routing as R
 from folding.moe.config import MoEConfig
 from folding.moe.router import Router, attach_loss
 from folding.optim.expert_bias import update_expert_biases
-from folding.parallel.param_attrs import param_tags
+from folding.parallel.params import materialize, param_spec
 
 H = 6
 
@@ -73,14 +73,17 @@ def test_config_accepts_legal_and_documents_every_field():
 
 
 # ------------------------------------------------------------------------------------ module
-def test_init_is_seeded_by_seed_and_layer_and_tagged():
+def test_init_is_seeded_and_recorded():
     a, b = router(), router()
     assert torch.equal(a.weight, b.weight)
     assert not torch.equal(a.weight, router(init_seed=1).weight)
-    c = Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, layer_number=3)
-    assert not torch.equal(a.weight, c.weight)
     assert a.weight.shape == (4, H) and a.weight.dtype == torch.float32
-    assert param_tags(a.weight).sequence_parallel
+    spec = param_spec(a.weight)
+    assert spec.sequence_parallel and spec.full_shape == (4, H) and spec.shards == ()
+    # init_seed=None: the owner fills it from the record, e.g. on another device after a meta build
+    meta = Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, init_seed=None, device="meta")
+    materialize(meta, device="cpu", init_seed=0)
+    assert torch.equal(meta.weight, a.weight)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
