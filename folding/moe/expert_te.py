@@ -1,6 +1,6 @@
 """TransformerEngine backend of the experts: ``GroupedLinear`` kernels inside one FP8 region.
 
-Legend: N rows sorted expert-major, K input features, O output features, E local experts.
+Legend: N rows sorted expert-major, K input features, O output features, L local experts.
 
 Written against TransformerEngine 2.10–2.x (read at 2.20): ``te.GroupedLinear(num_gemms,
 in_features, out_features, bias=, params_dtype=, device=)`` whose ``forward(inp, m_splits,
@@ -194,10 +194,10 @@ class TEGroupedRunner(torch.nn.Module):
                 del mod._parameters[f"weight{i}"]  # the experts own the weights
             self.gemms[name] = mod
 
-    def linear(self, name: str, x_NK: torch.Tensor, w_EOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def linear(self, name: str, x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``y[rows of e] = x[rows of e] · w[e]ᵀ`` through ``GroupedLinear`` (rows already aligned)."""
         mod = self.gemms[name]
-        for i, w in enumerate(w_EOK.unbind(0)):
+        for i, w in enumerate(w_LOK.unbind(0)):
             setattr(mod, f"weight{i}", w)
         region = _REGION.get()
         first = None if region is None else region.first_microbatch

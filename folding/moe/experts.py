@@ -1,7 +1,7 @@
 """Grouped SwiGLU experts: every local expert's MLP as grouped GEMMs, with pluggable backends.
 
 Legend: N token rows on this rank (sorted expert-major), H hidden size, F full per-expert FFN size,
-Fl = F / ETP the shard this rank holds, E local experts.
+Fl = F / ETP the shard this rank holds, L local experts, E global experts (as in every MoE file).
 
 For each local expert e with rows x_e: ``out_e = (silu(x_e·gate_eᵀ) ⊙ (x_e·up_eᵀ) ⊙ p_e) · fc2_eᵀ``
 (the router probabilities p multiply the activation before fc2; the combine is then an unweighted
@@ -9,9 +9,9 @@ sum). Under ETP the output is a partial sum over F shards: the dispatcher reduce
 
 Parameters (the same for every backend):
 
-- ``fc1_weight [E, 2·Fl, H]``: rows ``[0:Fl]`` are this ETP rank's shard of gate, ``[Fl:]`` its
+- ``fc1_weight [L, 2·Fl, H]``: rows ``[0:Fl]`` are this ETP rank's shard of gate, ``[Fl:]`` its
   shard of up; the logical full fc1 of an expert is ``[gate; up]`` of shape ``[2F, H]``.
-- ``fc2_weight [E, H, Fl]``: this rank's column shard of the full ``[H, F]``.
+- ``fc2_weight [L, H, Fl]``: this rank's column shard of the full ``[H, F]``.
 
 Initialization does not depend on the layout: each weight records its full tensor (``fc1``: the
 stack ``[E_global, 2, F, H]`` of every expert's gate and up, ``fc2``: ``[E_global, H, F]``) and this

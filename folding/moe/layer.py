@@ -16,8 +16,9 @@ Initialization is layout-independent: every weight records which slice of which 
 holds (:mod:`folding.parallel.params`), and the full tensor is drawn from ``(init_seed, the
 weight's name)``; expert weights one expert at a time, so a rank draws only its own experts.
 
-Shape-suffix legend: ``S`` local sequence, ``B`` batch, ``T`` local tokens, ``H`` hidden, ``E``
-experts, ``N`` rows after dispatch, ``F`` shared-expert FFN size, ``Fl`` its TP shard.
+Shape-suffix legend: ``S`` local sequence, ``B`` batch (sequences), ``T`` local tokens, ``H`` hidden,
+``E`` global experts, ``N`` rows after dispatch, ``F`` full FFN width (shared expert), ``Fl`` its TP
+shard.
 
 Usage::
 

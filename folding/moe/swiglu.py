@@ -7,8 +7,9 @@ probabilities alive for backward, and backward runs a chain of small elementwise
 writes the gradient of both halves into one ``[N, 2F]`` tensor: less activation memory and fewer
 passes over ``[N, F]`` data.
 
-Shape-suffix legend: ``N`` rows (tokens after dispatch, expert-major), ``F`` the FFN width of this
-rank's shard, ``F2`` = 2·F (``[gate | up]`` side by side, the layout of fc1's output).
+Shape-suffix legend: ``N`` rows (tokens after dispatch, expert-major), ``F`` the FFN width this rank
+holds (its ETP shard, ``Fl`` in experts.py), ``F2`` = 2·F (``[gate | up]`` side by side, the layout of
+fc1's output).
 
 Usage::
 

@@ -14,7 +14,7 @@ Quantization happens only at the EP boundary: the ETP all-gather forwards the al
 Gradients are straight-through (quantization is treated as the identity) and travel in the format
 ``grad_wire``.
 
-Shape-suffix legend: ``N`` rows, ``H`` hidden size, ``B`` bytes per packed row.
+Shape-suffix legend: ``N`` rows, ``H`` hidden size, ``Y`` bytes per packed row (``B`` is the batch elsewhere).
 
 Usage (inside a dispatcher)::
 
@@ -106,15 +106,15 @@ def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode(
-    b_NB: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype, probs_dtype: Optional[torch.dtype] = None
+    b_NY: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype, probs_dtype: Optional[torch.dtype] = None
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Inverse of :func:`encode`: ``(x_NH in dtype, probs_N in probs_dtype, or None without probs)``.
 
-    For ``none`` the results are views into ``b_NB`` where the row stride allows it (no copy)."""
+    For ``none`` the results are views into ``b_NY`` where the row stride allows it (no copy)."""
     H = hidden_size
-    n = b_NB.shape[0]
+    n = b_NY.shape[0]
     pay = payload_bytes_per_row(fmt, H, dtype)
-    body = b_NB[:, :pay]
+    body = b_NY[:, :pay]
     if fmt == "none":
         x = _view(body, dtype).reshape(n, H)
     elif fmt == "fp8":
@@ -127,7 +127,7 @@ def decode(
         x = dequantize_mxfp8(data, scales, dtype)
     probs = None
     if probs_dtype is not None:
-        probs = _view(b_NB[:, pay:], probs_dtype).reshape(n)
+        probs = _view(b_NY[:, pay:], probs_dtype).reshape(n)
     return x, probs
 
 

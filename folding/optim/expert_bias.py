@@ -5,9 +5,8 @@ buffer (no gradient, no weight decay) used for expert *selection* only, and coun
 routed to each expert during the step (``local_tokens_per_expert``). Once per global batch, after
 the last micro-batch's backward, the counts are summed over the attention ``TP×DP×CP`` group (every
 rank of a pipeline stage holds distinct tokens) and each bias moves by
-:func:`folding.moe.routing.updated_expert_bias`. ``Router.update_expert_bias`` does this with one
-all-reduce per layer; :func:`update_expert_biases` concatenates every layer's counts so a whole
-stage needs a single all-reduce.
+:func:`folding.moe.routing.updated_expert_bias`. :func:`update_expert_biases` concatenates every
+layer's counts, so a whole stage needs a single all-reduce.
 
 Usage::
 
