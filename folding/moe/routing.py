@@ -198,7 +198,7 @@ def apply_capacity(
 ) -> Tuple[Tensor, Tensor]:
     """Drop the (token, expert) pairs beyond each expert's capacity, decided from these tokens only.
 
-    ``capacity = expert_capacity(T, topk, E, capacity_factor)``. Per expert, the routed tokens are
+    ``capacity = ceil(T·topk/E · capacity_factor)`` (:func:`expert_capacity`). Per expert, the routed tokens are
     ranked by ``drop_policy``: ``"probs"`` by probability (highest first), ``"position"`` by token
     index (earliest first); ties keep the earlier token. The first ``capacity`` are kept, so an
     expert keeps ``min(routed, capacity)`` rows.

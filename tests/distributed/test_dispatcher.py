@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from folding.moe import host_sync
 from folding.moe.dispatcher import build_dispatcher
-from folding.moe.permute import expert_capacity, padded_rows_per_expert
+from folding.moe.permute import padded_rows_per_expert
+from folding.moe.routing import expert_capacity
 from folding.parallel import ParallelLayout, build_parallel_state
 
 H, FF, T = 8, 6, 6
@@ -30,7 +31,11 @@ def _problem(world, E, topk, mode, seed, cf):
     rmap = torch.zeros(world * T, E, dtype=torch.bool).scatter_(1, top, True)
     probs = torch.where(rmap, scores, torch.zeros_like(scores))
     if mode != "dropless":  # keep at most `capacity` earliest tokens per expert inside each rank chunk
-        cap = padded_rows_per_expert(T, topk, E, cf) if mode == "pad" else expert_capacity(T, topk, E, cf)
+        cap = (
+            padded_rows_per_expert(T, topk, E, cf)
+            if mode == "pad"
+            else expert_capacity(T, topk=topk, num_experts=E, capacity_factor=cf)
+        )
         for r in range(world):
             blk = rmap[r * T : (r + 1) * T]
             keep = (blk.cumsum(0) <= cap) & blk

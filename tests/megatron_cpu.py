@@ -1,0 +1,132 @@
+"""Running Megatron-Core's MoE token dispatchers and ``MoELayer`` on CPU gloo ranks, for the interop
+tests and the side-by-side benchmark. Only ever imported inside those processes: the stand-ins
+below replace a few CUDA entry points that Megatron-Core calls unconditionally.
+
+- ``torch.cuda.current_device()`` returns the CPU device, ``torch.cuda.current_stream()`` /
+  ``torch.cuda.Stream()`` return an object whose ``wait_stream`` / ``synchronize`` do nothing, and
+  ``torch.cuda.stream(s)`` is a null context (the shared expert's overlap streams);
+- gloo's uneven ``all_to_all_single`` and ``all_gather`` take Python lists of split sizes, not
+  tensors or numpy arrays;
+- without TransformerEngine ``moe_utils.te_general_gemm`` is set to ``None`` (the router checks it);
+- an all-gather with unequal sizes (ETP > 1) is done as a padded ``all_gather_into_tensor``.
+
+Usage (inside a rank)::
+
+    mc = megatron_on_cpu()                     # idempotent; returns the megatron.core module
+    init_megatron(tp=1, ep=4, etp=1)           # parallel_state on the existing gloo world
+    ...
+    destroy_megatron()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+
+_PATCHED = False
+
+
+class _Stream:
+    def wait_stream(self, other):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return types.SimpleNamespace(synchronize=lambda: None, wait=lambda *a: None)
+
+
+def _as_list(sizes):
+    if sizes is None:
+        return None
+    if isinstance(sizes, torch.Tensor):
+        return [int(v) for v in sizes.tolist()]
+    return [int(v) for v in list(sizes)]
+
+
+def megatron_on_cpu():
+    """Install the CPU stand-ins (once per process) and return ``megatron.core``."""
+    global _PATCHED
+    import megatron.core as mc
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if _PATCHED:
+        return mc
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.Stream = lambda *a, **k: _Stream()
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    torch.cuda.Event = lambda *a, **k: types.SimpleNamespace(record=lambda *a, **k: None, synchronize=lambda: None)
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _Stream()
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    elif getattr(moe_utils, "te_general_gemm", None) is not None and not torch.cuda.is_available():
+        moe_utils.te_general_gemm = None
+
+    a2a = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        return a2a(output, input, _as_list(output_split_sizes), _as_list(input_split_sizes), **kw)
+
+    dist.all_to_all_single = all_to_all_single
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        # unequal sizes (ETP > 1): pad to the largest, gather equal blocks, copy back the real rows
+        n = dist.get_world_size(group)
+        rows = torch.tensor([tensor.shape[0]])
+        sizes = [torch.zeros_like(rows) for _ in range(n)]
+        _gather(sizes, rows, group=group)
+        most = int(max(int(s) for s in sizes))
+        pad = tensor.new_zeros((most,) + tuple(tensor.shape[1:]))
+        pad[: tensor.shape[0]] = tensor
+        out = tensor.new_empty((n * most,) + tuple(tensor.shape[1:]))
+        dist.all_gather_into_tensor(out, pad.contiguous(), group=group)
+        for i, t in enumerate(tensor_list):
+            t.copy_(out[i * most : i * most + t.shape[0]])
+        return None
+
+    _gather = dist.all_gather
+    dist.all_gather = all_gather
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        # unequal sizes: sum the concatenation over the group, keep this rank's rows
+        whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
+        dist.all_reduce(whole, op=op, group=group)
+        me = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:me])
+        output.copy_(whole[start : start + output.shape[0]].reshape(output.shape))
+        return None
+
+    dist.reduce_scatter = reduce_scatter
+    _PATCHED = True
+    return mc
+
+
+def init_megatron(*, tp: int, ep: int, etp: int, seed: int = 1234) -> None:
+    """``parallel_state.initialize_model_parallel`` on the existing gloo world (PP 1, CP 1)."""
+    mc = megatron_on_cpu()
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
+    mps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
+    torch.manual_seed(seed)
+    return mc
+
+
+def destroy_megatron() -> None:
+    """Forget Megatron-Core's groups (between layouts in a long-lived rank)."""
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
