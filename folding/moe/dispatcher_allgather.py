@@ -50,6 +50,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch_preprocess(self, hidden, routing_map, probs):
         """Validate and flatten to ``[T, H]``; returns ``(tokens_TH, probs_TE)``."""
         H = self._validate(hidden, routing_map, probs)
+        self._shared_start(hidden)
         self._hidden_shape = hidden.shape
         self._routing_map = routing_map
         tokens_TH = hidden.reshape(-1, H)
@@ -74,6 +75,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch_postprocess(self, hidden, probs):
         """Keep the local experts' columns and permute expert-major (one host read of the counts, none
         with pad-to-capacity). Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
+        self._shared_fc1(hidden)
         lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
         map_GL, probs_GL = self._map_GE[:, lo:hi], probs[:, lo:hi]
         self._num_gathered = hidden.shape[0]
@@ -114,4 +116,4 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def combine_postprocess(self, out):
         """Restore the input shape."""
-        return out.reshape(self._hidden_shape)
+        return self._shared_finish(out, out.reshape(self._hidden_shape))

@@ -59,6 +59,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def dispatch_preprocess(self, hidden, routing_map, probs):
         """Validate, count, start the count gathers, permute locally. Returns ``(rows_NH, probs_N)``."""
         H = self._validate(hidden, routing_map, probs)
+        self._shared_start(hidden)
         self._hidden_shape, self._hidden_size, self._dtype = hidden.shape, H, hidden.dtype
         tokens_TH = hidden.reshape(-1, H)
         T = tokens_TH.shape[0]
@@ -138,6 +139,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch_postprocess(self, hidden, probs):
         """Sort rank-major chunks expert-major. Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
+        self._shared_fc1(hidden)
         p = self._plan
         if not self._sorted:
             hidden = sort_chunks_by_idxs(hidden, p.chunk_sizes, p.sort_idxs)
@@ -166,7 +168,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine_postprocess(self, out):
         """Sum each token's expert rows (unweighted) and restore the input shape."""
         y = unpermute(out, self._token_idx, num_tokens=self._num_tokens)
-        return y.reshape(self._hidden_shape)
+        return self._shared_finish(out, y.reshape(self._hidden_shape))
 
     # ---------------------------------------------------------------------------------- stats
     def _record_stats(self) -> None:

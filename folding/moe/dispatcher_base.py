@@ -102,6 +102,70 @@ class TokenDispatcher:
         self.local_expert_offset = self.ep_rank * self.num_local_experts
         self.last_stats: dict = {}
         """Byte and row counts of the last dispatch/combine (host numbers, no sync needed)."""
+        self.shared_experts = None
+        """A Megatron-Core ``SharedExpertMLP`` run inside the dispatcher stages (see
+        :meth:`set_shared_experts`), or ``None``."""
+        self.cudagraph_attrs: list = []
+        """Megatron-Core's CUDA-graph interface: names of the dispatcher tensors a graph of the
+        preprocess step must return. Empty: this dispatcher keeps its split plan on the host, so the
+        ``moe_preprocess`` graph scope is refused at replacement (``folding.moe.megatron``)."""
+        self.valid_cudagraph_attrs = None
+        """Megatron-Core's CUDA-graph interface: the attributes found captured (set by Megatron-Core)."""
+
+    # ------------------------------------------------------------------ Megatron-Core surface
+    def set_shared_experts(self, shared_experts) -> None:
+        """Run a Megatron-Core ``SharedExpertMLP`` (built with ``moe_shared_expert_overlap``) inside
+        the dispatch and combine stages, as Megatron-Core's ``MoELayer`` asks of its dispatcher when
+        the overlap is on (the layer then no longer computes it): its input all-gather is issued in
+        ``dispatch_preprocess``, fc1 and the activation in ``dispatch_postprocess``, fc2 and the
+        reduce-scatter in ``combine_postprocess``, which also adds its output (with its gate)."""
+        for hook in ("pre_forward_comm", "linear_fc1_forward_and_act", "linear_fc2_forward", "post_forward_comm"):
+            if not callable(getattr(shared_experts, hook, None)):
+                raise TypeError(
+                    f"set_shared_experts: {type(shared_experts).__name__} has no {hook}(); pass a "
+                    "Megatron-Core SharedExpertMLP built with moe_shared_expert_overlap=True"
+                )
+        self.shared_experts = shared_experts
+
+    @property
+    def drop_and_pad(self) -> bool:
+        """Megatron-Core's name for :attr:`pad_to_capacity` (its inference code toggles it)."""
+        return self.pad_to_capacity
+
+    @drop_and_pad.setter
+    def drop_and_pad(self, value: bool) -> None:
+        self.pad_to_capacity = bool(value)
+
+    @property
+    def moe_expert_capacity_factor(self) -> Optional[float]:
+        """Megatron-Core's name for :attr:`capacity_factor` (its inference code sets it)."""
+        return self.capacity_factor
+
+    @moe_expert_capacity_factor.setter
+    def moe_expert_capacity_factor(self, value: Optional[float]) -> None:
+        self.capacity_factor = value
+
+    def _check_capacity(self) -> None:
+        """The capacity settings as they are now (Megatron-Core's inference may have toggled them)."""
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None for dropless")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("pad_to_capacity (drop_and_pad) needs a capacity_factor; set one (e.g. 1.0)")
+
+    def _shared_start(self, hidden: torch.Tensor) -> None:
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden)
+
+    def _shared_fc1(self, dispatched: torch.Tensor) -> None:
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(dispatched)
+
+    def _shared_finish(self, combined: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return output
+        self.shared_experts.linear_fc2_forward(combined)
+        self.shared_experts.post_forward_comm()
+        return output + self.shared_experts.get_output()
 
     @property
     def dropless(self) -> bool:
@@ -109,7 +173,8 @@ class TokenDispatcher:
         return self.capacity_factor is None
 
     def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
-        """Check shapes and wire formats (before any collective); return H."""
+        """Check capacity settings, shapes and wire formats (before any collective); return H."""
+        self._check_capacity()
         if hidden.dim() not in (2, 3):
             raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
         H = hidden.shape[-1]
