@@ -1,0 +1,184 @@
+"""folding's all-to-all dispatcher against Megatron-Core's, side by side on the same gloo ranks.
+
+Each iteration times, one after the other in the same processes (alternating, so load drifts hit all
+three alike), forward and backward of dispatch + a stand-in expert (``rows·1.5 + probs``) + combine
+for Megatron-Core's ``MoEAlltoAllTokenDispatcher`` and for folding's, and the raw floor: the four
+``all_to_all_single`` calls a forward and backward must make at least (dispatch and combine rows,
+and their gradients) with the same split sizes and no other work. A time is the slowest rank's
+(a barrier before each). The report gives min and median per layout, the ratios folding/Megatron-Core
+and folding/raw, the machine's CPUs and load.
+
+Usage::
+
+    python benchmarks/bench_dispatcher_vs_megatron.py                       # EP4 and EP2xETP2, 4 ranks
+    python benchmarks/bench_dispatcher_vs_megatron.py --tokens 2048 --hidden 512 --experts 16 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from folding.testing.rank_pool import RankPool  # noqa: E402
+
+LAYOUTS = {"EP4": dict(tp=1, ep=4, etp=1), "EP2xETP2": dict(tp=1, ep=2, etp=2)}
+
+
+def _timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _run(d, x0, rmap, probs0, g):
+    x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+    h, p = d.dispatch_preprocess(x, rmap, probs)
+    h, p = d.token_dispatch(h, p)
+    rows, _, rp = d.dispatch_postprocess(h, p)
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * 1.5 + rp.unsqueeze(-1))))
+    (y * g).sum().backward()
+
+
+def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
+    """One rank's times per iteration: ``{"megatron": [...], "folding": [...], "raw": [...]}``."""
+    torch.set_num_threads(threads)
+    from megatron.core import parallel_state as mps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from folding.moe.dispatcher import build_dispatcher
+    from folding.moe.routing import topk_routing
+    from tests.megatron_cpu import destroy_megatron, init_megatron
+
+    init_megatron(**layout)
+    try:
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=hidden,
+            num_attention_heads=4,
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            expert_model_parallel_size=layout["ep"],
+            expert_tensor_parallel_size=layout["etp"],
+            moe_token_dispatcher_type="alltoall",
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+        )
+        L = experts // layout["ep"]
+        first = mps.get_expert_model_parallel_rank() * L
+        md = MoEAlltoAllTokenDispatcher(
+            L, list(range(first, first + L)), cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        )
+        fd = build_dispatcher("alltoall", num_experts=experts, topk=topk, ep_group=md.ep_group, etp_group=md.tp_group)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        x = torch.randn(tokens, hidden, generator=gen)
+        probs, rmap = topk_routing(torch.randn(tokens, experts, generator=gen), topk=topk)
+        g = torch.randn(tokens, hidden, generator=gen)
+        # the raw floor: this rank's real split sizes over EP, four all-to-alls of hidden rows
+        _run(fd, x, rmap, probs, g)
+        send, recv = list(fd._plan.input_splits), list(fd._plan.output_splits)
+        a = torch.randn(sum(send), hidden)
+        b = torch.empty(sum(recv), hidden)
+
+        def raw():
+            for src, dst, s_in, s_out in ((a, b, send, recv), (b, a, recv, send)) * 2:
+                dist.all_to_all_single(dst, src, s_out, s_in, group=md.ep_group)
+
+        times = {"megatron": [], "folding": [], "raw": []}
+        for i in range(warmup + iters):
+            for name, fn in (
+                ("megatron", lambda: _run(md, x, rmap, probs, g)),
+                ("folding", lambda: _run(fd, x, rmap, probs, g)),
+                ("raw", raw),
+            ):
+                t = _timed(fn)
+                if i >= warmup:
+                    times[name].append(t)
+        return times
+    finally:
+        destroy_megatron()
+
+
+def main(argv=None) -> int:
+    """Run every layout, print the table, write the report; 0 on success."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank (default 2048)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "dispatcher_vs_megatron_cpu.md"))
+    a = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    rows = []
+    import bench_dispatcher_vs_megatron as me  # the ranks import the function by module name
+
+    with RankPool(4) as pool:
+        for name, layout in LAYOUTS.items():
+            per_rank = pool.run(me.on_rank, layout, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.warmup, a.threads)
+            t = per_rank[0]  # every rank holds the same (max over ranks) times
+            ratio_m = [f / m for f, m in zip(t["folding"], t["megatron"])]
+            ratio_r = [f / r for f, r in zip(t["folding"], t["raw"])]
+            rows.append(
+                (
+                    name,
+                    {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in t.items()},
+                    statistics.median(ratio_m),
+                    statistics.median(ratio_r),
+                    statistics.median([m / r for m, r in zip(t["megatron"], t["raw"])]),
+                )
+            )
+    load_after = os.getloadavg()
+    head = (
+        "| layout | Megatron-Core ms (min / median) | folding ms | raw a2a floor ms "
+        "| folding / Megatron-Core | folding / raw | Megatron-Core / raw |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for name, ms, rm, rr, mr in rows:
+        cell = lambda k: f"{ms[k][0]:.2f} / {ms[k][1]:.2f}"  # noqa: E731
+        lines.append(
+            f"| {name} | {cell('megatron')} | {cell('folding')} | {cell('raw')} | {rm:.2f} | {rr:.2f} | {mr:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    report = [
+        "# folding vs Megatron-Core all-to-all dispatcher (CPU, gloo, 4 ranks)",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- command: `python benchmarks/bench_dispatcher_vs_megatron.py {' '.join(argv or sys.argv[1:])}`",
+        f"- shape: {a.tokens} tokens per rank, H={a.hidden}, E={a.experts}, top-{a.topk}, fp32, dropless; "
+        f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / raw",
+        f"- machine: {cpus} usable CPUs, torch threads per rank {a.threads}; load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
+        "- a time is forward + backward of dispatch, stand-in expert and combine, the slowest rank's; ratios "
+        "are medians of per-iteration ratios",
+        "",
+        table,
+        "",
+    ]
+    with open(a.report, "w", encoding="utf-8") as f:
+        f.write("\n".join(report))
+    print(f"wrote {a.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
