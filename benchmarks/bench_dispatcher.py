@@ -114,10 +114,10 @@ def _worker(a):
         ms = _time(lambda: layer(expert=False), a["warmup"], a["iters"])  # token movement only
         res = {"stats": stats, "syncs": syncs, "ms": ms}
         if a["dispatcher"] == "alltoall":
-            # the same bytes through two raw all_to_all_single calls
+            # the same bytes through two raw all_to_all_single calls (rows and their probability)
             plan = d._plan
-            row = encode(x[:1], a["wire"], probs[:1, 0]).shape[1]
-            rowc = encode(x[:1], a["wire"]).shape[1]
+            rowc = sum(q.shape[1] for q in encode(x[:1], a["wire"]))
+            row = rowc + probs.element_size()
             s1 = torch.empty(plan.num_out_tokens, row, dtype=torch.uint8)
             r1 = torch.empty(sum(plan.output_splits), row, dtype=torch.uint8)
             s2 = torch.empty(sum(plan.output_splits), rowc, dtype=torch.uint8)

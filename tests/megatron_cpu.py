@@ -8,7 +8,9 @@ below replace a few CUDA entry points that Megatron-Core calls unconditionally.
 - gloo's uneven ``all_to_all_single`` and ``all_gather`` take Python lists of split sizes, not
   tensors or numpy arrays;
 - without TransformerEngine ``moe_utils.te_general_gemm`` is set to ``None`` (the router checks it);
-- an all-gather with unequal sizes (ETP > 1) is done as a padded ``all_gather_into_tensor``.
+- an all-gather with unequal sizes (ETP > 1) is done as a padded ``all_gather_into_tensor`` (the
+  output tensors give the sizes), a reduce-scatter with unequal sizes as an all-to-all of the blocks
+  and a local sum: the bytes and the collective count of the real ones.
 
 Usage (inside a rank)::
 
@@ -78,16 +80,16 @@ def megatron_on_cpu():
     dist.all_to_all_single = all_to_all_single
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        # unequal sizes (ETP > 1): pad to the largest, gather equal blocks, copy back the real rows
-        n = dist.get_world_size(group)
-        rows = torch.tensor([tensor.shape[0]])
-        sizes = [torch.zeros_like(rows) for _ in range(n)]
-        _gather(sizes, rows, group=group)
-        most = int(max(int(s) for s in sizes))
+        # unequal sizes (ETP > 1): the output tensors give every rank's row count, so pad to the
+        # largest, gather equal blocks, copy back the real rows (no extra collective)
+        n = len(tensor_list)
+        most = max(t.shape[0] for t in tensor_list)
+        if all(t.shape[0] == most for t in tensor_list):
+            return _gather(tensor_list, tensor.contiguous(), group=group, async_op=async_op)
         pad = tensor.new_zeros((most,) + tuple(tensor.shape[1:]))
         pad[: tensor.shape[0]] = tensor
         out = tensor.new_empty((n * most,) + tuple(tensor.shape[1:]))
-        dist.all_gather_into_tensor(out, pad.contiguous(), group=group)
+        dist.all_gather_into_tensor(out, pad, group=group)
         for i, t in enumerate(tensor_list):
             t.copy_(out[i * most : i * most + t.shape[0]])
         return None
@@ -96,12 +98,15 @@ def megatron_on_cpu():
     dist.all_gather = all_gather
 
     def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        # unequal sizes: sum the concatenation over the group, keep this rank's rows
-        whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
-        dist.all_reduce(whole, op=op, group=group)
-        me = dist.get_rank(group)
-        start = sum(t.shape[0] for t in input_list[:me])
-        output.copy_(whole[start : start + output.shape[0]].reshape(output.shape))
+        # unequal sizes: an all-to-all sends block i to rank i (the bytes of a reduce-scatter), then
+        # each rank sums the blocks it received
+        assert op == dist.ReduceOp.SUM
+        n, rows = len(input_list), output.shape[0]
+        flat = [t.reshape(t.shape[0], -1) for t in input_list]
+        whole = torch.cat(flat) if len(flat) > 1 else flat[0]
+        recv = whole.new_empty((n * rows, whole.shape[1]))
+        a2a(recv, whole.contiguous(), [rows] * n, [t.shape[0] for t in flat], group=group)
+        output.copy_(recv.view(n, rows, -1).sum(0).reshape(output.shape))
         return None
 
     dist.reduce_scatter = reduce_scatter

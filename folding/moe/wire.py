@@ -1,8 +1,9 @@
 """Wire formats and the token exchanges of the all-to-all dispatcher (autograd functions).
 
-Rows travel as bytes so that any backend can carry them (gloo cannot send float8): every row of a
-message is ``[hidden payload | scales | optional fp32 probability]`` packed into one ``uint8`` row, so
-tokens and their router probabilities cross the EP all-to-all in one collective. Formats:
+Rows travel as bytes so that any backend can carry them (gloo cannot send float8). A message is a
+list of ``uint8`` parts, each sent as its own collective, so nothing is copied to pack them: the
+rows (for ``none`` their own bytes, a view of the permuted rows), for quantized formats their scales
+beside them, and the router probabilities (in their own dtype) as one more small part. Formats:
 
 - ``none``: the activation dtype, bit for bit (exact).
 - ``fp8``: e4m3 values with one fp32 scale per row (``folding.quant.quantize_fp8_rowwise``).
@@ -14,7 +15,7 @@ Quantization happens only at the EP boundary: the ETP all-gather forwards the al
 Gradients are straight-through (quantization is treated as the identity) and travel in the format
 ``grad_wire``.
 
-Shape-suffix legend: ``N`` rows, ``H`` hidden size, ``Y`` bytes per packed row (``B`` is the batch elsewhere).
+Shape-suffix legend: ``N`` rows, ``H`` hidden size.
 
 Usage (inside a dispatcher)::
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,65 +71,34 @@ def payload_bytes_per_row(fmt: str, hidden_size: int, dtype: torch.dtype) -> int
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # explicit width: N may be 0
-    if x.stride(-1) != 1 or not x.is_contiguous():
+    if x.stride(-1) != 1 or not x.is_contiguous():  # empty tensors count as contiguous at any stride
         x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
     return x.view(torch.uint8)
 
 
-def encode(x_NH: torch.Tensor, fmt: str, probs_N: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Pack rows (and optionally one probability per row, in its own dtype) into ``uint8 [N, B]``."""
+def encode(x_NH: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, ...]:
+    """Rows as the ``uint8 [N, *]`` parts that travel (no concatenation: each part is its own message).
+
+    ``none``: one part, the rows' own bytes (a view when ``x_NH`` is contiguous: no copy). ``fp8``: the
+    e4m3 values and one fp32 scale per row. ``mxfp8``: the e4m3 values and the e8m0 block scales."""
     if fmt == "none":
-        parts = [_as_bytes(x_NH)]
-    elif fmt == "fp8":
+        return (_as_bytes(x_NH),)
+    if fmt == "fp8":
         data, scale_inv = quantize_fp8_rowwise(x_NH)
-        parts = [_as_bytes(data), _as_bytes(scale_inv.to(torch.float32).reshape(-1, 1))]
-    else:
-        data, scales = quantize_mxfp8(x_NH, block_size=MX_BLOCK, scale_mode="rceil")
-        parts = [_as_bytes(data), _as_bytes(scales)]
-    if probs_N is not None:
-        parts.append(_as_bytes(probs_N.detach().reshape(-1, 1)))
-    if len(parts) == 1:
-        return parts[0]
-    # concatenate in the widest integer carrier that divides every part's row width (much faster
-    # than a byte-wise cat), then reinterpret as bytes
-    for carrier in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        size = torch.empty((), dtype=carrier).element_size()
-        if all(q.shape[1] % size == 0 for q in parts):
-            return torch.cat([q.view(carrier) for q in parts], dim=1).view(torch.uint8)
+        return _as_bytes(data), _as_bytes(scale_inv.to(torch.float32).reshape(-1, 1))
+    data, scales = quantize_mxfp8(x_NH, block_size=MX_BLOCK, scale_mode="rceil")
+    return _as_bytes(data), _as_bytes(scales)
 
 
-def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret a column slice of packed byte rows as ``dtype`` without a copy when strides allow."""
-    try:
-        return b.view(dtype)
-    except RuntimeError:  # a fresh buffer (storage offset 0): .contiguous() keeps empty views' offsets
-        return torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b).view(dtype)
-
-
-def decode(
-    b_NY: torch.Tensor, fmt: str, hidden_size: int, dtype: torch.dtype, probs_dtype: Optional[torch.dtype] = None
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Inverse of :func:`encode`: ``(x_NH in dtype, probs_N in probs_dtype, or None without probs)``.
-
-    For ``none`` the results are views into ``b_NY`` where the row stride allows it (no copy)."""
-    H = hidden_size
-    n = b_NY.shape[0]
-    pay = payload_bytes_per_row(fmt, H, dtype)
-    body = b_NY[:, :pay]
+def decode(parts: Sequence[torch.Tensor], fmt: str, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`encode`: rows ``[N, H]`` in ``dtype`` (for ``none`` a view of the received bytes)."""
+    H, n = hidden_size, parts[0].shape[0]
     if fmt == "none":
-        x = _view(body, dtype).reshape(n, H)
-    elif fmt == "fp8":
-        data = _view(body[:, :H], torch.float8_e4m3fn)
-        scale_inv = _view(body[:, H:], torch.float32).reshape(n, 1)
-        x = dequantize_fp8_rowwise(data, scale_inv, dtype)
-    else:
-        data = _view(body[:, :H], torch.float8_e4m3fn)
-        scales = body[:, H:]
-        x = dequantize_mxfp8(data, scales, dtype)
-    probs = None
-    if probs_dtype is not None:
-        probs = _view(b_NY[:, pay:], probs_dtype).reshape(n)
-    return x, probs
+        return parts[0].view(dtype).reshape(n, H)
+    data = parts[0].view(torch.float8_e4m3fn)
+    if fmt == "fp8":
+        return dequantize_fp8_rowwise(data, parts[1].view(torch.float32).reshape(n, 1), dtype)
+    return dequantize_mxfp8(data, parts[1], dtype)
 
 
 # ------------------------------------------------------------------------------- raw byte moves
@@ -138,40 +108,62 @@ def _size(group) -> int:
     return group_size(group)
 
 
-def _a2a(x: torch.Tensor, group, recv: List[int], send: List[int]) -> torch.Tensor:
-    """Uneven all_to_all_single along dim 0 (no autograd)."""
+def _a2a_all(parts: Sequence[torch.Tensor], group, recv: List[int], send: List[int]) -> List[torch.Tensor]:
+    """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd): all are issued before
+    any is waited on, so the parts of one message cost one synchronization, not one each."""
     if _size(group) == 1:
-        return x
-    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(
-        out, x.contiguous(), output_split_sizes=list(recv), input_split_sizes=list(send), group=group
-    )
-    return out
+        return list(parts)
+    outs, works = [], []
+    for x in parts:
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        works.append(
+            dist.all_to_all_single(
+                out,
+                x.contiguous(),
+                output_split_sizes=list(recv),
+                input_split_sizes=list(send),
+                group=group,
+                async_op=True,
+            )
+        )
+        outs.append(out)
+    for w in works:
+        w.wait()
+    return outs
 
 
-def _gather_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
-    """All-gather along dim 0 where rank ``i`` holds ``sizes[i]`` rows (padded all-gather)."""
+def _gather_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[torch.Tensor]:
+    """All-gather along dim 0 of every part, where rank ``i`` holds ``sizes[i]`` rows (padded
+    all-gathers, issued together and waited once)."""
     n = _size(group)
     if n == 1:
-        return x
+        return list(parts)
     m = max(sizes)
-    pad = x.new_zeros((m,) + tuple(x.shape[1:]))
-    pad[: x.shape[0]] = x
-    out = x.new_empty((n * m,) + tuple(x.shape[1:]))
-    all_gather_single(out, pad, group=group)
+    outs, works = [], []
+    for x in parts:
+        if x.shape[0] != m:
+            pad = x.new_zeros((m,) + tuple(x.shape[1:]))
+            pad[: x.shape[0]] = x
+            x = pad
+        out = x.new_empty((n * m,) + tuple(x.shape[1:]))
+        works.append(all_gather_single(out, x.contiguous(), group=group, async_op=True))
+        outs.append(out)
+    for w in works:
+        w.wait()
     if all(s == m for s in sizes):
-        return out
-    return torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0)
+        return outs
+    return [torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0) for out in outs]
 
 
-def _reduce_scatter_v(x: torch.Tensor, group, sizes: List[int]) -> torch.Tensor:
-    """Sum over the group; rank ``i`` keeps rows ``[sum(sizes[:i]), sum(sizes[:i+1]))`` (all-to-all, then add)."""
+def _reduce_scatter_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[torch.Tensor]:
+    """Sum every part over the group; rank ``i`` keeps rows ``[sum(sizes[:i]), sum(sizes[:i+1]))``
+    (an all-to-all of the blocks, issued together for all parts, then a local sum)."""
     n = _size(group)
     if n == 1:
-        return x
+        return list(parts)
     me = group_rank(group)
-    recv = _a2a(x, group, [sizes[me]] * n, list(sizes))
-    return recv.view((n, sizes[me]) + tuple(x.shape[1:])).sum(0)
+    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes))
+    return [r.view((n, sizes[me]) + tuple(r.shape[1:])).sum(0) for r in recv]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,18 +190,25 @@ class ExchangeSpec:
     """Activation dtype (what decode returns)."""
 
 
+def _probs_part(probs_N: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    return [] if probs_N is None else [probs_N.detach().reshape(-1, 1)]
+
+
 class _Dispatch(torch.autograd.Function):
-    """Forward: encode → EP all-to-all → ETP all-gather-v (of the bytes) → decode.
-    Backward: ETP reduce-scatter-v (activation dtype) → encode(grad_wire) → reverse EP all-to-all → decode."""
+    """Forward: encode → EP all-to-all → ETP all-gather-v (of the encoded parts) → decode; the
+    probabilities travel as their own message beside the rows.
+    Backward: ETP reduce-scatter-v → encode(grad_wire) → reverse EP all-to-all → decode."""
 
     @staticmethod
     def forward(ctx, rows_NH, probs_N, spec: ExchangeSpec):
         ctx.spec = spec
         ctx.probs_dtype = None if probs_N is None else probs_N.dtype
-        b = encode(rows_NH, spec.wire, probs_N)
-        b = _a2a(b, spec.ep_group, spec.ep_recv, spec.ep_send)
-        b = _gather_v(b, spec.etp_group, spec.etp_sizes)
-        return decode(b, spec.wire, spec.hidden_size, spec.dtype, ctx.probs_dtype)
+        parts = list(encode(rows_NH, spec.wire)) + _probs_part(probs_N)
+        parts = _a2a_all(parts, spec.ep_group, spec.ep_recv, spec.ep_send)
+        parts = _gather_all(parts, spec.etp_group, spec.etp_sizes)
+        if probs_N is None:
+            return decode(parts, spec.wire, spec.hidden_size, spec.dtype), None
+        return decode(parts[:-1], spec.wire, spec.hidden_size, spec.dtype), parts[-1].reshape(-1)
 
     @staticmethod
     def backward(ctx, g_NH, gp_N):
@@ -220,40 +219,35 @@ class _Dispatch(torch.autograd.Function):
         if pdt is not None and gp_N is None:
             gp_N = torch.zeros(rows, dtype=pdt, device=g_NH.device)
         if _size(s.etp_group) > 1:
-            # The ETP ranks hold partial gradients of the same rows: sum them (hidden and
-            # probability gradients in one reduction, in a dtype that holds both exactly enough).
-            acc = torch.float64 if torch.float64 in (s.dtype, pdt) else torch.float32
-            both = g_NH.to(acc) if pdt is None else torch.cat([g_NH.to(acc), gp_N.reshape(-1, 1).to(acc)], 1)
-            both = _reduce_scatter_v(both, s.etp_group, s.etp_sizes)
-            g_NH = both[:, : s.hidden_size].to(s.dtype)
-            gp_N = None if pdt is None else both[:, s.hidden_size].to(pdt)
-        b = encode(g_NH, s.grad_wire, gp_N)
-        b = _a2a(b, s.ep_group, s.ep_send, s.ep_recv)
-        gx, gp = decode(b, s.grad_wire, s.hidden_size, s.dtype, pdt)
-        return gx, gp, None
+            # the ETP ranks hold partial gradients of the same rows: sum them (16-bit ones in fp32)
+            low = s.dtype in (torch.bfloat16, torch.float16)
+            red = _reduce_scatter_all([g_NH.float() if low else g_NH] + _probs_part(gp_N), s.etp_group, s.etp_sizes)
+            g_NH = red[0].to(s.dtype)
+            gp_N = None if gp_N is None else red[1].reshape(-1)
+        parts = list(encode(g_NH, s.grad_wire)) + _probs_part(gp_N)
+        parts = _a2a_all(parts, s.ep_group, s.ep_send, s.ep_recv)
+        if pdt is None:
+            return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None, None
+        return decode(parts[:-1], s.grad_wire, s.hidden_size, s.dtype), parts[-1].reshape(-1), None
 
 
 class _Combine(torch.autograd.Function):
     """Forward: ETP reduce-scatter-v (activation dtype) → encode → reverse EP all-to-all → decode.
-    Backward: encode(grad_wire) → EP all-to-all → ETP all-gather-v (of the bytes) → decode."""
+    Backward: encode(grad_wire) → EP all-to-all → ETP all-gather-v (of the encoded parts) → decode."""
 
     @staticmethod
     def forward(ctx, out_NH, spec: ExchangeSpec):
         ctx.spec = spec
-        x = _reduce_scatter_v(out_NH, spec.etp_group, spec.etp_sizes)
-        b = encode(x, spec.wire)
-        b = _a2a(b, spec.ep_group, spec.ep_send, spec.ep_recv)
-        y, _ = decode(b, spec.wire, spec.hidden_size, spec.dtype)
-        return y
+        (x,) = _reduce_scatter_all([out_NH], spec.etp_group, spec.etp_sizes)
+        parts = _a2a_all(encode(x, spec.wire), spec.ep_group, spec.ep_send, spec.ep_recv)
+        return decode(parts, spec.wire, spec.hidden_size, spec.dtype)
 
     @staticmethod
     def backward(ctx, g_NH):
         s = ctx.spec
-        b = encode(g_NH.contiguous(), s.grad_wire)
-        b = _a2a(b, s.ep_group, s.ep_recv, s.ep_send)
-        b = _gather_v(b, s.etp_group, s.etp_sizes)
-        gx, _ = decode(b, s.grad_wire, s.hidden_size, s.dtype)
-        return gx, None
+        parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send)
+        parts = _gather_all(parts, s.etp_group, s.etp_sizes)
+        return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
 
 
 def dispatch_exchange(

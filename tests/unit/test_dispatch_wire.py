@@ -7,15 +7,15 @@ from folding.moe.wire import check_wire, decode, encode, payload_bytes_per_row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_none_wire_is_bit_exact_with_probs(dtype):
+def test_none_wire_is_bit_exact_and_copies_nothing(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 6, generator=g).to(dtype)
-    p = torch.rand(5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    b = encode(x, "none", p)
-    # row = H elements of the dtype + one probability in its own dtype
-    assert b.dtype == torch.uint8 and b.shape == (5, 6 * x.element_size() + p.element_size())
-    x2, p2 = decode(b, "none", 6, dtype, p.dtype)
-    assert torch.equal(x2, x) and torch.equal(p2, p)
+    (b,) = encode(x, "none")
+    # one part: the rows' own bytes, H elements of the dtype per row, a view of x (no copy)
+    assert b.dtype == torch.uint8 and b.shape == (5, 6 * x.element_size())
+    assert b.data_ptr() == x.data_ptr()
+    x2 = decode([b.clone()], "none", 6, dtype)
+    assert torch.equal(x2, x)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
@@ -24,12 +24,11 @@ def test_quantized_wire_error_and_bytes(fmt):
     H = 64
     # magnitudes spread over 2^-3 .. 2^3 inside each row: stays in e4m3's normal range after scaling
     x = torch.randn(7, H, generator=g) * torch.exp2(torch.randint(-3, 4, (7, H), generator=g).float())
-    p = torch.rand(7, generator=g)
-    b = encode(x, fmt, p)
-    assert b.shape[1] == payload_bytes_per_row(fmt, H, torch.float32) + 4
+    parts = encode(x, fmt)
+    assert all(q.dtype == torch.uint8 for q in parts)
+    assert sum(q.shape[1] for q in parts) == payload_bytes_per_row(fmt, H, torch.float32)
     assert payload_bytes_per_row(fmt, H, torch.float32) == (H + 4 if fmt == "fp8" else H + H // 32)
-    x2, p2 = decode(b, fmt, H, torch.float32, torch.float32)
-    assert torch.equal(p2, p)  # probabilities are never quantized
+    x2 = decode(parts, fmt, H, torch.float32)
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 on normals, plus half a subnormal step
     # (2^-10 * scale) for the smallest values of a block/row; scale <= 2 * amax / 448
     amax = x.abs().amax(1, keepdim=True)
@@ -42,11 +41,11 @@ def test_quantized_wire_error_and_bytes(fmt):
 def test_zero_rows_round_trip(fmt):
     # a rank that receives no tokens encodes and decodes an empty [0, H] block
     x = torch.empty(0, 64)
-    p = torch.empty(0)
-    b = encode(x, fmt, p)
-    assert b.shape == (0, payload_bytes_per_row(fmt, 64, torch.float32) + 4)
-    x2, p2 = decode(b, fmt, 64, torch.float32, torch.float32)
-    assert x2.shape == (0, 64) and p2.shape == (0,)
+    parts = encode(x, fmt)
+    assert all(q.shape[0] == 0 for q in parts)
+    assert sum(q.shape[1] for q in parts) == payload_bytes_per_row(fmt, 64, torch.float32)
+    x2 = decode(parts, fmt, 64, torch.float32)
+    assert x2.shape == (0, 64)
 
 
 def test_mxfp8_halves_bf16_bytes():
