@@ -118,8 +118,8 @@ def unpermute(
         raise ValueError(f"unpermute: {rows_NH.shape[0]} rows but {token_idx_N.shape[0]} indices")
     if probs_N is not None:
         rows_NH = rows_NH * probs_N.unsqueeze(1).to(rows_NH.dtype)
-    out_TH = rows_NH.new_zeros((num_tokens,) + tuple(rows_NH.shape[1:]))
-    return out_TH.index_add(0, token_idx_N, rows_NH)
+    # in place into a fresh zero buffer: the out-of-place index_add would copy the zeros once more
+    return rows_NH.new_zeros((num_tokens,) + tuple(rows_NH.shape[1:])).index_add_(0, token_idx_N, rows_NH)
 
 
 def chunk_permutation(split_sizes: Sequence[int], sorted_idxs: Sequence[int]) -> List[int]:
