@@ -44,14 +44,32 @@ from .permute import (
     sort_chunks_by_idxs,
     unpermute,
 )
-from .wire import ExchangeSpec, combine_exchange, dispatch_exchange, payload_bytes_per_row
+from .wire import (
+    ExchangeSpec,
+    combine_exchange,
+    dispatch_exchange,
+    etp_gather,
+    etp_reduce_scatter,
+    payload_bytes_per_row,
+)
 
 
 class AllToAllDispatcher(TokenDispatcher):
-    """All-to-all dispatcher (see the module docstring); arguments as :class:`TokenDispatcher`."""
+    """All-to-all dispatcher (see the module docstring); arguments as :class:`TokenDispatcher`, plus:
 
-    def __init__(self, **kwargs):
+    Args:
+        megatron_stages: where the ETP exchange runs. ``False`` (default): inside ``token_dispatch`` /
+            ``token_combine``, next to the EP all-to-all, so a quantized dispatch wire crosses ETP still
+            encoded. ``True``: Megatron-Core's split, the ETP all-gather in ``dispatch_postprocess``
+            and the ETP reduce-scatter in ``combine_preprocess`` (``token_dispatch`` / ``token_combine``
+            then hold only the EP all-to-all), for code that overlaps work with a given stage. The
+            results are bitwise the same; only the stage that holds the ETP communication, and with a
+            quantized wire the ETP bytes (decoded rows), differ.
+    """
+
+    def __init__(self, *, megatron_stages: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.megatron_stages = bool(megatron_stages)
         self._plan: Optional[AllToAllPlan] = None
         self._counts_dev: Optional[torch.Tensor] = None
 
@@ -122,7 +140,7 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_group=self.etp_group,
             ep_send=p.input_splits,
             ep_recv=p.output_splits,
-            etp_sizes=p.etp_sizes,
+            etp_sizes=[p.etp_sizes[self.etp_rank]] if self.megatron_stages else p.etp_sizes,
             wire=wire,
             grad_wire=self.grad_wire,
             hidden_size=self._hidden_size,
@@ -131,16 +149,20 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def token_dispatch(self, hidden, probs):
         """EP all-to-all then ETP all-gather of rows and probabilities (the host sync happens here when
-        dropless). Returns rank-major ``(rows, probs)``."""
+        dropless; the all-gather waits for ``dispatch_postprocess`` with ``megatron_stages``). Returns
+        rank-major ``(rows, probs)``."""
         if self._plan is None:
             self._read_counts()
         self._record_stats()
         return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire))
 
     def dispatch_postprocess(self, hidden, probs):
-        """Sort rank-major chunks expert-major. Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
+        """(ETP all-gather with ``megatron_stages``, then) sort rank-major chunks expert-major. Returns
+        ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
         self._shared_fc1(hidden)
         p = self._plan
+        if self.megatron_stages:
+            hidden, probs = etp_gather(hidden, probs, self.etp_group, p.etp_sizes)
         if not self._sorted:
             hidden = sort_chunks_by_idxs(hidden, p.chunk_sizes, p.sort_idxs)
             probs = None if probs is None else sort_chunks_by_idxs(probs, p.chunk_sizes, p.sort_idxs)
@@ -155,14 +177,18 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # -------------------------------------------------------------------------------- combine
     def combine_preprocess(self, out):
-        """Undo the expert-major sort (back to rank-major chunks)."""
+        """Undo the expert-major sort (back to rank-major chunks); then, with ``megatron_stages``, the
+        ETP reduce-scatter."""
         p = self._plan
         if not self._sorted:
             out = sort_chunks_by_idxs(out, [p.chunk_sizes[i] for i in p.sort_idxs], inverse_order(p.sort_idxs))
+        if self.megatron_stages:
+            out = etp_reduce_scatter(out, self.etp_group, p.etp_sizes)
         return out
 
     def token_combine(self, out):
-        """ETP reduce-scatter of partial outputs, then the reverse EP all-to-all."""
+        """ETP reduce-scatter of partial outputs (already done with ``megatron_stages``), then the
+        reverse EP all-to-all."""
         return combine_exchange(out, self._spec(self.combine_wire))
 
     def combine_postprocess(self, out):
@@ -187,7 +213,8 @@ class AllToAllDispatcher(TokenDispatcher):
             "ep_combine_bytes": remote_recv * comb,
             # unquantized floor: one row per remote (token, expert) pair, each way
             "ep_floor_bytes": (p.remote_rows + remote_recv) * H * elem,
-            "etp_allgather_bytes": p.etp_sizes[me] * disp * (self.etp_size - 1),
+            # the encoded rows, or with megatron_stages the decoded ones, plus nothing for probabilities
+            "etp_allgather_bytes": p.etp_sizes[me] * (H * elem if self.megatron_stages else disp) * (self.etp_size - 1),
             "etp_reduce_scatter_bytes": (sum(p.etp_sizes) - p.etp_sizes[me]) * H * elem,
             "tokens_per_expert": list(p.tokens_per_expert),
         }

@@ -5,7 +5,8 @@ dispatcher was built with, builds the matching folding dispatcher (all-to-all or
 dropping or pad-to-capacity), hands it the shared expert when Megatron-Core's
 ``moe_shared_expert_overlap`` is on (the layer then expects the dispatcher to compute it), and sets
 it as ``layer.token_dispatcher``. Everything Megatron-Core asks of a dispatcher is there: the six
-stages, ``set_shared_experts``, the CUDA-graph attributes, and the inference toggles
+stages (the all-to-all dispatcher with its ETP all-gather / reduce-scatter in ``dispatch_postprocess`` /
+``combine_preprocess``, as Megatron-Core places them), ``set_shared_experts``, the CUDA-graph attributes, and the inference toggles
 (``drop_and_pad``, ``moe_expert_capacity_factor``). A setting folding's dispatchers do not implement
 fails here, naming it, instead of giving other numbers later. Megatron-Core is not imported: the
 layer is read by attribute.
@@ -49,10 +50,14 @@ def _unsupported(config) -> Optional[str]:
     return None
 
 
-def replace_dispatcher(layer, *, kind: Optional[str] = None, **wires) -> TokenDispatcher:
+def replace_dispatcher(layer, *, kind: Optional[str] = None, megatron_stages: bool = True, **wires) -> TokenDispatcher:
     """Set ``layer.token_dispatcher`` (a Megatron-Core ``MoELayer``) to folding's dispatcher with the
     layer's settings and groups; returns it. ``kind`` defaults to the layer's
     ``moe_token_dispatcher_type``; ``wires`` are ``dispatch_wire`` / ``combine_wire`` / ``grad_wire``.
+    ``megatron_stages`` (all-to-all only) puts the ETP all-gather / reduce-scatter in
+    ``dispatch_postprocess`` / ``combine_preprocess`` as Megatron-Core does (the default here, so that
+    code overlapping work with a stage sees the same split); ``False`` keeps them next to the EP
+    all-to-all (:class:`~folding.moe.dispatcher_alltoall.AllToAllDispatcher`).
     Raises ``ValueError`` naming the setting for a feature folding's dispatchers do not implement."""
     config = layer.config
     why = _unsupported(config)
@@ -69,6 +74,7 @@ def replace_dispatcher(layer, *, kind: Optional[str] = None, **wires) -> TokenDi
         num_local_experts=getattr(old, "num_local_experts", None),
         capacity_factor=config.moe_expert_capacity_factor,
         pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
+        **({"megatron_stages": megatron_stages} if kind == "alltoall" else {}),
         **wires,
     )
     if getattr(layer, "shared_expert_overlap", False) and getattr(layer, "shared_experts", None) is not None:

@@ -134,8 +134,8 @@ def _a2a_all(parts: Sequence[torch.Tensor], group, recv: List[int], send: List[i
 
 def _gather_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[torch.Tensor]:
     """All-gather along dim 0 of every part, where rank ``i`` holds ``sizes[i]`` rows (padded
-    all-gathers, issued together and waited once)."""
-    n = _size(group)
+    all-gathers, issued together and waited once). One size means no ETP exchange."""
+    n = len(sizes)
     if n == 1:
         return list(parts)
     m = max(sizes)
@@ -157,8 +157,9 @@ def _gather_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[
 
 def _reduce_scatter_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[torch.Tensor]:
     """Sum every part over the group; rank ``i`` keeps rows ``[sum(sizes[:i]), sum(sizes[:i+1]))``
-    (an all-to-all of the blocks, issued together for all parts, then a local sum)."""
-    n = _size(group)
+    (an all-to-all of the blocks, issued together for all parts, then a local sum). One size means
+    no ETP exchange."""
+    n = len(sizes)
     if n == 1:
         return list(parts)
     me = group_rank(group)
@@ -179,7 +180,8 @@ class ExchangeSpec:
     ep_recv: List[int]
     """Rows this rank receives from each EP rank on dispatch."""
     etp_sizes: List[int]
-    """Rows each ETP rank holds after the EP all-to-all."""
+    """Rows each ETP rank holds after the EP all-to-all; a single entry (this rank's) leaves the ETP
+    exchange out of this message (it then runs apart: :func:`etp_gather`, :func:`etp_reduce_scatter`)."""
     wire: str
     """Format of the forward message."""
     grad_wire: str
@@ -218,7 +220,7 @@ class _Dispatch(torch.autograd.Function):
             g_NH = torch.zeros((rows, s.hidden_size), dtype=s.dtype)
         if pdt is not None and gp_N is None:
             gp_N = torch.zeros(rows, dtype=pdt, device=g_NH.device)
-        if _size(s.etp_group) > 1:
+        if len(s.etp_sizes) > 1:
             # the ETP ranks hold partial gradients of the same rows: sum them (16-bit ones in fp32)
             low = s.dtype in (torch.bfloat16, torch.float16)
             red = _reduce_scatter_all([g_NH.float() if low else g_NH] + _probs_part(gp_N), s.etp_group, s.etp_sizes)
@@ -248,6 +250,58 @@ class _Combine(torch.autograd.Function):
         parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send)
         parts = _gather_all(parts, s.etp_group, s.etp_sizes)
         return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
+
+
+class _EtpGather(torch.autograd.Function):
+    """Forward: ETP all-gather-v of rows and probabilities (activation dtype).
+    Backward: ETP reduce-scatter-v of their gradients (16-bit rows summed in fp32)."""
+
+    @staticmethod
+    def forward(ctx, rows_NH, probs_N, group, sizes: List[int]):
+        ctx.group, ctx.sizes, ctx.has_probs = group, sizes, probs_N is not None
+        parts = _gather_all([rows_NH.contiguous()] + _probs_part(probs_N), group, sizes)
+        return parts[0], (parts[1].reshape(-1) if ctx.has_probs else None)
+
+    @staticmethod
+    def backward(ctx, g_NH, gp_N):
+        low = g_NH.dtype in (torch.bfloat16, torch.float16)
+        gp = _probs_part(gp_N) if ctx.has_probs else []  # autograd materializes unused gradients as zeros
+        red = _reduce_scatter_all([g_NH.float() if low else g_NH] + gp, ctx.group, ctx.sizes)
+        return red[0].to(g_NH.dtype), (red[1].reshape(-1) if ctx.has_probs else None), None, None
+
+
+class _EtpReduceScatter(torch.autograd.Function):
+    """Forward: ETP reduce-scatter-v (sum of the ETP ranks' partial outputs, activation dtype).
+    Backward: ETP all-gather-v of the gradient."""
+
+    @staticmethod
+    def forward(ctx, out_NH, group, sizes: List[int]):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_all([out_NH], group, sizes)[0]
+
+    @staticmethod
+    def backward(ctx, g_NH):
+        return _gather_all([g_NH.contiguous()], ctx.group, ctx.sizes)[0], None, None
+
+
+def etp_gather(
+    rows_NH: torch.Tensor, probs_N: Optional[torch.Tensor], etp_group, sizes: List[int]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The ETP half of a dispatch on its own, in the activation dtype (Megatron-Core's placement, in
+    ``dispatch_postprocess``). Forward: all-gather-v over ``etp_group`` (rank ``i`` holds ``sizes[i]``
+    rows). Backward: reduce-scatter-v of the gradients (the ETP ranks' partial gradients summed)."""
+    if group_size(etp_group) == 1:
+        return rows_NH, probs_N
+    return _EtpGather.apply(rows_NH, probs_N, etp_group, list(sizes))
+
+
+def etp_reduce_scatter(out_NH: torch.Tensor, etp_group, sizes: List[int]) -> torch.Tensor:
+    """The ETP half of a combine on its own (Megatron-Core's placement, in ``combine_preprocess``).
+    Forward: reduce-scatter-v over ``etp_group`` (sums partial outputs; rank ``i`` keeps ``sizes[i]``
+    rows). Backward: all-gather-v of the gradient."""
+    if group_size(etp_group) == 1:
+        return out_NH
+    return _EtpReduceScatter.apply(out_NH, etp_group, list(sizes))
 
 
 def dispatch_exchange(

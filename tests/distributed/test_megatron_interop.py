@@ -60,12 +60,19 @@ def _routing(T, mode, gen):
 
 
 def _stages(d, x, rmap, probs, w):
-    """The six stages with a differentiable stand-in expert; returns every intermediate."""
+    """The six stages with a differentiable stand-in expert: the final results, and what each stage
+    hands the next (``token_dispatch``'s rows and probabilities, ``combine_preprocess``'s rows,
+    ``token_combine``'s rows)."""
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
+    handed = [h.detach().clone(), p.detach().clone()]
     rows, tpe, rp = d.dispatch_postprocess(h, p)
-    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * w + rp.unsqueeze(-1))))
-    return rows, torch.as_tensor(tpe).tolist(), rp, out
+    c = d.combine_preprocess(rows * w + rp.unsqueeze(-1))
+    handed.append(c.detach().clone())
+    c = d.token_combine(c)
+    handed.append(c.detach().clone())
+    out = d.combine_postprocess(c)
+    return (rows, torch.as_tensor(tpe).tolist(), rp, out), handed
 
 
 def _dispatchers_alone(lay, modes):
@@ -85,8 +92,7 @@ def _dispatchers_alone(lay, modes):
         for mode in modes:
             cfg = _config(lay, mode)
             md = MoEAlltoAllTokenDispatcher(L, list(range(first, first + L)), cfg, pg_collection=pgs)
-            fd = build_dispatcher(
-                "alltoall",
+            kw = dict(
                 num_experts=E,
                 topk=K,
                 ep_group=md.ep_group,
@@ -94,20 +100,38 @@ def _dispatchers_alone(lay, modes):
                 capacity_factor=cfg.moe_expert_capacity_factor,
                 pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
             )
+            # ETP next to the EP all-to-all (the default), and at Megatron-Core's stage boundaries
+            fd = build_dispatcher("alltoall", **kw)
+            fd_stages = build_dispatcher("alltoall", megatron_stages=True, **kw)
             gen = torch.Generator().manual_seed(100 + dist.get_rank())
             T = S * B // lay["tp"]
             x0 = torch.randn(T, H, generator=gen)
             probs0, rmap = _routing(T, mode, gen)
             g = torch.randn(T, H, generator=gen)
-            res = []
-            for d in (md, fd):
+            res, handed = [], []
+            for d in (md, fd, fd_stages):
                 x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-                rows, tpe, rp, y = _stages(d, x, rmap, probs, 1.5)
+                (rows, tpe, rp, y), between = _stages(d, x, rmap, probs, 1.5)
                 (y * g).sum().backward()
                 res.append((rows.detach(), tpe, rp.detach(), y.detach(), x.grad, probs.grad))
+                handed.append(between)
             names = ("rows", "tokens_per_expert", "probs", "output", "x.grad", "probs.grad")
-            diff = [n for n, a, b in zip(names, *res) if not (a == b if isinstance(a, list) else torch.equal(a, b))]
-            out.append((mode, diff, res[1][1]))
+
+            def differ(a_res, b_res):
+                return [
+                    n
+                    for n, a, b in zip(names, a_res, b_res)
+                    if not (a == b if isinstance(a, list) else torch.equal(a, b))
+                ]
+
+            stage_names = ("token_dispatch rows", "token_dispatch probs", "combine_preprocess", "token_combine")
+            diff = differ(res[0], res[1]) + [f"megatron_stages {n}" for n in differ(res[0], res[2])]
+            diff += [
+                f"megatron_stages {n}" for n, a, b in zip(stage_names, handed[0], handed[2]) if not torch.equal(a, b)
+            ]
+            # the default placement hands on other rows wherever ETP > 1: the stage check has teeth
+            moved = not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(handed[0], handed[1]))
+            out.append((mode, diff, res[1][1], moved))
     finally:
         destroy_megatron()
     return out
@@ -116,9 +140,10 @@ def _dispatchers_alone(lay, modes):
 @pytest.mark.parametrize("li", range(len(LAYOUTS)))
 def test_alltoall_dispatcher_is_bitwise_megatrons(ranks, li):
     for rank_result in ranks(4).run(_dispatchers_alone, LAYOUTS[li], MODES):
-        for mode, diff, tpe in rank_result:
+        for mode, diff, tpe, moved in rank_result:
             assert diff == [], f"{LAYOUTS[li]} {mode}: differs in {diff}"
             assert sum(tpe) > 0
+            assert moved == (LAYOUTS[li]["etp"] > 1), (LAYOUTS[li], mode)
 
 
 def _layer_swap(lay, cases):
