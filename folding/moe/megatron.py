@@ -6,10 +6,10 @@ dropping or pad-to-capacity), hands it the shared expert when Megatron-Core's
 ``moe_shared_expert_overlap`` is on (the layer then expects the dispatcher to compute it), and sets
 it as ``layer.token_dispatcher``. Everything Megatron-Core asks of a dispatcher is there: the six
 stages (the all-to-all dispatcher with its ETP all-gather / reduce-scatter in ``dispatch_postprocess`` /
-``combine_preprocess``, as Megatron-Core places them), ``set_shared_experts``, the CUDA-graph attributes, and the inference toggles
-(``drop_and_pad``, ``moe_expert_capacity_factor``). A setting folding's dispatchers do not implement
-fails here, naming it, instead of giving other numbers later. Megatron-Core is not imported: the
-layer is read by attribute.
+``combine_preprocess``, as Megatron-Core places them), ``set_shared_experts``, the CUDA-graph
+attributes, and the inference toggles (``drop_and_pad``, ``moe_expert_capacity_factor``). A setting
+folding's dispatchers do not implement fails here, naming it, instead of giving other numbers later.
+Megatron-Core is not imported: the layer is read by attribute.
 
 Usage::
 
