@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..parallel.collectives import all_gather_nograd
+from ..parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
 from .dispatcher_base import TokenDispatcher
 from .permute import (
@@ -72,6 +72,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self.megatron_stages = bool(megatron_stages)
         self._plan: Optional[AllToAllPlan] = None
         self._counts_dev: Optional[torch.Tensor] = None
+        self._counts_work = None  # the EP count all-gather in flight
 
     # ------------------------------------------------------------------------------- dispatch
     def dispatch_preprocess(self, hidden, routing_map, probs):
@@ -81,7 +82,7 @@ class AllToAllDispatcher(TokenDispatcher):
         self._hidden_shape, self._hidden_size, self._dtype = hidden.shape, H, hidden.dtype
         tokens_TH = hidden.reshape(-1, H)
         T = tokens_TH.shape[0]
-        self._num_tokens, self._plan, self._counts_dev = T, None, None
+        self._num_tokens, self._plan, self._counts_dev, self._counts_work = T, None, None, None
         E = self.num_experts
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, E, self.capacity_factor)
@@ -90,7 +91,10 @@ class AllToAllDispatcher(TokenDispatcher):
             return out, probs_N
         counts_E = routing_map.sum(0)
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
-        self._counts_dev = all_gather_nograd(counts_ETP_E, self.ep_group, stack=True)  # [EP, ETP, E]
+        if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
+            self._counts_dev, self._counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
+        else:
+            self._counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
             num_out = T * self.topk  # static: the sync is deferred to token_dispatch
         else:
@@ -100,6 +104,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return out, probs_N
 
     def _read_counts(self) -> None:
+        if self._counts_work is not None:
+            self._counts_work.wait()
+            self._counts_work = None
         counts = host_sync.to_host(self._counts_dev, reason="alltoall splits")
         if self.dropless:
             self._check_dropless(counts)
