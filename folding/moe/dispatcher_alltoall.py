@@ -50,6 +50,7 @@ from .wire import (
     dispatch_exchange,
     etp_gather,
     etp_reduce_scatter,
+    padded_chunks,
     payload_bytes_per_row,
 )
 
@@ -140,7 +141,13 @@ class AllToAllDispatcher(TokenDispatcher):
         self._sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
         self.tokens_per_expert_host = list(plan.tokens_per_expert)
 
-    def _spec(self, wire: str) -> ExchangeSpec:
+    def _padded(self) -> bool:
+        """Whether the dispatch hands its ETP-gathered rows on in padded blocks (uneven ETP sizes,
+        ETP exchanged in ``token_dispatch``): the expert-major sort then drops the padding."""
+        sizes = self._plan.etp_sizes
+        return not self.megatron_stages and len(set(sizes)) > 1
+
+    def _spec(self, wire: str, etp_padded: bool = False) -> ExchangeSpec:
         p = self._plan
         return ExchangeSpec(
             ep_group=self.ep_group,
@@ -152,6 +159,7 @@ class AllToAllDispatcher(TokenDispatcher):
             grad_wire=self.grad_wire,
             hidden_size=self._hidden_size,
             dtype=self._dtype,
+            etp_padded=etp_padded,
         )
 
     def token_dispatch(self, hidden, probs):
@@ -161,7 +169,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if self._plan is None:
             self._read_counts()
         self._record_stats()
-        return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire))
+        return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire, etp_padded=self._padded()))
 
     def dispatch_postprocess(self, hidden, probs):
         """(ETP all-gather with ``megatron_stages``, then) sort rank-major chunks expert-major. Returns
@@ -170,9 +178,12 @@ class AllToAllDispatcher(TokenDispatcher):
         p = self._plan
         if self.megatron_stages:
             hidden, probs = etp_gather(hidden, probs, self.etp_group, p.etp_sizes)
-        if not self._sorted:
-            hidden = sort_chunks_by_idxs(hidden, p.chunk_sizes, p.sort_idxs)
-            probs = None if probs is None else sort_chunks_by_idxs(probs, p.chunk_sizes, p.sort_idxs)
+        sizes, order = p.chunk_sizes, p.sort_idxs
+        if self._padded():  # one copy both drops the ETP padding and sorts
+            sizes, order = padded_chunks(sizes, order, p.etp_sizes)
+        if self._padded() or not self._sorted:
+            hidden = sort_chunks_by_idxs(hidden, sizes, order)
+            probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
         return hidden, self._device_tokens_per_expert(hidden.device), probs
 
     def _device_tokens_per_expert(self, device) -> torch.Tensor:

@@ -108,33 +108,46 @@ def _size(group) -> int:
     return group_size(group)
 
 
-def _a2a_all(parts: Sequence[torch.Tensor], group, recv: List[int], send: List[int]) -> List[torch.Tensor]:
+def _a2a_all(
+    parts: Sequence[torch.Tensor], group, recv: List[int], send: List[int], rows: Optional[int] = None
+) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd): all are issued before
-    any is waited on, so the parts of one message cost one synchronization, not one each."""
-    if _size(group) == 1:
+    any is waited on, so the parts of one message cost one synchronization, not one each. With
+    ``rows`` (>= ``sum(recv)``) each output has that many rows, the received ones first (the rest
+    uninitialized): a padded buffer the ETP all-gather can send as it is."""
+    if _size(group) == 1 and rows is None:
         return list(parts)
+    n_in = sum(recv)
     outs, works = [], []
     for x in parts:
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        works.append(
-            dist.all_to_all_single(
-                out,
-                x.contiguous(),
-                output_split_sizes=list(recv),
-                input_split_sizes=list(send),
-                group=group,
-                async_op=True,
+        out = x.new_empty((max(n_in, rows or 0),) + tuple(x.shape[1:]))
+        if _size(group) == 1:
+            out[:n_in].copy_(x)
+        else:
+            works.append(
+                dist.all_to_all_single(
+                    out[:n_in],
+                    x.contiguous(),
+                    output_split_sizes=list(recv),
+                    input_split_sizes=list(send),
+                    group=group,
+                    async_op=True,
+                )
             )
-        )
         outs.append(out)
     for w in works:
         w.wait()
     return outs
 
 
-def _gather_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[torch.Tensor]:
+def _gather_all(
+    parts: Sequence[torch.Tensor], group, sizes: List[int], keep_padding: bool = False
+) -> List[torch.Tensor]:
     """All-gather along dim 0 of every part, where rank ``i`` holds ``sizes[i]`` rows (padded
-    all-gathers, issued together and waited once). One size means no ETP exchange."""
+    all-gathers, issued together and waited once). A part may arrive already padded to
+    ``max(sizes)`` rows. ``keep_padding`` returns the padded ``[n·max(sizes)]`` blocks (rank ``i``'s
+    rows first in block ``i``, the rest undefined) for a caller that drops the padding in a copy it
+    makes anyway. One size means no ETP exchange."""
     n = len(sizes)
     if n == 1:
         return list(parts)
@@ -150,7 +163,7 @@ def _gather_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) -> List[
         outs.append(out)
     for w in works:
         w.wait()
-    if all(s == m for s in sizes):
+    if keep_padding or all(s == m for s in sizes):
         return outs
     return [torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0) for out in outs]
 
@@ -190,6 +203,10 @@ class ExchangeSpec:
     """H."""
     dtype: torch.dtype
     """Activation dtype (what decode returns)."""
+    etp_padded: bool = False
+    """Dispatch only: return the ETP-gathered rows in padded blocks of ``max(etp_sizes)`` rows per
+    ETP rank (see :func:`padded_chunks`), so that the dispatcher's expert-major sort drops the
+    padding in the copy it makes anyway; the gradient comes back in the same layout."""
 
 
 def _probs_part(probs_N: Optional[torch.Tensor]) -> List[torch.Tensor]:
@@ -206,26 +223,25 @@ class _Dispatch(torch.autograd.Function):
         ctx.spec = spec
         ctx.probs_dtype = None if probs_N is None else probs_N.dtype
         parts = list(encode(rows_NH, spec.wire)) + _probs_part(probs_N)
-        parts = _a2a_all(parts, spec.ep_group, spec.ep_recv, spec.ep_send)
-        parts = _gather_all(parts, spec.etp_group, spec.etp_sizes)
+        m = max(spec.etp_sizes) if len(spec.etp_sizes) > 1 else None  # receive straight into the padded block
+        parts = _a2a_all(parts, spec.ep_group, spec.ep_recv, spec.ep_send, rows=m)
+        parts = _gather_all(parts, spec.etp_group, spec.etp_sizes, keep_padding=spec.etp_padded)
         if probs_N is None:
             return decode(parts, spec.wire, spec.hidden_size, spec.dtype), None
         return decode(parts[:-1], spec.wire, spec.hidden_size, spec.dtype), parts[-1].reshape(-1)
 
     @staticmethod
     def backward(ctx, g_NH, gp_N):
-        s, pdt = ctx.spec, ctx.probs_dtype
-        rows = sum(s.etp_sizes)
-        if g_NH is None:
-            g_NH = torch.zeros((rows, s.hidden_size), dtype=s.dtype)
-        if pdt is not None and gp_N is None:
-            gp_N = torch.zeros(rows, dtype=pdt, device=g_NH.device)
+        s, pdt = ctx.spec, ctx.probs_dtype  # autograd materializes unused gradients as zeros
         if len(s.etp_sizes) > 1:
-            # the ETP ranks hold partial gradients of the same rows: sum them (16-bit ones in fp32)
+            # the ETP ranks hold partial gradients of the same rows: sum them (16-bit ones in fp32);
+            # in the padded layout every block has max(sizes) rows, this rank's come first in its own
             low = s.dtype in (torch.bfloat16, torch.float16)
-            red = _reduce_scatter_all([g_NH.float() if low else g_NH] + _probs_part(gp_N), s.etp_group, s.etp_sizes)
-            g_NH = red[0].to(s.dtype)
-            gp_N = None if gp_N is None else red[1].reshape(-1)
+            me, m = group_rank(s.etp_group), max(s.etp_sizes)
+            sizes = [m] * len(s.etp_sizes) if s.etp_padded else s.etp_sizes
+            red = _reduce_scatter_all([g_NH.float() if low else g_NH] + _probs_part(gp_N), s.etp_group, sizes)
+            g_NH = red[0][: s.etp_sizes[me]].to(s.dtype)
+            gp_N = None if gp_N is None else red[1][: s.etp_sizes[me]].reshape(-1)
         parts = list(encode(g_NH, s.grad_wire)) + _probs_part(gp_N)
         parts = _a2a_all(parts, s.ep_group, s.ep_send, s.ep_recv)
         if pdt is None:
@@ -302,6 +318,19 @@ def etp_reduce_scatter(out_NH: torch.Tensor, etp_group, sizes: List[int]) -> tor
     if group_size(etp_group) == 1:
         return out_NH
     return _EtpReduceScatter.apply(out_NH, etp_group, list(sizes))
+
+
+def padded_chunks(chunk_sizes: Sequence[int], order: Sequence[int], etp_sizes: Sequence[int]):
+    """Chunk sizes and order over the padded ETP blocks of :attr:`ExchangeSpec.etp_padded`: after
+    each ETP rank's ``len(chunk_sizes) / ETP`` chunks comes a padding chunk of ``max(etp_sizes) -
+    etp_sizes[j]`` rows, which ``order`` (re-indexed) leaves out. Returns ``(sizes, order)`` for
+    :func:`folding.moe.permute.sort_chunks_by_idxs`."""
+    n, m = len(etp_sizes), max(etp_sizes)
+    per = len(chunk_sizes) // n
+    sizes: List[int] = []
+    for j in range(n):
+        sizes += list(chunk_sizes[j * per : (j + 1) * per]) + [m - etp_sizes[j]]
+    return sizes, [c + c // per for c in order]
 
 
 def dispatch_exchange(

@@ -63,3 +63,17 @@ def test_check_wire_errors_name_the_setting():
     with pytest.raises(ValueError, match=r"moe.grad_wire='fp8' quantizes from fp32/bf16/fp16"):
         check_wire("moe.grad_wire", "fp8", torch.float64, 64)
     check_wire("moe.dispatch_wire", "fp8", torch.bfloat16, 48)  # fp8 rowwise has no block constraint
+
+
+def test_padded_chunks_skip_the_etp_padding():
+    from folding.moe.permute import sort_chunks_by_idxs
+    from folding.moe.wire import padded_chunks
+
+    # 2 ETP ranks x 2 chunks each: rank 0 holds chunks of 1 and 2 rows (3 rows), rank 1 of 2 and 3
+    # (5 rows); gathered in padded blocks of 5 rows, so 2 padding rows follow rank 0's chunks
+    sizes, order = padded_chunks([1, 2, 2, 3], [0, 2, 1, 3], [3, 5])
+    assert sizes == [1, 2, 2, 2, 3, 0] and order == [0, 3, 1, 4]
+    # rows labelled by (chunk, i); padding rows are -1
+    x = torch.tensor([0, 1, 1, -1, -1, 2, 2, 3, 3, 3], dtype=torch.float32).unsqueeze(1)
+    got = sort_chunks_by_idxs(x, sizes, order).squeeze(1).tolist()
+    assert got == [0, 2, 2, 1, 1, 3, 3, 3]  # chunks 0, 2, 1, 3 and no padding row
