@@ -263,7 +263,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_NH):
         s = ctx.spec
-        parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send)
+        m = max(s.etp_sizes) if len(s.etp_sizes) > 1 else None  # receive straight into the padded block
+        parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m)
         parts = _gather_all(parts, s.etp_group, s.etp_sizes)
         return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
 
