@@ -54,9 +54,9 @@ class ModelConfig:
     width, router, capacity, losses, dispatcher, experts' backend, shared expert), the one record of
     them; the Hydra keys ``moe.*``."""
     decoder_sparse_step: int = 1
-    """Every ``decoder_sparse_step``-th layer is MoE (Qwen2-MoE: layer i is MoE when (i+1) % step == 0)."""
+    """Every ``decoder_sparse_step``-th layer is MoE (Qwen2/Qwen3-MoE: layer i is MoE when (i+1) % step == 0)."""
     mlp_only_layers: Tuple[int, ...] = ()
-    """Layer indices that use a dense MLP whatever the sparse step (Qwen2-MoE)."""
+    """Layer indices that use a dense MLP whatever the sparse step (Qwen2-MoE, Qwen3-MoE)."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (Qwen2-MoE)."""
     qk_norm: QKNorm = "none"
