@@ -1,8 +1,9 @@
-"""Pretrain a Mixtral-style (or Qwen2-MoE) model with MoE Parallel Folding.
+"""Pretrain a Mixtral-style (or Qwen2-MoE, Qwen3-MoE, OLMoE) model with MoE Parallel Folding.
 
     torchrun --nproc-per-node 4 examples/pretrain_mixtral.py parallel.tp=2 parallel.ep=4 parallel.etp=1
     python examples/pretrain_mixtral.py model=qwen2_moe_tiny train.steps=20            # 1 process
     python examples/pretrain_mixtral.py recipes=mixtral_8x22b train.dry_run=true       # check a recipe
+    python examples/pretrain_mixtral.py model=qwen3_30b_a3b train.dry_run=true         # a preset's size
     torchrun --nproc-per-node 4 examples/pretrain_mixtral.py -m parallel.ep=1,2,4 parallel.etp=1
 
 Configuration: configs/ (Hydra), typed and validated by folding.training.config; see docs/training.md.

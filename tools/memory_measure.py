@@ -52,6 +52,10 @@ class ShapedModel(torch.nn.Module):
                 add(f"l{i}_qkv_weight", ((nq + 2 * nkv) * d // tp, h), tp_sharded=True, tp_dim=0)
                 if s.qkv_bias:
                     add(f"l{i}_qkv_bias", ((nq + 2 * nkv) * d // tp,), tp_sharded=True, tp_dim=0)
+                if s.qk_norm == "head":
+                    add(f"l{i}_qk_norm_weight", (2 * d,), sequence_parallel=True)
+                elif s.qk_norm == "full":
+                    add(f"l{i}_qk_norm_weight", ((nq + nkv) * d // tp,), tp_sharded=True, tp_dim=0)
                 add(f"l{i}_proj_weight", (h, nq * d // tp), tp_sharded=True, tp_dim=1)
             if i in s.dense_layers:
                 add(f"l{i}_dense_fc1_weight", (2 * s.ffn_hidden_size // tp, h), tp_sharded=True, tp_dim=0)

@@ -1,4 +1,4 @@
-"""Decoder-only MoE transformers (Mixtral, Qwen2-MoE): presets, the parallel model, HF checkpoints.
+"""Decoder-only MoE transformers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): presets, the parallel model, HF checkpoints.
 
 Usage::
 

@@ -3,11 +3,13 @@
 Input and output are sequence-parallel shards ``[S_cp/TP, B, H]`` where ``S_cp`` is this CP rank's
 share of the sequence. Steps: all-gather the sequence over TP (SP) fused with the q/k/v column-parallel
 projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads; only the shard is
-kept for backward, see :func:`~folding.model.linear.sp_column_linears`), RoPE at the
-tokens' true positions, all-gather K/V over CP (see :mod:`.context_parallel`), PyTorch SDPA (causal;
-under CP one call per local chunk with a lower-right causal bias over its prefix), and the row-parallel
-output projection reduce-scattered back to the sequence shard. Names follow Hugging Face (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``).
+kept for backward, see :func:`~folding.model.linear.sp_column_linears`), the optional q/k RMSNorm
+(``config.qk_norm``: per head, or over the whole projection with its sum of squares all-reduced over
+TP, see :mod:`.norm`), RoPE at the tokens' true positions, all-gather K/V over CP (see
+:mod:`.context_parallel`), PyTorch SDPA (causal; under CP one call per local chunk with a lower-right
+causal bias over its prefix), and the row-parallel output projection reduce-scattered back to the
+sequence shard. Names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+``q_norm``, ``k_norm``).
 
 Usage::
 
@@ -29,6 +31,7 @@ from ..parallel.collectives import group_size
 from .config import ModelConfig
 from .context_parallel import gather_kv
 from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
+from .norm import RMSNorm, ShardedRMSNorm
 from .rope import apply_rope
 
 
@@ -70,6 +73,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * d, H, init_std=output_init_std, name="attention output features", **kw
         )
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":  # Qwen3-MoE: one [head_dim] weight each, shared by all heads
+            self.q_norm = RMSNorm(d, eps=config.norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=config.norm_eps, device=device, dtype=dtype)
+        elif config.qk_norm == "full":  # OLMoE: over each token's whole q (k) projection output
+            self.q_norm = ShardedRMSNorm(
+                config.num_attention_heads * d, eps=config.norm_eps, name="query features", **kw
+            )
+            self.k_norm = ShardedRMSNorm(config.num_kv_heads * d, eps=config.norm_eps, name="key features", **kw)
 
     def forward(
         self,
@@ -84,8 +96,12 @@ class Attention(nn.Module):
         ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`)."""
         q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
         S, B, _ = q.shape  # S_cp: the TP-gathered sequence
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(S, B, self.heads, self.head_dim)
         k = k.view(S, B, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(S, B, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         # GQA without copying K/V: query head j attends with KV head j // (heads / kv_heads)

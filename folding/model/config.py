@@ -1,4 +1,4 @@
-"""Architecture of a decoder-only MoE transformer (Mixtral, Qwen2-MoE and kin) and its parameter count.
+"""Architecture of a decoder-only MoE transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and its parameter count.
 
 A :class:`ModelConfig` says *what* the model is, never how it is parallelized. Presets with the
 published hyper-parameters live in :mod:`folding.model.presets`.
@@ -20,8 +20,10 @@ from typing import Literal, Optional, Tuple, get_args
 
 from ..moe.config import MoEConfig
 
-Family = Literal["mixtral", "qwen2_moe"]
+Family = Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 FAMILIES = get_args(Family)
+QKNorm = Literal["none", "head", "full"]
+QK_NORMS = get_args(QKNorm)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,7 +33,8 @@ class ModelConfig:
     name: str
     """Preset name (``mixtral_8x7b``, ``mixtral_tiny``, ...)."""
     family: Family
-    """``mixtral`` or ``qwen2_moe``: selects the Hugging Face mapping and architectural details."""
+    """``mixtral``, ``qwen2_moe``, ``qwen3_moe`` or ``olmoe``: selects the Hugging Face mapping (tensor
+    names, ``config.json`` fields); the architecture itself is fixed by the other fields."""
     vocab_size: int
     """Vocabulary size of the tokenizer / checkpoint (before any padding for TP)."""
     hidden_size: int
@@ -51,11 +54,17 @@ class ModelConfig:
     width, router, capacity, losses, dispatcher, experts' backend, shared expert), the one record of
     them; the Hydra keys ``moe.*``."""
     decoder_sparse_step: int = 1
-    """Every ``decoder_sparse_step``-th layer is MoE (Qwen2-MoE: layer i is MoE when (i+1) % step == 0)."""
+    """Every ``decoder_sparse_step``-th layer is MoE (Qwen2/Qwen3-MoE: layer i is MoE when (i+1) % step == 0)."""
     mlp_only_layers: Tuple[int, ...] = ()
-    """Layer indices that use a dense MLP whatever the sparse step (Qwen2-MoE)."""
+    """Layer indices that use a dense MLP whatever the sparse step (Qwen2-MoE, Qwen3-MoE)."""
     qkv_bias: bool = False
     """Bias on the q/k/v projections (Qwen2-MoE)."""
+    qk_norm: QKNorm = "none"
+    """RMSNorm of the queries and keys after their projections, before RoPE: ``none``; ``head``
+    (Qwen3-MoE) normalizes each head's vector, one weight of size ``head_dim`` shared by all heads
+    (one for q, one for k); ``full`` (OLMoE) normalizes each token's whole q projection output
+    (weight ``num_attention_heads·head_dim``) and whole k projection output (weight
+    ``num_kv_heads·head_dim``), so under TP the sum of squares is all-reduced over the heads' ranks."""
     rope_theta: float = 10000.0
     """RoPE base."""
     max_position_embeddings: int = 4096
@@ -91,6 +100,8 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim"
             )
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={self.qk_norm!r}: choose one of {QK_NORMS}")
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"model.moe={self.moe!r} must be a folding.moe.config.MoEConfig")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size < 1:
@@ -120,13 +131,18 @@ class ModelConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def attention_params(self) -> int:
-        """Parameters of one attention block (q, k, v, o projections, q/k/v biases, input norm)."""
+        """Parameters of one attention block (q, k, v, o projections, q/k/v biases, q/k norms, input norm)."""
         d, h, kv = self.kv_channels, self.num_attention_heads, self.num_kv_heads
         H = self.hidden_size
         n = H * d * h + 2 * H * d * kv + d * h * H + H
         if self.qkv_bias:
             n += d * h + 2 * d * kv
-        return n
+        return n + self.qk_norm_params()
+
+    def qk_norm_params(self) -> int:
+        """Parameters of one attention block's q and k norms (0 with ``qk_norm="none"``)."""
+        d = self.kv_channels
+        return {"none": 0, "head": 2 * d, "full": (self.num_attention_heads + self.num_kv_heads) * d}[self.qk_norm]
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (SwiGLU: gate, up, down)."""

@@ -1,4 +1,4 @@
-"""Load and save Hugging Face Mixtral / Qwen2-MoE checkpoints in any layout.
+"""Load and save Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE checkpoints in any layout.
 
 ``from_hf(path)`` builds a 1-rank fp32 CPU model whose ``model(input_ids_BS)`` returns logits
 ``[B, S, V]``. ``from_hf(path, parallel_state=ps)`` builds the sharded model directly: every rank
@@ -101,6 +101,8 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
         H += [
             f"{L}.self_attn.{p}_proj.{k}" for p in "qkv" for k in (("weight", "bias") if cfg.qkv_bias else ("weight",))
         ]
+        if cfg.qk_norm != "none":
+            H += [f"{L}.self_attn.q_norm.weight", f"{L}.self_attn.k_norm.weight"]
         if not cfg.is_moe_layer(i):
             H += [f"{L}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
             continue

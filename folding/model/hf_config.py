@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral and Qwen2-MoE.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 Both rope spellings are read: transformers 4's top-level ``rope_theta`` and transformers 5's
 ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``. Features the engine does not
@@ -11,7 +11,11 @@ Hugging Face computes no auxiliary loss, and neither does the engine); override 
 
 Qwen2-MoE's router maps to ``moe.pre_softmax = not norm_topk_prob`` (softmax over all experts, then
 top-k; renormalizing the k probabilities equals the softmax of the k selected logits, which is
-``pre_softmax=False``); Mixtral's to post-softmax (``pre_softmax=False``).
+``pre_softmax=False``); Mixtral's to post-softmax (``pre_softmax=False``). Qwen3-MoE and OLMoE route
+like Qwen2-MoE (softmax over all experts, top-k, ``norm_topk_prob``) and have no shared expert.
+Qwen3-MoE normalizes q and k per head (``qk_norm="head"``), OLMoE over each token's whole q and k
+projection outputs (``qk_norm="full"``); neither has q/k/v biases (``attention_bias=true``, which
+would also bias ``o_proj``, is rejected, as is OLMoE's ``clip_qkv``).
 
 Usage::
 
@@ -26,7 +30,12 @@ from typing import Any, Dict, Optional
 from ..moe.config import MoEConfig
 from .config import ModelConfig
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 
 
 class CheckpointError(ValueError):
@@ -50,7 +59,7 @@ def _rope_theta(hf: Dict[str, Any]) -> float:
 
 
 def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face Mixtral / Qwen2-MoE ``config.json`` dict."""
+    """The :class:`ModelConfig` of a Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE ``config.json`` dict."""
     mtype = hf.get("model_type")
     if mtype not in ARCHITECTURES:
         raise CheckpointError(
@@ -87,6 +96,8 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
             )
         moe.update(num_experts=hf["num_local_experts"], ffn_hidden_size=hf["intermediate_size"])
         return ModelConfig(**common, moe=MoEConfig(**moe, pre_softmax=False))
+    if mtype in ("qwen3_moe", "olmoe"):
+        return _qwen3_or_olmoe(hf, mtype, common, moe)
     if hf.get("use_sliding_window"):
         raise CheckpointError("config.json use_sliding_window=true is not supported; set it to false")
     shared = hf.get("shared_expert_intermediate_size") or None
@@ -109,8 +120,63 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
     )
 
 
+def _qwen3_or_olmoe(hf: Dict[str, Any], mtype: str, common: dict, moe: dict) -> ModelConfig:
+    if hf.get("attention_bias"):
+        raise CheckpointError(
+            f"config.json attention_bias=true is not supported for {mtype} (it also biases o_proj); set it to false"
+        )
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("config.json use_sliding_window=true is not supported; set it to false")
+    # softmax over all experts then top-k, renormalized with norm_topk_prob: as Qwen2-MoE (module docstring)
+    moe["pre_softmax"] = not hf.get("norm_topk_prob", False)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if mtype == "qwen3_moe":
+        moe.update(num_experts=experts, ffn_hidden_size=hf["moe_intermediate_size"])
+        return ModelConfig(
+            **common,
+            moe=MoEConfig(**moe),
+            qk_norm="head",
+            ffn_hidden_size=hf.get("intermediate_size", 0),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    if hf.get("clip_qkv") is not None:
+        raise CheckpointError(f"config.json clip_qkv={hf['clip_qkv']} is not supported; set it to null")
+    heads = common["num_attention_heads"]
+    if common["head_dim"] is not None and common["head_dim"] * heads != common["hidden_size"]:
+        raise CheckpointError(
+            f"config.json head_dim={common['head_dim']} differs from hidden_size/num_attention_heads="
+            f"{common['hidden_size'] / heads:g}; OLMoE's q/k norms assume they are equal: remove head_dim"
+        )
+    moe.update(num_experts=experts, ffn_hidden_size=hf["intermediate_size"])
+    return ModelConfig(**common, moe=MoEConfig(**moe), qk_norm="full")
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    """Raise :class:`CheckpointError` naming the setting when ``cfg`` has a feature its family's HF model lacks."""
+    want_norm = {"mixtral": "none", "qwen2_moe": "none", "qwen3_moe": "head", "olmoe": "full"}[cfg.family]
+    if cfg.qk_norm != want_norm:
+        raise CheckpointError(f"{cfg.family} checkpoints have model.qk_norm={want_norm!r}, not {cfg.qk_norm!r}")
+    if cfg.family in ("qwen3_moe", "olmoe"):
+        if cfg.qkv_bias:
+            raise CheckpointError(f"{cfg.family} checkpoints have no q/k/v bias: set model.qkv_bias=false")
+        if cfg.moe.shared_expert_ffn_hidden_size:
+            raise CheckpointError(
+                f"{cfg.family} checkpoints have no shared expert: set moe.shared_expert_ffn_hidden_size=null"
+            )
+    if cfg.family == "olmoe":
+        if cfg.num_moe_layers() != cfg.num_layers:
+            raise CheckpointError(
+                "OLMoE checkpoints have an MoE block in every layer: set model.decoder_sparse_step=1 "
+                "and model.mlp_only_layers=[]"
+            )
+        if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+            raise CheckpointError("OLMoE checkpoints need model.head_dim = hidden_size / num_attention_heads")
+
+
 def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     """A transformers-5 ``config.json`` dict for ``cfg`` (rope written as ``rope_parameters``)."""
+    _check_exportable(cfg)
     hf: Dict[str, Any] = dict(
         architectures=[ARCHITECTURES[cfg.family]],
         model_type=cfg.family,
@@ -136,6 +202,26 @@ def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
         if cfg.moe.pre_softmax:
             raise CheckpointError("Mixtral checkpoints route with softmax after top-k: set moe.pre_softmax=false")
         hf.update(num_local_experts=cfg.moe.num_experts, intermediate_size=cfg.moe.ffn_hidden_size, sliding_window=None)
+    elif cfg.family == "qwen3_moe":
+        hf.update(
+            head_dim=cfg.kv_channels,
+            num_experts=cfg.moe.num_experts,
+            moe_intermediate_size=cfg.moe.ffn_hidden_size,
+            intermediate_size=cfg.ffn_hidden_size,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+            norm_topk_prob=not cfg.moe.pre_softmax,
+            attention_bias=False,
+            use_sliding_window=False,
+        )
+    elif cfg.family == "olmoe":
+        hf.update(
+            num_experts=cfg.moe.num_experts,
+            intermediate_size=cfg.moe.ffn_hidden_size,
+            norm_topk_prob=not cfg.moe.pre_softmax,
+            attention_bias=False,
+            clip_qkv=None,
+        )
     else:
         if cfg.moe.shared_expert_ffn_hidden_size and not cfg.moe.shared_expert_gate:
             raise CheckpointError(

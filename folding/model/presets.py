@@ -1,8 +1,11 @@
-"""Model presets: the published hyper-parameters of Mixtral and Qwen2-MoE, and tiny CPU twins.
+"""Model presets: the published hyper-parameters of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and tiny CPU twins.
 
-``mixtral_8x7b``, ``mixtral_8x22b`` and ``qwen2_57b_a14b`` copy the values of the released
-``config.json`` files. ``mixtral_tiny`` and ``qwen2_moe_tiny`` keep the architectures (8 routed
-experts, GQA 8/4 heads, 4 layers, vocab a multiple of 128, sizes multiples of 8) at a size that
+``mixtral_8x7b``, ``mixtral_8x22b``, ``qwen2_57b_a14b``, ``qwen3_30b_a3b``, ``qwen3_235b_a22b`` and
+``olmoe_1b_7b`` copy the values of the released ``config.json`` files (Qwen/Qwen3-30B-A3B,
+Qwen/Qwen3-235B-A22B, allenai/OLMoE-1B-7B-0924 for the last three). ``mixtral_tiny``,
+``qwen2_moe_tiny``, ``qwen3_moe_tiny`` and ``olmoe_tiny`` keep the architectures (8 routed experts,
+GQA 8/4 heads, 4 layers, vocab a multiple of 128, sizes multiples of 8; Qwen3's per-head q/k norm
+with a head_dim other than hidden/heads, OLMoE's q/k norm over the whole projection) at a size that
 8 CPU ranks can run in every test layout.
 
 Usage::
@@ -119,6 +122,94 @@ _register(
         rope_theta=1e6,
         max_position_embeddings=4096,
         norm_eps=1e-6,
+    )
+)
+
+# Qwen3-MoE: per-head q/k RMSNorm, head_dim 128 (not hidden/heads), no q/k/v bias, no shared expert,
+# every layer MoE, softmax over all experts then top-8 renormalized (norm_topk_prob=true: pre_softmax=false).
+_register(
+    ModelConfig(
+        name="qwen3_30b_a3b",
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        moe=MoEConfig(num_experts=128, topk=8, ffn_hidden_size=768, pre_softmax=False, aux_loss_coeff=0.001),
+        qk_norm="head",
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        norm_eps=1e-6,
+    )
+)
+_register(
+    ModelConfig(
+        name="qwen3_235b_a22b",
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=94,
+        num_attention_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        moe=MoEConfig(num_experts=128, topk=8, ffn_hidden_size=1536, pre_softmax=False, aux_loss_coeff=0.001),
+        qk_norm="head",
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        norm_eps=1e-6,
+    )
+)
+# OLMoE: q/k RMSNorm over the whole projection outputs, 16 heads without GQA, 64 experts, top-8 without
+# renormalization (norm_topk_prob=false: pre_softmax=true).
+_register(
+    ModelConfig(
+        name="olmoe_1b_7b",
+        family="olmoe",
+        vocab_size=50304,
+        hidden_size=2048,
+        num_layers=16,
+        num_attention_heads=16,
+        num_kv_heads=16,
+        moe=MoEConfig(num_experts=64, topk=8, ffn_hidden_size=1024, pre_softmax=True, aux_loss_coeff=0.01),
+        qk_norm="full",
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+    )
+)
+_register(
+    ModelConfig(
+        name="qwen3_moe_tiny",
+        family="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        moe=MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32, pre_softmax=False, aux_loss_coeff=0.01),
+        qk_norm="head",
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        norm_eps=1e-6,
+    )
+)
+_register(
+    ModelConfig(
+        name="olmoe_tiny",
+        family="olmoe",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        moe=MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32, pre_softmax=True, aux_loss_coeff=0.01),
+        qk_norm="full",
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
     )
 )
 

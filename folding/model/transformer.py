@@ -1,4 +1,4 @@
-"""The decoder-only MoE transformer (Mixtral, Qwen2-MoE): embedding, layers, final norm, output.
+"""The decoder-only MoE transformer (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): embedding, layers, final norm, output.
 
 Parallelism comes from the ``parallel_state`` (attention TP with sequence parallelism, CP with
 load-balanced chunks, MoE EP/ETP inside the MoE blocks); the same code runs on 1 rank.

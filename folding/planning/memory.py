@@ -86,6 +86,9 @@ class ModelSizes:
     """Per-head dimension; ``None`` means ``hidden_size // num_attention_heads``."""
     qkv_bias: bool = False
     """Biases on Q, K, V (Qwen2)."""
+    qk_norm: str = "none"
+    """Q/K RMSNorm: ``none``; ``head`` (Qwen3-MoE: two ``head_dim`` weights, replicated); ``full``
+    (OLMoE: weights of the q and k projection widths, TP-sharded)."""
     dense_layers: Tuple[int, ...] = ()
     """Indices of layers with a dense SwiGLU MLP of ``ffn_hidden_size`` instead of the MoE block."""
     ffn_hidden_size: int = 0
@@ -119,6 +122,7 @@ class ModelSizes:
             num_query_groups=cfg.num_kv_heads,
             head_dim=cfg.kv_channels,
             qkv_bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
             dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
             ffn_hidden_size=cfg.ffn_hidden_size,
             shared_expert_ffn_hidden_size=cfg.moe.shared_expert_ffn_hidden_size or 0,
@@ -273,6 +277,10 @@ def _param_counts_of(
         hd = s.head_dim or h // nq
         qkv = (nq + 2 * nkv) * hd
         layer += _div(qkv * h + (qkv if s.qkv_bias else 0) + nq * hd * h, tp, "attention size")
+        if s.qk_norm == "head":
+            layer += 2 * hd
+        elif s.qk_norm == "full":
+            layer += _div((nq + nkv) * hd, tp, "q/k norm size")
     if s.dense_ffn_hidden_size:
         f = s.dense_ffn_hidden_size
         layer += _div(h * f * (3 if s.dense_gated else 2), tp, "dense_ffn_hidden_size*H")

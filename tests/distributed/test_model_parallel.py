@@ -32,6 +32,19 @@ CONFIGS = [
         ffn_hidden_size=32,
         tie_embeddings=True,
     ),
+    # per-head q/k norm, head_dim 16 != hidden/heads; a dense layer
+    dict(
+        name="qwen3_moe_tiny",
+        num_layers=2,
+        hidden_size=32,
+        moe=dict(ffn_hidden_size=16),
+        vocab_size=256,
+        init_std=0.1,
+        mlp_only_layers=(0,),
+        ffn_hidden_size=32,
+    ),
+    # q/k norm over the whole projection: TP-sharded weights, sum of squares all-reduced over TP
+    dict(name="olmoe_tiny", num_layers=2, hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
 ]
 B, S = 4, 16
 
@@ -270,7 +283,8 @@ def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
 
 def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
     """from_hf with the engine's own MoE layer (all-to-all dispatcher) matches transformers in folded
-    layouts, for Mixtral and Qwen2-MoE (shared expert), and exports bit-identically."""
+    layouts, for Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (per-head q/k norm, head_dim != hidden/heads)
+    and OLMoE (q/k norm over the TP-sharded projection), and exports bit-identically."""
     import os
 
     import pytest
@@ -284,7 +298,13 @@ def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
 
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(4))
     layouts = [dict(tp=2, cp=2, ep=4, etp=1), dict(tp=2, ep=2, etp=2)]
-    for family, kw in (("mixtral", {}), ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True))):
+    families = (
+        ("mixtral", {}),
+        ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True)),
+        ("qwen3_moe", dict(mlp_only_layers=[1], head_dim=12, norm_topk_prob=True)),
+        ("olmoe", dict(norm_topk_prob=False)),
+    )
+    for family, kw in families:
         hf = tiny_hf(family, **kw)
         path = save(hf, str(tmp_path / family))
         with torch.no_grad():

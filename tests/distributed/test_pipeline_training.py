@@ -1,4 +1,4 @@
-"""Every layout trains like one rank: 10 optimizer steps of tiny Mixtral and tiny Qwen2-MoE (fp32,
+"""Every layout trains like one rank: 10 optimizer steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (fp32,
 several micro-batches per step, the same micro-batch split everywhere) give the 1-rank per-step
 losses and final parameters on 8 gloo ranks, through the real training loop (pipeline schedules,
 folded MoE, gradient reduction, optimizer). A bf16 run stays within 1e-2 of the fp32 losses.
@@ -27,6 +27,9 @@ MODELS = {
         ffn_hidden_size=32,
         mlp_only_layers=(1,),
     ),
+    # head_dim stays 16 (hidden/heads is 4): q/k widths differ from the hidden size
+    "qwen3_moe_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16), ffn_hidden_size=32, mlp_only_layers=(1,)),
+    "olmoe_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16)),
 }
 # Dropping decides at each expert's capacity boundary by comparing probabilities. After step 1 the
 # layouts' parameters differ by reduction-order noise, so two tokens whose probabilities are that close
@@ -50,6 +53,16 @@ CASES = [
     ("qwen2_moe_tiny", dict(pp=4, vpp=1, ep=2, etp=1), dict(), False, {}),
     ("qwen2_moe_tiny", dict(pp=2, vpp=2, cp=2, ep=2, etp=1), dict(recompute="moe"), True, {}),
     ("qwen2_moe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
+    # per-head q/k norm: replicated weights whose gradients are summed over TP
+    ("qwen3_moe_tiny", dict(pp=2, tp=2, ep=2, etp=2), dict(recompute="selective"), True, {}),  # PP2, TP2+SP, ETP2
+    ("qwen3_moe_tiny", dict(tp=2, cp=2, ep=8, etp=1), dict(), False, {}),  # CP2, EP8 over TP×CP×DP
+    ("qwen3_moe_tiny", dict(pp=2, vpp=2, cp=2, ep=2, etp=1), dict(recompute="moe"), True, {}),  # VPP2, CP2
+    ("qwen3_moe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
+    # q/k norm over the whole projection: TP-sharded weights, sum of squares all-reduced over TP
+    ("olmoe_tiny", dict(pp=2, tp=2, ep=2, etp=2), dict(recompute="full"), True, {}),  # PP2, TP2+SP, ETP2
+    ("olmoe_tiny", dict(tp=4, ep=2, etp=1), dict(), False, {}),  # TP4+SP, EDP4
+    ("olmoe_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), True, {}),  # CP2 with TP2
+    ("olmoe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
 ]
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
 

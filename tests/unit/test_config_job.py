@@ -57,6 +57,9 @@ def test_defaults_and_overrides_reach_typed_config():
     q = job("model=qwen2_moe_tiny")
     assert q.moe.pre_softmax is True and q.moe.shared_expert_ffn_hidden_size == 64
     assert job("moe.topk=1", "moe.pre_softmax=true").moe.topk == 1
+    q3, ol = job("model=qwen3_moe_tiny"), job("model=olmoe_tiny")
+    assert (q3.model.qk_norm, q3.model.head_dim, q3.moe.pre_softmax) == ("head", 16, False)
+    assert (ol.model.qk_norm, ol.moe.pre_softmax) == ("full", True)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +68,8 @@ def test_defaults_and_overrides_reach_typed_config():
         ("mixtral_8x7b", 64, "attention TP1 CP1 DP16 PP4 VPP8 | MoE ETP1 EP8 EDP2 PP4"),
         ("mixtral_8x22b", 128, "attention TP2 CP1 DP8 PP8 | MoE ETP1 EP8 EDP2 PP8"),
         ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
+        ("qwen3_30b_a3b", 8, "attention TP4 CP1 DP1 PP2 | MoE ETP1 EP4 EDP1 PP2"),
+        ("qwen3_235b_a22b", 256, "attention TP4 CP1 DP32 PP2 VPP47 | MoE ETP1 EP32 EDP4 PP2"),
     ],
 )
 def test_recipes_dry_run(recipe, world, expect):
@@ -74,7 +79,7 @@ def test_recipes_dry_run(recipe, world, expect):
     report = dry_run_report(j, world_size=world)
     assert expect in report and "parameters" in report
     with pytest.raises(ConfigError, match="parallel.world_size"):
-        validate_job(j, world_size=8)
+        validate_job(j, world_size=2 * world)
 
 
 # Each case: overrides, the world size, and the setting the message must name.

@@ -1,5 +1,6 @@
-"""Parity with transformers' MixtralForCausalLM / Qwen2MoeForCausalLM at 1 rank (fp32): logits, LM loss
-and every parameter gradient; HF -> engine -> HF round trip; clear errors for bad checkpoints."""
+"""Parity with transformers' MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / OlmoeForCausalLM
+at 1 rank (fp32): logits, LM loss and every parameter gradient; HF -> engine -> HF round trip; clear errors
+for bad checkpoints."""
 
 import json
 import os
@@ -18,7 +19,16 @@ V, S, B = 128, 12, 2
 
 def tiny_hf(kind, **kw):
     """A random tiny HF model (weights ~N(0, 0.1) so that routing and attention are not trivial)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(
         vocab_size=V,
@@ -31,6 +41,12 @@ def tiny_hf(kind, **kw):
     if kind == "mixtral":
         cfg = MixtralConfig(**common, intermediate_size=16, num_local_experts=4, **kw)
         model = MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, intermediate_size=24, moe_intermediate_size=8, num_experts=4, **kw)
+        model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "olmoe":
+        cfg = OlmoeConfig(**common, intermediate_size=8, num_experts=4, eos_token_id=None, pad_token_id=None, **kw)
+        model = OlmoeForCausalLM(cfg)
     else:
         cfg = Qwen2MoeConfig(
             **common,
@@ -85,6 +101,20 @@ CASES = [
     ("mixtral", dict(tie_word_embeddings=True, rope_theta=2e5), True),
     ("qwen2_moe", dict(norm_topk_prob=False, mlp_only_layers=[0], rope_theta=3e4), False),
     ("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True, rope_theta=7e3), True),
+    ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1], head_dim=12, rope_theta=3e4), False),
+    ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True, rope_theta=7e3), True),
+    ("olmoe", dict(norm_topk_prob=False, rope_theta=5e4), False),
+    ("olmoe", dict(norm_topk_prob=True, tie_word_embeddings=True, rope_theta=2e4), True),
+]
+CASE_IDS = [
+    "mixtral",
+    "mixtral-tied-legacyrope",
+    "qwen2-pattern",
+    "qwen2-norm-tied-legacyrope",
+    "qwen3-headdim-pattern",
+    "qwen3-tied-legacyrope",
+    "olmoe",
+    "olmoe-norm-tied-legacyrope",
 ]
 
 
@@ -125,9 +155,7 @@ def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory)
     return rel
 
 
-@pytest.mark.parametrize(
-    "family,kw,legacy", CASES, ids=["mixtral", "mixtral-tied-legacyrope", "qwen2-pattern", "qwen2-norm-tied-legacyrope"]
-)
+@pytest.mark.parametrize("family,kw,legacy", CASES, ids=CASE_IDS)
 def test_logits_loss_grads_match_transformers(tmp_path, family, kw, legacy):
     check_parity(tmp_path, family, kw, legacy)
 
@@ -155,8 +183,16 @@ def test_parity_with_engine_moe_layer(tmp_path):
     assert r.stdout.count("e-") >= len(CASES), r.stdout
 
 
-def test_round_trip_bit_identical(tmp_path):
-    hf = tiny_hf("qwen2_moe", mlp_only_layers=[1], tie_word_embeddings=False)
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("qwen2_moe", dict(mlp_only_layers=[1], tie_word_embeddings=False)),
+        ("qwen3_moe", dict(mlp_only_layers=[1], head_dim=12, norm_topk_prob=True)),
+        ("olmoe", dict(norm_topk_prob=True)),
+    ],
+)
+def test_round_trip_bit_identical(tmp_path, family, kw):
+    hf = tiny_hf(family, **kw)
     path = save(hf, str(tmp_path / "a"))
     model = from_hf(path, moe_factory=reference_moe_factory)
     to_hf(model, str(tmp_path / "b"))
@@ -207,6 +243,51 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     )
     with pytest.raises(CheckpointError, match="rope_type='yarn'"):
         from_hf(path, moe_factory=reference_moe_factory)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_generated_config_round_trip(tmp_path, family):
+    """A model exported without its source config.json (one generated from ModelConfig) loads in
+    transformers with the same logits, and imports back to the same ModelConfig."""
+    from transformers import AutoModelForCausalLM
+
+    from folding.model.presets import get_preset
+    from folding.model.transformer import MoETransformer
+
+    model = MoETransformer(get_preset(f"{family}_tiny"), init_seed=3, moe_factory=reference_moe_factory)
+    to_hf(model, str(tmp_path / "g"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g")).eval()
+    assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    ref = hf(ids).logits
+    with torch.no_grad():
+        rel = ((model(ids) - ref).abs().max() / ref.abs().max()).item()
+    assert rel <= 1e-5, rel
+    back = from_hf(str(tmp_path / "g"), moe_factory=reference_moe_factory).config
+    assert back.replace(name=model.config.name) == model.config
+
+
+def test_qwen3_olmoe_unsupported_fields_fail_clearly(tmp_path):
+    path = save(tiny_hf("olmoe"), str(tmp_path / "o"))
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    for change, match in (
+        (dict(clip_qkv=8.0), "clip_qkv=8.0"),
+        (dict(attention_bias=True), "attention_bias=true"),
+        (dict(head_dim=16), "head_dim=16 differs"),
+    ):
+        json.dump(dict(cfg, **change), open(f, "w"))
+        with pytest.raises(CheckpointError, match=match):
+            from_hf(path, moe_factory=reference_moe_factory)
+    from folding.model.hf_config import config_to_hf
+    from folding.model.presets import get_preset
+
+    with pytest.raises(CheckpointError, match="qk_norm='head', not 'none'"):
+        config_to_hf(get_preset("qwen3_moe_tiny").replace(qk_norm="none"))
+    with pytest.raises(CheckpointError, match="MoE block in every layer"):
+        config_to_hf(get_preset("olmoe_tiny").replace(mlp_only_layers=(0,), ffn_hidden_size=64))
+    with pytest.raises(ValueError, match="model.qk_norm='rms': choose one of"):
+        get_preset("olmoe_tiny").replace(qk_norm="rms")
 
 
 def test_convert_tool(tmp_path, capsys):
