@@ -8,9 +8,18 @@ and their gradients) with the same split sizes and no other work. A time is the 
 (a barrier before each). The report gives min and median per layout, the ratios folding/Megatron-Core
 and folding/raw, the machine's CPUs and load.
 
+Allocation: on GPU the caching allocator hands a freed activation buffer back to the next request;
+on CPU glibc returns large freed blocks to the kernel and the next iteration page-faults them in
+again (about 0.8 ms per 8 MiB on the development machine), a cost of the benchmark host that the
+dispatchers' own buffers pay and the raw floor's preallocated buffers do not. By default the rank
+processes run with glibc keeping freed memory (``MALLOC_MMAP_THRESHOLD_`` at its 32 MiB maximum,
+``MALLOC_TRIM_THRESHOLD_`` at 4 GiB), as a caching allocator would; ``--system-malloc`` keeps glibc's
+defaults. The report says which, and ``--both`` measures both in one report.
+
 Usage::
 
     python benchmarks/bench_dispatcher_vs_megatron.py                       # EP4 and EP2xETP2, 4 ranks
+    python benchmarks/bench_dispatcher_vs_megatron.py --both                # cached and system malloc
     python benchmarks/bench_dispatcher_vs_megatron.py --tokens 2048 --hidden 512 --experts 16 --iters 20
 """
 
@@ -33,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from folding.testing.rank_pool import RankPool  # noqa: E402
 
 LAYOUTS = {"EP4": dict(tp=1, ep=4, etp=1), "EP2xETP2": dict(tp=1, ep=2, etp=2)}
+MALLOC_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
 def _timed(fn):
@@ -125,39 +135,58 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "dispatcher_vs_megatron_cpu.md"))
+    ap.add_argument("--system-malloc", action="store_true", help="glibc's default trim/mmap thresholds")
+    ap.add_argument("--both", action="store_true", help="measure with the cached and the system malloc")
     a = ap.parse_args(argv)
-    load_before = os.getloadavg()
-    rows = []
     import bench_dispatcher_vs_megatron as me  # the ranks import the function by module name
 
-    with RankPool(4) as pool:
-        for name, layout in LAYOUTS.items():
-            per_rank = pool.run(me.on_rank, layout, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.warmup, a.threads)
-            t = per_rank[0]  # every rank holds the same (max over ranks) times
-            ratio_m = [f / m for f, m in zip(t["folding"], t["megatron"])]
-            ratio_r = [f / r for f, r in zip(t["folding"], t["raw"])]
-            rows.append(
-                (
-                    name,
-                    {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in t.items()},
-                    statistics.median(ratio_m),
-                    statistics.median(ratio_r),
-                    statistics.median([m / r for m, r in zip(t["megatron"], t["raw"])]),
-                )
-            )
-    load_after = os.getloadavg()
-    head = (
-        "| layout | Megatron-Core ms (min / median) | folding ms | raw a2a floor ms "
-        "| folding / Megatron-Core | folding / raw | Megatron-Core / raw |"
-    )
-    lines = [head, "|---|---|---|---|---|---|---|"]
-    for name, ms, rm, rr, mr in rows:
-        cell = lambda k: f"{ms[k][0]:.2f} / {ms[k][1]:.2f}"  # noqa: E731
-        lines.append(
-            f"| {name} | {cell('megatron')} | {cell('folding')} | {cell('raw')} | {rm:.2f} | {rr:.2f} | {mr:.2f} |"
+    def measure(cached: bool):
+        saved = {k: os.environ.get(k) for k in MALLOC_CACHE}
+        if cached:
+            os.environ.update(MALLOC_CACHE)
+        else:
+            for k in MALLOC_CACHE:
+                os.environ.pop(k, None)
+        rows = []
+        try:
+            with RankPool(4) as pool:  # started after the environment is set: the ranks inherit it
+                for name, layout in LAYOUTS.items():
+                    t = pool.run(
+                        me.on_rank, layout, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.warmup, a.threads
+                    )
+                    t = t[0]  # every rank holds the same (max over ranks) times
+                    ratio = lambda x, y: statistics.median([p / q for p, q in zip(t[x], t[y])])  # noqa: E731
+                    ms = {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in t.items()}
+                    rows.append(
+                        (name, ms, ratio("folding", "megatron"), ratio("folding", "raw"), ratio("megatron", "raw"))
+                    )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        head = (
+            "| layout | Megatron-Core ms (min / median) | folding ms | raw a2a floor ms "
+            "| folding / Megatron-Core | folding / raw | Megatron-Core / raw |"
         )
-    table = "\n".join(lines)
-    print(table)
+        lines = [head, "|---|---|---|---|---|---|---|"]
+        for name, ms, rm, rr, mr in rows:
+            cell = lambda k: f"{ms[k][0]:.2f} / {ms[k][1]:.2f}"  # noqa: E731
+            lines.append(
+                f"| {name} | {cell('megatron')} | {cell('folding')} | {cell('raw')} | {rm:.2f} | {rr:.2f} | {mr:.2f} |"
+            )
+        return "\n".join(lines)
+
+    load_before = os.getloadavg()
+    runs = [True, False] if a.both else [not a.system_malloc]
+    tables = []
+    for cached in runs:
+        label = "freed memory kept (caching allocator)" if cached else "glibc's default malloc"
+        table = measure(cached)
+        print(f"{label}:\n{table}")
+        tables += [f"### {label}", "", table, ""]
+    load_after = os.getloadavg()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     report = [
         "# folding vs Megatron-Core all-to-all dispatcher (CPU, gloo, 4 ranks)",
@@ -170,10 +199,10 @@ def main(argv=None) -> int:
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "- a time is forward + backward of dispatch, stand-in expert and combine, the slowest rank's; ratios "
         "are medians of per-iteration ratios",
+        "- allocation: see the script's docstring (freed memory kept = `MALLOC_MMAP_THRESHOLD_=32 MiB`, "
+        "`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes)",
         "",
-        table,
-        "",
-    ]
+    ] + tables
     with open(a.report, "w", encoding="utf-8") as f:
         f.write("\n".join(report))
     print(f"wrote {a.report}")
