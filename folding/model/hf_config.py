@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral and Qwen2-MoE.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral and Qwen2-MoE (DeepSeek-V3:
+:mod:`folding.model.hf_deepseek`).
 
 Both rope spellings are read: transformers 4's top-level ``rope_theta`` and transformers 5's
 ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``. Features the engine does not
@@ -25,12 +26,10 @@ from typing import Any, Dict, Optional
 
 from ..moe.config import MoEConfig
 from .config import ModelConfig
+from .hf_deepseek import ARCHITECTURE, deepseek_config_from_hf, deepseek_config_to_hf
+from .hf_errors import CheckpointError
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that the engine cannot load as asked (architecture, files, names or shapes)."""
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": ARCHITECTURE}
 
 
 def _rope_theta(hf: Dict[str, Any]) -> float:
@@ -57,6 +56,8 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
             f"config.json model_type={mtype!r} (architectures={hf.get('architectures')}) is not "
             f"supported; supported: {sorted(ARCHITECTURES)}"
         )
+    if mtype == "deepseek_v3":  # MLA, sigmoid router with correction bias, YaRN: folding.model.hf_deepseek
+        return deepseek_config_from_hf(hf, name)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     common = dict(
@@ -111,6 +112,8 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
 
 def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     """A transformers-5 ``config.json`` dict for ``cfg`` (rope written as ``rope_parameters``)."""
+    if cfg.family == "deepseek_v3":
+        return deepseek_config_to_hf(cfg)
     hf: Dict[str, Any] = dict(
         architectures=[ARCHITECTURES[cfg.family]],
         model_type=cfg.family,

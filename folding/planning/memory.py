@@ -104,6 +104,16 @@ class ModelSizes:
     """Input embedding and output layer share one weight."""
     norms_per_layer: int = 2
     """RMSNorm scales per layer (each H, sequence-parallel)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3): width of the compressed KV latent; 0: GQA attention."""
+    q_lora_rank: int = 0
+    """MLA: width of the query latent; 0: a plain ``q_proj``."""
+    qk_nope_head_dim: int = 0
+    """MLA: position-free query/key dims per head."""
+    qk_rope_head_dim: int = 0
+    """MLA: rotary query/key dims per head (the rotary key is shared by the heads)."""
+    v_head_dim: int = 0
+    """MLA: value dims per head."""
 
     @classmethod
     def from_model_config(cls, cfg) -> "ModelSizes":
@@ -124,7 +134,37 @@ class ModelSizes:
             shared_expert_ffn_hidden_size=cfg.moe.shared_expert_ffn_hidden_size or 0,
             shared_expert_gate=cfg.moe.shared_expert_gate,
             tied_embeddings=cfg.tie_embeddings,
+            **_mla_sizes(cfg),
         )
+
+
+def _mla_sizes(cfg) -> Dict[str, int]:
+    m = getattr(cfg, "mla", None)
+    if m is None:
+        return {}
+    return dict(
+        kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=m.q_lora_rank or 0,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+    )
+
+
+def mla_param_counts(s: ModelSizes, tp: int) -> Tuple[int, int]:
+    """``(replicated, TP-sharded)`` parameter elements of one MLA block on a rank: the down-projections
+    and latent norms are replicated over TP; ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``o_proj``
+    hold ``N/TP`` heads."""
+    h, n = s.hidden_size, s.num_attention_heads
+    dqk = s.qk_nope_head_dim + s.qk_rope_head_dim
+    rep = h * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
+    q_in = h
+    if s.q_lora_rank:
+        rep += h * s.q_lora_rank + s.q_lora_rank
+        q_in = s.q_lora_rank
+    heads = _div(n, tp, "num_attention_heads")
+    sharded = heads * (q_in * dqk + s.kv_lora_rank * (s.qk_nope_head_dim + s.v_head_dim) + s.v_head_dim * h)
+    return rep, sharded
 
 
 @functools.lru_cache(maxsize=64)
@@ -267,7 +307,9 @@ def _param_counts_of(
     s = sizes
     h = s.hidden_size
     layer = s.norms_per_layer * h  # norms (replicated)
-    if s.num_attention_heads:
+    if s.num_attention_heads and s.kv_lora_rank:
+        layer += sum(mla_param_counts(s, tp))
+    elif s.num_attention_heads:
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
         hd = s.head_dim or h // nq

@@ -32,6 +32,8 @@ from typing import Any, Dict, Mapping, Optional
 
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
+from ..model.mla_config import MLAConfig
+from ..model.rope_yarn import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
@@ -256,6 +258,9 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     if "mlp_only_layers" in model_values and model_values["mlp_only_layers"] is not None:
         model_values["mlp_only_layers"] = tuple(model_values["mlp_only_layers"])
     model_values["moe"] = _build(MoEConfig, "moe", tree.get("moe"))
+    for key, record in (("mla", MLAConfig), ("yarn", YarnConfig)):  # nested records (DeepSeek-V3)
+        if isinstance(model_values.get(key), Mapping):
+            model_values[key] = _build(record, f"model.{key}", model_values[key])
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
     notes = []
