@@ -293,11 +293,15 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
         spec = require_spec(p, name)
         for lead, hf_name in hf_components(name, cfg):
             shapes[hf_name] = spec.full_shape[len(lead) :]
+    fp32 = set()  # the router's correction bias stays fp32 (transformers keeps it fp32 too)
     for _, buf, hf_name in deepseek_buffers(model):
         shapes[hf_name] = tuple(buf.shape)
+        fp32.add(hf_name)
     tensors = {}
     for hf_name in hf_tensor_names(cfg):
-        full = torch.empty(shapes[hf_name], dtype=dtype or next(model.parameters()).dtype)
+        full = torch.empty(
+            shapes[hf_name], dtype=torch.float32 if hf_name in fp32 else dtype or next(model.parameters()).dtype
+        )
         covered = torch.zeros(shapes[hf_name], dtype=torch.bool)
         for rank_pieces in gathered:
             for index, t in rank_pieces.get(hf_name, []):

@@ -252,7 +252,7 @@ def stage_layers(
     """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
-        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage))
+        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage, _last(layout)))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
@@ -260,8 +260,10 @@ def stage_layers(
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int) -> Tuple[int, ...]:
-    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None)
+def _default_stage_layers(
+    num_layers: int, pp: int, vpp: int, stage: int, last: Optional[int] = None
+) -> Tuple[int, ...]:
+    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None, last_stage_layers=last)
     out: List[int] = []
     for chunk in range(len(stages) // pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
@@ -279,26 +281,35 @@ def param_counts(
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
     if stages is None:
-        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage)
+        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage, _last(layout))
     return _param_counts_of(
         sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage, stage_layers(sizes, layout, stage, stages)
     )
 
 
-def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+def _last(layout) -> Optional[int]:
+    """The layout's ``last_stage_layers`` (planner plans and layouts; ``None`` when it has none)."""
+    return getattr(layout, "last_stage_layers", None)
+
+
+def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int] = None) -> Tuple[int, int]:
     """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
-    return _stage_counts_cached(sizes, pp, vpp, stage)
+    return _stage_counts_cached(sizes, pp, vpp, stage, last)
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
-    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage)
+def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int]) -> Tuple[int, int]:
+    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
     return len(mine), sum(1 for i in mine if i in sizes.dense_layers)
 
 
 @functools.lru_cache(maxsize=65536)
-def _param_counts(sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int) -> ParamCounts:
-    return _param_counts_of(sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage))
+def _param_counts(
+    sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, last: Optional[int] = None
+) -> ParamCounts:
+    return _param_counts_of(
+        sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
+    )
 
 
 def _param_counts_of(
@@ -404,7 +415,7 @@ def memory_per_rank(
             fused_swiglu=fused_swiglu,
         )
         vpp = layout.vpp or 1
-        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage)
+        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage, _last(layout))
         per_mb = activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
             activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
         )

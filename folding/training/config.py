@@ -85,6 +85,9 @@ class ParallelConfig:
     """Expert tensor-parallel size; null follows ``tp`` (write it explicitly: see the user guide)."""
     order: str = DEFAULT_ORDER
     """Axis order, fastest-varying first (Megatron-Core semantics)."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage, the others sharing the rest evenly (Megatron-Core's
+    ``--decoder-last-pipeline-num-layers``); null: an even split. Needs pp > 1 without vpp."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
@@ -97,6 +100,7 @@ class ParallelConfig:
             cp=self.cp,
             pp=self.pp,
             vpp=self.vpp,
+            last_stage_layers=self.last_stage_layers,
             ep=self.ep,
             etp=self.etp,
             order=self.order,

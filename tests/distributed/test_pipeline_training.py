@@ -58,6 +58,7 @@ DEEPSEEK_CASES = [
     ("deepseek_v3_tiny", dict(pp=2, tp=2, ep=2, etp=1), dict(), True, {}),  # PP2, TP2+SP
     ("deepseek_v3_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), False, {}),  # CP2
     ("deepseek_v3_tiny", dict(tp=2, ep=2, etp=2), dict(), True, {}),  # EP2 x ETP2
+    ("deepseek_v3_tiny", dict(pp=2, last_stage_layers=1, ep=4, etp=1), dict(), False, {}),  # stages of 3 + 1 layers
 ]
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
 

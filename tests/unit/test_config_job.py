@@ -65,6 +65,7 @@ def test_defaults_and_overrides_reach_typed_config():
         ("mixtral_8x7b", 64, "attention TP1 CP1 DP16 PP4 VPP8 | MoE ETP1 EP8 EDP2 PP4"),
         ("mixtral_8x22b", 128, "attention TP2 CP1 DP8 PP8 | MoE ETP1 EP8 EDP2 PP8"),
         ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
+        ("deepseek_v3", 1024, "attention TP2 CP1 DP32 PP16 (last stage 1 layers) | MoE ETP1 EP64 EDP1 PP16"),
     ],
 )
 def test_recipes_dry_run(recipe, world, expect):

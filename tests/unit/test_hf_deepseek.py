@@ -205,3 +205,20 @@ def test_bad_deepseek_configs_fail_clearly(tmp_path):
             config_from_hf({**base, **change})
     with pytest.raises(CheckpointError, match="group_score_topk"):
         config_to_hf(config_from_hf(base).replace(moe={"group_score_topk": None}))
+
+
+def test_bf16_checkpoint_round_trip_keeps_the_bias_fp32(tmp_path):
+    """A bf16 checkpoint whose correction biases are fp32 (as transformers keeps them) comes back bit
+    for bit, dtypes included, through an fp32 engine model exported with ``dtype=torch.bfloat16``."""
+    hf = tiny_hf().to(torch.bfloat16)
+    for layer in hf.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    hf.save_pretrained(src)
+    a = load_file(os.path.join(src, "model.safetensors"))
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    to_hf(from_hf(src), dst, dtype=torch.bfloat16)
+    b = load_file(os.path.join(dst, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
