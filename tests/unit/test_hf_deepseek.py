@@ -222,3 +222,81 @@ def test_bf16_checkpoint_round_trip_keeps_the_bias_fp32(tmp_path):
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# The released DeepSeek-V3 config.json (transformers-4 spelling: top-level rope_theta, rope_scaling with
+# "type"; fields transformers ignores, such as topk_method, moe_layer_freq and num_nextn_predict_layers).
+RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_released_config_is_the_preset():
+    from folding.model.presets import get_preset
+
+    preset = get_preset("deepseek_v3")
+    got = config_from_hf(RELEASED, name="deepseek_v3")
+    assert got == preset.replace(moe={"aux_loss_type": "aux_loss", "aux_loss_coeff": 0.0})
+    assert got.num_parameters() == preset.num_parameters()
+
+
+def test_mtp_layers_of_a_checkpoint_are_skipped(tmp_path):
+    """Tensors of the multi-token-prediction layer (model.layers.<num_hidden_layers>...) are not imported,
+    as transformers ignores them; any other unexpected tensor is still an error."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf()
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(path)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, f, metadata={"format": "pt"})
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(from_hf(path)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(1)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="unexpected"):
+        from_hf(path)
