@@ -300,3 +300,18 @@ def test_mtp_layers_of_a_checkpoint_are_skipped(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="unexpected"):
         from_hf(path)
+
+
+def test_sharded_checkpoint_imports(tmp_path):
+    """A checkpoint saved in several safetensors shards (model.safetensors.index.json) loads the same."""
+    hf = tiny_hf()
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    hf.save_pretrained(one)
+    hf.save_pretrained(many, max_shard_size="40KB")
+    index = json.load(open(os.path.join(many, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 2
+    a, b = from_hf(one), from_hf(many)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    for (n, p), (_, q) in zip(a.named_buffers(), b.named_buffers()):
+        assert p is None or torch.equal(p, q), n
