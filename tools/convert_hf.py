@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Mixtral / Qwen2-MoE checkpoints and the engine's model.
+"""Convert between Hugging Face Mixtral / Qwen2-MoE / DeepSeek-V3 checkpoints and the engine's model.
 
 Subcommands::
 

@@ -110,6 +110,8 @@ def parse_args(argv=None):
 def _line(i: int, r) -> str:
     p = r.plan
     vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
+    if p.last_stage_layers:
+        vpp += f" (last stage {p.last_stage_layers} layers)"
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
     return (
         f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import Attention
 from .config import ModelConfig
 from .groups import ModelGroups
+from .mla import MLAttention
 from .mlp import DenseMLP
 from .norm import RMSNorm
 
@@ -60,7 +61,8 @@ class TransformerLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer_number)
         kw = dict(device=device, dtype=dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
-        self.attention = Attention(
+        attention_cls = Attention if config.mla is None else MLAttention  # MLA: DeepSeek-V3
+        self.attention = attention_cls(
             config, tp_group=groups.tp, cp_group=groups.cp, output_init_std=config.output_init_std, **kw
         )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)

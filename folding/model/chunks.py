@@ -42,7 +42,9 @@ def build_stage_chunks(
         raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
-    stages = partition_layers(num_layers=model_config.num_layers, pp=pp, vpp=vpp)
+    stages = partition_layers(
+        num_layers=model_config.num_layers, pp=pp, vpp=vpp, last_stage_layers=layout.last_stage_layers
+    )
     chunks = []
     for c in range(vpp):
         chunk = MoETransformer(

@@ -19,8 +19,10 @@ import math
 from typing import Literal, Optional, Tuple, get_args
 
 from ..moe.config import MoEConfig
+from .mla_config import MLAConfig
+from .rope_yarn import YarnConfig
 
-Family = Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+Family = Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 FAMILIES = get_args(Family)
 QKNorm = Literal["none", "head", "full"]
 QK_NORMS = get_args(QKNorm)
@@ -33,8 +35,9 @@ class ModelConfig:
     name: str
     """Preset name (``mixtral_8x7b``, ``mixtral_tiny``, ...)."""
     family: Family
-    """``mixtral``, ``qwen2_moe``, ``qwen3_moe`` or ``olmoe``: selects the Hugging Face mapping (tensor
-    names, ``config.json`` fields); the architecture itself is fixed by the other fields."""
+    """``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe`` or ``deepseek_v3``: selects the Hugging Face
+    mapping (tensor names, ``config.json`` fields); the architecture itself is fixed by the other fields
+    (``mla`` and ``yarn`` for DeepSeek-V3's attention)."""
     vocab_size: int
     """Vocabulary size of the tokenizer / checkpoint (before any padding for TP)."""
     hidden_size: int
@@ -75,6 +78,11 @@ class ModelConfig:
     """Share the input embedding and the output layer weight."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization."""
+    mla: Optional[MLAConfig] = None
+    """Multi-head latent attention (DeepSeek-V3, :class:`~folding.model.mla_config.MLAConfig`);
+    ``None``: GQA attention. Needs ``num_kv_heads == num_attention_heads``."""
+    yarn: Optional[YarnConfig] = None
+    """YaRN RoPE scaling (:class:`~folding.model.rope_yarn.YarnConfig`); ``None``: default RoPE."""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -102,6 +110,16 @@ class ModelConfig:
             )
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r}: choose one of {QK_NORMS}")
+        if self.mla is not None and self.num_kv_heads != self.num_attention_heads:
+            raise ValueError(
+                f"model.num_kv_heads={self.num_kv_heads}: multi-head latent attention (model.mla) has one "
+                f"key/value per query head; set it to model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.mla is not None and self.qk_norm != "none":
+            raise ValueError(
+                f"model.qk_norm={self.qk_norm!r} with multi-head latent attention (model.mla): MLA normalizes "
+                "its latents instead; set model.qk_norm=none"
+            )
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"model.moe={self.moe!r} must be a folding.moe.config.MoEConfig")
         if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size < 1:
@@ -134,6 +152,8 @@ class ModelConfig:
         """Parameters of one attention block (q, k, v, o projections, q/k/v biases, q/k norms, input norm)."""
         d, h, kv = self.kv_channels, self.num_attention_heads, self.num_kv_heads
         H = self.hidden_size
+        if self.mla is not None:
+            return self.mla.params(hidden_size=H, num_heads=h) + H
         n = H * d * h + 2 * H * d * kv + d * h * H + H
         if self.qkv_bias:
             n += d * h + 2 * d * kv
@@ -204,12 +224,15 @@ class ModelConfig:
         record nested under ``moe``; lists where the config holds tuples)."""
         values = dict(values)
         values["moe"] = MoEConfig(**values["moe"])
+        for key, record in (("mla", MLAConfig), ("yarn", YarnConfig)):
+            if isinstance(values.get(key), dict):
+                values[key] = record(**values[key])
         values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
         return cls(**values)
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied (validated again). ``moe`` may be a :class:`MoEConfig` or a
-        mapping of MoE field changes (``cfg.replace(moe={"topk": 4})``)."""
+        mapping of MoE field changes (``cfg.replace(moe={"topk": 4})``); so may ``mla`` and ``yarn``."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)
         if unknown:
@@ -223,4 +246,8 @@ class ModelConfig:
         moe = changes.get("moe")
         if moe is not None and not isinstance(moe, MoEConfig):
             changes["moe"] = self.moe.replace(**dict(moe))
+        for key, record in (("mla", MLAConfig), ("yarn", YarnConfig)):
+            if changes.get(key) is not None and not isinstance(changes[key], record):
+                old = getattr(self, key)
+                changes[key] = record(**{**(dataclasses.asdict(old) if old is not None else {}), **dict(changes[key])})
         return dataclasses.replace(self, **changes)

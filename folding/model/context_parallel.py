@@ -16,11 +16,14 @@ Usage::
     ids_BSl = input_ids_BS[:, pos_S]
     k_full = gather_kv(k_SBND, cp_group)                       # [S, B, heads, D] in rank order
     kv_order = gathered_positions(seq_len, cp_size).argsort()  # sorts k_full into sequence order
+    out_BNSD = causal_sdpa(q_BNSD, k_BNSD, v_BNSD, scale=d**-0.5, chunk_starts=chunk_starts)
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..parallel.collectives import gather_from_sequence_region, group_size
 
@@ -65,3 +68,32 @@ def gather_kv(x_SBND: torch.Tensor, cp_group) -> torch.Tensor:
     if group_size(cp_group) == 1:
         return x_SBND
     return gather_from_sequence_region(x_SBND, cp_group, grad_reduce=True)
+
+
+def causal_sdpa(
+    q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, *, scale: float, chunk_starts, **kw
+) -> torch.Tensor:
+    """Causal SDPA of this rank's queries over keys/values in sequence order.
+
+    Without CP (``chunk_starts == (0,)`` and as many keys as queries) one causal call. Under CP the
+    queries are this rank's chunks (``chunk_starts`` their first positions) and the keys the whole
+    gathered sequence: each chunk starting at ``p`` attends keys ``[0, p + c)`` with a lower-right
+    causal bias. The value width may differ from the query/key width. Returns ``[B, N, S_q, Dv]``.
+    """
+    if len(chunk_starts) == 1 and k_BNSD.shape[2] == q_BNSD.shape[2]:
+        return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=scale, **kw)
+    c = q_BNSD.shape[2] // len(chunk_starts)
+    outs = []
+    for j, start in enumerate(chunk_starts):
+        end = start + c
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_BNSD[:, :, j * c : (j + 1) * c],
+                k_BNSD[:, :, :end],
+                v_BNSD[:, :, :end],
+                attn_mask=causal_lower_right(c, end),
+                scale=scale,
+                **kw,
+            )
+        )
+    return torch.cat(outs, dim=2)

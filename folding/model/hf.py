@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..parallel.params import materialize, require_spec, shard_index
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
+from .hf_deepseek import deepseek_buffers, deepseek_components, deepseek_ignored, deepseek_tensor_names
 from .transformer import MoETransformer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -56,6 +57,9 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
     }
     if name in top:
         return [((), top[name])]
+    special = deepseek_components(name, cfg) if cfg.family == "deepseek_v3" else None
+    if special is not None:
+        return special
     m = _LAYER.match(name)
     if not m:
         raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
@@ -94,6 +98,8 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
 
 def hf_tensor_names(cfg: ModelConfig) -> List[str]:
     """Every tensor name a Hugging Face checkpoint of ``cfg`` holds."""
+    if cfg.family == "deepseek_v3":
+        return deepseek_tensor_names(cfg)
     H = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
     for i in range(cfg.num_layers):
         L = f"model.layers.{i}"
@@ -176,6 +182,8 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
     reader, cfg = _Reader(path), model.config
     expected = set(hf_tensor_names(cfg))
     present = set(reader.weight_map) - {"lm_head.weight"} if cfg.tie_embeddings else set(reader.weight_map)
+    if cfg.family == "deepseek_v3":  # multi-token-prediction layers are not imported
+        present = {n for n in present if not deepseek_ignored(n, cfg)}
     if expected - present or present - expected:
         hint = ""
         if any(k.endswith("experts.gate_up_proj") for k in present):
@@ -207,6 +215,8 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
         reader.close(fname)
     for p, local in buffers:
         p.copy_(local.reshape(p.shape))
+    for _, buf, hf_name in deepseek_buffers(model):  # router correction bias (replicated)
+        buf.copy_(reader.read(hf_name, tuple(buf.shape), ()).to(buf.dtype))
 
 
 def from_hf(
@@ -251,6 +261,8 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
                 continue
             t = local[tuple(v - idx[d].start for d, v in enumerate(lead))]
             out.setdefault(hf_name, []).append((idx[len(lead) :], t.clone()))
+    for _, buf, hf_name in deepseek_buffers(model):
+        out[hf_name] = [(tuple(slice(0, n) for n in buf.shape), buf.detach().cpu().clone())]
     return out
 
 
@@ -283,9 +295,15 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
         spec = require_spec(p, name)
         for lead, hf_name in hf_components(name, cfg):
             shapes[hf_name] = spec.full_shape[len(lead) :]
+    fp32 = set()  # the router's correction bias stays fp32 (transformers keeps it fp32 too)
+    for _, buf, hf_name in deepseek_buffers(model):
+        shapes[hf_name] = tuple(buf.shape)
+        fp32.add(hf_name)
     tensors = {}
     for hf_name in hf_tensor_names(cfg):
-        full = torch.empty(shapes[hf_name], dtype=dtype or next(model.parameters()).dtype)
+        full = torch.empty(
+            shapes[hf_name], dtype=torch.float32 if hf_name in fp32 else dtype or next(model.parameters()).dtype
+        )
         covered = torch.zeros(shapes[hf_name], dtype=torch.bool)
         for rank_pieces in gathered:
             for index, t in rank_pieces.get(hf_name, []):

@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig` for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+(DeepSeek-V3: :mod:`folding.model.hf_deepseek`).
 
 Both rope spellings are read: transformers 4's top-level ``rope_theta`` and transformers 5's
 ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``. Features the engine does not
@@ -29,17 +30,16 @@ from typing import Any, Dict, Optional
 
 from ..moe.config import MoEConfig
 from .config import ModelConfig
+from .hf_deepseek import ARCHITECTURE, deepseek_config_from_hf, deepseek_config_to_hf
+from .hf_errors import CheckpointError
 
 ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek_v3": ARCHITECTURE,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that the engine cannot load as asked (architecture, files, names or shapes)."""
 
 
 def _rope_theta(hf: Dict[str, Any]) -> float:
@@ -66,6 +66,8 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
             f"config.json model_type={mtype!r} (architectures={hf.get('architectures')}) is not "
             f"supported; supported: {sorted(ARCHITECTURES)}"
         )
+    if mtype == "deepseek_v3":  # MLA, sigmoid router with correction bias, YaRN: folding.model.hf_deepseek
+        return deepseek_config_from_hf(hf, name)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     common = dict(
@@ -176,6 +178,8 @@ def _check_exportable(cfg: ModelConfig) -> None:
 
 def config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
     """A transformers-5 ``config.json`` dict for ``cfg`` (rope written as ``rope_parameters``)."""
+    if cfg.family == "deepseek_v3":
+        return deepseek_config_to_hf(cfg)
     _check_exportable(cfg)
     hf: Dict[str, Any] = dict(
         architectures=[ARCHITECTURES[cfg.family]],

@@ -21,6 +21,8 @@ from typing import Dict, List
 
 from ..moe.config import MoEConfig
 from .config import ModelConfig
+from .mla_config import MLAConfig
+from .rope_yarn import YarnConfig
 
 _PRESETS: Dict[str, ModelConfig] = {}
 
@@ -261,5 +263,89 @@ _register(
         rope_theta=500000.0,
         max_position_embeddings=8192,
         norm_eps=1e-5,
+    )
+)
+# DeepSeek-V3 (the released config.json): multi-head latent attention, YaRN RoPE (factor 40 over 4096
+# positions), 3 dense layers then 58 MoE layers of 256 sigmoid-routed experts (top-8 within the best
+# 4 of 8 groups, routed scaling 2.5, aux-loss-free correction bias) plus one shared expert. Training
+# adds the sequence-wise balance loss with alpha = 1e-4 (DeepSeek-V3 technical report, section 4.2).
+_register(
+    ModelConfig(
+        name="deepseek_v3",
+        family="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=128,
+        num_kv_heads=128,
+        ffn_hidden_size=18432,
+        moe=MoEConfig(
+            num_experts=256,
+            topk=8,
+            ffn_hidden_size=2048,
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=8,
+            group_topk=4,
+            group_score_topk=2,
+            topk_scaling_factor=2.5,
+            shared_expert_ffn_hidden_size=2048,
+            aux_loss_type="seq_aux_loss",
+            aux_loss_coeff=1e-4,
+        ),
+        mlp_only_layers=(0, 1, 2),
+        rope_theta=10000.0,
+        max_position_embeddings=163840,
+        norm_eps=1e-6,
+        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        yarn=YarnConfig(
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    )
+)
+# Its CPU twin: the same architecture (q LoRA, YaRN with both mscales, 4 groups of 2 experts, top-2
+# within 2 groups, ungated shared expert, first layer dense) at the tiny presets' size.
+_register(
+    ModelConfig(
+        name="deepseek_v3_tiny",
+        family="deepseek_v3",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=8,
+        ffn_hidden_size=128,
+        moe=MoEConfig(
+            num_experts=8,
+            topk=2,
+            ffn_hidden_size=32,
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=4,
+            group_topk=2,
+            group_score_topk=2,
+            topk_scaling_factor=2.5,
+            shared_expert_ffn_hidden_size=32,
+            aux_loss_type="seq_aux_loss",
+            aux_loss_coeff=0.01,
+        ),
+        mlp_only_layers=(0,),
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        norm_eps=1e-6,
+        mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        yarn=YarnConfig(
+            factor=4.0,
+            original_max_position_embeddings=1024,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+        ),
     )
 )

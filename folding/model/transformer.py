@@ -46,7 +46,7 @@ from .groups import ModelGroups
 from .linear import sp_gather
 from .moe_block import default_moe_factory
 from .norm import RMSNorm
-from .rope import rope_cos_sin
+from .rope_yarn import model_rope_cos_sin
 
 
 class MoETransformer(nn.Module):
@@ -163,7 +163,7 @@ class MoETransformer(nn.Module):
         ``chunk_starts`` are the first positions of this rank's chunks.
         """
         q_pos = self.local_positions(seq_len, device)
-        cos, sin = rope_cos_sin(q_pos, self.config.kv_channels, self.config.rope_theta)
+        cos, sin = model_rope_cos_sin(q_pos, self.config)  # default RoPE or YaRN; MLA: its rotary dims
         cp = self.groups.cp_size
         if cp == 1:
             return cos, sin, None, (0,)

@@ -76,7 +76,11 @@ class MoEConfig:
     node or EP rank). ``None`` disables it; needs ``group_topk``."""
     group_topk: Optional[int] = None
     """Group-limited routing: number of groups a token may use. A group's score is the sum of its
-    top ``topk // group_topk`` scores; the other groups are masked before the top-k."""
+    top ``group_score_topk`` scores; the other groups are masked before the top-k."""
+    group_score_topk: Optional[int] = None
+    """Group-limited routing: how many of a group's best scores sum to its score. ``None``:
+    ``topk // group_topk`` (Megatron-Core's rule); DeepSeek-V3 (Hugging Face) always uses 2, which
+    equals Megatron-Core's rule for its top-8 of 4 groups."""
     topk_scaling_factor: Optional[float] = None
     """Multiplies the final top-k probabilities (``None`` = 1)."""
     router_dtype: RouterDtype = "fp32"
@@ -195,6 +199,13 @@ class MoEConfig:
     def _validate_groups(self) -> None:
         G, g, E, k = self.num_groups, self.group_topk, self.num_experts, self.topk
         if G is None and g is None:
+            if self.group_score_topk is not None:
+                _fail(
+                    "group_score_topk",
+                    self.group_score_topk,
+                    "needs group-limited routing",
+                    "set moe.num_groups and moe.group_topk, or null",
+                )
             return
         if G is None or g is None:
             missing = "num_groups" if G is None else "group_topk"
@@ -210,14 +221,24 @@ class MoEConfig:
             _fail("num_groups", G, f"does not divide moe.num_experts={E}", "use a divisor of num_experts")
         if g > G:
             _fail("group_topk", g, f"exceeds moe.num_groups={G}", f"set moe.group_topk <= {G}")
-        if g > k:
+        n = self.group_score_topk
+        if n is not None:
+            _positive_int("group_score_topk", n)
+            if n > E // G:
+                _fail(
+                    "group_score_topk",
+                    n,
+                    f"exceeds the {E // G} experts of a group",
+                    "lower moe.group_score_topk or moe.num_groups",
+                )
+        elif g > k:
             _fail(
                 "group_topk",
                 g,
                 f"exceeds moe.topk={k}: a group is scored by its top topk//group_topk experts, which would be none",
-                f"set moe.group_topk <= {k}",
+                f"set moe.group_topk <= {k} or set moe.group_score_topk",
             )
-        if k // g > E // G:
+        elif k // g > E // G:
             _fail(
                 "topk",
                 k,

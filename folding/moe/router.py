@@ -248,6 +248,7 @@ class Router(nn.Module):
             group_topk=cfg.group_topk,
             scaling_factor=cfg.topk_scaling_factor,
             expert_bias_E=self.expert_bias,
+            group_score_topk=cfg.group_score_topk,
         )
 
     def _aux_loss(

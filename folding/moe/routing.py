@@ -50,21 +50,31 @@ def _check_logits(logits_TE: Tensor, topk: int, name: str = "logits_TE") -> Tupl
     return T, E
 
 
-def _group_limited_topk(scores_TE: Tensor, topk: int, num_groups: int, group_topk: int) -> Tensor:
+def _group_limited_topk(
+    scores_TE: Tensor, topk: int, num_groups: int, group_topk: int, group_score_topk: Optional[int] = None
+) -> Tensor:
     """Indices [T, K] of the top-k experts among the ``group_topk`` best groups of each token.
 
-    A group's score is the sum of its top ``topk // group_topk`` scores; experts of the other groups
-    are masked to -inf before the final top-k.
+    A group's score is the sum of its top ``group_score_topk`` scores (``None``: ``topk // group_topk``,
+    Megatron-Core's rule; DeepSeek-V3 uses 2); experts of the other groups are masked to -inf before
+    the final top-k.
     """
     T, E = scores_TE.shape
     if E % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide the {E} experts")
-    if not 1 <= group_topk <= min(num_groups, topk):
-        raise ValueError(f"group_topk={group_topk} must be in [1, min(num_groups, topk)]")
     per_group = E // num_groups
-    if topk // group_topk > per_group or group_topk * per_group < topk:
-        raise ValueError(f"topk={topk} cannot be drawn from group_topk={group_topk} groups of {per_group}")
-    group_scores_TG = scores_TE.view(T, num_groups, per_group).topk(topk // group_topk, dim=-1).values.sum(-1)
+    if group_score_topk is None:
+        if not 1 <= group_topk <= min(num_groups, topk):
+            raise ValueError(f"group_topk={group_topk} must be in [1, min(num_groups, topk)]")
+        group_score_topk = topk // group_topk
+    elif not 1 <= group_topk <= num_groups:
+        raise ValueError(f"group_topk={group_topk} must be in [1, num_groups={num_groups}]")
+    if not 1 <= group_score_topk <= per_group or group_topk * per_group < topk:
+        raise ValueError(
+            f"topk={topk} cannot be drawn from group_topk={group_topk} groups of {per_group} "
+            f"scored by their top {group_score_topk}"
+        )
+    group_scores_TG = scores_TE.view(T, num_groups, per_group).topk(group_score_topk, dim=-1).values.sum(-1)
     group_idx_TG = group_scores_TG.topk(group_topk, dim=-1).indices
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(1, group_idx_TG, True)
     expert_mask_TE = group_mask_TG.unsqueeze(-1).expand(T, num_groups, per_group).reshape(T, E)
@@ -116,6 +126,7 @@ def topk_routing(
     group_topk: Optional[int] = None,
     scaling_factor: Optional[float] = None,
     expert_bias_E: Optional[Tensor] = None,
+    group_score_topk: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Choose ``topk`` experts per token and their probabilities.
 
@@ -124,7 +135,8 @@ def topk_routing(
     - ``sigmoid``: sigmoid scores, top-k, renormalized to sum 1 when k > 1.
 
     ``num_groups``/``group_topk`` restrict the choice to the best ``group_topk`` of ``num_groups``
-    contiguous expert groups. ``expert_bias_E`` is added to the scores (the logits for post-top-k
+    contiguous expert groups, a group scored by the sum of its top ``group_score_topk`` scores
+    (``None``: ``topk // group_topk``). ``expert_bias_E`` is added to the scores (the logits for post-top-k
     softmax) for the *choice only*: the returned probabilities never include it.
     ``scaling_factor`` multiplies the final probabilities.
 
@@ -139,7 +151,7 @@ def topk_routing(
     if num_groups is None:
         idx_TK = select_TE.topk(topk, dim=-1).indices
     else:
-        idx_TK = _group_limited_topk(select_TE, topk, num_groups, group_topk)
+        idx_TK = _group_limited_topk(select_TE, topk, num_groups, group_topk, group_score_topk)
     return _probs_from_choice(
         logits_TE,
         scores_TE,

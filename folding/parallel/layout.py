@@ -46,6 +46,10 @@ class ParallelLayout:
     """Pipeline-parallel size, shared by both views."""
     vpp: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved 1F1B); ``None`` or 1 means none. Needs pp > 1."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage, the other stages sharing the rest evenly (Megatron-Core's
+    ``--decoder-last-pipeline-num-layers``; e.g. DeepSeek-V3's 61 layers on PP16: 15 × 4 + 1).
+    ``None``: every virtual stage holds the same number of layers. Needs pp > 1 and no vpp."""
     ep: int = 1
     """Expert-parallel size: experts are split over EP ranks of the expert view."""
     etp: Optional[int] = None
@@ -66,6 +70,13 @@ class ParallelLayout:
             if self.vpp > 1 and self.pp == 1:
                 raise LayoutError(
                     f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or parallel.vpp=null"
+                )
+        if self.last_stage_layers is not None:
+            _check_size("last_stage_layers", self.last_stage_layers)
+            if self.pp == 1 or (self.vpp or 1) > 1:
+                raise LayoutError(
+                    f"parallel.last_stage_layers={self.last_stage_layers} needs parallel.pp > 1 without "
+                    "parallel.vpp; set parallel.last_stage_layers=null or change pp/vpp"
                 )
         parse_order(self.order)
         w = self.world_size
@@ -123,6 +134,8 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
         v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
+        if self.last_stage_layers is not None:
+            v += f" (last stage {self.last_stage_layers} layers)"
         return (
             f"attention TP{self.tp} CP{self.cp} DP{self.dp} PP{self.pp}{v} | "
             f"MoE ETP{self.etp} EP{self.ep} EDP{self.edp} PP{self.pp}"

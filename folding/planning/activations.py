@@ -11,7 +11,8 @@ Kept per layer and micro-batch (``recompute="none"``):
 - norms: the inputs of both RMSNorms, ``2aTh``;
 - attention sublayer: QKV input, Q after RoPE, K/V as the attention core reads them (all-gathered over CP:
   the whole sequence's keys, :mod:`folding.model.context_parallel`), the attention output,
-  ``aT(h + nq d + 2 nkv d CP + nq d)``;
+  ``aT(h + nq d + 2 nkv d CP + nq d)``; multi-head latent attention keeps its latents too (the
+  TP-gathered ones whole, and the CP-gathered compressed KV), see :func:`_mla_kept_per_token`;
 - MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
   ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.swiglu`, one
   autograd node) keeps fc1's output ``[R, 2F_e]`` and the fp32 probabilities ``4R``, and fc2 keeps
@@ -80,7 +81,9 @@ def _parts_cached(
     h = s.hidden_size
     t = seq_length * micro_batch_size // (tp * cp)
     attn = 0
-    if s.num_attention_heads:
+    if s.num_attention_heads and s.kv_lora_rank:
+        attn = a * t * _mla_kept_per_token(s, tp, cp)
+    elif s.num_attention_heads:
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
         d = s.head_dim or h // nq
@@ -106,6 +109,19 @@ def _parts_cached(
         "experts": experts,
         "mlp": mlp,
     }
+
+
+def _mla_kept_per_token(s, tp: int, cp: int) -> float:
+    """Elements an MLA block keeps per local token (``T`` = the rank's sequence shard): its input; the
+    latents on the shard (down-projection outputs and normed latents); the TP-gathered latents (kept as
+    the up-projections' input, ``TP`` times the shard); the rotated queries ``N·(dn+dr)/TP`` per CP-chunk
+    token; the CP-gathered compressed KV and the whole sequence's keys and values (``CP`` times); the
+    attention output."""
+    h, n = s.hidden_size, s.num_attention_heads
+    lat = s.q_lora_rank + s.kv_lora_rank + s.qk_rope_head_dim
+    dqk = s.qk_nope_head_dim + s.qk_rope_head_dim
+    kv_lat = s.kv_lora_rank + s.qk_rope_head_dim
+    return h + 2 * lat + tp * lat + n * dqk + cp * (tp * kv_lat + n * (dqk + s.v_head_dim)) + n * s.v_head_dim
 
 
 def activation_bytes_per_layer(

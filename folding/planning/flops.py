@@ -8,6 +8,10 @@ counted, as in Megatron-Core's and PaLM's MFU):
 - Attention core (``Q·Kᵀ`` and ``P·V``): ``2 · 2·h·d·s_kv`` per token, where a causal mask makes the
   average key length ``s_kv = s/2`` (FlashAttention skips the masked half, so we count it half).
 - Output projection: ``2·h·d·H``.
+- Multi-head latent attention (DeepSeek-V3) instead: ``2·(H·Rq + Rq·N·(dn+dr) + H·(Rkv+dr) +
+  Rkv·N·(dn+dv) + N·dv·H)`` for the projections and ``2·N·(dn+dr+dv)·s_kv`` for the core (model FLOPs;
+  under CP each rank also expands the whole sequence's keys and values, which the step time counts as
+  hardware work).
 - Router: ``2·H·E``. Routed experts (SwiGLU, three ``H×F`` matrices): ``k · 6·H·F`` (top-k experts per
   token). Shared expert: ``6·H·F_shared`` plus its sigmoid gate ``2·H``. Dense MLP layers: ``6·H·F_dense``.
 - Output layer (logits): ``2·H·V``. The embedding lookup is not a matmul and counts 0.
@@ -35,13 +39,35 @@ from .activations import RECOMPUTE_MODES
 
 
 def attention_linear_flops(cfg: ModelConfig) -> float:
-    """Forward FLOPs per token of one layer's QKV and output projections."""
+    """Forward FLOPs per token of one layer's QKV and output projections (MLA: its down- and
+    up-projections and the output projection, :func:`mla_linear_flops`)."""
+    if cfg.mla is not None:
+        return sum(mla_linear_flops(cfg).values())
     H, d, h, g = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_kv_heads
     return 2.0 * H * (h + 2 * g) * d + 2.0 * h * d * H
 
 
+def mla_linear_flops(cfg: ModelConfig) -> dict:
+    """Forward FLOPs per token of one multi-head latent attention block's GEMMs, by projection:
+    ``q_down`` (``H·Rq``; 0 without q LoRA), ``q_up`` (``Rq·N·(dn+dr)``, or ``H·N·(dn+dr)``),
+    ``kv_down`` (``H·(Rkv+dr)``), ``kv_up`` (``Rkv·N·(dn+dv)``), ``out`` (``N·dv·H``), each times 2."""
+    m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    q_in = m.q_lora_rank or H
+    return {
+        "q_down": 2.0 * H * (m.q_lora_rank or 0),
+        "q_up": 2.0 * q_in * N * m.qk_head_dim,
+        "kv_down": 2.0 * H * (m.kv_lora_rank + m.qk_rope_head_dim),
+        "kv_up": 2.0 * m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim),
+        "out": 2.0 * N * m.v_head_dim * H,
+    }
+
+
 def attention_core_flops(cfg: ModelConfig, seq_length: int) -> float:
-    """Forward FLOPs per token of one layer's causal ``softmax(Q·Kᵀ)·V`` (average key length ``s/2``)."""
+    """Forward FLOPs per token of one layer's causal ``softmax(Q·Kᵀ)·V`` (average key length ``s/2``;
+    MLA: ``Q·Kᵀ`` over ``dn+dr`` dims and ``P·V`` over ``dv``)."""
+    if cfg.mla is not None:
+        N, m = cfg.num_attention_heads, cfg.mla
+        return 2.0 * N * (m.qk_head_dim + m.v_head_dim) * seq_length / 2.0
     return 2.0 * 2.0 * cfg.num_attention_heads * cfg.kv_channels * seq_length / 2.0
 
 

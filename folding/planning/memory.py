@@ -107,6 +107,16 @@ class ModelSizes:
     """Input embedding and output layer share one weight."""
     norms_per_layer: int = 2
     """RMSNorm scales per layer (each H, sequence-parallel)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3): width of the compressed KV latent; 0: GQA attention."""
+    q_lora_rank: int = 0
+    """MLA: width of the query latent; 0: a plain ``q_proj``."""
+    qk_nope_head_dim: int = 0
+    """MLA: position-free query/key dims per head."""
+    qk_rope_head_dim: int = 0
+    """MLA: rotary query/key dims per head (the rotary key is shared by the heads)."""
+    v_head_dim: int = 0
+    """MLA: value dims per head."""
 
     @classmethod
     def from_model_config(cls, cfg) -> "ModelSizes":
@@ -128,7 +138,37 @@ class ModelSizes:
             shared_expert_ffn_hidden_size=cfg.moe.shared_expert_ffn_hidden_size or 0,
             shared_expert_gate=cfg.moe.shared_expert_gate,
             tied_embeddings=cfg.tie_embeddings,
+            **_mla_sizes(cfg),
         )
+
+
+def _mla_sizes(cfg) -> Dict[str, int]:
+    m = getattr(cfg, "mla", None)
+    if m is None:
+        return {}
+    return dict(
+        kv_lora_rank=m.kv_lora_rank,
+        q_lora_rank=m.q_lora_rank or 0,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+    )
+
+
+def mla_param_counts(s: ModelSizes, tp: int) -> Tuple[int, int]:
+    """``(replicated, TP-sharded)`` parameter elements of one MLA block on a rank: the down-projections
+    and latent norms are replicated over TP; ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``o_proj``
+    hold ``N/TP`` heads."""
+    h, n = s.hidden_size, s.num_attention_heads
+    dqk = s.qk_nope_head_dim + s.qk_rope_head_dim
+    rep = h * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
+    q_in = h
+    if s.q_lora_rank:
+        rep += h * s.q_lora_rank + s.q_lora_rank
+        q_in = s.q_lora_rank
+    heads = _div(n, tp, "num_attention_heads")
+    sharded = heads * (q_in * dqk + s.kv_lora_rank * (s.qk_nope_head_dim + s.v_head_dim) + s.v_head_dim * h)
+    return rep, sharded
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,7 +256,7 @@ def stage_layers(
     """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
-        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage))
+        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage, _last(layout)))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
@@ -224,8 +264,10 @@ def stage_layers(
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int) -> Tuple[int, ...]:
-    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None)
+def _default_stage_layers(
+    num_layers: int, pp: int, vpp: int, stage: int, last: Optional[int] = None
+) -> Tuple[int, ...]:
+    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None, last_stage_layers=last)
     out: List[int] = []
     for chunk in range(len(stages) // pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
@@ -243,26 +285,35 @@ def param_counts(
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
     if stages is None:
-        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage)
+        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage, _last(layout))
     return _param_counts_of(
         sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage, stage_layers(sizes, layout, stage, stages)
     )
 
 
-def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
+def _last(layout) -> Optional[int]:
+    """The layout's ``last_stage_layers`` (planner plans and layouts; ``None`` when it has none)."""
+    return getattr(layout, "last_stage_layers", None)
+
+
+def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int] = None) -> Tuple[int, int]:
     """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
-    return _stage_counts_cached(sizes, pp, vpp, stage)
+    return _stage_counts_cached(sizes, pp, vpp, stage, last)
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int) -> Tuple[int, int]:
-    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage)
+def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int]) -> Tuple[int, int]:
+    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
     return len(mine), sum(1 for i in mine if i in sizes.dense_layers)
 
 
 @functools.lru_cache(maxsize=65536)
-def _param_counts(sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int) -> ParamCounts:
-    return _param_counts_of(sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage))
+def _param_counts(
+    sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, last: Optional[int] = None
+) -> ParamCounts:
+    return _param_counts_of(
+        sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
+    )
 
 
 def _param_counts_of(
@@ -271,7 +322,9 @@ def _param_counts_of(
     s = sizes
     h = s.hidden_size
     layer = s.norms_per_layer * h  # norms (replicated)
-    if s.num_attention_heads:
+    if s.num_attention_heads and s.kv_lora_rank:
+        layer += sum(mla_param_counts(s, tp))
+    elif s.num_attention_heads:
         nq = s.num_attention_heads
         nkv = s.num_query_groups or nq
         hd = s.head_dim or h // nq
@@ -370,7 +423,7 @@ def memory_per_rank(
             fused_swiglu=fused_swiglu,
         )
         vpp = layout.vpp or 1
-        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage)
+        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage, _last(layout))
         per_mb = activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
             activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
         )

@@ -99,13 +99,16 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
             if S % (2 * cp) and cp > 1:
                 continue
             for pp in _divisors(N // (tp * cp)):
-                if L % pp:
+                # pp not dividing the layers: the last stage takes the remainder of ceil(L/pp)-layer
+                # stages (Megatron-Core's --decoder-last-pipeline-num-layers), without VPP
+                last = L - (pp - 1) * -(-L // pp) if L % pp and pp > 1 else None
+                if L % pp and (last is None or last < 1):
                     continue
                 dp = N // (tp * cp * pp)
                 if B % (dp * b):
                     continue
                 m = B // (dp * b)
-                for vpp in _divisors(L // pp):
+                for vpp in _divisors(L // pp) if last is None else [1]:
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
                     for ep in _divisors(cfg.moe.num_experts):
@@ -124,6 +127,7 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                                         cp=cp,
                                         pp=pp,
                                         vpp=vpp,
+                                        last_stage_layers=last,
                                         ep=ep,
                                         etp=etp,
                                         dp=dp,

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict
+from typing import Dict, Optional
 
 from folding.model.config import ModelConfig
 
@@ -115,6 +115,9 @@ class Plan:
     recompute: str
     """Activation recomputation (``train.recompute``): ``none``, ``selective`` (the attention sublayer),
     ``moe`` (the MoE sublayer of MoE layers) or ``full`` (whole layers)."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage when ``pp`` does not divide the layers (the others share the
+    rest evenly, ``parallel.last_stage_layers``); ``None``: an even split."""
     folded: bool = True
     """``False`` models Megatron-Core without folding: ETP = TP and EP carved out of DP, so the dispatch
     group spans TP·CP·EP consecutive ranks instead of ETP·EP."""
@@ -166,6 +169,27 @@ def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap:
     )
 
 
+def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gpu, eff: float, train, attn_fwd: int):
+    """Multi-head latent attention GEMMs of one layer and micro-batch: ``(col, row, seconds, tp_width)``.
+
+    The down-projections run replicated on the rank's sequence shard (``seq_tok / TP`` tokens); the
+    query up-projection and the output projection on the CP chunk (``seq_tok``); the KV up-projection on
+    the whole sequence (``full_tok``: each CP rank expands the gathered compressed KV). ``col`` / ``row``
+    stand for the TP block's column- and row-parallel GEMMs in :func:`_tp_block`; ``tp_width`` is the
+    average width of its two sequence-parallel collectives (the latents gathered, the hidden state
+    reduce-scattered)."""
+    m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    heads = N / plan.tp
+    q_in = m.q_lora_rank or H
+    down = gemm_train_times(seq_tok / plan.tp, (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim, H, gpu, eff)
+    q_up = gemm_train_times(seq_tok, heads * m.qk_head_dim, q_in, gpu, eff)
+    kv_up = gemm_train_times(full_tok, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, gpu, eff)
+    proj = gemm_train_times(seq_tok, H, heads * m.v_head_dim, gpu, eff)
+    seconds = train(down, attn_fwd) + train(q_up, attn_fwd) + train(kv_up, attn_fwd) + train(proj, attn_fwd)
+    latents = (m.q_lora_rank or H) + m.kv_lora_rank + m.qk_rope_head_dim
+    return q_up, proj, seconds, (latents + H) / 2
+
+
 def _layer_times(
     cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster, eff: float, moe: bool
 ) -> Dict[str, float]:
@@ -184,10 +208,14 @@ def _layer_times(
     core = F.attention_core_flops(cfg, S) * tok
     seq_tok = S * b / plan.cp  # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
-    qkv_n = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * d
-    qkv = gemm_train_times(seq_tok, qkv_n / plan.tp, H, gpu, eff)
-    proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
-    attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
+    if cfg.mla is None:
+        qkv_n = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * d
+        qkv = gemm_train_times(seq_tok, qkv_n / plan.tp, H, gpu, eff)
+        proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
+        attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
+        tp_width = H  # the sequence-parallel all-gather moves the hidden state
+    else:
+        qkv, proj, attn_t, tp_width = _mla_times(cfg, plan, seq_tok, S * b, gpu, eff, train, attn_fwd)
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.moe.num_experts // plan.ep
@@ -231,7 +259,8 @@ def _layer_times(
     tp_t = 0.0
     if plan.tp > 1:
         c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
-        tp_t = _tp_block(c, attn_fwd, plan.tp, qkv, proj, cluster.tp_comm_overlap, gpu.overlap_contention)
+        c_attn = c * tp_width / H
+        tp_t = _tp_block(c_attn, attn_fwd, plan.tp, qkv, proj, cluster.tp_comm_overlap, gpu.overlap_contention)
         if tp_block is not None:
             tp_t += _tp_block(
                 c, mlp_fwd, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap, gpu.overlap_contention
@@ -243,7 +272,14 @@ def _layer_times(
     # them (nothing to overlap with), so all are exposed. Plus the sort of the gathered K/V into sequence
     # order and its backward (an index_put into zeros): memory-bound passes over the full-sequence K/V.
     cp_t = 0.0
-    if plan.cp > 1:
+    if plan.cp > 1 and cfg.mla is not None:
+        # MLA: one all-gather of the compressed KV (latent + shared rotary key, replicated over TP) per
+        # forward, one reduce-scatter per backward; the sort touches the gathered latents
+        m = cfg.mla
+        lat_local = S * b / plan.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * BF16
+        cp_t = (attn_fwd + 1) * _ring_time(lat_local * (plan.cp - 1), plan.tp * plan.cp, cluster)
+        cp_t += (attn_fwd + 1) * lat_local * plan.cp / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    elif plan.cp > 1:
         kv_local = S * b / plan.cp * cfg.num_kv_heads * cfg.kv_channels / min(plan.tp, cfg.num_kv_heads) * BF16
         one = _ring_time(kv_local * (plan.cp - 1), plan.tp * plan.cp, cluster)
         cp_t = 2 * (attn_fwd + 1) * one
@@ -271,12 +307,26 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
     sharded over EP·ETP. A one-stage pipeline holds both ends. Counted by the one memory model
     (:func:`folding.planning.memory.param_counts`).
     """
-    return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, last)
+    return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, last, plan.last_stage_layers)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool) -> Dict[str, float]:
-    plan = Plan(tp=tp, cp=1, pp=pp, vpp=1, ep=ep, etp=etp, dp=1, edp=1, distributed_optimizer=False, recompute="none")
+def _stage_parameters(
+    cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool, last_layers: Optional[int] = None
+) -> Dict[str, float]:
+    plan = Plan(
+        tp=tp,
+        cp=1,
+        pp=pp,
+        vpp=1,
+        ep=ep,
+        etp=etp,
+        dp=1,
+        edp=1,
+        distributed_optimizer=False,
+        recompute="none",
+        last_stage_layers=last_layers,
+    )
     c = param_counts(model_sizes(cfg), plan, stage=pp - 1 if last else 0)
     return {"dense": c.dense, "expert": c.expert}
 
@@ -295,7 +345,9 @@ def estimate_step_time(
     moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True)
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
     causes = ("compute", "memory_bound", "tp", "cp", "ep")
-    per_mb = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / plan.pp for c in causes}
+    # the pipeline runs at the pace of its fullest stage: L/pp layers, or more with an uneven split
+    fullest = (L - plan.last_stage_layers) / (plan.pp - 1) if plan.last_stage_layers else L / plan.pp
+    per_mb = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L * fullest for c in causes}
 
     # Output layer + cross-entropy on the last stage (logits in fp32, a few passes over them).
     # The output layer (folding's fused output layer + loss, folding/model/fused_cross_entropy.py) reads the

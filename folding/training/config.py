@@ -32,6 +32,8 @@ from typing import Any, Dict, Mapping, Optional
 
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
+from ..model.mla_config import MLAConfig
+from ..model.rope_yarn import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
@@ -83,6 +85,9 @@ class ParallelConfig:
     """Expert tensor-parallel size; null follows ``tp`` (write it explicitly: see the user guide)."""
     order: str = DEFAULT_ORDER
     """Axis order, fastest-varying first (Megatron-Core semantics)."""
+    last_stage_layers: Optional[int] = None
+    """Layers of the last pipeline stage, the others sharing the rest evenly (Megatron-Core's
+    ``--decoder-last-pipeline-num-layers``); null: an even split. Needs pp > 1 without vpp."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
@@ -95,6 +100,7 @@ class ParallelConfig:
             cp=self.cp,
             pp=self.pp,
             vpp=self.vpp,
+            last_stage_layers=self.last_stage_layers,
             ep=self.ep,
             etp=self.etp,
             order=self.order,
@@ -256,6 +262,9 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     if "mlp_only_layers" in model_values and model_values["mlp_only_layers"] is not None:
         model_values["mlp_only_layers"] = tuple(model_values["mlp_only_layers"])
     model_values["moe"] = _build(MoEConfig, "moe", tree.get("moe"))
+    for key, record in (("mla", MLAConfig), ("yarn", YarnConfig)):  # nested records (DeepSeek-V3)
+        if isinstance(model_values.get(key), Mapping):
+            model_values[key] = _build(record, f"model.{key}", model_values[key])
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
     notes = []

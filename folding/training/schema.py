@@ -22,7 +22,9 @@ from omegaconf import MISSING
 
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
+from ..model.mla_config import MLAConfig
 from ..model.presets import get_preset, list_presets
+from ..model.rope_yarn import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from . import config as C
@@ -66,7 +68,8 @@ def job_schema() -> type:
     """The schema class of the whole job tree (``model, moe, parallel, train, optim, data,
     checkpoint, logging``)."""
     section = lambda name, cls: (name, cls, dataclasses.field(default_factory=cls))  # noqa: E731
-    model = mirror(ModelConfig, without=("moe",))
+    nested = lambda name, cls: (name, Optional[mirror(cls)], dataclasses.field(default=None))  # noqa: E731
+    model = mirror(ModelConfig, without=("moe",), overrides=(nested("mla", MLAConfig), nested("yarn", YarnConfig)))
     logging = mirror(C.LoggingConfig, overrides=(section("wandb", mirror(C.WandbConfig)),))
     return dataclasses.make_dataclass(
         "JobSchema",

@@ -131,6 +131,20 @@ def test_folded_layouts_match_one_rank(ranks, engine_moe):
         print(f"{name:15s} {layout:45s} loss {loss:.7f} (1 rank {ref_loss:.7f}) worst rel grad err {worst:.2e}")
 
 
+# DeepSeek-V3 (MLA, YaRN, sigmoid group-limited routing, shared expert, dense first layer) with the
+# engine's MoE layer: the reference MoE block routes like Mixtral / Qwen2-MoE only.
+DEEPSEEK = dict(name="deepseek_v3_tiny", num_layers=2, vocab_size=256, init_std=0.1, moe=dict())
+
+
+def test_deepseek_v3_layouts_match_one_rank(ranks):
+    """MLA under TP2+SP with CP2 (compressed-KV all-gather), TP4, CP2 alone and EP x ETP: logits, loss
+    and every gradient (latent down-projections and norms summed over TP) against one rank."""
+    results = ranks(8).run(_compare_layouts, [DEEPSEEK], LAYOUTS, True)
+    assert len(results[0]) == len(LAYOUTS)
+    for name, layout, loss, ref_loss, worst, nparams in results[0]:
+        print(f"{name:17s} {layout:45s} loss {loss:.7f} (1 rank {ref_loss:.7f}) worst rel grad err {worst:.2e}")
+
+
 HF_LAYOUTS = [dict(tp=2, ep=4, etp=2), dict(tp=2, cp=2, ep=4, etp=1)]
 
 
@@ -283,8 +297,9 @@ def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
 
 def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
     """from_hf with the engine's own MoE layer (all-to-all dispatcher) matches transformers in folded
-    layouts, for Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (per-head q/k norm, head_dim != hidden/heads)
-    and OLMoE (q/k norm over the TP-sharded projection), and exports bit-identically."""
+    layouts, for Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (per-head q/k norm, head_dim != hidden/heads),
+    OLMoE (q/k norm over the TP-sharded projection) and DeepSeek-V3 (MLA, correction bias), and exports
+    bit-identically."""
     import os
 
     import pytest
@@ -294,6 +309,7 @@ def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
         import folding.moe.layer  # noqa: F401
     except ImportError:
         pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
+    from tests.unit.test_hf_deepseek import tiny_hf as tiny_deepseek
     from tests.unit.test_hf_parity import save, tiny_hf
 
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(4))
@@ -303,9 +319,11 @@ def test_hf_parity_with_engine_moe_layer(ranks, tmp_path):
         ("qwen2_moe", dict(mlp_only_layers=[1], norm_topk_prob=True)),
         ("qwen3_moe", dict(mlp_only_layers=[1], head_dim=12, norm_topk_prob=True)),
         ("olmoe", dict(norm_topk_prob=False)),
+        ("deepseek_v3", {}),
     )
     for family, kw in families:
-        hf = tiny_hf(family, **kw)
+        # DeepSeek-V3: MLA with q LoRA, YaRN, non-zero correction bias, 4 groups, dense first layer
+        hf = tiny_deepseek() if family == "deepseek_v3" else tiny_hf(family, **kw)
         path = save(hf, str(tmp_path / family))
         with torch.no_grad():
             hf_logits = hf(ids).logits

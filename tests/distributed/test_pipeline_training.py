@@ -1,6 +1,6 @@
-"""Every layout trains like one rank: 10 optimizer steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (fp32,
-several micro-batches per step, the same micro-batch split everywhere) give the 1-rank per-step
-losses and final parameters on 8 gloo ranks, through the real training loop (pipeline schedules,
+"""Every layout trains like one rank: 10 optimizer steps of tiny Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
+DeepSeek-V3 (fp32, several micro-batches per step, the same micro-batch split everywhere) give the
+1-rank per-step losses and final parameters on 8 gloo ranks, through the real training loop (pipeline schedules,
 folded MoE, gradient reduction, optimizer). A bf16 run stays within 1e-2 of the fp32 losses.
 The 1-rank losses are also the golden losses in ``tests/golden_losses.json``."""
 
@@ -30,6 +30,7 @@ MODELS = {
     # head_dim stays 16 (hidden/heads is 4): q/k widths differ from the hidden size
     "qwen3_moe_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16), ffn_hidden_size=32, mlp_only_layers=(1,)),
     "olmoe_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16)),
+    "deepseek_v3_tiny": dict(hidden_size=32, moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16)),
 }
 # Dropping decides at each expert's capacity boundary by comparing probabilities. After step 1 the
 # layouts' parameters differ by reduction-order noise, so two tokens whose probabilities are that close
@@ -63,6 +64,14 @@ CASES = [
     ("olmoe_tiny", dict(tp=4, ep=2, etp=1), dict(), False, {}),  # TP4+SP, EDP4
     ("olmoe_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), True, {}),  # CP2 with TP2
     ("olmoe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
+]
+# DeepSeek-V3: MLA (latent down-projections replicated over TP, compressed KV gathered over CP), YaRN,
+# sigmoid group-limited routing with the expert bias updated every step, seq_aux_loss, dense layer 0
+DEEPSEEK_CASES = [
+    ("deepseek_v3_tiny", dict(pp=2, tp=2, ep=2, etp=1), dict(), True, {}),  # PP2, TP2+SP
+    ("deepseek_v3_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), False, {}),  # CP2
+    ("deepseek_v3_tiny", dict(tp=2, ep=2, etp=2), dict(), True, {}),  # EP2 x ETP2
+    ("deepseek_v3_tiny", dict(pp=2, last_stage_layers=1, ep=4, etp=1), dict(), False, {}),  # stages of 3 + 1 layers
 ]
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
 
@@ -126,41 +135,51 @@ def _full(entries):
     return full
 
 
-def test_layouts_train_like_one_rank(ranks, tmp_path):
+def _check_cases(ranks, tmp_path, cases):
+    """Train ``cases`` on 8 ranks and their 1-rank references; compare losses, grad norms, parameters
+    and the golden curves of the models they train."""
     refs = {}
-    for key in {(m, tuple(sorted(moe.items()))) for m, _, _, _, moe in CASES}:
+    for key in {(m, tuple(sorted(moe.items()))) for m, _, _, _, moe in cases}:
         ((losses, norms, params),) = ranks(1).run(_train, [(key[0], {}, {}, False, dict(key[1]))], str(tmp_path))[0]
         refs[key] = (losses, norms, {n: t.reshape(s.full_shape) for n, (s, t) in params.items()})
     # one call per case, each well inside the pool's timeout on a slow machine
-    results = [ranks(8).run(_train, [case], str(tmp_path)) for case in CASES]
-    for i, (model_name, parallel, train, distributed, moe) in enumerate(CASES):
+    results = [ranks(8).run(_train, [case], str(tmp_path)) for case in cases]
+    for i, (model_name, parallel, train, distributed, moe) in enumerate(cases):
         ref_losses, ref_norms, ref_params = refs[(model_name, tuple(sorted(moe.items())))]
         for r in range(8):
             losses, norms, _ = results[i][r][0]
             assert len(losses) == STEPS
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
-                assert abs(a - b) <= 1e-5 * abs(b), (CASES[i], step + 1, a, b)
+                assert abs(a - b) <= 1e-5 * abs(b), (cases[i], step + 1, a, b)
             # fp32 reduction-order noise in the gradient norm reaches 1.2e-4 relative (PP2 EP4 dropping,
             # step 5 of 10; 8e-7 again by step 9) while the losses agree to 3e-6; a wrong reduction or
             # scale is off by O(1)
             for a, b in zip(norms, ref_norms):
-                assert abs(a - b) <= 3e-4 * abs(b), (CASES[i], a, b)
+                assert abs(a - b) <= 3e-4 * abs(b), (cases[i], a, b)
         full = _full([(n, e) for r in range(8) for n, e in results[i][r][0][2].items()])
-        assert sorted(full) == sorted(ref_params), CASES[i]
+        assert sorted(full) == sorted(ref_params), cases[i]
         for name, t in full.items():
-            assert not torch.isnan(t).any(), (CASES[i], name)  # every element held by some rank
+            assert not torch.isnan(t).any(), (cases[i], name)  # every element held by some rank
             if moe.get("capacity_factor") is None:
-                torch.testing.assert_close(t, ref_params[name], rtol=1e-4, atol=1e-5, msg=f"{CASES[i]} {name}")
+                torch.testing.assert_close(t, ref_params[name], rtol=1e-4, atol=1e-5, msg=f"{cases[i]} {name}")
             else:  # a capacity-boundary swap moves a few elements by up to one step: compare whole tensors
                 rel = float((t - ref_params[name]).norm() / ref_params[name].norm().clamp_min(1e-12))
-                assert rel <= 5e-2, (CASES[i], name, rel)
+                assert rel <= 5e-2, (cases[i], name, rel)
     # golden losses: the 1-rank curves of this file's configuration
     golden = json.load(open(GOLDEN))
-    for model_name in MODELS:
+    for model_name in sorted({m for m, *_ in cases}):
         got = refs[(model_name, ())][0]
         want = golden[model_name]
         assert len(want) == STEPS and all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (model_name, got)
         assert got[-1] < got[0]
+
+
+def test_layouts_train_like_one_rank(ranks, tmp_path):
+    _check_cases(ranks, tmp_path, CASES)
+
+
+def test_deepseek_v3_layouts_train_like_one_rank(ranks, tmp_path):
+    _check_cases(ranks, tmp_path, DEEPSEEK_CASES)
 
 
 def test_bf16_tracks_fp32(ranks, tmp_path):

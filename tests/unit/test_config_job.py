@@ -70,6 +70,7 @@ def test_defaults_and_overrides_reach_typed_config():
         ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
         ("qwen3_30b_a3b", 8, "attention TP4 CP1 DP1 PP2 | MoE ETP1 EP4 EDP1 PP2"),
         ("qwen3_235b_a22b", 256, "attention TP4 CP1 DP32 PP2 VPP47 | MoE ETP1 EP32 EDP4 PP2"),
+        ("deepseek_v3", 1024, "attention TP2 CP1 DP32 PP16 (last stage 1 layers) | MoE ETP1 EP64 EDP1 PP16"),
     ],
 )
 def test_recipes_dry_run(recipe, world, expect):

@@ -67,3 +67,17 @@ def test_bad_input():
         flops_per_token(cfg, 0)
     with pytest.raises(ValueError, match="recompute"):
         flops_per_token(cfg, 16).recompute_extra("some")
+
+
+def test_deepseek_v3_tiny_mla_by_hand():
+    # deepseek_v3_tiny: H=64, N=8 heads, Rq=32, Rkv=32, dn=16, dr=8, dv=16; per layer projections:
+    # q_a 64*32, q_b 32*8*24, kv_a 64*(32+8), kv_b 32*8*(16+16), o 8*16*64 (x2 FLOPs each)
+    cfg = get_preset("deepseek_v3_tiny")
+    linear = 2 * (64 * 32 + 32 * 8 * 24 + 64 * 40 + 32 * 8 * 32 + 8 * 16 * 64)
+    # core: Q.K^T over dn+dr=24 and P.V over dv=16 for N=8 heads, s_kv = s/2 = 8 at s=16
+    core = 2 * 8 * (24 + 16) * 8
+    f = flops_per_token(cfg, seq_length=16)
+    assert f.attention_linear == 4 * linear and f.attention_core == 4 * core
+    # the full model: 671B parameters, ~37.5B active -> about 6 x active plus attention per token
+    big = flops_per_token(get_preset("deepseek_v3"), seq_length=4096)
+    assert 6 * 37.0e9 < big.model_training < 6 * 37.6e9 + 3 * big.attention_core + 1e9

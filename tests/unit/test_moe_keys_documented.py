@@ -36,6 +36,7 @@ OVERRIDES = {
     "pre_softmax": ("true", []),
     "num_groups": ("2", ["moe.group_topk=1"]),
     "group_topk": ("1", ["moe.num_groups=2"]),
+    "group_score_topk": ("2", ["moe.num_groups=2", "moe.group_topk=1"]),
     "topk_scaling_factor": ("2.5", []),
     "router_dtype": ("fp64", []),
     "input_jitter_eps": ("0.01", []),

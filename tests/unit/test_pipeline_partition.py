@@ -26,3 +26,27 @@ def test_even_and_virtual():
 def test_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):
         partition_layers(**kw)
+
+
+def test_last_stage_layers_uneven_split():
+    # DeepSeek-V3 on PP16 (Megatron-Bridge's layout): 61 = 15 stages of 4, then 1
+    stages = partition_layers(num_layers=61, pp=16, last_stage_layers=1)
+    assert stages[:2] == [(0, 4), (4, 8)] and stages[-2:] == [(56, 60), (60, 61)] and len(stages) == 16
+    assert partition_layers(num_layers=4, pp=2, last_stage_layers=1) == [(0, 3), (3, 4)]
+    for kw in (
+        dict(pp=16, last_stage_layers=2),
+        dict(pp=1, last_stage_layers=1),
+        dict(pp=4, vpp=2, last_stage_layers=1),
+    ):
+        with pytest.raises(ValueError, match="last_stage_layers"):
+            partition_layers(num_layers=61, **kw)
+
+
+def test_last_stage_layers_layout_checks():
+    from folding.parallel import LayoutError, ParallelLayout
+
+    lay = ParallelLayout(world_size=32, tp=2, pp=16, last_stage_layers=1)
+    assert "(last stage 1 layers)" in lay.describe()
+    for kw in (dict(pp=1), dict(pp=4, vpp=2)):
+        with pytest.raises(LayoutError, match="last_stage_layers"):
+            ParallelLayout(world_size=32, last_stage_layers=1, **kw)

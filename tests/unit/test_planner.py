@@ -416,3 +416,34 @@ def test_tool_moe_options_reach_the_planner():
         text=True,
     )
     assert bad.returncode == 2 and "unknown MoE option(s) ['top_k']" in bad.stderr
+
+
+def test_deepseek_v3_mla_memory_and_uneven_pipeline():
+    """MLA's replicated down-projections and latent norms and its TP-sharded up-projections are counted
+    like the model holds them; 61 layers on PP16 plan as 15 stages of 4 and a last stage of 1."""
+    from folding.model.transformer import MoETransformer
+    from folding.planning.memory import mla_param_counts, model_sizes, param_counts
+
+    cfg = get_preset("deepseek_v3_tiny")
+    rep, sharded = mla_param_counts(model_sizes(cfg), tp=2)
+    model = MoETransformer(cfg, device="meta")
+    attn = model.layers["0"].attention
+    want_rep = sum(
+        p.numel()
+        for n, p in attn.named_parameters()
+        if n.split(".")[0] in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+    )
+    want_sharded = sum(
+        p.numel() for n, p in attn.named_parameters() if n.split(".")[0] in ("q_b_proj", "kv_b_proj", "o_proj")
+    )
+    assert (rep, sharded) == (want_rep, want_sharded // 2)
+    big = get_preset("deepseek_v3")
+    cluster = Cluster(gpu=get_gpu("h100"), num_gpus=64)
+    shape = TrainingShape(seq_length=4096, global_batch_size=64)
+    plans = [p for p in enumerate_plans(big, cluster=cluster, shape=shape) if p.pp == 16]
+    assert plans and all(p.last_stage_layers == 1 and p.vpp == 1 for p in plans)
+    p16 = plans[0]
+    first, last = stage_parameters(big, p16, last=False), stage_parameters(big, p16, last=True)
+    middle = param_counts(model_sizes(big), p16, stage=1)
+    # stage 0: layers 0-3 (3 dense, 1 MoE); stages 1-14: 4 MoE layers each; stage 15: layer 60 (MoE)
+    assert first["expert"] == last["expert"] and middle.expert == 4 * last["expert"] > 0

@@ -61,6 +61,21 @@ def test_group_limited_routing_masks_weak_groups():
     assert R.topk_routing(logits, topk=2)[1][0, 0]
 
 
+def test_group_score_topk_overrides_megatron_rule():
+    # E=6 in 3 groups {0,1} {2,3} {4,5}; k=2, group_topk=2. Megatron's rule scores a group by its top
+    # k//group_topk = 1: 5, 3, 4.5 -> groups 0 and 2 -> experts 0 and 4 (5, 4.5).
+    # DeepSeek-V3's top-2 sum: 5+0=5, 3+2.9=5.9, 4.5+0=4.5 -> groups 0 and 1 -> experts 0 and 2 (5, 3).
+    logits = torch.tensor([[5.0, 0.0, 3.0, 2.9, 4.5, 0.0]])
+    _, megatron = R.topk_routing(logits, topk=2, num_groups=3, group_topk=2)
+    assert megatron[0].nonzero().flatten().tolist() == [0, 4]
+    _, deepseek = R.topk_routing(logits, topk=2, num_groups=3, group_topk=2, group_score_topk=2)
+    assert deepseek[0].nonzero().flatten().tolist() == [0, 2]
+    # group_topk may exceed topk when groups are scored explicitly (HF allows it); not beyond a group's size
+    assert R.topk_routing(logits, topk=1, num_groups=3, group_topk=2, group_score_topk=2, score_function="sigmoid")
+    with pytest.raises(ValueError, match="top 3"):
+        R.topk_routing(logits, topk=2, num_groups=3, group_topk=2, group_score_topk=3)
+
+
 def test_expert_bias_changes_choice_not_probs():
     # bias 2.5 on expert 3 lifts it to 2.5 > 2 (expert 2): choice {1, 3}; probs use the raw logits:
     # softmax([3, 0]) = [e^3, 1] / (e^3 + 1)

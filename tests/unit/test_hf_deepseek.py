@@ -1,0 +1,317 @@
+"""Parity with transformers' DeepseekV3ForCausalLM at 1 rank (fp32): multi-head latent attention (q LoRA
+and plain q_proj), YaRN RoPE with both mscales, the sigmoid router with a non-zero correction bias and
+group-limited top-k scored by the top-2 of each group, the routed scaling factor, an ungated shared
+expert and leading dense layers; logits, loss and every gradient; HF -> engine -> HF bit-exact, the
+correction bias included; config round trip; clear errors."""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from folding.model.config import ModelConfig  # noqa: E402
+from folding.model.hf import CheckpointError, from_hf, hf_components, to_hf  # noqa: E402
+from folding.model.hf_config import config_from_hf, config_to_hf  # noqa: E402
+
+V, S, B = 128, 16, 2
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=8,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.9,
+    mscale_all_dim=0.7,
+)
+
+
+def tiny_hf(**kw):
+    """A random tiny DeepSeek-V3 (weights ~N(0, 0.1), correction bias ~N(0, 0.3))."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    args = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters=YARN,
+    )
+    args.update(kw)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**args))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    return model.eval()
+
+
+def hf_grads(model):
+    """HF gradients under the checkpoint's tensor names (fused in-memory experts split per expert)."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if n.endswith("experts.gate_up_proj"):
+            for e in range(g.shape[0]):
+                gate, up = g[e].chunk(2)
+                out[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif n.endswith("experts.down_proj"):
+            for e in range(g.shape[0]):
+                out[n.replace("down_proj", f"{e}.down_proj.weight")] = g[e]
+        else:
+            out[n] = g
+    return out
+
+
+CASES = {
+    "qlora-yarn-groups": dict(),
+    "qproj-default-rope": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
+    "no-interleave-nogroups-tied": dict(rope_interleave=False, n_group=1, topk_group=1, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_loss_grads_match_transformers(tmp_path, case):
+    from folding.parallel.params import require_spec
+
+    hf = tiny_hf(**CASES[case])
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(path)
+    model = from_hf(path)
+    cfg = model.config
+    assert cfg.family == "deepseek_v3" and cfg.mlp_only_layers == (0,) and cfg.moe.expert_bias
+    assert (cfg.yarn is not None) == (case != "qproj-default-rope")
+    bias = model.layers["1"].mlp.router.expert_bias
+    torch.testing.assert_close(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
+    assert bias.abs().max() > 0.1
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    out = hf(ids, labels=ids)
+    logits = model(ids)
+    rel = ((logits - out.logits).abs().max() / out.logits.abs().max()).item()
+    assert rel <= 1e-5, rel
+    labels = torch.roll(ids, -1, dims=1)
+    mask = torch.ones(B, S)
+    mask[:, -1] = 0
+    loss = model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    out.loss.backward()
+    ref = hf_grads(hf)
+    checked = 0
+    for name, p in model.named_parameters():
+        g = p.grad.reshape(require_spec(p, name).full_shape)
+        for lead, hf_name in hf_components(name, cfg):
+            torch.testing.assert_close(g[lead] if lead else g, ref[hf_name], rtol=1e-4, atol=1e-6, msg=hf_name)
+            checked += 1
+    assert checked == len(ref)
+
+
+def test_routing_differs_without_the_bias_and_with_megatron_group_score(tmp_path):
+    """The test config is sensitive to what it claims to check: dropping the correction bias or
+    scoring groups by topk//group_topk (= 1 here) changes the logits."""
+    hf = tiny_hf()
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(path)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    ref = from_hf(path)(ids)
+    with torch.no_grad():
+        no_bias = from_hf(path)
+        no_bias.layers["1"].mlp.router.expert_bias.zero_()
+        assert (no_bias(ids) - ref).abs().max() > 1e-3
+        megatron_rule = from_hf(path, config_overrides={"moe": {"group_score_topk": None}})
+        assert megatron_rule.config.moe.num_groups == 4
+        assert (megatron_rule(ids) - ref).abs().max() > 1e-3
+
+
+def test_round_trip_bit_identical(tmp_path):
+    hf = tiny_hf()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    hf.save_pretrained(src)
+    to_hf(from_hf(src), dst)
+    a, b = load_file(os.path.join(src, "model.safetensors")), load_file(os.path.join(dst, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert any(k.endswith("e_score_correction_bias") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert config_from_hf(json.load(open(os.path.join(dst, "config.json")))) == from_hf(src).config.replace(
+        name="hf_deepseek_v3"
+    )
+
+
+def test_generated_config_loads_in_transformers(tmp_path):
+    """An engine-built DeepSeek-V3 (random init, non-zero bias) exported with a generated config.json
+    is the same function in transformers; the config maps back to itself."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from folding.model.presets import get_preset
+    from folding.model.transformer import MoETransformer
+
+    cfg = get_preset("deepseek_v3_tiny")
+    assert ModelConfig.from_dict(json.loads(json.dumps(__import__("dataclasses").asdict(cfg)))) == cfg
+    # the balance loss is training-only: transformers has no field for it
+    assert config_from_hf(config_to_hf(cfg), name=cfg.name) == cfg.replace(
+        moe={"aux_loss_type": "aux_loss", "aux_loss_coeff": 0.0}
+    )
+    model = MoETransformer(cfg, init_seed=3)
+    with torch.no_grad():
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                model.layers[str(i)].mlp.router.expert_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(i))
+    path = str(tmp_path / "out")
+    to_hf(model, path)
+    hf = DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+def test_bad_deepseek_configs_fail_clearly(tmp_path):
+    hf = tiny_hf()
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(path)
+    base = json.load(open(os.path.join(path, "config.json")))
+    for change, needle in (
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ):
+        with pytest.raises(CheckpointError, match=needle):
+            config_from_hf({**base, **change})
+    with pytest.raises(CheckpointError, match="group_score_topk"):
+        config_to_hf(config_from_hf(base).replace(moe={"group_score_topk": None}))
+
+
+def test_bf16_checkpoint_round_trip_keeps_the_bias_fp32(tmp_path):
+    """A bf16 checkpoint whose correction biases are fp32 (as transformers keeps them) comes back bit
+    for bit, dtypes included, through an fp32 engine model exported with ``dtype=torch.bfloat16``."""
+    hf = tiny_hf().to(torch.bfloat16)
+    for layer in hf.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    hf.save_pretrained(src)
+    a = load_file(os.path.join(src, "model.safetensors"))
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    to_hf(from_hf(src), dst, dtype=torch.bfloat16)
+    b = load_file(os.path.join(dst, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# The released DeepSeek-V3 config.json (transformers-4 spelling: top-level rope_theta, rope_scaling with
+# "type"; fields transformers ignores, such as topk_method, moe_layer_freq and num_nextn_predict_layers).
+RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_released_config_is_the_preset():
+    from folding.model.presets import get_preset
+
+    preset = get_preset("deepseek_v3")
+    got = config_from_hf(RELEASED, name="deepseek_v3")
+    assert got == preset.replace(moe={"aux_loss_type": "aux_loss", "aux_loss_coeff": 0.0})
+    assert got.num_parameters() == preset.num_parameters()
+
+
+def test_mtp_layers_of_a_checkpoint_are_skipped(tmp_path):
+    """Tensors of the multi-token-prediction layer (model.layers.<num_hidden_layers>...) are not imported,
+    as transformers ignores them; any other unexpected tensor is still an error."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf()
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(path)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, f, metadata={"format": "pt"})
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(from_hf(path)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(1)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="unexpected"):
+        from_hf(path)
+
+
+def test_sharded_checkpoint_imports(tmp_path):
+    """A checkpoint saved in several safetensors shards (model.safetensors.index.json) loads the same."""
+    hf = tiny_hf()
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    hf.save_pretrained(one)
+    hf.save_pretrained(many, max_shard_size="40KB")
+    index = json.load(open(os.path.join(many, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 2
+    a, b = from_hf(one), from_hf(many)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    for (n, p), (_, q) in zip(a.named_buffers(), b.named_buffers()):
+        assert p is None or torch.equal(p, q), n
