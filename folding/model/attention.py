@@ -23,13 +23,11 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ..parallel.collectives import group_size
 from .config import ModelConfig
-from .context_parallel import gather_kv
+from .context_parallel import causal_sdpa, gather_kv
 from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .norm import RMSNorm, ShardedRMSNorm
 from .rope import apply_rope
@@ -105,28 +103,16 @@ class Attention(nn.Module):
         v = v.view(S, B, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         # GQA without copying K/V: query head j attends with KV head j // (heads / kv_heads)
-        kw = dict(scale=1.0 / math.sqrt(self.head_dim), enable_gqa=self.kv_heads != self.heads)
         q_BNSD = q.permute(1, 2, 0, 3)
-        if group_size(self.cp_group) == 1:
-            k_BNSD, v_BNSD = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, **kw)
-        else:
-            # full-sequence K/V in sequence order; each local chunk attends to its causal prefix
-            k_BNSD = gather_kv(k, self.cp_group)[kv_order].permute(1, 2, 0, 3)
-            v_BNSD = gather_kv(v, self.cp_group)[kv_order].permute(1, 2, 0, 3)
-            c = S // len(chunk_starts)
-            outs = []
-            for j, start in enumerate(chunk_starts):
-                end = start + c
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q_BNSD[:, :, j * c : (j + 1) * c],
-                        k_BNSD[:, :, :end],
-                        v_BNSD[:, :, :end],
-                        attn_mask=causal_lower_right(c, end),
-                        **kw,
-                    )
-                )
-            out = torch.cat(outs, dim=2)
+        if group_size(self.cp_group) > 1:  # full-sequence K/V in sequence order
+            k, v = gather_kv(k, self.cp_group)[kv_order], gather_kv(v, self.cp_group)[kv_order]
+        out = causal_sdpa(
+            q_BNSD,
+            k.permute(1, 2, 0, 3),
+            v.permute(1, 2, 0, 3),
+            scale=1.0 / math.sqrt(self.head_dim),
+            chunk_starts=chunk_starts,
+            enable_gqa=self.kv_heads != self.heads,
+        )
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
         return self.o_proj(out)
