@@ -1,9 +1,10 @@
-"""Convert between Hugging Face Mixtral / Qwen2-MoE / DeepSeek-V3 checkpoints and the engine's model.
+"""Convert between Hugging Face checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) and the engine.
 
 Subcommands::
 
     python tools/convert_hf.py import HF_DIR engine.pt        # 1-rank engine state dict (+ configs)
     python tools/convert_hf.py export engine.pt OUT_DIR       # back to config.json + model.safetensors
+                                                              # (shards + index beyond --max-shard-bytes)
     python tools/convert_hf.py export --checkpoint DIR --out HF_DIR   # a training checkpoint -> HF
     python tools/convert_hf.py roundtrip HF_DIR OUT_DIR       # HF -> engine -> HF, bit-identical check
     torchrun --nproc-per-node 8 tools/convert_hf.py roundtrip HF_DIR OUT_DIR --tp 2 --ep 4 --etp 2
@@ -85,9 +86,10 @@ def single_process_world():
         dist.destroy_process_group()
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30) -> str:
     """Write training checkpoint ``checkpoint`` (or the latest complete one under it) as a Hugging
-    Face checkpoint in ``out_dir``; return the checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
+    Face checkpoint in ``out_dir`` (safetensors shards beyond ``max_shard_bytes``); return the
+    checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
     from folding.model.config import ModelConfig
     from folding.model.hf import to_hf
     from folding.model.transformer import MoETransformer
@@ -100,7 +102,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None) -> str:
     with single_process_world():
         model = MoETransformer(ModelConfig.from_dict(meta["model"]), initialize=False)
         load_full_model(path, model)
-        to_hf(model, out_dir, dtype=dtype)
+        to_hf(model, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return path
 
 
@@ -108,7 +110,7 @@ def cmd_export(args) -> int:
     if args.checkpoint:
         if not args.out:
             raise ValueError("export --checkpoint DIR needs --out HF_DIR")
-        path = export_checkpoint(args.checkpoint, args.out)
+        path = export_checkpoint(args.checkpoint, args.out, max_shard_bytes=args.max_shard_bytes)
         print(f"wrote {args.out} from {path}")
         return 0
     if not (args.src and args.dst):
@@ -122,33 +124,32 @@ def cmd_export(args) -> int:
     model = MoETransformer(cfg, moe_factory=_factory(args.moe_factory), initialize=False)
     model.load_state_dict(blob["state_dict"])
     model.hf_config = blob.get("hf_config")
-    to_hf(model, args.dst)
+    to_hf(model, args.dst, max_shard_bytes=args.max_shard_bytes)
     print(f"wrote {args.dst}")
     return 0
 
 
 def cmd_roundtrip(args) -> int:
-    from safetensors import safe_open
 
     from folding.model.hf import _Reader, from_hf, to_hf
 
     ps = _parallel_state(args)
     model = from_hf(args.src, parallel_state=ps, moe_factory=_factory(args.moe_factory))
-    to_hf(model, args.dst)
+    to_hf(model, args.dst, max_shard_bytes=args.max_shard_bytes)
     if ps is not None:
         import torch.distributed as dist
 
         dist.barrier()
         if dist.get_rank() != 0:
             return 0
-    src = _Reader(args.src)
+    src, out = _Reader(args.src), _Reader(args.dst)  # either may be sharded
     bad = 0
-    with safe_open(os.path.join(args.dst, "model.safetensors"), "pt") as out:
-        names = set(out.keys())
-        for name in src.weight_map:
-            if name not in names or not torch.equal(src._file(name).get_tensor(name), out.get_tensor(name)):
-                print(f"differs: {name}")
-                bad += 1
+    for name in src.weight_map:
+        if name not in out.weight_map or not torch.equal(
+            src._file(name).get_tensor(name), out._file(name).get_tensor(name)
+        ):
+            print(f"differs: {name}")
+            bad += 1
     print(
         f"{len(src.weight_map) - bad}/{len(src.weight_map)} tensors bit-identical"
         + (f" (layout {ps.layout.describe()})" if ps is not None else "")
@@ -171,6 +172,13 @@ def main(argv=None) -> int:
             s.add_argument("--checkpoint", default=None, help="training checkpoint (step_<N>) or directory of them")
             s.add_argument("--out", default=None, help="output Hugging Face directory")
         s.add_argument("--moe-factory", default=None, help="module:function building MoE blocks")
+        if name in ("export", "roundtrip"):
+            s.add_argument(
+                "--max-shard-bytes",
+                type=int,
+                default=5 * 2**30,
+                help="write safetensors shards of at most this many bytes, with an index (default 5 GiB)",
+            )
         if name == "roundtrip":
             for axis in ("tp", "cp", "ep"):
                 s.add_argument(f"--{axis}", type=int, default=1)

@@ -1,10 +1,11 @@
-"""Load and save Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE checkpoints in any layout.
+"""Load and save Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3 checkpoints in any layout.
 
 ``from_hf(path)`` builds a 1-rank fp32 CPU model whose ``model(input_ids_BS)`` returns logits
 ``[B, S, V]``. ``from_hf(path, parallel_state=ps)`` builds the sharded model directly: every rank
 reads, lazily and shard file by shard file (``safetensors.safe_open``), only the slices of the
-tensors it holds. ``to_hf(model, out_dir)`` writes ``config.json`` and ``model.safetensors``
-(gathering the shards to global rank 0); HF -> engine -> HF gives bit-identical tensors.
+tensors it holds. ``to_hf(model, out_dir)`` writes ``config.json`` and ``model.safetensors``, or
+safetensors shards with their index beyond ``max_shard_bytes`` (gathering the pieces to global
+rank 0); HF -> engine -> HF gives bit-identical tensors.
 
 The mapping is driven by each parameter's :class:`~folding.parallel.params.ParamSpec` record (its
 full shape and this rank's slice; a parameter without one is an error) and by :func:`hf_components`,
@@ -21,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Dict, List, Optional, Tuple
@@ -266,16 +268,29 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
     return out
 
 
-def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> None:
-    """Write ``model`` as a Hugging Face checkpoint (``config.json`` + ``model.safetensors``).
+def to_hf(
+    model: MoETransformer,
+    out_dir: str,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write ``model`` as a Hugging Face checkpoint: ``config.json`` and ``model.safetensors``, or,
+    when the weights exceed ``max_shard_bytes`` (5 GiB by default, as transformers shards),
+    ``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json`` (tensors kept
+    whole, in the checkpoint's name order; each shard is assembled only when it is written).
 
     Collective over the world when ``torch.distributed`` is initialized: every rank sends its pieces
     (host copies) to global rank 0, which assembles and writes the full tensors. The pieces travel
     on a gloo group over host memory, never through a GPU (on NCCL, ``gather_object`` would stage
-    world × the largest message on rank 0's GPU). ``dtype`` defaults to the parameters' dtype.
+    world × the largest message on rank 0's GPU). ``dtype`` defaults to the parameters' dtype. A
+    weights file of the other layout (single file / index) left in ``out_dir`` by an earlier export
+    is removed, so that loaders cannot pick the stale one.
     """
     from safetensors.torch import save_file
 
+    if max_shard_bytes < 1:
+        raise ValueError(f"to_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
     pieces = hf_pieces(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
         host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -299,11 +314,13 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
     for _, buf, hf_name in deepseek_buffers(model):
         shapes[hf_name] = tuple(buf.shape)
         fp32.add(hf_name)
-    tensors = {}
-    for hf_name in hf_tensor_names(cfg):
-        full = torch.empty(
-            shapes[hf_name], dtype=torch.float32 if hf_name in fp32 else dtype or next(model.parameters()).dtype
-        )
+    default_dtype = dtype or next(model.parameters()).dtype
+
+    def dtype_of(hf_name):
+        return torch.float32 if hf_name in fp32 else default_dtype
+
+    def assemble(hf_name):
+        full = torch.empty(shapes[hf_name], dtype=dtype_of(hf_name))
         covered = torch.zeros(shapes[hf_name], dtype=torch.bool)
         for rank_pieces in gathered:
             for index, t in rank_pieces.get(hf_name, []):
@@ -311,13 +328,39 @@ def to_hf(model: MoETransformer, out_dir: str, *, dtype: Optional[torch.dtype] =
                 covered[index] = True
         if not bool(covered.all()):
             raise RuntimeError(f"export: no rank holds every slice of {hf_name}")
-        tensors[hf_name] = full.contiguous()
+        return full.contiguous()
+
+    names = hf_tensor_names(cfg)
+    nbytes = {n: math.prod(shapes[n]) * dtype_of(n).itemsize for n in names}
+    shards: List[List[str]] = [[]]
+    size = 0
+    for n in names:  # greedy, in name order; a tensor larger than the limit gets a shard of its own
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
     os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, weights, metadata={"format": "pt"})
+    single = os.path.join(out_dir, "model.safetensors")
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)  # like config.json (safetensors creates its file 0600)
+    for fname, shard in zip(files, shards):
+        weights = os.path.join(out_dir, fname)
+        save_file({n: assemble(n) for n in shard}, weights, metadata={"format": "pt"})
+        os.chmod(weights, 0o666 & ~umask)  # like config.json (safetensors creates its file 0600)
+    stale = index_path if len(shards) == 1 else single
+    if os.path.exists(stale):
+        os.remove(stale)
+    if len(shards) > 1:
+        weight_map = {n: f for f, shard in zip(files, shards) for n in shard}
+        with open(index_path, "w") as f:
+            json.dump({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, f, indent=2)
     hf = dict(getattr(model, "hf_config", None) or config_to_hf(cfg))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)

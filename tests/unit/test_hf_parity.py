@@ -303,6 +303,10 @@ def test_convert_tool(tmp_path, capsys):
     fac = ["--moe-factory", "tests.unit.test_model_reference_moe:reference_moe_factory"]
     assert tool.main(["roundtrip", path, str(tmp_path / "rt")] + fac) == 0
     assert "59/59 tensors bit-identical" in capsys.readouterr().out
+    # the same through a sharded export (shards and index compared tensor by tensor)
+    assert tool.main(["roundtrip", path, str(tmp_path / "rts"), "--max-shard-bytes", "30000"] + fac) == 0
+    assert "59/59 tensors bit-identical" in capsys.readouterr().out
+    assert os.path.exists(tmp_path / "rts" / "model.safetensors.index.json")
     assert tool.main(["import", path, str(tmp_path / "e.pt")] + fac) == 0
     assert tool.main(["export", str(tmp_path / "e.pt"), str(tmp_path / "out")] + fac) == 0
     a, b = load_file(os.path.join(path, "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -321,6 +325,45 @@ def test_multi_file_checkpoint(tmp_path):
     model = from_hf(str(tmp_path / "s"), moe_factory=reference_moe_factory)
     ids = torch.randint(0, V, (1, 8))
     torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_export(tmp_path):
+    """Beyond max_shard_bytes the export writes safetensors shards and their index, which both from_hf
+    and transformers read back bit for bit; a later single-file export into the same directory drops
+    the stale index."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_hf("qwen3_moe", mlp_only_layers=[1], head_dim=12)
+    path = save(hf, str(tmp_path / "a"))
+    model = from_hf(path, moe_factory=reference_moe_factory)
+    out = tmp_path / "b"
+    to_hf(model, str(out), max_shard_bytes=40_000)
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    assert sorted(set(index["weight_map"].values())) == files
+    a = load_file(os.path.join(path, "model.safetensors"))
+    assert sorted(index["weight_map"]) == sorted(a)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in a.values())
+    for name, fname in index["weight_map"].items():
+        with safe_open(str(out / fname), "pt") as f:
+            assert torch.equal(f.get_tensor(name), a[name]), name
+    for fname in files:  # every shard but one-tensor ones stays within the limit
+        with safe_open(str(out / fname), "pt") as f:
+            sizes = [f.get_tensor(k).numel() * 4 for k in f.keys()]
+        assert len(sizes) == 1 or sum(sizes) <= 40_000, (fname, sizes)
+    ids = torch.randint(0, V, (1, 8))
+    torch.testing.assert_close(from_hf(str(out), moe_factory=reference_moe_factory)(ids), model(ids), rtol=0, atol=0)
+    again = AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)
+    to_hf(model, str(out))  # fits one file now
+    assert os.path.exists(out / "model.safetensors") and not os.path.exists(out / "model.safetensors.index.json")
+    with pytest.raises(ValueError, match="max_shard_bytes=0 must be >= 1"):
+        to_hf(model, str(tmp_path / "c"), max_shard_bytes=0)
 
 
 def test_bf16_checkpoint_round_trip(tmp_path):
