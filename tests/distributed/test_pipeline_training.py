@@ -54,16 +54,14 @@ CASES = [
     ("qwen2_moe_tiny", dict(pp=4, vpp=1, ep=2, etp=1), dict(), False, {}),
     ("qwen2_moe_tiny", dict(pp=2, vpp=2, cp=2, ep=2, etp=1), dict(recompute="moe"), True, {}),
     ("qwen2_moe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
-    # per-head q/k norm: replicated weights whose gradients are summed over TP
+    # per-head q/k norm: replicated weights whose gradients are summed over TP. Dropping and VPP do
+    # not depend on the attention block: the Mixtral and Qwen2-MoE cases cover them for every family
     ("qwen3_moe_tiny", dict(pp=2, tp=2, ep=2, etp=2), dict(recompute="selective"), True, {}),  # PP2, TP2+SP, ETP2
     ("qwen3_moe_tiny", dict(tp=2, cp=2, ep=8, etp=1), dict(), False, {}),  # CP2, EP8 over TP×CP×DP
-    ("qwen3_moe_tiny", dict(pp=2, vpp=2, cp=2, ep=2, etp=1), dict(recompute="moe"), True, {}),  # VPP2, CP2
-    ("qwen3_moe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
     # q/k norm over the whole projection: TP-sharded weights, sum of squares all-reduced over TP
     ("olmoe_tiny", dict(pp=2, tp=2, ep=2, etp=2), dict(recompute="full"), True, {}),  # PP2, TP2+SP, ETP2
     ("olmoe_tiny", dict(tp=4, ep=2, etp=1), dict(), False, {}),  # TP4+SP, EDP4
     ("olmoe_tiny", dict(pp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), True, {}),  # CP2 with TP2
-    ("olmoe_tiny", dict(ep=4, etp=1), dict(), False, DROP),  # dropping, TP=CP=1
 ]
 # DeepSeek-V3: MLA (latent down-projections replicated over TP, compressed KV gathered over CP), YaRN,
 # sigmoid group-limited routing with the expert bias updated every step, seq_aux_loss, dense layer 0
