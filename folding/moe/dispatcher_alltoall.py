@@ -178,10 +178,10 @@ class AllToAllDispatcher(TokenDispatcher):
         p = self._plan
         if self.megatron_stages:
             hidden, probs = etp_gather(hidden, probs, self.etp_group, p.etp_sizes)
-        sizes, order = p.chunk_sizes, p.sort_idxs
-        if self._padded():  # one copy both drops the ETP padding and sorts
+        sizes, order, padded = p.chunk_sizes, p.sort_idxs, self._padded()
+        if padded:  # one copy both drops the ETP padding and sorts
             sizes, order = padded_chunks(sizes, order, p.etp_sizes)
-        if self._padded() or not self._sorted:
+        if padded or not self._sorted:
             hidden = sort_chunks_by_idxs(hidden, sizes, order)
             probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
         return hidden, self._device_tokens_per_expert(hidden.device), probs

@@ -209,6 +209,19 @@ class ExchangeSpec:
     padding in the copy it makes anyway; the gradient comes back in the same layout."""
 
 
+def _sum_etp_grads(g_NH: torch.Tensor, gp_N: Optional[torch.Tensor], group, sizes: List[int], padded: bool = False):
+    """Backward of an ETP all-gather of rows (and their probabilities): the ETP ranks hold partial
+    gradients of the same rows, so reduce-scatter them (16-bit rows summed in fp32). ``padded``: the
+    gradient is in padded blocks of ``max(sizes)`` rows per rank, this rank's rows first in its own."""
+    low = g_NH.dtype in (torch.bfloat16, torch.float16)
+    me, m = group_rank(group), max(sizes)
+    red = _reduce_scatter_all(
+        [g_NH.float() if low else g_NH] + _probs_part(gp_N), group, [m] * len(sizes) if padded else sizes
+    )
+    mine = sizes[me]
+    return red[0][:mine].to(g_NH.dtype), (None if gp_N is None else red[1][:mine].reshape(-1))
+
+
 def _probs_part(probs_N: Optional[torch.Tensor]) -> List[torch.Tensor]:
     return [] if probs_N is None else [probs_N.detach().reshape(-1, 1)]
 
@@ -234,14 +247,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, g_NH, gp_N):
         s, pdt = ctx.spec, ctx.probs_dtype  # autograd materializes unused gradients as zeros
         if len(s.etp_sizes) > 1:
-            # the ETP ranks hold partial gradients of the same rows: sum them (16-bit ones in fp32);
-            # in the padded layout every block has max(sizes) rows, this rank's come first in its own
-            low = s.dtype in (torch.bfloat16, torch.float16)
-            me, m = group_rank(s.etp_group), max(s.etp_sizes)
-            sizes = [m] * len(s.etp_sizes) if s.etp_padded else s.etp_sizes
-            red = _reduce_scatter_all([g_NH.float() if low else g_NH] + _probs_part(gp_N), s.etp_group, sizes)
-            g_NH = red[0][: s.etp_sizes[me]].to(s.dtype)
-            gp_N = None if gp_N is None else red[1][: s.etp_sizes[me]].reshape(-1)
+            g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, s.etp_group, s.etp_sizes, padded=s.etp_padded)
         parts = list(encode(g_NH, s.grad_wire)) + _probs_part(gp_N)
         parts = _a2a_all(parts, s.ep_group, s.ep_send, s.ep_recv)
         if pdt is None:
@@ -281,10 +287,9 @@ class _EtpGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_NH, gp_N):
-        low = g_NH.dtype in (torch.bfloat16, torch.float16)
-        gp = _probs_part(gp_N) if ctx.has_probs else []  # autograd materializes unused gradients as zeros
-        red = _reduce_scatter_all([g_NH.float() if low else g_NH] + gp, ctx.group, ctx.sizes)
-        return red[0].to(g_NH.dtype), (red[1].reshape(-1) if ctx.has_probs else None), None, None
+        gp_N = gp_N if ctx.has_probs else None  # autograd materializes unused gradients as zeros
+        g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, ctx.group, ctx.sizes)
+        return g_NH, gp_N, None, None
 
 
 class _EtpReduceScatter(torch.autograd.Function):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 from folding.model.config import ModelConfig  # noqa: E402
 from folding.model.hf import CheckpointError, from_hf, hf_components, to_hf  # noqa: E402
 from folding.model.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from tests.unit.test_hf_parity import hf_grads  # noqa: E402
 
 V, S, B = 128, 16, 2
 YARN = dict(
@@ -69,24 +70,6 @@ def tiny_hf(**kw):
     return model.eval()
 
 
-def hf_grads(model):
-    """HF gradients under the checkpoint's tensor names (fused in-memory experts split per expert)."""
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if n.endswith("experts.gate_up_proj"):
-            for e in range(g.shape[0]):
-                gate, up = g[e].chunk(2)
-                out[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
-                out[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
-        elif n.endswith("experts.down_proj"):
-            for e in range(g.shape[0]):
-                out[n.replace("down_proj", f"{e}.down_proj.weight")] = g[e]
-        else:
-            out[n] = g
-    return out
-
-
 CASES = {
     "qlora-yarn-groups": dict(),
     "qproj-default-rope": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5e4}),
@@ -120,7 +103,7 @@ def test_logits_loss_grads_match_transformers(tmp_path, case):
     torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
     loss.backward()
     out.loss.backward()
-    ref = hf_grads(hf)
+    ref = hf_grads(hf, "deepseek_v3")
     checked = 0
     for name, p in model.named_parameters():
         g = p.grad.reshape(require_spec(p, name).full_shape)
