@@ -83,6 +83,17 @@ class ModelConfig:
     ``None``: GQA attention. Needs ``num_kv_heads == num_attention_heads``."""
     yarn: Optional[YarnConfig] = None
     """YaRN RoPE scaling (:class:`~folding.model.rope_yarn.YarnConfig`); ``None``: default RoPE."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3: 1; Hugging Face ``num_nextn_predict_layers``): D
+    modules after the last layer, module k predicting the token k+1 positions ahead from module k-1's
+    hidden states (the final-normed model output for k=1) and the embedding of the token k positions
+    ahead; each has its own two input norms, a ``2H -> H`` projection, one transformer layer (layer
+    number ``num_layers + k - 1``) and an output norm, and shares the embedding and output layer with
+    the model. They sit on the last pipeline stage (:mod:`folding.model.mtp`). 0: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token-prediction loss: the objective adds ``mtp_loss_scaling_factor / D``
+    times the sum of the D modules' masked token losses, over the same global token count as the LM
+    loss (Megatron-Core's ``mtp_loss_scaling_factor`` with per-token loss)."""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -108,6 +119,12 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim"
             )
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"model.mtp_num_layers={self.mtp_num_layers!r} must be an integer >= 0 (0: no MTP)")
+        if not math.isfinite(self.mtp_loss_scaling_factor) or self.mtp_loss_scaling_factor < 0:
+            raise ValueError(
+                f"model.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor!r} must be a finite number >= 0"
+            )
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r}: choose one of {QK_NORMS}")
         if self.mla is not None and self.num_kv_heads != self.num_attention_heads:
@@ -122,7 +139,7 @@ class ModelConfig:
             )
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"model.moe={self.moe!r} must be a folding.moe.config.MoEConfig")
-        if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and self.ffn_hidden_size < 1:
+        if any(not self.is_moe_layer(i) for i in self.layer_numbers()) and self.ffn_hidden_size < 1:
             raise ValueError(
                 "model.ffn_hidden_size must be >= 1 when some layers are dense "
                 "(model.mlp_only_layers / model.decoder_sparse_step)"
@@ -145,8 +162,20 @@ class ModelConfig:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def num_moe_layers(self) -> int:
-        """Number of MoE layers."""
+        """Number of MoE layers of the decoder (without the multi-token-prediction layers)."""
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def layer_numbers(self) -> range:
+        """Every transformer layer's number: the decoder's ``0 .. num_layers-1``, then the
+        multi-token-prediction layers' ``num_layers .. num_layers + mtp_num_layers - 1``."""
+        return range(self.num_layers + self.mtp_num_layers)
+
+    def mtp_params(self) -> int:
+        """Parameters of the multi-token-prediction modules beyond their transformer layers: per module
+        two input norms, the ``2H -> H`` projection and the output norm (embedding and output layer
+        are the model's)."""
+        H = self.hidden_size
+        return self.mtp_num_layers * (2 * H * H + 3 * H)
 
     def attention_params(self) -> int:
         """Parameters of one attention block (q, k, v, o projections, q/k/v biases, q/k norms, input norm)."""
@@ -177,11 +206,13 @@ class ModelConfig:
         )
 
     def num_parameters(self) -> Tuple[int, int]:
-        """``(total, active)`` parameter counts; active counts ``topk`` routed experts per token."""
+        """``(total, active)`` parameter counts; active counts ``topk`` routed experts per token. The
+        multi-token-prediction modules are included (DeepSeek-V3: 671.0e9 without, 682.6e9 with; its
+        checkpoint's 685e9 also counts its copies of the embedding and output layer)."""
         H = self.hidden_size
         emb = self.vocab_size * H * (1 if self.tie_embeddings else 2) + H  # + final norm
-        total = active = emb
-        for i in range(self.num_layers):
+        total = active = emb + self.mtp_params()
+        for i in self.layer_numbers():
             base = self.attention_params() + H  # + pre-MLP norm
             if self.is_moe_layer(i):
                 base += self.moe.num_experts * H + self.shared_expert_params()  # router + shared
@@ -203,7 +234,7 @@ class ModelConfig:
             ("parallel.tp", tp, "model.num_kv_heads", self.num_kv_heads),
             ("parallel.tp", tp, "model.vocab_size", self.vocab_size),
         ]
-        if self.num_moe_layers():
+        if any(self.is_moe_layer(i) for i in self.layer_numbers()):
             sizes += [
                 ("parallel.ep", ep, "moe.num_experts", self.moe.num_experts),
                 ("parallel.etp", etp, "moe.ffn_hidden_size", self.moe.ffn_hidden_size),

@@ -267,8 +267,11 @@ _register(
 )
 # DeepSeek-V3 (the released config.json): multi-head latent attention, YaRN RoPE (factor 40 over 4096
 # positions), 3 dense layers then 58 MoE layers of 256 sigmoid-routed experts (top-8 within the best
-# 4 of 8 groups, routed scaling 2.5, aux-loss-free correction bias) plus one shared expert. Training
-# adds the sequence-wise balance loss with alpha = 1e-4 (DeepSeek-V3 technical report, section 4.2).
+# 4 of 8 groups, routed scaling 2.5, aux-loss-free correction bias) plus one shared expert, and one
+# multi-token-prediction module (num_nextn_predict_layers=1): 671.0e9 parameters without it, 682.6e9 with
+# it, 685e9 counting the copies of the embedding and output layer the released checkpoint stores for it.
+# Training adds the sequence-wise balance loss with alpha = 1e-4 and weighs the MTP loss 0.3 for the
+# first 10T tokens, then 0.1 (DeepSeek-V3 technical report, sections 4.2 and 2.2); 0.1 here.
 _register(
     ModelConfig(
         name="deepseek_v3",
@@ -306,10 +309,11 @@ _register(
             mscale=1.0,
             mscale_all_dim=1.0,
         ),
+        mtp_num_layers=1,
     )
 )
 # Its CPU twin: the same architecture (q LoRA, YaRN with both mscales, 4 groups of 2 experts, top-2
-# within 2 groups, ungated shared expert, first layer dense) at the tiny presets' size.
+# within 2 groups, ungated shared expert, first layer dense, one MTP module) at the tiny presets' size.
 _register(
     ModelConfig(
         name="deepseek_v3_tiny",
@@ -347,5 +351,6 @@ _register(
             mscale=1.0,
             mscale_all_dim=0.8,
         ),
+        mtp_num_layers=1,
     )
 )
