@@ -5,7 +5,8 @@ Each chunk is a :class:`~folding.model.transformer.MoETransformer` restricted to
 (parameter names keep the global layer index, so checkpoints do not depend on the cut); the first
 virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
 embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
-embedding group). :func:`folding.pipeline.stage.run_microbatches` runs a step through them.
+embedding group; with multi-token prediction, also the MTP modules and a copy of the table).
+:func:`folding.pipeline.stage.run_microbatches` runs a step through them.
 
 Usage::
 
@@ -56,7 +57,7 @@ def build_stage_chunks(
             dtype=params_dtype,
             layer_range=stages[c * pp + parallel_state.pp_rank],
         )
-        for layer in chunk.layers.values():
+        for layer in chunk.transformer_layers():
             layer.recompute = recompute
         chunks.append(chunk)
     return chunks

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,7 +34,14 @@ import torch.distributed as dist
 from ..parallel.params import materialize, require_spec, shard_index
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
-from .hf_deepseek import deepseek_buffers, deepseek_components, deepseek_ignored, deepseek_tensor_names
+from .hf_deepseek import (
+    deepseek_buffers,
+    deepseek_components,
+    deepseek_has_mtp,
+    deepseek_mtp_copies,
+    deepseek_mtp_name,
+    deepseek_tensor_names,
+)
 from .transformer import MoETransformer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -59,6 +67,16 @@ def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], st
     }
     if name in top:
         return [((), top[name])]
+    if name.startswith("mtp."):  # multi-token prediction: DeepSeek-V3's layout
+        if cfg.family != "deepseek_v3":
+            raise CheckpointError(
+                f"multi-token prediction (model.mtp_num_layers={cfg.mtp_num_layers}) has a Hugging Face "
+                f"layout for deepseek_v3 only, not {cfg.family}; set model.mtp_num_layers=0 to convert"
+            )
+        hf_name, own = deepseek_mtp_name(name, cfg)
+        if own:
+            return [((), hf_name)]
+        name = hf_name  # the module's transformer layer, named like a decoder layer
     special = deepseek_components(name, cfg) if cfg.family == "deepseek_v3" else None
     if special is not None:
         return special
@@ -102,6 +120,11 @@ def hf_tensor_names(cfg: ModelConfig) -> List[str]:
     """Every tensor name a Hugging Face checkpoint of ``cfg`` holds."""
     if cfg.family == "deepseek_v3":
         return deepseek_tensor_names(cfg)
+    if cfg.mtp_num_layers:
+        raise CheckpointError(
+            f"multi-token prediction (model.mtp_num_layers={cfg.mtp_num_layers}) has a Hugging Face layout "
+            f"for deepseek_v3 only, not {cfg.family}; set model.mtp_num_layers=0 to convert"
+        )
     H = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
     for i in range(cfg.num_layers):
         L = f"model.layers.{i}"
@@ -184,8 +207,6 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
     reader, cfg = _Reader(path), model.config
     expected = set(hf_tensor_names(cfg))
     present = set(reader.weight_map) - {"lm_head.weight"} if cfg.tie_embeddings else set(reader.weight_map)
-    if cfg.family == "deepseek_v3":  # multi-token-prediction layers are not imported
-        present = {n for n in present if not deepseek_ignored(n, cfg)}
     if expected - present or present - expected:
         hint = ""
         if any(k.endswith("experts.gate_up_proj") for k in present):
@@ -241,6 +262,15 @@ def from_hf(
     """
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
+    if cfg.mtp_num_layers and not deepseek_has_mtp(_Reader(path).weight_map):
+        # transformers drops the MTP layers and keeps num_nextn_predict_layers in config.json
+        warnings.warn(
+            f"{path}: config.json has num_nextn_predict_layers={cfg.mtp_num_layers} but the checkpoint "
+            "holds no multi-token-prediction tensors (as transformers saves them); building the model "
+            "without MTP (model.mtp_num_layers=0)",
+            stacklevel=2,
+        )
+        cfg = cfg.replace(mtp_num_layers=0)
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype, device="meta")
@@ -310,6 +340,9 @@ def to_hf(
         spec = require_spec(p, name)
         for lead, hf_name in hf_components(name, cfg):
             shapes[hf_name] = spec.full_shape[len(lead) :]
+    copies = deepseek_mtp_copies(cfg) if cfg.family == "deepseek_v3" else {}
+    for copy, source in copies.items():  # DeepSeek-V3 stores the shared embedding/head again per MTP module
+        shapes[copy] = shapes[source]
     fp32 = set()  # the router's correction bias stays fp32 (transformers keeps it fp32 too)
     for _, buf, hf_name in deepseek_buffers(model):
         shapes[hf_name] = tuple(buf.shape)
@@ -320,6 +353,7 @@ def to_hf(
         return torch.float32 if hf_name in fp32 else default_dtype
 
     def assemble(hf_name):
+        hf_name = copies.get(hf_name, hf_name)
         full = torch.empty(shapes[hf_name], dtype=dtype_of(hf_name))
         covered = torch.zeros(shapes[hf_name], dtype=torch.bool)
         for rank_pieces in gathered:

@@ -22,8 +22,17 @@ Config (``config.json`` -> :class:`ModelConfig`):
 
 Tensors: attention ``model.layers.i.self_attn.<HF name>`` (the engine's ``attention.<HF name>``),
 experts ``mlp.experts.e.{gate,up,down}_proj``, shared expert ``mlp.shared_experts.{gate,up,down}_proj``,
-router ``mlp.gate.weight``. Multi-token-prediction layers (``model.layers.<num_hidden_layers>...``) are
-ignored on import, as transformers does.
+router ``mlp.gate.weight``.
+
+Multi-token prediction (``num_nextn_predict_layers`` -> ``model.mtp_num_layers``): module k's tensors
+are ``model.layers.{num_hidden_layers + k - 1}.*``: ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm`` (the engine's ``mtp.{k-1}.{enorm,hnorm,eh_proj,head_norm}``), the transformer
+layer's tensors under the usual names (the engine's ``mtp.{k-1}.layer.*``), and ``embed_tokens`` /
+``shared_head.head``, copies of the model's embedding and output layer, which the engine shares: they
+are written on export and not read on import (:func:`deepseek_mtp_copies`). transformers has no MTP
+and saves checkpoints without these tensors while its config still says
+``num_nextn_predict_layers: 1``: such a checkpoint is imported without MTP
+(:func:`folding.model.hf.from_hf`).
 
 Usage::
 
@@ -43,7 +52,6 @@ from .rope_yarn import YarnConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _error(msg: str) -> Exception:
@@ -134,6 +142,7 @@ def deepseek_config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> M
             rope_interleave=bool(hf.get("rope_interleave", True)),
         ),
         yarn=yarn,
+        mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
 
 
@@ -199,6 +208,7 @@ def deepseek_config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std,
         rope_parameters=rope,
+        num_nextn_predict_layers=cfg.mtp_num_layers,
         dtype="float32",
     )
 
@@ -218,14 +228,50 @@ def deepseek_components(name: str, cfg: ModelConfig) -> Optional[List[Tuple[Tupl
     return None
 
 
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight"}
+_MTP_OWN["head_norm.weight"] = "shared_head.norm.weight"
+
+
+def deepseek_mtp_name(name: str, cfg: ModelConfig) -> Optional[Tuple[str, bool]]:
+    """For an engine parameter of a multi-token-prediction module (``mtp.{j}.*``): ``(hf name, True)``
+    for the module's own tensors, ``(engine name of the decoder layer naming, False)`` for its
+    transformer layer (``mtp.{j}.layer.X`` -> ``layers.{num_layers + j}.X``); ``None`` for other names."""
+    m = _MTP.match(name)
+    if not m:
+        return None
+    j, rest = int(m.group(1)), m.group(2)
+    if rest in _MTP_OWN:
+        return f"model.layers.{cfg.num_layers + j}.{_MTP_OWN[rest]}", True
+    if rest.startswith("layer."):
+        return f"layers.{cfg.num_layers + j}.{rest[len('layer.') :]}", False
+    raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
+
+
+def deepseek_mtp_copies(cfg: ModelConfig) -> Dict[str, str]:
+    """``{copy: source}``: the embedding and output-layer copies a DeepSeek-V3 checkpoint stores for
+    each MTP module (``model.layers.{L + j}.embed_tokens`` / ``shared_head.head``), with the model
+    tensors they copy."""
+    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out = {}
+    for i in cfg.layer_numbers()[cfg.num_layers :]:
+        out[f"model.layers.{i}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{i}.shared_head.head.weight"] = head
+    return out
+
+
 def deepseek_tensor_names(cfg: ModelConfig) -> List[str]:
-    """Every tensor name a Hugging Face DeepSeek-V3 checkpoint of ``cfg`` holds (without MTP layers)."""
+    """Every tensor name a Hugging Face DeepSeek-V3 checkpoint of ``cfg`` holds (MTP layers last)."""
     m = cfg.mla
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
     attn = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
     attn += ["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
-    for i in range(cfg.num_layers):
+    copies = deepseek_mtp_copies(cfg)
+    for i in cfg.layer_numbers():
         L = f"model.layers.{i}"
+        if i >= cfg.num_layers:  # an MTP module: its own tensors, then its layer's
+            names += [f"{L}.{n}" for n in _MTP_OWN.values()]
+            names += [c for c in copies if c.startswith(f"{L}.")]
         names += [f"{L}.input_layernorm.weight", f"{L}.post_attention_layernorm.weight"]
         names += [f"{L}.self_attn.{a}.weight" for a in attn]
         if not cfg.is_moe_layer(i):
@@ -242,11 +288,9 @@ def deepseek_tensor_names(cfg: ModelConfig) -> List[str]:
     return names
 
 
-def deepseek_ignored(hf_name: str, cfg: ModelConfig) -> bool:
-    """Whether a checkpoint tensor is skipped on import: the multi-token-prediction layers
-    (``model.layers.<i>`` with ``i >= num_hidden_layers``), which transformers ignores too."""
-    m = _HF_LAYER.match(hf_name)
-    return bool(m) and int(m.group(1)) >= cfg.num_layers
+def deepseek_has_mtp(weight_names) -> bool:
+    """Whether a checkpoint's tensor names include multi-token-prediction modules (an ``eh_proj``)."""
+    return any(n.endswith(".eh_proj.weight") for n in weight_names)
 
 
 def deepseek_buffers(model) -> List[Tuple[str, Any, str]]:
@@ -254,7 +298,8 @@ def deepseek_buffers(model) -> List[Tuple[str, Any, str]]:
     ``router.expert_bias`` is DeepSeek-V3's ``mlp.gate.e_score_correction_bias``."""
     out = []
     for name, buf in model.named_buffers():
-        m = _LAYER.match(name)
+        mtp = deepseek_mtp_name(name, model.config) if name.startswith("mtp.") else None
+        m = _LAYER.match(mtp[0] if mtp else name)  # an MTP layer's router: its HF layer number
         if m and m.group(2) == "mlp.router.expert_bias" and buf is not None:
             out.append((name, buf, f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"))
     return out

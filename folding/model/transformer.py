@@ -14,10 +14,14 @@ Forward contract (``model(input_ids_BS, labels=None, loss_mask=None)``):
   rank's positions, computed by vocab-parallel cross-entropy (no rank holds full logits),
   multiplied by ``loss_mask [B, S]`` when given; identical on every TP rank. The training loss is
   ``loss.sum() / global_token_count`` (global count of unmasked tokens over DP x CP), whose
-  gradients are then summed over DP x CP (dense) and EDP (experts).
+  gradients are then summed over DP x CP (dense) and EDP (experts). With multi-token prediction
+  (``config.mtp_num_layers = D > 0``, :mod:`folding.model.mtp`) the per-token loss at position i is
+  ``lm_i + mtp_loss_scaling_factor / D · sum_k mtp_k,i``, where ``mtp_k,i`` is depth k's masked loss
+  for the token i+k+1 (``stage_forward(..., loss_parts=True)`` returns the two parts); in eval mode
+  (``model.eval()``) the MTP modules do not run and the loss is the LM loss.
 
-Pipeline stages (later) cut the model at ``embedding`` / ``layers[i:j]`` / ``final_norm`` +
-``output_layer``: :meth:`embed`, :meth:`run_layers` and :meth:`head` are those pieces.
+Pipeline stages cut the model at ``embedding`` / ``layers[i:j]`` / ``final_norm`` + ``output_layer``
+(+ the MTP modules): :meth:`embed`, :meth:`run_layers` and :meth:`head` are those pieces.
 
 Usage::
 
@@ -45,6 +49,7 @@ from .fused_cross_entropy import fused_linear_cross_entropy
 from .groups import ModelGroups
 from .linear import sp_gather
 from .moe_block import default_moe_factory
+from .mtp import MTPModule, shift_left
 from .norm import RMSNorm
 from .rope_yarn import model_rope_cos_sin
 
@@ -101,16 +106,17 @@ class MoETransformer(nn.Module):
         self.check_layout()
         kw = dict(device=device, dtype=dtype)
         g = self.groups
-        # The last stage of a pipeline with tied embeddings holds its own copy of the table (the
-        # same init seed gives the same values); the two copies' gradients are summed over the
-        # embedding group (first + last stage).
-        if self.pre_process or (self.post_process and config.tie_embeddings):
+        # The last stage of a pipeline with tied embeddings, or with multi-token prediction (which
+        # embeds the tokens ahead), holds its own copy of the table (the same init seed gives the same
+        # values); the two copies' gradients are summed over the embedding group (first + last stage).
+        shared_table = config.tie_embeddings or config.mtp_num_layers > 0
+        if self.pre_process or (self.post_process and shared_table):
             self.embedding = VocabParallelEmbedding(
                 config.vocab_size,
                 config.hidden_size,
                 tp_group=g.tp,
                 init_std=config.init_std,
-                tied=config.tie_embeddings,
+                tied=shared_table,
                 **kw,
             )
         else:
@@ -125,6 +131,15 @@ class MoETransformer(nn.Module):
             }
         )
         self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw) if self.post_process else None
+        # multi-token prediction: on the last stage, after the final norm (folding.model.mtp)
+        self.mtp = (
+            nn.ModuleList(
+                MTPModule(config, depth=k, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw)
+                for k in range(1, config.mtp_num_layers + 1)
+            )
+            if self.post_process and config.mtp_num_layers
+            else None
+        )
         if config.tie_embeddings or not self.post_process:
             self.output_weight = None
         else:
@@ -171,6 +186,10 @@ class MoETransformer(nn.Module):
         c = seq_len // (2 * cp)
         return cos, sin, kv_order, (int(q_pos[0]), int(q_pos[c]))
 
+    def transformer_layers(self):
+        """This chunk's transformer layers in order: its decoder layers, then the MTP modules' layers."""
+        return list(self.layers.values()) + [m.layer for m in (self.mtp or ())]
+
     def run_layers(self, x_SBH: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Every layer this model holds (its ``layer_range``), in order, on a hidden shard."""
         rope = self.rope(seq_len, x_SBH.device)
@@ -184,14 +203,28 @@ class MoETransformer(nn.Module):
         The hidden states (``H`` wide) are transposed to batch-major before the output GEMM, so the
         ``V``-wide logits are written once in the caller's layout instead of being transposed after.
         """
-        x_SBH, w_VH = self._head_inputs(x_SBH)
-        return F.linear(x_SBH.transpose(0, 1), w_VH)
+        return F.linear(sp_gather(self.final_norm(x_SBH), self.groups.tp).transpose(0, 1), self._output_weight())
 
-    def _head_inputs(self, x_SBH: torch.Tensor):
-        """The final-normed, TP-gathered hidden states ``[S/CP, B, H]`` and the output weight ``[V/TP, H]``
-        (the embedding table when tied)."""
-        w_VH = self.embedding.weight if self.output_weight is None else self.output_weight
-        return sp_gather(self.final_norm(x_SBH), self.groups.tp), w_VH
+    def _output_weight(self) -> torch.Tensor:
+        """The output layer's weight ``[V/TP, H]`` (the embedding table when tied)."""
+        return self.embedding.weight if self.output_weight is None else self.output_weight
+
+    def _token_loss(self, h_SBH, labels_BS, loss_mask_BS, pos) -> torch.Tensor:
+        """Per-token loss ``[B, S/CP]`` of normed hidden states ``h_SBH`` (this rank's shard) against the
+        full ``labels_BS`` read at this CP rank's positions ``pos``, times ``loss_mask_BS`` (if any)."""
+        h_SBH = sp_gather(h_SBH, self.groups.tp)
+        Sl, B, H = h_SBH.shape
+        loss_SB = fused_linear_cross_entropy(
+            h_SBH.reshape(Sl * B, H),
+            self._output_weight(),
+            labels_BS[:, pos].t().reshape(-1),
+            self.groups.tp,
+            self.loss_chunk_tokens,
+        ).view(Sl, B)
+        loss_BS = loss_SB.t()
+        if loss_mask_BS is not None:
+            loss_BS = loss_BS * loss_mask_BS[:, pos].to(loss_BS.dtype)
+        return loss_BS
 
     # ------------------------------------------------------------------------------ forward
     def forward(
@@ -232,19 +265,27 @@ class MoETransformer(nn.Module):
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
         first_microbatch: Optional[bool] = None,
-    ) -> torch.Tensor:
+        loss_parts: bool = False,
+    ):
         """Run this chunk: the first chunk embeds ``input_ids_BS``, later ones take ``hidden_SBH``
         from the previous stage; the last chunk returns what :meth:`forward` returns, the others the
         hidden shard ``[S/(CP*TP), B, H]`` for the next stage. ``input_ids_BS`` (full ``[B, S]``) is
         always given, for the sequence length. The whole chunk runs in one TransformerEngine FP8
         region when its experts use TE with a recipe (amax reduced over DP×CP on exit);
-        ``first_microbatch`` (True on a step's first micro-batch) lets TE reuse FP8 weights."""
+        ``first_microbatch`` (True on a step's first micro-batch) lets TE reuse FP8 weights.
+        With ``labels`` and ``loss_parts=True`` the last chunk returns ``(lm_loss_BS, mtp_loss_BS)``
+        instead of their weighted sum: the LM per-token loss and the mean over the MTP depths of
+        their per-token losses (``None`` without multi-token prediction)."""
         with fp8_region(
             self.fp8_region_recipe(), amax_reduction_group=self.groups.dp_cp, first_microbatch=first_microbatch
         ):
-            return self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask)
+            out = self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask)
+        if labels is None or not self.post_process or loss_parts:
+            return out
+        lm_BS, mtp_BS = out
+        return lm_BS if mtp_BS is None else lm_BS + self.config.mtp_loss_scaling_factor * mtp_BS
 
-    def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask) -> torch.Tensor:
+    def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask):
         S = input_ids_BS.shape[1]
         x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
         if x is None:
@@ -255,12 +296,14 @@ class MoETransformer(nn.Module):
         if labels is None:
             return self.head(x)
         pos = self.local_positions(S, input_ids_BS.device)
-        h_SBH, w = self._head_inputs(x)
-        Sl, B, H = h_SBH.shape
-        loss_SB = fused_linear_cross_entropy(
-            h_SBH.reshape(Sl * B, H), w, labels[:, pos].t().reshape(-1), self.groups.tp, self.loss_chunk_tokens
-        ).view(Sl, B)
-        loss_BS = loss_SB.t()
-        if loss_mask is not None:
-            loss_BS = loss_BS * loss_mask[:, pos].to(loss_BS.dtype)
-        return loss_BS
+        h_SBH = self.final_norm(x)
+        lm_BS = self._token_loss(h_SBH, labels, loss_mask, pos)
+        if self.mtp is None or not self.training:  # MTP is a training objective: eval skips it
+            return lm_BS, None
+        mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+        rope = self.rope(S, input_ids_BS.device)
+        mtp_BS = torch.zeros_like(lm_BS)
+        for k, module in enumerate(self.mtp, 1):
+            h_SBH = module(h_SBH, self.embed(shift_left(input_ids_BS, k, 0)), rope)
+            mtp_BS = mtp_BS + self._token_loss(h_SBH, shift_left(labels, k, 0), shift_left(mask, k, 0), pos)
+        return lm_BS, mtp_BS / len(self.mtp)

@@ -11,6 +11,7 @@ Usage::
 
     out = run_microbatches(chunks, microbatches, parallel_state=ps, loss_scale=1 / n_tokens)
     out["lm_loss_sum"]      # this rank's masked loss sum (last stage; 0 elsewhere)
+    out["mtp_loss_sum"]     # its multi-token-prediction loss sum (0 without MTP)
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def run_microbatches(
     optimizer's buckets start reducing as their gradients complete (Megatron-Core's
     ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
     optimizer step completes the reduction.
-    Returns ``{"lm_loss_sum": float64 tensor}``: the detached masked loss sum of this rank's
-    micro-batches on the last pipeline stage, 0 on other stages.
+    With multi-token prediction the objective adds ``mtp_loss_scaling_factor`` times the MTP loss
+    sum (:class:`~folding.model.transformer.MoETransformer`).
+    Returns ``{"lm_loss_sum": float64 tensor, "mtp_loss_sum": float64 tensor}``: the detached masked LM
+    loss sum of this rank's micro-batches on the last pipeline stage, and the sum of their MTP losses
+    (the mean over the depths, per token; 0 without MTP), both 0 on other stages.
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
@@ -56,6 +60,7 @@ def run_microbatches(
     cp, tp = layout.cp, layout.tp
     shape = (seq // (cp * tp), mbs, cfg.hidden_size)
     sums: List[torch.Tensor] = []
+    mtp_sums: List[torch.Tensor] = []
 
     def step(chunk: int, m: int, inp: Optional[torch.Tensor]) -> torch.Tensor:
         mb = microbatches[m]
@@ -64,15 +69,20 @@ def run_microbatches(
         first = m == 0  # TE reuses the FP8 weights for the later micro-batches of the step
         if not model.post_process:
             return model.stage_forward(tokens, hidden_SBH=inp, first_microbatch=first)
-        loss_BS = model.stage_forward(
+        lm_BS, mtp_BS = model.stage_forward(
             tokens,
             hidden_SBH=inp,
             labels=mb["labels"].to(device),
             loss_mask=mb["loss_mask"].to(device),
             first_microbatch=first,
+            loss_parts=True,
         )
-        loss_sum = loss_BS.float().sum()
+        loss_sum = lm_BS.float().sum()
         sums.append(loss_sum.detach().double())
+        if mtp_BS is not None:
+            mtp_sum = mtp_BS.float().sum()
+            mtp_sums.append(mtp_sum.detach().double())
+            loss_sum = loss_sum + cfg.mtp_loss_scaling_factor * mtp_sum
         return loss_sum * loss_scale
 
     p2p = None
@@ -96,5 +106,8 @@ def run_microbatches(
         forward_only=forward_only,
         backward_context=grad_sync if no_sync is not None else None,
     )
-    total = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=device)
-    return {"lm_loss_sum": total}
+
+    def total(parts):
+        return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
+
+    return {"lm_loss_sum": total(sums), "mtp_loss_sum": total(mtp_sums)}

@@ -6,7 +6,8 @@ and this rank's share of each router loss. :meth:`MoEStats.vector` packs them in
 that the trainer sums over the world in its single per-step all-reduce; :meth:`MoEStats.summarize`
 unpacks the sum.
 
-Shape names: L MoE layers of the whole model (by global layer number), E experts.
+Shape names: L MoE layers of the whole model (by global layer number; multi-token-prediction layers
+last), E experts.
 
 - Rows per expert: every rank routes distinct tokens (attention ranks hold distinct token chunks), so
   the world sum is the global count per expert and layer.
@@ -46,7 +47,7 @@ class MoEStats:
 
     def __init__(self, chunks: Sequence[nn.Module], *, model_config: ModelConfig):
         """Hook every router of ``chunks``; ``model_config`` gives the MoE layer numbering and E."""
-        self.moe_layers = [i for i in range(model_config.num_layers) if model_config.is_moe_layer(i)]
+        self.moe_layers = [i for i in model_config.layer_numbers() if model_config.is_moe_layer(i)]
         self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
         self.E = model_config.moe.num_experts
         self.routers = find_routers(chunks)

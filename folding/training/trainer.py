@@ -230,15 +230,16 @@ def train(
             out = run_microbatches(
                 chunks, mbs, parallel_state=ps, loss_scale=1.0 / float(n_tokens.clamp(min=1)), no_sync=optimizer.no_sync
             )
-            lm_part = out["lm_loss_sum"].to(device=device, dtype=torch.float64).view(1)
-            lm_part = lm_part / layout.tp if ps.is_last_stage else torch.zeros_like(lm_part)
+            parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
+            # per-token losses are identical on the TP ranks of the last stage: count them once
+            parts = parts / layout.tp if ps.is_last_stage else torch.zeros_like(parts)
             flag = torch.tensor([1.0 if stop.requested else 0.0], dtype=torch.float64, device=device)
-            vec = torch.cat([lm_part, stats.vector().to(device), flag])
+            vec = torch.cat([parts, stats.vector().to(device), flag])
             dist.all_reduce(vec)
             stopped, vec = bool(vec[-1] > 0), vec[:-1]
-            lm_loss = float(vec[0] / n_tokens.clamp(min=1))
-            moe = stats.summarize(vec[1:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
-            loss = lm_loss + sum(moe[n] for n in LOSS_NAMES)
+            lm_loss, mtp_loss = (float(v / n_tokens.clamp(min=1)) for v in vec[:2])
+            moe = stats.summarize(vec[2:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
+            loss = lm_loss + job.model.mtp_loss_scaling_factor * mtp_loss + sum(moe[n] for n in LOSS_NAMES)
             lr = optimizer.lr
             if math.isfinite(loss):
                 grad_norm, skipped = optimizer.clip_and_step()
@@ -262,6 +263,7 @@ def train(
                 "step": step,
                 "loss": loss,
                 "lm_loss": lm_loss,
+                **({"mtp_loss": mtp_loss} if job.model.mtp_num_layers else {}),
                 **{n: moe[n] for n in LOSS_NAMES},
                 "grad_norm": grad_norm,
                 "lr": lr,

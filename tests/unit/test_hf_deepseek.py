@@ -140,8 +140,10 @@ def test_round_trip_bit_identical(tmp_path):
     assert any(k.endswith("e_score_correction_bias") for k in a)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    # config.json is written back as read: transformers' num_nextn_predict_layers=1 without MTP tensors,
+    # which the import builds without MTP
     assert config_from_hf(json.load(open(os.path.join(dst, "config.json")))) == from_hf(src).config.replace(
-        name="hf_deepseek_v3"
+        name="hf_deepseek_v3", mtp_num_layers=1
     )
 
 
@@ -264,25 +266,89 @@ def test_released_config_is_the_preset():
     assert got.num_parameters() == preset.num_parameters()
 
 
-def test_mtp_layers_of_a_checkpoint_are_skipped(tmp_path):
-    """Tensors of the multi-token-prediction layer (model.layers.<num_hidden_layers>...) are not imported,
-    as transformers ignores them; any other unexpected tensor is still an error."""
+def test_checkpoint_without_mtp_tensors_imports_without_mtp(tmp_path):
+    """transformers saves DeepSeek-V3 without the MTP layers but keeps num_nextn_predict_layers=1: the
+    import warns and builds the model without MTP; an unexpected tensor is still an error."""
     from safetensors.torch import save_file
 
     hf = tiny_hf()
     path = str(tmp_path / "ckpt")
     hf.save_pretrained(path)
+    assert json.load(open(os.path.join(path, "config.json")))["num_nextn_predict_layers"] == 1
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="no multi-token-prediction tensors"):
+        model = from_hf(path)
+    assert model.config.mtp_num_layers == 0 and model.mtp is None
+    with torch.no_grad():
+        assert torch.allclose(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
     f = os.path.join(path, "model.safetensors")
     tensors = load_file(f)
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
-    save_file(tensors, f, metadata={"format": "pt"})
-    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.allclose(from_hf(path)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
     tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(1)
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="unexpected"):
         from_hf(path)
+
+
+def _mtp_model(depth=2):
+    """A random engine DeepSeek-V3 with ``depth`` MTP modules and non-zero correction biases."""
+    from folding.model.presets import get_preset
+    from folding.model.transformer import MoETransformer
+
+    model = MoETransformer(get_preset("deepseek_v3_tiny", mtp_num_layers=depth), init_seed=5)
+    with torch.no_grad():
+        for i, (name, buf) in enumerate(model.named_buffers()):
+            if name.endswith("expert_bias"):
+                buf.normal_(0, 0.3, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+def test_mtp_round_trip_bit_identical(tmp_path):
+    """Export of a model with 2 MTP modules names them as DeepSeek-V3 does (model.layers.{L+k}.*, with
+    copies of the embedding and output layer); import -> export gives the same tensors bit for bit."""
+    model = _mtp_model()
+    L = model.config.num_layers
+    a_dir, b_dir = str(tmp_path / "a"), str(tmp_path / "b")
+    to_hf(model, a_dir)
+    a = load_file(os.path.join(a_dir, "model.safetensors"))
+    assert json.load(open(os.path.join(a_dir, "config.json")))["num_nextn_predict_layers"] == 2
+    for k in (L, L + 1):
+        for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.experts.7.down_proj"):
+            assert f"model.layers.{k}.{n}.weight" in a, (k, n)
+        assert torch.equal(a[f"model.layers.{k}.embed_tokens.weight"], a["model.embed_tokens.weight"])
+        assert torch.equal(a[f"model.layers.{k}.shared_head.head.weight"], a["lm_head.weight"])
+        assert a[f"model.layers.{k}.eh_proj.weight"].shape == (64, 128)
+    assert torch.equal(a[f"model.layers.{L + 1}.eh_proj.weight"], model.mtp[1].eh_proj.weight)
+    assert torch.equal(
+        a[f"model.layers.{L}.mlp.gate.e_score_correction_bias"], model.mtp[0].layer.mlp.router.expert_bias
+    )
+    back = from_hf(a_dir)
+    for (n, p), (m, q) in zip(model.named_parameters(), back.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    for (n, p), (m, q) in zip(model.named_buffers(), back.named_buffers()):
+        assert n == m and (p is None or torch.equal(p, q)), n
+    to_hf(back, b_dir)
+    b = load_file(os.path.join(b_dir, "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mtp_checkpoint_errors(tmp_path):
+    """A checkpoint with some MTP tensors missing, and MTP outside DeepSeek-V3, fail with the fix."""
+    from safetensors.torch import save_file
+
+    from folding.model.presets import get_preset
+    from folding.model.transformer import MoETransformer
+
+    path = str(tmp_path / "a")
+    to_hf(_mtp_model(depth=1), path)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    del tensors["model.layers.4.hnorm.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.4.hnorm.weight"):
+        from_hf(path)
+    qwen = MoETransformer(get_preset("qwen3_moe_tiny", mtp_num_layers=1), init_seed=0)
+    with pytest.raises(CheckpointError, match="mtp_num_layers=0"):
+        to_hf(qwen, str(tmp_path / "q"))
 
 
 def test_sharded_checkpoint_imports(tmp_path):
