@@ -44,7 +44,11 @@ def build_stage_chunks(
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
     stages = partition_layers(
-        num_layers=model_config.num_layers, pp=pp, vpp=vpp, last_stage_layers=layout.last_stage_layers
+        num_layers=model_config.num_layers,
+        pp=pp,
+        vpp=vpp,
+        last_stage_layers=layout.last_stage_layers,
+        first_stage_layers=layout.first_stage_layers,
     )
     chunks = []
     for c in range(vpp):

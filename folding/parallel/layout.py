@@ -50,6 +50,10 @@ class ParallelLayout:
     """Layers of the last pipeline stage, the other stages sharing the rest evenly (Megatron-Core's
     ``--decoder-last-pipeline-num-layers``; e.g. DeepSeek-V3's 61 layers on PP16: 15 × 4 + 1).
     ``None``: every virtual stage holds the same number of layers. Needs pp > 1 and no vpp."""
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline stage, the stages after it (up to ``last_stage_layers``) sharing
+    the rest evenly (Megatron-Core's ``--decoder-first-pipeline-num-layers``; e.g. Qwen3-235B-A22B's 94
+    layers on PP16: 5, 14 × 6, 5 with ``last_stage_layers=5``). Needs pp > 1 and no vpp."""
     ep: int = 1
     """Expert-parallel size: experts are split over EP ranks of the expert view."""
     etp: Optional[int] = None
@@ -71,12 +75,15 @@ class ParallelLayout:
                 raise LayoutError(
                     f"parallel.vpp={self.vpp} needs pipeline parallelism; set parallel.pp > 1 or parallel.vpp=null"
                 )
-        if self.last_stage_layers is not None:
-            _check_size("last_stage_layers", self.last_stage_layers)
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_size(name, value)
             if self.pp == 1 or (self.vpp or 1) > 1:
                 raise LayoutError(
-                    f"parallel.last_stage_layers={self.last_stage_layers} needs parallel.pp > 1 without "
-                    "parallel.vpp; set parallel.last_stage_layers=null or change pp/vpp"
+                    f"parallel.{name}={value} needs parallel.pp > 1 without "
+                    f"parallel.vpp; set parallel.{name}=null or change pp/vpp"
                 )
         parse_order(self.order)
         w = self.world_size
@@ -134,8 +141,13 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
         v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
-        if self.last_stage_layers is not None:
-            v += f" (last stage {self.last_stage_layers} layers)"
+        ends = [
+            f"{which} stage {n} layers"
+            for which, n in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
+            if n is not None
+        ]
+        if ends:
+            v += f" ({', '.join(ends)})"
         return (
             f"attention TP{self.tp} CP{self.cp} DP{self.dp} PP{self.pp}{v} | "
             f"MoE ETP{self.etp} EP{self.ep} EDP{self.edp} PP{self.pp}"

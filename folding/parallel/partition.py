@@ -1,13 +1,14 @@
 """Stage partitioning: which transformer layers each virtual pipeline stage holds.
 
-Layers are split evenly over ``V = pp·vpp`` virtual stages in order, or (``last_stage_layers``) a
-given number on the last pipeline stage and the rest evenly on the others, (virtual stage ``v`` lives on
-pipeline rank ``v % pp`` as chunk ``v // pp``).
+Layers are split evenly over ``V = pp·vpp`` virtual stages in order, or (``first_stage_layers``,
+``last_stage_layers``) given numbers on the first and/or last pipeline stage and the rest evenly on
+the others (virtual stage ``v`` lives on pipeline rank ``v % pp`` as chunk ``v // pp``).
 
 Usage::
 
     partition_layers(num_layers=32, pp=4, vpp=2)                       # 8 stages of 4 layers
     partition_layers(num_layers=61, pp=16, last_stage_layers=1)        # 15 stages of 4, then 1
+    partition_layers(num_layers=94, pp=16, first_stage_layers=5, last_stage_layers=5)  # 5, 14 x 6, 5
     layers_of(rank=1, chunk=0, ...)                                   # range of layer indices
 """
 
@@ -17,24 +18,47 @@ from typing import List, Optional, Tuple
 
 
 def partition_layers(
-    *, num_layers: int, pp: int, vpp: Optional[int] = None, last_stage_layers: Optional[int] = None
+    *,
+    num_layers: int,
+    pp: int,
+    vpp: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
 ) -> List[Tuple[int, int]]:
     """``[start, end)`` layer ranges of every virtual stage, in virtual-stage order.
 
-    ``last_stage_layers`` (without vpp): the last stage holds that many layers and the other ``pp - 1``
-    stages share the rest evenly (Megatron-Core's ``--decoder-last-pipeline-num-layers``). Raises
+    ``first_stage_layers`` / ``last_stage_layers`` (without vpp): the first / last pipeline stage
+    holds that many layers and the stages between share the rest evenly (Megatron-Core's
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``). Raises
     ``ValueError`` naming the settings when the layers cannot be split so.
     """
-    if last_stage_layers is not None:
-        rest = num_layers - last_stage_layers
-        if (vpp or 1) > 1 or pp < 2 or last_stage_layers < 1 or rest < pp - 1 or rest % (pp - 1):
-            raise ValueError(
-                f"model.num_layers={num_layers} cannot be split as parallel.last_stage_layers={last_stage_layers} "
-                f"on the last of parallel.pp={pp} stages and the rest evenly on the others (no parallel.vpp); "
-                f"choose last_stage_layers so that pp-1 divides num_layers - last_stage_layers"
+    if first_stage_layers is not None or last_stage_layers is not None:
+        ends = [n for n in (first_stage_layers, last_stage_layers) if n is not None]
+        middle = pp - len(ends)
+        rest = num_layers - sum(ends)
+        if (
+            (vpp or 1) > 1
+            or pp < 2
+            or min(ends) < 1
+            or middle < 0
+            or rest < middle
+            or (rest % middle if middle else rest)
+        ):
+            given = ", ".join(
+                f"parallel.{k}={v}"
+                for k, v in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers))
+                if v is not None
             )
-        n = rest // (pp - 1)
-        return [(v * n, (v + 1) * n) for v in range(pp - 1)] + [(rest, num_layers)]
+            raise ValueError(
+                f"model.num_layers={num_layers} cannot be split as {given} on parallel.pp={pp} stages with "
+                f"the {max(middle, 0)} other stage(s) sharing the rest evenly (no parallel.vpp); choose them "
+                f"so that the other stages divide the remaining layers (at least one each)"
+            )
+        sizes = [first_stage_layers] if first_stage_layers is not None else []
+        sizes += [rest // middle] * middle if middle else []
+        sizes += [last_stage_layers] if last_stage_layers is not None else []
+        bounds = [sum(sizes[:i]) for i in range(pp + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(pp)]
     V = pp * (vpp or 1)
     if num_layers % V or num_layers < V:
         raise ValueError(

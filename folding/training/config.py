@@ -88,6 +88,10 @@ class ParallelConfig:
     last_stage_layers: Optional[int] = None
     """Layers of the last pipeline stage, the others sharing the rest evenly (Megatron-Core's
     ``--decoder-last-pipeline-num-layers``); null: an even split. Needs pp > 1 without vpp."""
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline stage, the stages after it (up to the last, when
+    ``last_stage_layers`` is set) sharing the rest evenly (Megatron-Core's
+    ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
@@ -101,6 +105,7 @@ class ParallelConfig:
             pp=self.pp,
             vpp=self.vpp,
             last_stage_layers=self.last_stage_layers,
+            first_stage_layers=self.first_stage_layers,
             ep=self.ep,
             etp=self.etp,
             order=self.order,

@@ -144,7 +144,11 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
     if layout.pp > 1:
         try:
             partition_layers(
-                num_layers=m.num_layers, pp=layout.pp, vpp=layout.vpp, last_stage_layers=layout.last_stage_layers
+                num_layers=m.num_layers,
+                pp=layout.pp,
+                vpp=layout.vpp,
+                last_stage_layers=layout.last_stage_layers,
+                first_stage_layers=layout.first_stage_layers,
             )
         except ValueError as e:
             raise ConfigError(f"parallel.pp={layout.pp}/parallel.vpp={layout.vpp}: {e}") from None

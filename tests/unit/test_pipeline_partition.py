@@ -50,3 +50,31 @@ def test_last_stage_layers_layout_checks():
     for kw in (dict(pp=1), dict(pp=4, vpp=2)):
         with pytest.raises(LayoutError, match="last_stage_layers"):
             ParallelLayout(world_size=32, last_stage_layers=1, **kw)
+
+
+def test_first_and_last_stage_layers():
+    # Qwen3-235B-A22B on PP16 (Megatron-Bridge counts the embedding and the loss as one layer each:
+    # (94 + 2) / 16 = 6, so the end stages hold 5): 5, then 14 stages of 6, then 5
+    stages = partition_layers(num_layers=94, pp=16, first_stage_layers=5, last_stage_layers=5)
+    sizes = [e - s for s, e in stages]
+    assert sizes == [5] + [6] * 14 + [5] and stages[0] == (0, 5) and stages[-1] == (89, 94)
+    assert all(a[1] == b[0] for a, b in zip(stages, stages[1:]))  # contiguous, in order
+    # first alone: 1, then 3 stages of 3
+    assert partition_layers(num_layers=10, pp=4, first_stage_layers=1) == [(0, 1), (1, 4), (4, 7), (7, 10)]
+    # two stages, both given: they must cover the model exactly
+    assert partition_layers(num_layers=4, pp=2, first_stage_layers=1, last_stage_layers=3) == [(0, 1), (1, 4)]
+    for kw in (
+        dict(pp=16, first_stage_layers=5, last_stage_layers=4),  # 85 over 14 stages
+        dict(pp=2, first_stage_layers=1, last_stage_layers=1),  # 92 layers left for no stage
+        dict(pp=4, vpp=2, first_stage_layers=1),
+        dict(pp=1, first_stage_layers=1),
+        dict(pp=4, first_stage_layers=0),
+    ):
+        with pytest.raises(ValueError, match="first_stage_layers"):
+            partition_layers(num_layers=94, **kw)
+    from folding.parallel import LayoutError, ParallelLayout
+
+    lay = ParallelLayout(world_size=256, tp=4, cp=2, pp=16, first_stage_layers=5, last_stage_layers=5, ep=8, etp=1)
+    assert "(first stage 5 layers, last stage 5 layers)" in lay.describe()
+    with pytest.raises(LayoutError, match="first_stage_layers"):
+        ParallelLayout(world_size=32, pp=4, vpp=2, first_stage_layers=1)
