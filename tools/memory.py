@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             vpp=a.vpp,
             ep=a.ep,
             etp=a.etp,
-            num_experts=PRESETS[a.preset].moe.num_experts,
+            num_experts=PRESETS[a.preset].num_experts,
         )
         pb = 4 if a.param_dtype == "float32" else 2
         ests = [

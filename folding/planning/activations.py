@@ -31,7 +31,9 @@ Recompute modes follow :class:`folding.model.block.TransformerLayer` exactly:
 - ``full``: each layer keeps only its input ``aTh``.
 
 On the last stage the fused output layer + loss keeps its input and a log-sum-exp per token; its fp32
-logits exist one chunk of tokens at a time (:func:`logits_bytes`).
+logits exist one chunk of tokens at a time (:func:`logits_bytes`). Multi-token-prediction modules, also
+on the last stage, keep their transformer layer's tensors (under the recompute mode, like any layer) and
+their own norms', projection's and fused loss's inputs (:func:`mtp_activation_bytes`).
 
 Backward re-materializes one checkpointed region at a time; that working set is part of
 :func:`transient_bytes`, with the larger of the dispatcher's buffers and the experts' backward working
@@ -213,6 +215,47 @@ def logits_bytes(
     tokens = seq_length * micro_batch_size // layout.cp
     chunk = min(chunk_tokens, tokens)
     return act_bytes * tokens * sizes.hidden_size + 4 * tokens + 2 * 4 * chunk * (sizes.vocab_size // layout.tp)
+
+
+def mtp_activation_bytes(
+    sizes,
+    layout,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    fused_swiglu: bool = True,
+) -> int:
+    """Estimated bytes the multi-token-prediction modules keep for backward, per micro-batch, on the last
+    pipeline stage (0 without them).
+
+    Per module: its transformer layer (:func:`activation_bytes_per_layer`, MoE or dense by
+    ``sizes.dense_layers``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
+    sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH``, of the ``2H -> H``
+    projection ``2aTH`` and of its output norm ``aTH``, and its fused output layer + loss's input
+    ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token (its fp32 logits chunks are transient and run
+    after the model's, so :func:`logits_bytes` counts the one chunk alive).
+    """
+    _check_mode(recompute)
+    a, h = act_bytes, sizes.hidden_size
+    t = seq_length * micro_batch_size // (layout.tp * layout.cp)
+    tokens = seq_length * micro_batch_size // layout.cp
+    extra = a * t * 5 * h + a * tokens * h + 4 * tokens
+    total = 0
+    for i in range(sizes.num_layers, sizes.num_layers + sizes.mtp_num_layers):
+        layer = activation_bytes_per_layer(
+            sizes,
+            layout,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            recompute=recompute,
+            act_bytes=act_bytes,
+            moe_layer=i not in sizes.dense_layers,
+            fused_swiglu=fused_swiglu,
+        )
+        total += layer + extra
+    return total
 
 
 def in_flight_chunks(*, pp: int, vpp: int, stage: int, num_microbatches: Optional[int] = None) -> int:

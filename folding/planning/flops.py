@@ -15,11 +15,16 @@ counted, as in Megatron-Core's and PaLM's MFU):
 - Router: ``2·H·E``. Routed experts (SwiGLU, three ``H×F`` matrices): ``k · 6·H·F`` (top-k experts per
   token). Shared expert: ``6·H·F_shared`` plus its sigmoid gate ``2·H``. Dense MLP layers: ``6·H·F_dense``.
 - Output layer (logits): ``2·H·V``. The embedding lookup is not a matmul and counts 0.
+- Multi-token prediction (DeepSeek-V3, ``mtp_num_layers`` D): each module adds one transformer layer
+  (counted with the layers above, MoE or dense by its layer number), its ``2H -> H`` projection
+  ``2·2H·H`` and one more output layer ``2·H·V`` (its cross-entropy, like the model's, is element-wise).
+  They run in training (with labels), so they are model FLOPs.
 - Backward = 2 × forward, so training = 3 × forward. Activation recomputation adds FLOPs that the hardware
   executes but that MFU does not count; the modes are those of ``train.recompute``
   (:class:`folding.model.block.TransformerLayer`): ``selective`` re-runs the attention sublayer's forward
   (projections and core), ``moe`` re-runs the MoE sublayer of MoE layers (router, routed and shared
-  experts), ``full`` re-runs each transformer layer's forward (not the output layer).
+  experts), ``full`` re-runs each transformer layer's forward (not the output layers nor the MTP
+  projections). The MTP modules' layers recompute like any layer.
 
 Usage::
 
@@ -99,12 +104,18 @@ def output_layer_flops(cfg: ModelConfig) -> float:
     return 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
+def mtp_projection_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one multi-token-prediction module's ``2H -> H`` projection (``eh_proj``)."""
+    return 2.0 * 2 * cfg.hidden_size * cfg.hidden_size
+
+
 @dataclasses.dataclass(frozen=True)
 class FlopsPerToken:
     """Forward FLOPs per token of the whole model, by component (summed over layers)."""
 
     attention_linear: float
-    """QKV and output projections, all layers."""
+    """QKV and output projections, all layers (the multi-token-prediction layers included, as in every
+    per-layer field)."""
     attention_core: float
     """Causal attention core, all layers."""
     router: float
@@ -116,7 +127,11 @@ class FlopsPerToken:
     dense_mlp: float
     """MLPs of the dense layers."""
     output_layer: float
-    """Output layer (logits)."""
+    """Output layer (logits) of the model."""
+    mtp_projection: float = 0.0
+    """``2H -> H`` projections of the multi-token-prediction modules (0 without them)."""
+    mtp_output_layer: float = 0.0
+    """The multi-token-prediction modules' output layers (logits), one per module."""
 
     @property
     def forward(self) -> float:
@@ -129,6 +144,8 @@ class FlopsPerToken:
             + self.shared_experts
             + self.dense_mlp
             + self.output_layer
+            + self.mtp_projection
+            + self.mtp_output_layer
         )
 
     @property
@@ -145,7 +162,7 @@ class FlopsPerToken:
         if recompute == "moe":
             return self.router + self.routed_experts + self.shared_experts
         if recompute == "full":
-            return self.forward - self.output_layer
+            return self.forward - self.output_layer - self.mtp_projection - self.mtp_output_layer
         raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
 
     def hardware_training(self, recompute: str = "none") -> float:
@@ -157,16 +174,19 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> FlopsPerToken:
     """Forward FLOPs per token of ``cfg`` trained on sequences of ``seq_length`` tokens, by component."""
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
         raise ValueError(f"seq_length={seq_length!r} must be an integer >= 1")
-    n_moe = cfg.num_moe_layers()
-    n_dense = cfg.num_layers - n_moe
+    layers = cfg.layer_numbers()  # the decoder's and the multi-token-prediction modules'
+    n_moe = sum(cfg.is_moe_layer(i) for i in layers)
+    n_dense = len(layers) - n_moe
     return FlopsPerToken(
-        attention_linear=cfg.num_layers * attention_linear_flops(cfg),
-        attention_core=cfg.num_layers * attention_core_flops(cfg, seq_length),
+        attention_linear=len(layers) * attention_linear_flops(cfg),
+        attention_core=len(layers) * attention_core_flops(cfg, seq_length),
         router=n_moe * router_flops(cfg),
         routed_experts=n_moe * routed_expert_flops(cfg),
         shared_experts=n_moe * shared_expert_flops(cfg),
         dense_mlp=n_dense * dense_mlp_flops(cfg),
         output_layer=output_layer_flops(cfg),
+        mtp_projection=cfg.mtp_num_layers * mtp_projection_flops(cfg),
+        mtp_output_layer=cfg.mtp_num_layers * output_layer_flops(cfg),
     )
 
 

@@ -22,6 +22,11 @@ Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
   layer + loss's input and one chunk of fp32 logits with their softmax.
 - transient: the dispatcher's buffers of the layer being run and, under recompute, the region
   re-materialized in backward.
+- multi-token prediction (``mtp_num_layers`` D): the D modules sit on the last virtual stage of the last
+  pipeline rank: each one transformer layer (sharded as any layer) plus two input norms, the ``[H, 2H]``
+  projection and an output norm, replicated over TP; with an untied embedding and PP > 1 that rank also
+  holds its own copy of the embedding. Their activations (one micro-batch in flight: the last virtual
+  stage runs each backward right after its forward) are added on that stage.
 
 Parameters, gradients and optimizer state are exact (tested against measured buffers); activations
 and transients are estimates (``seq_length=0`` leaves both out).
@@ -43,7 +48,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from folding.parallel.partition import layers_of, partition_layers
 
-from .activations import RECOMPUTE_MODES, activation_bytes_per_layer, in_flight_chunks, logits_bytes, transient_bytes
+from .activations import (
+    RECOMPUTE_MODES,
+    activation_bytes_per_layer,
+    in_flight_chunks,
+    logits_bytes,
+    mtp_activation_bytes,
+    transient_bytes,
+)
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -56,7 +68,11 @@ __all__ = [
     "logits_bytes",
     "memory_per_rank",
     "model_sizes",
+    "mtp_activation_bytes",
+    "mtp_layer_numbers",
+    "mtp_module_params",
     "param_counts",
+    "peak_candidate_stages",
     "stage_layers",
     "transient_bytes",
 ]
@@ -90,7 +106,8 @@ class ModelSizes:
     """Q/K RMSNorm: ``none``; ``head`` (Qwen3-MoE: two ``head_dim`` weights, replicated); ``full``
     (OLMoE: weights of the q and k projection widths, TP-sharded)."""
     dense_layers: Tuple[int, ...] = ()
-    """Indices of layers with a dense SwiGLU MLP of ``ffn_hidden_size`` instead of the MoE block."""
+    """Indices of layers with a dense SwiGLU MLP of ``ffn_hidden_size`` instead of the MoE block (the
+    multi-token-prediction layers are numbered ``num_layers .. num_layers + mtp_num_layers - 1``)."""
     ffn_hidden_size: int = 0
     """FFN width of the dense layers listed in ``dense_layers``."""
     dense_ffn_hidden_size: int = 0
@@ -117,6 +134,11 @@ class ModelSizes:
     """MLA: rotary query/key dims per head (the rotary key is shared by the heads)."""
     v_head_dim: int = 0
     """MLA: value dims per head."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction modules D (DeepSeek-V3: 1), all on the last virtual stage of the last
+    pipeline rank: each one transformer layer (MoE or dense by ``dense_layers``), two input RMSNorms, a
+    ``2H -> H`` projection and an output RMSNorm (all replicated over TP), sharing the embedding and the
+    output layer (the last stage holds its own embedding copy when the embedding is untied and PP > 1)."""
 
     @classmethod
     def from_model_config(cls, cfg) -> "ModelSizes":
@@ -133,11 +155,12 @@ class ModelSizes:
             head_dim=cfg.kv_channels,
             qkv_bias=cfg.qkv_bias,
             qk_norm=cfg.qk_norm,
-            dense_layers=tuple(i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)),
+            dense_layers=tuple(i for i in cfg.layer_numbers() if not cfg.is_moe_layer(i)),
             ffn_hidden_size=cfg.ffn_hidden_size,
             shared_expert_ffn_hidden_size=cfg.moe.shared_expert_ffn_hidden_size or 0,
             shared_expert_gate=cfg.moe.shared_expert_gate,
             tied_embeddings=cfg.tie_embeddings,
+            mtp_num_layers=cfg.mtp_num_layers,
             **_mla_sizes(cfg),
         )
 
@@ -253,7 +276,8 @@ def _div(n: int, d: int, what: str) -> int:
 def stage_layers(
     sizes: ModelSizes, layout, stage: int, stages: Optional[Sequence[Tuple[int, int]]] = None
 ) -> List[int]:
-    """Layer indices held by pipeline rank ``stage`` (all its virtual chunks). ``stages``: the
+    """Decoder layer indices held by pipeline rank ``stage`` (all its virtual chunks; the
+    multi-token-prediction layers, :func:`mtp_layer_numbers`, come on top on the last rank). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
         return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage, _last(layout)))
@@ -272,6 +296,21 @@ def _default_stage_layers(
     for chunk in range(len(stages) // pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
     return tuple(out)
+
+
+def peak_candidate_stages(sizes: ModelSizes, layout) -> List[int]:
+    """The pipeline ranks one of which holds the most memory: the first, the last, and, among the others,
+    the first rank of each distinct mix of (layers, dense layers) under the default partition (a later rank
+    with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
+    at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
+    vpp, last = layout.vpp or 1, _last(layout)
+    out, seen = [0], set()
+    for k in range(1, layout.pp - 1):
+        mix = _stage_counts(sizes, layout.pp, vpp, k, last)
+        if mix not in seen and mix != _stage_counts(sizes, layout.pp, vpp, 0, last):
+            seen.add(mix)
+            out.append(k)
+    return sorted(set(out) | {layout.pp - 1})
 
 
 def layers_on_stage(sizes: ModelSizes, layout, stage: int) -> int:
@@ -346,20 +385,38 @@ def _param_counts_of(
     experts = _div(s.num_experts, ep, "num_experts") * _div(
         3 * h * s.moe_ffn_hidden_size, etp, "3*H*moe_ffn_hidden_size"
     )
+    first, last = stage == 0, stage == pp - 1
+    if last:  # the multi-token-prediction layers run on the last virtual stage, after the decoder's
+        mine = [*mine, *mtp_layer_numbers(s)]
     n_dense = sum(1 for i in mine if i in s.dense_layers)
     n_moe = len(mine) - n_dense
     dense = len(mine) * layer + n_moe * moe
     if n_dense:
         dense += n_dense * _div(3 * h * s.ffn_hidden_size, tp, "ffn_hidden_size*H")
     emb = _div(s.vocab_size, tp, "vocab_size") * h
-    first, last = stage == 0, stage == pp - 1
     if first:
         dense += emb
     if last:
         dense += h  # final norm
         if not s.tied_embeddings or not first:
             dense += emb  # output layer (or tied copy)
+        if s.mtp_num_layers:
+            dense += s.mtp_num_layers * mtp_module_params(s)
+            if not s.tied_embeddings and not first:
+                dense += emb  # the last stage's own copy of the (untied) embedding, for the MTP inputs
     return ParamCounts(dense=dense, expert=n_moe * experts)
+
+
+def mtp_layer_numbers(sizes: ModelSizes) -> range:
+    """Layer numbers of the multi-token-prediction modules' transformer layers (after the decoder's)."""
+    return range(sizes.num_layers, sizes.num_layers + sizes.mtp_num_layers)
+
+
+def mtp_module_params(sizes: ModelSizes) -> int:
+    """Parameter elements of one multi-token-prediction module besides its transformer layer, on every TP
+    rank (replicated): the embedding and hidden input norms, the ``[H, 2H]`` projection, the output norm."""
+    h = sizes.hidden_size
+    return 2 * h * h + 3 * h
 
 
 def memory_per_rank(
@@ -433,6 +490,9 @@ def memory_per_rank(
             acts += logits_bytes(
                 sizes, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes
             )
+            # the MTP modules run in the last virtual stage, whose backward follows each forward at once on
+            # the last rank: one micro-batch of theirs is alive at the peak
+            acts += mtp_activation_bytes(sizes, layout, **kw)
         transient = transient_bytes(sizes, layout, **kw)
     return MemoryEstimate(
         params_dense=c.dense * param_bytes,

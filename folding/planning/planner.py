@@ -30,7 +30,7 @@ from folding.parallel import LayoutError, ParallelLayout
 
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB
-from .memory import MemoryEstimate, memory_per_rank, model_sizes
+from .memory import MemoryEstimate, memory_per_rank, model_sizes, peak_candidate_stages
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
@@ -56,8 +56,10 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
     ``plan.distributed_optimizer``), activations at the schedule's peak for ``plan.recompute`` and the
     step's micro-batch count, transients.
 
-    Only the first and last stages are evaluated: with the default even partition every middle stage holds
-    the same layers as the first, fewer micro-batches in flight and no embedding, so it never exceeds it.
+    Only the stages that can hold the most are evaluated (:func:`folding.planning.memory.peak_candidate_stages`):
+    the first, the last (output layer, multi-token-prediction modules), and a middle stage only where its mix
+    of dense and MoE layers differs from the first's; any other middle stage holds what an earlier one holds,
+    with fewer micro-batches in flight.
     """
     m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
     kw = dict(
@@ -69,7 +71,8 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
     )
-    ests = [memory_per_rank(model_sizes(cfg), plan, stage=k, **kw) for k in sorted({0, plan.pp - 1})]
+    sizes = model_sizes(cfg)
+    ests = [memory_per_rank(sizes, plan, stage=k, **kw) for k in peak_candidate_stages(sizes, plan)]
     return max(ests, key=lambda e: e.total)
 
 

@@ -1,7 +1,9 @@
 """Analytic step time of one folded layout: compute, communication on the links it crosses, pipeline bubble.
 
-The model follows one global batch through the bottleneck pipeline stage (the last one: it also holds the
-output layer). Per micro-batch and transformer layer, on one GPU:
+The model follows one global batch through the bottleneck pipeline stage: the slower of the last stage (its
+layers, the output layer and cross-entropy, and any multi-token-prediction modules: each one more
+transformer layer, a ``2H -> H`` projection and another output layer + cross-entropy) and a stage before it
+(``L/PP`` layers, or ``ceil(L/PP)`` with an uneven split). Per micro-batch and transformer layer, on one GPU:
 
 - **Compute**: matmul FLOPs of :mod:`folding.planning.flops` for the rank's share (tokens split over
   TP·CP for attention; the expert work of a stage is balanced over its ranks, so each GPU does
@@ -299,20 +301,54 @@ def _layer_times(
     return out
 
 
+def _last_stage_extra(
+    cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster, eff: float, moe_l: dict, dense_l: dict
+) -> Dict[str, float]:
+    """Seconds per micro-batch, by cause, that the last stage spends beyond its decoder layers: the output
+    layer + cross-entropy, and each multi-token-prediction module's transformer layer (``moe_l`` / ``dense_l``
+    by its layer number), ``2H -> H`` projection and output layer + cross-entropy.
+
+    The output layer (folding's fused output layer + loss, folding/model/fused_cross_entropy.py) reads the
+    TP-gathered input and keeps it: the forward all-gather and the backward reduce-scatter of the input
+    gradient (after the fused backward) are exposed, and there is no re-gather; its fp32 logits take a few
+    memory-bound passes. An MTP projection runs on the sequence shard with weights replicated over TP (no
+    communication); its three norms and the concatenation are memory-bound passes over ``[T, H]`` rows.
+    """
+    gpu, S, b, H = cluster.gpu, shape.seq_length, shape.micro_batch_size, cfg.hidden_size
+    tok = S * b / (plan.tp * plan.cp)
+    hbm = gpu.hbm_bandwidth * gpu.hbm_efficiency
+    heads = 1 + cfg.mtp_num_layers
+    out = {c: 0.0 for c in ("compute", "memory_bound", "tp", "cp", "ep")}
+    out["compute"] = heads * sum(gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, eff))
+    out["memory_bound"] = heads * 4 * tok * cfg.vocab_size / plan.tp * FP32 / hbm
+    if plan.tp > 1:
+        out["tp"] = heads * 2 * _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
+    for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers):
+        for c, v in (moe_l if cfg.is_moe_layer(i) else dense_l).items():
+            out[c] += v
+        out["compute"] += sum(gemm_train_times(tok, H, 2 * H, gpu, eff))
+        # forward: 3 norms (read + write H) and the concatenation (2H each way); backward about twice that
+        out["memory_bound"] += 3 * 10 * H * BF16 * tok / hbm
+    return out
+
+
 def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, float]:
     """Parameters held by one GPU of the first (``last=False``) or last pipeline stage.
 
     Returns ``{"dense": ..., "expert": ...}``: dense = attention, norms, router, shared expert and the
     embedding (first stage) or output layer (last stage; untied) sharded over TP; expert = routed experts
-    sharded over EP·ETP. A one-stage pipeline holds both ends. Counted by the one memory model
-    (:func:`folding.planning.memory.param_counts`).
+    sharded over EP·ETP. A one-stage pipeline holds both ends. The last stage also holds the
+    multi-token-prediction modules (and its own embedding copy when untied and PP > 1). Counted by the one
+    memory model (:func:`folding.planning.memory.param_counts`).
     """
-    return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, last, plan.last_stage_layers)
+    return _stage_parameters(
+        cfg, plan.tp, plan.pp, plan.ep, plan.etp, plan.pp - 1 if last else 0, plan.last_stage_layers
+    )
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_parameters(
-    cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, last: bool, last_layers: Optional[int] = None
+    cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, stage: int, last_layers: Optional[int] = None
 ) -> Dict[str, float]:
     plan = Plan(
         tp=tp,
@@ -327,7 +363,7 @@ def _stage_parameters(
         recompute="none",
         last_stage_layers=last_layers,
     )
-    c = param_counts(model_sizes(cfg), plan, stage=pp - 1 if last else 0)
+    c = param_counts(model_sizes(cfg), plan, stage=stage)
     return {"dense": c.dense, "expert": c.expert}
 
 
@@ -345,25 +381,13 @@ def estimate_step_time(
     moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True)
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
     causes = ("compute", "memory_bound", "tp", "cp", "ep")
-    # the pipeline runs at the pace of its fullest stage: L/pp layers, or more with an uneven split
+    layer = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L for c in causes}  # the mean decoder layer
+    # a stage before the last holds L/pp layers, or ceil(L/pp) with an uneven split; the last its own count
     fullest = (L - plan.last_stage_layers) / (plan.pp - 1) if plan.last_stage_layers else L / plan.pp
-    per_mb = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L * fullest for c in causes}
-
-    # Output layer + cross-entropy on the last stage (logits in fp32, a few passes over them).
-    # The output layer (folding's fused output layer + loss, folding/model/fused_cross_entropy.py) reads the
-    # TP-gathered input and keeps it: the forward all-gather and the backward reduce-scatter of the input
-    # gradient (after the fused backward) are exposed, and there is no re-gather.
-    out_g = gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, compute_efficiency)
-    out_compute = sum(out_g)
-    out_mem = 4 * tok * cfg.vocab_size / plan.tp * FP32 / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
-    out_tp = 0.0
-    if plan.tp > 1:
-        c = _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
-        out_tp = 2 * c
-    per_mb_last = dict(per_mb)
-    per_mb_last["compute"] += out_compute
-    per_mb_last["memory_bound"] += out_mem
-    per_mb_last["tp"] += out_tp
+    per_mb = {c: layer[c] * fullest for c in causes}
+    heads = _last_stage_extra(cfg, plan, shape, cluster, compute_efficiency, moe_l, dense_l)
+    n_last = plan.last_stage_layers or L / plan.pp
+    per_mb_last = {c: layer[c] * n_last + heads[c] for c in causes}
 
     # Pipeline: send/recv of the (sequence-sharded) activation, forward and backward, per virtual stage.
     pp_t = 0.0
@@ -378,8 +402,12 @@ def estimate_step_time(
             send = hidden_behind(send, sum(per_mb.values()) / plan.vpp, gpu.overlap_contention)
         pp_t = 2 * plan.vpp * (send + gpu.latency(crosses_node=crosses))
     per_mb_last["pp"] = pp_t
-    t_mean = sum(per_mb.values()) + (out_compute + out_mem + out_tp) / plan.pp + pp_t
+    per_mb["pp"] = pp_t
+    t_mean = ((plan.pp - 1) * sum(per_mb.values()) + sum(per_mb_last.values())) / plan.pp
     bubble = (plan.pp - 1) / plan.vpp * t_mean
+    # the pipeline runs at the pace of its slowest stage: the last one, unless an uneven split leaves it
+    # lighter than the others
+    slowest = per_mb_last if plan.pp == 1 or sum(per_mb_last.values()) >= sum(per_mb.values()) else per_mb
 
     # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
     # the backward per model chunk (folding starts a chunk's buckets during its last micro-batch's backward,
@@ -387,8 +415,10 @@ def estimate_step_time(
     # all-gather of the distributed optimizer starts bucket by bucket as the optimizer updates them and is
     # waited for at the end of the step: it hides only behind the rest of the update (folding has no
     # overlap_param_gather).
-    params = stage_parameters(cfg, plan, last=True)
-    fwd_share = per_mb_last["compute"] / 3
+    # the slowest stage's parameters: the last stage's, or those of the stage before it
+    stage = plan.pp - 1 if slowest is per_mb_last else plan.pp - 2
+    params = _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, plan.last_stage_layers)
+    fwd_share = slowest["compute"] / 3
     grad_s = param_s = 0.0
     shard = 0.0
     for kind, n, span in (
@@ -412,7 +442,7 @@ def estimate_step_time(
         + hidden_behind(param_s, optimizer, gpu.overlap_contention)
     )
 
-    breakdown = {c: m * v for c, v in per_mb_last.items()}
+    breakdown = {c: m * v for c, v in slowest.items()}
     breakdown.update(bubble=bubble, dp=exposed_dp, optimizer=optimizer)
     step = sum(breakdown.values())
     tokens = shape.global_batch_size * S

@@ -2,7 +2,8 @@
 
 Nothing is built: no model, no process group, no data. The report shows the folded layout, the
 model's total and active parameters, the parameters one rank of each pipeline stage holds (dense ones
-sharded over TP, expert ones over EP×ETP), and the per-rank memory estimate of the one memory model,
+sharded over TP, expert ones over EP×ETP; the multi-token-prediction modules on the last stage), and the
+per-rank memory estimate of the one memory model,
 :func:`folding.planning.memory.memory_per_rank` (params, grads, optimizer state, activations,
 transients; the same call the layout planner makes).
 
@@ -28,7 +29,8 @@ GIB = 2**30
 def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]]:
     """Parameters one rank of each pipeline rank holds under ``layout``: ``{"dense": n, "expert": n}`` per
     pipeline rank (embedding on the first, final norm and output layer on the last; tied weights counted
-    once), from the planning memory model's :func:`~folding.planning.memory.param_counts`."""
+    once; the multi-token-prediction modules, and with PP > 1 an untied embedding's copy, on the last), from
+    the planning memory model's :func:`~folding.planning.memory.param_counts`."""
     sizes = ModelSizes.from_model_config(model)
     return [vars(param_counts(sizes, layout, stage=r)).copy() for r in range(layout.pp)]
 
@@ -70,6 +72,11 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  flops       {flops_per_token(m, t.seq_length).model_training / 1e9:.1f} GFLOP per trained token "
         "(model FLOPs: the MFU numerator)",
     ]
+    if m.mtp_num_layers:
+        lines.append(
+            f"  mtp         {m.mtp_num_layers} multi-token-prediction module(s) on the last stage, loss weight "
+            f"{m.mtp_loss_scaling_factor} (in the counts above and below)"
+        )
     stages = stage_parameters_per_rank(m, layout)
     for r, s in enumerate(stages):
         lines.append(

@@ -76,8 +76,45 @@ def test_deepseek_v3_tiny_mla_by_hand():
     linear = 2 * (64 * 32 + 32 * 8 * 24 + 64 * 40 + 32 * 8 * 32 + 8 * 16 * 64)
     # core: Q.K^T over dn+dr=24 and P.V over dv=16 for N=8 heads, s_kv = s/2 = 8 at s=16
     core = 2 * 8 * (24 + 16) * 8
-    f = flops_per_token(cfg, seq_length=16)
+    f = flops_per_token(cfg.replace(mtp_num_layers=0), seq_length=16)
     assert f.attention_linear == 4 * linear and f.attention_core == 4 * core
-    # the full model: 671B parameters, ~37.5B active -> about 6 x active plus attention per token
-    big = flops_per_token(get_preset("deepseek_v3"), seq_length=4096)
+    # with its multi-token-prediction module: a fifth attention block
+    g = flops_per_token(cfg, seq_length=16)
+    assert g.attention_linear == 5 * linear and g.attention_core == 5 * core
+    # the full model without MTP: 671.0B parameters, 37.55B active -> about 6 x active plus attention per token
+    big = flops_per_token(get_preset("deepseek_v3").replace(mtp_num_layers=0), seq_length=4096)
     assert 6 * 37.0e9 < big.model_training < 6 * 37.6e9 + 3 * big.attention_core + 1e9
+    # with it: 682.6B parameters, 38.24B active (its layer and projection; it shares embedding and output
+    # layer, whose GEMM it runs once more)
+    mtp = flops_per_token(get_preset("deepseek_v3"), seq_length=4096)
+    assert 6 * 38.2e9 < mtp.model_training < 6 * 38.3e9 + 3 * mtp.attention_core + 1e9
+
+
+def test_mtp_module_by_hand():
+    # deepseek_v3_tiny's one MTP module at s=16 adds, per token: its layer (number 4: MoE) = MLA projections
+    # 2*(64*32 + 32*8*24 + 64*40 + 32*8*32 + 8*16*64) = 54272, core 2*8*(24+16)*8 = 5120, router 2*64*8 = 1024,
+    # top-2 routed experts 2*6*64*32 = 24576, ungated shared expert 6*64*32 = 12288; its projection
+    # [2H -> H] 2*128*64 = 16384; one more output layer 2*64*512 = 65536.
+    cfg = get_preset("deepseek_v3_tiny")
+    with_mtp, without = flops_per_token(cfg, 16), flops_per_token(cfg.replace(mtp_num_layers=0), 16)
+    layer = 54272 + 5120 + 1024 + 24576 + 12288
+    assert with_mtp.forward - without.forward == layer + 16384 + 65536 == 179200
+    assert (with_mtp.mtp_projection, with_mtp.mtp_output_layer) == (16384, 65536)
+    assert with_mtp.model_training - without.model_training == 3 * 179200
+    # full recompute re-runs the MTP layer's forward, not its projection nor its output layer
+    assert with_mtp.recompute_extra("full") - without.recompute_extra("full") == layer
+    assert with_mtp.recompute_extra("moe") - without.recompute_extra("moe") == 1024 + 24576 + 12288
+    # two modules: twice the term (layer number 5 is MoE too)
+    two = flops_per_token(cfg.replace(mtp_num_layers=2), 16)
+    assert two.forward - without.forward == 2 * 179200
+
+
+def test_published_scale_deepseek_v3_with_mtp():
+    # 2 x active params per token, as for Mixtral, plus the attention core: without MTP the embedding lookup is
+    # not a matmul (2*(active - V*H)); the MTP module looks the embedding up again (free) but runs the shared
+    # output layer once more (2*V*H), so with it the forward is 2 x active + core.
+    cfg = get_preset("deepseek_v3")
+    vh = cfg.vocab_size * cfg.hidden_size
+    for c, lookup in ((cfg.replace(mtp_num_layers=0), vh), (cfg, 0)):
+        f = flops_per_token(c, seq_length=4096)
+        assert f.forward == pytest.approx(2 * (c.num_parameters()[1] - lookup) + f.attention_core, rel=1e-3)

@@ -1,5 +1,7 @@
 """The analytic memory model: parameter counts of public models, hand-worked per-rank values, scaling."""
 
+import dataclasses
+
 import pytest
 
 from folding.model.presets import get_preset
@@ -10,7 +12,9 @@ from folding.planning.memory import (
     in_flight_chunks,
     logits_bytes,
     memory_per_rank,
+    mtp_activation_bytes,
     param_counts,
+    peak_candidate_stages,
     transient_bytes,
 )
 
@@ -40,6 +44,103 @@ def test_hand_worked_small_model():
     assert (e.params_dense, e.grads_dense) == (44 * 2, 44 * 4)
     assert e.optimizer_dense == 12 * 44 // 2 and e.optimizer_expert == 12 * 48 // 2  # DP*CP = EDP = 2
     assert memory_per_rank(s, lay, param_bytes=4, stage=1).optimizer_dense == 8 * 44  # fp32: no master copy
+
+
+def test_mtp_hand_worked_small_model():
+    # the model above plus one multi-token-prediction module (its layer is number 2, MoE), TP2 PP2 EP2
+    s = ModelSizes(vocab_size=8, hidden_size=4, num_layers=2, num_experts=4, moe_ffn_hidden_size=2, mtp_num_layers=1)
+    lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
+    first, last = param_counts(s, lay, stage=0), param_counts(s, lay, stage=1)
+    assert (first.dense, first.expert) == (24 + 16, 48)  # unchanged: the module sits on the last stage
+    # last: layer 1 (24) + final norm (4) + output layer (16) + the MTP layer (24) + its enorm, hnorm and output
+    # norm 3*4 and eh_proj [4, 8] = 32, replicated over TP (44) + the last stage's own embedding copy (8*4/2)
+    assert (last.dense, last.expert) == (24 + 4 + 16 + 24 + 44 + 16, 48 + 48) == (128, 96)
+    # tied: the last stage's copy of the table is the output layer already
+    tied = dataclasses.replace(s, tied_embeddings=True)
+    assert param_counts(tied, lay, stage=1).dense == 128 - 16
+    # one stage holds the single table: no copy
+    one = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
+    assert vars(param_counts(s, one)) == {"dense": 2 * 24 + 16 + 4 + 16 + 24 + 44, "expert": 3 * 48}
+    # a dense MTP layer (number 2 in dense_layers): norms 8 + a SwiGLU of F=6 over TP2 (3*4*6/2 = 36), no experts
+    dense = dataclasses.replace(s, dense_layers=(2,), ffn_hidden_size=6)
+    assert vars(param_counts(dense, lay, stage=1)) == {"dense": 24 + 4 + 16 + 8 + 36 + 44 + 16, "expert": 48}
+
+
+def test_mtp_activations_by_hand():
+    # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2, one MTP module; TP2: T = 8/2 = 4 tokens per rank
+    s = ModelSizes(
+        vocab_size=8,
+        hidden_size=4,
+        num_layers=2,
+        num_experts=4,
+        moe_ffn_hidden_size=2,
+        num_attention_heads=2,
+        num_query_groups=1,
+        mtp_num_layers=1,
+    )
+    lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
+    kw = dict(seq_length=8, micro_batch_size=1)
+    # its layer as any layer (544 bytes, test_activations_by_hand_small_model) plus, never recomputed: the inputs
+    # of enorm and hnorm, of eh_proj [T, 2H] and of the output norm, a*T*5H = 160; its fused loss's input over
+    # the TP-gathered 8 tokens a*8*H = 64 and their fp32 log-sum-exp 4*8 = 32
+    assert mtp_activation_bytes(s, lay, **kw) == 544 + 160 + 64 + 32
+    assert mtp_activation_bytes(s, lay, recompute="full", **kw) == 2 * 4 * 4 + 160 + 64 + 32
+    assert mtp_activation_bytes(dataclasses.replace(s, mtp_num_layers=0), lay, **kw) == 0
+    # on the last stage, once (one micro-batch of the last virtual stage is alive at the peak); stage 0 unchanged
+    base = dataclasses.replace(s, mtp_num_layers=0)
+    for rc in ("none", "full"):
+        e = {k: memory_per_rank(k, lay, stage=1, recompute=rc, num_microbatches=4, **kw) for k in (s, base)}
+        assert e[s].activations - e[base].activations == mtp_activation_bytes(s, lay, recompute=rc, **kw)
+        assert memory_per_rank(s, lay, stage=0, recompute=rc, **kw) == memory_per_rank(
+            base, lay, stage=0, recompute=rc, **kw
+        )
+
+
+def test_pipeline_stage_counts_match_the_model_with_mtp():
+    """Per-stage counts at PP2 against the built stages (meta device) of deepseek_v3_tiny: 4 layers (layer 0
+    dense) and one MTP module whose layer (number 4) is MoE, untied embedding."""
+    from folding.model.transformer import MoETransformer
+    from folding.parallel.params import param_spec
+
+    cfg = get_preset("deepseek_v3_tiny")
+    base = cfg.replace(mtp_num_layers=0)
+    lay = ParallelLayout(world_size=2, pp=2)
+
+    def built(c, layer_range):
+        counts = {"dense": 0, "expert": 0}
+        for p in MoETransformer(c, device="meta", layer_range=layer_range).parameters():
+            counts["expert" if param_spec(p).expert else "dense"] += p.numel()
+        return counts
+
+    plain = [vars(param_counts(ModelSizes.from_model_config(base), lay, stage=k)) for k in range(2)]
+    assert plain == [built(base, (0, 2)), built(base, (2, 4))]
+    mtp = [vars(param_counts(ModelSizes.from_model_config(cfg), lay, stage=k)) for k in range(2)]
+    assert mtp[0] == plain[0]
+    # the last stage adds what ModelConfig.num_parameters counts for the module (its MoE layer, norms and
+    # eh_proj), its experts 8 * 3*64*32 among it, and its own copy of the untied embedding (512 x 64)
+    added = cfg.num_parameters()[0] - base.num_parameters()[0]
+    assert mtp[1]["expert"] - plain[1]["expert"] == 8 * 3 * 64 * 32
+    assert mtp[1]["dense"] - plain[1]["dense"] == added - 8 * 3 * 64 * 32 + 512 * 64
+    # one stage: the model's total (test_counts_match_model_config_presets), no second table
+    whole = param_counts(ModelSizes.from_model_config(cfg), ParallelLayout(world_size=1))
+    assert whole.dense + whole.expert == cfg.num_parameters()[0] == sum(built(base, (0, 4)).values()) + added
+
+
+def test_peak_candidate_stages():
+    # DeepSeek-V3 on PP16 with a 1-layer last stage: stage 0 holds 3 dense layers and 1 MoE layer, stages 1-14
+    # 4 MoE layers each (more experts than stage 0: stage 1 is a candidate, 2-14 hold less than it), stage 15
+    big = ModelSizes.from_model_config(get_preset("deepseek_v3"))
+    lay = ParallelLayout(world_size=1024, tp=2, pp=16, ep=8, etp=1, last_stage_layers=1)
+    assert peak_candidate_stages(big, lay) == [0, 1, 15]
+    kw = dict(distributed=True, recompute="selective", seq_length=4096, num_microbatches=128)
+    worst = memory_per_rank(big, lay, **kw)  # every stage
+    assert worst == max((memory_per_rank(big, lay, stage=k, **kw) for k in (0, 1, 15)), key=lambda e: e.total)
+    assert worst.stage == 1
+    # Mixtral (all MoE, even split): the first and the last only
+    assert peak_candidate_stages(KNOWN_SIZES["mixtral_8x7b"], ParallelLayout(world_size=64, pp=8, ep=8, etp=1)) == [
+        0,
+        7,
+    ]
 
 
 def test_expert_scaling_at_fixed_world():
@@ -226,3 +327,18 @@ def test_dry_run_uses_the_same_model():
         memory_estimate(job("recipes=mixtral_8x22b", "train.recompute=selective"), layout),
     )
     assert moe.activations < sel.activations < want.activations
+
+
+def test_memory_tool_runs_on_a_preset():
+    import subprocess
+    import sys
+
+    args = ["--model", "deepseek_v3_tiny", "--world", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1"]
+    out = subprocess.run([sys.executable, "tools/memory.py", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lay = ParallelLayout(world_size=4, tp=2, pp=2, ep=2, etp=1)
+    c = param_counts(ModelSizes.from_model_config(get_preset("deepseek_v3_tiny")), lay, stage=1)
+    # bf16 parameters of the last stage: layers 2 and 3 and the MTP module's layer 4 (3 MoE layers of 4 local
+    # experts of 3*64*32)
+    assert c.expert == 3 * 4 * 3 * 64 * 32
+    assert f"stage 1: params_dense={2 * c.dense} B  params_expert={2 * c.expert} B" in out.stdout

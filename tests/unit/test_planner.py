@@ -445,5 +445,80 @@ def test_deepseek_v3_mla_memory_and_uneven_pipeline():
     p16 = plans[0]
     first, last = stage_parameters(big, p16, last=False), stage_parameters(big, p16, last=True)
     middle = param_counts(model_sizes(big), p16, stage=1)
-    # stage 0: layers 0-3 (3 dense, 1 MoE); stages 1-14: 4 MoE layers each; stage 15: layer 60 (MoE)
-    assert first["expert"] == last["expert"] and middle.expert == 4 * last["expert"] > 0
+    # stage 0: layers 0-3 (3 dense, 1 MoE); stages 1-14: 4 MoE layers each; stage 15: layer 60 (MoE) and the
+    # multi-token-prediction module's layer (number 61, MoE)
+    assert 2 * first["expert"] == last["expert"] and middle.expert == 4 * first["expert"] > 0
+
+
+def test_mtp_work_on_the_last_stage_by_hand():
+    """deepseek_v3_tiny (4 layers, one MTP module, MoE layer 4) on PP2 (2 + 2 layers): the last stage, the
+    slower, runs per micro-batch one more MoE layer, the module's [T, 2H] x [2H, H] projection and one more
+    output layer + cross-entropy than without MTP."""
+    from folding.planning.step_time import _last_stage_extra
+
+    cfg = get_preset("deepseek_v3_tiny")
+    base = cfg.replace(mtp_num_layers=0)
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=4)
+    plan = _plan(tp=2, pp=2, ep=2, dp=1, edp=1, recompute="selective")
+    eff = 0.6
+    t, t0 = (estimate_step_time(c, plan, shape=SHAPE, cluster=cl, compute_efficiency=eff) for c in (cfg, base))
+    moe_l = _layer_times(cfg, plan, SHAPE, cl, eff, moe=True)
+    gpu, tok, m = cl.gpu, 16 / 2, 8  # 16 tokens over TP2; 8 micro-batches
+    proj = sum(gemm_train_times(tok, 64, 128, gpu, eff))
+    out = sum(gemm_train_times(16, 512 / 2, 64, gpu, eff))
+    assert t.breakdown["compute"] - t0.breakdown["compute"] == pytest.approx(m * (moe_l["compute"] + proj + out))
+    assert t.breakdown["ep"] - t0.breakdown["ep"] == pytest.approx(m * moe_l["ep"])
+    extra = _last_stage_extra(cfg, plan, SHAPE, cl, eff, moe_l, _layer_times(cfg, plan, SHAPE, cl, eff, moe=False))
+    assert extra["compute"] == pytest.approx(moe_l["compute"] + proj + 2 * out)
+    # the bubble is (PP-1) mean stage times: half of the added work
+    assert t.breakdown["bubble"] - t0.breakdown["bubble"] == pytest.approx(
+        sum(extra.values()) / 2 - sum(_last_stage_extra(base, plan, SHAPE, cl, eff, moe_l, moe_l).values()) / 2
+    )
+    assert t.mfu != t0.mfu
+
+
+def test_uneven_pipeline_runs_at_the_slowest_stage():
+    """DeepSeek-V3 on PP16 with a 1-layer last stage: a stage of 4 MoE layers is slower than the last stage's
+    1 layer + MTP layer + 2 output layers, so the per-micro-batch work is the same with or without MTP; only the
+    bubble (mean stage time) grows."""
+    cfg = get_preset("deepseek_v3")
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=1024)
+    shape = TrainingShape(seq_length=4096, global_batch_size=4096)
+    plan = _plan(tp=2, pp=16, ep=64, dp=32, edp=1, recompute="selective", last_stage_layers=1)
+    t, t0 = (
+        estimate_step_time(c, plan, shape=shape, cluster=cl, compute_efficiency=0.6)
+        for c in (cfg, cfg.replace(mtp_num_layers=0))
+    )
+    for cause in ("compute", "memory_bound", "tp", "ep", "pp", "dp"):
+        assert t.breakdown[cause] == pytest.approx(t0.breakdown[cause]), cause
+    assert t.breakdown["bubble"] > t0.breakdown["bubble"]
+    # with an even split (PP1: one stage) the module's work adds to the step
+    one = _plan(tp=8, pp=1, ep=64, dp=128, edp=16, recompute="full")
+    assert (
+        estimate_step_time(cfg, one, shape=shape, cluster=cl, compute_efficiency=0.6).breakdown["compute"]
+        > estimate_step_time(
+            cfg.replace(mtp_num_layers=0), one, shape=shape, cluster=cl, compute_efficiency=0.6
+        ).breakdown["compute"]
+    )
+
+
+def test_deepseek_v3_plans_count_mtp():
+    """The planner ranks DeepSeek-V3 layouts (256 H100) with its MTP module on the last stage: that stage's
+    memory grows with it (parameters, gradients, optimizer state and activations), the other stages' does not."""
+    cfg = get_preset("deepseek_v3")
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=256)
+    shape = TrainingShape(seq_length=4096, global_batch_size=256)
+    res = plan_layouts(cfg, cluster=cl, shape=shape)
+    assert len(res) > 10 and [r.time.step_s for r in res] == sorted(r.time.step_s for r in res)
+    best = res[0].plan
+    from folding.planning.memory import memory_per_rank, model_sizes
+
+    kw = dict(param_bytes=2, distributed=best.distributed_optimizer, recompute=best.recompute, seq_length=4096)
+    kw.update(num_microbatches=256 // best.dp)
+    base = cfg.replace(mtp_num_layers=0)
+    last = {c: memory_per_rank(model_sizes(c), best, stage=best.pp - 1, **kw) for c in (cfg, base)}
+    for part in ("params", "grads", "optimizer", "activations"):
+        assert last[cfg].by_part()[part] > last[base].by_part()[part], part
+    assert memory_per_rank(model_sizes(cfg), best, stage=0, **kw) == memory_per_rank(
+        model_sizes(base), best, stage=0, **kw
+    )
