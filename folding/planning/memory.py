@@ -57,6 +57,9 @@ from .activations import (
     transient_bytes,
 )
 
+Ends = Tuple[Optional[int], Optional[int]]
+"""``(first_stage_layers, last_stage_layers)`` of a layout, ``None`` where even."""
+
 __all__ = [
     "RECOMPUTE_MODES",
     "ModelSizes",
@@ -280,7 +283,7 @@ def stage_layers(
     multi-token-prediction layers, :func:`mtp_layer_numbers`, come on top on the last rank). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
-        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage, _last(layout)))
+        return list(_default_stage_layers(sizes.num_layers, layout.pp, layout.vpp or 1, stage, _ends(layout)))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
@@ -288,10 +291,14 @@ def stage_layers(
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(
-    num_layers: int, pp: int, vpp: int, stage: int, last: Optional[int] = None
-) -> Tuple[int, ...]:
-    stages = partition_layers(num_layers=num_layers, pp=pp, vpp=vpp if vpp > 1 else None, last_stage_layers=last)
+def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, ...]:
+    stages = partition_layers(
+        num_layers=num_layers,
+        pp=pp,
+        vpp=vpp if vpp > 1 else None,
+        first_stage_layers=ends[0],
+        last_stage_layers=ends[1],
+    )
     out: List[int] = []
     for chunk in range(len(stages) // pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
@@ -303,11 +310,11 @@ def peak_candidate_stages(sizes: ModelSizes, layout) -> List[int]:
     the first rank of each distinct mix of (layers, dense layers) under the default partition (a later rank
     with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
     at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
-    vpp, last = layout.vpp or 1, _last(layout)
+    vpp, ends = layout.vpp or 1, _ends(layout)
     out, seen = [0], set()
     for k in range(1, layout.pp - 1):
-        mix = _stage_counts(sizes, layout.pp, vpp, k, last)
-        if mix not in seen and mix != _stage_counts(sizes, layout.pp, vpp, 0, last):
+        mix = _stage_counts(sizes, layout.pp, vpp, k, ends)
+        if mix not in seen and mix != _stage_counts(sizes, layout.pp, vpp, 0, ends):
             seen.add(mix)
             out.append(k)
     return sorted(set(out) | {layout.pp - 1})
@@ -324,34 +331,35 @@ def param_counts(
     """Parameter elements on one rank of pipeline ``stage`` under ``layout`` (a ParallelLayout);
     ``stages`` as in :func:`stage_layers`."""
     if stages is None:
-        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage, _last(layout))
+        return _param_counts(sizes, layout.tp, layout.pp, layout.vpp or 1, layout.ep, layout.etp, stage, _ends(layout))
     return _param_counts_of(
         sizes, layout.tp, layout.pp, layout.ep, layout.etp, stage, stage_layers(sizes, layout, stage, stages)
     )
 
 
-def _last(layout) -> Optional[int]:
-    """The layout's ``last_stage_layers`` (planner plans and layouts; ``None`` when it has none)."""
-    return getattr(layout, "last_stage_layers", None)
+def _ends(layout) -> Ends:
+    """The layout's ``(first_stage_layers, last_stage_layers)`` (planner plans and layouts; ``None``
+    where it has none)."""
+    return getattr(layout, "first_stage_layers", None), getattr(layout, "last_stage_layers", None)
 
 
-def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int] = None) -> Tuple[int, int]:
+def _stage_counts(sizes: ModelSizes, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, int]:
     """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
-    return _stage_counts_cached(sizes, pp, vpp, stage, last)
+    return _stage_counts_cached(sizes, pp, vpp, stage, ends)
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int, last: Optional[int]) -> Tuple[int, int]:
-    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
+def _stage_counts_cached(sizes: ModelSizes, pp: int, vpp: int, stage: int, ends: Ends) -> Tuple[int, int]:
+    mine = _default_stage_layers(sizes.num_layers, pp, vpp, stage, ends)
     return len(mine), sum(1 for i in mine if i in sizes.dense_layers)
 
 
 @functools.lru_cache(maxsize=65536)
 def _param_counts(
-    sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, last: Optional[int] = None
+    sizes: ModelSizes, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, ends: Ends = (None, None)
 ) -> ParamCounts:
     return _param_counts_of(
-        sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage, last)
+        sizes, tp, pp, ep, etp, stage, _default_stage_layers(sizes.num_layers, pp, vpp, stage, ends)
     )
 
 
@@ -480,7 +488,7 @@ def memory_per_rank(
             fused_swiglu=fused_swiglu,
         )
         vpp = layout.vpp or 1
-        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage, _last(layout))
+        n_layers, n_dense = _stage_counts(sizes, layout.pp, vpp, stage, _ends(layout))
         per_mb = activation_bytes_per_layer(sizes, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
             activation_bytes_per_layer(sizes, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
         )

@@ -69,7 +69,11 @@ def test_defaults_and_overrides_reach_typed_config():
         ("mixtral_8x22b", 128, "attention TP2 CP1 DP8 PP8 | MoE ETP1 EP8 EDP2 PP8"),
         ("qwen2_57b_a14b", 64, "attention TP2 CP1 DP8 PP4 | MoE ETP1 EP4 EDP4 PP4"),
         ("qwen3_30b_a3b", 8, "attention TP4 CP1 DP1 PP2 | MoE ETP1 EP4 EDP1 PP2"),
-        ("qwen3_235b_a22b", 256, "attention TP4 CP1 DP32 PP2 VPP47 | MoE ETP1 EP32 EDP4 PP2"),
+        (
+            "qwen3_235b_a22b",
+            256,
+            "attention TP4 CP2 DP2 PP16 (first stage 5 layers, last stage 5 layers) | MoE ETP1 EP8 EDP2 PP16",
+        ),
         ("deepseek_v3", 1024, "attention TP2 CP1 DP32 PP16 (last stage 1 layers) | MoE ETP1 EP64 EDP1 PP16"),
     ],
 )

@@ -10,11 +10,13 @@ from folding.planning.memory import (
     ModelSizes,
     activation_bytes_per_layer,
     in_flight_chunks,
+    layers_on_stage,
     logits_bytes,
     memory_per_rank,
     mtp_activation_bytes,
     param_counts,
     peak_candidate_stages,
+    stage_layers,
     transient_bytes,
 )
 
@@ -115,7 +117,7 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
     plain = [vars(param_counts(ModelSizes.from_model_config(base), lay, stage=k)) for k in range(2)]
     assert plain == [built(base, (0, 2)), built(base, (2, 4))]
     mtp = [vars(param_counts(ModelSizes.from_model_config(cfg), lay, stage=k)) for k in range(2)]
-    assert mtp[0] == plain[0]
+    assert mtp == [built(cfg, (0, 2)), built(cfg, (2, 4))] and mtp[0] == plain[0]
     # the last stage adds what ModelConfig.num_parameters counts for the module (its MoE layer, norms and
     # eh_proj), its experts 8 * 3*64*32 among it, and its own copy of the untied embedding (512 x 64)
     added = cfg.num_parameters()[0] - base.num_parameters()[0]
@@ -124,6 +126,7 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
     # one stage: the model's total (test_counts_match_model_config_presets), no second table
     whole = param_counts(ModelSizes.from_model_config(cfg), ParallelLayout(world_size=1))
     assert whole.dense + whole.expert == cfg.num_parameters()[0] == sum(built(base, (0, 4)).values()) + added
+    assert vars(whole) == built(cfg, (0, 4))
 
 
 def test_peak_candidate_stages():
@@ -342,3 +345,14 @@ def test_memory_tool_runs_on_a_preset():
     # experts of 3*64*32)
     assert c.expert == 3 * 4 * 3 * 64 * 32
     assert f"stage 1: params_dense={2 * c.dense} B  params_expert={2 * c.expert} B" in out.stdout
+
+
+def test_first_and_last_stage_layers_place_the_layers():
+    """Qwen3-235B-A22B's published PP16 split (5, 14 x 6, 5): the memory model's stages hold those
+    layers, and their expert parameters scale with them."""
+    sizes = ModelSizes.from_model_config(get_preset("qwen3_235b_a22b"))
+    lay = ParallelLayout(world_size=256, tp=4, cp=2, pp=16, first_stage_layers=5, last_stage_layers=5, ep=8, etp=1)
+    assert [layers_on_stage(sizes, lay, k) for k in range(16)] == [5] + [6] * 14 + [5]
+    assert stage_layers(sizes, lay, 15) == list(range(89, 94))
+    first, middle = param_counts(sizes, lay, stage=0), param_counts(sizes, lay, stage=1)
+    assert first.expert * 6 == middle.expert * 5
