@@ -190,9 +190,10 @@ class MoETransformer(nn.Module):
         """This chunk's transformer layers in order: its decoder layers, then the MTP modules' layers."""
         return list(self.layers.values()) + [m.layer for m in (self.mtp or ())]
 
-    def run_layers(self, x_SBH: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Every layer this model holds (its ``layer_range``), in order, on a hidden shard."""
-        rope = self.rope(seq_len, x_SBH.device)
+    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, rope=None) -> torch.Tensor:
+        """Every layer this model holds (its ``layer_range``), in order, on a hidden shard; ``rope``:
+        :meth:`rope` at ``seq_len`` (computed when not given)."""
+        rope = self.rope(seq_len, x_SBH.device) if rope is None else rope
         for i in range(*self.layer_range):
             x_SBH = self.layers[str(i)](x_SBH, rope)
         return x_SBH
@@ -290,7 +291,8 @@ class MoETransformer(nn.Module):
         x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
         if x is None:
             raise ValueError("a chunk that does not start at layer 0 needs hidden_SBH")
-        x = self.run_layers(x, S)
+        rope = self.rope(S, input_ids_BS.device)  # once per micro-batch: decoder and MTP layers
+        x = self.run_layers(x, S, rope)
         if not self.post_process:
             return x
         if labels is None:
@@ -301,7 +303,6 @@ class MoETransformer(nn.Module):
         if self.mtp is None or not self.training:  # MTP is a training objective: eval skips it
             return lm_BS, None
         mask = torch.ones_like(labels) if loss_mask is None else loss_mask
-        rope = self.rope(S, input_ids_BS.device)
         mtp_BS = torch.zeros_like(lm_BS)
         for k, module in enumerate(self.mtp, 1):
             h_SBH = module(h_SBH, self.embed(shift_left(input_ids_BS, k, 0)), rope)

@@ -100,6 +100,8 @@ def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
         f"imb {max(imb):.2f}" if imb else "imb n/a",
         f"drop {num('dropped_fraction', '.3f')}",
     ]
+    if "mtp_loss" in record:  # multi-token prediction: its loss next to the LM loss
+        parts.insert(3, f"mtp {num('mtp_loss', '.4f')}")
     if record.get("skipped"):
         parts.append("SKIPPED (non-finite loss or gradient)")
     return " | ".join(parts)

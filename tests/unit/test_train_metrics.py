@@ -111,3 +111,12 @@ def test_plot_run_takes_a_resumed_runs_latest_attempt(tmp_path):
     train = [(r["step"], r["loss"]) for r in out if r["kind"] == "train"]
     assert train == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0), (5, 2.0)]
     assert not [r for r in out if r["kind"] == "eval"]
+
+
+def test_console_line_shows_the_mtp_loss_only_with_mtp():
+    from folding.training.metrics import format_train_line
+
+    rec = dict(step=3, loss=4.5, lm_loss=4.25, grad_norm=1.0, lr=1e-3, tokens_per_s=10.0)
+    plain = format_train_line(rec, 10)
+    assert "| lm 4.2500 | gnorm" in plain and "mtp" not in plain
+    assert "| lm 4.2500 | mtp 2.5000 | gnorm" in format_train_line(dict(rec, mtp_loss=2.5), 10)
