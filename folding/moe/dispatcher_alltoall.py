@@ -11,6 +11,11 @@ Dispatch, on every rank of the ETP×EP domain:
    tokens under folding, so they must see each other's);
 4. sort the received chunks from rank-major to expert-major.
 
+Without ETP (and with several local experts, dropless or dropping, without ``megatron_stages``) steps
+2-4 fold into the exchange: the tokens are permuted in (local expert, destination rank) order and
+the EP all-to-all runs as one call per local expert index, each receiving straight into its expert's
+block of the expert-major buffer, so no sort (and on combine no unsort) copies the rows.
+
 Combine reverses it: unsort, reduce-scatter the ETP partial outputs, EP all-to-all back, and sum
 each token's expert rows (unweighted; the experts applied the probabilities).
 
@@ -63,14 +68,28 @@ class AllToAllDispatcher(TokenDispatcher):
             ``token_combine``, next to the EP all-to-all, so a quantized dispatch wire crosses ETP still
             encoded. ``True``: Megatron-Core's split, the ETP all-gather in ``dispatch_postprocess``
             and the ETP reduce-scatter in ``combine_preprocess`` (``token_dispatch`` / ``token_combine``
-            then hold only the EP all-to-all), for code that overlaps work with a given stage. The
-            results are bitwise the same; only the stage that holds the ETP communication, and with a
-            quantized wire the ETP bytes (decoded rows), differ.
+            then hold only the EP all-to-all), for code that overlaps work with a given stage; without
+            ETP it also keeps the EP all-to-all one call with rank-major rows (the default makes one
+            call per local expert: no sort, a token's expert outputs summed in another order, the same
+            bits for top-2). With ETP the results are bitwise the same; only the stage that holds the
+            ETP communication, and with a quantized wire the ETP bytes (decoded rows), differ.
     """
 
     def __init__(self, *, megatron_stages: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.megatron_stages = bool(megatron_stages)
+        # Without ETP and with several local experts, the EP all-to-all runs as one call per local
+        # expert index over rows permuted in (local expert, destination) order: each call's received
+        # rows land in their expert's block, so the received rows need no expert-major sort (nor
+        # the combine an unsort): two copies of the rows fewer each way. A token's expert outputs are
+        # then summed in (local expert, EP rank) order instead of global expert order: the same bits
+        # for top-2, fp32 round-off beyond. Not with megatron_stages, whose token_dispatch hands on
+        # rank-major rows as Megatron-Core's does, nor with pad-to-capacity, where every token has a
+        # row at every expert (decided per dispatch: the inference toggle may switch it).
+        self._slice_ok = (
+            not self.megatron_stages and self.etp_size == 1 and self.ep_size > 1 and self.num_local_experts > 1
+        )
+        self._slice_by_expert = False
         self._plan: Optional[AllToAllPlan] = None
         self._counts_dev: Optional[torch.Tensor] = None
         self._counts_work = None  # the EP count all-gather in flight
@@ -85,12 +104,22 @@ class AllToAllDispatcher(TokenDispatcher):
         T = tokens_TH.shape[0]
         self._num_tokens, self._plan, self._counts_dev, self._counts_work = T, None, None, None
         E = self.num_experts
+        self._slice_by_expert = self._slice_ok and not self.pad_to_capacity
+        if self._slice_by_expert:  # rows grouped (local expert, destination): see _slice_ok
+            # expert_order built on the device (no host-to-device copy): [EP, L] transposed
+            EP, L = self.ep_size, self.num_local_experts
+            cols = torch.arange(E, device=routing_map.device).view(EP, L).t().reshape(-1)
+            routing_map = routing_map.index_select(1, cols)
+            probs = None if probs is None else probs.index_select(1, cols)
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, E, self.capacity_factor)
             self._set_plan([[[rows] * E for _ in range(self.etp_size)] for _ in range(self.ep_size)])
             out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
             return out, probs_N
         counts_E = routing_map.sum(0)
+        if self._slice_by_expert:  # the counts travel in global expert order (the inverse of cols)
+            inv = torch.arange(E, device=counts_E.device).view(L, EP).t().reshape(-1)
+            counts_E = counts_E.index_select(0, inv)
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             self._counts_dev, self._counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
@@ -149,11 +178,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _spec(self, wire: str, etp_padded: bool = False) -> ExchangeSpec:
         p = self._plan
+        sliced = self._slice_by_expert
         return ExchangeSpec(
             ep_group=self.ep_group,
             etp_group=self.etp_group,
-            ep_send=p.input_splits,
-            ep_recv=p.output_splits,
+            ep_send=[send for send, _ in p.expert_slices] if sliced else p.input_splits,
+            ep_recv=[recv for _, recv in p.expert_slices] if sliced else p.output_splits,
             etp_sizes=[p.etp_sizes[self.etp_rank]] if self.megatron_stages else p.etp_sizes,
             wire=wire,
             grad_wire=self.grad_wire,
@@ -181,7 +211,7 @@ class AllToAllDispatcher(TokenDispatcher):
         sizes, order, padded = p.chunk_sizes, p.sort_idxs, self._padded()
         if padded:  # one copy both drops the ETP padding and sorts
             sizes, order = padded_chunks(sizes, order, p.etp_sizes)
-        if padded or not self._sorted:
+        if padded or not (self._sorted or self._slice_by_expert):
             hidden = sort_chunks_by_idxs(hidden, sizes, order)
             probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
         return hidden, self._device_tokens_per_expert(hidden.device), probs
@@ -198,7 +228,7 @@ class AllToAllDispatcher(TokenDispatcher):
         """Undo the expert-major sort (back to rank-major chunks); then, with ``megatron_stages``, the
         ETP reduce-scatter."""
         p = self._plan
-        if not self._sorted:
+        if not (self._sorted or self._slice_by_expert):
             out = sort_chunks_by_idxs(out, [p.chunk_sizes[i] for i in p.sort_idxs], inverse_order(p.sort_idxs))
         if self.megatron_stages:
             out = etp_reduce_scatter(out, self.etp_group, p.etp_sizes)

@@ -173,6 +173,11 @@ class AllToAllPlan:
     """Rows this rank permutes and sends (its kept (token, expert) pairs)."""
     remote_rows: int
     """Rows this rank sends to other EP ranks (the hidden payload of the EP all-to-all)."""
+    expert_slices: List[Tuple[List[int], List[int]]] = dataclasses.field(default_factory=list)
+    """Without ETP: for each local expert index ``l``, ``(send, recv)``: the rows this rank sends to
+    expert ``l`` of each EP rank and receives for its own expert ``l`` from each EP rank. An EP
+    all-to-all run as one call per ``l`` over rows permuted in expert order ``(l, d)`` (see
+    :func:`expert_order`) delivers them expert-major, with no sort. Empty with ETP > 1."""
 
     @property
     def sorted_chunk_sizes(self) -> List[int]:
@@ -212,6 +217,12 @@ def plan_alltoall(
     sort_idxs = [(j * ep_size + s) * L + l for l in range(L) for j in range(etp_size) for s in range(ep_size)]
     tokens_per_expert = [sum(counts[s][j][e] for s in range(ep_size) for j in range(etp_size)) for e in local]
     num_out = sum(mine)
+    slices = []
+    if etp_size == 1:
+        slices = [
+            ([mine[d * L + l] for d in range(ep_size)], [counts[s][0][ep_rank * L + l] for s in range(ep_size)])
+            for l in range(L)
+        ]
     return AllToAllPlan(
         input_splits=input_splits,
         output_splits=output_splits,
@@ -221,4 +232,14 @@ def plan_alltoall(
         tokens_per_expert=tokens_per_expert,
         num_out_tokens=num_out,
         remote_rows=num_out - input_splits[ep_rank],
+        expert_slices=slices,
     )
+
+
+def expert_order(num_experts: int, ep_size: int) -> List[int]:
+    """Global experts in the order ``(local index l, EP rank d)``: ``[0, L, 2L, ..., 1, L+1, ...]``.
+    Rows permuted in this order (the routing map's columns reordered) are grouped by local expert
+    index, and within it by destination rank: the send layout of a per-local-expert EP all-to-all
+    (:attr:`AllToAllPlan.expert_slices`)."""
+    L = num_experts // ep_size
+    return [d * L + l for l in range(L) for d in range(ep_size)]

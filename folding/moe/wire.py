@@ -108,32 +108,42 @@ def _size(group) -> int:
     return group_size(group)
 
 
-def _a2a_all(
-    parts: Sequence[torch.Tensor], group, recv: List[int], send: List[int], rows: Optional[int] = None
-) -> List[torch.Tensor]:
+def _a2a_all(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd): all are issued before
     any is waited on, so the parts of one message cost one synchronization, not one each. With
     ``rows`` (>= ``sum(recv)``) each output has that many rows, the received ones first (the rest
-    uninitialized): a padded buffer the ETP all-gather can send as it is."""
+    uninitialized): a padded buffer the ETP all-gather can send as it is.
+
+    ``recv`` / ``send`` are the split sizes per rank, or lists of them (*slices*): then slice ``i``
+    is its own all-to-all of the ``i``-th contiguous block of the input (``sum(send[i])`` rows) into
+    the ``i``-th block of the output (``sum(recv[i])`` rows), all issued together: the received rows
+    come out grouped by slice, then by source rank."""
+    sliced = len(recv) > 0 and isinstance(recv[0], (list, tuple))
+    recv_s, send_s = (list(recv), list(send)) if sliced else ([recv], [send])
     if _size(group) == 1 and rows is None:
         return list(parts)
-    n_in = sum(recv)
+    n_in = sum(sum(r) for r in recv_s)
     outs, works = [], []
     for x in parts:
         out = x.new_empty((max(n_in, rows or 0),) + tuple(x.shape[1:]))
-        if _size(group) == 1:
-            out[:n_in].copy_(x)
-        else:
-            works.append(
-                dist.all_to_all_single(
-                    out[:n_in],
-                    x.contiguous(),
-                    output_split_sizes=list(recv),
-                    input_split_sizes=list(send),
-                    group=group,
-                    async_op=True,
+        x = x.contiguous()
+        i0 = o0 = 0
+        for r, sd in zip(recv_s, send_s):
+            ni, no = sum(sd), sum(r)
+            if _size(group) == 1:
+                out[o0 : o0 + no].copy_(x[i0 : i0 + ni])
+            else:
+                works.append(
+                    dist.all_to_all_single(
+                        out[o0 : o0 + no],
+                        x[i0 : i0 + ni],
+                        output_split_sizes=list(r),
+                        input_split_sizes=list(sd),
+                        group=group,
+                        async_op=True,
+                    )
                 )
-            )
+            i0, o0 = i0 + ni, o0 + no
         outs.append(out)
     for w in works:
         w.wait()
@@ -188,10 +198,11 @@ class ExchangeSpec:
     """The expert-parallel group (all-to-all)."""
     etp_group: object
     """The expert-tensor-parallel group (all-gather / reduce-scatter)."""
-    ep_send: List[int]
-    """Rows this rank sends to each EP rank on dispatch (its permuted rows)."""
-    ep_recv: List[int]
-    """Rows this rank receives from each EP rank on dispatch."""
+    ep_send: list
+    """Rows this rank sends to each EP rank on dispatch (its permuted rows); or, sliced, one such
+    list per local expert index (:attr:`folding.moe.permute.AllToAllPlan.expert_slices`)."""
+    ep_recv: list
+    """Rows this rank receives from each EP rank on dispatch; or one such list per slice."""
     etp_sizes: List[int]
     """Rows each ETP rank holds after the EP all-to-all; a single entry (this rank's) leaves the ETP
     exchange out of this message (it then runs apart: :func:`etp_gather`, :func:`etp_reduce_scatter`)."""

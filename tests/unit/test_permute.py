@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from folding.moe import host_sync
 from folding.moe.permute import (
     chunk_permutation,
+    expert_order,
     inverse_order,
     padded_rows_per_expert,
     permute,
@@ -143,3 +144,22 @@ def test_sort_chunks_inverse(sizes, seed):
     perm = chunk_permutation(sizes, order)
     torch.testing.assert_close(sort_chunks_by_idxs(x, sizes, order), x[perm])
     torch.testing.assert_close(x[perm][inverse_order(perm)], x)
+
+
+def test_expert_slices_deliver_expert_major_rows():
+    """EP2, L=2, no ETP. Rank s sends counts[s][0][e] rows to global expert e. Permuted in expert_order
+    (0, 2, 1, 3), rank 0's rows form two slices: local expert 0 of ranks 0 and 1 (1 + 3 rows), then
+    local expert 1 of ranks 0 and 1 (2 + 4 rows). Rank 0 receives for its expert 0 one row from itself
+    and five from rank 1, then for expert 1 two and six: its tokens_per_expert, in that order."""
+    counts = [[[1, 2, 3, 4]], [[5, 6, 7, 8]]]
+    assert expert_order(4, 2) == [0, 2, 1, 3]
+    assert expert_order(6, 3) == [0, 2, 4, 1, 3, 5]
+    plan = plan_alltoall(counts, ep_size=2, etp_size=1, ep_rank=0, etp_rank=0, num_local_experts=2)
+    assert plan.expert_slices == [([1, 3], [1, 5]), ([2, 4], [2, 6])]
+    assert [sum(recv) for _, recv in plan.expert_slices] == plan.tokens_per_expert == [6, 8]
+    assert sum(sum(send) for send, _ in plan.expert_slices) == plan.num_out_tokens == 10
+    other = plan_alltoall(counts, ep_size=2, etp_size=1, ep_rank=1, etp_rank=0, num_local_experts=2)
+    assert other.expert_slices == [([5, 7], [3, 7]), ([6, 8], [4, 8])]
+    # with ETP the slices are not used (the ETP all-gather needs rank-major rows)
+    etp = plan_alltoall([[[1, 2], [3, 4]]], ep_size=1, etp_size=2, ep_rank=0, etp_rank=0, num_local_experts=2)
+    assert etp.expert_slices == []
