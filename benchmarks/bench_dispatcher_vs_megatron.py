@@ -2,7 +2,8 @@
 
 Each iteration times, one after the other in the same processes (alternating, so load drifts hit all
 three alike), forward and backward of dispatch + a stand-in expert (``rows·1.5 + probs``) + combine
-for Megatron-Core's ``MoEAlltoAllTokenDispatcher`` and for folding's, and the raw floor: the four
+for Megatron-Core's ``MoEAlltoAllTokenDispatcher``, for folding's (default, and with
+``per_expert_exchange=True``: one all-to-all per local expert, no sort), and the raw floor: the four
 ``all_to_all_single`` calls a forward and backward must make at least (dispatch and combine rows,
 and their gradients) with the same split sizes and no other work. A time is the slowest rank's
 (a barrier before each). The report gives min and median per layout, the ratios folding/Megatron-Core
@@ -94,7 +95,9 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
         md = MoEAlltoAllTokenDispatcher(
             L, list(range(first, first + L)), cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
         )
-        fd = build_dispatcher("alltoall", num_experts=experts, topk=topk, ep_group=md.ep_group, etp_group=md.tp_group)
+        kw = dict(num_experts=experts, topk=topk, ep_group=md.ep_group, etp_group=md.tp_group)
+        fd = build_dispatcher("alltoall", **kw)
+        fe = build_dispatcher("alltoall", per_expert_exchange=True, **kw)  # one all-to-all per local expert
         gen = torch.Generator().manual_seed(dist.get_rank())
         x = torch.randn(tokens, hidden, generator=gen)
         probs, rmap = topk_routing(torch.randn(tokens, experts, generator=gen), topk=topk)
@@ -109,11 +112,12 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
             for src, dst, s_in, s_out in ((a, b, send, recv), (b, a, recv, send)) * 2:
                 dist.all_to_all_single(dst, src, s_out, s_in, group=md.ep_group)
 
-        times = {"megatron": [], "folding": [], "raw": []}
+        times = {"megatron": [], "folding": [], "per_expert": [], "raw": []}
         for i in range(warmup + iters):
             for name, fn in (
                 ("megatron", lambda: _run(md, x, rmap, probs, g)),
                 ("folding", lambda: _run(fd, x, rmap, probs, g)),
+                ("per_expert", lambda: _run(fe, x, rmap, probs, g)),
                 ("raw", raw),
             ):
                 t = _timed(fn)
@@ -158,7 +162,12 @@ def main(argv=None) -> int:
                     ratio = lambda x, y: statistics.median([p / q for p, q in zip(t[x], t[y])])  # noqa: E731
                     ms = {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in t.items()}
                     rows.append(
-                        (name, ms, ratio("folding", "megatron"), ratio("folding", "raw"), ratio("megatron", "raw"))
+                        (
+                            name,
+                            ms,
+                            [ratio(a, b) for a, b in (("folding", "megatron"), ("per_expert", "megatron"))]
+                            + [ratio(a, "raw") for a in ("folding", "per_expert", "megatron")],
+                        )
                     )
         finally:
             for k, v in saved.items():
@@ -167,15 +176,14 @@ def main(argv=None) -> int:
                 else:
                     os.environ[k] = v
         head = (
-            "| layout | Megatron-Core ms (min / median) | folding ms | raw a2a floor ms "
-            "| folding / Megatron-Core | folding / raw | Megatron-Core / raw |"
+            "| layout | Megatron-Core ms (min / median) | folding ms | folding per-expert ms | raw a2a floor ms "
+            "| folding / Megatron-Core | per-expert / Megatron-Core | folding / raw | per-expert / raw "
+            "| Megatron-Core / raw |"
         )
-        lines = [head, "|---|---|---|---|---|---|---|"]
-        for name, ms, rm, rr, mr in rows:
-            cell = lambda k: f"{ms[k][0]:.2f} / {ms[k][1]:.2f}"  # noqa: E731
-            lines.append(
-                f"| {name} | {cell('megatron')} | {cell('folding')} | {cell('raw')} | {rm:.2f} | {rr:.2f} | {mr:.2f} |"
-            )
+        lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, ms, r in rows:
+            cells = " | ".join(f"{ms[k][0]:.2f} / {ms[k][1]:.2f}" for k in ("megatron", "folding", "per_expert", "raw"))
+            lines.append(f"| {name} | {cells} | " + " | ".join(f"{v:.2f}" for v in r) + " |")
         return "\n".join(lines)
 
     load_before = os.getloadavg()
@@ -194,7 +202,8 @@ def main(argv=None) -> int:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `python benchmarks/bench_dispatcher_vs_megatron.py {' '.join(argv or sys.argv[1:])}`",
         f"- shape: {a.tokens} tokens per rank, H={a.hidden}, E={a.experts}, top-{a.topk}, fp32, dropless; "
-        f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / raw",
+        f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / folding "
+        "per-expert / raw",
         f"- machine: {cpus} usable CPUs, torch threads per rank {a.threads}; load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "- a time is forward + backward of dispatch, stand-in expert and combine, the slowest rank's; ratios "

@@ -11,10 +11,11 @@ Dispatch, on every rank of the ETP×EP domain:
    tokens under folding, so they must see each other's);
 4. sort the received chunks from rank-major to expert-major.
 
-Without ETP (and with several local experts, dropless or dropping, without ``megatron_stages``) steps
-2-4 fold into the exchange: the tokens are permuted in (local expert, destination rank) order and
-the EP all-to-all runs as one call per local expert index, each receiving straight into its expert's
-block of the expert-major buffer, so no sort (and on combine no unsort) copies the rows.
+With ``per_expert_exchange``, without ETP (and with several local experts, dropless or dropping,
+without ``megatron_stages``) steps 2-4 fold into the exchange: the tokens are permuted in (local
+expert, destination rank) order and the EP all-to-all runs as one call per local expert index, each
+receiving straight into its expert's block of the expert-major buffer, so no sort (and on combine no
+unsort) copies the rows.
 
 Combine reverses it: unsort, reduce-scatter the ETP partial outputs, EP all-to-all back, and sum
 each token's expert rows (unweighted; the experts applied the probabilities).
@@ -68,26 +69,37 @@ class AllToAllDispatcher(TokenDispatcher):
             ``token_combine``, next to the EP all-to-all, so a quantized dispatch wire crosses ETP still
             encoded. ``True``: Megatron-Core's split, the ETP all-gather in ``dispatch_postprocess``
             and the ETP reduce-scatter in ``combine_preprocess`` (``token_dispatch`` / ``token_combine``
-            then hold only the EP all-to-all), for code that overlaps work with a given stage; without
-            ETP it also keeps the EP all-to-all one call with rank-major rows (the default makes one
-            call per local expert: no sort, a token's expert outputs summed in another order, the same
-            bits for top-2). With ETP the results are bitwise the same; only the stage that holds the
-            ETP communication, and with a quantized wire the ETP bytes (decoded rows), differ.
+            then hold only the EP all-to-all), for code that overlaps work with a given stage; it
+            also turns ``per_expert_exchange`` off. The results are bitwise the same; only the stage
+            that holds the ETP communication, and with a quantized wire the ETP bytes (decoded
+            rows), differ.
+        per_expert_exchange: without ETP (and with several local experts, not pad-to-capacity, not
+            ``megatron_stages``), run the EP all-to-all as one call per local expert index, received
+            expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one. Faster
+            where copies are slow next to the exchange (CPU, gloo: see ``docs/dispatcher.md``); off by
+            default, since on GPUs the sort is a cheap kernel and every extra all-to-all costs a launch
+            and smaller messages (not measured here: no GPU).
     """
 
-    def __init__(self, *, megatron_stages: bool = False, **kwargs):
+    def __init__(self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.megatron_stages = bool(megatron_stages)
-        # Without ETP and with several local experts, the EP all-to-all runs as one call per local
-        # expert index over rows permuted in (local expert, destination) order: each call's received
-        # rows land in their expert's block, so the received rows need no expert-major sort (nor
-        # the combine an unsort): two copies of the rows fewer each way. A token's expert outputs are
-        # then summed in (local expert, EP rank) order instead of global expert order: the same bits
-        # for top-2, fp32 round-off beyond. Not with megatron_stages, whose token_dispatch hands on
-        # rank-major rows as Megatron-Core's does, nor with pad-to-capacity, where every token has a
-        # row at every expert (decided per dispatch: the inference toggle may switch it).
+        self.per_expert_exchange = bool(per_expert_exchange)
+        # per_expert_exchange, without ETP and with several local experts: the EP all-to-all runs as
+        # one call per local expert index over rows permuted in (local expert, destination) order;
+        # each call's received rows land in their expert's block, so the received rows need no
+        # expert-major sort (nor the combine an unsort): two copies of the rows fewer each way, for
+        # L calls instead of one. A token's expert outputs are then summed in (local expert, EP rank)
+        # order instead of global expert order: the same bits for top-2, fp32 round-off beyond. Not
+        # with megatron_stages, whose token_dispatch hands on rank-major rows as Megatron-Core's
+        # does, nor with pad-to-capacity, where every token has a row at every expert (decided per
+        # dispatch: the inference toggle may switch it).
         self._slice_ok = (
-            not self.megatron_stages and self.etp_size == 1 and self.ep_size > 1 and self.num_local_experts > 1
+            self.per_expert_exchange
+            and not self.megatron_stages
+            and self.etp_size == 1
+            and self.ep_size > 1
+            and self.num_local_experts > 1
         )
         self._slice_by_expert = False
         self._plan: Optional[AllToAllPlan] = None

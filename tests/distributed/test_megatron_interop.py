@@ -100,8 +100,9 @@ def _dispatchers_alone(lay, modes):
                 capacity_factor=cfg.moe_expert_capacity_factor,
                 pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
             )
-            # ETP next to the EP all-to-all (the default), and at Megatron-Core's stage boundaries
-            fd = build_dispatcher("alltoall", **kw)
+            # ETP next to the EP all-to-all (the default; without ETP one all-to-all per local expert,
+            # per_expert_exchange), and at Megatron-Core's stage boundaries
+            fd = build_dispatcher("alltoall", per_expert_exchange=True, **kw)
             fd_stages = build_dispatcher("alltoall", megatron_stages=True, **kw)
             gen = torch.Generator().manual_seed(100 + dist.get_rank())
             T = S * B // lay["tp"]
