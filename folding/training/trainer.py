@@ -237,7 +237,7 @@ def train(
             vec = torch.cat([parts, stats.vector().to(device), flag])
             dist.all_reduce(vec)
             stopped, vec = bool(vec[-1] > 0), vec[:-1]
-            lm_loss, mtp_loss = (float(v / n_tokens.clamp(min=1)) for v in vec[:2])
+            lm_loss, mtp_loss = (vec[:2] / n_tokens.clamp(min=1)).tolist()  # one host read for both
             moe = stats.summarize(vec[2:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
             loss = lm_loss + job.model.mtp_loss_scaling_factor * mtp_loss + sum(moe[n] for n in LOSS_NAMES)
             lr = optimizer.lr
