@@ -58,6 +58,7 @@ from .wire import (
     etp_reduce_scatter,
     padded_chunks,
     payload_bytes_per_row,
+    to_padded_blocks,
 )
 
 
@@ -183,8 +184,9 @@ class AllToAllDispatcher(TokenDispatcher):
         self.tokens_per_expert_host = list(plan.tokens_per_expert)
 
     def _padded(self) -> bool:
-        """Whether the dispatch hands its ETP-gathered rows on in padded blocks (uneven ETP sizes,
-        ETP exchanged in ``token_dispatch``): the expert-major sort then drops the padding."""
+        """Whether the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes,
+        ETP exchanged in ``token_dispatch`` / ``token_combine``): the expert-major sort drops the
+        padding and the combine's unsort writes it, each in the copy it makes anyway."""
         sizes = self._plan.etp_sizes
         return not self.megatron_stages and len(set(sizes)) > 1
 
@@ -237,10 +239,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # -------------------------------------------------------------------------------- combine
     def combine_preprocess(self, out):
-        """Undo the expert-major sort (back to rank-major chunks); then, with ``megatron_stages``, the
-        ETP reduce-scatter."""
+        """Undo the expert-major sort (back to rank-major chunks, in padded ETP blocks when the ETP
+        sizes differ); then, with ``megatron_stages``, the ETP reduce-scatter."""
         p = self._plan
-        if not (self._sorted or self._slice_by_expert):
+        if self._padded():  # the unsort also lays out the padded ETP blocks the combine reduces
+            out = to_padded_blocks(out, p.chunk_sizes, p.sort_idxs, p.etp_sizes)
+        elif not (self._sorted or self._slice_by_expert):
             out = sort_chunks_by_idxs(out, [p.chunk_sizes[i] for i in p.sort_idxs], inverse_order(p.sort_idxs))
         if self.megatron_stages:
             out = etp_reduce_scatter(out, self.etp_group, p.etp_sizes)
@@ -249,7 +253,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def token_combine(self, out):
         """ETP reduce-scatter of partial outputs (already done with ``megatron_stages``), then the
         reverse EP all-to-all."""
-        return combine_exchange(out, self._spec(self.combine_wire))
+        return combine_exchange(out, self._spec(self.combine_wire, etp_padded=self._padded()))
 
     def combine_postprocess(self, out):
         """Sum each token's expert rows (unweighted) and restore the input shape."""
@@ -275,6 +279,11 @@ class AllToAllDispatcher(TokenDispatcher):
             "ep_floor_bytes": (p.remote_rows + remote_recv) * H * elem,
             # the encoded rows, or with megatron_stages the decoded ones, plus nothing for probabilities
             "etp_allgather_bytes": p.etp_sizes[me] * (H * elem if self.megatron_stages else disp) * (self.etp_size - 1),
-            "etp_reduce_scatter_bytes": (sum(p.etp_sizes) - p.etp_sizes[me]) * H * elem,
+            # the partial outputs of the other ETP ranks' rows (padded to the largest block when uneven)
+            "etp_reduce_scatter_bytes": (
+                (max(p.etp_sizes) * (self.etp_size - 1)) if self._padded() else (sum(p.etp_sizes) - p.etp_sizes[me])
+            )
+            * H
+            * elem,
             "tokens_per_expert": list(p.tokens_per_expert),
         }

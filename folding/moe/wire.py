@@ -215,9 +215,12 @@ class ExchangeSpec:
     dtype: torch.dtype
     """Activation dtype (what decode returns)."""
     etp_padded: bool = False
-    """Dispatch only: return the ETP-gathered rows in padded blocks of ``max(etp_sizes)`` rows per
-    ETP rank (see :func:`padded_chunks`), so that the dispatcher's expert-major sort drops the
-    padding in the copy it makes anyway; the gradient comes back in the same layout."""
+    """Rows on the expert side of the ETP exchange are in padded blocks of ``max(etp_sizes)`` rows
+    per ETP rank (this rank's rows first in its own). Dispatch: the ETP-gathered rows are returned
+    so (see :func:`padded_chunks`), and the dispatcher's expert-major sort drops the padding in the
+    copy it makes anyway. Combine: the partial outputs come in so (see :func:`to_padded_blocks`,
+    the padding written by the unsort it makes anyway) and are reduce-scattered in equal blocks,
+    so that the gradient's all-gather is returned as it arrives, with no copy to drop the padding."""
 
 
 def _sum_etp_grads(g_NH: torch.Tensor, gp_N: Optional[torch.Tensor], group, sizes: List[int], padded: bool = False):
@@ -268,12 +271,18 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """Forward: ETP reduce-scatter-v (activation dtype) → encode → reverse EP all-to-all → decode.
-    Backward: encode(grad_wire) → EP all-to-all → ETP all-gather-v (of the encoded parts) → decode."""
+    Backward: encode(grad_wire) → EP all-to-all → ETP all-gather-v (of the encoded parts) → decode.
+    With ``spec.etp_padded`` the expert-side rows are in padded blocks both ways."""
 
     @staticmethod
     def forward(ctx, out_NH, spec: ExchangeSpec):
         ctx.spec = spec
-        (x,) = _reduce_scatter_all([out_NH], spec.etp_group, spec.etp_sizes)
+        sizes = spec.etp_sizes
+        if spec.etp_padded:  # equal blocks of max(sizes) rows; this rank's rows lead its own
+            (x,) = _reduce_scatter_all([out_NH], spec.etp_group, [max(sizes)] * len(sizes))
+            x = x[: sizes[group_rank(spec.etp_group)]]
+        else:
+            (x,) = _reduce_scatter_all([out_NH], spec.etp_group, sizes)
         parts = _a2a_all(encode(x, spec.wire), spec.ep_group, spec.ep_send, spec.ep_recv)
         return decode(parts, spec.wire, spec.hidden_size, spec.dtype)
 
@@ -282,7 +291,7 @@ class _Combine(torch.autograd.Function):
         s = ctx.spec
         m = max(s.etp_sizes) if len(s.etp_sizes) > 1 else None  # receive straight into the padded block
         parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m)
-        parts = _gather_all(parts, s.etp_group, s.etp_sizes)
+        parts = _gather_all(parts, s.etp_group, s.etp_sizes, keep_padding=s.etp_padded)
         return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
 
 
@@ -348,6 +357,26 @@ def padded_chunks(chunk_sizes: Sequence[int], order: Sequence[int], etp_sizes: S
     for j in range(n):
         sizes += list(chunk_sizes[j * per : (j + 1) * per]) + [m - etp_sizes[j]]
     return sizes, [c + c // per for c in order]
+
+
+def to_padded_blocks(x: torch.Tensor, chunk_sizes: Sequence[int], order: Sequence[int], etp_sizes: Sequence[int]):
+    """The combine's unsort into padded ETP blocks: ``x`` holds the rank-major chunks
+    ``chunk_sizes`` in the order ``order`` (expert-major, as the experts produced them); the result
+    holds them rank-major with each ETP rank's block followed by ``max(etp_sizes) - etp_sizes[j]``
+    zero rows, the layout :class:`ExchangeSpec` ``etp_padded`` combines. One copy, the one an unsort
+    makes anyway; differentiable (the gradient's padding rows are dropped in the copy back)."""
+    n, m = len(etp_sizes), max(etp_sizes)
+    per = len(chunk_sizes) // n
+    pieces = torch.split(x, [chunk_sizes[i] for i in order], dim=0)
+    at = [0] * len(order)  # at[c]: position in x of rank-major chunk c
+    for pos, c in enumerate(order):
+        at[c] = pos
+    out: List[torch.Tensor] = []
+    for j in range(n):
+        out += [pieces[at[c]] for c in range(j * per, (j + 1) * per)]
+        if m > etp_sizes[j]:
+            out.append(x.new_zeros((m - etp_sizes[j],) + tuple(x.shape[1:])))
+    return torch.cat(out, dim=0)
 
 
 def dispatch_exchange(

@@ -77,3 +77,24 @@ def test_padded_chunks_skip_the_etp_padding():
     x = torch.tensor([0, 1, 1, -1, -1, 2, 2, 3, 3, 3], dtype=torch.float32).unsqueeze(1)
     got = sort_chunks_by_idxs(x, sizes, order).squeeze(1).tolist()
     assert got == [0, 2, 2, 1, 1, 3, 3, 3]  # chunks 0, 2, 1, 3 and no padding row
+
+
+def test_to_padded_blocks_inverts_the_padded_sort():
+    from folding.moe.permute import sort_chunks_by_idxs
+    from folding.moe.wire import padded_chunks, to_padded_blocks
+
+    # the same 4 chunks as above, now as the experts produced them: expert-major order 0, 2, 1, 3
+    x = torch.tensor([0, 2, 2, 1, 1, 3, 3, 3], dtype=torch.float32).unsqueeze(1).requires_grad_()
+    y = to_padded_blocks(x, [1, 2, 2, 3], [0, 2, 1, 3], [3, 5])
+    # rank 0's block: chunks 0 and 1 (3 rows) then 2 zero rows up to 5; rank 1's block: chunks 2, 3
+    assert y.squeeze(1).tolist() == [0, 1, 1, 0, 0, 2, 2, 3, 3, 3]
+    # the dispatch-side sort of the same padded layout gives x back
+    sizes, order = padded_chunks([1, 2, 2, 3], [0, 2, 1, 3], [3, 5])
+    assert torch.equal(sort_chunks_by_idxs(y, sizes, order), x)
+    # the gradient of the padding rows goes nowhere; every other row's returns to its source row
+    g = torch.arange(10, dtype=torch.float32).unsqueeze(1)
+    (y * g).sum().backward()
+    assert x.grad.squeeze(1).tolist() == [0, 5, 6, 1, 2, 7, 8, 9]
+    # equal blocks (chunks of 2, 2 | 1, 3 rows): no padding row, just the unsort
+    z = to_padded_blocks(x.detach(), [2, 2, 1, 3], [0, 2, 1, 3], [4, 4])
+    assert z.squeeze(1).tolist() == [0, 2, 1, 1, 2, 3, 3, 3]
