@@ -1,13 +1,15 @@
 """folding's all-to-all dispatcher against Megatron-Core's, side by side on the same gloo ranks.
 
-Each iteration times, one after the other in the same processes (alternating, so load drifts hit all
-three alike), forward and backward of dispatch + a stand-in expert (``rows·1.5 + probs``) + combine
-for Megatron-Core's ``MoEAlltoAllTokenDispatcher``, for folding's (default, and with
-``per_expert_exchange=True``: one all-to-all per local expert, no sort), and the raw floor: the four
-``all_to_all_single`` calls a forward and backward must make at least (dispatch and combine rows,
-and their gradients) with the same split sizes and no other work. A time is the slowest rank's
-(a barrier before each). The report gives min and median per layout, the ratios folding/Megatron-Core
-and folding/raw, the machine's CPUs and load.
+Each iteration times, one after the other in the same processes (alternating, so load drifts hit
+all alike, in an order that rotates every iteration), forward and backward of dispatch + a stand-in
+expert (``rows·1.5 + probs``) + combine for Megatron-Core's ``MoEAlltoAllTokenDispatcher``, for
+folding's (default, and with ``per_expert_exchange=True``: one all-to-all per local expert, no
+sort), and the raw floor: the four ``all_to_all_single`` calls a forward and backward must make at
+least (dispatch and combine rows, and their gradients) with the same split sizes and no other work.
+A time is the slowest rank's (a barrier before each). The report gives min and median per layout,
+the ratios folding/Megatron-Core and folding/raw, the ratio of CPU time summed over the ranks (user
+and system, every thread: on a machine with fewer CPUs than ranks the wall time follows it), the
+machine's CPUs and load.
 
 Allocation: on GPU the caching allocator hands a freed activation buffer back to the next request;
 on CPU glibc returns large freed blocks to the kernel and the next iteration page-faults them in
@@ -47,12 +49,17 @@ MALLOC_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_
 
 
 def _timed(fn):
+    """``(wall, cpu)`` seconds of ``fn``: the slowest rank's wall time, and the CPU time (user and
+    system, every thread, gloo's included) summed over the ranks."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    c1, t1 = time.process_time(), time.perf_counter()
+    mine = torch.tensor([t1 - t0, c1 - c0], dtype=torch.float64)
+    every = torch.empty(dist.get_world_size() * 2, dtype=torch.float64)
+    dist.all_gather_into_tensor(every, mine)
+    every = every.view(-1, 2)
+    return float(every[:, 0].max()), float(every[:, 1].sum())
 
 
 def _run(d, x0, rmap, probs0, g):
@@ -65,7 +72,8 @@ def _run(d, x0, rmap, probs0, g):
 
 
 def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
-    """One rank's times per iteration: ``{"megatron": [...], "folding": [...], "raw": [...]}``."""
+    """Per iteration, ``(wall, cpu)``: each ``{"megatron": [...], "folding": [...], "per_expert": [...],
+    "raw": [...]}`` (the slowest rank's wall seconds; CPU seconds summed over the ranks)."""
     torch.set_num_threads(threads)
     from megatron.core import parallel_state as mps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -112,18 +120,22 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
             for src, dst, s_in, s_out in ((a, b, send, recv), (b, a, recv, send)) * 2:
                 dist.all_to_all_single(dst, src, s_out, s_in, group=md.ep_group)
 
-        times = {"megatron": [], "folding": [], "per_expert": [], "raw": []}
+        variants = [
+            ("megatron", lambda: _run(md, x, rmap, probs, g)),
+            ("folding", lambda: _run(fd, x, rmap, probs, g)),
+            ("per_expert", lambda: _run(fe, x, rmap, probs, g)),
+            ("raw", raw),
+        ]
+        times = {name: [] for name, _ in variants}
+        cpu = {name: [] for name, _ in variants}
         for i in range(warmup + iters):
-            for name, fn in (
-                ("megatron", lambda: _run(md, x, rmap, probs, g)),
-                ("folding", lambda: _run(fd, x, rmap, probs, g)),
-                ("per_expert", lambda: _run(fe, x, rmap, probs, g)),
-                ("raw", raw),
-            ):
-                t = _timed(fn)
+            k = i % len(variants)  # the order rotates: no variant always runs first, or after another
+            for name, fn in variants[k:] + variants[:k]:
+                t, c = _timed(fn)
                 if i >= warmup:
                     times[name].append(t)
-        return times
+                    cpu[name].append(c)
+        return times, cpu
     finally:
         destroy_megatron()
 
@@ -158,15 +170,16 @@ def main(argv=None) -> int:
                     t = pool.run(
                         me.on_rank, layout, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.warmup, a.threads
                     )
-                    t = t[0]  # every rank holds the same (max over ranks) times
-                    ratio = lambda x, y: statistics.median([p / q for p, q in zip(t[x], t[y])])  # noqa: E731
+                    t, c = t[0]  # every rank holds the same (gathered) times
+                    ratio = lambda d, x, y: statistics.median([p / q for p, q in zip(d[x], d[y])])  # noqa: E731
                     ms = {k: (min(v) * 1e3, statistics.median(v) * 1e3) for k, v in t.items()}
                     rows.append(
                         (
                             name,
                             ms,
-                            [ratio(a, b) for a, b in (("folding", "megatron"), ("per_expert", "megatron"))]
-                            + [ratio(a, "raw") for a in ("folding", "per_expert", "megatron")],
+                            [ratio(t, a, b) for a, b in (("folding", "megatron"), ("per_expert", "megatron"))]
+                            + [ratio(t, a, "raw") for a in ("folding", "per_expert", "megatron")]
+                            + [ratio(c, a, "megatron") for a in ("folding", "per_expert")],
                         )
                     )
         finally:
@@ -178,9 +191,9 @@ def main(argv=None) -> int:
         head = (
             "| layout | Megatron-Core ms (min / median) | folding ms | folding per-expert ms | raw a2a floor ms "
             "| folding / Megatron-Core | per-expert / Megatron-Core | folding / raw | per-expert / raw "
-            "| Megatron-Core / raw |"
+            "| Megatron-Core / raw | CPU: folding / Megatron-Core | CPU: per-expert / Megatron-Core |"
         )
-        lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, ms, r in rows:
             cells = " | ".join(f"{ms[k][0]:.2f} / {ms[k][1]:.2f}" for k in ("megatron", "folding", "per_expert", "raw"))
             lines.append(f"| {name} | {cells} | " + " | ".join(f"{v:.2f}" for v in r) + " |")
@@ -203,11 +216,12 @@ def main(argv=None) -> int:
         f"- command: `python benchmarks/bench_dispatcher_vs_megatron.py {' '.join(argv or sys.argv[1:])}`",
         f"- shape: {a.tokens} tokens per rank, H={a.hidden}, E={a.experts}, top-{a.topk}, fp32, dropless; "
         f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / folding "
-        "per-expert / raw",
+        "per-expert / raw, the order rotating every iteration",
         f"- machine: {cpus} usable CPUs, torch threads per rank {a.threads}; load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "- a time is forward + backward of dispatch, stand-in expert and combine, the slowest rank's; ratios "
-        "are medians of per-iteration ratios",
+        "are medians of per-iteration ratios; the CPU columns compare CPU time (user + system, all threads) "
+        "summed over the ranks, which on a machine with fewer CPUs than ranks is what the wall time follows",
         "- allocation: see the script's docstring (freed memory kept = `MALLOC_MMAP_THRESHOLD_=32 MiB`, "
         "`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes)",
         "",
