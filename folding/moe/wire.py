@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..parallel.collectives import all_gather_single, group_rank, group_size
 from ..quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
+from .permute import inverse_order
 
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
 MX_BLOCK = 32
@@ -368,9 +369,7 @@ def to_padded_blocks(x: torch.Tensor, chunk_sizes: Sequence[int], order: Sequenc
     n, m = len(etp_sizes), max(etp_sizes)
     per = len(chunk_sizes) // n
     pieces = torch.split(x, [chunk_sizes[i] for i in order], dim=0)
-    at = [0] * len(order)  # at[c]: position in x of rank-major chunk c
-    for pos, c in enumerate(order):
-        at[c] = pos
+    at = inverse_order(order)  # at[c]: position in x of rank-major chunk c
     out: List[torch.Tensor] = []
     for j in range(n):
         out += [pieces[at[c]] for c in range(j * per, (j + 1) * per)]
