@@ -43,6 +43,7 @@ from . import host_sync
 from .dispatcher_base import TokenDispatcher
 from .permute import (
     AllToAllPlan,
+    expert_order,
     inverse_order,
     padded_rows_per_expert,
     permute,
@@ -119,9 +120,7 @@ class AllToAllDispatcher(TokenDispatcher):
         E = self.num_experts
         self._slice_by_expert = self._slice_ok and not self.pad_to_capacity
         if self._slice_by_expert:  # rows grouped (local expert, destination): see _slice_ok
-            # expert_order built on the device (no host-to-device copy): [EP, L] transposed
-            EP, L = self.ep_size, self.num_local_experts
-            cols = torch.arange(E, device=routing_map.device).view(EP, L).t().reshape(-1)
+            cols = expert_order(E, self.ep_size, device=routing_map.device)
             routing_map = routing_map.index_select(1, cols)
             probs = None if probs is None else probs.index_select(1, cols)
         if self.pad_to_capacity:
@@ -131,8 +130,7 @@ class AllToAllDispatcher(TokenDispatcher):
             return out, probs_N
         counts_E = routing_map.sum(0)
         if self._slice_by_expert:  # the counts travel in global expert order (the inverse of cols)
-            inv = torch.arange(E, device=counts_E.device).view(L, EP).t().reshape(-1)
-            counts_E = counts_E.index_select(0, inv)
+            counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             self._counts_dev, self._counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)

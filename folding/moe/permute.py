@@ -236,10 +236,11 @@ def plan_alltoall(
     )
 
 
-def expert_order(num_experts: int, ep_size: int) -> List[int]:
-    """Global experts in the order ``(local index l, EP rank d)``: ``[0, L, 2L, ..., 1, L+1, ...]``.
-    Rows permuted in this order (the routing map's columns reordered) are grouped by local expert
-    index, and within it by destination rank: the send layout of a per-local-expert EP all-to-all
-    (:attr:`AllToAllPlan.expert_slices`)."""
+def expert_order(num_experts: int, ep_size: int, *, device=None) -> torch.Tensor:
+    """Global experts in the order ``(local index l, EP rank d)``: ``[0, L, 2L, ..., 1, L+1, ...]``,
+    as an int64 tensor built on ``device`` (no host-to-device copy). Rows permuted in this order (the
+    routing map's columns reordered) are grouped by local expert index, and within it by destination
+    rank: the send layout of a per-local-expert EP all-to-all (:attr:`AllToAllPlan.expert_slices`).
+    The inverse permutation is ``expert_order(num_experts, num_experts // ep_size)``."""
     L = num_experts // ep_size
-    return [d * L + l for l in range(L) for d in range(ep_size)]
+    return torch.arange(num_experts, device=device).view(ep_size, L).t().reshape(-1)

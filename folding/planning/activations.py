@@ -179,9 +179,9 @@ def transient_bytes(
     forward (the permuted send buffer ``aTkh``, the all-to-all / ETP all-gather receive buffer and its
     expert-sorted copy, ``2aRh``) and the experts' backward working set (fc2's input gradient, ``silu(gate)``
     and ``grad·up`` ``[R, F]`` each, and fc1's output gradient ``[R, 2F]``: ``5aRF``), which are never alive
-    together, plus, under recompute, the largest region re-materialized in backward. Without ETP the
-    all-to-all dispatcher receives expert-major and makes no sorted copy: there this counts ``aRh`` too
-    many (a conservative estimate, kept so the planner's calibration is unchanged)."""
+    together, plus, under recompute, the largest region re-materialized in backward. With
+    ``per_expert_exchange`` (no ETP) the all-to-all dispatcher receives expert-major and makes no sorted
+    copy: there this counts ``aRh`` too many (a conservative estimate)."""
     _check_mode(recompute)
     p = _parts(
         sizes,

@@ -152,8 +152,10 @@ def test_expert_slices_deliver_expert_major_rows():
     local expert 1 of ranks 0 and 1 (2 + 4 rows). Rank 0 receives for its expert 0 one row from itself
     and five from rank 1, then for expert 1 two and six: its tokens_per_expert, in that order."""
     counts = [[[1, 2, 3, 4]], [[5, 6, 7, 8]]]
-    assert expert_order(4, 2) == [0, 2, 1, 3]
-    assert expert_order(6, 3) == [0, 2, 4, 1, 3, 5]
+    assert expert_order(4, 2).tolist() == [0, 2, 1, 3]
+    assert expert_order(6, 3).tolist() == [0, 2, 4, 1, 3, 5]
+    # the inverse permutation: local-expert-major back to global expert order
+    assert expert_order(6, 2).tolist() == inverse_order(expert_order(6, 3).tolist()) == [0, 3, 1, 4, 2, 5]
     plan = plan_alltoall(counts, ep_size=2, etp_size=1, ep_rank=0, etp_rank=0, num_local_experts=2)
     assert plan.expert_slices == [([1, 3], [1, 5]), ([2, 4], [2, 6])]
     assert [sum(recv) for _, recv in plan.expert_slices] == plan.tokens_per_expert == [6, 8]
