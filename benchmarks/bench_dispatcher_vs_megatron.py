@@ -19,6 +19,14 @@ processes run with glibc keeping freed memory (``MALLOC_MMAP_THRESHOLD_`` at its
 ``MALLOC_TRIM_THRESHOLD_`` at 4 GiB), as a caching allocator would; ``--system-malloc`` keeps glibc's
 defaults. The report says which, and ``--both`` measures both in one report.
 
+Keeping freed memory is not enough on its own: glibc places small long-lived allocations inside
+freed large blocks, so a later large request may not fit and the heap grows into pages never touched
+before; each such page faults on first touch (about 20 us per 4 KiB page on the development machine,
+300-700 pages per rank per iteration, landing on whichever variant happens to allocate then). With
+freed memory kept, each rank therefore first touches and frees ``--prefault-mib`` (default 512) of
+heap in 16 MiB blocks, under the 32 MiB mmap threshold, so that later growth reuses touched pages, as
+a warmed-up caching allocator serves requests from the segments it already holds.
+
 Usage::
 
     python benchmarks/bench_dispatcher_vs_megatron.py                       # EP4 and EP2xETP2, 4 ranks
@@ -71,10 +79,19 @@ def _run(d, x0, rmap, probs0, g):
     (y * g).sum().backward()
 
 
-def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads):
+def _prefault_heap(mib: int) -> None:
+    """Touch ``mib`` MiB of heap in 16 MiB blocks, then free them (kept, not returned: see the module
+    docstring), so that later allocations land on pages already mapped."""
+    blocks = [torch.ones(4 << 20) for _ in range(mib // 16)]  # 16 MiB of fp32 each, under the mmap threshold
+    del blocks
+
+
+def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefault_mib=0):
     """Per iteration, ``(wall, cpu)``: each ``{"megatron": [...], "folding": [...], "per_expert": [...],
     "raw": [...]}`` (the slowest rank's wall seconds; CPU seconds summed over the ranks)."""
     torch.set_num_threads(threads)
+    if prefault_mib:
+        _prefault_heap(prefault_mib)
     from megatron.core import parallel_state as mps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -153,6 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "dispatcher_vs_megatron_cpu.md"))
     ap.add_argument("--system-malloc", action="store_true", help="glibc's default trim/mmap thresholds")
     ap.add_argument("--both", action="store_true", help="measure with the cached and the system malloc")
+    ap.add_argument(
+        "--prefault-mib", type=int, default=512, help="heap touched up front with freed memory kept (0: none)"
+    )
     a = ap.parse_args(argv)
     import bench_dispatcher_vs_megatron as me  # the ranks import the function by module name
 
@@ -168,7 +188,16 @@ def main(argv=None) -> int:
             with RankPool(4) as pool:  # started after the environment is set: the ranks inherit it
                 for name, layout in LAYOUTS.items():
                     t = pool.run(
-                        me.on_rank, layout, a.tokens, a.hidden, a.experts, a.topk, a.iters, a.warmup, a.threads
+                        me.on_rank,
+                        layout,
+                        a.tokens,
+                        a.hidden,
+                        a.experts,
+                        a.topk,
+                        a.iters,
+                        a.warmup,
+                        a.threads,
+                        a.prefault_mib if cached else 0,
                     )
                     t, c = t[0]  # every rank holds the same (gathered) times
                     ratio = lambda d, x, y: statistics.median([p / q for p, q in zip(d[x], d[y])])  # noqa: E731
@@ -223,7 +252,7 @@ def main(argv=None) -> int:
         "are medians of per-iteration ratios; the CPU columns compare CPU time (user + system, all threads) "
         "summed over the ranks, which on a machine with fewer CPUs than ranks is what the wall time follows",
         "- allocation: see the script's docstring (freed memory kept = `MALLOC_MMAP_THRESHOLD_=32 MiB`, "
-        "`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes)",
+        f"`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes, and {a.prefault_mib} MiB of heap touched up front)",
         "",
     ] + tables
     with open(a.report, "w", encoding="utf-8") as f:

@@ -77,10 +77,11 @@ class AllToAllDispatcher(TokenDispatcher):
             rows), differ.
         per_expert_exchange: without ETP (and with several local experts, not pad-to-capacity, not
             ``megatron_stages``), run the EP all-to-all as one call per local expert index, received
-            expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one. Faster
-            where copies are slow next to the exchange (CPU, gloo: see ``docs/dispatcher.md``); off by
-            default, since on GPUs the sort is a cheap kernel and every extra all-to-all costs a launch
-            and smaller messages (not measured here: no GPU).
+            expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one. Off by
+            default: on CPU with gloo the extra calls cost more than the copies they save (measured in
+            ``docs/dispatcher.md``), and on GPUs the sort is a cheap kernel while every extra
+            all-to-all costs a launch and smaller messages (not measured: no GPU). It is meant for
+            transports on which a copy of the rows costs more than a message.
     """
 
     def __init__(self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, **kwargs):
