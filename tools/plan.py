@@ -110,8 +110,9 @@ def parse_args(argv=None):
 def _line(i: int, r) -> str:
     p = r.plan
     vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
-    if p.last_stage_layers:
-        vpp += f" (last stage {p.last_stage_layers} layers)"
+    ends = [(w, n) for w, n in (("first", p.first_stage_layers), ("last", p.last_stage_layers)) if n]
+    if ends:
+        vpp += " (" + ", ".join(f"{w} stage {n} layers" for w, n in ends) + ")"
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
     return (
         f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "

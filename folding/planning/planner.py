@@ -3,7 +3,8 @@
 A candidate is a :class:`~folding.planning.step_time.Plan`: attention TP·CP·DP·PP (+VPP), MoE
 ETP·EP·EDP·PP, distributed optimizer on/off, recompute none/selective/moe/full. Legality is
 :class:`folding.parallel.ParallelLayout`'s, plus what the model needs: TP divides the query and KV heads,
-EP divides the experts, PP·VPP divides the layers, DP divides the global batch, interleaving needs the
+EP divides the experts, PP·VPP divides the layers (or, without VPP, an uneven first / last stage split:
+:func:`_uneven_splits`), DP divides the global batch, interleaving needs the
 micro-batch count divisible by PP, CP splits the sequence into 2·CP causal chunks. TP and ETP stay inside
 one NVLink domain. Each candidate gets a memory estimate from the one memory model,
 :mod:`folding.planning.memory` (dropped when it does not fit, allocator overhead included) and a step time
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from folding.model.config import ModelConfig
 from folding.parallel import LayoutError, ParallelLayout
@@ -87,6 +88,31 @@ def _legal(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, experts: in
     return True
 
 
+def _uneven_splits(num_layers: int, pp: int) -> List[Tuple[Optional[int], Optional[int]]]:
+    """The ``(first_stage_layers, last_stage_layers)`` splits proposed when ``pp`` does not divide the
+    layers (none otherwise; never with VPP):
+
+    - the last stage takes the remainder of ``ceil(L/pp)``-layer stages (Megatron-Core's
+      ``--decoder-last-pipeline-num-layers``), e.g. 61 layers on PP16 as 15 × 4 + 1;
+    - the first and the last stage take the same number of layers, the largest that leaves the stages
+      between an equal and larger share (with ``--decoder-first-pipeline-num-layers`` too), e.g. 94
+      layers on PP16 as 5 + 14 × 6 + 5: the first stage, which holds the most micro-batches in flight
+      under 1F1B, and the last, which also runs the output layer, hold fewer layers.
+    """
+    if pp < 2 or num_layers % pp == 0:
+        return []
+    out: List[Tuple[Optional[int], Optional[int]]] = []
+    last = num_layers - (pp - 1) * -(-num_layers // pp)
+    if last >= 1:
+        out.append((None, last))
+    for ends in range(num_layers // pp, 0, -1):
+        between = num_layers - 2 * ends
+        if pp > 2 and between % (pp - 2) == 0 and between // (pp - 2) > ends:
+            out.append((ends, ends))
+            break
+    return out
+
+
 def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape, folded: bool = True) -> Iterator[Plan]:
     """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
 
@@ -102,16 +128,14 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
             if S % (2 * cp) and cp > 1:
                 continue
             for pp in _divisors(N // (tp * cp)):
-                # pp not dividing the layers: the last stage takes the remainder of ceil(L/pp)-layer
-                # stages (Megatron-Core's --decoder-last-pipeline-num-layers), without VPP
-                last = L - (pp - 1) * -(-L // pp) if L % pp and pp > 1 else None
-                if L % pp and (last is None or last < 1):
+                splits = _uneven_splits(L, pp)  # [(first, last)] when pp does not divide the layers
+                if L % pp and not splits:
                     continue
                 dp = N // (tp * cp * pp)
                 if B % (dp * b):
                     continue
                 m = B // (dp * b)
-                for vpp in _divisors(L // pp) if last is None else [1]:
+                for (first, last), vpp in [(e, 1) for e in splits] or [((None, None), v) for v in _divisors(L // pp)]:
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
                     for ep in _divisors(cfg.moe.num_experts):
@@ -131,6 +155,7 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                                         pp=pp,
                                         vpp=vpp,
                                         last_stage_layers=last,
+                                        first_stage_layers=first,
                                         ep=ep,
                                         etp=etp,
                                         dp=dp,
@@ -219,10 +244,19 @@ def plan_layouts(
             results.append(r)
             continue
         key = _mapping(plan)
-        if key not in best or r.time.step_s < best[key].time.step_s:
+        if key not in best or _better(r, best[key]):
             best[key] = r
     results = results if not distinct else list(best.values())
     return sorted(results, key=lambda r: (r.time.step_s, r.memory_gib))
+
+
+def _better(r: PlanResult, other: PlanResult) -> bool:
+    """Whether ``r`` is faster than ``other`` or, as fast (within float round-off: two splits of the same
+    work sum their stage times in different orders), smaller."""
+    a, b = r.time.step_s, other.time.step_s
+    if abs(a - b) > 1e-9 * max(a, b):
+        return a < b
+    return r.memory.total < other.memory.total
 
 
 def _check_inputs(cfg: ModelConfig, cluster: Cluster, shape: TrainingShape) -> None:

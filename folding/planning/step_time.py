@@ -1,9 +1,11 @@
 """Analytic step time of one folded layout: compute, communication on the links it crosses, pipeline bubble.
 
-The model follows one global batch through the bottleneck pipeline stage: the slower of the last stage (its
+The model follows one global batch through the bottleneck pipeline stage: the slowest of the last stage (its
 layers, the output layer and cross-entropy, and any multi-token-prediction modules: each one more
-transformer layer, a ``2H -> H`` projection and another output layer + cross-entropy) and a stage before it
-(``L/PP`` layers, or ``ceil(L/PP)`` with an uneven split). Per micro-batch and transformer layer, on one GPU:
+transformer layer, a ``2H -> H`` projection and another output layer + cross-entropy), the first stage and a
+stage between them (``L/PP`` layers each, or the split of ``Plan.first_stage_layers`` /
+``Plan.last_stage_layers``, :func:`folding.parallel.partition.partition_layers`). Per micro-batch and
+transformer layer, on one GPU:
 
 - **Compute**: matmul FLOPs of :mod:`folding.planning.flops` for the rank's share (tokens split over
   TP·CP for attention; the expert work of a stage is balanced over its ranks, so each GPU does
@@ -50,6 +52,7 @@ import functools
 from typing import Dict, Optional
 
 from folding.model.config import ModelConfig
+from folding.parallel.partition import partition_layers
 
 from . import flops as F
 from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
@@ -118,8 +121,11 @@ class Plan:
     """Activation recomputation (``train.recompute``): ``none``, ``selective`` (the attention sublayer),
     ``moe`` (the MoE sublayer of MoE layers) or ``full`` (whole layers)."""
     last_stage_layers: Optional[int] = None
-    """Layers of the last pipeline stage when ``pp`` does not divide the layers (the others share the
-    rest evenly, ``parallel.last_stage_layers``); ``None``: an even split."""
+    """Layers of the last pipeline stage when ``pp`` does not divide the layers (the stages between
+    share the rest evenly, ``parallel.last_stage_layers``); ``None``: as many as the stages between."""
+    first_stage_layers: Optional[int] = None
+    """Layers of the first pipeline stage, likewise (``parallel.first_stage_layers``); ``None``: as many
+    as the stages between."""
     folded: bool = True
     """``False`` models Megatron-Core without folding: ETP = TP and EP carved out of DP, so the dispatch
     group spans TP·CP·EP consecutive ranks instead of ETP·EP."""
@@ -342,13 +348,27 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
     memory model (:func:`folding.planning.memory.param_counts`).
     """
     return _stage_parameters(
-        cfg, plan.tp, plan.pp, plan.ep, plan.etp, plan.pp - 1 if last else 0, plan.last_stage_layers
+        cfg,
+        plan.tp,
+        plan.pp,
+        plan.ep,
+        plan.etp,
+        plan.pp - 1 if last else 0,
+        plan.last_stage_layers,
+        plan.first_stage_layers,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_parameters(
-    cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, stage: int, last_layers: Optional[int] = None
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    stage: int,
+    last_layers: Optional[int] = None,
+    first_layers: Optional[int] = None,
 ) -> Dict[str, float]:
     plan = Plan(
         tp=tp,
@@ -362,9 +382,28 @@ def _stage_parameters(
         distributed_optimizer=False,
         recompute="none",
         last_stage_layers=last_layers,
+        first_stage_layers=first_layers,
     )
     c = param_counts(model_sizes(cfg), plan, stage=stage)
     return {"dense": c.dense, "expert": c.expert}
+
+
+def _stage_layer_counts(num_layers: int, plan: Plan):
+    """``(first, between, last)``: decoder layers on the first pipeline rank, on a rank between, on the
+    last (all virtual chunks of a rank together; ``L/PP`` each when even), from the one partition."""
+    if plan.first_stage_layers is None and plan.last_stage_layers is None:
+        n = num_layers / plan.pp
+        return n, n, n
+    sizes = [
+        e - s
+        for s, e in partition_layers(
+            num_layers=num_layers,
+            pp=plan.pp,
+            first_stage_layers=plan.first_stage_layers,
+            last_stage_layers=plan.last_stage_layers,
+        )
+    ]
+    return sizes[0], sizes[1] if plan.pp > 2 else sizes[0], sizes[-1]
 
 
 def estimate_step_time(
@@ -382,11 +421,11 @@ def estimate_step_time(
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
     causes = ("compute", "memory_bound", "tp", "cp", "ep")
     layer = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L for c in causes}  # the mean decoder layer
-    # a stage before the last holds L/pp layers, or ceil(L/pp) with an uneven split; the last its own count
-    fullest = (L - plan.last_stage_layers) / (plan.pp - 1) if plan.last_stage_layers else L / plan.pp
-    per_mb = {c: layer[c] * fullest for c in causes}
+    # layers of the first stage, of each stage between, of the last (the same three on every rank when even)
+    n_first, n_mid, n_last = _stage_layer_counts(L, plan)
+    per_mb = {c: layer[c] * n_mid for c in causes}
+    per_mb_first = {c: layer[c] * n_first for c in causes}
     heads = _last_stage_extra(cfg, plan, shape, cluster, compute_efficiency, moe_l, dense_l)
-    n_last = plan.last_stage_layers or L / plan.pp
     per_mb_last = {c: layer[c] * n_last + heads[c] for c in causes}
 
     # Pipeline: send/recv of the (sequence-sharded) activation, forward and backward, per virtual stage.
@@ -401,13 +440,21 @@ def estimate_step_time(
         if plan.vpp > 1:
             send = hidden_behind(send, sum(per_mb.values()) / plan.vpp, gpu.overlap_contention)
         pp_t = 2 * plan.vpp * (send + gpu.latency(crosses_node=crosses))
-    per_mb_last["pp"] = pp_t
-    per_mb["pp"] = pp_t
-    t_mean = ((plan.pp - 1) * sum(per_mb.values()) + sum(per_mb_last.values())) / plan.pp
+    for d in (per_mb_first, per_mb, per_mb_last):
+        d["pp"] = pp_t
+    # (stage, how many such stages, per micro-batch seconds): the last stage, the stages between (as stage
+    # PP-2), the first, in that order of precedence when they tie; with PP1 the one stage is the last (it
+    # holds the output layer)
+    kinds = [(plan.pp - 1, 1, per_mb_last)]
+    if plan.pp > 2:
+        kinds.append((plan.pp - 2, plan.pp - 2, per_mb))
+    if plan.pp > 1:
+        kinds.append((0, 1, per_mb_first))
+    t_mean = sum(n * sum(d.values()) for _, n, d in kinds) / plan.pp
     bubble = (plan.pp - 1) / plan.vpp * t_mean
     # the pipeline runs at the pace of its slowest stage: the last one, unless an uneven split leaves it
     # lighter than the others
-    slowest = per_mb_last if plan.pp == 1 or sum(per_mb_last.values()) >= sum(per_mb.values()) else per_mb
+    stage, _, slowest = max(kinds, key=lambda k: sum(k[2].values()))
 
     # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
     # the backward per model chunk (folding starts a chunk's buckets during its last micro-batch's backward,
@@ -415,9 +462,10 @@ def estimate_step_time(
     # all-gather of the distributed optimizer starts bucket by bucket as the optimizer updates them and is
     # waited for at the end of the step: it hides only behind the rest of the update (folding has no
     # overlap_param_gather).
-    # the slowest stage's parameters: the last stage's, or those of the stage before it
-    stage = plan.pp - 1 if slowest is per_mb_last else plan.pp - 2
-    params = _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, plan.last_stage_layers)
+    # the slowest stage's parameters
+    params = _stage_parameters(
+        cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, plan.last_stage_layers, plan.first_stage_layers
+    )
     fwd_share = slowest["compute"] / 3
     grad_s = param_s = 0.0
     shard = 0.0

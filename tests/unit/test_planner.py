@@ -522,3 +522,54 @@ def test_deepseek_v3_plans_count_mtp():
     assert memory_per_rank(model_sizes(cfg), best, stage=0, **kw) == memory_per_rank(
         model_sizes(base), best, stage=0, **kw
     )
+
+
+def test_uneven_splits_by_hand():
+    """When PP does not divide the layers the planner proposes the last stage taking the remainder of
+    ceil(L/PP)-layer stages and, with PP > 2, equal lighter first and last stages: the largest count that
+    leaves the stages between an equal, larger share. Nothing when PP divides the layers."""
+    from folding.planning.planner import _uneven_splits
+
+    assert _uneven_splits(94, 16) == [(None, 4), (5, 5)]  # 15 x 6 + 4; 5 + 14 x 6 + 5
+    assert _uneven_splits(61, 16) == [(None, 1)]  # 15 x 4 + 1; 61 - 2e is odd, never a multiple of 14
+    assert _uneven_splits(10, 3) == [(None, 2), (3, 3)]  # 4 + 4 + 2; 3 + 4 + 3
+    assert _uneven_splits(7, 2) == [(None, 3)]  # 4 + 3; no stage between
+    assert _uneven_splits(32, 4) == [] and _uneven_splits(5, 1) == []
+
+
+def test_planner_proposes_the_published_qwen3_235b_split():
+    """Qwen3-235B-A22B (94 layers) on 256 H100 with Megatron-Bridge's mapping TP4 CP2 PP16 EP8 ETP1: both
+    splits run 6-layer stages as the slowest (the last stage's 4 or 5 layers plus the output layer stay
+    lighter), so they predict the same step time; 5 + 14 x 6 + 5 holds one layer fewer on the first stage,
+    the one with the most micro-batches in flight, and the planner keeps it, as the recipe does."""
+    cfg = get_preset("qwen3_235b_a22b")
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=256)
+    shape = TrainingShape(seq_length=4096, global_batch_size=256)
+    base = dict(tp=4, cp=2, pp=16, ep=8, etp=1, dp=2, edp=2, recompute="none")
+    last_only, both = (
+        evaluate(cfg, _plan(**base, **ends), cluster=cl, shape=shape)
+        for ends in (dict(last_stage_layers=4), dict(first_stage_layers=5, last_stage_layers=5))
+    )
+    assert both.time.step_s == pytest.approx(last_only.time.step_s, rel=1e-9)
+    assert both.memory.total < last_only.memory.total
+    kept = [
+        r.plan
+        for r in plan_layouts(cfg, cluster=cl, shape=shape)
+        if (r.plan.tp, r.plan.cp, r.plan.pp, r.plan.ep, r.plan.etp) == (4, 2, 16, 8, 1)
+    ]
+    assert len(kept) == 1 and (kept[0].first_stage_layers, kept[0].last_stage_layers) == (5, 5)
+
+
+def test_a_heavier_first_stage_sets_the_pace():
+    """94 MoE layers on PP16 as 19 + 15 x 5: the first stage is the slowest, so per micro-batch the step runs
+    19 layers' compute (the last stage's 5 layers and output layer are less)."""
+    cfg = get_preset("qwen3_235b_a22b")
+    cl = Cluster(gpu=get_gpu("h100"), num_gpus=256)
+    shape = TrainingShape(seq_length=4096, global_batch_size=256)
+    plan = _plan(tp=4, cp=2, pp=16, ep=8, etp=1, dp=2, edp=2, recompute="none", first_stage_layers=19)
+    t = estimate_step_time(cfg, plan, shape=shape, cluster=cl, compute_efficiency=0.6)
+    moe_l = _layer_times(cfg, plan, shape, cl, 0.6, moe=True)
+    m = 256 // 2
+    assert cfg.num_moe_layers() == 94
+    assert t.breakdown["compute"] == pytest.approx(m * 19 * moe_l["compute"])
+    assert t.breakdown["ep"] == pytest.approx(m * 19 * moe_l["ep"])
