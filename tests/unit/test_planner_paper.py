@@ -65,8 +65,8 @@ def test_folded_beats_mcore_without_folding(name):
 # Known gaps of the cost model (docs/planner.md, "Calibration and results"): strict, so that they fail loudly the
 # day the model ranks these layouts in the top 3.
 QWEN_GAP = (
-    "the model ranks Qwen2-57B-A14B's TP2 PP4 EP4 ETP1 4th (37.6%, behind TP2 PP4 EP8 at 39.6% and "
-    "TP1 CP2 PP4 EP8 at 37.7%): EP4 holds "
+    "the model ranks Qwen2-57B-A14B's TP2 PP4 EP4 ETP1 9th (37.6%, behind TP2 PP4 EP8 at 39.6%, TP2 PP2 "
+    "EP8 at 38.3%, TP1 CP2 PP4 EP8 at 37.7% and five PP8 layouts of 2 + 6 x 4 + 2 layers at 37.7-38.3%): EP4 holds "
     "twice EP8's expert weights per GPU, and their gradient reduce-scatter / parameter all-gather over the "
     "inter-node EDP group leave 0.36 s exposed per step against EP8's 0.15 s, more than EP8's larger "
     "all-to-all costs (0.36 s vs 0.31 s)"
