@@ -4,10 +4,11 @@ Usage::
 
     python tools/memory.py --model mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
         --distributed --param-dtype bfloat16 --recompute selective --seq-length 4096 --micro-batch-size 1
-    python tools/memory.py --model tiny --world 8 --tp 2 --ep 2 --etp 2 --distributed --measure
+    python tools/memory.py --model deepseek_v3_tiny --world 4 --tp 2 --pp 2 --ep 2 --etp 1 --distributed --measure
 
-``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's parameters and the
-optimizer, and prints measured bytes next to the model (use a tiny preset). An impossible layout
+``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's model chunks (the
+trainer's own) and optimizer, and prints measured bytes next to the model (use a tiny model preset;
+``tiny`` and ``tiny-qwen2`` are sizes only, for the estimate). An impossible layout
 exits with status 2 and a one-line message naming the setting. The flags are those of tools/plan.py
 and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
@@ -99,7 +100,7 @@ def parse_args(argv=None):
         "as folding's is (the default; the flag is accepted for older scripts); "
         "--no-fused-swiglu estimates a plain-autograd activation (5 per row)",
     )
-    p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks")
+    p.add_argument("--measure", action="store_true", help="also measure on --world local gloo ranks (a model preset)")
     return p.parse_args(argv)
 
 
@@ -136,6 +137,11 @@ def main(argv=None) -> int:
             )
             for s in range(layout.pp)
         ]
+        if a.measure and a.preset not in list_presets():
+            raise ValueError(
+                f"--measure builds the real model, and --model {a.preset} gives sizes only; choose a model "
+                f"preset such as mixtral_tiny or qwen2_moe_tiny"
+            )
     except (LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -150,8 +156,8 @@ def main(argv=None) -> int:
         from folding.testing import RankPool
 
         with RankPool(a.world) as pool:
-            kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, ep=a.ep, etp=a.etp)
-            res = pool.run(measure_on_rank, PRESETS[a.preset], kw, distributed=a.distributed, dtype=a.param_dtype)
+            kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp)
+            res = pool.run(measure_on_rank, get_preset(a.preset), kw, distributed=a.distributed, dtype=a.param_dtype)
         print("measured (bytes; grads/optimizer include bucket padding to the data-parallel size):")
         print(f"  {'rank':>4} {'stage':>5} " + " ".join(f"{k:>24}" for k in KINDS))
         for r in res:

@@ -7,10 +7,11 @@ and optimizer bytes follow :class:`folding.optim.FoldedOptimizer`; activations a
 
 Per rank (``P_d`` dense and ``P_e`` expert parameters held by the rank):
 
-- parameters: ``(P_d + P_e) * param_bytes``;
+- parameters: ``(P_d + P_e) * param_bytes``, except the routers' gating weights, which stay fp32
+  whatever the parameter dtype (4 bytes each);
 - gradients: fp32 main grads, ``4 * (P_d + P_e)``;
-- optimizer: AdamW moments ``8`` bytes per element, plus ``4`` for fp32 master weights when the
-  parameters are not fp32; with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
+- optimizer: AdamW moments ``8`` bytes per element, plus ``4`` for fp32 master weights of the
+  parameters that are not fp32; with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
   expert state by ``EDP``. So expert parameters and gradients per rank scale as
   ``1/(EP*ETP*PP)``, and with ZeRO-1 the expert optimizer state as ``1/world`` (it does not shrink
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
@@ -211,6 +212,9 @@ class ParamCounts:
     """Dense elements (attention, norms, router, embeddings, dense/shared MLPs)."""
     expert: int
     """Routed-expert elements."""
+    fp32: int = 0
+    """Of the dense elements, those kept in fp32 whatever the parameter dtype (the routers' gating
+    weights): 4 bytes each, and no fp32 master copy in the optimizer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +416,7 @@ def _param_counts_of(
             dense += s.mtp_num_layers * mtp_module_params(s)
             if not s.tied_embeddings and not first:
                 dense += emb  # the last stage's own copy of the (untied) embedding, for the MTP inputs
-    return ParamCounts(dense=dense, expert=n_moe * experts)
+    return ParamCounts(dense=dense, expert=n_moe * experts, fp32=n_moe * s.num_experts * h)
 
 
 def mtp_layer_numbers(sizes: ModelSizes) -> range:
@@ -475,9 +479,9 @@ def memory_per_rank(
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={layout.pp}")
     c = param_counts(sizes, layout, stage=stage)
-    state = 8 + (4 if param_bytes != 4 else 0)
-    opt_d = state * c.dense / (layout.dp * layout.cp if distributed else 1)
-    opt_e = state * c.expert / (layout.edp if distributed else 1)
+    master = 4 if param_bytes != 4 else 0  # fp32 master weights beside 16-bit parameters
+    opt_d = (8 * c.dense + master * (c.dense - c.fp32)) / (layout.dp * layout.cp if distributed else 1)
+    opt_e = (8 + master) * c.expert / (layout.edp if distributed else 1)
     acts = transient = 0
     if seq_length:
         kw = dict(
@@ -503,7 +507,7 @@ def memory_per_rank(
             acts += mtp_activation_bytes(sizes, layout, **kw)
         transient = transient_bytes(sizes, layout, **kw)
     return MemoryEstimate(
-        params_dense=c.dense * param_bytes,
+        params_dense=(c.dense - c.fp32) * param_bytes + 4 * c.fp32,
         params_expert=c.expert * param_bytes,
         grads_dense=4 * c.dense,
         grads_expert=4 * c.expert,

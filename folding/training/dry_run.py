@@ -32,7 +32,8 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
     once; the multi-token-prediction modules, and with PP > 1 an untied embedding's copy, on the last), from
     the planning memory model's :func:`~folding.planning.memory.param_counts`."""
     sizes = ModelSizes.from_model_config(model)
-    return [vars(param_counts(sizes, layout, stage=r)).copy() for r in range(layout.pp)]
+    counts = [param_counts(sizes, layout, stage=r) for r in range(layout.pp)]
+    return [{"dense": c.dense, "expert": c.expert} for c in counts]
 
 
 def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:

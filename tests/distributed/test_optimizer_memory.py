@@ -1,49 +1,43 @@
 """Measured per-rank parameter, gradient and optimizer bytes match folding/planning/memory.py.
 
-On 8 gloo ranks, for several folded layouts with ZeRO-1 on and off and fp32/bf16 parameters, the
-optimizer's own buffers (``FoldedOptimizer.memory_bytes``) and the model's parameters are measured on
-every rank and compared with the analytic model. Gradient and sharded-state buffers are padded to a
-multiple of the data-parallel size per bucket, so measured - model must lie in [0, padding bound].
-At a fixed world of 8, expert parameters and gradients per rank must fall as 1/EP (and so must the
-expert optimizer state without ZeRO-1; with it, it stays total/world).
+On 8 gloo ranks, for several folded layouts with ZeRO-1 on and off and fp32/bf16 parameters, this
+rank's real model chunks (:func:`folding.model.chunks.build_stage_chunks`, as the trainer builds
+them: Mixtral-, Qwen2-MoE- and DeepSeek-V3-shaped tiny presets, the last with multi-head latent
+attention and multi-token prediction on a 2-stage pipeline) and the optimizer's own buffers
+(``FoldedOptimizer.memory_bytes``) are measured on every rank and compared with the analytic model
+of the rank's stage. Gradient and sharded-state buffers are padded to a multiple of the data-parallel
+size per bucket, so measured - model must lie in [0, padding bound]; parameters are exact. At a fixed
+world of 8, expert parameters and gradients per rank must fall as 1/EP (and so must the expert
+optimizer state without ZeRO-1; with it, it stays total/world).
 """
 
 import torch
 import torch.distributed as dist
 
+from folding.model.chunks import build_stage_chunks
+from folding.model.presets import get_preset
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec
 from folding.planning.memory import ModelSizes, memory_per_rank
-from tests.distributed.test_grad_reduction import FE, FF, Coords, E, H, TinyFolded, V, global_params
 
-SIZES = ModelSizes(
-    vocab_size=V,
-    hidden_size=H,
-    num_layers=1,
-    num_experts=E,
-    moe_ffn_hidden_size=FE,
-    top_k=2,
-    dense_ffn_hidden_size=FF,
-    dense_gated=False,
-    dense_bias=True,
-    tied_embeddings=True,
-)
-
-CASES = [  # (layout with ETP written, ZeRO-1, parameter dtype)
-    *[(dict(ep=ep, etp=1), dist_opt, torch.float32) for ep in (1, 2, 4, 8) for dist_opt in (False, True)],
-    (dict(tp=2, ep=2, etp=2), True, torch.bfloat16),
-    (dict(tp=2, cp=2, ep=8, etp=1), False, torch.bfloat16),
-    (dict(tp=4, ep=2, etp=1), True, torch.float32),
+CASES = [  # (preset, layout with ETP written, ZeRO-1, parameter dtype)
+    *[("mixtral_tiny", dict(ep=ep, etp=1), d, torch.float32) for ep in (1, 2, 4, 8) for d in (False, True)],
+    ("mixtral_tiny", dict(tp=2, ep=2, etp=2), True, torch.bfloat16),
+    ("qwen2_moe_tiny", dict(tp=2, cp=2, ep=8, etp=1), False, torch.bfloat16),
+    ("qwen2_moe_tiny", dict(tp=4, ep=2, etp=1), True, torch.float32),
+    ("deepseek_v3_tiny", dict(tp=2, pp=2, ep=2, etp=1), True, torch.bfloat16),
 ]
 
 
 def _measure(cases):
     out = []
-    for layout_kwargs, distributed, dtype in cases:
-        ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs))
+    for preset, layout_kwargs, distributed, dtype in cases:
+        cfg = get_preset(preset)
+        lay = ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.moe.num_experts, **layout_kwargs)
+        ps = build_parallel_state(lay)
         try:
-            model = TinyFolded(global_params(0, True), Coords(ps), True, dtype=dtype)
+            model = torch.nn.ModuleList(build_stage_chunks(model_config=cfg, parallel_state=ps, params_dtype=dtype))
             params = {"dense": 0, "expert": 0}
             for p in model.parameters():
                 params["expert" if param_spec(p).expert else "dense"] += p.numel() * p.element_size()
@@ -51,6 +45,7 @@ def _measure(cases):
                 model, OptimConfig(distributed=distributed, decay_style="constant"), parallel_state=ps
             )
             m = opt.memory_bytes()
+            m["stage"] = ps.pp_rank
             m["model_params_dense"], m["model_params_expert"] = params["dense"], params["expert"]
             m["buckets_dense"] = sum(len(b.buckets) for b in opt.buffers if not b.cls.expert)
             m["buckets_expert"] = sum(len(b.buckets) for b in opt.buffers if b.cls.expert)
@@ -63,20 +58,21 @@ def _measure(cases):
 def test_measured_memory_matches_model(ranks):
     results = ranks(8).run(_measure, CASES)
     model_expert = {}
-    for i, (layout_kwargs, distributed, dtype) in enumerate(CASES):
+    for i, (preset, layout_kwargs, distributed, dtype) in enumerate(CASES):
         layout = ParallelLayout(world_size=8, **layout_kwargs)
         pb = torch.tensor([], dtype=dtype).element_size()
-        est = memory_per_rank(SIZES, layout, param_bytes=pb, distributed=distributed)
+        sizes = ModelSizes.from_model_config(get_preset(preset))
         dsize = {"dense": layout.dp * layout.cp, "expert": layout.edp}
         for rank, per_rank in enumerate(results):
             m = per_rank[i]
+            est = memory_per_rank(sizes, layout, param_bytes=pb, distributed=distributed, stage=m["stage"])
             for kind in ("dense", "expert"):
                 want_p = getattr(est, f"params_{kind}")
-                assert m[f"model_params_{kind}"] == want_p, (layout_kwargs, rank, kind)
+                assert m[f"model_params_{kind}"] == want_p, (preset, layout_kwargs, rank, kind)
                 assert m[f"params_{kind}"] - want_p in range(0, pb * dsize[kind] * m[f"buckets_{kind}"]), kind
                 pad = m[f"grads_{kind}"] - getattr(est, f"grads_{kind}")
                 assert 0 <= pad < 4 * dsize[kind] * m[f"buckets_{kind}"], (layout_kwargs, rank, kind, pad)
-                state = 8 + (4 if pb != 4 else 0)
+                state = 8 + (4 if pb != 4 else 0)  # padding bound per element (fp32 routers need less)
                 opt_bound = state * m[f"buckets_{kind}"] * (1 if distributed else dsize[kind])
                 pad = m[f"optimizer_{kind}"] - getattr(est, f"optimizer_{kind}")
                 assert 0 <= pad <= opt_bound, (layout_kwargs, distributed, rank, kind, pad)

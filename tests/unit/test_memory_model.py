@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout
@@ -28,7 +29,7 @@ KNOWN_SIZES = {
 def test_public_model_sizes():
     # published totals: Mixtral 8x7B 46.7B, 8x22B 141B, Qwen2-57B-A14B 57.4B
     one = ParallelLayout(world_size=1)
-    totals = {k: sum(vars(param_counts(s, one)).values()) / 1e9 for k, s in KNOWN_SIZES.items()}
+    totals = {k: (param_counts(s, one).dense + param_counts(s, one).expert) / 1e9 for k, s in KNOWN_SIZES.items()}
     assert totals["mixtral_8x7b"] == pytest.approx(46.70, abs=0.01)
     assert totals["mixtral_8x22b"] == pytest.approx(140.6, abs=0.1)
     assert totals["qwen2_57b_a14b"] == pytest.approx(57.41, abs=0.01)
@@ -42,9 +43,11 @@ def test_hand_worked_small_model():
     # per layer: norms 2*4 + router 4*4 = 24 dense; experts 4/2 * 3*4*2 = 48; one layer per stage
     assert first.dense == 24 + 8 * 4 // 2 and first.expert == 48  # + embedding V*H/TP = 16
     assert last.dense == 24 + 4 + 16 and last.expert == 48  # + final norm + output layer
+    assert first.fp32 == last.fp32 == 16  # the router stays fp32 under bf16 parameters
     e = memory_per_rank(s, lay, param_bytes=2, distributed=True, stage=1)
-    assert (e.params_dense, e.grads_dense) == (44 * 2, 44 * 4)
-    assert e.optimizer_dense == 12 * 44 // 2 and e.optimizer_expert == 12 * 48 // 2  # DP*CP = EDP = 2
+    assert (e.params_dense, e.grads_dense) == (28 * 2 + 16 * 4, 44 * 4)
+    # DP*CP = EDP = 2; moments for all, fp32 master copies for all but the router
+    assert e.optimizer_dense == (8 * 44 + 4 * 28) // 2 and e.optimizer_expert == 12 * 48 // 2
     assert memory_per_rank(s, lay, param_bytes=4, stage=1).optimizer_dense == 8 * 44  # fp32: no master copy
 
 
@@ -62,10 +65,14 @@ def test_mtp_hand_worked_small_model():
     assert param_counts(tied, lay, stage=1).dense == 128 - 16
     # one stage holds the single table: no copy
     one = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
-    assert vars(param_counts(s, one)) == {"dense": 2 * 24 + 16 + 4 + 16 + 24 + 44, "expert": 3 * 48}
+    assert vars(param_counts(s, one)) == {"dense": 2 * 24 + 16 + 4 + 16 + 24 + 44, "expert": 3 * 48, "fp32": 3 * 16}
     # a dense MTP layer (number 2 in dense_layers): norms 8 + a SwiGLU of F=6 over TP2 (3*4*6/2 = 36), no experts
     dense = dataclasses.replace(s, dense_layers=(2,), ffn_hidden_size=6)
-    assert vars(param_counts(dense, lay, stage=1)) == {"dense": 24 + 4 + 16 + 8 + 36 + 44 + 16, "expert": 48}
+    assert vars(param_counts(dense, lay, stage=1)) == {
+        "dense": 24 + 4 + 16 + 8 + 36 + 44 + 16,
+        "expert": 48,
+        "fp32": 16,  # one router: layer 1's
+    }
 
 
 def test_mtp_activations_by_hand():
@@ -108,10 +115,11 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
     base = cfg.replace(mtp_num_layers=0)
     lay = ParallelLayout(world_size=2, pp=2)
 
-    def built(c, layer_range):
-        counts = {"dense": 0, "expert": 0}
-        for p in MoETransformer(c, device="meta", layer_range=layer_range).parameters():
+    def built(c, layer_range):  # bf16 parameters: what stays fp32 is counted apart too
+        counts = {"dense": 0, "expert": 0, "fp32": 0}
+        for p in MoETransformer(c, device="meta", dtype=torch.bfloat16, layer_range=layer_range).parameters():
             counts["expert" if param_spec(p).expert else "dense"] += p.numel()
+            counts["fp32"] += p.numel() if p.dtype == torch.float32 else 0
         return counts
 
     plain = [vars(param_counts(ModelSizes.from_model_config(base), lay, stage=k)) for k in range(2)]
@@ -125,7 +133,8 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
     assert mtp[1]["dense"] - plain[1]["dense"] == added - 8 * 3 * 64 * 32 + 512 * 64
     # one stage: the model's total (test_counts_match_model_config_presets), no second table
     whole = param_counts(ModelSizes.from_model_config(cfg), ParallelLayout(world_size=1))
-    assert whole.dense + whole.expert == cfg.num_parameters()[0] == sum(built(base, (0, 4)).values()) + added
+    rest = built(base, (0, 4))
+    assert whole.dense + whole.expert == cfg.num_parameters()[0] == rest["dense"] + rest["expert"] + added
     assert vars(whole) == built(cfg, (0, 4))
 
 
@@ -344,7 +353,8 @@ def test_memory_tool_runs_on_a_preset():
     # bf16 parameters of the last stage: layers 2 and 3 and the MTP module's layer 4 (3 MoE layers of 4 local
     # experts of 3*64*32)
     assert c.expert == 3 * 4 * 3 * 64 * 32
-    assert f"stage 1: params_dense={2 * c.dense} B  params_expert={2 * c.expert} B" in out.stdout
+    want = 2 * (c.dense - c.fp32) + 4 * c.fp32  # bf16, but the routers fp32
+    assert f"stage 1: params_dense={want} B  params_expert={2 * c.expert} B" in out.stdout
 
 
 def test_first_and_last_stage_layers_place_the_layers():
