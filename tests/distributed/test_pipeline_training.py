@@ -70,7 +70,9 @@ DEEPSEEK_CASES = [
     # CP2, VPP2: the MTP module in the last virtual stage
     ("deepseek_v3_tiny", dict(pp=2, vpp=2, cp=2, tp=2, ep=4, etp=1), dict(recompute="selective"), False, {}),
     ("deepseek_v3_tiny", dict(tp=2, ep=2, etp=2), dict(), True, {}),  # EP2 x ETP2
-    ("deepseek_v3_tiny", dict(pp=2, last_stage_layers=1, ep=4, etp=1), dict(), False, {}),  # stages of 3 + 1 layers
+    # stages of 1 + 3 layers: the dense layer 0 alone on the first, parallel.first_stage_layers and
+    # last_stage_layers both set (the split the planner proposes for lighter first and last stages)
+    ("deepseek_v3_tiny", dict(pp=2, first_stage_layers=1, last_stage_layers=3, ep=4, etp=1), dict(), False, {}),
 ]
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
 
@@ -156,6 +158,9 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=()):
             # scale is off by O(1)
             for a, b in zip(norms, ref_norms):
                 assert abs(a - b) <= 3e-4 * abs(b), (cases[i], a, b)
+        if "first_stage_layers" in parallel:  # the split is applied: rank 0 (first stage) holds those layers
+            held = {int(n.split(".")[1]) for n in results[i][0][0][2] if n.startswith("layers.")}
+            assert held == set(range(parallel["first_stage_layers"])), (cases[i], held)
         full = _full([(n, e) for r in range(8) for n, e in results[i][r][0][2].items()])
         assert sorted(full) == sorted(ref_params), cases[i]
         for name, t in full.items():
