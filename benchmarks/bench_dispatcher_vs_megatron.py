@@ -252,7 +252,8 @@ def main(argv=None) -> int:
         "are medians of per-iteration ratios; the CPU columns compare CPU time (user + system, all threads) "
         "summed over the ranks, which on a machine with fewer CPUs than ranks is what the wall time follows",
         "- allocation: see the script's docstring (freed memory kept = `MALLOC_MMAP_THRESHOLD_=32 MiB`, "
-        f"`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes, and {a.prefault_mib} MiB of heap touched up front)",
+        f"`MALLOC_TRIM_THRESHOLD_=4 GiB` in the rank processes, and {a.prefault_mib} MiB of heap touched up front; "
+        "glibc's defaults and nothing touched up front otherwise)",
         "",
     ] + tables
     with open(a.report, "w", encoding="utf-8") as f:
