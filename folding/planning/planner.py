@@ -135,7 +135,12 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                 if B % (dp * b):
                     continue
                 m = B // (dp * b)
-                for (first, last), vpp in [(e, 1) for e in splits] or [((None, None), v) for v in _divisors(L // pp)]:
+                # an uneven split has no VPP; an even one tries every VPP that divides its stages
+                if splits:
+                    variants = [(ends, 1) for ends in splits]
+                else:
+                    variants = [((None, None), vpp) for vpp in _divisors(L // pp)]
+                for (first, last), vpp in variants:
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
                     for ep in _divisors(cfg.moe.num_experts):
