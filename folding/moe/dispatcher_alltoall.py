@@ -15,7 +15,9 @@ With ``per_expert_exchange``, without ETP (and with several local experts, dropl
 without ``megatron_stages``) steps 2-4 fold into the exchange: the tokens are permuted in (local
 expert, destination rank) order and the EP all-to-all runs as one call per local expert index, each
 receiving straight into its expert's block of the expert-major buffer, so no sort (and on combine no
-unsort) copies the rows.
+unsort) copies the rows. The probabilities (one value per row) still travel as a single all-to-all,
+reordered rank-major before it and sorted expert-major after it like the default's: small copies
+that save ``L - 1`` calls each way.
 
 Combine reverses it: unsort, reduce-scatter the ETP partial outputs, EP all-to-all back, and sum
 each token's expert rows (unweighted; the experts applied the probabilities).
@@ -77,7 +79,8 @@ class AllToAllDispatcher(TokenDispatcher):
             rows), differ.
         per_expert_exchange: without ETP (and with several local experts, not pad-to-capacity, not
             ``megatron_stages``), run the EP all-to-all as one call per local expert index, received
-            expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one. Off by
+            expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one (the
+            probabilities still go as one call, with two small copies of one value per row). Off by
             default: on CPU with gloo the extra calls cost more than the copies they save (measured in
             ``docs/dispatcher.md``), and on GPUs the sort is a cheap kernel while every extra
             all-to-all costs a launch and smaller messages (not measured: no GPU). It is meant for
@@ -197,6 +200,8 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_group=self.etp_group,
             ep_send=[send for send, _ in p.expert_slices] if sliced else p.input_splits,
             ep_recv=[recv for _, recv in p.expert_slices] if sliced else p.output_splits,
+            probs_send=p.input_splits if sliced else None,
+            probs_recv=p.output_splits if sliced else None,
             etp_sizes=[p.etp_sizes[self.etp_rank]] if self.megatron_stages else p.etp_sizes,
             wire=wire,
             grad_wire=self.grad_wire,
@@ -212,6 +217,12 @@ class AllToAllDispatcher(TokenDispatcher):
         if self._plan is None:
             self._read_counts()
         self._record_stats()
+        if self._slice_by_expert and probs is not None:
+            # the rows go as one all-to-all per local expert; the probabilities as one, so reorder them
+            # from (local expert l, destination d) to (d, l) chunks, rank-major like the default's
+            L, R = self.num_local_experts, self.ep_size
+            sizes = [n for send, _ in self._plan.expert_slices for n in send]
+            probs = sort_chunks_by_idxs(probs, sizes, [l * R + d for d in range(R) for l in range(L)])
         return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire, etp_padded=self._padded()))
 
     def dispatch_postprocess(self, hidden, probs):
@@ -226,6 +237,7 @@ class AllToAllDispatcher(TokenDispatcher):
             sizes, order = padded_chunks(sizes, order, p.etp_sizes)
         if padded or not (self._sorted or self._slice_by_expert):
             hidden = sort_chunks_by_idxs(hidden, sizes, order)
+        if padded or not self._sorted:  # sliced: the probabilities came rank-major in one all-to-all
             probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
         return hidden, self._device_tokens_per_expert(hidden.device), probs
 

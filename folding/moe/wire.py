@@ -110,8 +110,18 @@ def _size(group) -> int:
 
 
 def _a2a_all(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None) -> List[torch.Tensor]:
-    """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd): all are issued before
-    any is waited on, so the parts of one message cost one synchronization, not one each. With
+    """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
+    waited on (see :func:`_a2a_start`)."""
+    outs, works = _a2a_start(parts, group, recv, send, rows)
+    for w in works:
+        w.wait()
+    return outs
+
+
+def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None):
+    """Issue the uneven ``all_to_all_single`` of every part along dim 0 (no autograd) and return
+    ``(outputs, works)``, the outputs valid once every work is waited on: all are issued before any
+    is waited on, so the parts of one message cost one synchronization, not one each. With
     ``rows`` (>= ``sum(recv)``) each output has that many rows, the received ones first (the rest
     uninitialized): a padded buffer the ETP all-gather can send as it is.
 
@@ -122,7 +132,7 @@ def _a2a_all(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[in
     sliced = len(recv) > 0 and isinstance(recv[0], (list, tuple))
     recv_s, send_s = (list(recv), list(send)) if sliced else ([recv], [send])
     if _size(group) == 1 and rows is None:
-        return list(parts)
+        return list(parts), []
     n_in = sum(sum(r) for r in recv_s)
     outs, works = [], []
     for x in parts:
@@ -146,9 +156,7 @@ def _a2a_all(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[in
                 )
             i0, o0 = i0 + ni, o0 + no
         outs.append(out)
-    for w in works:
-        w.wait()
-    return outs
+    return outs, works
 
 
 def _gather_all(
@@ -215,6 +223,12 @@ class ExchangeSpec:
     """H."""
     dtype: torch.dtype
     """Activation dtype (what decode returns)."""
+    probs_send: Optional[list] = None
+    """Sliced rows (``ep_send`` a list per local expert index): the probabilities still travel as one
+    all-to-all, rank-major, with these split sizes per EP rank (and ``probs_recv``); ``None`` sends
+    them with the rows' splits."""
+    probs_recv: Optional[list] = None
+    """Rows of probabilities this rank receives from each EP rank (with ``probs_send``)."""
     etp_padded: bool = False
     """Rows on the expert side of the ETP exchange are in padded blocks of ``max(etp_sizes)`` rows
     per ETP rank (this rank's rows first in its own). Dispatch: the ETP-gathered rows are returned
@@ -241,6 +255,21 @@ def _probs_part(probs_N: Optional[torch.Tensor]) -> List[torch.Tensor]:
     return [] if probs_N is None else [probs_N.detach().reshape(-1, 1)]
 
 
+def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, rows: Optional[int] = None):
+    """The EP all-to-all of the rows' parts and the probabilities' part (forward: dispatch direction;
+    ``backward``: the reverse), all issued before any is waited on; the probabilities with their own
+    splits when ``spec.probs_send`` is set (sliced rows, one probabilities call)."""
+    send, recv = (spec.ep_recv, spec.ep_send) if backward else (spec.ep_send, spec.ep_recv)
+    if spec.probs_send is None:
+        return _a2a_all(list(rows_parts) + list(probs_parts), spec.ep_group, recv, send, rows=rows)
+    p_send, p_recv = (spec.probs_recv, spec.probs_send) if backward else (spec.probs_send, spec.probs_recv)
+    outs, works = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows)
+    p_outs, p_works = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send)
+    for w in works + p_works:
+        w.wait()
+    return outs + p_outs
+
+
 class _Dispatch(torch.autograd.Function):
     """Forward: encode → EP all-to-all → ETP all-gather-v (of the encoded parts) → decode; the
     probabilities travel as their own message beside the rows.
@@ -250,9 +279,8 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, rows_NH, probs_N, spec: ExchangeSpec):
         ctx.spec = spec
         ctx.probs_dtype = None if probs_N is None else probs_N.dtype
-        parts = list(encode(rows_NH, spec.wire)) + _probs_part(probs_N)
         m = max(spec.etp_sizes) if len(spec.etp_sizes) > 1 else None  # receive straight into the padded block
-        parts = _a2a_all(parts, spec.ep_group, spec.ep_recv, spec.ep_send, rows=m)
+        parts = _ep_exchange(encode(rows_NH, spec.wire), _probs_part(probs_N), spec, backward=False, rows=m)
         parts = _gather_all(parts, spec.etp_group, spec.etp_sizes, keep_padding=spec.etp_padded)
         if probs_N is None:
             return decode(parts, spec.wire, spec.hidden_size, spec.dtype), None
@@ -263,8 +291,7 @@ class _Dispatch(torch.autograd.Function):
         s, pdt = ctx.spec, ctx.probs_dtype  # autograd materializes unused gradients as zeros
         if len(s.etp_sizes) > 1:
             g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, s.etp_group, s.etp_sizes, padded=s.etp_padded)
-        parts = list(encode(g_NH, s.grad_wire)) + _probs_part(gp_N)
-        parts = _a2a_all(parts, s.ep_group, s.ep_send, s.ep_recv)
+        parts = _ep_exchange(encode(g_NH, s.grad_wire), _probs_part(gp_N), s, backward=True)
         if pdt is None:
             return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None, None
         return decode(parts[:-1], s.grad_wire, s.hidden_size, s.dtype), parts[-1].reshape(-1), None
