@@ -1,4 +1,4 @@
-"""Regenerate ``tests/golden_losses.json``: the 1-rank fp32 loss curves (10 optimizer steps) of the
+"""Regenerate ``tests/golden_losses.json``: the 1-rank fp32 loss curves (``GOLDEN_STEPS``, 10 optimizer steps) of the
 tiny presets in the configuration of ``tests/distributed/test_pipeline_training.py``.
 
 Run it only when a change is *meant* to change the numerics, and say so in the commit::
@@ -17,12 +17,13 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     from folding.testing import RankPool
-    from tests.distributed.test_pipeline_training import GOLDEN, MODELS, _train
+    from tests.distributed.test_pipeline_training import GOLDEN, GOLDEN_STEPS, MODELS, _train
 
     out = {}
     with RankPool(1) as pool:
         for name in MODELS:
-            ((losses, _, _),) = pool.run(_train, [(name, {}, {}, False, {})], tempfile.mkdtemp(), False)[0]
+            case = (name, {}, {}, False, {})
+            ((losses, _, _),) = pool.run(_train, [case], tempfile.mkdtemp(), False, GOLDEN_STEPS)[0]
             out[name] = losses
     with open(GOLDEN, "w") as f:
         json.dump(out, f, indent=1)
