@@ -81,10 +81,10 @@ class AllToAllDispatcher(TokenDispatcher):
             ``megatron_stages``), run the EP all-to-all as one call per local expert index, received
             expert-major: no sort or unsort copies the rows, for ``L`` calls instead of one (the
             probabilities still go as one call, with two small copies of one value per row). Off by
-            default: on CPU with gloo the extra calls cost more than the copies they save (measured in
-            ``docs/dispatcher.md``), and on GPUs the sort is a cheap kernel while every extra
-            all-to-all costs a launch and smaller messages (not measured: no GPU). It is meant for
-            transports on which a copy of the rows costs more than a message.
+            default: on CPU with gloo it gains a little with large rows and loses much with small
+            ones (measured in ``docs/dispatcher.md``), and on GPUs the sort is a cheap kernel while
+            every extra all-to-all costs a launch and smaller messages (not measured: no GPU). It is
+            meant for transports on which a copy of the rows costs more than a message.
     """
 
     def __init__(self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, **kwargs):
