@@ -179,7 +179,7 @@ def test_dispatchers_match_reference(ranks, world):
 HW, TW, EW, FW = 64, 6, 4, 8
 
 
-def _wire_run(ps, wires, world, rank, megatron_stages=False):
+def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange=False):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(world * TW, HW, generator=g)
     scores = torch.rand(world * TW, EW, generator=g)
@@ -199,6 +199,7 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False):
         combine_wire=wires[1],
         grad_wire=wires[2],
         megatron_stages=megatron_stages,
+        per_expert_exchange=per_expert_exchange,
     )
     Fs, j, off = FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
@@ -258,6 +259,18 @@ def _wire_cases(wire_sets):
                 out.append((ep, etp, wires, q["bytes"]["ep_dispatch_bytes"], ref["bytes"]["ep_dispatch_bytes"]))
         finally:
             ps.destroy()
+    # one all-to-all per local expert (EP2, two local experts), the probabilities in one call: the
+    # same bits as the single all-to-all under every wire (each row is encoded alone; top-2)
+    ps = build_parallel_state(ParallelLayout(world_size=world, ep=2, etp=1))
+    try:
+        for wires in [("none", "none", "none")] + list(wire_sets):
+            one = _wire_run(ps, wires, world, rank)
+            sliced = _wire_run(ps, wires, world, rank, per_expert_exchange=True)
+            for k in ("y", "gx", "gp"):
+                assert torch.equal(one[k], sliced[k]), (wires, "per_expert_exchange", k)
+            out.append((2, 1, ("per_expert",) + tuple(wires), 0, 0))
+    finally:
+        ps.destroy()
     return out
 
 
@@ -269,6 +282,7 @@ def test_quantized_wires_bounded_error_and_bytes(ranks):
         ("mxfp8", "mxfp8", "none"),
     ]
     res = ranks(4).run(_wire_cases, wire_sets)
+    assert sum(w[0] == "per_expert" for _, _, w, _, _ in res[0]) == len(wire_sets) + 1
     for ep, etp, wires, q_bytes, ref_bytes in res[0]:
         if wires[0] == "mxfp8":  # fp32 rows: (H + H/32) / 4H of the unquantized bytes
             assert q_bytes == pytest.approx(ref_bytes * (HW + HW // 32) / (4 * HW))
