@@ -108,6 +108,9 @@ class AllToAllDispatcher(TokenDispatcher):
             and self.num_local_experts > 1
         )
         self._slice_by_expert = False
+        # the probabilities of sliced rows go as one all-to-all: their (local expert l, destination d)
+        # chunks reordered (d, l), i.e. by the inverse of expert_order (host list, built once)
+        self._probs_rank_major = expert_order(self.num_experts, self.num_local_experts).tolist()
         self._plan: Optional[AllToAllPlan] = None
         self._counts_dev: Optional[torch.Tensor] = None
         self._counts_work = None  # the EP count all-gather in flight
@@ -220,9 +223,8 @@ class AllToAllDispatcher(TokenDispatcher):
         if self._slice_by_expert and probs is not None:
             # the rows go as one all-to-all per local expert; the probabilities as one, so reorder them
             # from (local expert l, destination d) to (d, l) chunks, rank-major like the default's
-            L, R = self.num_local_experts, self.ep_size
             sizes = [n for send, _ in self._plan.expert_slices for n in send]
-            probs = sort_chunks_by_idxs(probs, sizes, [l * R + d for d in range(R) for l in range(L)])
+            probs = sort_chunks_by_idxs(probs, sizes, self._probs_rank_major)
         return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire, etp_padded=self._padded()))
 
     def dispatch_postprocess(self, hidden, probs):
