@@ -27,10 +27,16 @@ freed memory kept, each rank therefore first touches and frees ``--prefault-mib`
 heap in 16 MiB blocks, under the 32 MiB mmap threshold, so that later growth reuses touched pages, as
 a warmed-up caching allocator serves requests from the segments it already holds.
 
+With ``--bounds`` the EP-only layout also times, in the same alternation, the reference points of
+``benchmarks/dispatch_bounds.py``: the least work a dispatcher can do, adding one requirement at a
+time (token movement, expert-major sort, probabilities, count exchange), each reported against the
+raw floor and Megatron-Core.
+
 Usage::
 
     python benchmarks/bench_dispatcher_vs_megatron.py                       # EP4 and EP2xETP2, 4 ranks
     python benchmarks/bench_dispatcher_vs_megatron.py --both                # cached and system malloc
+    python benchmarks/bench_dispatcher_vs_megatron.py --bounds              # plus the reference points
     python benchmarks/bench_dispatcher_vs_megatron.py --tokens 2048 --hidden 512 --experts 16 --iters 20
 """
 
@@ -86,9 +92,10 @@ def _prefault_heap(mib: int) -> None:
     del blocks
 
 
-def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefault_mib=0):
+def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefault_mib=0, bounds=False):
     """Per iteration, ``(wall, cpu)``: each ``{"megatron": [...], "folding": [...], "per_expert": [...],
-    "raw": [...]}`` (the slowest rank's wall seconds; CPU seconds summed over the ranks)."""
+    "raw": [...]}`` (the slowest rank's wall seconds; CPU seconds summed over the ranks), plus the
+    variants of ``dispatch_bounds`` when ``bounds`` is set and the layout has no ETP."""
     torch.set_num_threads(threads)
     if prefault_mib:
         _prefault_heap(prefault_mib)
@@ -143,6 +150,10 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
             ("per_expert", lambda: _run(fe, x, rmap, probs, g)),
             ("raw", raw),
         ]
+        if bounds and layout["etp"] == 1:
+            from dispatch_bounds import bound_variants
+
+            variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=fd._plan)
         times = {name: [] for name, _ in variants}
         cpu = {name: [] for name, _ in variants}
         for i in range(warmup + iters):
@@ -173,6 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--prefault-mib", type=int, default=512, help="heap touched up front with freed memory kept (0: none)"
     )
+    ap.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also time the reference points of benchmarks/dispatch_bounds.py (EP-only layout) in the same run",
+    )
     a = ap.parse_args(argv)
     import bench_dispatcher_vs_megatron as me  # the ranks import the function by module name
 
@@ -183,7 +199,7 @@ def main(argv=None) -> int:
         else:
             for k in MALLOC_CACHE:
                 os.environ.pop(k, None)
-        rows = []
+        rows, bound_lines = [], []
         try:
             with RankPool(4) as pool:  # started after the environment is set: the ranks inherit it
                 for name, layout in LAYOUTS.items():
@@ -198,6 +214,7 @@ def main(argv=None) -> int:
                         a.warmup,
                         a.threads,
                         a.prefault_mib if cached else 0,
+                        a.bounds,
                     )
                     t, c = t[0]  # every rank holds the same (gathered) times
                     ratio = lambda d, x, y: statistics.median([p / q for p, q in zip(d[x], d[y])])  # noqa: E731
@@ -211,6 +228,12 @@ def main(argv=None) -> int:
                             + [ratio(c, a, "megatron") for a in ("folding", "per_expert")],
                         )
                     )
+                    for k in t:
+                        if k.startswith("bound_") or (k in ("folding", "megatron") and "bound_move" in t):
+                            bound_lines.append(
+                                f"| {name} {k} | {ms[k][0]:.2f} / {ms[k][1]:.2f} | {ratio(t, k, 'raw'):.2f} "
+                                f"| {ratio(t, k, 'megatron'):.2f} | {ratio(c, k, 'megatron'):.2f} |"
+                            )
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -226,6 +249,14 @@ def main(argv=None) -> int:
         for name, ms, r in rows:
             cells = " | ".join(f"{ms[k][0]:.2f} / {ms[k][1]:.2f}" for k in ("megatron", "folding", "per_expert", "raw"))
             lines.append(f"| {name} | {cells} | " + " | ".join(f"{v:.2f}" for v in r) + " |")
+        if bound_lines:
+            lines += [
+                "",
+                "Reference points, same run (`--bounds`, see `benchmarks/dispatch_bounds.py`):",
+                "",
+                "| variant | ms (min / median) | / raw | / Megatron-Core | CPU / Megatron-Core |",
+                "|---|---|---|---|---|",
+            ] + bound_lines
         return "\n".join(lines)
 
     load_before = os.getloadavg()
@@ -245,7 +276,8 @@ def main(argv=None) -> int:
         f"- command: `python benchmarks/bench_dispatcher_vs_megatron.py {' '.join(argv or sys.argv[1:])}`",
         f"- shape: {a.tokens} tokens per rank, H={a.hidden}, E={a.experts}, top-{a.topk}, fp32, dropless; "
         f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / folding "
-        "per-expert / raw, the order rotating every iteration",
+        f"per-expert / raw{' (and at EP4 the reference points)' if a.bounds else ''}, "
+        "the order rotating every iteration",
         f"- machine: {cpus} usable CPUs, torch threads per rank {a.threads}; load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "- a time is forward + backward of dispatch, stand-in expert and combine, the slowest rank's; ratios "
