@@ -29,7 +29,7 @@ Usage (inside a rank of the benchmark)::
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,11 +130,14 @@ def bound_variants(
     *,
     group,
     plan: AllToAllPlan,
+    leaves: Optional[List[Tuple[str, List[torch.Tensor]]]] = None,
 ) -> List[Tuple[str, Callable[[], None]]]:
     """``[(name, run)]`` for the five bounds of the module docstring. Each ``run()`` does one forward
     and backward of the benchmark's job on fresh leaf copies of ``x`` and ``probs`` (``[T, H]`` and
     ``[T, E]``), with the loss ``(y·grad).sum()``. ``plan`` is this rank's dropless split plan for
-    ``routing_map`` over the EP ``group``, taken from a dispatcher that ran the same data."""
+    ``routing_map`` over the EP ``group``, taken from a dispatcher that ran the same data. With
+    ``leaves`` (a list), each run appends ``(name, [x copy, probs copy])`` (no probs copy for the
+    bounds without probabilities), whose ``.grad`` a test can compare with a dispatcher's."""
     T = routing_map.shape[0]
     send, recv, n = list(plan.input_splits), list(plan.output_splits), plan.num_out_tokens
     sizes, order = list(plan.chunk_sizes), list(plan.sort_idxs)
@@ -147,9 +150,11 @@ def bound_variants(
         dist.all_gather_into_tensor(every, mine, group=group)
         every.tolist()
 
-    def run(sort: bool, with_probs: bool, counts: bool) -> None:
+    def run(name: str, sort: bool, with_probs: bool, counts: bool) -> None:
         xx = x.clone().requires_grad_()
         pp = probs.clone().requires_grad_() if with_probs else None
+        if leaves is not None:
+            leaves.append((name, [xx] + ([pp] if with_probs else [])))
         if counts:
             read_counts()
         rows, rp, idx = permute(xx, routing_map, pp, num_out_tokens=n)
@@ -172,6 +177,8 @@ def bound_variants(
 
     def packed() -> None:
         xx, pp = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        if leaves is not None:
+            leaves.append(("bound_packed", [xx, pp]))
         read_counts()
         (buf,) = _AllToAll.apply(group, send, recv, _PackedPermute.apply(xx, pp, token_idx_N, expert_idx_N))
         rows, rp = _UnpackSort.apply(buf, sizes, order)
@@ -180,9 +187,9 @@ def bound_variants(
         (unpermute(out, token_idx_N, num_tokens=T) * grad).sum().backward()
 
     return [
-        ("bound_move", lambda: run(False, False, False)),
-        ("bound_sort", lambda: run(True, False, False)),
-        ("bound_probs", lambda: run(True, True, False)),
-        ("bound_counts", lambda: run(True, True, True)),
+        ("bound_move", lambda: run("bound_move", False, False, False)),
+        ("bound_sort", lambda: run("bound_sort", True, False, False)),
+        ("bound_probs", lambda: run("bound_probs", True, True, False)),
+        ("bound_counts", lambda: run("bound_counts", True, True, True)),
         ("bound_packed", packed),
     ]
