@@ -216,8 +216,8 @@ class GroupedMLP(torch.nn.Module):
         the tokens' device (the ``torch`` backend then builds its offsets there without any host
         copy; other backends read it once), or the dispatcher's
         :class:`~folding.moe.dispatcher_base.DispatchRecord` of the call (the device counts for the
-        ``torch`` backend, the host counts it already holds for the others); ``probs_N``: the router probability of each row. Experts with
-        zero rows and ``N == 0`` are fine.
+        ``torch`` backend, the host counts it already holds for the others); ``probs_N``: the router
+        probability of each row. Experts with zero rows and ``N == 0`` are fine.
         """
         if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
             raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
