@@ -214,6 +214,19 @@ def link_latency(seconds: float) -> Iterator[None]:
 # ------------------------------------------------------------------------------------- the audit
 
 _audit_log: Optional[List[Dict[str, Any]]] = None
+_steady = [False]
+
+
+@contextlib.contextmanager
+def steady_state() -> Iterator[None]:
+    """Mark the block as the steady state of a schedule (where a pipeline schedule runs its pairs), for
+    the audit: an exchange started inside it is expected to have compute of the other lane between its
+    start and its wait."""
+    old, _steady[0] = _steady[0], True
+    try:
+        yield
+    finally:
+        _steady[0] = old
 _audit_mode: Optional[Callable[[], Any]] = None
 _op_count = [0]
 
@@ -236,9 +249,10 @@ _NOT_COMPUTE = set()
 
 @contextlib.contextmanager
 def audit() -> Iterator[List[Dict[str, Any]]]:
-    """Record every exchange inside the block: a list of ``{"what", "paired", "ops"}``, where
-    ``ops`` counts the compute operations this process issued between the exchange's start and its
-    wait (in either lane) and ``paired`` says whether a pair was running with its other lane alive."""
+    """Record every exchange inside the block: a list of ``{"what", "steady", "paired", "ops"}``,
+    where ``ops`` counts the compute operations this process issued between the exchange's start and
+    its wait (in either lane), ``steady`` says whether it started inside :func:`steady_state` and
+    ``paired`` whether a pair was running with its other lane alive when it was waited on."""
     global _audit_log, _audit_mode
     log: List[Dict[str, Any]] = []
     _audit_log, _audit_mode = log, _counting_mode
@@ -260,7 +274,7 @@ class Exchange:
     until the latency has passed since the start). ``what`` names the exchange in the audit.
     """
 
-    __slots__ = ("works", "what", "start", "ops", "linked", "done")
+    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady")
 
     def __init__(self, works: Sequence[Any], *, what: str, linked: bool = True):
         self.works = list(works)
@@ -268,6 +282,7 @@ class Exchange:
         self.linked = linked
         self.start = time.perf_counter()
         self.ops = _op_count[0]
+        self.steady = _steady[0]
         self.done = False
 
     def wait(self) -> None:
@@ -289,4 +304,6 @@ class Exchange:
         stats.blocked_s += time.perf_counter() - t0
         stats.waits += 1
         if _audit_log is not None:
-            _audit_log.append({"what": self.what, "paired": paired, "ops": _op_count[0] - self.ops})
+            _audit_log.append(
+                {"what": self.what, "steady": self.steady, "paired": paired, "ops": _op_count[0] - self.ops}
+            )

@@ -92,6 +92,15 @@ class ParallelConfig:
     """Layers of the first pipeline stage, the stages after it (up to the last, when
     ``last_stage_layers`` is set) sharing the rest evenly (Megatron-Core's
     ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
+    overlap_moe_comm: bool = False
+    """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
+    of one micro-batch and the backward of another run merged, taking turns at each exchange, and the
+    shared expert runs during its own dispatch. Same numbers bitwise; one more micro-batch's
+    activations of one model chunk in flight per rank (docs/training.md, "Hiding MoE communication")."""
+    delay_wgrad: bool = False
+    """With ``overlap_moe_comm``: compute the experts' weight gradients while the backward dispatch
+    all-to-all is in flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``); same
+    numbers bitwise."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
