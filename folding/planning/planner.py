@@ -31,7 +31,7 @@ from folding.parallel import LayoutError, ParallelLayout
 
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB
-from .memory import MemoryEstimate, memory_per_rank, model_sizes, peak_candidate_stages
+from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
@@ -72,8 +72,7 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
     )
-    sizes = model_sizes(cfg)
-    ests = [memory_per_rank(sizes, plan, stage=k, **kw) for k in peak_candidate_stages(sizes, plan)]
+    ests = [memory_per_rank(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]
     return max(ests, key=lambda e: e.total)
 
 

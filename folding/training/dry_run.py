@@ -19,7 +19,7 @@ from typing import Dict, List
 
 from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
-from ..planning.memory import MemoryEstimate, ModelSizes, memory_per_rank, param_counts
+from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
 from .config import JobConfig
 from .validate import validate_job
 
@@ -31,8 +31,7 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
     pipeline rank (embedding on the first, final norm and output layer on the last; tied weights counted
     once; the multi-token-prediction modules, and with PP > 1 an untied embedding's copy, on the last), from
     the planning memory model's :func:`~folding.planning.memory.param_counts`."""
-    sizes = ModelSizes.from_model_config(model)
-    counts = [param_counts(sizes, layout, stage=r) for r in range(layout.pp)]
+    counts = [param_counts(model, layout, stage=r) for r in range(layout.pp)]
     return [{"dense": c.dense, "expert": c.expert} for c in counts]
 
 
@@ -44,7 +43,7 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)
     width = 2 if t.precision == "bf16" else 4
     return memory_per_rank(
-        ModelSizes.from_model_config(job.model),
+        job.model,
         layout,
         param_bytes=width,
         distributed=job.optim.distributed,
