@@ -79,6 +79,7 @@ def _job(layout: str, a: dict):
 def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     """One rank: build the model once, then alternate overlap off / on per step; per-step records."""
     from folding.model.chunks import build_stage_chunks
+    from folding.moe.layer import MoELayer
     from folding.optim.optimizer import FoldedOptimizer
     from folding.parallel import build_parallel_state, overlap
     from folding.pipeline.stage import run_microbatches
@@ -100,12 +101,14 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                 on = step % 2 == 1
                 for c in chunks:  # the shared-expert placement (none in this model) follows the mode
                     for m in c.modules():
-                        if hasattr(m, "overlap_comm"):
+                        if isinstance(m, MoELayer):
                             m.overlap_comm = on
                 mbs = []
                 for _ in range(M):
                     tok = torch.randint(0, V, (t.micro_batch_size, t.seq_length + 1), generator=gen)
-                    mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones_like(tok[:, 1:]).float()))
+                    mbs.append(
+                        dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones_like(tok[:, 1:]).float())
+                    )
                 dist.barrier()
                 overlap.stats.reset()
                 t0 = time.perf_counter()
@@ -238,7 +241,8 @@ def main(argv=None) -> None:
                 hidden = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
                 print(
                     f"{name} latency {lat:g} ms: step off {r['step_time_off_s']:.3f} s, on {r['step_time_on_s']:.3f} s "
-                    f"(x{r['step_time_ratio']:.2f}); exposed off {r['exposed_off_s']:.3f} s, on {r['exposed_on_s']:.3f} s; "
+                    f"(x{r['step_time_ratio']:.2f}); exposed off {r['exposed_off_s']:.3f} s, "
+                    f"on {r['exposed_on_s']:.3f} s; "
                     f"hidden {hidden}",
                     flush=True,
                 )
@@ -247,7 +251,11 @@ def main(argv=None) -> None:
     load_after = tuple(round(x, 2) for x in os.getloadavg())
     if ns.json:
         top = results[0] if len(results) == 1 else {}
-        summary = {k: top[k] for k in ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s")} if top else {}
+        summary = (
+            {k: top[k] for k in ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s")}
+            if top
+            else {}
+        )
         summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
         with open(ns.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -20,9 +20,9 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from ..moe.layer import MoELayer
 from ..parallel.partition import partition_layers
 from .block import RECOMPUTE_MODES
-from ..moe.layer import MoELayer
 from .config import ModelConfig
 from .transformer import MoETransformer
 
@@ -33,6 +33,7 @@ def build_stage_chunks(
     parallel_state,
     recompute: str = "none",
     overlap_moe_comm: bool = False,
+    delay_wgrad: bool = False,
     params_dtype: torch.dtype = torch.float32,
     init_seed: int = 0,
     device=None,
@@ -42,7 +43,8 @@ def build_stage_chunks(
     whatever the layout. The MoE blocks follow ``model_config.moe``; ``moe_factory`` (default:
     :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely.
     ``overlap_moe_comm`` (``parallel.overlap_moe_comm``) has every MoE layer compute its shared expert
-    while its own dispatch is in flight (a layer from another factory may ignore it)."""
+    while its own dispatch is in flight, ``delay_wgrad`` (``parallel.delay_wgrad``) its experts compute
+    their weight gradients behind the backward dispatch (a layer from another factory may ignore them)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
     layout = parallel_state.layout
@@ -70,5 +72,6 @@ def build_stage_chunks(
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 module.overlap_comm = overlap_moe_comm
+                module.experts.delay_wgrad = delay_wgrad
         chunks.append(chunk)
     return chunks

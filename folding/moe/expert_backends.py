@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from folding.parallel import overlap
 from folding.quant import emulated_linear
 
 INDEX_LIMIT = 2**31 - 1
@@ -128,7 +129,37 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, spec)
 
 
-def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+class _GroupedMMDelayedWgrad(torch.autograd.Function):
+    """``y = grouped_mm(x, wᵀ, offs)`` whose backward returns the input gradient at once and defers the
+    weight gradient (:func:`folding.parallel.overlap.defer`): it runs inside the next exchange wait,
+    after that exchange's collectives are issued (the backward dispatch all-to-all), or at the end of
+    the backward. Both gradients are the calls torch's own ``grouped_mm`` backward makes, so the
+    results are bitwise those of the plain call."""
+
+    @staticmethod
+    def forward(ctx, x_NK, w_LOK, offs, anchor):
+        ctx.save_for_backward(x_NK, w_LOK, offs)
+        ctx.anchor = anchor[0]  # the weight as the graph holds it; its gradient is delivered later
+        return _grouped_mm_fn()(x_NK, w_LOK.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g_NO):
+        x_NK, w_LOK, offs = ctx.saved_tensors
+        fn = _grouped_mm_fn()
+        g_NO = g_NO.contiguous()
+        gx = fn(g_NO, w_LOK, offs=offs) if ctx.needs_input_grad[0] else None
+        if ctx.anchor.requires_grad:
+            anchor = ctx.anchor
+
+            def wgrad():
+                gw = fn(x_NK.transpose(-2, -1), g_NO, offs=offs).transpose(-2, -1)
+                torch.autograd.backward(anchor, gw)
+
+            overlap.defer(wgrad)
+        return gx, None, None, None
+
+
+def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int], delay_wgrad: bool = False) -> torch.Tensor:
     fn = _grouped_mm_fn()
     out = w_LOK.shape[1]
     align = max(1, 16 // x_NK.element_size())
@@ -138,7 +169,12 @@ def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int]) -> t
         offs = counts.to(device=x_NK.device, dtype=torch.int64).cumsum(0).to(torch.int32)
     else:
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NK.device)
-    y = fn(xp, wp.transpose(-2, -1), offs=offs)
+    if delay_wgrad and wp.requires_grad and torch.is_grad_enabled():
+        # the weight enters through a detached copy; its gradient reaches ``wp`` (and the parameter,
+        # through the padding) in a separate backward call when the deferred work runs
+        y = _GroupedMMDelayedWgrad.apply(xp, wp.detach(), offs, [wp])  # in a list: not an autograd input
+    else:
+        y = fn(xp, wp.transpose(-2, -1), offs=offs)
     y = _ContiguousGrad.apply(y)
     return y[:, :out] if y.shape[1] != out else y
 
@@ -165,6 +201,7 @@ def grouped_linear(
     index_limit: int = INDEX_LIMIT,
     delayed=None,
     name: str = "",
+    delay_wgrad: bool = False,
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOK[e]ᵀ``; rows expert-major.
 
@@ -175,6 +212,9 @@ def grouped_linear(
     without checking that the counts sum to N); with a list it builds the offsets by one host copy.
     ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
+    ``delay_wgrad`` (``torch`` backend; ``parallel.delay_wgrad``): the weight gradient is computed
+    while the next exchange of the backward is in flight (:class:`_GroupedMMDelayedWgrad`), bitwise
+    the same; the other backends ignore it.
     """
     num_rows, num_experts = x_NK.shape[0], w_LOK.shape[0]
     if num_rows == 0 and num_experts > 0:
@@ -188,7 +228,7 @@ def grouped_linear(
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
             )
-        return _torch_call(x_NK, w_LOK, tokens_per_expert)
+        return _torch_call(x_NK, w_LOK, tokens_per_expert, delay_wgrad)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
@@ -204,7 +244,7 @@ def grouped_linear(
         if backend == "torch":
             # a call covers consecutive experts (plan_chunks): a narrow view, no index tensor
             ws = w_LOK.narrow(0, experts[0], len(experts))
-            outs.append(_torch_call(xs, ws, sub_counts))
+            outs.append(_torch_call(xs, ws, sub_counts, delay_wgrad))
         elif backend in ("loop", "emulated"):
             outs.append(_loop_call(xs, w_LOK, sub_counts, linear, experts))
         else:

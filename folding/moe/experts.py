@@ -151,6 +151,9 @@ class GroupedMLP(torch.nn.Module):
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
+        self.delay_wgrad = False
+        """``torch`` backend: compute the weight gradients while the backward's next exchange is in
+        flight (``parallel.delay_wgrad``; bitwise the same gradients)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -236,7 +239,7 @@ class GroupedMLP(torch.nn.Module):
             tokens_per_expert, torch.Tensor
         ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
-        kw = dict(delayed=self.delayed_scaling)
+        kw = dict(delayed=self.delayed_scaling, delay_wgrad=self.delay_wgrad)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
         return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)

@@ -164,6 +164,12 @@ class Deferred:
         return self._value
 
 
+def flush_deferred() -> None:
+    """Run every deferred piece of work now (a backward's weight gradients that no exchange ran)."""
+    while _deferred:
+        _deferred[0].run()
+
+
 def defer(fn: Callable[[], Any]) -> Deferred:
     """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, after the
     exchange's collectives are issued and before any hand-over; :meth:`Deferred.result` runs it
@@ -227,6 +233,8 @@ def steady_state() -> Iterator[None]:
         yield
     finally:
         _steady[0] = old
+
+
 _audit_mode: Optional[Callable[[], Any]] = None
 _op_count = [0]
 
@@ -290,8 +298,7 @@ class Exchange:
         if self.done:
             return
         self.done = True
-        while _deferred:
-            _deferred[0].run()
+        flush_deferred()
         paired = in_pair()
         _hand_over()
         t0 = time.perf_counter()

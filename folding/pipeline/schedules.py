@@ -32,7 +32,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from ..parallel.overlap import run_pair, steady_state
+from ..parallel.overlap import flush_deferred, run_pair, steady_state
 from .comm_plan import Exchange, Key, Pair, rank_program
 from .p2p import P2P
 
@@ -101,6 +101,7 @@ def forward_backward(
     def backward_step(chunk: int, m: int) -> None:
         with backward_context(chunk, m) if backward_context is not None else contextlib.nullcontext():
             run_backward(chunk, m)
+            flush_deferred()  # delayed weight gradients no exchange has run yet, inside the context
 
     program = rank_program(
         num_microbatches=num_microbatches,

@@ -176,6 +176,7 @@ def train(
         parallel_state=ps,
         recompute=t.recompute,
         overlap_moe_comm=job.parallel.overlap_moe_comm,
+        delay_wgrad=job.parallel.delay_wgrad,
         params_dtype=dtype,
         init_seed=t.seed,
         device=device,

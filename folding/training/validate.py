@@ -50,6 +50,24 @@ def _check_train(job: JobConfig) -> None:
             "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
             "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8",
         )
+    par = job.parallel
+    for key in ("overlap_moe_comm", "delay_wgrad"):
+        if not isinstance(getattr(par, key), bool):
+            _fail(f"parallel.{key}", getattr(par, key), "must be true or false", f"set parallel.{key}=true or false")
+    if par.delay_wgrad and not par.overlap_moe_comm:
+        _fail(
+            "parallel.delay_wgrad",
+            par.delay_wgrad,
+            "delays the experts' weight gradients behind the exchanges that parallel.overlap_moe_comm overlaps",
+            "set parallel.overlap_moe_comm=true as well, or parallel.delay_wgrad=false",
+        )
+    if par.delay_wgrad and moe.expert_backend not in ("torch", "auto"):
+        _fail(
+            "parallel.delay_wgrad",
+            par.delay_wgrad,
+            f"is implemented for the torch grouped-GEMM backend, not moe.expert_backend={moe.expert_backend!r}",
+            "set moe.expert_backend=torch (or auto), or parallel.delay_wgrad=false",
+        )
     if t.threads is not None:
         _int_at_least("train.threads", t.threads, 1)
     tmo = t.collective_timeout_s

@@ -4,10 +4,10 @@ DeepSeek-V3 (fp32, micro-batches of 2 sequences, several per step, the same spli
 folded MoE, gradient reduction, optimizer). A bf16 run stays within 1e-2 of the fp32 1-rank losses.
 The 1-rank losses of 10 steps are the golden losses in ``tests/golden_losses.json``.
 
-Every case also runs with ``parallel.overlap_moe_comm`` (the ``overlap`` parameter): merged
-forward-backward pairs whose MoE exchanges hide behind each other's compute must give the same
-tolerances against one rank and, against the same layout without overlap, bitwise the same losses,
-gradient norms and parameters."""
+Every case also runs with ``parallel.overlap_moe_comm`` (the ``overlap`` parameter), every other one
+with ``parallel.delay_wgrad`` too: merged forward-backward pairs whose MoE exchanges hide behind each
+other's compute must give the same tolerances against one rank and, against the same layout without
+overlap, bitwise the same losses, gradient norms and parameters."""
 
 import json
 import os
@@ -168,9 +168,9 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False):
             _NO_OVERLAP[_key(case)] = results[-1]
             continue
         model_name, parallel, train, distributed, moe = case
-        on = ranks(8).run(
-            _train, [(model_name, {**parallel, "overlap_moe_comm": True}, train, distributed, moe)], str(tmp_path)
-        )
+        # every other case also delays the experts' weight gradients (parallel.delay_wgrad)
+        knobs = {"overlap_moe_comm": True, "delay_wgrad": len(results) % 2 == 1}
+        on = ranks(8).run(_train, [(model_name, {**parallel, **knobs}, train, distributed, moe)], str(tmp_path))
         off = _NO_OVERLAP.get(_key(case)) or ranks(8).run(_train, [case], str(tmp_path))
         for r in range(8):  # bitwise: overlap changes when work runs, never what it computes
             (l_on, n_on, p_on), (l_off, n_off, p_off) = on[r][0], off[r][0]

@@ -1,0 +1,95 @@
+"""Overlap of MoE communication (``parallel.overlap_moe_comm``): the order audit and the link model.
+
+The order audit trains one step of a small MoE model on 4 gloo ranks with overlap on, recording for
+every EP exchange the compute operations issued between its start and its wait
+(:func:`folding.parallel.overlap.audit`). In the steady state of the schedule (its forward-backward
+pairs) every exchange must have some: the other micro-batch's compute ran while it was in flight.
+The same audit run with the pairs executed one lane after the other (overlap disabled inside the
+schedule) finds exchanges with none, which shows the audit can fail. Setting
+``FOLDING_AUDIT_DISABLE_PAIRS=1`` runs the first test that way (it then fails).
+
+Equality of results with overlap on and off is checked by the layout-equivalence suite
+(``test_pipeline_training.py``), every case with both settings.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from folding.model.chunks import build_stage_chunks
+from folding.model.presets import get_preset
+from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.pipeline import schedules
+from folding.pipeline.stage import run_microbatches
+
+LAYOUTS = {"ep4": dict(ep=4, etp=1), "pp2ep2": dict(pp=2, ep=2, etp=1), "ep2etp2": dict(tp=2, ep=2, etp=2)}
+
+
+def _sequential(first, second):
+    return first(), second()
+
+
+def _audit_step(layout: str, sequential: bool):
+    """One training step's forward-backward with overlap on, under the audit; returns the log."""
+    if sequential:
+        schedules.run_pair = _sequential  # overlap disabled inside the schedule
+    try:
+        cfg = get_preset("qwen2_moe_tiny" if layout == "ep2etp2" else "mixtral_tiny", num_layers=2)
+        ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout]))
+        try:
+            chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, overlap_moe_comm=True)
+            gen = torch.Generator().manual_seed(ps.rank // (ps.tp_size * ps.pp_size))
+            mbs = []
+            for _ in range(4):
+                tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
+                mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(1, 16)))
+            with overlap.audit() as log:
+                run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-3, overlap=True)
+        finally:
+            ps.destroy()
+    finally:
+        schedules.run_pair = overlap.run_pair
+    return log
+
+
+def _violations(log):
+    """The steady-state EP exchanges with no compute between their start and their wait."""
+    return [e for e in log if e["steady"] and e["what"].startswith("ep") and e["ops"] == 0]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_order_audit_every_steady_exchange_hides_behind_compute(ranks, layout):
+    sequential = os.environ.get("FOLDING_AUDIT_DISABLE_PAIRS") == "1"
+    for r, log in enumerate(ranks(4).run(_audit_step, layout, sequential)):
+        steady = [e for e in log if e["steady"] and e["what"].startswith("ep")]
+        # 2 MoE layers per chunk, 4 EP exchanges per layer (dispatch and combine, forward and backward)
+        assert len(steady) >= 8, (layout, r, log)
+        bad = _violations(log)
+        assert not bad, (
+            f"{layout} rank {r}: {len(bad)} of {len(steady)} steady-state exchanges had no compute: {bad[:4]}"
+        )
+        assert all(e["paired"] for e in steady if e["what"].endswith("dispatch")), (layout, r)
+
+
+def test_order_audit_fails_with_overlap_disabled_inside_the_schedule(ranks):
+    for r, log in enumerate(ranks(4).run(_audit_step, "ep4", True)):
+        steady = [e for e in log if e["steady"] and e["what"].startswith("ep")]
+        assert steady and len(_violations(log)) == len(steady), (r, log)
+
+
+def _timed_exchange(latency_s: float):
+    x = torch.ones(4, 8)
+    out = torch.empty_like(x)
+    t0 = time.perf_counter()
+    with overlap.link_latency(latency_s):
+        w = dist.all_to_all_single(out, x, group=None, async_op=True)
+        overlap.Exchange([w], what="ep test").wait()
+    return time.perf_counter() - t0
+
+
+def test_link_model_delays_each_exchange_by_at_least_its_latency(ranks):
+    for took in ranks(4).run(_timed_exchange, 0.05):
+        assert took >= 0.05
