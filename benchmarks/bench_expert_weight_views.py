@@ -8,7 +8,7 @@ per-expert matmuls; timings alternate in one process, best and median of ``--rep
 
 Usage::
 
-    python benchmarks/bench_expert_weight_views.py [--experts 8,32] [--reps 15] \\
+    python -m benchmarks.bench_expert_weight_views [--experts 8,32] [--reps 15] \\
         [--out benchmarks/expert_weight_views_cpu.md]
 """
 
