@@ -10,8 +10,8 @@ Dropless and dropping modes read the local experts' row counts once on the host 
 device-to-host sync, in ``dispatch_postprocess``); pad-to-capacity needs none. The wire is the
 activation dtype (quantized wires are offered by the all-to-all dispatcher).
 
-Shape-suffix legend: ``T`` local tokens, ``G`` gathered tokens (``ETP·EP·T``), ``H`` hidden, ``E``
-experts, ``L`` local experts, ``N`` permuted rows.
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``Tg`` gathered tokens (``ETP·EP·T``), ``H``
+hidden, ``E`` global experts, ``L`` local experts, ``N`` permuted rows.
 
 Usage::
 
@@ -66,7 +66,7 @@ class AllGatherDispatcher(TokenDispatcher):
             x = gather_from_sequence_region(x, group, grad_reduce=True)
             p = gather_from_sequence_region(p, group, grad_reduce=True)
             m = all_gather_nograd(m, group)
-        self._map_GE = m.bool()
+        self._map_TgE = m.bool()
         H, elem = hidden.shape[-1], hidden.element_size()
         R, T = self.ep_size * self.etp_size, self._num_tokens
         self.last_stats = {"ep_dispatch_bytes": (R - 1) * T * H * elem, "ep_combine_bytes": (R - 1) * T * H * elem}
@@ -77,19 +77,19 @@ class AllGatherDispatcher(TokenDispatcher):
         with pad-to-capacity). Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
         self._shared_fc1(hidden)
         lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
-        map_GL, probs_GL = self._map_GE[:, lo:hi], probs[:, lo:hi]
+        map_TgL, probs_TgL = self._map_TgE[:, lo:hi], probs[:, lo:hi]
         self._num_gathered = hidden.shape[0]
         if self.pad_to_capacity:
             R = self.ep_size * self.etp_size
             rows = padded_rows_per_expert(self._num_tokens, self.topk, self.num_experts, self.capacity_factor)
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
+            out, p, self._token_idx = permute(hidden, map_TgL, probs_TgL, rows_per_expert=rows, num_chunks=R)
             self.tokens_per_expert_host = [rows * R] * self.num_local_experts
             tpe = torch.full((self.num_local_experts,), rows * R, dtype=torch.long, device=hidden.device)
         else:
-            tpe = map_GL.sum(0)
+            tpe = map_TgL.sum(0)
             R, L = self.ep_size * self.etp_size, self.num_local_experts
             # one host read: the local experts' counts, and each source rank's routed pairs (dropless check)
-            per_rank = self._map_GE.view(R, -1).sum(1)
+            per_rank = self._map_TgE.view(R, -1).sum(1)
             host = host_sync.to_host(torch.cat([tpe, per_rank.to(tpe.dtype)]), reason="allgather counts")
             self.tokens_per_expert_host = host[:L]
             want = self._num_tokens * self.topk
@@ -101,11 +101,13 @@ class AllGatherDispatcher(TokenDispatcher):
                     + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
                     + "; set capacity_factor if the router drops tokens"
                 )
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(self.tokens_per_expert_host))
+            out, p, self._token_idx = permute(
+                hidden, map_TgL, probs_TgL, num_out_tokens=sum(self.tokens_per_expert_host)
+            )
         return out, tpe, p
 
     def combine_preprocess(self, out):
-        """Sum each gathered token's expert rows (unweighted): ``[G, H]``."""
+        """Sum each gathered token's expert rows (unweighted): ``[Tg, H]``."""
         return unpermute(out, self._token_idx, num_tokens=self._num_gathered)
 
     def token_combine(self, out):

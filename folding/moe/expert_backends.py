@@ -1,7 +1,8 @@
 """Grouped-GEMM backends for the experts: ``y[rows of e] = x[rows of e] · w[e]ᵀ`` for every local expert.
 
-Legend: N rows (tokens routed to this rank's experts, sorted expert-major), L local experts,
-K contraction size, O output size; ``x_NK``, ``w_LOK`` (nn.Linear-style out×in), ``y_NO``.
+Shape suffixes (docs/shapes.md): N rows (tokens routed to this rank's experts, sorted expert-major),
+Ne one expert's rows, L local experts, I input features, O output features; ``x_NI``, ``w_LOI``
+(nn.Linear-style out×in), ``y_NO``.
 
 Backends (all take the same arguments and give the same result up to round-off):
 
@@ -18,7 +19,7 @@ operand, splitting an expert across calls when it alone is too large.
 
 Usage::
 
-    y_NO = grouped_linear(x_NK, w_LOK, counts_L, backend="torch")
+    y_NO = grouped_linear(x_NI, w_LOI, counts_L, backend="torch")
 """
 
 from __future__ import annotations
@@ -128,37 +129,37 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, spec)
 
 
-def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _torch_call(x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
     fn = _grouped_mm_fn()
-    out = w_LOK.shape[1]
-    align = max(1, 16 // x_NK.element_size())
-    xp = _pad_to(x_NK, 1, align).contiguous()
-    wp = _pad_to(_pad_to(w_LOK, 2, align), 1, align).contiguous()
+    out = w_LOI.shape[1]
+    align = max(1, 16 // x_NI.element_size())
+    xp = _pad_to(x_NI, 1, align).contiguous()
+    wp = _pad_to(_pad_to(w_LOI, 2, align), 1, align).contiguous()
     if isinstance(counts, torch.Tensor):
-        offs = counts.to(device=x_NK.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        offs = counts.to(device=x_NI.device, dtype=torch.int64).cumsum(0).to(torch.int32)
     else:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NK.device)
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NI.device)
     y = fn(xp, wp.transpose(-2, -1), offs=offs)
     y = _ContiguousGrad.apply(y)
     return y[:, :out] if y.shape[1] != out else y
 
 
-def _loop_call(x_NK, w_LOK, counts, linear, experts):
+def _loop_call(x_NI, w_LOI, counts, linear, experts):
     # one unbind node: its backward stacks the per-expert gradients into one packed gradient, where
-    # per-expert ``w_LOK[e]`` views would each allocate a zero tensor the size of the whole weight
-    w_OK = w_LOK.unbind(0)
+    # per-expert ``w_LOI[e]`` views would each allocate a zero tensor the size of the whole weight
+    w_OI = w_LOI.unbind(0)
     outs = []
-    for e, x_MK in zip(experts, x_NK.split(list(counts))):
-        if x_MK.shape[0]:
-            outs.append(linear(x_MK, w_OK[e], e))
+    for e, x_NeI in zip(experts, x_NI.split(list(counts))):
+        if x_NeI.shape[0]:
+            outs.append(linear(x_NeI, w_OI[e], e))
     if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
-        return x_NK.new_zeros((0, w_LOK.shape[1])) + 0 * w_LOK.sum() + 0 * x_NK.sum()
+        return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum() + 0 * x_NI.sum()
     return torch.cat(outs, 0)
 
 
 def grouped_linear(
-    x_NK: torch.Tensor,
-    w_LOK: torch.Tensor,
+    x_NI: torch.Tensor,
+    w_LOI: torch.Tensor,
     tokens_per_expert,
     backend: str,
     fp8_recipe: str | None = None,
@@ -166,7 +167,7 @@ def grouped_linear(
     delayed=None,
     name: str = "",
 ) -> torch.Tensor:
-    """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOK[e]ᵀ``; rows expert-major.
+    """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ``; rows expert-major.
 
     ``tokens_per_expert``: list or 1-D integer tensor [E] on the inputs' device. ``backend`` is ``loop``,
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
@@ -176,19 +177,19 @@ def grouped_linear(
     ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     """
-    num_rows, num_experts = x_NK.shape[0], w_LOK.shape[0]
+    num_rows, num_experts = x_NI.shape[0], w_LOI.shape[0]
     if num_rows == 0 and num_experts > 0:
         # no tokens on this rank: a plain matmul keeps the graph (zero weight gradients) and avoids
         # grouped_mm's backward, which rejects the stride-0 gradient of an empty output
-        return x_NK @ w_LOK[0].t()
-    width = max(x_NK.shape[1], w_LOK.shape[1])
+        return x_NI @ w_LOI[0].t()
+    width = max(x_NI.shape[1], w_LOI.shape[1])
     fits = num_rows * (width + 16) <= index_limit
     if backend == "torch" and fits and isinstance(tokens_per_expert, torch.Tensor):
         if tuple(tokens_per_expert.shape) != (num_experts,):
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
             )
-        return _torch_call(x_NK, w_LOK, tokens_per_expert)
+        return _torch_call(x_NI, w_LOI, tokens_per_expert)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
@@ -198,24 +199,24 @@ def grouped_linear(
     outs, start = [], 0
     for call in calls:
         rows = sum(c for _, c in call)
-        xs = x_NK[start : start + rows]
+        xs = x_NI[start : start + rows]
         experts = [e for e, _ in call]
         sub_counts = [c for _, c in call]
         if backend == "torch":
             # a call covers consecutive experts (plan_chunks): a narrow view, no index tensor
-            ws = w_LOK.narrow(0, experts[0], len(experts))
+            ws = w_LOI.narrow(0, experts[0], len(experts))
             outs.append(_torch_call(xs, ws, sub_counts))
         elif backend in ("loop", "emulated"):
-            outs.append(_loop_call(xs, w_LOK, sub_counts, linear, experts))
+            outs.append(_loop_call(xs, w_LOI, sub_counts, linear, experts))
         else:
             raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
         start += rows
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def _plain_one(x_MK, w_OK, expert):
-    return x_MK @ w_OK.t()
+def _plain_one(x_NeI, w_OI, expert):
+    return x_NeI @ w_OI.t()
 
 
-def _emulated_one(x_MK, w_OK, expert, recipe, delayed, name):
-    return emulated_linear(x_MK, w_OK, recipe, delayed=delayed, key=(name, expert))
+def _emulated_one(x_NeI, w_OI, expert, recipe, delayed, name):
+    return emulated_linear(x_NeI, w_OI, recipe, delayed=delayed, key=(name, expert))
