@@ -1,7 +1,7 @@
 """Grouped SwiGLU experts: every local expert's MLP as grouped GEMMs, with pluggable backends.
 
-Legend: N token rows on this rank (sorted expert-major), H hidden size, F full per-expert FFN size,
-Fl = F / ETP the shard this rank holds, L local experts, E global experts (as in every MoE file).
+Shape suffixes (docs/shapes.md): N token rows on this rank (sorted expert-major), H hidden size, F
+full per-expert FFN size, Fl = F / ETP the shard this rank holds, L local experts, E global experts.
 
 For each local expert e with rows x_e: ``out_e = (silu(x_e·gate_eᵀ) ⊙ (x_e·up_eᵀ) ⊙ p_e) · fc2_eᵀ``
 (the router probabilities p multiply the activation before fc2; the combine is then an unweighted
