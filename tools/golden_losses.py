@@ -7,12 +7,9 @@ Run it only when a change is *meant* to change the numerics, and say so in the c
 """
 
 import json
-import os
 import tempfile
 
 from folding.testing import RankPool
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def main() -> None:
