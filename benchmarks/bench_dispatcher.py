@@ -18,7 +18,7 @@ identity expert (``out = x · p``, so that only token movement is timed) and com
 
 Usage::
 
-    python benchmarks/bench_dispatcher.py --ranks 8 --tokens 4096 --hidden 1024 --experts 8 --topk 2 --ep 8 \\
+    python -m benchmarks.bench_dispatcher --ranks 8 --tokens 4096 --hidden 1024 --experts 8 --topk 2 --ep 8 \\
         --etp 1 --dispatcher alltoall --wire none --json
 """
 
@@ -33,18 +33,21 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from folding.moe import host_sync
+from folding.moe.dispatcher import build_dispatcher
+from folding.moe.routing import expert_capacity
+from folding.moe.wire import encode, payload_bytes_per_row
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.testing import RankPool
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 U_E4M3 = 2.0**-4  # unit round-off of e4m3 (3 mantissa bits, round to nearest)
 
 
 def _route(T, E, k, seed, cf, pad):
-    from folding.moe.routing import expert_capacity
-
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
     top = scores.topk(k, dim=1).indices
@@ -70,11 +73,6 @@ def _time(fn, warmup, iters):
 
 def _worker(a):
     """One rank's share of the benchmark (module-level so RankPool can run it)."""
-    from folding.moe import host_sync
-    from folding.moe.dispatcher import build_dispatcher
-    from folding.moe.wire import encode
-    from folding.parallel import ParallelLayout, build_parallel_state
-
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(rank)
     ps = build_parallel_state(ParallelLayout(world_size=world, ep=a["ep"], etp=a["etp"], num_experts=a["experts"]))
@@ -158,9 +156,6 @@ def _worker(a):
 
 def run(a) -> dict:
     """Run the benchmark described by the parsed arguments ``a`` (a dict) and return the JSON record."""
-    from folding.moe.wire import payload_bytes_per_row
-    from folding.testing import RankPool
-
     with RankPool(a["ranks"]) as pool:
         res = pool.run(_worker, a, timeout_s=900)
     n = len(res)
@@ -210,7 +205,7 @@ def _report(out, argv) -> str:
     return (
         f"# Dispatcher benchmark\n\n- date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC\n"
         f"- machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo\n"
-        f"- command: `python benchmarks/bench_dispatcher.py {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n"
+        f"- command: `python -m benchmarks.bench_dispatcher {' '.join(argv)}`\n\n| field | value |\n|---|---|\n{rows}\n"
     )
 
 

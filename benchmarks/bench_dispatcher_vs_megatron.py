@@ -34,10 +34,10 @@ raw floor and Megatron-Core.
 
 Usage::
 
-    python benchmarks/bench_dispatcher_vs_megatron.py                       # EP4 and EP2xETP2, 4 ranks
-    python benchmarks/bench_dispatcher_vs_megatron.py --both                # cached and system malloc
-    python benchmarks/bench_dispatcher_vs_megatron.py --bounds              # plus the reference points
-    python benchmarks/bench_dispatcher_vs_megatron.py --tokens 2048 --hidden 512 --experts 16 --iters 20
+    python -m benchmarks.bench_dispatcher_vs_megatron                       # EP4 and EP2xETP2, 4 ranks
+    python -m benchmarks.bench_dispatcher_vs_megatron --both                # cached and system malloc
+    python -m benchmarks.bench_dispatcher_vs_megatron --bounds              # plus the reference points
+    python -m benchmarks.bench_dispatcher_vs_megatron --tokens 2048 --hidden 512 --experts 16 --iters 20
 """
 
 from __future__ import annotations
@@ -52,11 +52,12 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.dispatch_bounds import bound_variants
+from folding.moe.dispatcher import build_dispatcher
+from folding.moe.routing import topk_routing
+from folding.testing.rank_pool import RankPool
 
-from folding.testing.rank_pool import RankPool  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYOUTS = {"EP4": dict(tp=1, ep=4, etp=1), "EP2xETP2": dict(tp=1, ep=2, etp=2)}
 MALLOC_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
@@ -104,8 +105,6 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from folding.moe.dispatcher import build_dispatcher
-    from folding.moe.routing import topk_routing
     from tests.megatron_cpu import destroy_megatron, init_megatron
 
     init_megatron(**layout)
@@ -151,8 +150,6 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
             ("raw", raw),
         ]
         if bounds and layout["etp"] == 1:
-            from dispatch_bounds import bound_variants
-
             variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=fd._stage_record.plan)
         times = {name: [] for name, _ in variants}
         cpu = {name: [] for name, _ in variants}
@@ -190,7 +187,6 @@ def main(argv=None) -> int:
         help="also time the reference points of benchmarks/dispatch_bounds.py (EP-only layout) in the same run",
     )
     a = ap.parse_args(argv)
-    import bench_dispatcher_vs_megatron as me  # the ranks import the function by module name
 
     def measure(cached: bool):
         saved = {k: os.environ.get(k) for k in MALLOC_CACHE}
@@ -204,7 +200,7 @@ def main(argv=None) -> int:
             with RankPool(4) as pool:  # started after the environment is set: the ranks inherit it
                 for name, layout in LAYOUTS.items():
                     t = pool.run(
-                        me.on_rank,
+                        on_rank,
                         layout,
                         a.tokens,
                         a.hidden,
@@ -273,7 +269,7 @@ def main(argv=None) -> int:
         "# folding vs Megatron-Core all-to-all dispatcher (CPU, gloo, 4 ranks)",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python benchmarks/bench_dispatcher_vs_megatron.py {' '.join(argv or sys.argv[1:])}`",
+        f"- command: `python -m benchmarks.bench_dispatcher_vs_megatron {' '.join(argv or sys.argv[1:])}`",
         f"- shape: {a.tokens} tokens per rank, H={a.hidden}, E={a.experts}, top-{a.topk}, fp32, dropless; "
         f"{a.iters} timed iterations after {a.warmup} warm-up, alternating Megatron-Core / folding / folding "
         f"per-expert / raw{' (and at EP4 the reference points)' if a.bounds else ''}, "

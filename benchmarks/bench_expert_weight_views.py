@@ -1,14 +1,14 @@
 """Per-expert weight views vs one ``unbind``: the backward cost of handing packed expert weights to a
 per-expert kernel (the loop and TransformerEngine backends).
 
-``w_EOK[e]`` for each expert makes E ``select`` autograd nodes; in backward each one allocates a zero
+``w_EOI[e]`` for each expert makes E ``select`` autograd nodes; in backward each one allocates a zero
 tensor the size of the whole ``[E, O, K]`` weight and adds its slice: E weight-sized buffers per GEMM.
-``w_EOK.unbind(0)`` is one node whose backward stacks the E gradients once. Both variants run the same
+``w_EOI.unbind(0)`` is one node whose backward stacks the E gradients once. Both variants run the same
 per-expert matmuls; timings alternate in one process, best and median of ``--reps``.
 
 Usage::
 
-    python benchmarks/bench_expert_weight_views.py [--experts 8,32] [--reps 15] \\
+    python -m benchmarks.bench_expert_weight_views [--experts 8,32] [--reps 15] \\
         [--out benchmarks/expert_weight_views_cpu.md]
 """
 
@@ -23,9 +23,9 @@ import time
 import torch
 
 
-def _step(w_EOK, x_NK, counts, views):
-    ws = w_EOK.unbind(0) if views == "unbind" else [w_EOK[e] for e in range(w_EOK.shape[0])]
-    y = torch.cat([x @ w.t() for x, w in zip(x_NK.split(counts), ws)])
+def _step(w_EOI, x_NI, counts, views):
+    ws = w_EOI.unbind(0) if views == "unbind" else [w_EOI[e] for e in range(w_EOI.shape[0])]
+    y = torch.cat([x @ w.t() for x, w in zip(x_NI.split(counts), ws)])
     y.sum().backward()
 
 

@@ -9,9 +9,9 @@ the layer error of BF16 and of each emulated FP8 recipe against an fp32 layer.
 
 Usage::
 
-    python benchmarks/bench_experts.py                                   # CPU-sized default shapes
-    python benchmarks/bench_experts.py --shapes 4096,14336,8,2,4096       # Mixtral 8x7B-like (GPU)
-    python benchmarks/bench_experts.py --out benchmarks/experts_cpu.md --iters 5
+    python -m benchmarks.bench_experts                                   # CPU-sized default shapes
+    python -m benchmarks.bench_experts --shapes 4096,14336,8,2,4096       # Mixtral 8x7B-like (GPU)
+    python -m benchmarks.bench_experts --out benchmarks/experts_cpu.md --iters 5
 
 Backends that cannot run here are listed as skipped with the reason.
 """
@@ -25,13 +25,11 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from folding.moe.expert_backends import torch_grouped_mm_supported  # noqa: E402
-from folding.moe.expert_te import te_available  # noqa: E402
-from folding.moe.experts import GroupedMLP  # noqa: E402
+from folding.moe.expert_backends import torch_grouped_mm_supported
+from folding.moe.expert_te import te_available
+from folding.moe.experts import GroupedMLP
 
 DEFAULT_SHAPES = "128,256,8,2,256;256,512,8,2,512"
 MIXTRAL_SHAPE = "4096,14336,8,2,4096"
@@ -192,7 +190,7 @@ def main(argv=None):
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- host load average at start (1/5/15 min): {_load()} on {os.cpu_count()} CPUs "
         "(timings from a loaded host are indicative only)",
-        f"- command: `python benchmarks/bench_experts.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"- command: `python -m benchmarks.bench_experts {' '.join(argv if argv is not None else sys.argv[1:])}`",
         "- FLOPs per step: forward + backward, 18·N·H·F (N = T·K rows); dense baseline: matmuls of the same FLOPs",
         "",
         "| shape H,F,E,K,T | backend | dtype | fp8 recipe | ms / step | TFLOP/s | dense TFLOP/s | vs dense |",

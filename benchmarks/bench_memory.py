@@ -35,8 +35,8 @@ allocations alive at the peak, with the function that made them.
 
 Usage::
 
-    python benchmarks/bench_memory.py --out benchmarks/memory_ep_cpu.md
-    python benchmarks/bench_memory.py --routing balanced --eps 1,8 --explain
+    python -m benchmarks.bench_memory --out benchmarks/memory_ep_cpu.md
+    python -m benchmarks.bench_memory --routing balanced --eps 1,8 --explain
 """
 
 from __future__ import annotations
@@ -51,8 +51,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.memory_probe import PeakProbe, storage_bytes
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+from folding.optim import FoldedOptimizer, OptimConfig
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.planning.memory import memory_per_rank
+from folding.testing import RankPool
 
 MiB = 2.0**20
 ROUTINGS = ("balanced", "learned")
@@ -60,8 +65,6 @@ ROUTINGS = ("balanced", "learned")
 
 def model_config(a):
     """The benchmark's architecture: the ``mixtral_tiny`` preset at the requested sizes."""
-    from folding.model.presets import get_preset
-
     return get_preset(
         "mixtral_tiny",
         hidden_size=a.hidden,
@@ -84,12 +87,6 @@ def _frame(stack, top: int = 2) -> str:
 def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=0):
     """On every rank: a warm-up step, then a profiled step; returns measured and analytic bytes."""
     import torch.distributed as dist
-    from memory_probe import PeakProbe, storage_bytes
-
-    from folding.model.transformer import MoETransformer
-    from folding.optim import FoldedOptimizer, OptimConfig
-    from folding.parallel import ParallelLayout, build_parallel_state
-    from folding.planning.memory import memory_per_rank
 
     torch.set_num_threads(1)
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
@@ -253,7 +250,6 @@ def main(argv=None):
     )
     p.add_argument("--out", default=None, help="markdown report to write")
     a = p.parse_args(argv)
-    from folding.testing import RankPool
 
     cfg = model_config(a)
     plan = layouts(a, cfg.moe.num_experts)
@@ -307,7 +303,7 @@ def main(argv=None):
             f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), fp32; "
             f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- command: `python benchmarks/bench_memory.py {' '.join(argv)}`",
+            f"- command: `python -m benchmarks.bench_memory {' '.join(argv)}`",
             f"- model: mixtral_tiny with H={a.hidden} F={a.ffn} E={cfg.moe.num_experts} top-{cfg.moe.topk} "
             f"layers={a.layers} "
             f"vocab={a.vocab}; micro-batch {a.batch} x seq {a.seq} per data-parallel rank; one step = fused-loss "

@@ -32,11 +32,23 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from folding.data.config import DataConfig
+from folding.model.chunks import build_stage_chunks
+from folding.model.presets import get_preset
+from folding.moe.layer import MoELayer
+from folding.optim.config import OptimConfig
+from folding.optim.optimizer import FoldedOptimizer
+from folding.parallel import build_parallel_state, overlap
+from folding.pipeline.stage import run_microbatches
+from folding.testing import RankPool
+from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 LAYOUTS = {
     "ep4": dict(ep=4, etp=1),
@@ -47,10 +59,6 @@ LAYOUTS = {
 
 def _job(layout: str, a: dict):
     """The benchmark's training job on 4 ranks (a Mixtral-shaped model, fp32, synthetic tokens)."""
-    from folding.data.config import DataConfig
-    from folding.model.presets import get_preset
-    from folding.optim.config import OptimConfig
-    from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
     model = get_preset(
         "mixtral_tiny",
@@ -78,11 +86,6 @@ def _job(layout: str, a: dict):
 
 def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     """One rank: build the model once, then alternate overlap off / on per step; per-step records."""
-    from folding.model.chunks import build_stage_chunks
-    from folding.moe.layer import MoELayer
-    from folding.optim.optimizer import FoldedOptimizer
-    from folding.parallel import build_parallel_state, overlap
-    from folding.pipeline.stage import run_microbatches
 
     torch.set_num_threads(a["threads"])
     job = _job(layout, a)
@@ -132,7 +135,6 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
 
 def run_layout(layout: str, a: dict, pool=None) -> dict:
     """Run one layout at one latency on 4 ranks; return the summary (medians after warm-up)."""
-    from folding.testing import RankPool
 
     own = pool is None
     pool = pool or RankPool(4)
@@ -219,9 +221,6 @@ def _report(results: List[dict], ns, command: str, load_before, load_after) -> s
 
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
-    import sys
-
-    from folding.testing import RankPool
 
     ns = _args(argv)
     command = "python -m benchmarks.bench_overlap " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -22,147 +22,39 @@ here asserts a timing.
 
 Usage::
 
-    python benchmarks/bench_train.py --seq 1024 --batch 2 --iters 7 --threads 2 \\
+    python -m benchmarks.bench_train --seq 1024 --batch 2 --iters 7 --threads 2 \\
         --out benchmarks/train_sidebyside_cpu.md
-    python benchmarks/bench_train.py --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
+    python -m benchmarks.bench_train --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
         --out benchmarks/train_layouts_cpu.md
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from breakdown import Labeller, breakdown, format_breakdown, op_classes  # noqa: E402
-from floor import kernel_floor  # noqa: E402
-
-
-def mixtral_config(a):
-    """The transformers ``MixtralConfig`` of the benchmark (aux loss off, SDPA attention)."""
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        hidden_size=a.hidden,
-        intermediate_size=a.ffn,
-        num_local_experts=a.experts,
-        num_experts_per_tok=a.topk,
-        num_hidden_layers=a.layers,
-        num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads,
-        vocab_size=a.vocab,
-        max_position_embeddings=max(4096, a.seq),
-        output_router_logits=False,
-        router_aux_loss_coef=0.0,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-
-
-def hf_loss(model, ids):
-    """The common driver: ``logits = model(ids)``, mean cross-entropy of the shifted logits."""
-    out = model(ids)
-    logits = out.logits if hasattr(out, "logits") else out
-    with torch.profiler.record_function("part:loss"):
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-
-
-def engine_loss(model, ids):
-    """The engine's own step: per-token losses from its fused vocab-parallel cross-entropy, mean."""
-    labels = torch.roll(ids, -1, 1)
-    mask = torch.ones_like(ids, dtype=torch.float32)
-    mask[:, -1] = 0
-    return model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
-
-
-def label_engine(model) -> Labeller:
-    """Profiler labels for the engine: attention, router, dispatch, experts, combine, fused loss."""
-    from folding.model import fused_cross_entropy
-    from folding.model.attention import Attention
-    from folding.moe.experts import GroupedMLP
-    from folding.moe.layer import MoELayer
-    from folding.moe.router import Router
-
-    lab = Labeller()
-    lab.modules(model, {"attention": (Attention,), "router": (Router,), "experts": (GroupedMLP,)})
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            lab.method(m.dispatcher, "dispatch", "dispatch")
-            lab.method(m.dispatcher, "combine", "combine")
-    ce = fused_cross_entropy._FusedLinearCE
-    if not getattr(ce, "_labelled", False):
-        fwd = ce.apply
-
-        def apply(*a):
-            with torch.profiler.record_function("part:loss"):
-                return fwd(*a)
-
-        ce.apply, ce._labelled = apply, True
-    return lab
-
-
-def label_hf(model) -> Labeller:
-    """Profiler labels for transformers' Mixtral (its experts module does dispatch, experts and combine)."""
-    from transformers.models.mixtral import modeling_mixtral as mm
-
-    lab = Labeller()
-    lab.modules(
-        model, {"attention": (mm.MixtralAttention,), "router": (mm.MixtralTopKRouter,), "experts": (mm.MixtralExperts,)}
-    )
-    return lab
-
-
-def make_step(model, loss_fn, ids):
-    """One training step (forward, backward, AdamW) as a closure; returns the loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step():
-        loss = loss_fn(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
-
-    return step
-
-
-def profile_step(step, n: int = 2):
-    """``(parts, kinds)``: seconds per model part and per kind of work (GEMM, attention kernels,
-    optimizer, rest) of a step under the PyTorch profiler, each the mean of ``n`` steps."""
-    parts, kinds = {}, {}
-    for _ in range(n):
-        with torch.profiler.profile() as prof:
-            t0 = time.perf_counter()
-            step()
-            wall = time.perf_counter() - t0
-        for acc, fn in ((parts, breakdown), (kinds, op_classes)):
-            for k, v in fn(prof, wall).items():
-                acc[k] = acc.get(k, 0.0) + v / n
-    return parts, kinds
-
-
-def flops_per_step(a) -> float:
-    """Model FLOPs of one training step (3x forward matmul FLOPs, causal attention halved)."""
-    T = a.batch * a.seq
-    kvd = a.hidden // a.heads * a.kv_heads
-    per_tok = 2 * (a.hidden * (a.hidden + 2 * kvd) + a.hidden * a.hidden)  # q, k, v, o
-    per_tok += 2 * a.hidden * a.experts + 2 * a.topk * 3 * a.hidden * a.ffn  # router, experts
-    per_tok *= a.layers
-    per_tok += 2 * a.hidden * a.vocab  # output layer
-    attn = a.layers * 2 * 2 * a.seq * a.hidden / 2  # QK^T and PV, causal
-    return 3 * T * (per_tok + attn)
-
+from benchmarks.breakdown import format_breakdown
+from benchmarks.floor import kernel_floor
+from benchmarks.gpu_mfu import main as gpu_main
+from benchmarks.train_layouts import run_layouts
+from benchmarks.train_step import (
+    engine_loss,
+    flops_per_step,
+    header,
+    hf_loss,
+    label_engine,
+    label_hf,
+    make_step,
+    mixtral_config,
+    profile_step,
+)
+from folding.model.compile import compile_dense
+from folding.model.hf import from_hf
 
 COMPILED = "engine, train.compile=true (common driver)"
 
@@ -170,8 +62,6 @@ COMPILED = "engine, train.compile=true (common driver)"
 def sidebyside(a):
     """Alternate HF, engine (common driver) and engine (own step); medians and breakdowns."""
     from transformers import MixtralForCausalLM
-
-    from folding.model.hf import from_hf
 
     torch.manual_seed(a.seed)
     hf = MixtralForCausalLM(mixtral_config(a)).float().train()
@@ -186,8 +76,6 @@ def sidebyside(a):
         "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids),
     }
     if a.compile:
-        from folding.model.compile import compile_dense
-
         eng_c = from_hf(tmp)
         compile_dense(eng_c)
         steps[COMPILED] = make_step(eng_c, hf_loss, ids)
@@ -206,25 +94,6 @@ def sidebyside(a):
     label_hf(hf), label_engine(eng), label_engine(eng_own)
     prof = {k: profile_step(s) for k, s in steps.items() if k != COMPILED}
     return first, times, {k: v[0] for k, v in prof.items()}, {k: v[1] for k, v in prof.items()}, floors
-
-
-def header(a, argv) -> str:
-    """Device, versions, date, load and command."""
-    import transformers
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return "\n".join(
-        [
-            f"- device: CPU ({platform.machine()}, {os.cpu_count()} cores visible), {a.threads} torch threads, fp32",
-            f"- torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- host load average at the end (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-            f"on {os.cpu_count()} CPUs (shared machine: timings are noisy; medians of alternating runs)",
-            f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
-            f"- model: Mixtral H={a.hidden} F={a.ffn} E={a.experts} top-{a.topk} layers={a.layers} heads={a.heads}/"
-            f"{a.kv_heads} vocab={a.vocab}; batch {a.batch} x seq {a.seq}; AdamW; aux loss off",
-        ]
-    )
 
 
 def kinds_table(kinds) -> str:
@@ -375,15 +244,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.mode == "gpu":
-        from gpu_mfu import main as gpu_main
-
         return gpu_main(argv)
     if a.mode == "sidebyside":
         first, times, parts, kinds, floors = sidebyside(a)
         text = report_sidebyside(a, argv, first, times, parts, kinds, floors)
     else:
-        from train_layouts import run_layouts
-
         text = run_layouts(a, argv)
     if a.out:
         with open(a.out, "w") as f:

@@ -16,7 +16,7 @@ Each piece is the best of ``reps`` timings (the least disturbed on a shared host
 
 Usage::
 
-    from floor import kernel_floor
+    from benchmarks.floor import kernel_floor
     parts = kernel_floor(hf_model, step_fn, a)     # {"gemm": s, "attention": s, "optimizer": s, "loss": s}
 """
 
@@ -26,7 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from memory_probe import event_nodes
+
+from benchmarks.memory_probe import event_nodes
 
 
 def _mm_operands(step) -> list:

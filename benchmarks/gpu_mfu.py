@@ -1,6 +1,6 @@
 """GPU mode of the training benchmark: MFU of Mixtral-8x7B-shaped layers on one GPU, BF16 and FP8.
 
-Measured on one CUDA device (``python benchmarks/bench_train.py --mode gpu``):
+Measured on one CUDA device (``python -m benchmarks.bench_train --mode gpu``):
 
 1. the peak: the best of a few large dense matmuls (``8192^3``) in BF16, and in FP8 (e4m3,
    ``torch._scaled_mm`` with tensorwise scales) where this torch and GPU support it;
@@ -14,7 +14,7 @@ counts model FLOPs only (``folding.planning.flops``; 3 x forward), never recompu
 
 Usage::
 
-    python benchmarks/bench_train.py --mode gpu --out benchmarks/gpu_mfu_h100.md
+    python -m benchmarks.bench_train --mode gpu --out benchmarks/gpu_mfu_h100.md
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ import datetime
 import sys
 
 import torch
+
+from folding.model.block import TransformerLayer
+from folding.model.groups import ModelGroups
+from folding.model.presets import get_preset
+from folding.model.rope import rope_cos_sin
+from folding.moe.expert_te import fp8_region
+from folding.moe.layer import MoELayer
+from folding.planning.flops import flops_per_token
 
 
 def _time(fn, iters: int) -> float:
@@ -65,10 +73,6 @@ def moe_layer_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of one Mixtral-8x7B MoE layer on ``a.tokens`` tokens."""
     import torch.distributed as dist
 
-    from folding.model.presets import get_preset
-    from folding.moe.expert_te import fp8_region
-    from folding.moe.layer import MoELayer
-
     cfg = get_preset("mixtral_8x7b")
     world = dist.group.WORLD
     moe_cfg = cfg.moe.replace(aux_loss_coeff=0.0, fp8_recipe=fp8_recipe, expert_backend="te" if fp8_recipe else "auto")
@@ -97,13 +101,6 @@ def moe_layer_case(a, fp8_recipe):
 
 def layers_case(a, fp8_recipe):
     """Forward + backward seconds and model FLOPs of ``a.layers`` Mixtral-8x7B layers at ``a.seq`` tokens."""
-    from folding.model.block import TransformerLayer
-    from folding.model.groups import ModelGroups
-    from folding.model.presets import get_preset
-    from folding.model.rope import rope_cos_sin
-    from folding.moe.expert_te import fp8_region
-    from folding.planning.flops import flops_per_token
-
     moe = {"aux_loss_coeff": 0.0}
     if fp8_recipe:
         moe.update(fp8_recipe=fp8_recipe, expert_backend="te")
@@ -178,7 +175,7 @@ def main(argv=None):
             "",
             f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- command: `python benchmarks/bench_train.py {' '.join(argv)}`",
+            f"- command: `python -m benchmarks.bench_train {' '.join(argv)}`",
             "- MFU = model FLOPs (3 x forward) / time / measured dense-matmul peak of the same dtype",
             "",
             *rows,

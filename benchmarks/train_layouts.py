@@ -8,7 +8,7 @@ of the batch.
 
 Usage::
 
-    python benchmarks/bench_train.py --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
+    python -m benchmarks.bench_train --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
         --out benchmarks/train_layouts_cpu.md
 """
 
@@ -18,9 +18,13 @@ import statistics
 import tempfile
 import time
 
-import bench_train as bt
 import torch
-from breakdown import format_breakdown
+
+from benchmarks import train_step
+from benchmarks.breakdown import format_breakdown
+from folding.model.hf import from_hf
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.testing import RankPool
 
 
 def layout_worker(path, layout_kw, ids, iters, threads):
@@ -28,15 +32,12 @@ def layout_worker(path, layout_kw, ids, iters, threads):
     one extra profiled step by part)."""
     import torch.distributed as dist
 
-    from folding.model.hf import from_hf
-    from folding.parallel import ParallelLayout, build_parallel_state
-
     torch.set_num_threads(threads)
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw))
     try:
         model = from_hf(path, parallel_state=ps)
         b = ids.shape[0] // ps.dp_size  # each data-parallel replica its slice of the batch
-        step = bt.make_step(model, bt.engine_loss, ids[ps.dp_rank * b : (ps.dp_rank + 1) * b])
+        step = train_step.make_step(model, train_step.engine_loss, ids[ps.dp_rank * b : (ps.dp_rank + 1) * b])
         first = step()
         ts = []
         for _ in range(iters):
@@ -44,9 +45,9 @@ def layout_worker(path, layout_kw, ids, iters, threads):
             t0 = time.perf_counter()
             step()
             ts.append(time.perf_counter() - t0)
-        bt.label_engine(model)
+        train_step.label_engine(model)
         dist.barrier()
-        parts, _ = bt.profile_step(step, n=1)
+        parts, _ = train_step.profile_step(step, n=1)
         return first, ts, parts
     finally:
         ps.destroy()
@@ -67,13 +68,11 @@ def run_layouts(a, argv) -> str:
     """The engine's own step on 1 rank and on ``--world`` gloo ranks per layout; markdown report."""
     from transformers import MixtralForCausalLM
 
-    from folding.testing import RankPool
-
     torch.manual_seed(a.seed)
     tmp = tempfile.mkdtemp(prefix="bench_layouts_")
-    MixtralForCausalLM(bt.mixtral_config(a)).float().save_pretrained(tmp)
+    MixtralForCausalLM(train_step.mixtral_config(a)).float().save_pretrained(tmp)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=torch.Generator().manual_seed(a.seed))
-    fl = bt.flops_per_step(a)
+    fl = train_step.flops_per_step(a)
     rows = [
         "| layout | ranks | first loss | median s/step | tokens/s (all ranks) | TFLOP/s (all ranks) | "
         "TFLOP/s per rank |",
@@ -100,7 +99,7 @@ def run_layouts(a, argv) -> str:
         [
             "# Engine training step by layout (gloo, CPU)",
             "",
-            bt.header(a, argv),
+            train_step.header(a, argv),
             "",
             "Step time of a layout = the slowest rank's; each data-parallel replica trains on its slice of the "
             "batch (first loss: rank 0's, equal to the 1-rank loss when DP = 1). No gradient reduction "

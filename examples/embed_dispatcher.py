@@ -11,17 +11,14 @@ Run with ``torchrun --nproc-per-node 4 examples/embed_dispatcher.py`` (gloo or N
 """
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from folding.moe.config import MoEConfig  # noqa: E402
-from folding.moe.dispatcher import build_dispatcher  # noqa: E402
-from folding.moe.router import Router  # noqa: E402
+from folding.moe.config import MoEConfig
+from folding.moe.dispatcher import build_dispatcher
+from folding.moe.router import Router
 
 H, F, E, TOPK, T = 32, 16, 4, 2, 10
 

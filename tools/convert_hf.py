@@ -2,12 +2,12 @@
 
 Subcommands::
 
-    python tools/convert_hf.py import HF_DIR engine.pt        # 1-rank engine state dict (+ configs)
-    python tools/convert_hf.py export engine.pt OUT_DIR       # back to config.json + model.safetensors
+    python -m tools.convert_hf import HF_DIR engine.pt        # 1-rank engine state dict (+ configs)
+    python -m tools.convert_hf export engine.pt OUT_DIR       # back to config.json + model.safetensors
                                                               # (shards + index beyond --max-shard-bytes)
-    python tools/convert_hf.py export --checkpoint DIR --out HF_DIR   # a training checkpoint -> HF
-    python tools/convert_hf.py roundtrip HF_DIR OUT_DIR       # HF -> engine -> HF, bit-identical check
-    torchrun --nproc-per-node 8 tools/convert_hf.py roundtrip HF_DIR OUT_DIR --tp 2 --ep 4 --etp 2
+    python -m tools.convert_hf export --checkpoint DIR --out HF_DIR   # a training checkpoint -> HF
+    python -m tools.convert_hf roundtrip HF_DIR OUT_DIR       # HF -> engine -> HF, bit-identical check
+    torchrun --nproc-per-node 8 -m tools.convert_hf roundtrip HF_DIR OUT_DIR --tp 2 --ep 4 --etp 2
 
 ``roundtrip`` under torchrun loads the checkpoint directly into the given layout (each rank reads only
 its slices), exports it by gathering to rank 0, and compares every tensor bit for bit. The MoE block
@@ -27,9 +27,14 @@ import importlib
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
+from folding.model.config import ModelConfig
+from folding.model.hf import _Reader, from_hf, to_hf
+from folding.model.hf_config import CheckpointError
+from folding.model.transformer import MoETransformer
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
 
 
 def _factory(spec):
@@ -42,8 +47,6 @@ def _factory(spec):
 def _parallel_state(args):
     import torch.distributed as dist
 
-    from folding.parallel import ParallelLayout, build_parallel_state
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and max(args.tp, args.cp, args.ep, args.etp or 1) == 1:
         return None
@@ -55,8 +58,6 @@ def _parallel_state(args):
 
 
 def cmd_import(args) -> int:
-    from folding.model.hf import from_hf
-
     model = from_hf(args.src, moe_factory=_factory(args.moe_factory))
     torch.save(
         {
@@ -90,11 +91,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes
     """Write training checkpoint ``checkpoint`` (or the latest complete one under it) as a Hugging
     Face checkpoint in ``out_dir`` (safetensors shards beyond ``max_shard_bytes``); return the
     checkpoint path used. 1 process, CPU, fp32 unless ``dtype``."""
-    from folding.model.config import ModelConfig
-    from folding.model.hf import to_hf
-    from folding.model.transformer import MoETransformer
-    from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
-
     path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
     if path is None:
         raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
@@ -115,9 +111,6 @@ def cmd_export(args) -> int:
         return 0
     if not (args.src and args.dst):
         raise ValueError("export needs either --checkpoint DIR --out HF_DIR or ENGINE_PT OUT_DIR")
-    from folding.model.config import ModelConfig
-    from folding.model.hf import to_hf
-    from folding.model.transformer import MoETransformer
 
     blob = torch.load(args.src, map_location="cpu", weights_only=True)
     cfg = ModelConfig.from_dict(blob["model_config"])
@@ -130,9 +123,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_roundtrip(args) -> int:
-
-    from folding.model.hf import _Reader, from_hf, to_hf
-
     ps = _parallel_state(args)
     model = from_hf(args.src, parallel_state=ps, moe_factory=_factory(args.moe_factory))
     to_hf(model, args.dst, max_shard_bytes=args.max_shard_bytes)
@@ -184,7 +174,6 @@ def main(argv=None) -> int:
                 s.add_argument(f"--{axis}", type=int, default=1)
             s.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     args = p.parse_args(argv)
-    from folding.model.hf_config import CheckpointError
 
     try:
         return {"import": cmd_import, "export": cmd_export, "roundtrip": cmd_roundtrip}[args.cmd](args)

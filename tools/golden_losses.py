@@ -3,20 +3,16 @@ tiny presets in the configuration of ``tests/distributed/test_pipeline_training.
 
 Run it only when a change is *meant* to change the numerics, and say so in the commit::
 
-    python tools/golden_losses.py
+    python -m tools.golden_losses
 """
 
 import json
-import os
-import sys
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from folding.testing import RankPool
 
 
 def main() -> None:
-    from folding.testing import RankPool
     from tests.distributed.test_pipeline_training import GOLDEN, GOLDEN_STEPS, MODELS, _train
 
     out = {}

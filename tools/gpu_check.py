@@ -2,8 +2,8 @@
 
 Usage::
 
-    torchrun --nproc-per-node 8 tools/gpu_check.py      # any world size, multi-node as usual
-    python tools/gpu_check.py                           # one process
+    torchrun --nproc-per-node 8 -m tools.gpu_check      # any world size, multi-node as usual
+    python -m tools.gpu_check                           # one process
 
 Prints one table (on rank 0) with a row per check and the result of every rank: the device of
 each rank; pipeline point-to-point both ways through the engine's own grouped exchange (what the
@@ -22,21 +22,19 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from folding.model.presets import get_preset  # noqa: E402
-from folding.model.transformer import MoETransformer  # noqa: E402
-from folding.moe.config import MoEConfig  # noqa: E402
-from folding.moe.expert_select import backend_support  # noqa: E402
-from folding.moe.layer import MoELayer  # noqa: E402
-from folding.parallel import ParallelLayout, build_parallel_state  # noqa: E402
-from folding.pipeline.p2p import P2P  # noqa: E402
-from folding.quant.emulate import RECIPES  # noqa: E402
-from folding.testing.transfer_audit import TransferAudit  # noqa: E402
-from folding.training.launch import init_world  # noqa: E402
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+from folding.moe.config import MoEConfig
+from folding.moe.expert_select import backend_support
+from folding.moe.layer import MoELayer
+from folding.parallel import ParallelLayout, build_parallel_state
+from folding.pipeline.p2p import P2P
+from folding.quant.emulate import RECIPES
+from folding.testing.transfer_audit import TransferAudit
+from folding.training.launch import init_world
 
 PASS, FAIL, SKIP, NO = "ok", "FAIL", "SKIPPED", "no"
 

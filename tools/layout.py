@@ -2,8 +2,8 @@
 
 Usage::
 
-    python tools/layout.py --world 8 --tp 2 --cp 2 --ep 8 --etp 1          # tables
-    python tools/layout.py --world 8 --tp 2 --cp 2 --ep 8 --etp 1 --json   # JSON only on stdout
+    python -m tools.layout --world 8 --tp 2 --cp 2 --ep 8 --etp 1          # tables
+    python -m tools.layout --world 8 --tp 2 --cp 2 --ep 8 --etp 1 --json   # JSON only on stdout
 
 Omitted sizes default to 1 (``--etp`` to ``--tp``). An impossible layout exits with status 2 and a
 one-line message on stderr naming the violated constraint and the flag to change. The tables name
@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import re  # noqa: E402
-
-from folding.parallel import DEFAULT_ORDER, LayoutError, ParallelLayout  # noqa: E402
+from folding.parallel import DEFAULT_ORDER, LayoutError, ParallelLayout
 
 EXPERT_LABELS = {"tp": "etp", "dp": "edp", "tp-ep": "etp-ep", "tp-ep-pp": "etp-ep-pp"}
 """Table labels of the expert groups (the rank math's keys -> the user guide's names)."""

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python tools/memory.py --model mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
+    python -m tools.memory --model mixtral_8x7b --world 64 --pp 4 --ep 8 --etp 1 \\
         --distributed --param-dtype bfloat16 --recompute selective --seq-length 4096 --micro-batch-size 1
-    python tools/memory.py --model deepseek_v3_tiny --world 4 --tp 2 --pp 2 --ep 2 --etp 1 --distributed --measure
+    python -m tools.memory --model deepseek_v3_tiny --world 4 --tp 2 --pp 2 --ep 2 --etp 1 --distributed --measure
 
 ``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's model chunks (the
 trainer's own) and optimizer, and prints measured bytes next to the model (use a tiny model preset,
@@ -16,14 +16,13 @@ and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from folding.model.presets import get_preset, list_presets  # noqa: E402
-from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
-from folding.planning.memory import RECOMPUTE_MODES, memory_per_rank  # noqa: E402
+from folding.model.presets import get_preset, list_presets
+from folding.parallel import LayoutError, ParallelLayout
+from folding.planning.memory import RECOMPUTE_MODES, memory_per_rank
+from folding.testing import RankPool
+from tools.memory_measure import measure_on_rank
 
 KINDS = ("params_dense", "params_expert", "grads_dense", "grads_expert", "optimizer_dense", "optimizer_expert")
 
@@ -123,10 +122,6 @@ def main(argv=None) -> int:
             f"  stage {e.stage}: " + "  ".join(f"{k}={_gib(v).strip()}" for k, v in e.as_dict().items() if k != "stage")
         )
     if a.measure:
-        from memory_measure import measure_on_rank  # tools/: beside this script
-
-        from folding.testing import RankPool
-
         with RankPool(a.world) as pool:
             kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp)
             res = pool.run(measure_on_rank, cfg, kw, distributed=a.distributed, dtype=a.param_dtype)

@@ -2,10 +2,10 @@
 
 Usage::
 
-    python tools/plan.py --model mixtral_8x22b --world 128 --gpu h100 --seq-length 4096 --global-batch-size 256
-    python tools/plan.py --model qwen2_57b_a14b --world 64 --gpu h100 --seq-length 4096 \\
+    python -m tools.plan --model mixtral_8x22b --world 128 --gpu h100 --seq-length 4096 --global-batch-size 256
+    python -m tools.plan --model qwen2_57b_a14b --world 64 --gpu h100 --seq-length 4096 \\
         --global-batch-size 256 --json          # only a JSON list on stdout, best first
-    python tools/plan.py ... --top 20 --all-variants --unfolded
+    python -m tools.plan ... --top 20 --all-variants --unfolded
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import yaml
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from folding.model.presets import get_preset, list_presets  # noqa: E402
-from folding.planning.hardware import get_gpu, list_gpus  # noqa: E402
-from folding.planning.planner import COMPUTE_EFFICIENCY, plan_layouts  # noqa: E402
-from folding.planning.step_time import Cluster, TrainingShape  # noqa: E402
+from folding.model.presets import get_preset, list_presets
+from folding.planning.hardware import get_gpu, list_gpus
+from folding.planning.planner import COMPUTE_EFFICIENCY, plan_layouts
+from folding.planning.step_time import Cluster, TrainingShape
 
 
 def moe_overrides(items):

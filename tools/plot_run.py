@@ -1,7 +1,7 @@
 """Plot a run's metrics JSONL: the loss curve (train and eval) and a layer x expert load heatmap.
 
-    python tools/plot_run.py outputs/2026-01-01/12-00-00 --out run.png      # a run directory
-    python tools/plot_run.py outputs/2026-01-01/12-00-00/metrics.jsonl --out run.png
+    python -m tools.plot_run outputs/2026-01-01/12-00-00 --out run.png      # a run directory
+    python -m tools.plot_run outputs/2026-01-01/12-00-00/metrics.jsonl --out run.png
 
 A resumed run appends to the same file: the records written after each restart replace the earlier
 ones of the steps it repeats (steps after the checkpoint it resumed from).
@@ -18,8 +18,8 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def read_records(path):

@@ -6,9 +6,9 @@ document per line or per file).
 
 Usage::
 
-    python tools/preprocess_data.py --input docs.jsonl --output-prefix data/docs --tokenizer byte --append-eod
-    python tools/preprocess_data.py --input book.txt --output-prefix data/book --append-eod
-    python tools/preprocess_data.py --input docs.jsonl.gz --output-prefix data/docs \\
+    python -m tools.preprocess_data --input docs.jsonl --output-prefix data/docs --tokenizer byte --append-eod
+    python -m tools.preprocess_data --input book.txt --output-prefix data/book --append-eod
+    python -m tools.preprocess_data --input docs.jsonl.gz --output-prefix data/docs \\
         --tokenizer /models/qwen2-tokenizer --json-key content --workers 8 --append-eod
 
 Then train on it with ``data.paths=[data/docs]`` and the same ``data.tokenizer``.

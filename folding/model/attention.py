@@ -103,11 +103,11 @@ class Attention(nn.Module):
         v = v.view(S, B, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos_SD, sin_SD), apply_rope(k, cos_SD, sin_SD)
         # GQA without copying K/V: query head j attends with KV head j // (heads / kv_heads)
-        q_BNSD = q.permute(1, 2, 0, 3)
+        q_BASD = q.permute(1, 2, 0, 3)
         if group_size(self.cp_group) > 1:  # full-sequence K/V in sequence order
             k, v = gather_kv(k, self.cp_group)[kv_order], gather_kv(v, self.cp_group)[kv_order]
         out = causal_sdpa(
-            q_BNSD,
+            q_BASD,
             k.permute(1, 2, 0, 3),
             v.permute(1, 2, 0, 3),
             scale=1.0 / math.sqrt(self.head_dim),

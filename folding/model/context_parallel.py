@@ -16,7 +16,7 @@ Usage::
     ids_BSl = input_ids_BS[:, pos_S]
     k_full = gather_kv(k_SBND, cp_group)                       # [S, B, heads, D] in rank order
     kv_order = gathered_positions(seq_len, cp_size).argsort()  # sorts k_full into sequence order
-    out_BNSD = causal_sdpa(q_BNSD, k_BNSD, v_BNSD, scale=d**-0.5, chunk_starts=chunk_starts)
+    out_BNSD = causal_sdpa(q_BASD, k_BASD, v_BASD, scale=d**-0.5, chunk_starts=chunk_starts)
 """
 
 from __future__ import annotations
@@ -60,37 +60,37 @@ def gathered_positions(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
     return torch.cat([cp_positions(seq_len, r, cp_size, device) for r in range(cp_size)])
 
 
-def gather_kv(x_SBND: torch.Tensor, cp_group) -> torch.Tensor:
+def gather_kv(x_SBAD: torch.Tensor, cp_group) -> torch.Tensor:
     """All-gather K or V along the sequence over CP.
 
     Forward: all-gather along dim 0 (rank order). Backward: reduce-scatter (sum) of the gradient.
     """
     if group_size(cp_group) == 1:
-        return x_SBND
-    return gather_from_sequence_region(x_SBND, cp_group, grad_reduce=True)
+        return x_SBAD
+    return gather_from_sequence_region(x_SBAD, cp_group, grad_reduce=True)
 
 
 def causal_sdpa(
-    q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, *, scale: float, chunk_starts, **kw
+    q_BASD: torch.Tensor, k_BASD: torch.Tensor, v_BASD: torch.Tensor, *, scale: float, chunk_starts, **kw
 ) -> torch.Tensor:
     """Causal SDPA of this rank's queries over keys/values in sequence order.
 
     Without CP (``chunk_starts == (0,)`` and as many keys as queries) one causal call. Under CP the
     queries are this rank's chunks (``chunk_starts`` their first positions) and the keys the whole
     gathered sequence: each chunk starting at ``p`` attends keys ``[0, p + c)`` with a lower-right
-    causal bias. The value width may differ from the query/key width. Returns ``[B, N, S_q, Dv]``.
+    causal bias. The value width may differ from the query/key width. Returns ``[B, A, S_q, Dv]``.
     """
-    if len(chunk_starts) == 1 and k_BNSD.shape[2] == q_BNSD.shape[2]:
-        return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, scale=scale, **kw)
-    c = q_BNSD.shape[2] // len(chunk_starts)
+    if len(chunk_starts) == 1 and k_BASD.shape[2] == q_BASD.shape[2]:
+        return F.scaled_dot_product_attention(q_BASD, k_BASD, v_BASD, is_causal=True, scale=scale, **kw)
+    c = q_BASD.shape[2] // len(chunk_starts)
     outs = []
     for j, start in enumerate(chunk_starts):
         end = start + c
         outs.append(
             F.scaled_dot_product_attention(
-                q_BNSD[:, :, j * c : (j + 1) * c],
-                k_BNSD[:, :, :end],
-                v_BNSD[:, :, :end],
+                q_BASD[:, :, j * c : (j + 1) * c],
+                k_BASD[:, :, :end],
+                v_BASD[:, :, :end],
                 attn_mask=causal_lower_right(c, end),
                 scale=scale,
                 **kw,

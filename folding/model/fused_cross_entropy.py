@@ -15,8 +15,8 @@ Collectives (each forward chunk, over ``tp_group``; none when it has one rank): 
 per-token logit maximum, all-reduce SUM of the per-token target logit and sum of exponentials.
 Backward: none (each rank's gradient is ``softmax − onehot`` on its vocabulary slice).
 
-Shape-suffix legend: ``T`` tokens, ``H`` hidden, ``V`` this rank's vocabulary slice (V/TP), ``C`` a
-chunk of tokens.
+Shape suffixes (docs/shapes.md): ``T`` tokens, ``H`` hidden, ``V`` this rank's vocabulary slice
+(V/TP), ``Tc`` the tokens of one chunk.
 
 Usage::
 
@@ -31,23 +31,23 @@ import torch.distributed as dist
 from ..parallel.collectives import group_rank, group_size
 
 
-def _chunk_stats(x_CH, w_VH, target_C, start, group):
+def _chunk_stats(x_TcH, w_VH, target_Tc, start, group):
     """fp32 logits of one chunk, their per-token max-shifted log-sum-exp and target logit (all reduced)."""
-    logits_CV = (x_CH @ w_VH.t()).float()
-    v_local = logits_CV.shape[-1]
-    max_C = logits_CV.max(dim=-1).values
+    logits_TcV = (x_TcH @ w_VH.t()).float()
+    v_local = logits_TcV.shape[-1]
+    max_Tc = logits_TcV.max(dim=-1).values
     if group_size(group) > 1:
-        dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=group)
-    outside_C = (target_C < start) | (target_C >= start + v_local)
-    local_t_C = (target_C - start).masked_fill(outside_C, 0)
-    target_logit_C = logits_CV.gather(-1, local_t_C.unsqueeze(-1)).squeeze(-1).masked_fill(outside_C, 0.0)
-    sum_exp_C = (logits_CV - max_C.unsqueeze(-1)).exp_().sum(-1)
+        dist.all_reduce(max_Tc, op=dist.ReduceOp.MAX, group=group)
+    outside_Tc = (target_Tc < start) | (target_Tc >= start + v_local)
+    local_t_Tc = (target_Tc - start).masked_fill(outside_Tc, 0)
+    target_logit_Tc = logits_TcV.gather(-1, local_t_Tc.unsqueeze(-1)).squeeze(-1).masked_fill(outside_Tc, 0.0)
+    sum_exp_Tc = (logits_TcV - max_Tc.unsqueeze(-1)).exp_().sum(-1)
     if group_size(group) > 1:
-        both = torch.stack([target_logit_C, sum_exp_C])
+        both = torch.stack([target_logit_Tc, sum_exp_Tc])
         dist.all_reduce(both, group=group)
-        target_logit_C, sum_exp_C = both[0], both[1]
-    lse_C = sum_exp_C.log() + max_C
-    return logits_CV, lse_C, target_logit_C, local_t_C, outside_C
+        target_logit_Tc, sum_exp_Tc = both[0], both[1]
+    lse_Tc = sum_exp_Tc.log() + max_Tc
+    return logits_TcV, lse_Tc, target_logit_Tc, local_t_Tc, outside_Tc
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -59,10 +59,10 @@ class _FusedLinearCE(torch.autograd.Function):
         softmax_TV = None
         for c0 in range(0, x_TH.shape[0], chunk):
             sl = slice(c0, c0 + chunk)
-            logits_CV, lse_C, tl_C, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
-            lse_T[sl], loss_T[sl] = lse_C, lse_C - tl_C
+            logits_TcV, lse_Tc, tl_Tc, _, _ = _chunk_stats(x_TH[sl], w_VH, target_T[sl], start, group)
+            lse_T[sl], loss_T[sl] = lse_Tc, lse_Tc - tl_Tc
             if x_TH.shape[0] <= chunk:  # one chunk: keep its softmax, backward needs no recompute GEMM
-                softmax_TV = logits_CV.sub_(lse_C.unsqueeze(-1)).exp_()
+                softmax_TV = logits_TcV.sub_(lse_Tc.unsqueeze(-1)).exp_()
         ctx.softmax_TV = softmax_TV
         ctx.save_for_backward(x_TH, w_VH, target_T, lse_T)
         ctx.start, ctx.chunk = start, chunk
@@ -77,19 +77,19 @@ class _FusedLinearCE(torch.autograd.Function):
         v_local = w_VH.shape[0]
         for c0 in range(0, x_TH.shape[0], chunk):
             sl = slice(c0, c0 + chunk)
-            x_CH, t_C = x_TH[sl], target_T[sl]
+            x_TcH, t_Tc = x_TH[sl], target_T[sl]
             if ctx.softmax_TV is not None:  # kept (one chunk)
-                g_CV = ctx.softmax_TV
+                g_TcV = ctx.softmax_TV
             else:  # recomputed
-                g_CV = (x_CH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()
-            inside_C = (t_C >= start) & (t_C < start + v_local)
-            rows = torch.nonzero(inside_C).squeeze(-1)
-            g_CV[rows, t_C[rows] - start] -= 1.0  # − onehot
-            g_CV.mul_(grad_T[sl].unsqueeze(-1))
+                g_TcV = (x_TcH @ w_VH.t()).float().sub_(lse_T[sl].unsqueeze(-1)).exp_()
+            inside_Tc = (t_Tc >= start) & (t_Tc < start + v_local)
+            rows = torch.nonzero(inside_Tc).squeeze(-1)
+            g_TcV[rows, t_Tc[rows] - start] -= 1.0  # − onehot
+            g_TcV.mul_(grad_T[sl].unsqueeze(-1))
             if grad_x is not None:
-                grad_x[sl] = g_CV.to(x_TH.dtype) @ w_VH
+                grad_x[sl] = g_TcV.to(x_TH.dtype) @ w_VH
             if grad_w is not None:
-                grad_w.addmm_(g_CV.t(), x_CH.float())
+                grad_w.addmm_(g_TcV.t(), x_TcH.float())
         ctx.softmax_TV = None
         return grad_x, (grad_w.to(w_VH.dtype) if grad_w is not None else None), None, None, None
 

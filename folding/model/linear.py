@@ -11,7 +11,7 @@ consumers that are not column-parallel linears.
 
 Usage::
 
-    gate, up = sp_column_linears(x_SBH, [gate_proj, up_proj], tp_group)   # [S, B, F/TP] each
+    gate, up = sp_column_linears(x_SBH, [gate_proj, up_proj], tp_group)   # [S, B, Fl] each
     y_SBH = down(act(gate) * up)                                           # RowParallelLinear -> [S/TP, B, H]
 """
 
@@ -121,6 +121,6 @@ class RowParallelLinear(nn.Module):
         mark_param(self.weight, tp_sharded=True, tp_dim=1)
         set_init_spec(self.weight, full_shape=(out_features, in_features), shards=((1, r, tp),), std=init_std)
 
-    def forward(self, x_SBF: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         """``[S, B, in/TP] -> [S/TP, B, out]``."""
-        return reduce_scatter_to_sequence_region(F.linear(x_SBF, self.weight), self.tp_group)
+        return reduce_scatter_to_sequence_region(F.linear(x_SBI, self.weight), self.tp_group)

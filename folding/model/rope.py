@@ -33,8 +33,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_SBND: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_SBAD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [S, B, heads, D]`` by the angles of its positions (``cos/sin [S, D]``)."""
-    cos = cos_SD[:, None, None, :].to(x_SBND.dtype)
-    sin = sin_SD[:, None, None, :].to(x_SBND.dtype)
-    return x_SBND * cos + _rotate_half(x_SBND) * sin
+    cos = cos_SD[:, None, None, :].to(x_SBAD.dtype)
+    sin = sin_SD[:, None, None, :].to(x_SBAD.dtype)
+    return x_SBAD * cos + _rotate_half(x_SBAD) * sin

@@ -90,7 +90,7 @@ class MoETransformer(nn.Module):
             if parallel_state is not None and parallel_state.layout.pp > 1:
                 raise ValueError(
                     "with parallel.pp > 1 build this rank's pipeline chunks with "
-                    "folding.pipeline.stage.build_stage_chunks (or pass layer_range=)"
+                    "folding.model.chunks.build_stage_chunks (or pass layer_range=)"
                 )
             layer_range = (0, config.num_layers)
         start, end = layer_range

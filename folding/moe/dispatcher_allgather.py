@@ -10,8 +10,8 @@ Dropless and dropping modes read the local experts' row counts once on the host 
 device-to-host sync, in ``dispatch_postprocess``); pad-to-capacity needs none. The wire is the
 activation dtype (quantized wires are offered by the all-to-all dispatcher).
 
-Shape-suffix legend: ``T`` local tokens, ``G`` gathered tokens (``ETP·EP·T``), ``H`` hidden, ``E``
-experts, ``L`` local experts, ``N`` permuted rows.
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``Tg`` gathered tokens (``ETP·EP·T``), ``H``
+hidden, ``E`` global experts, ``L`` local experts, ``N`` permuted rows.
 
 Usage::
 
@@ -66,24 +66,24 @@ class AllGatherDispatcher(TokenDispatcher):
             x = gather_from_sequence_region(x, group, grad_reduce=True)
             p = gather_from_sequence_region(p, group, grad_reduce=True)
             m = all_gather_nograd(m, group)
-        call.map_GE = m.bool()
+        call.map_TgE = m.bool()
         return x, p
 
     def _postprocess(self, hidden, probs, call):
         """Keep the local experts' columns and permute expert-major (one host read of the counts, none
         with pad-to-capacity). Returns ``(tokens_NH, record, probs_N)``."""
         lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
-        map_GL, probs_GL = call.map_GE[:, lo:hi], probs[:, lo:hi]
+        map_TgL, probs_TgL = call.map_TgE[:, lo:hi], probs[:, lo:hi]
         R, L, T = self.ep_size * self.etp_size, self.num_local_experts, call.num_tokens
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, self.num_experts, self.capacity_factor)
-            out, p, token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
+            out, p, token_idx = permute(hidden, map_TgL, probs_TgL, rows_per_expert=rows, num_chunks=R)
             host = [rows * R] * L
             tpe = torch.full((L,), rows * R, dtype=torch.long, device=hidden.device)
         else:
-            tpe = map_GL.sum(0)
+            tpe = map_TgL.sum(0)
             # one host read: the local experts' counts, and each source rank's routed pairs (dropless check)
-            per_rank = call.map_GE.view(R, -1).sum(1)
+            per_rank = call.map_TgE.view(R, -1).sum(1)
             counts = host_sync.to_host(torch.cat([tpe, per_rank.to(tpe.dtype)]), reason="allgather counts")
             host = counts[:L]
             want = T * self.topk
@@ -95,7 +95,7 @@ class AllGatherDispatcher(TokenDispatcher):
                     + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
                     + "; set capacity_factor if the router drops tokens"
                 )
-            out, p, token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(host))
+            out, p, token_idx = permute(hidden, map_TgL, probs_TgL, num_out_tokens=sum(host))
         H, elem = hidden.shape[-1], hidden.element_size()
         record = DispatchRecord(
             hidden_shape=call.hidden_shape,
@@ -132,4 +132,4 @@ class _Call:
     hidden_shape: tuple
     routing_map: torch.Tensor
     num_tokens: int
-    map_GE: Optional[torch.Tensor] = None
+    map_TgE: Optional[torch.Tensor] = None

@@ -22,7 +22,7 @@ that save ``L - 1`` calls each way.
 Combine reverses it: unsort, reduce-scatter the ETP partial outputs, EP all-to-all back, and sum
 each token's expert rows (unweighted; the experts applied the probabilities).
 
-Shape-suffix legend: ``T`` local tokens, ``H`` hidden, ``E`` experts, ``L`` local experts, ``N``
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``H`` hidden, ``E`` experts, ``L`` local experts, ``N``
 rows (permuted pairs), ``R`` ranks.
 
 Usage::

@@ -1,7 +1,8 @@
 """Grouped-GEMM backends for the experts: ``y[rows of e] = x[rows of e] · w[e]ᵀ`` for every local expert.
 
-Legend: N rows (tokens routed to this rank's experts, sorted expert-major), L local experts,
-K contraction size, O output size; ``x_NK``, ``w_LOK`` (nn.Linear-style out×in), ``y_NO``.
+Shape suffixes (docs/shapes.md): N rows (tokens routed to this rank's experts, sorted expert-major),
+Ne one expert's rows, L local experts, I input features, O output features; ``x_NI``, ``w_LOI``
+(nn.Linear-style out×in), ``y_NO``.
 
 Backends (all take the same arguments and give the same result up to round-off):
 
@@ -18,7 +19,7 @@ operand, splitting an expert across calls when it alone is too large.
 
 Usage::
 
-    y_NO = grouped_linear(x_NK, w_LOK, counts_L, backend="torch")
+    y_NO = grouped_linear(x_NI, w_LOI, counts_L, backend="torch")
 """
 
 from __future__ import annotations
@@ -137,38 +138,38 @@ class _GroupedMMDelayedWgrad(torch.autograd.Function):
     results are bitwise those of the plain call."""
 
     @staticmethod
-    def forward(ctx, x_NK, w_LOK, offs, anchor):
-        ctx.save_for_backward(x_NK, w_LOK, offs)
+    def forward(ctx, x_NI, w_LOI, offs, anchor):
+        ctx.save_for_backward(x_NI, w_LOI, offs)
         ctx.anchor = anchor[0]  # the weight as the graph holds it; its gradient is delivered later
-        return _grouped_mm_fn()(x_NK, w_LOK.transpose(-2, -1), offs=offs)
+        return _grouped_mm_fn()(x_NI, w_LOI.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, g_NO):
-        x_NK, w_LOK, offs = ctx.saved_tensors
+        x_NI, w_LOI, offs = ctx.saved_tensors
         fn = _grouped_mm_fn()
         g_NO = g_NO.contiguous()
-        gx = fn(g_NO, w_LOK, offs=offs) if ctx.needs_input_grad[0] else None
+        gx = fn(g_NO, w_LOI, offs=offs) if ctx.needs_input_grad[0] else None
         if ctx.anchor.requires_grad:
             anchor = ctx.anchor
 
             def wgrad():
-                gw = fn(x_NK.transpose(-2, -1), g_NO, offs=offs).transpose(-2, -1)
+                gw = fn(x_NI.transpose(-2, -1), g_NO, offs=offs).transpose(-2, -1)
                 torch.autograd.backward(anchor, gw)
 
             overlap.defer(wgrad)
         return gx, None, None, None
 
 
-def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int], delay_wgrad: bool = False) -> torch.Tensor:
+def _torch_call(x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int], delay_wgrad: bool = False) -> torch.Tensor:
     fn = _grouped_mm_fn()
-    out = w_LOK.shape[1]
-    align = max(1, 16 // x_NK.element_size())
-    xp = _pad_to(x_NK, 1, align).contiguous()
-    wp = _pad_to(_pad_to(w_LOK, 2, align), 1, align).contiguous()
+    out = w_LOI.shape[1]
+    align = max(1, 16 // x_NI.element_size())
+    xp = _pad_to(x_NI, 1, align).contiguous()
+    wp = _pad_to(_pad_to(w_LOI, 2, align), 1, align).contiguous()
     if isinstance(counts, torch.Tensor):
-        offs = counts.to(device=x_NK.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        offs = counts.to(device=x_NI.device, dtype=torch.int64).cumsum(0).to(torch.int32)
     else:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NK.device)
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NI.device)
     if delay_wgrad and wp.requires_grad and torch.is_grad_enabled():
         # the weight enters through a detached copy; its gradient reaches ``wp`` (and the parameter,
         # through the padding) in a separate backward call when the deferred work runs
@@ -179,22 +180,22 @@ def _torch_call(x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int], dela
     return y[:, :out] if y.shape[1] != out else y
 
 
-def _loop_call(x_NK, w_LOK, counts, linear, experts):
+def _loop_call(x_NI, w_LOI, counts, linear, experts):
     # one unbind node: its backward stacks the per-expert gradients into one packed gradient, where
-    # per-expert ``w_LOK[e]`` views would each allocate a zero tensor the size of the whole weight
-    w_OK = w_LOK.unbind(0)
+    # per-expert ``w_LOI[e]`` views would each allocate a zero tensor the size of the whole weight
+    w_OI = w_LOI.unbind(0)
     outs = []
-    for e, x_MK in zip(experts, x_NK.split(list(counts))):
-        if x_MK.shape[0]:
-            outs.append(linear(x_MK, w_OK[e], e))
+    for e, x_NeI in zip(experts, x_NI.split(list(counts))):
+        if x_NeI.shape[0]:
+            outs.append(linear(x_NeI, w_OI[e], e))
     if not outs:  # no rows at all: an empty output that still reaches both inputs in backward
-        return x_NK.new_zeros((0, w_LOK.shape[1])) + 0 * w_LOK.sum() + 0 * x_NK.sum()
+        return x_NI.new_zeros((0, w_LOI.shape[1])) + 0 * w_LOI.sum() + 0 * x_NI.sum()
     return torch.cat(outs, 0)
 
 
 def grouped_linear(
-    x_NK: torch.Tensor,
-    w_LOK: torch.Tensor,
+    x_NI: torch.Tensor,
+    w_LOI: torch.Tensor,
     tokens_per_expert,
     backend: str,
     fp8_recipe: str | None = None,
@@ -203,7 +204,7 @@ def grouped_linear(
     name: str = "",
     delay_wgrad: bool = False,
 ) -> torch.Tensor:
-    """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOK[e]ᵀ``; rows expert-major.
+    """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ``; rows expert-major.
 
     ``tokens_per_expert``: list or 1-D integer tensor [E] on the inputs' device. ``backend`` is ``loop``,
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
@@ -216,19 +217,19 @@ def grouped_linear(
     while the next exchange of the backward is in flight (:class:`_GroupedMMDelayedWgrad`), bitwise
     the same; the other backends ignore it.
     """
-    num_rows, num_experts = x_NK.shape[0], w_LOK.shape[0]
+    num_rows, num_experts = x_NI.shape[0], w_LOI.shape[0]
     if num_rows == 0 and num_experts > 0:
         # no tokens on this rank: a plain matmul keeps the graph (zero weight gradients) and avoids
         # grouped_mm's backward, which rejects the stride-0 gradient of an empty output
-        return x_NK @ w_LOK[0].t()
-    width = max(x_NK.shape[1], w_LOK.shape[1])
+        return x_NI @ w_LOI[0].t()
+    width = max(x_NI.shape[1], w_LOI.shape[1])
     fits = num_rows * (width + 16) <= index_limit
     if backend == "torch" and fits and isinstance(tokens_per_expert, torch.Tensor):
         if tuple(tokens_per_expert.shape) != (num_experts,):
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
             )
-        return _torch_call(x_NK, w_LOK, tokens_per_expert, delay_wgrad)
+        return _torch_call(x_NI, w_LOI, tokens_per_expert, delay_wgrad)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
@@ -238,24 +239,24 @@ def grouped_linear(
     outs, start = [], 0
     for call in calls:
         rows = sum(c for _, c in call)
-        xs = x_NK[start : start + rows]
+        xs = x_NI[start : start + rows]
         experts = [e for e, _ in call]
         sub_counts = [c for _, c in call]
         if backend == "torch":
             # a call covers consecutive experts (plan_chunks): a narrow view, no index tensor
-            ws = w_LOK.narrow(0, experts[0], len(experts))
+            ws = w_LOI.narrow(0, experts[0], len(experts))
             outs.append(_torch_call(xs, ws, sub_counts, delay_wgrad))
         elif backend in ("loop", "emulated"):
-            outs.append(_loop_call(xs, w_LOK, sub_counts, linear, experts))
+            outs.append(_loop_call(xs, w_LOI, sub_counts, linear, experts))
         else:
             raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
         start += rows
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def _plain_one(x_MK, w_OK, expert):
-    return x_MK @ w_OK.t()
+def _plain_one(x_NeI, w_OI, expert):
+    return x_NeI @ w_OI.t()
 
 
-def _emulated_one(x_MK, w_OK, expert, recipe, delayed, name):
-    return emulated_linear(x_MK, w_OK, recipe, delayed=delayed, key=(name, expert))
+def _emulated_one(x_NeI, w_OI, expert, recipe, delayed, name):
+    return emulated_linear(x_NeI, w_OI, recipe, delayed=delayed, key=(name, expert))

@@ -1,6 +1,7 @@
 """TransformerEngine backend of the experts: ``GroupedLinear`` kernels inside one FP8 region.
 
-Legend: N rows sorted expert-major, K input features, O output features, L local experts.
+Shape suffixes (docs/shapes.md): N rows sorted expert-major, Np padded rows, I input features, O output
+features, L local experts.
 
 Written against TransformerEngine 2.10–2.x (read at 2.20): ``te.GroupedLinear(num_gemms,
 in_features, out_features, bias=, params_dtype=, device=)`` whose ``forward(inp, m_splits,
@@ -20,7 +21,7 @@ instead. Other recipes reduce nothing on exit, so a standalone :class:`GroupedML
 region for them. The region also carries ``is_first_microbatch``, so TE quantizes the weights once
 per optimizer step and reuses them for later micro-batches.
 
-**Weights.** The experts own ``fc1_weight [E, 2F, H]`` / ``fc2_weight [E, H, F]``, stored alike for
+**Weights.** The experts own ``fc1_weight [L, 2·Fl, H]`` / ``fc2_weight [L, H, Fl]``, stored alike for
 every backend. The ``GroupedLinear`` modules are built on ``meta`` (TE allocates and initializes no
 weight of its own) and used as kernels: before each call their ``weight{i}`` attributes are pointed
 at the ``unbind`` of the packed weight (one autograd node, whose backward stacks the per-expert
@@ -145,25 +146,25 @@ def fp8_region(recipe_name: Optional[str], *, amax_reduction_group, first_microb
         _REGION.reset(token)
 
 
-def pad_rows_per_expert(x_NK: torch.Tensor, counts: list[int], multiple: int):
+def pad_rows_per_expert(x_NI: torch.Tensor, counts: list[int], multiple: int):
     """Zero-pad each expert's rows to a multiple of ``multiple`` by split/cat with host sizes (no
     index tensor). Returns ``(x_padded, padded_counts)``; :func:`unpad_rows_per_expert` undoes it."""
     padded = [-(-c // multiple) * multiple for c in counts]
     if padded == list(counts):
-        return x_NK, padded
+        return x_NI, padded
     pieces = []
-    for rows, c, p in zip(x_NK.split(list(counts)), counts, padded):
+    for rows, c, p in zip(x_NI.split(list(counts)), counts, padded):
         pieces.append(rows)
         if p > c:
-            pieces.append(x_NK.new_zeros((p - c, x_NK.shape[1])))
+            pieces.append(x_NI.new_zeros((p - c, x_NI.shape[1])))
     return torch.cat(pieces), padded
 
 
-def unpad_rows_per_expert(y_PO: torch.Tensor, counts: list[int], padded: list[int]) -> torch.Tensor:
+def unpad_rows_per_expert(y_NpO: torch.Tensor, counts: list[int], padded: list[int]) -> torch.Tensor:
     """Drop the rows :func:`pad_rows_per_expert` added."""
     if padded == list(counts):
-        return y_PO
-    return torch.cat([rows[:c] for rows, c in zip(y_PO.split(padded), counts)])
+        return y_NpO
+    return torch.cat([rows[:c] for rows, c in zip(y_NpO.split(padded), counts)])
 
 
 class TEGroupedRunner(torch.nn.Module):
@@ -194,14 +195,14 @@ class TEGroupedRunner(torch.nn.Module):
                 del mod._parameters[f"weight{i}"]  # the experts own the weights
             self.gemms[name] = mod
 
-    def linear(self, name: str, x_NK: torch.Tensor, w_LOK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def linear(self, name: str, x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``y[rows of e] = x[rows of e] · w[e]ᵀ`` through ``GroupedLinear`` (rows already aligned)."""
         mod = self.gemms[name]
-        for i, w in enumerate(w_LOK.unbind(0)):
+        for i, w in enumerate(w_LOI.unbind(0)):
             setattr(mod, f"weight{i}", w)
         region = _REGION.get()
         first = None if region is None else region.first_microbatch
-        return mod(inp=x_NK, m_splits=counts, is_first_microbatch=first)
+        return mod(inp=x_NI, m_splits=counts, is_first_microbatch=first)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Grouped SwiGLU experts: every local expert's MLP as grouped GEMMs, with pluggable backends.
 
-Legend: N token rows on this rank (sorted expert-major), H hidden size, F full per-expert FFN size,
-Fl = F / ETP the shard this rank holds, L local experts, E global experts (as in every MoE file).
+Shape suffixes (docs/shapes.md): N token rows on this rank (sorted expert-major), H hidden size, F
+full per-expert FFN size, Fl = F / ETP the shard this rank holds, L local experts, E global experts.
 
 For each local expert e with rows x_e: ``out_e = (silu(x_e·gate_eᵀ) ⊙ (x_e·up_eᵀ) ⊙ p_e) · fc2_eᵀ``
 (the router probabilities p multiply the activation before fc2; the combine is then an unweighted
@@ -14,7 +14,7 @@ Parameters (the same for every backend):
 - ``fc2_weight [L, H, Fl]``: this rank's column shard of the full ``[H, F]``.
 
 Initialization does not depend on the layout: each weight records its full tensor (``fc1``: the
-stack ``[E_global, 2, F, H]`` of every expert's gate and up, ``fc2``: ``[E_global, H, F]``) and this
+stack ``[E, 2, F, H]`` of every expert's gate and up, ``fc2``: ``[E, H, F]``) and this
 rank's slice (EP along dim 0, ETP along F) in its :class:`~folding.parallel.params.ParamSpec`; the
 full tensor is drawn from ``normal(0, init_std)`` one expert at a time (``chunk_dim=0``), so a rank
 generates only its own experts, and every layout holds the same numbers.
@@ -258,9 +258,9 @@ class GroupedMLP(torch.nn.Module):
             y = runner.linear("fc2", self._activation(h, probs_N), w2, padded)
         return unpad_rows_per_expert(y, counts, padded)
 
-    def _activation(self, h_NF2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
+    def _activation(self, h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""
-        return swiglu_prob(h_NF2, probs_N)
+        return swiglu_prob(h_NFl2, probs_N)
 
     def extra_repr(self) -> str:
         """Sizes, sharding and backend."""

@@ -16,7 +16,7 @@ Initialization is layout-independent: every weight records which slice of which 
 holds (:mod:`folding.parallel.params`), and the full tensor is drawn from ``(init_seed, the
 weight's name)``; expert weights one expert at a time, so a rank draws only its own experts.
 
-Shape-suffix legend: ``S`` local sequence, ``B`` batch (sequences), ``T`` local tokens, ``H`` hidden,
+Shape suffixes (docs/shapes.md): ``S`` local sequence, ``B`` batch (sequences), ``T`` local tokens, ``H`` hidden,
 ``E`` global experts, ``N`` rows after dispatch, ``F`` full FFN width (shared expert), ``Fl`` its TP
 shard.
 

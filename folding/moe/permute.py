@@ -3,9 +3,9 @@
 Nothing here touches a process group; the dispatchers compose these functions with collectives, and
 each one is unit-tested with small hand-worked cases.
 
-Shape-suffix legend: ``T`` local tokens, ``H`` hidden size, ``E`` experts (global unless the name says
-local), ``L`` local experts (``E / EP``), ``N`` permuted rows (one per kept (token, expert) pair),
-``R`` ranks, ``C`` chunks.
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``H`` hidden size, ``E`` global experts, ``L``
+local experts (``E / EP``), ``N`` permuted rows (one per kept (token, expert) pair), ``R`` ranks, ``C``
+chunks, ``Tc`` tokens of one chunk.
 
 Ordering conventions:
 
@@ -86,10 +86,10 @@ def permute(
         if not 0 <= rows_per_expert <= Tc:
             raise ValueError(f"permute: rows_per_expert={rows_per_expert} must be in [0, {Tc}] (tokens per chunk)")
         # A stable descending sort of each (expert, chunk) column puts its routed tokens first, in order.
-        map_ECT = routing_map_TE.T.reshape(E, num_chunks, Tc).to(torch.int8)
-        order_ECT = torch.argsort(map_ECT, dim=2, descending=True, stable=True)[:, :, :rows_per_expert]
+        map_ECTc = routing_map_TE.T.reshape(E, num_chunks, Tc).to(torch.int8)
+        order_ECTc = torch.argsort(map_ECTc, dim=2, descending=True, stable=True)[:, :, :rows_per_expert]
         offsets_C1 = (torch.arange(num_chunks, device=tokens_TH.device) * Tc).unsqueeze(1)
-        token_idx_N = (order_ECT + offsets_C1).reshape(-1)
+        token_idx_N = (order_ECTc + offsets_C1).reshape(-1)
         expert_idx_N = torch.arange(E, device=tokens_TH.device).repeat_interleave(num_chunks * rows_per_expert)
     else:
         if num_out_tokens is None:

@@ -10,8 +10,8 @@ probabilities (z-loss: on the logits) whose backward also gives the loss the gra
 ``aux_loss_scale``, i.e. the objective gains ``aux_loss_scale · loss``. Each rank's loss value is its
 *share*: summed over the loss's group it is the loss of the whole micro-batch (see docs/routing.md).
 
-Shape legend: T local tokens, H hidden, E (global) experts, B sequences of the micro-batch, S sequence
-positions.
+Shape suffixes (docs/shapes.md): T local tokens, H hidden, E (global) experts, B sequences of the
+micro-batch, S sequence positions.
 
 Usage::
 

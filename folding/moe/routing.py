@@ -7,10 +7,11 @@ counts over the right group and passes them in. The semantics are Megatron-Core'
 arguments give the same results; where Megatron-Core leaves a choice to ``torch.topk`` tie-breaking
 (capacity dropping), the choice here is deterministic and documented.
 
-Shape legend (suffixes of tensor names):
-    T  tokens (local to this rank unless said otherwise)   E  experts
+Shape suffixes of tensor names (docs/shapes.md):
+    T  tokens (local to this rank unless said otherwise)   E  global experts
     K  top-k choices per token                             G  expert groups
     B  sequences of a micro-batch                          S  sequence positions
+    Tk tokens an expert keeps (its capacity)
 
 Output conventions: ``probs_TE`` is dense with zeros off the chosen experts; ``routing_map_TE`` is a
 bool mask of the chosen (token, expert) pairs.
@@ -237,8 +238,8 @@ def apply_capacity(
     else:
         rank_key_TE = routing_map_TE.to(probs_TE.dtype)
     # stable descending sort: equal keys keep token order (earliest first)
-    kept_idx_CE = torch.sort(rank_key_TE, dim=0, descending=True, stable=True).indices[:keep]
-    capacity_mask_TE = torch.zeros_like(routing_map_TE).scatter(0, kept_idx_CE, True)
+    kept_idx_TkE = torch.sort(rank_key_TE, dim=0, descending=True, stable=True).indices[:keep]
+    capacity_mask_TE = torch.zeros_like(routing_map_TE).scatter(0, kept_idx_TkE, True)
     new_map_TE = capacity_mask_TE if pad_to_capacity else routing_map_TE & capacity_mask_TE
     return probs_TE * new_map_TE, new_map_TE
 

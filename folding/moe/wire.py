@@ -15,7 +15,7 @@ Quantization happens only at the EP boundary: the ETP all-gather forwards the al
 Gradients are straight-through (quantization is treated as the identity) and travel in the format
 ``grad_wire``.
 
-Shape-suffix legend: ``N`` rows, ``H`` hidden size.
+Shape suffixes (docs/shapes.md): ``N`` rows, ``H`` hidden size.
 
 Usage (inside a dispatcher)::
 

@@ -2,7 +2,7 @@
 
 Every parameter of a rank is one rectangular block of the parameter's full tensor: its
 :class:`~folding.parallel.params.ParamSpec` (``require_spec``) gives the full shape and the
-``(dim, index, count)`` cuts, :func:`~folding.model.init.shard_index` the block's offsets. A
+``(dim, index, count)`` cuts, :func:`~folding.parallel.params.shard_index` the block's offsets. A
 :class:`Block` hands DCP exactly that: the global size, one chunk ``(offsets, sizes)`` and the local
 tensor viewed in the block's shape. DCP's default planners (through :class:`BlockSavePlanner` /
 :class:`BlockLoadPlanner`, which only teach the lookup of a key's local tensor about blocks) then

@@ -113,13 +113,8 @@ def _train_for_export(root):
 
 def test_export_after_training_loads_in_transformers(ranks, tmp_path):
     transformers = pytest.importorskip("transformers")
-    import importlib.util
+    from tools import convert_hf as convert
 
-    spec = importlib.util.spec_from_file_location(
-        "convert_hf", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_hf.py")
-    )
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
     trained = _assemble(ranks(WORLD).run(_train_for_export, str(tmp_path)))
     out = str(tmp_path / "hf")
     assert convert.main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", out]) == 0

@@ -2,18 +2,15 @@
 the bounds that carry the probabilities give bitwise the token and probability gradients of
 folding's all-to-all dispatcher on the same data, at EP4, so their times bound the same work."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.dispatch_bounds import bound_variants
 from folding.moe.dispatcher import build_dispatcher
 from folding.moe.routing import topk_routing
 from folding.parallel import ParallelLayout, build_parallel_state
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 T, H, E, K = 64, 32, 16, 2
 
 
@@ -28,11 +25,6 @@ def _job(d, x0, routing_map, probs0, g):
 
 
 def _compare_bounds():
-    sys.path.insert(0, BENCH)
-    try:
-        from dispatch_bounds import bound_variants
-    finally:
-        sys.path.remove(BENCH)
     with build_parallel_state(ParallelLayout(world_size=4, ep=4, etp=1)) as ps:
         d = build_dispatcher("alltoall", num_experts=E, topk=K, ep_group=ps.ep_group, etp_group=ps.etp_group)
         gen = torch.Generator().manual_seed(ps.rank)

@@ -128,7 +128,8 @@ def test_plain_text_preprocessing_and_training_with_split_list(tmp_path):
     prep = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "-m",
+            "tools.preprocess_data",
             "--input",
             "notes.txt",
             "--output-prefix",

@@ -1,4 +1,4 @@
-"""``tools/gpu_check.py`` runs on a CPU machine (gloo), 1 process and 2 torchrun ranks: every check
+"""``python -m tools.gpu_check`` runs on a CPU machine (gloo), 1 process and 2 torchrun ranks: every check
 that can run here passes, and the rows that need CUDA are named as skipped or unsupported."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "tools", "gpu_check.py")
+TOOL = ["-m", "tools.gpu_check"]
 
 
 def _run(cmd):
@@ -19,9 +19,9 @@ def _run(cmd):
 @pytest.mark.parametrize("launcher", ["python", "torchrun2"])
 def test_gpu_check_on_cpu(launcher):
     cmd = (
-        [sys.executable, TOOL]
+        [sys.executable, *TOOL]
         if launcher == "python"
-        else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", TOOL]
+        else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *TOOL]
     )
     proc = _run(cmd)
     out = proc.stdout

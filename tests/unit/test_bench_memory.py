@@ -1,17 +1,10 @@
 """The memory benchmark's probe reports the exact peak of live tensor bytes of known allocations."""
 
-import importlib.util
-import os
-import sys
 import time
 
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "memory_probe.py")
-_spec = importlib.util.spec_from_file_location("bench_memory_probe", _PATH)
-mp = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = mp  # dataclasses resolve annotations through it
-_spec.loader.exec_module(mp)
+from benchmarks import memory_probe as mp
 
 KB = 1024
 

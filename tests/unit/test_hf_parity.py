@@ -291,13 +291,8 @@ def test_qwen3_olmoe_unsupported_fields_fail_clearly(tmp_path):
 
 
 def test_convert_tool(tmp_path, capsys):
-    import importlib.util
+    from tools import convert_hf as tool
 
-    spec = importlib.util.spec_from_file_location(
-        "convert_hf", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_hf.py")
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     hf = tiny_hf("mixtral", tie_word_embeddings=True)
     path = save(hf, str(tmp_path / "hf"))
     fac = ["--moe-factory", "tests.unit.test_model_reference_moe:reference_moe_factory"]

@@ -1,14 +1,22 @@
 """The package imports one way: ``parallel``, ``quant``, ``data`` -> ``moe`` -> ``model`` -> ``pipeline``
 -> ``optim`` -> ``training`` (``testing`` on top); ``planning`` imports only ``parallel`` and
-``folding.model.config``, and only ``training`` (and ``testing``) import ``planning``. No module imports
-the package's own modules inside a function (a dodged cycle) or behind an ``ImportError`` guard."""
+``folding.model.config``, and only ``training`` (and ``testing``) import ``planning``. ``tools`` and
+``benchmarks`` sit on top of the package: they may import any of it, ``folding`` never imports them, and
+their modules import one another without a cycle.
+
+An import is an ``import``/``from`` statement or a call of ``importlib.import_module`` (or
+``__import__``) with a string literal. No module imports the package's own modules (``folding``,
+``tools``, ``benchmarks``) inside a function (a dodged cycle) or inside a ``try`` whose handler catches
+an import failure (``ImportError``, ``ModuleNotFoundError``, ``Exception``, a bare ``except``, or a
+tuple naming one of them)."""
 
 import ast
 import os
 
 import pytest
 
-PKG = os.path.join(os.path.dirname(__file__), "..", "..", "folding")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOPS = ("folding", "tools", "benchmarks")
 LEVEL = {
     "parallel": 0,
     "quant": 0,
@@ -20,38 +28,62 @@ LEVEL = {
     "training": 5,
     "testing": 6,
 }
+CATCHES_IMPORT_FAILURE = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+IMPORT_CALLS = {"import_module", "__import__"}
 
 
-def modules():
-    """``(module name, parsed tree, is a package)`` of every file of the package."""
-    for root, _, files in os.walk(PKG):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                path = os.path.join(root, f)
-                rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
-                module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
-                tree = ast.parse(open(path, encoding="utf-8").read())
-                yield module, tree, path.endswith("__init__.py")
+def sources():
+    """``{module name: (source text, is a package)}`` of every file of ``folding``, ``tools`` and ``benchmarks``."""
+    out = {}
+    for top in TOPS:
+        for root, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(root, f)
+                    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                    out[module] = (open(path, encoding="utf-8").read(), f == "__init__.py")
+    return out
+
+
+def _resolve(name: str, level: int, module: str, is_package: bool) -> str:
+    """The absolute module name of a (possibly relative) import of ``name`` written in ``module``."""
+    if not level:
+        return name
+    parts = (module if is_package else module.rsplit(".", 1)[0]).split(".")
+    base = ".".join(parts[: len(parts) - level + 1])
+    return f"{base}.{name}" if name else base
 
 
 def imported(node, module: str, is_package: bool):
-    """The ``folding.*`` module names an import statement names."""
+    """The names of modules of ``TOPS`` that an import statement or a literal ``import_module`` call names."""
     if isinstance(node, ast.Import):
-        return [a.name for a in node.names if a.name.split(".")[0] == "folding"]
-    base = module if is_package else module.rsplit(".", 1)[0]
-    if node.level:
-        parts = base.split(".")
-        base = ".".join(parts[: len(parts) - node.level + 1])
-        target = f"{base}.{node.module}" if node.module else base
+        targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        target = _resolve(node.module or "", node.level, module, is_package)
+        targets = [target] + [f"{target}.{a.name}" for a in node.names]
+    elif (
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) in IMPORT_CALLS or getattr(node.func, "id", None) in IMPORT_CALLS)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        name = node.args[0].value
+        level = len(name) - len(name.lstrip("."))
+        targets = [_resolve(name[level:], level, module, is_package)]
     else:
-        target = node.module or ""
-    if target.split(".")[0] != "folding":
         return []
-    return [target] + [f"{target}.{a.name}" for a in node.names]
+    return [t for t in targets if t.split(".")[0] in TOPS]
 
 
 def allowed(src: str, dst: str) -> bool:
+    """Whether module ``src`` may import module ``dst`` (both of ``TOPS``)."""
     a, b = src.split("."), dst.split(".")
+    if a[0] != "folding":
+        return True  # tools and benchmarks may import anything; their cycles are checked apart
+    if b[0] != "folding":
+        return False  # the package never imports its tools or benchmarks
     if len(a) < 2 or len(b) < 2 or a[1] == b[1]:
         return True
     sp, dp = a[1], b[1]
@@ -62,46 +94,74 @@ def allowed(src: str, dst: str) -> bool:
     return LEVEL[dp] < LEVEL[sp]
 
 
-def edges():
-    out = []
-    for module, tree, is_package in modules():
+def _catches_import_failure(handler: ast.ExceptHandler) -> bool:
+    types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(t is None or getattr(t, "id", getattr(t, "attr", None)) in CATCHES_IMPORT_FAILURE for t in types)
+
+
+def _is_import(node) -> bool:
+    return isinstance(node, (ast.Import, ast.ImportFrom, ast.Call))
+
+
+def problems(srcs) -> list:
+    """Every breach of the rules above in ``srcs`` (``{module: (source, is_package)}``), one line each."""
+    found, graph = [], {}
+    for module, (text, is_package) in srcs.items():
+        tree = ast.parse(text)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                out.extend((module, dst, node.lineno) for dst in imported(node, module, is_package))
+            if _is_import(node):
+                dsts = imported(node, module, is_package)
+                bad = [dst for dst in dsts if not allowed(module, dst)]
+                if bad:  # one line per import: the first module it names against the order
+                    found.append(f"{module}:{node.lineno} -> {bad[0]} (against the layer order)")
+                graph.setdefault(module, set()).update(dsts)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [
+                    f"{module}:{n.lineno} imports inside {node.name}()"
+                    for n in ast.walk(node)
+                    if _is_import(n) and imported(n, module, is_package)
+                ]
+            if isinstance(node, ast.Try) and any(_catches_import_failure(h) for h in node.handlers):
+                found += [
+                    f"{module}:{n.lineno} guards an import of the package"
+                    for n in ast.walk(ast.Module(body=node.body, type_ignores=[]))
+                    if _is_import(n) and imported(n, module, is_package)
+                ]
+    return found + [f"import cycle: {' -> '.join(c)}" for c in cycles(graph, set(srcs))]
+
+
+def cycles(graph, modules) -> list:
+    """Import cycles among the ``tools`` and ``benchmarks`` modules of ``graph`` (each reported once)."""
+    top = {m for m in modules if m.split(".")[0] != "folding"}
+
+    def targets(m):
+        return {d for d in graph.get(m, ()) if d in top and d != m}
+
+    out, state = [], {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(targets(m)):
+            if state.get(d) == 1:
+                out.append(path[path.index(d) :] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(top):
+        if m not in state:
+            visit(m, [m])
     return out
 
 
-def test_imports_follow_the_layers():
-    bad = sorted(
-        {
-            (src, dst.rsplit(".", 1)[0] if dst.count(".") > 2 else dst, line)
-            for src, dst, line in edges()
-            if not allowed(src, dst)
-        }
-    )
-    assert not bad, "imports against the layer order:\n" + "\n".join(f"  {s}:{ln} -> {d}" for s, d, ln in bad)
-
-
-def test_no_function_level_or_guarded_imports_of_the_package():
-    found = []
-    for module, tree, is_package in modules():
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found += [
-                    f"{module}:{n.lineno} imports inside {fn.name}()"
-                    for n in ast.walk(fn)
-                    if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)
-                ]
-            if isinstance(fn, ast.Try) and any(
-                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                for h in fn.handlers
-            ):
-                found += [
-                    f"{module}:{n.lineno} guards an import of the package"
-                    for n in ast.walk(fn)
-                    if isinstance(n, (ast.Import, ast.ImportFrom)) and imported(n, module, is_package)
-                ]
+def test_the_tree_follows_the_rules():
+    found = problems(sources())
     assert not found, "\n".join(found)
+
+
+def test_tools_and_benchmarks_are_covered():
+    mods = sources()
+    assert {"tools.plan", "benchmarks.bench_train", "folding.moe.layer"} <= set(mods)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +173,87 @@ def test_no_function_level_or_guarded_imports_of_the_package():
         ("folding.planning.flops", "folding.model.config", True),
         ("folding.optim.optimizer", "folding.planning.memory", False),
         ("folding.data.build", "folding.parallel", False),
+        ("folding.testing.rank_pool", "benchmarks.breakdown", False),
+        ("folding.model.hf", "tools.convert_hf", False),
+        ("tools.plan", "folding.training.trainer", True),
+        ("benchmarks.bench_train", "tools.memory", True),
     ],
 )
 def test_the_rule_itself(src, dst, ok):
     assert allowed(src, dst) is ok
+
+
+# Each hole the checker must close, planted as a module of its own next to a clean one; the message it must give.
+PLANTED = {
+    "importlib": (
+        "folding.moe.planted",
+        "import importlib\nT = importlib.import_module('folding.training.trainer')\n",
+        "folding.moe.planted:2 -> folding.training.trainer (against the layer order)",
+    ),
+    "dunder import": (
+        "folding.moe.planted",
+        "T = __import__('folding.training.trainer')\n",
+        "folding.moe.planted:1 -> folding.training.trainer (against the layer order)",
+    ),
+    "relative importlib": (
+        "folding.moe.planted",
+        "import importlib\nT = importlib.import_module('..training', __name__)\n",
+        "folding.moe.planted:2 -> folding.training (against the layer order)",
+    ),
+    "tuple guard": (
+        "folding.moe.planted",
+        "try:\n    from folding.moe import router\nexcept (ImportError, ModuleNotFoundError):\n    router = None\n",
+        "folding.moe.planted:2 guards an import of the package",
+    ),
+    "bare guard": (
+        "folding.moe.planted",
+        "try:\n    from . import router\nexcept:\n    router = None\n",
+        "folding.moe.planted:2 guards an import of the package",
+    ),
+    "importlib in a function": (
+        "folding.training.planted",
+        "import importlib\ndef f():\n    return importlib.import_module('folding.model.hf')\n",
+        "folding.training.planted:3 imports inside f()",
+    ),
+    "package imports a tool": (
+        "folding.testing.planted",
+        "from tools.convert_hf import main\n",
+        "folding.testing.planted:1 -> tools.convert_hf (against the layer order)",
+    ),
+    "package imports a benchmark": (
+        "folding.testing.planted",
+        "import benchmarks.breakdown\n",
+        "folding.testing.planted:1 -> benchmarks.breakdown (against the layer order)",
+    ),
+    "tool imports in a function": (
+        "tools.planted",
+        "def main():\n    from folding.model.presets import get_preset\n",
+        "tools.planted:2 imports inside main()",
+    ),
+    "benchmark cycle": (
+        "benchmarks.planted_a",
+        "from benchmarks import planted_b\n",
+        "import cycle: benchmarks.planted_a -> benchmarks.planted_b -> benchmarks.planted_a",
+    ),
+}
+
+
+@pytest.mark.parametrize("hole", sorted(PLANTED))
+def test_each_planted_hole_fails(hole):
+    module, text, message = PLANTED[hole]
+    srcs = {"folding.moe.router": ("import torch\n", False), module: (text, False)}
+    if hole == "benchmark cycle":
+        srcs["benchmarks.planted_b"] = ("from benchmarks.planted_a import X\n", False)
+    assert problems(srcs) == [message]
+
+
+def test_clean_planted_modules_pass():
+    srcs = {
+        "folding.training.planted": ("import importlib\nM = importlib.import_module('folding.model.hf')\n", False),
+        "folding.model.planted": (
+            "try:\n    import transformers\nexcept (ImportError, ModuleNotFoundError):\n    pass\n",
+            False,
+        ),
+        "tools.planted": ("from benchmarks.breakdown import breakdown\nfrom folding.training import trainer\n", False),
+    }
+    assert problems(srcs) == []

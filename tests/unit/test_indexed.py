@@ -135,7 +135,8 @@ def test_preprocess_tool_roundtrip_byte(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "-m",
+            "tools.preprocess_data",
             "--input",
             str(src),
             "--output-prefix",
@@ -169,10 +170,10 @@ def test_preprocess_tool_roundtrip_byte(tmp_path):
 
 
 def test_preprocess_tool_errors_name_the_file(tmp_path):
-    tool = os.path.join(ROOT, "tools", "preprocess_data.py")
+    tool = ["-m", "tools.preprocess_data"]
     env = {**os.environ, "PYTHONPATH": ROOT}
     r = subprocess.run(
-        [sys.executable, tool, "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "o")],
+        [sys.executable, *tool, "--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "o")],
         capture_output=True,
         text=True,
         env=env,
@@ -182,7 +183,7 @@ def test_preprocess_tool_errors_name_the_file(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            tool,
+            *tool,
             "--input",
             str(tmp_path / "in.jsonl"),
             "--output-prefix",

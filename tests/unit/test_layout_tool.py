@@ -1,4 +1,4 @@
-"""tools/layout.py: JSON output of the worked example, tables, and exit status 2 on bad layouts."""
+"""``python -m tools.layout``: JSON output of the worked example, tables, and exit status 2 on bad layouts."""
 
 import json
 import os
@@ -9,9 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(*args):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "layout.py"), *args], capture_output=True, text=True, cwd=ROOT
-    )
+    return subprocess.run([sys.executable, "-m", "tools.layout", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_json_worked_example():
@@ -45,13 +43,10 @@ def test_impossible_layout_exits_2():
 
 
 def test_tools_share_flag_names():
-    import importlib.util
+    import importlib
 
     def load(name):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+        return importlib.import_module(f"tools.{name}")
 
     common = ["--model", "mixtral_tiny", "--world", "8", "--seq-length", "16", "--micro-batch-size", "2"]
     plan = load("plan").parse_args(common + ["--global-batch-size", "16"])

@@ -329,7 +329,7 @@ def test_memory_tool_runs_on_a_preset():
     import sys
 
     args = ["--model", "deepseek_v3_tiny", "--world", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1"]
-    out = subprocess.run([sys.executable, "tools/memory.py", *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "tools.memory", *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lay = ParallelLayout(world_size=4, tp=2, pp=2, ep=2, etp=1)
     c = param_counts(get_preset("deepseek_v3_tiny"), lay, stage=1)

@@ -1,15 +1,10 @@
 """The benchmark's profiler breakdown charges forward and backward work to the labelled parts."""
 
-import importlib.util
-import os
 import time
 
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "breakdown.py")
-_spec = importlib.util.spec_from_file_location("bench_breakdown", _PATH)
-bd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bd)
+from benchmarks import breakdown as bd
 
 
 class Heavy(torch.nn.Module):

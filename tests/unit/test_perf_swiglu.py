@@ -49,7 +49,7 @@ def test_fp32_probs_with_bf16_rows_and_no_prob_grad():
 
 
 def test_bad_shapes_name_the_argument():
-    with pytest.raises(ValueError, match="h_NF2"):
+    with pytest.raises(ValueError, match="h_NFl2"):
         swiglu_prob(torch.zeros(3, 5), torch.zeros(3))
     with pytest.raises(ValueError, match="probs_N"):
         swiglu_prob(torch.zeros(3, 4), torch.zeros(2))

@@ -342,7 +342,8 @@ def test_tool_json_only_on_stdout():
     out = subprocess.run(
         [
             sys.executable,
-            "tools/plan.py",
+            "-m",
+            "tools.plan",
             "--model",
             "mixtral_8x7b",
             "--world",
@@ -379,7 +380,8 @@ def test_tool_json_only_on_stdout():
     bad = subprocess.run(
         [
             sys.executable,
-            "tools/plan.py",
+            "-m",
+            "tools.plan",
             "--model",
             "mixtral_tiny",
             "--gpus",
@@ -406,13 +408,13 @@ def test_tool_moe_options_reach_the_planner():
         args = ["--model", "mixtral_8x7b", "--world", "8", "--gpu", "b200", "--seq-length", "4096"]
         args += ["--global-batch-size", "8"]
         out = subprocess.run(
-            [sys.executable, "tools/plan.py", *args, "--json", *extra], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "tools.plan", *args, "--json", *extra], capture_output=True, text=True, check=True
         )
         return json.loads(out.stdout)[0]["step_s"]
 
     assert best_step("--moe", "topk=1", "--moe", "pre_softmax=true") < best_step()  # top-1: half the expert work
     bad = subprocess.run(
-        [sys.executable, "tools/plan.py", "--model", "mixtral_8x7b", "--world", "8", "--seq-length", "8"]
+        [sys.executable, "-m", "tools.plan", "--model", "mixtral_8x7b", "--world", "8", "--seq-length", "8"]
         + ["--global-batch-size", "8", "--moe", "top_k=1"],
         capture_output=True,
         text=True,

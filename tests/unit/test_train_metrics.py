@@ -70,8 +70,9 @@ def test_plot_run_writes_png(tmp_path):
             )
         f.write(json.dumps({"kind": "eval", "step": 5, "lm_loss": 4.6}) + "\n")
     out = tmp_path / "p.png"
-    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
-    subprocess.run([sys.executable, tool, str(path), "--out", str(out)], check=True, capture_output=True)
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    cmd = [sys.executable, "-m", "tools.plot_run", str(path), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
@@ -93,13 +94,8 @@ def test_plot_run_needs_only_the_base_install():
 
 
 def test_plot_run_takes_a_resumed_runs_latest_attempt(tmp_path):
-    import importlib.util
+    from tools import plot_run
 
-    spec = importlib.util.spec_from_file_location(
-        "plot_run", os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
-    )
-    plot_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot_run)
     recs = (
         [{"kind": "run", "start_step": 1}]
         + [{"kind": "train", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)]
