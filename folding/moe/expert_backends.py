@@ -105,8 +105,14 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     if fn is None:
         return False
     try:
-        # the probe needs autograd whatever context the first caller is in (e.g. evaluation)
-        with torch.inference_mode(False), torch.enable_grad():
+        # the probe needs autograd whatever context the first caller is in (e.g. evaluation), and its
+        # saved tensors must not reach an enclosing activation checkpoint: the first call may run inside
+        # a recomputed region, whose recomputation (probe cached by then) would save fewer tensors
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
             return _probe_grouped_mm(fn, device_type, dtype)
     except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
         return False

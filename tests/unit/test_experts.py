@@ -211,3 +211,18 @@ def test_grouped_mm_probe_ignores_the_callers_grad_mode():
         under_inference = torch_grouped_mm_supported("cpu", torch.float32)
     torch_grouped_mm_supported.cache_clear()
     assert under_inference == torch_grouped_mm_supported("cpu", torch.float32)
+
+
+def test_first_grouped_mm_probe_inside_a_recomputed_region():
+    """The backend probe of the first call may run inside activation recompute; its saved tensors must
+    not count for the checkpoint, whose recomputation (probe cached by then) saves fewer."""
+    from torch.utils.checkpoint import checkpoint
+
+    from folding.moe.expert_backends import grouped_linear, torch_grouped_mm_supported
+
+    torch_grouped_mm_supported.cache_clear()
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(2, 16, 16, requires_grad=True)
+    y = checkpoint(lambda a, b: grouped_linear(a, b, [2, 4], "auto"), x, w, use_reentrant=False)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
