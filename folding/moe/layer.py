@@ -6,7 +6,7 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
 (EP × ETP) of the same ranks and brings the results back in the input's shape.
 
 - Router: :class:`folding.moe.router.Router` on this rank's tokens (aux-loss counts over TP×CP).
-- Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``ep_group`` / ``etp_group``.
+- Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``groups.ep`` / ``groups.etp``.
 - Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
@@ -22,9 +22,7 @@ shard.
 
 Usage::
 
-    layer = MoELayer(config=moe_cfg, hidden_size=1024, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                     tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                     layer_number=3)
+    layer = MoELayer(config=moe_cfg, hidden_size=1024, groups=ps.groups, layer_number=3)
     out_SBH = layer(hidden_SBH)
 """
 
@@ -37,11 +35,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
+from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.parallel.sequence_parallel import gather_linears
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher
+from .dispatcher import dispatcher_for
 from .experts import GroupedMLP
 from .router import Router
 
@@ -113,9 +112,9 @@ class MoELayer(nn.Module):
     Args:
         config: the MoE settings (experts, top-k, capacity, dispatcher, wires, shared expert...).
         hidden_size: H.
-        ep_group, etp_group: expert-view groups (token exchange; ETP shards expert F).
-        tp_cp_group, tp_dp_cp_group: attention-view groups the router reduces its counts over.
-        tp_group: attention TP group (shared expert; may be a 1-rank group).
+        groups: the rank's process groups: the expert view's ``ep`` and ``etp`` (token exchange;
+            ETP shards expert F), the attention view's ``tp_cp`` and ``tp_dp_cp`` (the router's
+            counts) and ``tp`` (shared expert).
         layer_number: index of the layer (names it in errors).
         init_seed: seed of the initialization of every weight of the layer, each drawn from its record
             and its name in the layer (:mod:`folding.parallel.params`); ``None`` leaves them to the
@@ -133,11 +132,7 @@ class MoELayer(nn.Module):
         *,
         config: MoEConfig,
         hidden_size: int,
-        ep_group,
-        etp_group,
-        tp_cp_group,
-        tp_dp_cp_group,
-        tp_group,
+        groups: ProcessGroups,
         layer_number: int = 0,
         init_seed: Optional[int] = 0,
         init_std: float = 0.02,
@@ -149,18 +144,7 @@ class MoELayer(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
-        self.dispatcher = build_dispatcher(
-            config.dispatcher,
-            num_experts=config.num_experts,
-            topk=config.topk,
-            ep_group=ep_group,
-            etp_group=etp_group,
-            capacity_factor=config.capacity_factor,
-            pad_to_capacity=config.pad_to_capacity,
-            dispatch_wire=config.dispatch_wire,
-            combine_wire=config.combine_wire,
-            grad_wire=config.grad_wire,
-        )
+        self.dispatcher = dispatcher_for(config, groups)
         d = self.dispatcher
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
@@ -170,8 +154,7 @@ class MoELayer(nn.Module):
         self.router = Router(
             hidden_size=hidden_size,
             config=config,
-            tp_cp_group=tp_cp_group,
-            tp_dp_cp_group=tp_dp_cp_group,
+            groups=groups,
             init_std=init_std,
             init_seed=None,
             layer_number=layer_number,
@@ -198,7 +181,7 @@ class MoELayer(nn.Module):
             self.shared_expert = SharedExpert(
                 hidden_size=hidden_size,
                 ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                tp_group=tp_group,
+                tp_group=groups.tp,
                 gate=config.shared_expert_gate,
                 init_seed=None,
                 init_std=init_std,
