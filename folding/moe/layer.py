@@ -31,11 +31,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
+from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
+from folding.parallel.linear import column_parallel_weight, row_parallel_linear, row_parallel_weight
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.parallel.sequence_parallel import gather_linears
 
@@ -48,14 +50,16 @@ from .router import Router
 class SharedExpert(nn.Module):
     """Dense SwiGLU on the attention TP group, fed by sequence-parallel tokens.
 
-    Forward: all-gather the TP group's tokens (backward: reduce-scatter), column-parallel fc1 (this
-    rank's shard of gate and of up), SwiGLU, row-parallel fc2, reduce-scatter back to this rank's
-    tokens (backward: all-gather). With ``gate``, the output is scaled by ``sigmoid(x·g)`` computed on
-    the local tokens.
+    The layers of a dense model's MLP (:class:`~folding.model.mlp.DenseMLP`) with gate and up fused in
+    one column-parallel weight, built from the same tensor-parallel parts
+    (:mod:`folding.parallel.linear`): all-gather of the TP group's tokens fused with fc1 (this rank's
+    shard of gate and of up; backward: reduce-scatter), SwiGLU, row-parallel fc2 reduce-scattered
+    back to this rank's tokens (backward: all-gather). With ``gate``, the output is scaled by
+    ``sigmoid(x·g)`` computed on the local tokens.
 
     Parameters: ``fc1_weight [2·Fl, H]`` (rows ``[0:Fl]`` gate shard, ``[Fl:]`` up shard of the full
-    ``[gate; up]`` of shape ``[2F, H]``; ``tp_sharded``, dim 0), ``fc2_weight [H, Fl]`` (``tp_sharded``,
-    dim 1), ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
+    ``[gate; up]`` of shape ``[2, F, H]``; ``tp_sharded``), ``fc2_weight [H, Fl]`` (``tp_sharded``),
+    ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
     """
 
     def __init__(
@@ -63,7 +67,7 @@ class SharedExpert(nn.Module):
         *,
         hidden_size: int,
         ffn_hidden_size: int,
-        tp_group,
+        tp_group: Optional[dist.ProcessGroup],
         gate: bool,
         init_seed: Optional[int] = 0,
         init_std: float = 0.02,
@@ -72,26 +76,17 @@ class SharedExpert(nn.Module):
         device=None,
     ):
         super().__init__()
-        tp = group_size(tp_group)
-        if ffn_hidden_size % tp:
-            raise ValueError(
-                f"shared expert ffn_hidden_size={ffn_hidden_size} is not divisible by the size {tp} of "
-                "tp_group; use a multiple of it"
-            )
-        self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
-        self.ffn_local = fl = ffn_hidden_size // tp
-        kw = dict(dtype=params_dtype, device=device)
-        r, f, h = self.tp_rank, ffn_hidden_size, hidden_size
-        self.fc1_weight = mark_param(nn.Parameter(torch.empty(2 * fl, h, **kw)), tp_sharded=True, tp_dim=0)
-        set_init_spec(self.fc1_weight, full_shape=(2, f, h), shards=((1, r, tp),), std=init_std)  # [gate; up]
-        self.fc2_weight = mark_param(nn.Parameter(torch.empty(h, fl, **kw)), tp_sharded=True, tp_dim=1)
+        self.ffn_local = ffn_hidden_size // group_size(tp_group)
+        kw = dict(tp_group=tp_group, name="moe.shared_expert_ffn_hidden_size", dtype=params_dtype, device=device)
         out_std = init_std if output_init_std is None else output_init_std
-        set_init_spec(self.fc2_weight, full_shape=(h, f), shards=((1, r, tp),), std=out_std)
+        self.fc1_weight = column_parallel_weight(hidden_size, ffn_hidden_size, parts=2, init_std=init_std, **kw)
+        self.fc2_weight = row_parallel_weight(ffn_hidden_size, hidden_size, init_std=out_std, **kw)
         self.gate_weight = None
         if gate:
-            self.gate_weight = mark_param(nn.Parameter(torch.empty(1, h, **kw)), sequence_parallel=True)
-            set_init_spec(self.gate_weight, full_shape=(1, h), std=init_std)
+            w = torch.empty(1, hidden_size, dtype=params_dtype, device=device)
+            self.gate_weight = mark_param(nn.Parameter(w), sequence_parallel=True)
+            set_init_spec(self.gate_weight, full_shape=(1, hidden_size), std=init_std)
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -99,8 +94,7 @@ class SharedExpert(nn.Module):
         """Shared-expert output for this rank's tokens ``[T, H]``."""
         (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
         gate, up = h.split(self.ffn_local, dim=-1)
-        y = F.linear(F.silu(gate) * up, self.fc2_weight.to(h.dtype))
-        y = reduce_scatter_to_sequence_region(y, self.tp_group)
+        y = row_parallel_linear(F.silu(gate) * up, self.fc2_weight, self.tp_group)
         if self.gate_weight is not None:
             y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))
         return y
