@@ -42,8 +42,8 @@ class ReferenceMoE(nn.Module):
         self.experts = nn.Module()
         self.experts.fc1_weight = nn.Parameter(torch.empty(E // ep, 2 * Fe // etp, H, device=device, dtype=dtype))
         self.experts.fc2_weight = nn.Parameter(torch.empty(E // ep, H, Fe // etp, device=device, dtype=dtype))
-        mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True, tp_dim=1)
-        mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True, tp_dim=2)
+        mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True)
+        mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True)
         set_init_spec(
             self.experts.fc1_weight,
             full_shape=(E, 2, Fe, H),
