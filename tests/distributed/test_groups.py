@@ -37,6 +37,19 @@ def test_every_role_is_a_declared_field_and_property():
     assert ProcessGroups.single() == ProcessGroups()  # no torch.distributed job here: every group None
 
 
+def _single_record_in_a_job():
+    try:
+        ProcessGroups.single()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_the_one_rank_record_is_refused_in_a_job_of_several_ranks(ranks):
+    """Inside a 2-rank job a record of ``None`` groups would mean the world: refused, naming the fix."""
+    assert all("pass parallel_state=" in (msg or "") for msg in ranks(2).run(_single_record_in_a_job))
+
+
 def _check_groups(layout_kwargs):
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs)
     ps = build_parallel_state(layout)
