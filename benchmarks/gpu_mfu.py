@@ -26,11 +26,11 @@ import sys
 import torch
 
 from folding.model.block import TransformerLayer
-from folding.model.groups import ModelGroups
 from folding.model.presets import get_preset
 from folding.model.rope import rope_cos_sin
 from folding.moe.expert_te import fp8_region
 from folding.moe.layer import MoELayer
+from folding.parallel.groups import ProcessGroups
 from folding.planning.flops import flops_per_token
 
 
@@ -79,11 +79,7 @@ def moe_layer_case(a, fp8_recipe):
     layer = MoELayer(
         config=moe_cfg,
         hidden_size=cfg.hidden_size,
-        ep_group=world,
-        etp_group=world,
-        tp_cp_group=world,
-        tp_dp_cp_group=world,
-        tp_group=world,
+        groups=ProcessGroups(tp=world, tp_cp=world, tp_dp_cp=world, ep=world, etp=world),
         params_dtype=torch.bfloat16,
         device="cuda",
     )
@@ -105,7 +101,7 @@ def layers_case(a, fp8_recipe):
     if fp8_recipe:
         moe.update(fp8_recipe=fp8_recipe, expert_backend="te")
     cfg = get_preset("mixtral_8x7b", num_layers=a.layers, moe=moe)
-    groups = ModelGroups.single()
+    groups = ProcessGroups.single()
 
     blocks = torch.nn.ModuleList(
         TransformerLayer(cfg, layer_number=i, groups=groups, dtype=torch.bfloat16, device="cuda")

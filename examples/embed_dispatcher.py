@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from folding.moe.config import MoEConfig
 from folding.moe.dispatcher import build_dispatcher
 from folding.moe.router import Router
+from folding.parallel.groups import ProcessGroups
 
 H, F, E, TOPK, T = 32, 16, 4, 2, 10
 
@@ -36,7 +37,7 @@ def main():
 
     cfg = MoEConfig(num_experts=E, topk=TOPK, ffn_hidden_size=F)
     # No attention TP/CP here: each rank's tokens are a micro-batch of their own.
-    router = Router(hidden_size=H, config=cfg, tp_cp_group=singles[rank], tp_dp_cp_group=dist.group.WORLD)
+    router = Router(hidden_size=H, config=cfg, groups=ProcessGroups(tp_cp=singles[rank], tp_dp_cp=dist.group.WORLD))
     dispatcher = build_dispatcher("alltoall", num_experts=E, topk=TOPK, ep_group=ep_group, etp_group=etp_group)
 
     g = torch.Generator().manual_seed(0)  # the same full toy weights on every rank

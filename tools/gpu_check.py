@@ -131,11 +131,7 @@ def check_transfers(ps, dev):
     layer = MoELayer(
         config=cfg,
         hidden_size=64,
-        ep_group=ps.ep_group,
-        etp_group=ps.etp_group,
-        tp_cp_group=ps.tp_cp_group,
-        tp_dp_cp_group=ps.tp_dp_cp_group,
-        tp_group=ps.tp_group,
+        groups=ps.groups,
         device=dev,
     )
     x = torch.randn(16, 2, 64, device=dev, requires_grad=True)

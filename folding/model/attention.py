@@ -3,7 +3,7 @@
 Input and output are sequence-parallel shards ``[S_cp/TP, B, H]`` where ``S_cp`` is this CP rank's
 share of the sequence. Steps: all-gather the sequence over TP (SP) fused with the q/k/v column-parallel
 projections (this TP rank's ``heads/TP`` query heads and ``kv_heads/TP`` KV heads; only the shard is
-kept for backward, see :func:`~folding.model.linear.sp_column_linears`), the optional q/k RMSNorm
+kept for backward, see :func:`~folding.parallel.linear.sp_column_linears`), the optional q/k RMSNorm
 (``config.qk_norm``: per head, or over the whole projection with its sum of squares all-reduced over
 TP, see :mod:`.norm`), RoPE at the tokens' true positions, all-gather K/V over CP (see
 :mod:`.context_parallel`), PyTorch SDPA (causal; under CP one call per local chunk with a lower-right
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ..parallel.collectives import group_size
+from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .config import ModelConfig
 from .context_parallel import causal_sdpa, gather_kv
-from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .norm import RMSNorm, ShardedRMSNorm
 from .rope import apply_rope
 

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..parallel.groups import ProcessGroups
 from .attention import Attention
 from .config import ModelConfig
-from .groups import ModelGroups
 from .mla import MLAttention
 from .mlp import DenseMLP
 from .norm import RMSNorm
@@ -48,7 +48,7 @@ class TransformerLayer(nn.Module):
         config: ModelConfig,
         *,
         layer_number: int,
-        groups: ModelGroups,
+        groups: ProcessGroups,
         moe_factory: MoEFactory,
         init_seed: int = 0,
         device=None,

@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = r * (vocab_size // tp)
         self.vocab_end = self.vocab_start + vocab_size // tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp, hidden_size, device=device, dtype=dtype))
-        mark_param(self.weight, tp_sharded=True, tp_dim=0, embedding_tied=tied)
+        mark_param(self.weight, tp_sharded=True, embedding_tied=tied)
         set_init_spec(self.weight, full_shape=(vocab_size, hidden_size), shards=((0, r, tp),), std=init_std)
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:

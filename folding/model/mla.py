@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.collectives import group_size
+from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from ..parallel.params import mark_param, set_init_spec
 from .config import ModelConfig
 from .context_parallel import causal_sdpa, gather_kv
-from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from .norm import RMSNorm
 from .rope import apply_rope
 from .rope_yarn import yarn_softmax_scale

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
+from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 
 
 class DenseMLP(nn.Module):

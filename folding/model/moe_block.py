@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from ..moe.layer import MoELayer
+from ..parallel.groups import ProcessGroups
 from .config import ModelConfig
-from .groups import ModelGroups
 
 
 def default_moe_factory(
     *,
     config: ModelConfig,
     layer_number: int,
-    groups: ModelGroups,
+    groups: ProcessGroups,
     init_seed: int = 0,
     device=None,
     dtype=torch.float32,
@@ -41,11 +41,7 @@ def default_moe_factory(
     return MoELayer(
         config=config.moe,
         hidden_size=config.hidden_size,
-        ep_group=groups.ep,
-        etp_group=groups.etp,
-        tp_cp_group=groups.tp_cp,
-        tp_dp_cp_group=groups.tp_dp_cp,
-        tp_group=groups.tp,
+        groups=groups,
         layer_number=layer_number,
         init_seed=None,
         init_std=config.init_std,

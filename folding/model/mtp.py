@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.groups import ProcessGroups
 from ..parallel.params import mark_param, set_init_spec
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
-from .groups import ModelGroups
 from .norm import RMSNorm
 
 
@@ -60,7 +60,7 @@ class MTPModule(nn.Module):
         config: ModelConfig,
         *,
         depth: int,
-        groups: ModelGroups,
+        groups: ProcessGroups,
         moe_factory: MoEFactory,
         init_seed: int = 0,
         device=None,

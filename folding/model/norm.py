@@ -65,7 +65,7 @@ class ShardedRMSNorm(nn.Module):
             )
         self.eps, self.features, self.tp_group = eps, features, tp_group
         self.weight = nn.Parameter(torch.ones(features // tp, device=device, dtype=dtype))
-        mark_param(self.weight, tp_sharded=True, tp_dim=0)
+        mark_param(self.weight, tp_sharded=True)
         set_init_spec(self.weight, full_shape=(features,), shards=((0, r, tp),), kind="ones")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,14 +40,14 @@ from torch import nn
 
 from ..moe.expert_te import fp8_region
 from ..parallel.collectives import group_rank, group_size
+from ..parallel.groups import ProcessGroups
+from ..parallel.linear import sp_gather
 from ..parallel.params import initialize_parameters, mark_param, set_init_spec
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
 from .embedding import VocabParallelEmbedding
 from .fused_cross_entropy import fused_linear_cross_entropy
-from .groups import ModelGroups
-from .linear import sp_gather
 from .moe_block import default_moe_factory
 from .mtp import MTPModule, shift_left
 from .norm import RMSNorm
@@ -100,7 +100,7 @@ class MoETransformer(nn.Module):
         self.pre_process = start == 0
         self.post_process = end == config.num_layers
         self.config = config
-        self.groups = ModelGroups.from_state(parallel_state) if parallel_state is not None else ModelGroups.single()
+        self.groups = parallel_state.groups if parallel_state is not None else ProcessGroups.single()
         if moe_factory is None:
             moe_factory = default_moe_factory
         self.check_layout()
@@ -145,7 +145,7 @@ class MoETransformer(nn.Module):
         else:
             tp, r = group_size(g.tp), group_rank(g.tp)
             self.output_weight = nn.Parameter(torch.empty(config.vocab_size // tp, config.hidden_size, **kw))
-            mark_param(self.output_weight, tp_sharded=True, tp_dim=0)
+            mark_param(self.output_weight, tp_sharded=True)
             set_init_spec(
                 self.output_weight,
                 full_shape=(config.vocab_size, config.hidden_size),

@@ -5,12 +5,11 @@ Usage::
 
     from folding.moe import MoEConfig, MoELayer, Router, build_dispatcher
     layer = MoELayer(config=MoEConfig(num_experts=8, topk=2, ffn_hidden_size=14336), hidden_size=4096,
-                     ep_group=ps.ep_group, etp_group=ps.etp_group, tp_cp_group=ps.tp_cp_group,
-                     tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group)
+                     groups=ps.groups)
 """
 
 from .config import MoEConfig
-from .dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher
+from .dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher, dispatcher_for
 from .experts import GroupedMLP
 from .layer import MoELayer, SharedExpert
 from .router import Router
@@ -26,6 +25,7 @@ __all__ = [
     "AllToAllDispatcher",
     "AllGatherDispatcher",
     "build_dispatcher",
+    "dispatcher_for",
     "topk_routing",
     "apply_capacity",
 ]

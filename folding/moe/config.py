@@ -13,8 +13,7 @@ Usage::
     cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=14336)            # Mixtral 8x7B
     cfg = MoEConfig(num_experts=64, topk=8, ffn_hidden_size=2560, pre_softmax=True,
                     shared_expert_ffn_hidden_size=20480, shared_expert_gate=True)  # Qwen2-57B-A14B
-    router = Router(hidden_size=4096, config=cfg, tp_cp_group=ps.tp_cp_group,
-                    tp_dp_cp_group=ps.tp_dp_cp_group)
+    router = Router(hidden_size=4096, config=cfg, groups=ps.groups)
 """
 
 from __future__ import annotations

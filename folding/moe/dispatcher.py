@@ -39,13 +39,16 @@ dropping modes need the map already capacity-limited by the router (decided from
 Usage::
 
     d = build_dispatcher("alltoall", num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    d = dispatcher_for(moe_cfg, ps.groups)          # the MoE layer's: every setting from its MoEConfig
     tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     out_SBH = d.combine(experts(tokens_NH, record, probs_N), record)
 """
 
 from __future__ import annotations
 
-from .config import DISPATCHERS
+from folding.parallel.groups import ProcessGroups
+
+from .config import DISPATCHERS, MoEConfig
 from .dispatcher_allgather import AllGatherDispatcher
 from .dispatcher_alltoall import AllToAllDispatcher
 from .dispatcher_base import DispatchRecord, TokenDispatcher
@@ -57,6 +60,7 @@ __all__ = [
     "DispatchRecord",
     "TokenDispatcher",
     "build_dispatcher",
+    "dispatcher_for",
 ]
 
 
@@ -67,3 +71,20 @@ def build_dispatcher(kind: str, **kwargs) -> TokenDispatcher:
     if kind == "allgather":
         return AllGatherDispatcher(**kwargs)
     raise ValueError(f"moe.dispatcher={kind!r} is not a dispatcher; choose one of {DISPATCHERS}")
+
+
+def dispatcher_for(config: MoEConfig, groups: ProcessGroups) -> TokenDispatcher:
+    """The dispatcher of an MoE layer: kind, experts, capacity and wires from ``config``, the expert
+    groups (``groups.ep``, ``groups.etp``) from the rank's group record."""
+    return build_dispatcher(
+        config.dispatcher,
+        num_experts=config.num_experts,
+        topk=config.topk,
+        ep_group=groups.ep,
+        etp_group=groups.etp,
+        capacity_factor=config.capacity_factor,
+        pad_to_capacity=config.pad_to_capacity,
+        dispatch_wire=config.dispatch_wire,
+        combine_wire=config.combine_wire,
+        grad_wire=config.grad_wire,
+    )

@@ -127,9 +127,7 @@ class GroupedMLP(torch.nn.Module):
         E, fl, h, f = num_local_experts, self.ffn_local, hidden_size, ffn_hidden_size
         kw = dict(dtype=params_dtype, device=device)
         ep_cut = (0, expert_offset // E, num_experts // E)
-        self.fc1_weight = mark_param(
-            torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True, tp_dim=1
-        )
+        self.fc1_weight = mark_param(torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True)
         set_init_spec(
             self.fc1_weight,
             full_shape=(num_experts, 2, f, h),
@@ -137,9 +135,7 @@ class GroupedMLP(torch.nn.Module):
             std=init_std,
             chunk_dim=0,
         )
-        self.fc2_weight = mark_param(
-            torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True, tp_dim=2
-        )
+        self.fc2_weight = mark_param(torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True)
         set_init_spec(
             self.fc2_weight,
             full_shape=(num_experts, h, f),

@@ -6,7 +6,7 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
 (EP × ETP) of the same ranks and brings the results back in the input's shape.
 
 - Router: :class:`folding.moe.router.Router` on this rank's tokens (aux-loss counts over TP×CP).
-- Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``ep_group`` / ``etp_group``.
+- Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``groups.ep`` / ``groups.etp``.
 - Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
@@ -22,9 +22,7 @@ shard.
 
 Usage::
 
-    layer = MoELayer(config=moe_cfg, hidden_size=1024, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                     tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group, tp_group=ps.tp_group,
-                     layer_number=3)
+    layer = MoELayer(config=moe_cfg, hidden_size=1024, groups=ps.groups, layer_number=3)
     out_SBH = layer(hidden_SBH)
 """
 
@@ -33,16 +31,19 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from folding.parallel import overlap
-from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
+from folding.parallel.collectives import group_size
+from folding.parallel.groups import ProcessGroups
+from folding.parallel.linear import column_parallel_weight, row_parallel_linear, row_parallel_weight
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.parallel.sequence_parallel import gather_linears
 
 from .config import MoEConfig
-from .dispatcher import build_dispatcher
+from .dispatcher import dispatcher_for
 from .experts import GroupedMLP
 from .router import Router
 
@@ -50,14 +51,16 @@ from .router import Router
 class SharedExpert(nn.Module):
     """Dense SwiGLU on the attention TP group, fed by sequence-parallel tokens.
 
-    Forward: all-gather the TP group's tokens (backward: reduce-scatter), column-parallel fc1 (this
-    rank's shard of gate and of up), SwiGLU, row-parallel fc2, reduce-scatter back to this rank's
-    tokens (backward: all-gather). With ``gate``, the output is scaled by ``sigmoid(x·g)`` computed on
-    the local tokens.
+    The layers of a dense model's MLP (:class:`~folding.model.mlp.DenseMLP`) with gate and up fused in
+    one column-parallel weight, built from the same tensor-parallel parts
+    (:mod:`folding.parallel.linear`): all-gather of the TP group's tokens fused with fc1 (this rank's
+    shard of gate and of up; backward: reduce-scatter), SwiGLU, row-parallel fc2 reduce-scattered
+    back to this rank's tokens (backward: all-gather). With ``gate``, the output is scaled by
+    ``sigmoid(x·g)`` computed on the local tokens.
 
     Parameters: ``fc1_weight [2·Fl, H]`` (rows ``[0:Fl]`` gate shard, ``[Fl:]`` up shard of the full
-    ``[gate; up]`` of shape ``[2F, H]``; ``tp_sharded``, dim 0), ``fc2_weight [H, Fl]`` (``tp_sharded``,
-    dim 1), ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
+    ``[gate; up]`` of shape ``[2, F, H]``; ``tp_sharded``), ``fc2_weight [H, Fl]`` (``tp_sharded``),
+    ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class SharedExpert(nn.Module):
         *,
         hidden_size: int,
         ffn_hidden_size: int,
-        tp_group,
+        tp_group: Optional[dist.ProcessGroup],
         gate: bool,
         init_seed: Optional[int] = 0,
         init_std: float = 0.02,
@@ -74,26 +77,17 @@ class SharedExpert(nn.Module):
         device=None,
     ):
         super().__init__()
-        tp = group_size(tp_group)
-        if ffn_hidden_size % tp:
-            raise ValueError(
-                f"shared expert ffn_hidden_size={ffn_hidden_size} is not divisible by the size {tp} of "
-                "tp_group; use a multiple of it"
-            )
-        self.tp_rank = group_rank(tp_group)
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
-        self.ffn_local = fl = ffn_hidden_size // tp
-        kw = dict(dtype=params_dtype, device=device)
-        r, f, h = self.tp_rank, ffn_hidden_size, hidden_size
-        self.fc1_weight = mark_param(nn.Parameter(torch.empty(2 * fl, h, **kw)), tp_sharded=True, tp_dim=0)
-        set_init_spec(self.fc1_weight, full_shape=(2, f, h), shards=((1, r, tp),), std=init_std)  # [gate; up]
-        self.fc2_weight = mark_param(nn.Parameter(torch.empty(h, fl, **kw)), tp_sharded=True, tp_dim=1)
+        self.ffn_local = ffn_hidden_size // group_size(tp_group)
+        kw = dict(tp_group=tp_group, name="moe.shared_expert_ffn_hidden_size", dtype=params_dtype, device=device)
         out_std = init_std if output_init_std is None else output_init_std
-        set_init_spec(self.fc2_weight, full_shape=(h, f), shards=((1, r, tp),), std=out_std)
+        self.fc1_weight = column_parallel_weight(hidden_size, ffn_hidden_size, parts=2, init_std=init_std, **kw)
+        self.fc2_weight = row_parallel_weight(ffn_hidden_size, hidden_size, init_std=out_std, **kw)
         self.gate_weight = None
         if gate:
-            self.gate_weight = mark_param(nn.Parameter(torch.empty(1, h, **kw)), sequence_parallel=True)
-            set_init_spec(self.gate_weight, full_shape=(1, h), std=init_std)
+            w = torch.empty(1, hidden_size, dtype=params_dtype, device=device)
+            self.gate_weight = mark_param(nn.Parameter(w), sequence_parallel=True)
+            set_init_spec(self.gate_weight, full_shape=(1, hidden_size), std=init_std)
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -101,8 +95,7 @@ class SharedExpert(nn.Module):
         """Shared-expert output for this rank's tokens ``[T, H]``."""
         (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
         gate, up = h.split(self.ffn_local, dim=-1)
-        y = F.linear(F.silu(gate) * up, self.fc2_weight.to(h.dtype))
-        y = reduce_scatter_to_sequence_region(y, self.tp_group)
+        y = row_parallel_linear(F.silu(gate) * up, self.fc2_weight, self.tp_group)
         if self.gate_weight is not None:
             y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))
         return y
@@ -114,9 +107,9 @@ class MoELayer(nn.Module):
     Args:
         config: the MoE settings (experts, top-k, capacity, dispatcher, wires, shared expert...).
         hidden_size: H.
-        ep_group, etp_group: expert-view groups (token exchange; ETP shards expert F).
-        tp_cp_group, tp_dp_cp_group: attention-view groups the router reduces its counts over.
-        tp_group: attention TP group (shared expert; may be a 1-rank group).
+        groups: the rank's process groups: the expert view's ``ep`` and ``etp`` (token exchange;
+            ETP shards expert F), the attention view's ``tp_cp`` and ``tp_dp_cp`` (the router's
+            counts) and ``tp`` (shared expert).
         layer_number: index of the layer (names it in errors).
         init_seed: seed of the initialization of every weight of the layer, each drawn from its record
             and its name in the layer (:mod:`folding.parallel.params`); ``None`` leaves them to the
@@ -134,11 +127,7 @@ class MoELayer(nn.Module):
         *,
         config: MoEConfig,
         hidden_size: int,
-        ep_group,
-        etp_group,
-        tp_cp_group,
-        tp_dp_cp_group,
-        tp_group,
+        groups: ProcessGroups,
         layer_number: int = 0,
         init_seed: Optional[int] = 0,
         init_std: float = 0.02,
@@ -150,18 +139,7 @@ class MoELayer(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
-        self.dispatcher = build_dispatcher(
-            config.dispatcher,
-            num_experts=config.num_experts,
-            topk=config.topk,
-            ep_group=ep_group,
-            etp_group=etp_group,
-            capacity_factor=config.capacity_factor,
-            pad_to_capacity=config.pad_to_capacity,
-            dispatch_wire=config.dispatch_wire,
-            combine_wire=config.combine_wire,
-            grad_wire=config.grad_wire,
-        )
+        self.dispatcher = dispatcher_for(config, groups)
         d = self.dispatcher
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
@@ -171,8 +149,7 @@ class MoELayer(nn.Module):
         self.router = Router(
             hidden_size=hidden_size,
             config=config,
-            tp_cp_group=tp_cp_group,
-            tp_dp_cp_group=tp_dp_cp_group,
+            groups=groups,
             init_std=init_std,
             init_seed=None,
             layer_number=layer_number,
@@ -199,7 +176,7 @@ class MoELayer(nn.Module):
             self.shared_expert = SharedExpert(
                 hidden_size=hidden_size,
                 ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                tp_group=tp_group,
+                tp_group=groups.tp,
                 gate=config.shared_expert_gate,
                 init_seed=None,
                 init_std=init_std,

@@ -15,8 +15,7 @@ micro-batch, S sequence positions.
 
 Usage::
 
-    router = Router(hidden_size=H, config=moe_cfg, tp_cp_group=ps.tp_cp_group,
-                    tp_dp_cp_group=ps.tp_dp_cp_group, init_seed=seed, layer_number=i)
+    router = Router(hidden_size=H, config=moe_cfg, groups=ps.groups, init_seed=seed, layer_number=i)
     router.aux_loss_scale = 1.0 / (num_microbatches * ps.dp_size)     # once per step
     probs_TE, routing_map_TE = router(hidden_SBH)                     # or hidden_TH, num_sequences=B
     router.last_losses["aux_loss"]                                    # this rank's share, detached
@@ -36,6 +35,7 @@ from torch import nn
 from folding.moe import routing as R
 from folding.moe.config import MoEConfig
 from folding.parallel import collectives as C
+from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -68,9 +68,9 @@ class Router(nn.Module):
     Args:
         hidden_size: model hidden size H.
         config: the MoE configuration (validated).
-        tp_cp_group: attention TP×CP group: the ranks whose token chunks form one micro-batch
-            (aux_loss / seq_aux_loss token counts, z-loss share).
-        tp_dp_cp_group: attention TP×DP×CP group (global_aux_loss and expert-bias token counts).
+        groups: the rank's process groups; the router reads two attention groups: ``tp_cp``, the
+            ranks whose token chunks form one micro-batch (aux_loss / seq_aux_loss token counts,
+            z-loss share), and ``tp_dp_cp`` (global_aux_loss and expert-bias token counts).
         init_std: std of the normal initialization of the gate weight.
         init_seed: seed of the gate weight's initialization (``folding.parallel.params``: the same
             tensor on every rank and in every layout); ``None`` leaves it to the owner of the module
@@ -87,8 +87,7 @@ class Router(nn.Module):
         *,
         hidden_size: int,
         config: MoEConfig,
-        tp_cp_group,
-        tp_dp_cp_group,
+        groups: ProcessGroups,
         init_std: float = 0.02,
         init_seed: Optional[int] = 0,
         layer_number: int = 0,
@@ -102,8 +101,7 @@ class Router(nn.Module):
         self.config = config
         self.hidden_size = hidden_size
         self.layer_number = layer_number
-        self.tp_cp_group = tp_cp_group
-        self.tp_dp_cp_group = tp_dp_cp_group
+        self.tp_cp_group, self.tp_dp_cp_group = groups.tp_cp, groups.tp_dp_cp
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
         self.weight = mark_param(

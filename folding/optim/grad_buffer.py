@@ -57,7 +57,7 @@ class BufferGroups:
             g, n = (ps.etp_group, ps.etp_size) if cls.expert else (ps.tp_group, ps.tp_size)
             if n > 1:
                 pre.append(g)
-        if cls.embedding_tied and ps.groups.get("embedding") is not None and ps.embedding_size > 1:
+        if cls.embedding_tied and ps.embedding_group is not None and ps.embedding_size > 1:
             pre.append(ps.embedding_group)
         if cls.expert:
             dp, size, rank = ps.edp_group, ps.edp_size, ps.edp_rank

@@ -1,5 +1,6 @@
 """Folded parallel layouts: pure rank math, process groups, and autograd collectives."""
 
+from .groups import ProcessGroups
 from .layout import DEFAULT_ORDER, ParallelLayout
 from .rank_math import LayoutError, RankGenerator, layout_groups
 from .state import ParallelState, build_parallel_state
@@ -11,5 +12,6 @@ __all__ = [
     "RankGenerator",
     "layout_groups",
     "ParallelState",
+    "ProcessGroups",
     "build_parallel_state",
 ]

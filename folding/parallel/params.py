@@ -5,7 +5,7 @@ Face conversion all read this record and nothing else.
 A module describes each parameter when it creates it:
 
 - :func:`mark_param` sets its parallel nature (the fields gradient reduction and clipping read):
-  ``expert`` (sharded over EP, gradient reduced over EDP), ``tp_sharded`` along ``tp_dim`` (over the
+  ``expert`` (sharded over EP, gradient reduced over EDP), ``tp_sharded`` (over the
   view's TP group: attention TP for dense parameters, ETP for experts), ``sequence_parallel``
   (replicated over TP but fed by sequence-sharded activations: partial gradients summed over TP),
   ``embedding_tied`` (word embedding / output weight tied across the first and last pipeline
@@ -24,9 +24,9 @@ wherever one is needed (:func:`require_spec`).
 
 Usage::
 
-    w = mark_param(nn.Parameter(torch.empty(out // tp, inp, device=device)), tp_sharded=True, tp_dim=0)
+    w = mark_param(nn.Parameter(torch.empty(out // tp, inp, device=device)), tp_sharded=True)
     set_init_spec(w, full_shape=(out, inp), shards=((0, tp_rank, tp),), std=0.02)
-    fc1 = set_init_spec(mark_param(p, expert=True, tp_sharded=True, tp_dim=1), full_shape=(E, 2, F, H),
+    fc1 = set_init_spec(mark_param(p, expert=True, tp_sharded=True), full_shape=(E, 2, F, H),
                         shards=((0, ep_rank, ep), (2, etp_rank, etp)), std=0.02, chunk_dim=0)
     initialize_parameters(model, init_seed=1234)
     param_spec(w).tp_sharded, require_spec(w, "w").full_shape
@@ -52,9 +52,8 @@ class ParamSpec:
     expert: bool = False
     """Expert parameter: sharded over EP; gradients reduced over EDP, not over DP×CP."""
     tp_sharded: bool = False
-    """Sharded over the view's TP group (TP for dense, ETP for expert) along ``tp_dim``."""
-    tp_dim: int = -1
-    """Dimension of the local tensor along which it is TP-sharded, when ``tp_sharded``."""
+    """Sharded over the view's TP group (TP for dense, ETP for expert); ``shards`` says along which
+    dimension of the full tensor."""
     sequence_parallel: bool = False
     """Replicated over TP with partial gradients under sequence parallelism (summed over TP)."""
     embedding_tied: bool = False
@@ -81,8 +80,8 @@ def param_spec(p: torch.Tensor) -> ParamSpec:
 
 def mark_param(p: torch.nn.Parameter, **tags) -> torch.nn.Parameter:
     """Set the parallel fields of ``p``'s record (keyword arguments among ``expert``, ``tp_sharded``,
-    ``tp_dim``, ``sequence_parallel``, ``embedding_tied``); returns ``p``."""
-    allowed = ("expert", "tp_sharded", "tp_dim", "sequence_parallel", "embedding_tied")
+    ``sequence_parallel``, ``embedding_tied``); returns ``p``."""
+    allowed = ("expert", "tp_sharded", "sequence_parallel", "embedding_tied")
     unknown = sorted(set(tags) - set(allowed))
     if unknown:
         raise TypeError(f"mark_param: unknown field(s) {unknown}; use {allowed}")

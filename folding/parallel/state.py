@@ -2,15 +2,17 @@
 
 Every group of both views is created with ``torch.distributed.new_group`` in the same order on every
 rank (a rank list that appears under several roles is created once and shared). The result is a
-:class:`ParallelState`: this rank's groups named by role plus its coordinates. Nothing in ``folding``
-reads groups from globals: pass the state, or the exact groups, to whoever needs them.
+:class:`ParallelState`: this rank's groups named by role (the typed record
+:class:`~folding.parallel.groups.ProcessGroups`, ``ps.groups``) plus its coordinates. Nothing in
+``folding`` reads groups from globals: pass the state, its ``groups``, or the exact groups, to whoever
+needs them.
 
 Usage::
 
     dist.init_process_group("gloo")            # or "nccl"
     layout = ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=4, etp=1)
     with build_parallel_state(layout) as ps:   # destroys the groups on exit (collective)
-        ps.tp_group, ps.ep_group, ps.ep_rank, ps.edp_size
+        ps.tp_group, ps.ep_group, ps.ep_rank, ps.edp_size, ps.groups
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from .groups import ProcessGroups
 from .layout import ParallelLayout
 
 # role name on ParallelState -> (view, token)
@@ -44,27 +47,187 @@ ROLES: Tuple[Tuple[str, str, str], ...] = (
 class ParallelState:
     """This rank's process groups (by role) and coordinates under a folded layout.
 
-    ``groups[role]`` is the group handle (``None`` for roles this rank is not in, which only happens
-    for ``embedding``); ``ranks[role]`` the global ranks of that group. ``<role>_group``,
-    ``<role>_rank`` and ``<role>_size`` attributes give direct access.
+    ``groups`` is the typed record of the group handles, what modules receive; ``ranks[role]`` the
+    global ranks of this rank's group of each role (empty, with a ``None`` group, for roles this rank
+    is not in, which only happens for ``embedding``). ``<role>_group``, ``<role>_rank`` and
+    ``<role>_size`` give direct access for every role of :data:`ROLES`.
     """
 
     layout: ParallelLayout
+    """The layout the groups were built from."""
     rank: int
-    groups: Dict[str, Optional[dist.ProcessGroup]]
+    """This rank's global rank."""
+    groups: ProcessGroups
+    """The group handles by role."""
     ranks: Dict[str, List[int]]
+    """Role name -> global ranks of this rank's group of that role."""
+    created: Tuple[dist.ProcessGroup, ...] = dataclasses.field(default=(), repr=False)
+    """The groups :func:`build_parallel_state` created for this rank (:meth:`destroy` destroys them)."""
 
-    def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("ranks", "groups", "rank", "layout"):
-            raise AttributeError(name)
-        for suffix, fn in (
-            ("_group", lambda r: self.groups[r]),
-            ("_rank", lambda r: self.ranks[r].index(self.rank)),
-            ("_size", lambda r: len(self.ranks[r])),
-        ):
-            if name.endswith(suffix) and name[: -len(suffix)] in self.ranks:
-                return fn(name[: -len(suffix)])
-        raise AttributeError(name)
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's attention tensor-parallel group."""
+        return self.groups.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its attention tensor-parallel group."""
+        return self.ranks["tp"].index(self.rank)
+
+    @property
+    def tp_size(self) -> int:
+        """Size of this rank's attention tensor-parallel group."""
+        return len(self.ranks["tp"])
+
+    @property
+    def cp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's context-parallel group."""
+        return self.groups.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group."""
+        return self.ranks["cp"].index(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        """Size of this rank's context-parallel group."""
+        return len(self.ranks["cp"])
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's attention data-parallel group."""
+        return self.groups.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in its attention data-parallel group."""
+        return self.ranks["dp"].index(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """Size of this rank's attention data-parallel group."""
+        return len(self.ranks["dp"])
+
+    @property
+    def dp_cp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's DP x CP group."""
+        return self.groups.dp_cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in its DP x CP group."""
+        return self.ranks["dp_cp"].index(self.rank)
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Size of this rank's DP x CP group."""
+        return len(self.ranks["dp_cp"])
+
+    @property
+    def tp_cp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's TP x CP group."""
+        return self.groups.tp_cp
+
+    @property
+    def tp_cp_rank(self) -> int:
+        """This rank's index in its TP x CP group."""
+        return self.ranks["tp_cp"].index(self.rank)
+
+    @property
+    def tp_cp_size(self) -> int:
+        """Size of this rank's TP x CP group."""
+        return len(self.ranks["tp_cp"])
+
+    @property
+    def tp_dp_cp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's TP x DP x CP group."""
+        return self.groups.tp_dp_cp
+
+    @property
+    def tp_dp_cp_rank(self) -> int:
+        """This rank's index in its TP x DP x CP group."""
+        return self.ranks["tp_dp_cp"].index(self.rank)
+
+    @property
+    def tp_dp_cp_size(self) -> int:
+        """Size of this rank's TP x DP x CP group."""
+        return len(self.ranks["tp_dp_cp"])
+
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's pipeline-parallel group."""
+        return self.groups.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's index in its pipeline-parallel group."""
+        return self.ranks["pp"].index(self.rank)
+
+    @property
+    def pp_size(self) -> int:
+        """Size of this rank's pipeline-parallel group."""
+        return len(self.ranks["pp"])
+
+    @property
+    def embedding_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's embedding (first and last pipeline stage) group."""
+        return self.groups.embedding
+
+    @property
+    def embedding_rank(self) -> int:
+        """This rank's index in its embedding (first and last pipeline stage) group."""
+        return self.ranks["embedding"].index(self.rank)
+
+    @property
+    def embedding_size(self) -> int:
+        """Size of this rank's embedding (first and last pipeline stage) group."""
+        return len(self.ranks["embedding"])
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's expert-parallel group."""
+        return self.groups.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group."""
+        return self.ranks["ep"].index(self.rank)
+
+    @property
+    def ep_size(self) -> int:
+        """Size of this rank's expert-parallel group."""
+        return len(self.ranks["ep"])
+
+    @property
+    def etp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's expert tensor-parallel group."""
+        return self.groups.etp
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's index in its expert tensor-parallel group."""
+        return self.ranks["etp"].index(self.rank)
+
+    @property
+    def etp_size(self) -> int:
+        """Size of this rank's expert tensor-parallel group."""
+        return len(self.ranks["etp"])
+
+    @property
+    def edp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's expert data-parallel group."""
+        return self.groups.edp
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index in its expert data-parallel group."""
+        return self.ranks["edp"].index(self.rank)
+
+    @property
+    def edp_size(self) -> int:
+        """Size of this rank's expert data-parallel group."""
+        return len(self.ranks["edp"])
 
     @property
     def is_first_stage(self) -> bool:
@@ -95,7 +258,7 @@ class ParallelState:
         if sync and self.layout.world_size > 1:
             dist.barrier()
         seen = set()
-        for g in self._created:
+        for g in self.created:
             if id(g) not in seen:
                 seen.add(id(g))
                 dist.destroy_process_group(g)
@@ -125,7 +288,7 @@ def build_parallel_state(
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     cache: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
     created = []
-    groups: Dict[str, Optional[dist.ProcessGroup]] = {}
+    handles: Dict[str, Optional[dist.ProcessGroup]] = {}
     ranks: Dict[str, List[int]] = {}
     for role, view, token in ROLES:
         for grp in table[view][token]:
@@ -139,13 +302,11 @@ def build_parallel_state(
                         created.append(handle)
                 cache[key] = handle
             if rank in grp:
-                groups[role] = cache[key]
+                handles[role] = cache[key]
                 ranks[role] = list(grp)
         if role not in ranks:
-            groups[role] = None
+            handles[role] = None
             ranks[role] = []
     if world > 1:
         dist.barrier()
-    state = ParallelState(layout=layout, rank=rank, groups=groups, ranks=ranks)
-    object.__setattr__(state, "_created", created)
-    return state
+    return ParallelState(layout=layout, rank=rank, groups=ProcessGroups(**handles), ranks=ranks, created=tuple(created))

@@ -26,8 +26,7 @@ def _update(layout_kwargs):
                 Router(
                     hidden_size=8,
                     config=cfg,
-                    tp_cp_group=ps.tp_cp_group,
-                    tp_dp_cp_group=ps.tp_dp_cp_group,
+                    groups=ps.groups,
                     init_seed=0,
                     layer_number=i,
                 )

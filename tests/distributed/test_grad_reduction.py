@@ -25,19 +25,20 @@ from tests import reference_collectives as R
 V, H, FF, E, FE, K, S, MICRO = 16, 8, 8, 8, 4, 2, 8, 16
 
 TAGS = {
-    "emb": dict(tp_sharded=True, tp_dim=0),
+    "emb": dict(tp_sharded=True),
     "norm1": dict(sequence_parallel=True),
-    "w1": dict(tp_sharded=True, tp_dim=0),
-    "b1": dict(tp_sharded=True, tp_dim=0),
-    "w2": dict(tp_sharded=True, tp_dim=1),
+    "w1": dict(tp_sharded=True),
+    "b1": dict(tp_sharded=True),
+    "w2": dict(tp_sharded=True),
     "b2": dict(sequence_parallel=True),
     "norm2": dict(sequence_parallel=True),
     "router": dict(sequence_parallel=True),
-    "expert_w1": dict(expert=True, tp_sharded=True, tp_dim=2),
-    "expert_w2": dict(expert=True, tp_sharded=True, tp_dim=1),
+    "expert_w1": dict(expert=True, tp_sharded=True),
+    "expert_w2": dict(expert=True, tp_sharded=True),
     "final_norm": dict(sequence_parallel=True),
-    "head": dict(tp_sharded=True, tp_dim=0),
+    "head": dict(tp_sharded=True),
 }
+TP_DIM = {"emb": 0, "w1": 0, "b1": 0, "w2": 1, "expert_w1": 2, "expert_w2": 1, "head": 0}  # dim sharded over (E)TP
 NO_DECAY = {"norm1", "b1", "b2", "norm2", "final_norm"}
 
 
@@ -103,9 +104,9 @@ def shard(name: str, full: torch.Tensor, c: Coords) -> torch.Tensor:
         if name == "expert_w1":  # shard gate and up halves separately
             gate, up = full.chunk(2, dim=2)
             return torch.cat([gate.chunk(c.etp, 2)[c.etp_rank], up.chunk(c.etp, 2)[c.etp_rank]], 2)
-        return full.chunk(c.etp, dim=t["tp_dim"])[c.etp_rank]
+        return full.chunk(c.etp, dim=TP_DIM[name])[c.etp_rank]
     if t.get("tp_sharded"):
-        return full.chunk(c.tp, dim=t["tp_dim"])[c.tp_rank]
+        return full.chunk(c.tp, dim=TP_DIM[name])[c.tp_rank]
     return full
 
 
@@ -284,9 +285,9 @@ def _tied_pipeline(distributed):
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), pp=2, ep=2, etp=1))
     try:
         m = torch.nn.Module()
-        m.tied = mark_param(torch.nn.Parameter(torch.zeros(4, 3)), tp_sharded=True, tp_dim=0, embedding_tied=True)
+        m.tied = mark_param(torch.nn.Parameter(torch.zeros(4, 3)), tp_sharded=True, embedding_tied=True)
         m.norm = mark_param(torch.nn.Parameter(torch.zeros(3)), sequence_parallel=True)
-        m.expert = mark_param(torch.nn.Parameter(torch.zeros(1, 2, 2)), expert=True, tp_sharded=True, tp_dim=2)
+        m.expert = mark_param(torch.nn.Parameter(torch.zeros(1, 2, 2)), expert=True, tp_sharded=True)
         opt = FoldedOptimizer(
             m, OptimConfig(decay_style="constant", distributed=distributed, bucket_size=5), parallel_state=ps
         )

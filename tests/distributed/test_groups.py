@@ -1,13 +1,16 @@
 """Process groups on 8 gloo ranks match the rank math, checked with real collectives; collectives'
 forward and backward match their single-process definitions."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import collectives as C
-from folding.parallel.state import ROLES
+from folding.parallel.groups import ProcessGroups
+from folding.parallel.state import ROLES, ParallelState
 from tests import reference_collectives as R
 
 LAYOUTS = [
@@ -22,6 +25,31 @@ LAYOUTS = [
 ]
 
 
+def test_every_role_is_a_declared_field_and_property():
+    """The group record has one field per role, and the state one property per role and attribute:
+    declared on the class (visible to IDEs and type checkers), none synthesized on lookup."""
+    roles = [role for role, _, _ in ROLES]
+    assert [f.name for f in dataclasses.fields(ProcessGroups)] == roles
+    assert "__getattr__" not in vars(ParallelState)
+    for role in roles:
+        for suffix in ("_group", "_rank", "_size"):
+            assert isinstance(vars(ParallelState).get(role + suffix), property), role + suffix
+    assert ProcessGroups.single() == ProcessGroups()  # no torch.distributed job here: every group None
+
+
+def _single_record_in_a_job():
+    try:
+        ProcessGroups.single()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_the_one_rank_record_is_refused_in_a_job_of_several_ranks(ranks):
+    """Inside a 2-rank job a record of ``None`` groups would mean the world: refused, naming the fix."""
+    assert all("pass parallel_state=" in (msg or "") for msg in ranks(2).run(_single_record_in_a_job))
+
+
 def _check_groups(layout_kwargs):
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kwargs)
     ps = build_parallel_state(layout)
@@ -31,7 +59,7 @@ def _check_groups(layout_kwargs):
     try:
         for role, view, token in ROLES:
             expected = [g for g in table[view][token] if rank in g]
-            group = ps.groups[role]
+            group = getattr(ps.groups, role)
             if not expected:
                 assert group is None and role == "embedding"
                 continue
@@ -42,6 +70,7 @@ def _check_groups(layout_kwargs):
             dist.all_gather_into_tensor(out, t, group=group)
             seen[role] = out.tolist()
             assert out.tolist() == expected, (role, out.tolist(), expected)
+            assert getattr(ps, f"{role}_group") is group
             assert getattr(ps, f"{role}_rank") == expected.index(rank)
             assert getattr(ps, f"{role}_size") == len(expected)
     finally:

@@ -34,11 +34,7 @@ def _layer(ps, dispatcher, mode):
     return MoELayer(
         config=cfg,
         hidden_size=H,
-        ep_group=ps.ep_group,
-        etp_group=ps.etp_group,
-        tp_cp_group=ps.tp_cp_group,
-        tp_dp_cp_group=ps.tp_dp_cp_group,
-        tp_group=ps.tp_group,
+        groups=ps.groups,
         layer_number=1,
         init_seed=5,
     )

@@ -58,11 +58,7 @@ def _layer(c, ps):
     return MoELayer(
         config=_config(c),
         hidden_size=H,
-        ep_group=ps.ep_group,
-        etp_group=ps.etp_group,
-        tp_cp_group=ps.tp_cp_group,
-        tp_dp_cp_group=ps.tp_dp_cp_group,
-        tp_group=ps.tp_group,
+        groups=ps.groups,
         layer_number=3,
         init_seed=11,
         init_std=0.3,
@@ -216,11 +212,7 @@ def _bf16_wires():
             layer = MoELayer(
                 config=cfg,
                 hidden_size=64,
-                ep_group=ps.ep_group,
-                etp_group=ps.etp_group,
-                tp_cp_group=ps.tp_cp_group,
-                tp_dp_cp_group=ps.tp_dp_cp_group,
-                tp_group=ps.tp_group,
+                groups=ps.groups,
                 init_std=0.2,
                 params_dtype=torch.bfloat16,
             )

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from folding.moe.config import MoEConfig
 from folding.moe.router import Router
 from folding.optim.expert_bias import update_expert_biases
-from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel import ParallelLayout, ProcessGroups, build_parallel_state
 
 S, B, H, E = 8, 2, 6, 4
 SCALE = 0.7
@@ -82,8 +82,7 @@ def _rank_fn(layout_kws, cfg_kws):
                 r = Router(
                     hidden_size=H,
                     config=_cfg(ckw),
-                    tp_cp_group=ps.tp_cp_group,
-                    tp_dp_cp_group=ps.tp_dp_cp_group,
+                    groups=ps.groups,
                     init_seed=5,
                     layer_number=2,
                 )
@@ -128,7 +127,7 @@ def _reference(ckw, dp, dp_ranks):
     key = (repr(ckw), tuple(dp_ranks))
     if key in _REF_CACHE:
         return _REF_CACHE[key]
-    r = Router(hidden_size=H, config=_cfg(ckw), tp_cp_group=None, tp_dp_cp_group=None, init_seed=5, layer_number=2)
+    r = Router(hidden_size=H, config=_cfg(ckw), groups=ProcessGroups(), init_seed=5, layer_number=2)
     batches = []
     for mb in range(MICRO_BATCHES):
         xs, gs, pads = zip(*[_inputs(d, mb) for d in dp_ranks])
@@ -178,7 +177,7 @@ def _bias_fn(rate):
             expert_bias_update_rate=rate,
             aux_loss_type="none",
         )
-        r = Router(hidden_size=H, config=cfg, tp_cp_group=ps.tp_cp_group, tp_dp_cp_group=ps.tp_dp_cp_group)
+        r = Router(hidden_size=H, config=cfg, groups=ps.groups)
         with torch.no_grad():
             r.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.2, 0.1]))  # a bias from earlier steps
         start = r.expert_bias.clone()

@@ -136,8 +136,8 @@ def test_weights_are_slices_of_layout_free_full_tensors():
         assert param_spec(m.fc1_weight).full_shape == (4, 2, f, 8) and param_spec(m.fc1_weight).chunk_dim == 0
     assert not torch.equal(full.fc1_weight[0], full.fc1_weight[1])  # experts differ
     t1, t2 = param_spec(full.fc1_weight), param_spec(full.fc2_weight)
-    assert (t1.expert, t1.tp_sharded, t1.tp_dim) == (True, True, 1)
-    assert (t2.expert, t2.tp_sharded, t2.tp_dim) == (True, True, 2)
+    assert (t1.expert, t1.tp_sharded) == (True, True)
+    assert (t2.expert, t2.tp_sharded) == (True, True)
     bf = _make("loop", torch.bfloat16, h=8, f=f, e=4)
     assert bf.fc1_weight.dtype == torch.bfloat16 and torch.equal(bf.fc1_weight, full.fc1_weight.bfloat16())
 

@@ -19,6 +19,7 @@ from torch import nn
 from folding.model.config import ModelConfig
 from folding.model.mlp import DenseMLP
 from folding.parallel.collectives import group_rank, group_size
+from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import mark_param, set_init_spec
 from tests.reference_collectives import domain_gather_v, domain_reduce_scatter_v
 
@@ -41,8 +42,8 @@ class ReferenceMoE(nn.Module):
         self.experts = nn.Module()
         self.experts.fc1_weight = nn.Parameter(torch.empty(E // ep, 2 * Fe // etp, H, device=device, dtype=dtype))
         self.experts.fc2_weight = nn.Parameter(torch.empty(E // ep, H, Fe // etp, device=device, dtype=dtype))
-        mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True, tp_dim=1)
-        mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True, tp_dim=2)
+        mark_param(self.experts.fc1_weight, expert=True, tp_sharded=True)
+        mark_param(self.experts.fc2_weight, expert=True, tp_sharded=True)
         set_init_spec(
             self.experts.fc1_weight,
             full_shape=(E, 2, Fe, H),
@@ -117,7 +118,6 @@ def reference_moe_factory(**kwargs):
 
 def test_reference_moe_matches_per_token_loop():
     """The reference MoE equals a per-token loop over the chosen experts (Mixtral and Qwen2 routing)."""
-    from folding.model.groups import ModelGroups
     from folding.model.presets import get_preset
     from folding.parallel.params import initialize_parameters
 
@@ -127,7 +127,7 @@ def test_reference_moe_matches_per_token_loop():
             hidden_size=16,
             moe=dict(ffn_hidden_size=8, shared_expert_ffn_hidden_size=None if name == "mixtral_tiny" else 8),
         )
-        moe = ReferenceMoE(config=cfg, layer_number=0, groups=ModelGroups.single())
+        moe = ReferenceMoE(config=cfg, layer_number=0, groups=ProcessGroups.single())
         initialize_parameters(moe, 3)
         x = torch.randn(5, 2, 16)
         y = moe(x)

@@ -22,12 +22,12 @@ def test_decay_rules():
 
 
 def test_classes_follow_tags():
-    c = classify("moe.experts.w1", P(2, 4, 6, expert=True, tp_sharded=True, tp_dim=2))
+    c = classify("moe.experts.w1", P(2, 4, 6, expert=True, tp_sharded=True))
     assert c.expert and c.tp_sharded and c.decay and c.dtype == "float32"
     r = classify("moe.router.weight", P(8, 4, sequence_parallel=True))
     assert not r.expert and r.sequence_parallel and not r.tp_sharded
-    e = classify("embedding.weight", P(16, 4, tp_sharded=True, tp_dim=0, embedding_tied=True))
-    assert e.embedding_tied and e != classify("embedding.weight", P(16, 4, tp_sharded=True, tp_dim=0))
+    e = classify("embedding.weight", P(16, 4, tp_sharded=True, embedding_tied=True))
+    assert e.embedding_tied and e != classify("embedding.weight", P(16, 4, tp_sharded=True))
     assert "expert/tp_sharded/decay/float32" == c.describe()
 
 

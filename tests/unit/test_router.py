@@ -9,6 +9,7 @@ from folding.moe import routing as R
 from folding.moe.config import MoEConfig
 from folding.moe.router import Router, attach_loss
 from folding.optim.expert_bias import update_expert_biases
+from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import materialize, param_spec
 
 H = 6
@@ -22,7 +23,7 @@ def cfg(**kw):
 
 def router(**kw):
     seed = kw.pop("init_seed", 0)
-    return Router(hidden_size=H, config=cfg(**kw), tp_cp_group=None, tp_dp_cp_group=None, init_seed=seed)
+    return Router(hidden_size=H, config=cfg(**kw), groups=ProcessGroups.single(), init_seed=seed)
 
 
 # ------------------------------------------------------------------------------------ config
@@ -81,7 +82,7 @@ def test_init_is_seeded_and_recorded():
     spec = param_spec(a.weight)
     assert spec.sequence_parallel and spec.full_shape == (4, H) and spec.shards == ()
     # init_seed=None: the owner fills it from the record, e.g. on another device after a meta build
-    meta = Router(hidden_size=H, config=cfg(), tp_cp_group=None, tp_dp_cp_group=None, init_seed=None, device="meta")
+    meta = Router(hidden_size=H, config=cfg(), groups=ProcessGroups.single(), init_seed=None, device="meta")
     materialize(meta, device="cpu", init_seed=0)
     assert torch.equal(meta.weight, a.weight)
 

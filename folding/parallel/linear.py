@@ -7,7 +7,9 @@ rank produces its slice of the output features), which keeps only the sequence s
 and gathers it again there (:func:`folding.parallel.sequence_parallel.gather_linears`). The block
 then ends with a :class:`RowParallelLinear` (weight columns sharded over TP) whose partial sums are
 reduce-scattered back to the sequence shard. :func:`sp_gather` is the plain all-gather, for
-consumers that are not column-parallel linears.
+consumers that are not column-parallel linears. Modules that keep their weights as plain parameters
+(the MoE shared expert's fused ``[gate; up]``) create them with :func:`column_parallel_weight` /
+:func:`row_parallel_weight` and run them with :func:`gather_linears` / :func:`row_parallel_linear`.
 
 Usage::
 
@@ -21,17 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.collectives import (
+from .collectives import (
+    Group,
     gather_from_sequence_region,
     group_rank,
     group_size,
     reduce_scatter_to_sequence_region,
 )
-from ..parallel.params import mark_param, set_init_spec
-from ..parallel.sequence_parallel import gather_linears
+from .params import mark_param, set_init_spec
+from .sequence_parallel import gather_linears
 
 
-def sp_gather(x_SBH: torch.Tensor, tp_group) -> torch.Tensor:
+def sp_gather(x_SBH: torch.Tensor, tp_group: Group) -> torch.Tensor:
     """Sequence-parallel entry of a TP region.
 
     Forward: all-gather along the sequence (dim 0) over TP. Backward: reduce-scatter (sum) of the
@@ -40,7 +43,7 @@ def sp_gather(x_SBH: torch.Tensor, tp_group) -> torch.Tensor:
     return gather_from_sequence_region(x_SBH, tp_group, grad_reduce=True)
 
 
-def sp_column_linears(x_SBH: torch.Tensor, linears, tp_group):
+def sp_column_linears(x_SBH: torch.Tensor, linears, tp_group: Group):
     """Sequence-parallel entry fused with the :class:`ColumnParallelLinear` s that read it.
 
     Forward: all-gather of ``x [S/TP, B, H]`` over TP along the sequence, then each linear (a tuple of
@@ -57,12 +60,66 @@ def _check_divisible(what: str, n: int, tp: int) -> None:
         )
 
 
+def column_parallel_weight(
+    in_features: int,
+    out_features: int,
+    *,
+    tp_group: Group,
+    parts: int = 1,
+    init_std: float = 0.02,
+    name: str = "features",
+    device=None,
+    dtype=torch.float32,
+) -> nn.Parameter:
+    """The weight of a column-parallel linear: ``parts`` stacked ``[out, in]`` matrices, each split by
+    rows over TP; this rank holds ``[parts·out/TP, in]``, its row shard of every part in order.
+
+    Tagged ``tp_sharded``; its value record is the full ``[out, in]`` (``[parts, out, in]`` when
+    ``parts > 1``, e.g. a fused SwiGLU ``[gate; up]``: one tensor, one seed) and this rank's shard of
+    it. ``name`` is the config field of ``out_features`` (for errors).
+    """
+    tp, r = group_size(tp_group), group_rank(tp_group)
+    _check_divisible(name, out_features, tp)
+    w = nn.Parameter(torch.empty(parts * out_features // tp, in_features, device=device, dtype=dtype))
+    mark_param(w, tp_sharded=True)
+    if parts == 1:
+        return set_init_spec(w, full_shape=(out_features, in_features), shards=((0, r, tp),), std=init_std)
+    return set_init_spec(w, full_shape=(parts, out_features, in_features), shards=((1, r, tp),), std=init_std)
+
+
+def row_parallel_weight(
+    in_features: int,
+    out_features: int,
+    *,
+    tp_group: Group,
+    init_std: float = 0.02,
+    name: str = "features",
+    device=None,
+    dtype=torch.float32,
+) -> nn.Parameter:
+    """The weight of a row-parallel linear: ``[out, in]`` split by columns over TP; this rank holds
+    ``[out, in/TP]``, tagged ``tp_sharded``. ``name`` is the config field of ``in_features`` (for errors)."""
+    tp, r = group_size(tp_group), group_rank(tp_group)
+    _check_divisible(name, in_features, tp)
+    w = mark_param(
+        nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype)), tp_sharded=True
+    )
+    return set_init_spec(w, full_shape=(out_features, in_features), shards=((1, r, tp),), std=init_std)
+
+
+def row_parallel_linear(x_SBI: torch.Tensor, weight: torch.Tensor, tp_group: Group) -> torch.Tensor:
+    """``x W^T`` with ``W`` a :func:`row_parallel_weight` (cast to ``x``'s dtype), its partial sums
+    reduce-scattered over TP along dim 0: ``[S, B, in/TP] -> [S/TP, B, out]``. Forward: reduce-scatter
+    (sum); backward: all-gather of the gradient."""
+    return reduce_scatter_to_sequence_region(F.linear(x_SBI, weight.to(x_SBI.dtype)), tp_group)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with ``W [out, in]`` split by rows over TP: rank r holds ``W[r*out/TP:(r+1)*out/TP]``.
 
     Input: the full (gathered) activation ``[..., in]``; output ``[..., out/TP]``. No communication
     here: the caller's :func:`sp_gather` handles it. Weight (and bias) are tagged ``tp_sharded``
-    along dim 0.
+    (:func:`column_parallel_weight`).
     """
 
     def __init__(
@@ -70,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         *,
-        tp_group,
+        tp_group: Group,
         bias: bool = False,
         init_std: float = 0.02,
         name: str = "features",
@@ -78,14 +135,12 @@ class ColumnParallelLinear(nn.Module):
         dtype=torch.float32,
     ):
         super().__init__()
-        tp, r = group_size(tp_group), group_rank(tp_group)
-        _check_divisible(name, out_features, tp)
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, device=device, dtype=dtype))
-        mark_param(self.weight, tp_sharded=True, tp_dim=0)
-        set_init_spec(self.weight, full_shape=(out_features, in_features), shards=((0, r, tp),), std=init_std)
+        kw = dict(tp_group=tp_group, name=name, device=device, dtype=dtype)
+        self.weight = column_parallel_weight(in_features, out_features, init_std=init_std, **kw)
         if bias:
+            tp, r = group_size(tp_group), group_rank(tp_group)
             self.bias = nn.Parameter(torch.empty(out_features // tp, device=device, dtype=dtype))
-            mark_param(self.bias, tp_sharded=True, tp_dim=0)
+            mark_param(self.bias, tp_sharded=True)
             set_init_spec(self.bias, full_shape=(out_features,), shards=((0, r, tp),), kind="zeros")
         else:
             self.register_parameter("bias", None)
@@ -99,7 +154,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T`` with ``W [out, in]`` split by columns over TP; partial sums reduce-scattered.
 
     Input ``[S, B, in/TP]`` (full sequence); output ``[S/TP, B, out]``: forward reduce-scatter over
-    TP along the sequence, backward all-gather of the gradient. Weight tagged ``tp_sharded`` dim 1.
+    TP along the sequence, backward all-gather of the gradient (:func:`row_parallel_linear`). Weight
+    tagged ``tp_sharded`` (:func:`row_parallel_weight`).
     """
 
     def __init__(
@@ -107,20 +163,17 @@ class RowParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         *,
-        tp_group,
+        tp_group: Group,
         init_std: float = 0.02,
         name: str = "features",
         device=None,
         dtype=torch.float32,
     ):
         super().__init__()
-        tp, r = group_size(tp_group), group_rank(tp_group)
-        _check_divisible(name, in_features, tp)
         self.tp_group = tp_group
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, device=device, dtype=dtype))
-        mark_param(self.weight, tp_sharded=True, tp_dim=1)
-        set_init_spec(self.weight, full_shape=(out_features, in_features), shards=((1, r, tp),), std=init_std)
+        kw = dict(tp_group=tp_group, name=name, device=device, dtype=dtype)
+        self.weight = row_parallel_weight(in_features, out_features, init_std=init_std, **kw)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         """``[S, B, in/TP] -> [S/TP, B, out]``."""
-        return reduce_scatter_to_sequence_region(F.linear(x_SBI, self.weight), self.tp_group)
+        return row_parallel_linear(x_SBI, self.weight, self.tp_group)

@@ -1,0 +1,80 @@
+"""The process groups a rank uses, as one typed record handed whole to every module that communicates.
+
+:class:`ProcessGroups` names each group by its role in the two views of a folded layout: the
+attention view (``tp``, ``cp``, ``dp``, ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``pp``, ``embedding``)
+and the expert view (``ep``, ``etp``, ``edp``). :func:`folding.parallel.build_parallel_state` builds
+it once (``ps.groups``); the model, the MoE layer, its router and its dispatcher take it as one
+``groups=`` argument and read the fields they use. A field left ``None`` is the default group: the
+world when ``torch.distributed`` is initialized, no communication otherwise; so
+``ProcessGroups.single()`` (every field ``None``) is the 1-rank record, which needs no process group.
+Code embedding the engine's modules in another codebase fills in its own groups by role.
+
+Usage::
+
+    groups = ps.groups                                   # from build_parallel_state(layout)
+    groups = ProcessGroups.single()                      # 1 rank, torch.distributed not needed
+    groups = ProcessGroups(ep=my_ep_group, etp=my_etp_group, tp_cp=..., tp_dp_cp=..., tp=...)
+    groups.tp, groups.tp_size, groups.cp_rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.distributed as dist
+
+from .collectives import group_rank, group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process group for every role of both views (``None``: the default group)."""
+
+    tp: Optional[dist.ProcessGroup] = None
+    """Attention tensor-parallel group (sequence parallel when its size > 1)."""
+    cp: Optional[dist.ProcessGroup] = None
+    """Context-parallel group."""
+    dp: Optional[dist.ProcessGroup] = None
+    """Attention data-parallel group."""
+    dp_cp: Optional[dist.ProcessGroup] = None
+    """DP x CP group: the ranks that run the same layers (dense gradient reduction, FP8 amax reduction)."""
+    tp_cp: Optional[dist.ProcessGroup] = None
+    """TP x CP group: the ranks holding one sequence's tokens (router aux-loss counts)."""
+    tp_dp_cp: Optional[dist.ProcessGroup] = None
+    """TP x DP x CP group: every token of a pipeline stage (router expert-bias counts)."""
+    pp: Optional[dist.ProcessGroup] = None
+    """Pipeline-parallel group."""
+    embedding: Optional[dist.ProcessGroup] = None
+    """First and last pipeline stage (tied embedding); ``None`` on a rank of no such group."""
+    ep: Optional[dist.ProcessGroup] = None
+    """Expert-parallel group."""
+    etp: Optional[dist.ProcessGroup] = None
+    """Expert tensor-parallel group."""
+    edp: Optional[dist.ProcessGroup] = None
+    """Expert data-parallel group (expert gradient reduction)."""
+
+    @staticmethod
+    def single() -> "ProcessGroups":
+        """No parallelism; only valid outside a ``torch.distributed`` job of several ranks."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "torch.distributed is initialized with several ranks: pass parallel_state= "
+                "(build_parallel_state(ParallelLayout(...))) to build the model"
+            )
+        return ProcessGroups()
+
+    @property
+    def tp_size(self) -> int:
+        """Size of the attention TP group."""
+        return group_size(self.tp)
+
+    @property
+    def cp_size(self) -> int:
+        """Size of the CP group."""
+        return group_size(self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in the CP group."""
+        return group_rank(self.cp)
