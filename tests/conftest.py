@@ -1,8 +1,20 @@
-"""Shared pytest fixtures: long-lived gloo rank pools reused by every distributed test."""
+"""Shared pytest fixtures: long-lived gloo rank pools reused by every distributed test; one intra-op
+thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
 
 import pytest
+import torch
 
 from folding.testing import RankPool
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run the module's tests with one intra-op thread (tiny GEMMs, where OpenMP synchronization
+    dominates), then restore the previous count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

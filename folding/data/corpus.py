@@ -33,8 +33,6 @@ from .tokenizer import build_tokenizer
 
 CORPUS_FILE = os.path.join(os.path.dirname(__file__), "corpus", "stdlib_docs.jsonl.gz")
 """Path of the shipped corpus (JSON lines, gzip, key ``text``)."""
-LICENSE_FILE = os.path.join(os.path.dirname(__file__), "corpus", "LICENSE-PSF.txt")
-"""Path of the license of the shipped corpus text."""
 _SKIP_DIRS = {
     "test",
     "tests",

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from folding.moe import routing as R
+from folding.moe.balancing import BalancingRouter
 from folding.moe.config import MoEConfig
 from folding.parallel import collectives as C
 from folding.parallel.groups import ProcessGroups
@@ -62,8 +63,9 @@ def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: Union[float, torch.T
     return _AttachLossGrad.apply(x, loss, scale)
 
 
-class Router(nn.Module):
-    """Top-k router of one MoE layer with Megatron-Core's options (see :class:`MoEConfig`).
+class Router(BalancingRouter):
+    """Top-k router of one MoE layer with Megatron-Core's options (see :class:`MoEConfig`); the
+    training step reads and updates it through :class:`~folding.moe.balancing.BalancingRouter`.
 
     Args:
         hidden_size: model hidden size H.
@@ -285,6 +287,30 @@ class Router(nn.Module):
             return C.all_reduce(counts.to(self.dtype), group)
 
     # ---------------------------------------------------------------- once per global batch
+    @property
+    def has_expert_bias(self) -> bool:
+        """True with ``config.expert_bias`` (the ``expert_bias`` buffer exists)."""
+        return self.expert_bias is not None
+
+    def expert_demand(self) -> torch.Tensor:
+        """``local_tokens_per_expert``: tokens routed to each expert before capacity, this rank."""
+        if self.expert_bias is None:
+            raise ValueError(f"router of layer {self.layer_number} has no expert bias (moe.expert_bias=false)")
+        return self.local_tokens_per_expert
+
+    def update_expert_bias(self, demand_E: torch.Tensor) -> None:
+        """Move ``expert_bias`` by :func:`folding.moe.routing.updated_expert_bias` at
+        ``config.expert_bias_update_rate`` for the summed ``demand_E``; zero ``local_tokens_per_expert``."""
+        rate = self.config.expert_bias_update_rate
+        with torch.no_grad():
+            self.expert_bias.copy_(R.updated_expert_bias(self.expert_bias, demand_E, rate=rate))
+            self.expert_demand().zero_()
+
+    @property
+    def accumulates_global_aux_loss(self) -> bool:
+        """True with ``config.aux_loss_type == "global_aux_loss"``."""
+        return self.config.aux_loss_type == "global_aux_loss"
+
     def reset_global_aux_loss(self) -> None:
         """Forget the token counts of ``global_aux_loss`` (call once per global batch)."""
         self.global_tokens_per_expert.zero_()

@@ -174,7 +174,3 @@ class GradBuffer:
     def grad_bytes(self) -> int:
         """Bytes of the fp32 main-gradient storage (padding included)."""
         return self.main_grad.numel() * self.main_grad.element_size()
-
-    def param_numel(self) -> int:
-        """Number of real (unpadded) parameter elements."""
-        return sum(p.numel() for p in self.params)

@@ -56,10 +56,9 @@ class GradReducer:
         )
         self.order = [(buf, b) for _, buf, b in self.order]
         self._next = 0
-        self._handles = []
         for buf in buffers:
             for p in buf.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(buf)))
+                p.register_post_accumulate_grad_hook(self._make_hook(buf))
 
     def _make_hook(self, buf: GradBuffer):
         # The hook lives in the parameter's own hook table, so it holds the reducer and the buffer
@@ -164,9 +163,3 @@ class GradReducer:
     def done(self) -> bool:
         """True once :meth:`finish` ran for the current step."""
         return self._next == len(self.order) and all(b.launched and b.pending is None for _, b in self.order)
-
-    def remove_hooks(self) -> None:
-        """Detach the backward hooks (the buffers stay)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []

@@ -115,11 +115,6 @@ class RankGenerator:
             groups.append(group)
         return groups
 
-    def coordinate(self, rank: int, axis: str) -> int:
-        """Index of ``rank`` along ``axis``."""
-        i = self.order.index(axis)
-        return (rank // self.strides[i]) % self.sizes[i]
-
 
 def embedding_groups(pp_groups: List[List[int]]) -> List[List[int]]:
     """First and last rank of every pipeline group (the ranks that hold tied embeddings)."""

@@ -62,8 +62,6 @@ class GPUSpec:
     """Peak dense BF16 tensor-core FLOP/s (the MFU denominator)."""
     fp8_flops: float
     """Peak dense FP8 tensor-core FLOP/s."""
-    hbm_gib: float
-    """HBM capacity in GiB."""
     usable_memory_gib: float
     """Memory PyTorch's allocator can reserve (HBM minus what the CUDA context, NCCL and library
     workspaces hold)."""
@@ -125,7 +123,6 @@ _GPUS: Dict[str, GPUSpec] = {
         name="h100",
         bf16_flops=989.4e12,
         fp8_flops=1978.9e12,
-        hbm_gib=80e9 / GIB,
         usable_memory_gib=80e9 / GIB - 2.5,
         hbm_bandwidth=3.35e12,
         nvlink_bandwidth=450e9,
@@ -135,7 +132,6 @@ _GPUS: Dict[str, GPUSpec] = {
         name="h200",
         bf16_flops=989.4e12,
         fp8_flops=1978.9e12,
-        hbm_gib=141e9 / GIB,
         usable_memory_gib=141e9 / GIB - 2.5,
         hbm_bandwidth=4.8e12,
         nvlink_bandwidth=450e9,
@@ -145,7 +141,6 @@ _GPUS: Dict[str, GPUSpec] = {
         name="b200",
         bf16_flops=2250e12,
         fp8_flops=4500e12,
-        hbm_gib=180e9 / GIB,
         usable_memory_gib=180e9 / GIB - 2.5,
         hbm_bandwidth=8.0e12,
         nvlink_bandwidth=900e9,

@@ -1,10 +1,10 @@
 """Per-step MoE statistics gathered from the routers: expert load, dropped tokens, aux/z losses.
 
-A forward hook on every router accumulates, for each forward of the step (whatever order a pipeline
-schedule runs the micro-batches in), the routed rows per expert, the dropped (token, expert) pairs
-and this rank's share of each router loss. :meth:`MoEStats.vector` packs them into one flat tensor
-that the trainer sums over the world in its single per-step all-reduce; :meth:`MoEStats.summarize`
-unpacks the sum.
+A forward hook on every router (:class:`folding.moe.balancing.BalancingRouter`) accumulates, for
+each forward of the step (whatever order a pipeline schedule runs the micro-batches in), the routed
+rows per expert, the dropped (token, expert) pairs and this rank's share of each router loss.
+:meth:`MoEStats.vector` packs them into one flat tensor that the trainer sums over the world in its
+single per-step all-reduce; :meth:`MoEStats.summarize` unpacks the sum.
 
 Shape names: L MoE layers of the whole model (by global layer number; multi-token-prediction layers
 last), E experts.
@@ -31,15 +31,9 @@ import torch
 from torch import nn
 
 from ..model.config import ModelConfig
+from ..moe.balancing import BalancingRouter, find_routers
 
 LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
-
-
-def find_routers(chunks: Sequence[nn.Module]) -> List[nn.Module]:
-    """Every router module of ``chunks`` (a module with ``last_tokens_per_expert`` and ``layer_number``)."""
-    return [
-        m for c in chunks for m in c.modules() if hasattr(m, "last_tokens_per_expert") and hasattr(m, "layer_number")
-    ]
 
 
 class MoEStats:
@@ -50,21 +44,21 @@ class MoEStats:
         self.moe_layers = [i for i in model_config.layer_numbers() if model_config.is_moe_layer(i)]
         self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
         self.E = model_config.moe.num_experts
-        self.routers = find_routers(chunks)
+        self.routers: List[BalancingRouter] = find_routers(chunks)
         device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
         self.counts_LE = torch.zeros(len(self.moe_layers), self.E, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
         self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
-    def _hook(self, router: nn.Module, inputs, output) -> None:
+    def _hook(self, router: BalancingRouter, inputs, output) -> None:
         with torch.no_grad():
             counts = router.last_tokens_per_expert
             if counts is not None:
                 self.counts_LE[self.row_of[router.layer_number]] += counts.to(self.counts_LE)
-            if getattr(router, "last_dropped", None) is not None:
+            if router.last_dropped is not None:
                 self.dropped += router.last_dropped.to(self.dropped)
-            for name, value in getattr(router, "last_losses", {}).items():
+            for name, value in router.last_losses.items():
                 if name in LOSS_NAMES:
                     self.losses[LOSS_NAMES.index(name)] += value.detach().to(self.losses).sum()
 

@@ -4,20 +4,26 @@
 data) without any process group; :func:`train` runs the loop on an initialized ``torch.distributed``
 world (:mod:`folding.training.launch` creates it; tests call :func:`train` inside their rank pool).
 
-One step (1-based: step k is reported after the k-th optimizer update):
+One step (1-based: step k is reported after the k-th optimizer update) runs these phases
+(:func:`_train_step`):
 
-1. read this DP rank's ``M = global_batch / (micro_batch · DP)`` micro-batches;
-2. all-reduce their loss-mask sums over DP: the global count N of unmasked tokens, known before any
-   backward;
-3. forward/backward each micro-batch with loss ``masked_sum / N`` (gradients then *sum* over DP×CP
-   and EDP in the optimizer);
-4. one world all-reduce of [LM loss sum, expert counts, dropped pairs, router losses];
-5. if the loss or the gradient norm is NaN/Inf the update is skipped (logged ``skipped: true``), the
-   data and the LR schedule still advance; otherwise clip and step;
-6. rank 0 writes the ``train`` record; every ``train.eval_interval`` steps an ``eval`` record;
-7. with ``checkpoint.dir`` set, a checkpoint every ``checkpoint.save_interval`` steps, at the last
-   step, and after a SIGTERM/SIGINT (seen by every rank through the step's all-reduce), after which
-   the loop stops.
+1. data (:func:`_read_batch`): this DP rank's ``M = global_batch / (micro_batch · DP)`` micro-batches,
+   and the global count N of unmasked tokens (their loss-mask sums all-reduced over DP), known
+   before any backward;
+2. forward-backward schedule (:func:`_forward_backward`): each micro-batch with loss
+   ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer);
+3. reductions (:func:`_reduce`): one world all-reduce of [LM loss sum, expert counts, dropped
+   pairs, router losses, stop flag];
+4. clip and step (:func:`_clip_and_step`): if the loss or the gradient norm is NaN/Inf the update is
+   skipped (logged ``skipped: true``), the data and the LR schedule still advance;
+5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
+   the ``global_aux_loss`` counts restart, for every router the model holds
+   (:class:`folding.moe.balancing.BalancingRouter`);
+6. metrics (:func:`_train_record`): rank 0 writes the ``train`` record; every ``train.eval_interval``
+   steps an ``eval`` record (:func:`_evaluate_if_due`);
+7. checkpoint (:func:`_checkpoint_if_due`): with ``checkpoint.dir`` set, every
+   ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
+   rank through the step's all-reduce), after which the loop stops.
 
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
@@ -31,15 +37,14 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
-import resource
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..data.build import build_data
 from ..model.chunks import build_stage_chunks
@@ -48,14 +53,13 @@ from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
 from ..pipeline.stage import run_microbatches
-from ..planning.flops import flops_per_token
-from ..planning.hardware import get_gpu
 from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
+from .throughput import Throughput
 from .validate import validate_job
 
 
@@ -120,35 +124,49 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+@dataclasses.dataclass
+class _Run:
+    """What the phases of one training run share: the job, the model and optimizer, where the numbers
+    go, and the loop's progress."""
+
+    job: JobConfig
+    prep: Prepared
+    ps: Any
+    """The parallel state (process groups of the layout)."""
+    own_ps: bool
+    """True when :func:`train` built ``ps`` (and destroys it at the end)."""
+    device: torch.device
+    rank: int
+    num_microbatches: int
+    """This DP rank's micro-batches per step: ``global_batch / (micro_batch · DP)``."""
+    chunks: List[nn.Module]
+    optimizer: FoldedOptimizer
+    resumed_from: Optional[str]
+    stats: MoEStats
+    sink: Optional[MetricsSink]
+    """Rank 0's metrics sink; ``None`` elsewhere."""
+    throughput: Throughput
+    run_dir: str
+    run_log: Any
+    timer: StepTimer
+    stop: StopRequest = dataclasses.field(default_factory=StopRequest)
+    stopped: bool = False
+    """True once a stop request reached every rank (through a step's all-reduce)."""
+    saved_at: Optional[int] = None
+    """Step of the last checkpoint saved or loaded by this run."""
+    history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def _flops_per_token(job: JobConfig) -> float:
-    return flops_per_token(job.model, job.train.seq_length).model_training
+@dataclasses.dataclass
+class _StepLosses:
+    """The step's losses over the global batch, read off the world all-reduce."""
 
-
-def _peak_tflops(job: JobConfig, device: torch.device) -> Optional[float]:
-    if job.logging.peak_tflops:
-        return float(job.logging.peak_tflops)
-    if device.type != "cuda":
-        return None
-    try:
-        name = torch.cuda.get_device_name(device).lower()
-        for kind in ("h200", "h100", "b200", "a100"):
-            if kind in name:
-                return get_gpu(kind).peak_flops("bf16") / 1e12
-    except ValueError:
-        return None
-    return None
-
-
-def _skip_update(optimizer) -> None:
-    """Advance the LR schedule without changing parameters, optimizer moments or the count of AdamW
-    updates (its bias correction)."""
-    optimizer.step_count += 1
+    loss: float
+    """The objective: LM loss + MTP loss × its scaling factor + every router loss."""
+    lm_loss: float
+    mtp_loss: float
+    moe: Dict[str, Any]
+    """:meth:`MoEStats.summarize` of the step (router losses, expert counts, dropped fraction)."""
 
 
 def train(
@@ -162,22 +180,77 @@ def train(
     (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``); its
     console lines also go to ``run_log`` (a :class:`~folding.training.run_dir.RunLog`) when given.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    prep = prepared or prepare(job, world_size=world, rank=rank)
+    prep = prepared or prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
     own_ps = parallel_state is None
     ps = parallel_state or build_parallel_state(prep.layout, timeout_s=job.train.collective_timeout_s)
-    device = training_device()
+    run = _start(job, prep, ps, own_ps=own_ps, run_dir=run_dir, run_log=run_log)
+    try:
+        with run.stop.installed():
+            _log_run(run)
+            for step in range(run.optimizer.step_count + 1, job.train.steps + 1):
+                _train_step(run, step)
+                if run.stopped:
+                    _report_stop(run, step)
+                    break
+    finally:
+        run.stats.close()
+        if run.sink:
+            run.sink.close()
+        if run.own_ps:
+            run.ps.destroy()  # collective, except while an exception propagates (peers may never come)
+    return {
+        "history": run.history,
+        "metrics_file": run.sink.path if run.sink else None,
+        "chunks": run.chunks,
+        "resumed_from": run.resumed_from,
+        "stopped": run.stopped,
+        "last_checkpoint_step": run.saved_at,
+    }
+
+
+# ----------------------------------------------------------------------------- setting up a run
+def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, run_log) -> _Run:
+    """Build the model chunks and the optimizer, load the checkpoint to resume from, hook the routers
+    and open rank 0's metrics sink."""
+    device, t = training_device(), job.train
+    M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
+    chunks = _build_chunks(job, ps, device)
+    optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
+    resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
+    stats = MoEStats(chunks, model_config=job.model)
+    stats.set_aux_loss_scale(1.0 / (M * prep.layout.dp))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return _Run(
+        job=job,
+        prep=prep,
+        ps=ps,
+        own_ps=own_ps,
+        device=device,
+        rank=rank,
+        num_microbatches=M,
+        chunks=chunks,
+        optimizer=optimizer,
+        resumed_from=resumed_from,
+        stats=stats,
+        sink=_open_sink(job, run_dir, run_log) if rank == 0 else None,
+        throughput=Throughput(job, device=device, world_size=world),
+        run_dir=run_dir,
+        run_log=run_log,
+        timer=StepTimer(device),
+        saved_at=optimizer.step_count if resumed_from else None,
+    )
+
+
+def _build_chunks(job: JobConfig, ps, device: torch.device) -> List[nn.Module]:
+    """This rank's model chunks in training mode (compiled with ``train.compile``)."""
     t = job.train
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    layout = prep.layout
-    M = t.global_batch_size // (t.micro_batch_size * layout.dp)
     chunks = build_stage_chunks(
         model_config=job.model,
         parallel_state=ps,
         recompute=t.recompute,
         overlap_moe_comm=job.parallel.overlap_moe_comm,
         delay_wgrad=job.parallel.delay_wgrad,
-        params_dtype=dtype,
+        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
         init_seed=t.seed,
         device=device,
     )
@@ -185,153 +258,18 @@ def train(
         c.train()
     if t.compile:
         compile_dense(chunks)
-    model = torch.nn.ModuleList(chunks)
-    optimizer = FoldedOptimizer(model, job.optim, parallel_state=ps, train_steps=t.steps)
-    resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
-    stats = MoEStats(chunks, model_config=job.model)
-    stats.set_aux_loss_scale(1.0 / (M * layout.dp))
-    sink = (
-        MetricsSink(
-            job.logging,
-            run_dir=run_dir,
-            total_steps=t.steps,
-            run_config=job.to_dict(),
-            echo=run_log.echo if run_log else None,
-        )
-        if rank == 0
-        else None
+    return chunks
+
+
+def _open_sink(job: JobConfig, run_dir: str, run_log) -> MetricsSink:
+    """Rank 0's metrics sink under ``run_dir`` (console lines also to ``run_log`` when given)."""
+    return MetricsSink(
+        job.logging,
+        run_dir=run_dir,
+        total_steps=job.train.steps,
+        run_config=job.to_dict(),
+        echo=run_log.echo if run_log else None,
     )
-    flops_tok, peak = _flops_per_token(job), _peak_tflops(job, device)
-    timer = StepTimer(device)
-    data = prep.data
-    history: List[Dict[str, Any]] = []
-    stop = StopRequest()
-    stopped = False
-    saved_at = optimizer.step_count if resumed_from else None
-    exits = contextlib.ExitStack()
-    try:
-        exits.enter_context(stop.installed())
-        if sink:
-            sink.log(
-                {
-                    "kind": "run",
-                    "layout": layout.describe(),
-                    "world_size": world,
-                    "parameters": job.model.num_parameters()[0],
-                    "microbatches_per_step": M,
-                    "resumed_from": resumed_from,
-                    "start_step": optimizer.step_count + 1,
-                }
-            )
-        for step in range(optimizer.step_count + 1, t.steps + 1):
-            timer.restart()
-            mbs = [next(data.train) for _ in range(M)]
-            n_tokens = global_token_count(mbs, dp_group=ps.dp_group, device=device)
-            optimizer.zero_grad()
-            stats.reset()
-            out = run_microbatches(
-                chunks,
-                mbs,
-                parallel_state=ps,
-                loss_scale=1.0 / float(n_tokens.clamp(min=1)),
-                no_sync=optimizer.no_sync,
-                overlap=job.parallel.overlap_moe_comm,
-            )
-            parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
-            # per-token losses are identical on the TP ranks of the last stage: count them once
-            parts = parts / layout.tp if ps.is_last_stage else torch.zeros_like(parts)
-            flag = torch.tensor([1.0 if stop.requested else 0.0], dtype=torch.float64, device=device)
-            vec = torch.cat([parts, stats.vector().to(device), flag])
-            dist.all_reduce(vec)
-            stopped, vec = bool(vec[-1] > 0), vec[:-1]
-            lm_loss, mtp_loss = (vec[:2] / n_tokens.clamp(min=1)).tolist()  # one host read for both
-            moe = stats.summarize(vec[2:], num_microbatches=M * layout.dp, dp=layout.dp, topk=job.moe.topk)
-            loss = lm_loss + job.model.mtp_loss_scaling_factor * mtp_loss + sum(moe[n] for n in LOSS_NAMES)
-            lr = optimizer.lr
-            if math.isfinite(loss):
-                grad_norm, skipped = optimizer.clip_and_step()
-            else:
-                grad_norm, skipped = optimizer.grad_norm(), True
-            if skipped:
-                _skip_update(optimizer)
-            biased = [r for r in stats.routers if getattr(r, "expert_bias", None) is not None]
-            if biased and not skipped:  # one all-reduce for every layer's expert bias
-                update_expert_biases(biased, group=ps.tp_dp_cp_group)
-            for r in stats.routers:
-                if getattr(getattr(r, "config", None), "aux_loss_type", None) == "global_aux_loss":
-                    r.reset_global_aux_loss()
-            seconds = timer.elapsed()
-            mem = torch.tensor([_memory_gib(device)], dtype=torch.float64, device=device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            tokens_per_s = t.global_batch_size * t.seq_length / seconds
-            tflops = flops_tok * tokens_per_s / world / 1e12
-            record = {
-                "kind": "train",
-                "step": step,
-                "loss": loss,
-                "lm_loss": lm_loss,
-                **({"mtp_loss": mtp_loss} if job.model.mtp_num_layers else {}),
-                **{n: moe[n] for n in LOSS_NAMES},
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "skipped": skipped,
-                "tokens": int(n_tokens),
-                "step_time_s": seconds,
-                "tokens_per_s": tokens_per_s,
-                "tflops_per_device": tflops,
-                "mfu": tflops / peak if peak else None,
-                "mem_gib": float(mem),
-                **expert_load_summary(moe["counts_LE"]),
-                "dropped_fraction": moe["dropped_fraction"],
-                "expert_counts": moe["counts_LE"],
-            }
-            history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
-            if sink:
-                sink.log(record)
-            if t.eval_interval and data.valid is not None and (step % t.eval_interval == 0 or step == t.steps):
-                ev = evaluate(
-                    chunks, data.valid, parallel_state=ps, num_microbatches=M, eval_steps=t.eval_steps, device=device
-                )
-                history[-1]["eval_lm_loss"] = ev["lm_loss"]
-                if sink:
-                    sink.log({"kind": "eval", "step": step, **ev})
-            ck = job.checkpoint
-            if ck.dir and (stopped or step == t.steps or (ck.save_interval and step % ck.save_interval == 0)):
-                path = save_checkpoint(
-                    ck.dir,
-                    step=step,
-                    chunks=chunks,
-                    optimizer=optimizer,
-                    data=data,
-                    job=job,
-                    layout=layout,
-                    run_dir=run_dir,
-                )
-                saved_at = step
-                if sink:
-                    sink.log({"kind": "checkpoint", "step": step, "path": path})
-            if stopped:
-                if rank == 0:
-                    line = f"stop requested by a signal: stopped after step {step}" + (
-                        ", checkpoint saved" if saved_at == step else ", no checkpoint (checkpoint.dir is unset)"
-                    )
-                    (run_log.echo if run_log else print)(line)
-                break
-    finally:
-        exits.close()
-        stats.close()
-        if sink:
-            sink.close()
-        if own_ps:
-            ps.destroy()  # collective, except while an exception propagates (peers may never come)
-    return {
-        "history": history,
-        "metrics_file": sink.path if sink else None,
-        "chunks": chunks,
-        "resumed_from": resumed_from,
-        "stopped": stopped,
-        "last_checkpoint_step": saved_at,
-    }
 
 
 def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[str]:
@@ -345,3 +283,184 @@ def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[st
         return None
     load_checkpoint(box[0], chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     return box[0]
+
+
+def _log_run(run: _Run) -> None:
+    """Rank 0 writes the ``run`` record: layout, world, model size, where the loop starts."""
+    if run.sink:
+        run.sink.log(
+            {
+                "kind": "run",
+                "layout": run.prep.layout.describe(),
+                "world_size": dist.get_world_size(),
+                "parameters": run.job.model.num_parameters()[0],
+                "microbatches_per_step": run.num_microbatches,
+                "resumed_from": run.resumed_from,
+                "start_step": run.optimizer.step_count + 1,
+            }
+        )
+
+
+# ------------------------------------------------------------------------------- one step
+def _train_step(run: _Run, step: int) -> None:
+    """One optimizer step, in phases: data, forward/backward, the world reduction, clip and step,
+    router updates, metrics, evaluation and checkpoint when due."""
+    run.timer.restart()
+    mbs, n_tokens = _read_batch(run)
+    out = _forward_backward(run, mbs, n_tokens)
+    losses = _reduce(run, out, n_tokens)
+    lr = run.optimizer.lr
+    grad_norm, skipped = _clip_and_step(run.optimizer, losses.loss)
+    _update_routers(run, skipped=skipped)
+    record = _train_record(run, step, losses, grad_norm=grad_norm, lr=lr, skipped=skipped, n_tokens=n_tokens)
+    run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
+    if run.sink:
+        run.sink.log(record)
+    _evaluate_if_due(run, step)
+    _checkpoint_if_due(run, step)
+
+
+def _read_batch(run: _Run) -> Tuple[List[Dict[str, torch.Tensor]], torch.Tensor]:
+    """This DP rank's micro-batches of the step and the global count N of unmasked tokens (an
+    all-reduce over DP, known before any backward)."""
+    mbs = [next(run.prep.data.train) for _ in range(run.num_microbatches)]
+    return mbs, global_token_count(mbs, dp_group=run.ps.dp_group, device=run.device)
+
+
+def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Zero the gradients and the router statistics, then run the pipeline schedule over ``mbs``
+    with loss ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer)."""
+    run.optimizer.zero_grad()
+    run.stats.reset()
+    return run_microbatches(
+        run.chunks,
+        mbs,
+        parallel_state=run.ps,
+        loss_scale=1.0 / float(n_tokens.clamp(min=1)),
+        no_sync=run.optimizer.no_sync,
+        overlap=run.job.parallel.overlap_moe_comm,
+    )
+
+
+def _reduce(run: _Run, out: Dict[str, torch.Tensor], n_tokens: torch.Tensor) -> _StepLosses:
+    """One world all-reduce of [LM loss sum, MTP loss sum, router statistics, stop flag]: the step's
+    losses, and :attr:`_Run.stopped` when any rank saw a stop request."""
+    job, ps, layout, device = run.job, run.ps, run.prep.layout, run.device
+    parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
+    # per-token losses are identical on the TP ranks of the last stage: count them once
+    parts = parts / layout.tp if ps.is_last_stage else torch.zeros_like(parts)
+    flag = torch.tensor([1.0 if run.stop.requested else 0.0], dtype=torch.float64, device=device)
+    vec = torch.cat([parts, run.stats.vector().to(device), flag])
+    dist.all_reduce(vec)
+    run.stopped, vec = bool(vec[-1] > 0), vec[:-1]
+    lm_loss, mtp_loss = (vec[:2] / n_tokens.clamp(min=1)).tolist()  # one host read for both
+    moe = run.stats.summarize(
+        vec[2:], num_microbatches=run.num_microbatches * layout.dp, dp=layout.dp, topk=job.moe.topk
+    )
+    loss = lm_loss + job.model.mtp_loss_scaling_factor * mtp_loss + sum(moe[n] for n in LOSS_NAMES)
+    return _StepLosses(loss=loss, lm_loss=lm_loss, mtp_loss=mtp_loss, moe=moe)
+
+
+def _clip_and_step(optimizer: FoldedOptimizer, loss: float) -> Tuple[float, bool]:
+    """Clip and step; ``(grad_norm, skipped)``. A NaN/Inf loss or gradient norm skips the update (the
+    LR schedule still advances)."""
+    if math.isfinite(loss):
+        grad_norm, skipped = optimizer.clip_and_step()
+    else:
+        grad_norm, skipped = optimizer.grad_norm(), True
+    if skipped:
+        _skip_update(optimizer)
+    return grad_norm, skipped
+
+
+def _skip_update(optimizer) -> None:
+    """Advance the LR schedule without changing parameters, optimizer moments or the count of AdamW
+    updates (its bias correction)."""
+    optimizer.step_count += 1
+
+
+def _update_routers(run: _Run, *, skipped: bool) -> None:
+    """Once per global batch: move the expert biases (one all-reduce for every layer; not after a
+    skipped update) and restart the ``global_aux_loss`` token counts."""
+    routers = run.stats.routers
+    biased = [r for r in routers if r.has_expert_bias]
+    if biased and not skipped:
+        update_expert_biases(biased, group=run.ps.tp_dp_cp_group)
+    for r in routers:
+        if r.accumulates_global_aux_loss:
+            r.reset_global_aux_loss()
+
+
+def _train_record(
+    run: _Run, step: int, losses: _StepLosses, *, grad_norm: float, lr: float, skipped: bool, n_tokens: torch.Tensor
+) -> Dict[str, Any]:
+    """The step's ``train`` record: losses, update, speed and memory (a world all-reduce), expert load."""
+    speed = run.throughput.measure(run.timer.elapsed())
+    moe = losses.moe
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": losses.loss,
+        "lm_loss": losses.lm_loss,
+        **({"mtp_loss": losses.mtp_loss} if run.job.model.mtp_num_layers else {}),
+        **{n: moe[n] for n in LOSS_NAMES},
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "skipped": skipped,
+        "tokens": int(n_tokens),
+        **speed,
+        **expert_load_summary(moe["counts_LE"]),
+        "dropped_fraction": moe["dropped_fraction"],
+        "expert_counts": moe["counts_LE"],
+    }
+
+
+def _evaluate_if_due(run: _Run, step: int) -> None:
+    """Every ``train.eval_interval`` steps and at the last one (with validation data): the ``eval``
+    record, and ``eval_lm_loss`` in the step's history."""
+    t, valid = run.job.train, run.prep.data.valid
+    if not (t.eval_interval and valid is not None and (step % t.eval_interval == 0 or step == t.steps)):
+        return
+    ev = evaluate(
+        run.chunks,
+        valid,
+        parallel_state=run.ps,
+        num_microbatches=run.num_microbatches,
+        eval_steps=t.eval_steps,
+        device=run.device,
+    )
+    run.history[-1]["eval_lm_loss"] = ev["lm_loss"]
+    if run.sink:
+        run.sink.log({"kind": "eval", "step": step, **ev})
+
+
+def _checkpoint_if_due(run: _Run, step: int) -> None:
+    """With ``checkpoint.dir``: save every ``checkpoint.save_interval`` steps, at the last step and
+    when the run stops."""
+    ck = run.job.checkpoint
+    due = run.stopped or step == run.job.train.steps or (ck.save_interval and step % ck.save_interval == 0)
+    if not (ck.dir and due):
+        return
+    path = save_checkpoint(
+        ck.dir,
+        step=step,
+        chunks=run.chunks,
+        optimizer=run.optimizer,
+        data=run.prep.data,
+        job=run.job,
+        layout=run.prep.layout,
+        run_dir=run.run_dir,
+    )
+    run.saved_at = step
+    if run.sink:
+        run.sink.log({"kind": "checkpoint", "step": step, "path": path})
+
+
+def _report_stop(run: _Run, step: int) -> None:
+    """Rank 0 says that a signal stopped the run after ``step`` and whether a checkpoint was saved."""
+    if run.rank != 0:
+        return
+    line = f"stop requested by a signal: stopped after step {step}" + (
+        ", checkpoint saved" if run.saved_at == step else ", no checkpoint (checkpoint.dir is unset)"
+    )
+    (run.run_log.echo if run.run_log else print)(line)

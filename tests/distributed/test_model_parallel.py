@@ -16,57 +16,25 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, require_spec, take_slice
+from tests.presets import MIXTRAL, OLMOE, QWEN2_TIED, QWEN3, build, random_batch, variant
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
 LAYOUTS = [dict(tp=2, cp=2, ep=8, etp=1), dict(tp=2, ep=4, etp=2), dict(cp=2, ep=4, etp=1), dict(tp=4, ep=2, etp=1)]
-CONFIGS = [
-    dict(name="mixtral_tiny", num_layers=2, hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
-    dict(
-        name="qwen2_moe_tiny",
-        num_layers=2,
-        hidden_size=32,
-        moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16),
-        vocab_size=256,
-        init_std=0.1,
-        mlp_only_layers=(0,),
-        ffn_hidden_size=32,
-        tie_embeddings=True,
-    ),
-    # per-head q/k norm, head_dim 16 != hidden/heads; a dense layer
-    dict(
-        name="qwen3_moe_tiny",
-        num_layers=2,
-        hidden_size=32,
-        moe=dict(ffn_hidden_size=16),
-        vocab_size=256,
-        init_std=0.1,
-        mlp_only_layers=(0,),
-        ffn_hidden_size=32,
-    ),
-    # q/k norm over the whole projection: TP-sharded weights, sum of squares all-reduced over TP
-    dict(name="olmoe_tiny", num_layers=2, hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
-]
+# Qwen3: per-head q/k norm, head_dim 16 != hidden/heads, a dense layer; OLMoE: q/k norm over the
+# whole projection (TP-sharded weights, sum of squares all-reduced over TP)
+CONFIGS = [variant(preset, num_layers=2) for preset in (MIXTRAL, QWEN2_TIED, QWEN3, OLMOE)]
 B, S = 4, 16
-
-
-def _data():
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 256, (B, S), generator=g)
-    labels = torch.randint(0, 256, (B, S), generator=g)
-    mask = (torch.rand(B, S, generator=g) > 0.25).float()
-    return ids, labels, mask
 
 
 def _compare_layouts(configs, layouts, engine_moe=False):
     world = dist.get_world_size()
-    ids, labels, mask = _data()
+    ids, labels, mask = random_batch(B, S, seed=5, masked=0.25)
     count = mask.sum()
     report = []
     for ckw in configs:
-        ckw = dict(ckw)
         if engine_moe:  # the engine's MoE layer; per-micro-batch aux losses depend on the DP split
-            ckw["moe"] = dict(ckw["moe"], aux_loss_coeff=0.0)
-        cfg = get_preset(ckw.pop("name"), **ckw)
+            ckw = variant(ckw, moe=dict(aux_loss_coeff=0.0))
+        cfg = build(ckw)
         factory = None if engine_moe else reference_moe_factory
         ps1 = build_parallel_state(ParallelLayout(world_size=world))
         try:

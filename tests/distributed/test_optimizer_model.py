@@ -12,33 +12,13 @@ grad norm must equal the 1-rank norm within 1e-5 relative.
 import torch
 import torch.distributed as dist
 
-from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import require_spec, take_slice
+from tests.presets import MIXTRAL, QWEN2_TIED, build, random_batch, variant
 
-MODELS = [
-    dict(
-        name="mixtral_tiny",
-        num_layers=2,
-        hidden_size=32,
-        moe=dict(ffn_hidden_size=16, aux_loss_coeff=0.0),
-        vocab_size=128,
-        init_std=0.1,
-    ),
-    dict(
-        name="qwen2_moe_tiny",
-        num_layers=2,
-        hidden_size=32,
-        moe=dict(ffn_hidden_size=16, aux_loss_coeff=0.0, shared_expert_ffn_hidden_size=16),
-        vocab_size=128,
-        init_std=0.1,
-        mlp_only_layers=(0,),
-        ffn_hidden_size=32,
-        tie_embeddings=True,
-    ),
-]
+MODELS = [variant(p, num_layers=2, vocab_size=128, moe=dict(aux_loss_coeff=0.0)) for p in (MIXTRAL, QWEN2_TIED)]
 LAYOUTS = [  # (layout with ETP written, ZeRO-1)
     (dict(tp=1, cp=1, ep=1, etp=1), False),  # DP8
     (dict(tp=2, cp=1, ep=1, etp=2), True),  # TP2 + SP, ETP2, EDP4 = DP*CP
@@ -63,10 +43,7 @@ REL, ABS = 1e-5, 1e-6
 
 
 def _data():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 128, (B, S), generator=g)
-    labels = torch.randint(0, 128, (B, S), generator=g)
-    mask = (torch.rand(B, S, generator=g) > 0.3).float()
+    ids, labels, mask = random_batch(B, S, seed=3, masked=0.3, vocab_size=128)
     mask[2, S // 2 :] = 0.0  # end of document
     mask[5] = 0.0  # a fully padded sample
     return ids, labels, mask
@@ -113,8 +90,7 @@ def _step_models(models, layouts):
     count = mask.sum()
     report = []
     for mkw in models:
-        mkw = dict(mkw)
-        cfg = get_preset(mkw.pop("name"), **mkw)
+        cfg = build(mkw)
         start, ref_params, ref_norm = _reference(cfg, world)
         for lkw, distributed in layouts:
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))

@@ -11,25 +11,13 @@ import torch
 import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
-from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, require_spec, take_slice
 from folding.pipeline.stage import run_microbatches
+from tests.presets import MIXTRAL, QWEN2_TIED, build, random_batch, variant
 
 B, S = 4, 16
-CONFIGS = {
-    "mixtral": dict(name="mixtral_tiny", hidden_size=32, moe=dict(ffn_hidden_size=16), vocab_size=256, init_std=0.1),
-    "qwen_tied": dict(
-        name="qwen2_moe_tiny",
-        hidden_size=32,
-        moe=dict(ffn_hidden_size=16, shared_expert_ffn_hidden_size=16),
-        vocab_size=256,
-        init_std=0.1,
-        mlp_only_layers=(1,),
-        ffn_hidden_size=32,
-        tie_embeddings=True,
-    ),
-}
+CONFIGS = {"mixtral": MIXTRAL, "qwen_tied": variant(QWEN2_TIED, mlp_only_layers=(1,))}
 CASES = [  # (config, layout, recompute)
     ("mixtral", dict(pp=2, tp=2, ep=2, etp=1), "none"),
     ("mixtral", dict(pp=4, ep=2, etp=1), "none"),
@@ -41,27 +29,18 @@ CASES = [  # (config, layout, recompute)
 ]
 
 
-def _data():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (B, S), generator=g)
-    labels = torch.randint(0, 256, (B, S), generator=g)
-    mask = (torch.rand(B, S, generator=g) > 0.2).float()
-    return ids, labels, mask
-
-
 def _microbatches(ids, labels, mask, rows):
     return [dict(tokens=ids[i : i + 1], labels=labels[i : i + 1], loss_mask=mask[i : i + 1]) for i in rows]
 
 
 def _run(cases):
     world = dist.get_world_size()
-    ids, labels, mask = _data()
+    ids, labels, mask = random_batch(B, S, seed=3, masked=0.2)
     count = mask.sum().item()
     out = []
     refs = {}
     for cname, lkw, recompute in cases:
-        cfg_kw = dict(CONFIGS[cname])
-        cfg = get_preset(cfg_kw.pop("name"), **cfg_kw)
+        cfg = build(CONFIGS[cname])
         if cname not in refs:
             ps1 = build_parallel_state(ParallelLayout(world_size=world))
             try:

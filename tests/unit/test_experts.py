@@ -8,14 +8,8 @@ from folding.moe.expert_te import pad_rows_per_expert, te_available, unpad_rows_
 from folding.moe.experts import GroupedMLP
 from folding.parallel.params import param_spec, shard_index
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tests run many tiny GEMMs, for which OpenMP synchronization dominates: use one thread."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+# many tiny GEMMs, for which OpenMP synchronization dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}

@@ -6,14 +6,8 @@ import torch
 from folding.moe.experts import GroupedMLP
 from folding.quant import emulated_linear, fake_quant
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tests run many tiny GEMMs, for which OpenMP synchronization dominates: use one thread."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+# many tiny GEMMs, for which OpenMP synchronization dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a, b):

@@ -14,11 +14,11 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from folding.model.config import ModelConfig  # noqa: E402
-from folding.model.hf import CheckpointError, from_hf, hf_components, to_hf  # noqa: E402
+from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402
 from folding.model.hf_config import config_from_hf, config_to_hf  # noqa: E402
-from tests.unit.test_hf_parity import hf_grads  # noqa: E402
+from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 
-V, S, B = 128, 16, 2
+V, S, B = TINY_HF["vocab_size"], 16, 2
 YARN = dict(
     rope_type="yarn",
     rope_theta=10000.0,
@@ -36,12 +36,9 @@ def tiny_hf(**kw):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     args = dict(
-        vocab_size=V,
-        hidden_size=32,
+        **TINY_HF,
         intermediate_size=48,
         moe_intermediate_size=8,
-        num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=4,
         n_shared_experts=2,
         n_routed_experts=8,
@@ -59,11 +56,8 @@ def tiny_hf(**kw):
         rope_parameters=YARN,
     )
     args.update(kw)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**args))
-    torch.manual_seed(0)
+    model = randomized(DeepseekV3ForCausalLM(DeepseekV3Config(**args)))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
@@ -79,8 +73,6 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_loss_grads_match_transformers(tmp_path, case):
-    from folding.parallel.params import require_spec
-
     hf = tiny_hf(**CASES[case])
     path = str(tmp_path / "ckpt")
     hf.save_pretrained(path)
@@ -92,25 +84,7 @@ def test_logits_loss_grads_match_transformers(tmp_path, case):
     torch.testing.assert_close(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
     assert bias.abs().max() > 0.1
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
-    out = hf(ids, labels=ids)
-    logits = model(ids)
-    rel = ((logits - out.logits).abs().max() / out.logits.abs().max()).item()
-    assert rel <= 1e-5, rel
-    labels = torch.roll(ids, -1, dims=1)
-    mask = torch.ones(B, S)
-    mask[:, -1] = 0
-    loss = model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
-    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
-    loss.backward()
-    out.loss.backward()
-    ref = hf_grads(hf, "deepseek_v3")
-    checked = 0
-    for name, p in model.named_parameters():
-        g = p.grad.reshape(require_spec(p, name).full_shape)
-        for lead, hf_name in hf_components(name, cfg):
-            torch.testing.assert_close(g[lead] if lead else g, ref[hf_name], rtol=1e-4, atol=1e-6, msg=hf_name)
-            checked += 1
-    assert checked == len(ref)
+    assert_matches_hf(model, hf, ids, "deepseek_v3")
 
 
 def test_routing_differs_without_the_bias_and_with_megatron_group_score(tmp_path):

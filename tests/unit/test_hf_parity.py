@@ -11,10 +11,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from folding.model.hf import CheckpointError, from_hf, hf_components, to_hf  # noqa: E402
+from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402
+from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 from tests.unit.test_model_reference_moe import reference_moe_factory  # noqa: E402
 
-V, S, B = 128, 12, 2
+V, S, B = TINY_HF["vocab_size"], 12, 2
 
 
 def tiny_hf(kind, **kw):
@@ -30,14 +31,7 @@ def tiny_hf(kind, **kw):
         Qwen3MoeForCausalLM,
     )
 
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-    )
+    common = dict(**TINY_HF, num_key_value_heads=2, num_experts_per_tok=2)
     if kind == "mixtral":
         cfg = MixtralConfig(**common, intermediate_size=16, num_local_experts=4, **kw)
         model = MixtralForCausalLM(cfg)
@@ -57,11 +51,7 @@ def tiny_hf(kind, **kw):
             **kw,
         )
         model = Qwen2MoeForCausalLM(cfg)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    return model.eval()
+    return randomized(model).eval()
 
 
 def save(model, path, legacy_rope=False):
@@ -72,28 +62,6 @@ def save(model, path, legacy_rope=False):
         c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
         json.dump(c, open(f, "w"))
     return path
-
-
-def hf_grads(model, family):
-    """HF gradients under the checkpoint's tensor names (fused in-memory experts split per expert)."""
-    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
-            prefix = n.rsplit("experts.", 1)[0].replace(".mlp.", f".{moe}.") + "experts"
-            for e in range(g.shape[0]):
-                if n.endswith("gate_up_proj"):
-                    gate, up = g[e].chunk(2)
-                    out[f"{prefix}.{e}.{names[0]}.weight"], out[f"{prefix}.{e}.{names[1]}.weight"] = gate, up
-                else:
-                    out[f"{prefix}.{e}.{names[2]}.weight"] = g[e]
-        elif family == "mixtral" and n.endswith("mlp.gate.weight"):
-            out[n.replace(".mlp.", ".block_sparse_moe.")] = g
-        else:
-            out[n] = g
-    return out
 
 
 CASES = [
@@ -119,9 +87,8 @@ CASE_IDS = [
 
 
 def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory):
-    """Logits (<= 1e-5 relative), LM loss and every parameter gradient against transformers."""
-    from folding.parallel.params import require_spec
-
+    """Convert a tiny HF model of ``family`` and check the engine model against it
+    (:func:`tests.hf_checks.assert_matches_hf`); return the logits' relative error."""
     hf = tiny_hf(family, **kw)
     path = save(hf, os.path.join(str(tmp_dir), "ckpt"), legacy)
     model = from_hf(path, moe_factory=moe_factory)
@@ -131,28 +98,7 @@ def check_parity(tmp_dir, family, kw, legacy, moe_factory=reference_moe_factory)
         type(l.mlp).__name__.endswith("MoeBlock") for l in hf.model.layers
     ]
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
-    out = hf(ids, labels=ids)
-    logits = model(ids)
-    assert logits.shape == (B, S, V)
-    rel = ((logits - out.logits).abs().max() / out.logits.abs().max()).item()
-    assert rel <= 1e-5, rel
-    # engine labels are already shifted (label t = token t+1); the last position has no target
-    labels = torch.roll(ids, -1, dims=1)
-    mask = torch.ones(B, S)
-    mask[:, -1] = 0
-    loss = model(ids, labels=labels, loss_mask=mask).sum() / mask.sum()
-    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
-    loss.backward()
-    out.loss.backward()
-    ref = hf_grads(hf, family)
-    checked = 0
-    for name, p in model.named_parameters():
-        g = p.grad.reshape(require_spec(p, name).full_shape)
-        for lead, hf_name in hf_components(name, model.config):
-            torch.testing.assert_close(g[lead] if lead else g, ref[hf_name], rtol=1e-4, atol=1e-6, msg=hf_name)
-            checked += 1
-    assert checked == len(ref)  # every HF parameter (tied ones once) was compared
-    return rel
+    return assert_matches_hf(model, hf, ids, family)
 
 
 @pytest.mark.parametrize("family,kw,legacy", CASES, ids=CASE_IDS)

@@ -209,6 +209,31 @@ def test_expert_bias_balances_a_skewed_router():
     torch.testing.assert_close(p[m], soft[m])
 
 
+def test_routers_are_found_by_their_balancing_interface():
+    """find_routers returns every MoE layer's router by its class, not a module that merely has a
+    router's attributes; the interface reports the options the training step acts on."""
+    from torch import nn
+
+    from folding.model.presets import get_preset
+    from folding.model.transformer import MoETransformer
+    from folding.moe.balancing import BalancingRouter, find_routers
+
+    model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=3, mlp_only_layers=(1,)), init_seed=0)
+    lookalike = nn.Linear(2, 2)
+    lookalike.layer_number, lookalike.last_tokens_per_expert = 9, None
+    found = find_routers([model, lookalike])
+    assert [r.layer_number for r in found] == [0, 2]
+    assert all(isinstance(r, BalancingRouter) for r in found)
+
+    plain, biased = router(), router(expert_bias=True, aux_loss_type="global_aux_loss")
+    assert (plain.has_expert_bias, biased.has_expert_bias) == (False, True)
+    assert (plain.accumulates_global_aux_loss, biased.accumulates_global_aux_loss) == (False, True)
+    with pytest.raises(ValueError, match="layer 0 has no expert bias"):
+        plain.expert_demand()
+    with pytest.raises(ValueError, match="layer 0 has no expert bias"):
+        update_expert_biases([plain], group=None)
+
+
 def test_config_mirrors_into_a_hydra_structured_schema():
     from omegaconf import OmegaConf
     from omegaconf.errors import ValidationError
