@@ -212,11 +212,12 @@ def test_first_grouped_mm_probe_inside_a_recomputed_region():
     not count for the checkpoint, whose recomputation (probe cached by then) saves fewer."""
     from torch.utils.checkpoint import checkpoint
 
-    from folding.moe.expert_backends import grouped_linear, torch_grouped_mm_supported
+    from folding.moe.expert_backends import torch_grouped_mm_supported
 
+    mlp = GroupedMLP(num_experts=2, num_local_experts=2, hidden_size=16, ffn_hidden_size=16, etp_size=1,
+                     etp_rank=0, expert_offset=0, backend="auto", init_seed=0)  # fmt: skip
     torch_grouped_mm_supported.cache_clear()
     x = torch.randn(6, 16, requires_grad=True)
-    w = torch.randn(2, 16, 16, requires_grad=True)
-    y = checkpoint(lambda a, b: grouped_linear(a, b, [2, 4], "auto"), x, w, use_reentrant=False)
+    y = checkpoint(lambda a: mlp(a, [2, 4], torch.ones(6)), x, use_reentrant=False)
     y.sum().backward()
-    assert x.grad is not None and w.grad is not None
+    assert x.grad is not None and mlp.fc1_weight.grad is not None
