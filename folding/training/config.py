@@ -92,6 +92,14 @@ class ParallelConfig:
     """Layers of the first pipeline stage, the stages after it (up to the last, when
     ``last_stage_layers`` is set) sharing the rest evenly (Megatron-Core's
     ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
+    overlap_moe_comm: bool = False
+    """Hide the MoE layer's exchanges behind compute: in the steady state of every pipeline schedule the
+    forward of one micro-batch and the backward of another run paired, each EP all-to-all (and ETP
+    all-gather / reduce-scatter) of one in flight while the other computes, the shared expert during its
+    own dispatch. Costs one more micro-batch of one model chunk's activations per pipeline rank."""
+    delay_wgrad: bool = False
+    """With ``overlap_moe_comm``: run the experts' weight-gradient GEMMs behind the backward dispatch
+    all-to-all (Megatron-Core's ``--delay-wgrad-compute``) instead of right after their data gradients."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
