@@ -26,7 +26,10 @@ transformer layer, on one GPU:
   ``(EP-1)/EP`` of the rank's ``tokens·k`` routed copies; with ETP>1 an all-gather / reduce-scatter over
   ETP of ``(ETP-1)`` times those copies. The all-to-all crosses nodes when the dispatch group
   (ETP·EP consecutive ranks folded; TP·CP·EP without folding) outgrows the NVLink domain: the share of
-  peers on other nodes goes over the NIC, the rest over NVLink, at the same time.
+  peers on other nodes goes over the NIC, the rest over NVLink, at the same time. With
+  ``Plan.overlap_moe_comm`` each exchange of the paired steady state hides behind the other micro-batch's
+  matching compute, bounded by it (:mod:`folding.planning.moe_overlap`); the unpaired warm-up / cool-down
+  share and the bubble keep them exposed.
 - **PP**: activation send/recv per micro-batch and virtual stage, waited for under 1F1B, overlapped with a
   chunk's compute under interleaving (Megatron-Core's ``overlap_p2p_comm``); **bubble** ``(PP-1)/VPP``
   stage times.
