@@ -103,19 +103,19 @@ def _worker(a):
 
         def layer(expert=True):
             with torch.no_grad():
-                tok, tpe, p = d.dispatch(x, rmap, probs)
+                tok, rec, p = d.dispatch(x, rmap, probs)
                 # identity expert scaled by the probability (and 1/ETP: ETP partial sums add up)
-                return d.combine(tok * (p / a["etp"]).unsqueeze(1).to(tok.dtype) if expert else tok)
+                return d.combine(tok * (p / a["etp"]).unsqueeze(1).to(tok.dtype) if expert else tok, rec), rec
 
         before = host_sync.count()
-        y = layer()
+        y, rec = layer()
         syncs = host_sync.count() - before
-        stats = dict(d.last_stats)
+        stats = dict(rec.stats)
         ms = _time(lambda: layer(expert=False), a["warmup"], a["iters"])  # token movement only
         res = {"stats": stats, "syncs": syncs, "ms": ms}
         if a["dispatcher"] == "alltoall":
             # the same bytes through two raw all_to_all_single calls (rows and their probability)
-            plan = d._plan
+            plan = rec.plan
             rowc = sum(q.shape[1] for q in encode(x[:1], a["wire"]))
             row = rowc + probs.element_size()
             s1 = torch.empty(plan.num_out_tokens, row, dtype=torch.uint8)
@@ -136,8 +136,8 @@ def _worker(a):
         if a["wire"] != "none":
             ref = make("none")
             with torch.no_grad():
-                tok, tpe, p = ref.dispatch(x, rmap, probs)
-                y_ref = ref.combine(tok * (p / a["etp"]).unsqueeze(1).to(tok.dtype))
+                tok, rec_ref, p = ref.dispatch(x, rmap, probs)
+                y_ref = ref.combine(tok * (p / a["etp"]).unsqueeze(1).to(tok.dtype), rec_ref)
             # |err| <= (u(2+u) + 3 u_bf16)(1 + 2 u_bf16) * sum_k p_k |x| + subnormal slack (docs/dispatcher.md)
             u, ub = U_E4M3, 2.0**-8
             xf = x.float()

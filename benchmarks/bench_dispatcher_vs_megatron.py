@@ -136,7 +136,7 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
         g = torch.randn(tokens, hidden, generator=gen)
         # the raw floor: this rank's real split sizes over EP, four all-to-alls of hidden rows
         _run(fd, x, rmap, probs, g)
-        send, recv = list(fd._plan.input_splits), list(fd._plan.output_splits)
+        send, recv = list(fd._stage_record.plan.input_splits), list(fd._stage_record.plan.output_splits)
         a = torch.randn(sum(send), hidden)
         b = torch.empty(sum(recv), hidden)
 
@@ -153,7 +153,7 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
         if bounds and layout["etp"] == 1:
             from dispatch_bounds import bound_variants
 
-            variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=fd._plan)
+            variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=fd._stage_record.plan)
         times = {name: [] for name, _ in variants}
         cpu = {name: [] for name, _ in variants}
         for i in range(warmup + iters):

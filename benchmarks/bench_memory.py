@@ -89,7 +89,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     from folding.model.transformer import MoETransformer
     from folding.optim import FoldedOptimizer, OptimConfig
     from folding.parallel import ParallelLayout, build_parallel_state
-    from folding.planning.memory import ModelSizes, memory_per_rank
+    from folding.planning.memory import memory_per_rank
 
     torch.set_num_threads(1)
     layout = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
@@ -141,7 +141,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
             else "optimizer"
         )
         est = memory_per_rank(
-            ModelSizes.from_model_config(cfg),
+            cfg,
             layout,
             param_bytes=4,
             distributed=distributed,

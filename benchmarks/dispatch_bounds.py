@@ -23,7 +23,7 @@ bookkeeping: no checks, statistics, wire formats or overlap. Every message is on
 
 Usage (inside a rank of the benchmark)::
 
-    for name, fn in bound_variants(x, routing_map, probs, grad, group=ep_group, plan=dispatcher._plan):
+    for name, fn in bound_variants(x, routing_map, probs, grad, group=ep_group, plan=dispatcher._stage_record.plan):
         fn()
 """
 

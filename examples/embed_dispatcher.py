@@ -49,20 +49,20 @@ def main():
 
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank))
     probs_TE, routing_map_TE = router(x)
-    tokens, tokens_per_expert, probs = dispatcher.dispatch(x, routing_map_TE, probs_TE)
+    tokens, record, probs = dispatcher.dispatch(x, routing_map_TE, probs_TE)
     outs, start = [], 0
-    for l, n in enumerate(tokens_per_expert.tolist()):  # the host codebase's experts go here
+    for l, n in enumerate(record.tokens_per_expert_host):  # the host codebase's experts go here
         rows = tokens[start : start + n]
         e = off + l
         outs.append(
             (rows @ Wa[e, :, j * Fl : (j + 1) * Fl] * probs[start : start + n, None]) @ Wb[e, j * Fl : (j + 1) * Fl]
         )
         start += n
-    y = dispatcher.combine(torch.cat(outs))
+    y = dispatcher.combine(torch.cat(outs), record)
 
     dense = sum(((x @ Wa[e]) * probs_TE[:, e : e + 1]) @ Wb[e] for e in range(E))
     torch.testing.assert_close(y, dense)
-    print(f"rank {rank}: {T} tokens, rows per local expert {tokens_per_expert.tolist()}, output matches")
+    print(f"rank {rank}: {T} tokens, rows per local expert {list(record.tokens_per_expert_host)}, output matches")
     dist.barrier()  # no rank closes its connections while a peer still uses them
 
 

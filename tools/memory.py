@@ -7,8 +7,8 @@ Usage::
     python tools/memory.py --model deepseek_v3_tiny --world 4 --tp 2 --pp 2 --ep 2 --etp 1 --distributed --measure
 
 ``--measure`` starts ``--world`` gloo ranks on this machine, builds every rank's model chunks (the
-trainer's own) and optimizer, and prints measured bytes next to the model (use a tiny model preset;
-``tiny`` and ``tiny-qwen2`` are sizes only, for the estimate). An impossible layout
+trainer's own) and optimizer, and prints measured bytes next to the model (use a tiny model preset,
+e.g. ``mixtral_tiny``; every preset of :mod:`folding.model.presets` has an estimate). An impossible layout
 exits with status 2 and a one-line message naming the setting. The flags are those of tools/plan.py
 and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
@@ -23,32 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from folding.model.presets import get_preset, list_presets  # noqa: E402
 from folding.parallel import LayoutError, ParallelLayout  # noqa: E402
-from folding.planning.memory import RECOMPUTE_MODES, ModelSizes, memory_per_rank  # noqa: E402
+from folding.planning.memory import RECOMPUTE_MODES, memory_per_rank  # noqa: E402
 
-PRESETS = {name: ModelSizes.from_model_config(get_preset(name)) for name in list_presets()}
-PRESETS["tiny"] = ModelSizes(
-    vocab_size=128,
-    hidden_size=32,
-    num_layers=2,
-    num_experts=8,
-    moe_ffn_hidden_size=16,
-    top_k=2,
-    num_attention_heads=4,
-    num_query_groups=2,
-)
-PRESETS["tiny-qwen2"] = ModelSizes(
-    vocab_size=128,
-    hidden_size=32,
-    num_layers=2,
-    num_experts=8,
-    moe_ffn_hidden_size=8,
-    top_k=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    qkv_bias=True,
-    shared_expert_ffn_hidden_size=32,
-    shared_expert_gate=True,
-)
 KINDS = ("params_dense", "params_expert", "grads_dense", "grads_expert", "optimizer_dense", "optimizer_expert")
 
 
@@ -58,7 +34,7 @@ def parse_args(argv=None):
         "--model",
         "--preset",
         dest="preset",
-        choices=sorted(PRESETS),
+        choices=list_presets(),
         required=True,
         help="model preset (--preset is an alias)",
     )
@@ -110,6 +86,7 @@ def _gib(n):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    cfg = get_preset(a.preset)
     try:
         layout = ParallelLayout(
             world_size=a.world,
@@ -119,12 +96,12 @@ def main(argv=None) -> int:
             vpp=a.vpp,
             ep=a.ep,
             etp=a.etp,
-            num_experts=PRESETS[a.preset].num_experts,
+            num_experts=cfg.moe.num_experts,
         )
         pb = 4 if a.param_dtype == "float32" else 2
         ests = [
             memory_per_rank(
-                PRESETS[a.preset],
+                cfg,
                 layout,
                 param_bytes=pb,
                 distributed=a.distributed,
@@ -137,11 +114,6 @@ def main(argv=None) -> int:
             )
             for s in range(layout.pp)
         ]
-        if a.measure and a.preset not in list_presets():
-            raise ValueError(
-                f"--measure builds the real model, and --model {a.preset} gives sizes only; choose a model "
-                f"preset such as mixtral_tiny or qwen2_moe_tiny"
-            )
     except (LayoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,7 +129,7 @@ def main(argv=None) -> int:
 
         with RankPool(a.world) as pool:
             kw = dict(tp=a.tp, cp=a.cp, pp=a.pp, vpp=a.vpp, ep=a.ep, etp=a.etp)
-            res = pool.run(measure_on_rank, get_preset(a.preset), kw, distributed=a.distributed, dtype=a.param_dtype)
+            res = pool.run(measure_on_rank, cfg, kw, distributed=a.distributed, dtype=a.param_dtype)
         print("measured (bytes; grads/optimizer include bucket padding to the data-parallel size):")
         print(f"  {'rank':>4} {'stage':>5} " + " ".join(f"{k:>24}" for k in KINDS))
         for r in res:

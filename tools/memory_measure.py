@@ -26,7 +26,7 @@ from folding.model.config import ModelConfig
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.planning.memory import ModelSizes, memory_per_rank
+from folding.planning.memory import memory_per_rank
 
 
 def measure_on_rank(
@@ -46,14 +46,13 @@ def measure_on_rank(
         model = torch.nn.ModuleList(
             build_stage_chunks(model_config=model_config, parallel_state=ps, params_dtype=tdtype)
         )
-        sizes = ModelSizes.from_model_config(model_config)
         opt = FoldedOptimizer(
             model,
             OptimConfig(distributed=distributed, decay_style="constant", bucket_size=bucket_size),
             parallel_state=ps,
         )
         est = memory_per_rank(
-            sizes,
+            model_config,
             layout,
             param_bytes=torch.tensor([], dtype=tdtype).element_size(),
             distributed=distributed,

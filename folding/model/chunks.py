@@ -22,6 +22,7 @@ from torch import nn
 
 from ..parallel.partition import partition_layers
 from .block import RECOMPUTE_MODES
+from ..moe.layer import MoELayer
 from .config import ModelConfig
 from .transformer import MoETransformer
 
@@ -31,6 +32,7 @@ def build_stage_chunks(
     model_config: ModelConfig,
     parallel_state,
     recompute: str = "none",
+    overlap_moe_comm: bool = False,
     params_dtype: torch.dtype = torch.float32,
     init_seed: int = 0,
     device=None,
@@ -38,7 +40,9 @@ def build_stage_chunks(
 ) -> List[nn.Module]:
     """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
     whatever the layout. The MoE blocks follow ``model_config.moe``; ``moe_factory`` (default:
-    :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely."""
+    :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely.
+    ``overlap_moe_comm`` (``parallel.overlap_moe_comm``) has every MoE layer compute its shared expert
+    while its own dispatch is in flight (a layer from another factory may ignore it)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
     layout = parallel_state.layout
@@ -63,5 +67,8 @@ def build_stage_chunks(
         )
         for layer in chunk.transformer_layers():
             layer.recompute = recompute
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                module.overlap_comm = overlap_moe_comm
         chunks.append(chunk)
     return chunks

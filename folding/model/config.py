@@ -28,6 +28,13 @@ QKNorm = Literal["none", "head", "full"]
 QK_NORMS = get_args(QKNorm)
 
 
+def _per_rank(n: int, ranks: int, what: str) -> int:
+    """``n / ranks``; ``ValueError`` naming ``what`` when ``ranks`` does not divide ``n``."""
+    if n % ranks:
+        raise ValueError(f"{what}={n} is not divisible by {ranks}; choose sizes that divide evenly")
+    return n // ranks
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only MoE transformer (field names follow Megatron-Core where they exist)."""
@@ -170,58 +177,86 @@ class ModelConfig:
         multi-token-prediction layers' ``num_layers .. num_layers + mtp_num_layers - 1``."""
         return range(self.num_layers + self.mtp_num_layers)
 
+    # ------------------------------------------------------------------------------ parameter counts
+    # One formula per part, for the whole model (``tp=1``, ...) and for what one rank holds under tensor
+    # and expert parallelism (the planner's memory model, :mod:`folding.planning.memory`).
+    def attention_params(self, tp: int = 1) -> int:
+        """Parameters of one attention block and its input norm on each of ``tp`` tensor-parallel ranks
+        (``tp=1``: the whole block). The norm and per-head q/k norms (``qk_norm="head"``) are replicated;
+        the q/k/v/o projections, their biases and whole-projection q/k norms (``"full"``) are split by
+        heads; multi-head latent attention splits as :class:`~folding.model.mla_config.MLAConfig` says."""
+        H, d, h, kv = self.hidden_size, self.kv_channels, self.num_attention_heads, self.num_kv_heads
+        if self.mla is not None:
+            heads = _per_rank(h, tp, "num_attention_heads")
+            return H + self.mla.replicated_params(hidden_size=H) + heads * self.mla.head_params(hidden_size=H)
+        proj = H * d * (h + 2 * kv) + d * h * H + (d * (h + 2 * kv) if self.qkv_bias else 0)
+        n = H + _per_rank(proj, tp, "attention size")
+        if self.qk_norm == "head":
+            n += 2 * d
+        elif self.qk_norm == "full":
+            n += _per_rank((h + kv) * d, tp, "q/k norm size")
+        return n
+
+    def router_params(self) -> int:
+        """Parameters of one MoE layer's router (its gating weight ``[E, H]``, replicated, kept in fp32)."""
+        return self.moe.num_experts * self.hidden_size
+
+    def expert_params(self, etp: int = 1) -> int:
+        """Parameters of one routed expert (SwiGLU: gate, up, down) on each of ``etp`` expert-tensor-parallel
+        ranks."""
+        return _per_rank(3 * self.hidden_size * self.moe.ffn_hidden_size, etp, "3*H*moe_ffn_hidden_size")
+
+    def routed_experts_params(self, *, ep: int = 1, etp: int = 1) -> int:
+        """Parameters of one MoE layer's routed experts on one rank of ``ep`` expert-parallel by ``etp``
+        expert-tensor-parallel ranks (``ep=etp=1``: all of them)."""
+        return _per_rank(self.moe.num_experts, ep, "num_experts") * self.expert_params(etp)
+
+    def shared_expert_params(self, tp: int = 1) -> int:
+        """Parameters of the shared expert (a SwiGLU split over ``tp`` ranks) and its sigmoid gate
+        (replicated); 0 without one."""
+        f = self.moe.shared_expert_ffn_hidden_size
+        if not f:
+            return 0
+        mlp = _per_rank(3 * self.hidden_size * f, tp, "shared_expert_ffn_hidden_size*H")
+        return mlp + (self.hidden_size if self.moe.shared_expert_gate else 0)
+
+    def dense_mlp_params(self, tp: int = 1) -> int:
+        """Parameters of a dense layer's SwiGLU MLP (width ``ffn_hidden_size``) on each of ``tp`` ranks."""
+        return _per_rank(3 * self.hidden_size * self.ffn_hidden_size, tp, "ffn_hidden_size*H")
+
+    def layer_params(self, i: int, tp: int = 1) -> int:
+        """Parameters of transformer layer ``i`` besides its routed experts, on each of ``tp``
+        tensor-parallel ranks: the attention block with its input norm, the pre-MLP norm, and the router and
+        shared expert (MoE layer) or the dense MLP."""
+        n = self.attention_params(tp) + self.hidden_size
+        if self.is_moe_layer(i):
+            return n + self.router_params() + self.shared_expert_params(tp)
+        return n + self.dense_mlp_params(tp)
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Parameters of the input embedding (or of the output layer, the same shape) on each of ``tp``
+        ranks (split by vocabulary rows)."""
+        return _per_rank(self.vocab_size, tp, "vocab_size") * self.hidden_size
+
     def mtp_params(self) -> int:
         """Parameters of the multi-token-prediction modules beyond their transformer layers: per module
-        two input norms, the ``2H -> H`` projection and the output norm (embedding and output layer
-        are the model's)."""
+        two input norms, the ``2H -> H`` projection and the output norm, replicated over TP (embedding
+        and output layer are the model's)."""
         H = self.hidden_size
         return self.mtp_num_layers * (2 * H * H + 3 * H)
-
-    def attention_params(self) -> int:
-        """Parameters of one attention block (q, k, v, o projections, q/k/v biases, q/k norms, input norm)."""
-        d, h, kv = self.kv_channels, self.num_attention_heads, self.num_kv_heads
-        H = self.hidden_size
-        if self.mla is not None:
-            return self.mla.params(hidden_size=H, num_heads=h) + H
-        n = H * d * h + 2 * H * d * kv + d * h * H + H
-        if self.qkv_bias:
-            n += d * h + 2 * d * kv
-        return n + self.qk_norm_params()
-
-    def qk_norm_params(self) -> int:
-        """Parameters of one attention block's q and k norms (0 with ``qk_norm="none"``)."""
-        d = self.kv_channels
-        return {"none": 0, "head": 2 * d, "full": (self.num_attention_heads + self.num_kv_heads) * d}[self.qk_norm]
-
-    def expert_params(self) -> int:
-        """Parameters of one routed expert (SwiGLU: gate, up, down)."""
-        return 3 * self.hidden_size * self.moe.ffn_hidden_size
-
-    def shared_expert_params(self) -> int:
-        """Parameters of the shared expert and its gate (0 without one)."""
-        if not self.moe.shared_expert_ffn_hidden_size:
-            return 0
-        return 3 * self.hidden_size * self.moe.shared_expert_ffn_hidden_size + (
-            self.hidden_size if self.moe.shared_expert_gate else 0
-        )
 
     def num_parameters(self) -> Tuple[int, int]:
         """``(total, active)`` parameter counts; active counts ``topk`` routed experts per token. The
         multi-token-prediction modules are included (DeepSeek-V3: 671.0e9 without, 682.6e9 with; its
         checkpoint's 685e9 also counts its copies of the embedding and output layer)."""
-        H = self.hidden_size
-        emb = self.vocab_size * H * (1 if self.tie_embeddings else 2) + H  # + final norm
+        emb = self.embedding_params() * (1 if self.tie_embeddings else 2) + self.hidden_size  # + final norm
         total = active = emb + self.mtp_params()
         for i in self.layer_numbers():
-            base = self.attention_params() + H  # + pre-MLP norm
+            total += self.layer_params(i)
+            active += self.layer_params(i)
             if self.is_moe_layer(i):
-                base += self.moe.num_experts * H + self.shared_expert_params()  # router + shared
-                total += base + self.moe.num_experts * self.expert_params()
-                active += base + self.moe.topk * self.expert_params()
-            else:
-                mlp = 3 * H * self.ffn_hidden_size
-                total += base + mlp
-                active += base + mlp
+                total += self.routed_experts_params()
+                active += self.moe.topk * self.expert_params()
         return total, active
 
     def check_divisible(self, *, tp: int = 1, ep: int = 1, etp: int = 1) -> None:

@@ -10,7 +10,7 @@ Usage::
 
     mla = MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                     v_head_dim=128)                      # DeepSeek-V3
-    mla.params(hidden_size=7168, num_heads=128)          # parameters of one attention block
+    mla.replicated_params(hidden_size=7168) + 128 * mla.head_params(hidden_size=7168)  # one attention block
 """
 
 from __future__ import annotations
@@ -57,13 +57,17 @@ class MLAConfig:
         """Query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def params(self, *, hidden_size: int, num_heads: int) -> int:
-        """Parameters of one MLA block (projections and latent norms; not the layer's input norm)."""
-        H, n = hidden_size, num_heads
-        if self.q_lora_rank is None:
-            q = H * n * self.qk_head_dim
-        else:
-            q = H * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
-        kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-        kv += self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + n * self.v_head_dim * H
+    def replicated_params(self, *, hidden_size: int) -> int:
+        """Parameters of one MLA block that every tensor-parallel rank holds whole: the down-projections
+        (``q_a_proj``, ``kv_a_proj_with_mqa``) and the latent norms."""
+        n = hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        if self.q_lora_rank is not None:
+            n += hidden_size * self.q_lora_rank + self.q_lora_rank
+        return n
+
+    def head_params(self, *, hidden_size: int) -> int:
+        """Parameters of one MLA block per attention head (split over tensor parallelism by heads): the
+        head's rows of ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` and its columns of ``o_proj``."""
+        q_in = hidden_size if self.q_lora_rank is None else self.q_lora_rank
+        kv = self.kv_lora_rank * (self.qk_nope_head_dim + self.v_head_dim)
+        return q_in * self.qk_head_dim + kv + self.v_head_dim * hidden_size

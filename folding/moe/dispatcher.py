@@ -12,7 +12,11 @@ replace one in another codebase:
 ``combine_postprocess(out)``                → the input's shape (``[S, B, H]`` or ``[T, H]``)
 =========================================  ==========================================================
 
-plus :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` doing three stages each.
+The engine's own path is :meth:`TokenDispatcher.dispatch`, which returns the rows with a
+:class:`~folding.moe.dispatcher_base.DispatchRecord` of that call, and
+:meth:`TokenDispatcher.combine`, which takes the record back: a dispatcher holds configuration and
+groups only, so several micro-batches can be in flight through one layer. The six stages are an
+adapter over the same code that keeps the record of the one call Megatron-Core drives through them.
 
 - :class:`~folding.moe.dispatcher_alltoall.AllToAllDispatcher`: permute locally by expert, EP
   all-to-all, ETP all-gather, sort by local expert; the reverse with an ETP reduce-scatter.
@@ -20,11 +24,11 @@ plus :meth:`TokenDispatcher.dispatch` / :meth:`TokenDispatcher.combine` doing th
   map over ETP×EP, keep the local experts' columns; reduce-scatter on the way back.
 
 Router probabilities travel with the tokens; the experts apply them (after the activation) and the
-combine is an unweighted sum. ``tokens_per_expert`` is an ``int64`` tensor on the tokens' device
-(derived there from the gathered counts, so a grouped GEMM builds its offsets without a host
-copy); the same counts as a Python list, known on the host from the split sizes, are in
-``tokens_per_expert_host`` for backends that need host sizes (TransformerEngine's ``m_splits``), so
-neither direction crosses again. Chunks are reordered by split/cat with host sizes: no index
+combine is an unweighted sum. ``record.tokens_per_expert`` is an ``int64`` tensor on the tokens'
+device (derived there from the gathered counts, so a grouped GEMM builds its offsets without a host
+copy); the same counts as Python ints, known on the host from the split sizes, are in
+``record.tokens_per_expert_host`` for backends that need host sizes (TransformerEngine's
+``m_splits``), so neither direction crosses again. Chunks are reordered by split/cat with host sizes: no index
 tensor is built from host data on the hot path.
 
 Under folding, the input tokens are this *attention* rank's local tokens, distinct on every rank,
@@ -35,8 +39,8 @@ dropping modes need the map already capacity-limited by the router (decided from
 Usage::
 
     d = build_dispatcher("alltoall", num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
-    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
-    out_SBH = d.combine(experts(tokens_NH, tokens_per_expert_L, probs_N))
+    tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
+    out_SBH = d.combine(experts(tokens_NH, record, probs_N), record)
 """
 
 from __future__ import annotations
@@ -44,9 +48,16 @@ from __future__ import annotations
 from .config import DISPATCHERS
 from .dispatcher_allgather import AllGatherDispatcher
 from .dispatcher_alltoall import AllToAllDispatcher
-from .dispatcher_base import TokenDispatcher
+from .dispatcher_base import DispatchRecord, TokenDispatcher
 
-__all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher", "TokenDispatcher", "build_dispatcher"]
+__all__ = [
+    "DISPATCHERS",
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "DispatchRecord",
+    "TokenDispatcher",
+    "build_dispatcher",
+]
 
 
 def build_dispatcher(kind: str, **kwargs) -> TokenDispatcher:

@@ -16,11 +16,14 @@ experts, ``L`` local experts, ``N`` permuted rows.
 Usage::
 
     d = AllGatherDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
-    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
-    out_SBH = d.combine(expert_out_NH)
+    tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
+    out_SBH = d.combine(expert_out_NH, record)
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Optional
 
 import torch
 
@@ -31,7 +34,7 @@ from folding.parallel.collectives import (
 )
 
 from . import host_sync
-from .dispatcher_base import TokenDispatcher
+from .dispatcher_base import DispatchRecord, TokenDispatcher
 from .permute import padded_rows_per_expert, permute, unpermute
 
 
@@ -47,53 +50,44 @@ class AllGatherDispatcher(TokenDispatcher):
                     f"activation dtype only; set moe.dispatcher=alltoall for a quantized wire"
                 )
 
-    def dispatch_preprocess(self, hidden, routing_map, probs):
-        """Validate and flatten to ``[T, H]``; returns ``(tokens_TH, probs_TE)``."""
+    def _preprocess(self, hidden, routing_map, probs):
+        """Validate and flatten to ``[T, H]``: ``(tokens_TH, probs_TE, call)``."""
         H = self._validate(hidden, routing_map, probs)
-        self._shared_start(hidden)
-        self._hidden_shape = hidden.shape
-        self._routing_map = routing_map
         tokens_TH = hidden.reshape(-1, H)
-        self._num_tokens = tokens_TH.shape[0]
-        return tokens_TH, probs
+        call = _Call(hidden_shape=tuple(hidden.shape), routing_map=routing_map, num_tokens=tokens_TH.shape[0])
+        return tokens_TH, probs, call
 
-    def token_dispatch(self, hidden, probs):
+    def _exchange(self, hidden, probs, call):
         """All-gather tokens and probabilities over ETP then EP (backward: reduce-scatter of the
         gradients); the routing map is gathered alongside without gradient. Returns ``(tokens_GH, probs_GE)``."""
         x, p = hidden, probs
-        m = self._routing_map.to(torch.uint8)
+        m = call.routing_map.to(torch.uint8)
         for group in (self.etp_group, self.ep_group):
             x = gather_from_sequence_region(x, group, grad_reduce=True)
             p = gather_from_sequence_region(p, group, grad_reduce=True)
             m = all_gather_nograd(m, group)
-        self._map_GE = m.bool()
-        H, elem = hidden.shape[-1], hidden.element_size()
-        R, T = self.ep_size * self.etp_size, self._num_tokens
-        self.last_stats = {"ep_dispatch_bytes": (R - 1) * T * H * elem, "ep_combine_bytes": (R - 1) * T * H * elem}
+        call.map_GE = m.bool()
         return x, p
 
-    def dispatch_postprocess(self, hidden, probs):
+    def _postprocess(self, hidden, probs, call):
         """Keep the local experts' columns and permute expert-major (one host read of the counts, none
-        with pad-to-capacity). Returns ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
-        self._shared_fc1(hidden)
+        with pad-to-capacity). Returns ``(tokens_NH, record, probs_N)``."""
         lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
-        map_GL, probs_GL = self._map_GE[:, lo:hi], probs[:, lo:hi]
-        self._num_gathered = hidden.shape[0]
+        map_GL, probs_GL = call.map_GE[:, lo:hi], probs[:, lo:hi]
+        R, L, T = self.ep_size * self.etp_size, self.num_local_experts, call.num_tokens
         if self.pad_to_capacity:
-            R = self.ep_size * self.etp_size
-            rows = padded_rows_per_expert(self._num_tokens, self.topk, self.num_experts, self.capacity_factor)
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
-            self.tokens_per_expert_host = [rows * R] * self.num_local_experts
-            tpe = torch.full((self.num_local_experts,), rows * R, dtype=torch.long, device=hidden.device)
+            rows = padded_rows_per_expert(T, self.topk, self.num_experts, self.capacity_factor)
+            out, p, token_idx = permute(hidden, map_GL, probs_GL, rows_per_expert=rows, num_chunks=R)
+            host = [rows * R] * L
+            tpe = torch.full((L,), rows * R, dtype=torch.long, device=hidden.device)
         else:
             tpe = map_GL.sum(0)
-            R, L = self.ep_size * self.etp_size, self.num_local_experts
             # one host read: the local experts' counts, and each source rank's routed pairs (dropless check)
-            per_rank = self._map_GE.view(R, -1).sum(1)
-            host = host_sync.to_host(torch.cat([tpe, per_rank.to(tpe.dtype)]), reason="allgather counts")
-            self.tokens_per_expert_host = host[:L]
-            want = self._num_tokens * self.topk
-            short = [(r, n) for r, n in enumerate(host[L:]) if n != want]
+            per_rank = call.map_GE.view(R, -1).sum(1)
+            counts = host_sync.to_host(torch.cat([tpe, per_rank.to(tpe.dtype)]), reason="allgather counts")
+            host = counts[:L]
+            want = T * self.topk
+            short = [(r, n) for r, n in enumerate(counts[L:]) if n != want]
             if self.dropless and short:
                 raise ValueError(
                     f"dropless dispatch expects exactly topk={self.topk} experts per token ({want} "
@@ -101,19 +95,41 @@ class AllGatherDispatcher(TokenDispatcher):
                     + ", ".join(f"{n} on rank {r} of the EPxETP domain" for r, n in short)
                     + "; set capacity_factor if the router drops tokens"
                 )
-            out, p, self._token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(self.tokens_per_expert_host))
-        return out, tpe, p
+            out, p, token_idx = permute(hidden, map_GL, probs_GL, num_out_tokens=sum(host))
+        H, elem = hidden.shape[-1], hidden.element_size()
+        record = DispatchRecord(
+            hidden_shape=call.hidden_shape,
+            hidden_size=H,
+            dtype=hidden.dtype,
+            num_tokens=T,
+            token_idx=token_idx,
+            tokens_per_expert=tpe,
+            tokens_per_expert_host=tuple(host),
+            stats={"ep_dispatch_bytes": (R - 1) * T * H * elem, "ep_combine_bytes": (R - 1) * T * H * elem},
+            num_gathered=hidden.shape[0],
+        )
+        return out, record, p
 
-    def combine_preprocess(self, out):
+    def _combine_pre(self, out, record: DispatchRecord):
         """Sum each gathered token's expert rows (unweighted): ``[G, H]``."""
-        return unpermute(out, self._token_idx, num_tokens=self._num_gathered)
+        return unpermute(out, record.token_idx, num_tokens=record.num_gathered)
 
-    def token_combine(self, out):
+    def _combine_exchange(self, out, record: DispatchRecord):
         """Reduce-scatter over EP then ETP (forward); all-gather of the gradient (backward)."""
         for group in (self.ep_group, self.etp_group):
             out = reduce_scatter_to_sequence_region(out, group)
         return out
 
-    def combine_postprocess(self, out):
+    def _combine_post(self, out, record: DispatchRecord):
         """Restore the input shape."""
-        return self._shared_finish(out, out.reshape(self._hidden_shape))
+        return out.reshape(record.hidden_shape)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One dispatch call in progress, between its preprocess and its record."""
+
+    hidden_shape: tuple
+    routing_map: torch.Tensor
+    num_tokens: int
+    map_GE: Optional[torch.Tensor] = None

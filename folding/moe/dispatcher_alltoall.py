@@ -28,21 +28,20 @@ rows (permuted pairs), ``R`` ranks.
 Usage::
 
     d = AllToAllDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
-    x, p = d.dispatch_preprocess(hidden_SBH, routing_map_TE, probs_TE)
-    x, p = d.token_dispatch(x, p)
-    tokens_NH, tokens_per_expert_L, probs_N = d.dispatch_postprocess(x, p)
-    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out_NH)))
+    tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
+    y_SBH = d.combine(experts(tokens_NH, record, probs_N), record)   # record: this call's state
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from ..parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
-from .dispatcher_base import TokenDispatcher
+from .dispatcher_base import DispatchRecord, TokenDispatcher
 from .permute import (
     AllToAllPlan,
     expert_order,
@@ -107,64 +106,58 @@ class AllToAllDispatcher(TokenDispatcher):
             and self.ep_size > 1
             and self.num_local_experts > 1
         )
-        self._slice_by_expert = False
         # the probabilities of sliced rows go as one all-to-all: their (local expert l, destination d)
         # chunks reordered (d, l), i.e. by the inverse of expert_order (host list, built once)
         self._probs_rank_major = expert_order(self.num_experts, self.num_local_experts).tolist()
-        self._plan: Optional[AllToAllPlan] = None
-        self._counts_dev: Optional[torch.Tensor] = None
-        self._counts_work = None  # the EP count all-gather in flight
 
     # ------------------------------------------------------------------------------- dispatch
-    def dispatch_preprocess(self, hidden, routing_map, probs):
-        """Validate, count, start the count gathers, permute locally. Returns ``(rows_NH, probs_N)``."""
+    def _preprocess(self, hidden, routing_map, probs):
+        """Validate, count, start the count gathers, permute locally: ``(rows_NH, probs_N, call)``."""
         H = self._validate(hidden, routing_map, probs)
-        self._shared_start(hidden)
-        self._hidden_shape, self._hidden_size, self._dtype = hidden.shape, H, hidden.dtype
         tokens_TH = hidden.reshape(-1, H)
         T = tokens_TH.shape[0]
-        self._num_tokens, self._plan, self._counts_dev, self._counts_work = T, None, None, None
+        call = _Call(hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, num_tokens=T)
         E = self.num_experts
-        self._slice_by_expert = self._slice_ok and not self.pad_to_capacity
-        if self._slice_by_expert:  # rows grouped (local expert, destination): see _slice_ok
+        call.sliced = self._slice_ok and not self.pad_to_capacity
+        if call.sliced:  # rows grouped (local expert, destination): see _slice_ok
             cols = expert_order(E, self.ep_size, device=routing_map.device)
             routing_map = routing_map.index_select(1, cols)
             probs = None if probs is None else probs.index_select(1, cols)
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, E, self.capacity_factor)
-            self._set_plan([[[rows] * E for _ in range(self.etp_size)] for _ in range(self.ep_size)])
-            out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
-            return out, probs_N
+            self._set_plan(call, [[[rows] * E for _ in range(self.etp_size)] for _ in range(self.ep_size)])
+            out, probs_N, call.token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
+            return out, probs_N, call
         counts_E = routing_map.sum(0)
-        if self._slice_by_expert:  # the counts travel in global expert order (the inverse of cols)
+        if call.sliced:  # the counts travel in global expert order (the inverse of cols)
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            self._counts_dev, self._counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
+            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
         else:
-            self._counts_dev = counts_ETP_E.unsqueeze(0)
+            call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
-            num_out = T * self.topk  # static: the sync is deferred to token_dispatch
+            num_out = T * self.topk  # static: the sync is deferred to the exchange
         else:
-            self._read_counts()  # dropping: the row count is needed now
-            num_out = self._plan.num_out_tokens
-        out, probs_N, self._token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
-        return out, probs_N
+            self._read_counts(call)  # dropping: the row count is needed now
+            num_out = call.plan.num_out_tokens
+        out, probs_N, call.token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
+        return out, probs_N, call
 
-    def _read_counts(self) -> None:
-        if self._counts_work is not None:
-            self._counts_work.wait()
-            self._counts_work = None
-        counts = host_sync.to_host(self._counts_dev, reason="alltoall splits")
+    def _read_counts(self, call: "_Call") -> None:
+        if call.counts_work is not None:
+            call.counts_work.wait()
+            call.counts_work = None
+        counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:
-            self._check_dropless(counts)
-        self._set_plan(counts)
+            self._check_dropless(counts, call.num_tokens)
+        self._set_plan(call, counts)
 
-    def _check_dropless(self, counts) -> None:
+    def _check_dropless(self, counts, num_tokens: int) -> None:
         """Every rank holds every rank's counts ``[EP][ETP][E]`` after the count gather: all ranks of
         the domain check all of them, so a short map on one rank raises the same error everywhere
         before any token moves (instead of on that rank alone, leaving its peers in the all-to-all)."""
-        want = self._num_tokens * self.topk
+        want = num_tokens * self.topk
         short = [(i, j, sum(c)) for i, row in enumerate(counts) for j, c in enumerate(row) if sum(c) != want]
         if short:
             where = ", ".join(f"ep rank {i} etp rank {j}: {n}" for i, j, n in short)
@@ -174,7 +167,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 f"capacity_factor if the router drops tokens"
             )
 
-    def _set_plan(self, counts) -> None:
+    def _set_plan(self, call: "_Call", counts) -> None:
         plan = plan_alltoall(
             counts,
             ep_size=self.ep_size,
@@ -183,21 +176,17 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_rank=self.etp_rank,
             num_local_experts=self.num_local_experts,
         )
-        self._plan = plan
+        call.plan = plan
         # chunk reordering by split/cat with the host sizes: no index tensor crosses to the device
-        self._sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
-        self.tokens_per_expert_host = list(plan.tokens_per_expert)
+        call.chunks_sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
+        # the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes, ETP exchanged
+        # in the exchange itself): the expert-major sort drops the padding and the combine's unsort
+        # writes it, each in the copy it makes anyway
+        call.etp_padded = not self.megatron_stages and len(set(plan.etp_sizes)) > 1
 
-    def _padded(self) -> bool:
-        """Whether the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes,
-        ETP exchanged in ``token_dispatch`` / ``token_combine``): the expert-major sort drops the
-        padding and the combine's unsort writes it, each in the copy it makes anyway."""
-        sizes = self._plan.etp_sizes
-        return not self.megatron_stages and len(set(sizes)) > 1
-
-    def _spec(self, wire: str, etp_padded: bool = False) -> ExchangeSpec:
-        p = self._plan
-        sliced = self._slice_by_expert
+    def _spec(self, call, wire: str) -> ExchangeSpec:
+        p = call.plan
+        sliced = call.sliced
         return ExchangeSpec(
             ep_group=self.ep_group,
             etp_group=self.etp_group,
@@ -208,80 +197,92 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_sizes=[p.etp_sizes[self.etp_rank]] if self.megatron_stages else p.etp_sizes,
             wire=wire,
             grad_wire=self.grad_wire,
-            hidden_size=self._hidden_size,
-            dtype=self._dtype,
-            etp_padded=etp_padded,
+            hidden_size=call.hidden_size,
+            dtype=call.dtype,
+            etp_padded=call.etp_padded,
         )
 
-    def token_dispatch(self, hidden, probs):
+    def _exchange(self, rows, probs, call):
         """EP all-to-all then ETP all-gather of rows and probabilities (the host sync happens here when
-        dropless; the all-gather waits for ``dispatch_postprocess`` with ``megatron_stages``). Returns
+        dropless; the all-gather waits for the postprocess with ``megatron_stages``). Returns
         rank-major ``(rows, probs)``."""
-        if self._plan is None:
-            self._read_counts()
-        self._record_stats()
-        if self._slice_by_expert and probs is not None:
+        if call.plan is None:
+            self._read_counts(call)
+        if call.sliced and probs is not None:
             # the rows go as one all-to-all per local expert; the probabilities as one, so reorder them
             # from (local expert l, destination d) to (d, l) chunks, rank-major like the default's
-            sizes = [n for send, _ in self._plan.expert_slices for n in send]
+            sizes = [n for send, _ in call.plan.expert_slices for n in send]
             probs = sort_chunks_by_idxs(probs, sizes, self._probs_rank_major)
-        return dispatch_exchange(hidden, probs, self._spec(self.dispatch_wire, etp_padded=self._padded()))
+        return dispatch_exchange(rows, probs, self._spec(call, self.dispatch_wire))
 
-    def dispatch_postprocess(self, hidden, probs):
+    def _postprocess(self, rows, probs, call):
         """(ETP all-gather with ``megatron_stages``, then) sort rank-major chunks expert-major. Returns
-        ``(tokens_NH, tokens_per_expert_L, probs_N)``."""
-        self._shared_fc1(hidden)
-        p = self._plan
+        ``(tokens_NH, record, probs_N)``."""
+        p = call.plan
         if self.megatron_stages:
-            hidden, probs = etp_gather(hidden, probs, self.etp_group, p.etp_sizes)
-        sizes, order, padded = p.chunk_sizes, p.sort_idxs, self._padded()
+            rows, probs = etp_gather(rows, probs, self.etp_group, p.etp_sizes)
+        sizes, order, padded = p.chunk_sizes, p.sort_idxs, call.etp_padded
         if padded:  # one copy both drops the ETP padding and sorts
             sizes, order = padded_chunks(sizes, order, p.etp_sizes)
-        if padded or not (self._sorted or self._slice_by_expert):
-            hidden = sort_chunks_by_idxs(hidden, sizes, order)
-        if padded or not self._sorted:  # sliced: the probabilities came rank-major in one all-to-all
+        if padded or not (call.chunks_sorted or call.sliced):
+            rows = sort_chunks_by_idxs(rows, sizes, order)
+        if padded or not call.chunks_sorted:  # sliced: the probabilities came rank-major in one all-to-all
             probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
-        return hidden, self._device_tokens_per_expert(hidden.device), probs
+        record = DispatchRecord(
+            hidden_shape=call.hidden_shape,
+            hidden_size=call.hidden_size,
+            dtype=call.dtype,
+            num_tokens=call.num_tokens,
+            token_idx=call.token_idx,
+            tokens_per_expert=self._device_tokens_per_expert(call, rows.device),
+            tokens_per_expert_host=tuple(p.tokens_per_expert),
+            stats=self._stats(call),
+            plan=p,
+            sliced=call.sliced,
+            chunks_sorted=call.chunks_sorted,
+            etp_padded=padded,
+        )
+        return rows, record, probs
 
-    def _device_tokens_per_expert(self, device) -> torch.Tensor:
+    def _device_tokens_per_expert(self, call, device) -> torch.Tensor:
         """Rows per local expert as a device tensor, from the gathered device counts (no host copy)."""
         L, lo = self.num_local_experts, self.local_expert_offset
-        if self._counts_dev is None:  # pad-to-capacity: static
-            return torch.full((L,), self._plan.tokens_per_expert[0], dtype=torch.long, device=device)
-        return self._counts_dev[:, :, lo : lo + L].sum((0, 1)).to(torch.long)
+        if call.counts_dev is None:  # pad-to-capacity: static
+            return torch.full((L,), call.plan.tokens_per_expert[0], dtype=torch.long, device=device)
+        return call.counts_dev[:, :, lo : lo + L].sum((0, 1)).to(torch.long)
 
     # -------------------------------------------------------------------------------- combine
-    def combine_preprocess(self, out):
+    def _combine_pre(self, out, record: DispatchRecord):
         """Undo the expert-major sort (back to rank-major chunks, in padded ETP blocks when the ETP
         sizes differ); then, with ``megatron_stages``, the ETP reduce-scatter."""
-        p = self._plan
-        if self._padded():  # the unsort also lays out the padded ETP blocks the combine reduces
+        p = record.plan
+        if record.etp_padded:  # the unsort also lays out the padded ETP blocks the combine reduces
             out = to_padded_blocks(out, p.chunk_sizes, p.sort_idxs, p.etp_sizes)
-        elif not (self._sorted or self._slice_by_expert):
+        elif not (record.chunks_sorted or record.sliced):
             out = sort_chunks_by_idxs(out, [p.chunk_sizes[i] for i in p.sort_idxs], inverse_order(p.sort_idxs))
         if self.megatron_stages:
             out = etp_reduce_scatter(out, self.etp_group, p.etp_sizes)
         return out
 
-    def token_combine(self, out):
+    def _combine_exchange(self, out, record: DispatchRecord):
         """ETP reduce-scatter of partial outputs (already done with ``megatron_stages``), then the
         reverse EP all-to-all."""
-        return combine_exchange(out, self._spec(self.combine_wire, etp_padded=self._padded()))
+        return combine_exchange(out, self._spec(record, self.combine_wire))
 
-    def combine_postprocess(self, out):
+    def _combine_post(self, out, record: DispatchRecord):
         """Sum each token's expert rows (unweighted) and restore the input shape."""
-        y = unpermute(out, self._token_idx, num_tokens=self._num_tokens)
-        return self._shared_finish(out, y.reshape(self._hidden_shape))
+        y = unpermute(out, record.token_idx, num_tokens=record.num_tokens)
+        return y.reshape(record.hidden_shape)
 
     # ---------------------------------------------------------------------------------- stats
-    def _record_stats(self) -> None:
-        p, H, dt = self._plan, self._hidden_size, self._dtype
+    def _stats(self, call: "_Call") -> dict:
+        p, H, dt = call.plan, call.hidden_size, call.dtype
         remote_recv = sum(p.output_splits) - p.output_splits[self.ep_rank]
         disp = payload_bytes_per_row(self.dispatch_wire, H, dt)
         comb = payload_bytes_per_row(self.combine_wire, H, dt)
         elem = torch.empty((), dtype=dt).element_size()
         me = self.etp_rank
-        self.last_stats = {
+        return {
             "rows_sent": p.num_out_tokens,
             "remote_rows_sent": p.remote_rows,
             "remote_rows_received": remote_recv,
@@ -294,9 +295,27 @@ class AllToAllDispatcher(TokenDispatcher):
             "etp_allgather_bytes": p.etp_sizes[me] * (H * elem if self.megatron_stages else disp) * (self.etp_size - 1),
             # the partial outputs of the other ETP ranks' rows (padded to the largest block when uneven)
             "etp_reduce_scatter_bytes": (
-                (max(p.etp_sizes) * (self.etp_size - 1)) if self._padded() else (sum(p.etp_sizes) - p.etp_sizes[me])
+                (max(p.etp_sizes) * (self.etp_size - 1)) if call.etp_padded else (sum(p.etp_sizes) - p.etp_sizes[me])
             )
             * H
             * elem,
             "tokens_per_expert": list(p.tokens_per_expert),
         }
+
+
+@dataclasses.dataclass
+class _Call:
+    """One dispatch call in progress, between its preprocess and its record (never kept by the
+    dispatcher itself except by the six-stage adapter, one call at a time)."""
+
+    hidden_shape: tuple
+    hidden_size: int
+    dtype: torch.dtype
+    num_tokens: int
+    sliced: bool = False
+    plan: Optional[AllToAllPlan] = None
+    chunks_sorted: bool = False
+    etp_padded: bool = False
+    counts_dev: Optional[torch.Tensor] = None
+    counts_work: object = None  # the EP count all-gather in flight
+    token_idx: Optional[torch.Tensor] = None

@@ -1,10 +1,18 @@
-"""The base of the token dispatchers: argument checks, the six-stage interface, ``dispatch`` and
-``combine`` (see :mod:`folding.moe.dispatcher` for the interface and :func:`build_dispatcher`).
+"""The base of the token dispatchers: argument checks, the per-call record, ``dispatch`` and
+``combine``, and Megatron-Core's six-stage interface as an adapter over them (see
+:mod:`folding.moe.dispatcher` for the interface and :func:`build_dispatcher`).
+
+A dispatcher holds configuration and groups only. Each call's state (plan, token indices, shapes,
+per-expert counts on the host and the device, byte counts) is a :class:`DispatchRecord` that
+``dispatch`` returns and that the experts and ``combine`` take back, so any number of micro-batches
+can be in flight through one dispatcher. The six stages keep the record of the one call in progress
+between Megatron-Core's stage calls (Megatron-Core drives one call at a time through them).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +36,42 @@ def _group_ranks(group, name: str):
             f"{name} is not a process group this rank belongs to ({e}); pass the group of the "
             f"expert view that contains this rank (e.g. ParallelState.{name})"
         ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRecord:
+    """One dispatch call's state, returned by ``dispatch`` and handed to the experts and ``combine``.
+
+    Shape-suffix legend: ``L`` local experts (see docs/shapes.md).
+    """
+
+    hidden_shape: Tuple[int, ...]
+    """Shape of the ``hidden`` the call was given (``[S, B, H]`` or ``[T, H]``); combine restores it."""
+    hidden_size: int
+    """H."""
+    dtype: torch.dtype
+    """Activation dtype of the rows."""
+    num_tokens: int
+    """T, this rank's tokens."""
+    token_idx: torch.Tensor
+    """Source token of every permuted row (what the combine's unpermute sums into)."""
+    tokens_per_expert: torch.Tensor
+    """Rows per local expert ``[L]`` (int64, on the rows' device; derived there, no host copy)."""
+    tokens_per_expert_host: Tuple[int, ...]
+    """The same counts as Python ints, known on the host from the split sizes (for backends that
+    need host sizes, such as TransformerEngine's ``m_splits``)."""
+    stats: Dict[str, Any]
+    """Byte and row counts of this call (host numbers, no sync needed)."""
+    plan: Any = None
+    """All-to-all: the call's :class:`~folding.moe.permute.AllToAllPlan` (host split sizes)."""
+    sliced: bool = False
+    """All-to-all: rows exchanged one call per local expert (``per_expert_exchange``)."""
+    chunks_sorted: bool = False
+    """All-to-all: the rank-major chunks are already expert-major (no sort or unsort)."""
+    etp_padded: bool = False
+    """All-to-all: the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes)."""
+    num_gathered: int = 0
+    """All-gather: G, the rows after the gather (every rank's tokens)."""
 
 
 class TokenDispatcher:
@@ -89,8 +133,6 @@ class TokenDispatcher:
             raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
         if pad_to_capacity and capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
-        self.tokens_per_expert_host: Optional[list] = None
-        """Rows per local expert of the last dispatch, as Python ints (host copy of the counts)."""
         for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire), ("grad_wire", grad_wire)):
             if fmt not in WIRE_FORMATS:
                 raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
@@ -100,8 +142,8 @@ class TokenDispatcher:
         self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
         self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
         self.local_expert_offset = self.ep_rank * self.num_local_experts
-        self.last_stats: dict = {}
-        """Byte and row counts of the last dispatch/combine (host numbers, no sync needed)."""
+        self._stage_call: Any = None  # six-stage adapter: the call between its dispatch stages
+        self._stage_record: Optional[DispatchRecord] = None  # ... and its record until its combine
         self.shared_experts = None
         """A Megatron-Core ``SharedExpertMLP`` run inside the dispatcher stages (see
         :meth:`set_shared_experts`), or ``None``."""
@@ -190,40 +232,89 @@ class TokenDispatcher:
             check_wire(f"moe.{name}", getattr(self, name), hidden.dtype, H)
         return H
 
-    # Six stages, implemented by subclasses.
-    def dispatch_preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
-        """Local work before the dispatch communication; returns ``(hidden, probs)``."""
+    # ------------------------------------------------------- per-call stages (subclasses)
+    def _preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
+        """Local work before the dispatch communication: ``(rows, probs, call)``, ``call`` the
+        in-progress state of this call (plan, counts, pending count gather)."""
         raise NotImplementedError
 
-    def token_dispatch(self, hidden, probs):  # pragma: no cover - interface
-        """The dispatch communication; returns ``(hidden, probs)``."""
+    def _exchange(self, rows, probs, call):  # pragma: no cover - interface
+        """The dispatch communication: ``(rows, probs)``."""
         raise NotImplementedError
 
-    def dispatch_postprocess(self, hidden, probs):  # pragma: no cover - interface
-        """Local work after it; returns ``(tokens_NH, tokens_per_expert_L, probs_N)``, expert-major."""
+    def _postprocess(self, rows, probs, call):  # pragma: no cover - interface
+        """Local work after it: ``(tokens_NH, record, probs_N)``, expert-major."""
         raise NotImplementedError
 
-    def combine_preprocess(self, out):  # pragma: no cover - interface
+    def _combine_pre(self, out, record: DispatchRecord):  # pragma: no cover - interface
         """Local work on the experts' output before the combine communication."""
         raise NotImplementedError
 
-    def token_combine(self, out):  # pragma: no cover - interface
+    def _combine_exchange(self, out, record: DispatchRecord):  # pragma: no cover - interface
         """The combine communication."""
         raise NotImplementedError
 
-    def combine_postprocess(self, out):  # pragma: no cover - interface
-        """Local work after it; returns the shape ``hidden`` had in ``dispatch_preprocess``."""
+    def _combine_post(self, out, record: DispatchRecord):  # pragma: no cover - interface
+        """Local work after it: the shape ``hidden`` had (unweighted sum of each token's rows)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------- dispatch / combine
     def dispatch(
         self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three dispatch stages: ``(tokens_NH, tokens_per_expert_L (int64, on the tokens'
-        device), probs_N)``; the counts are also in ``tokens_per_expert_host`` (a list)."""
-        h, p = self.dispatch_preprocess(hidden, routing_map_TE, probs_TE)
-        h, p = self.token_dispatch(h, p)
-        return self.dispatch_postprocess(h, p)
+    ) -> Tuple[torch.Tensor, DispatchRecord, torch.Tensor]:
+        """Move this rank's tokens to their experts: ``(tokens_NH, record, probs_N)``, the rows
+        expert-major. ``record`` (:class:`DispatchRecord`) carries the per-expert counts
+        (``record.tokens_per_expert`` on the device, ``record.tokens_per_expert_host`` as a tuple)
+        and everything :meth:`combine` needs; nothing of the call stays on the dispatcher."""
+        self._shared_start(hidden)
+        rows, probs, call = self._preprocess(hidden, routing_map_TE, probs_TE)
+        rows, probs = self._exchange(rows, probs, call)
+        self._shared_fc1(rows)
+        return self._postprocess(rows, probs, call)
 
-    def combine(self, out_NH: torch.Tensor) -> torch.Tensor:
-        """The three combine stages: expert output rows back to the input's shape (unweighted sum)."""
-        return self.combine_postprocess(self.token_combine(self.combine_preprocess(out_NH)))
+    def combine(self, out_NH: torch.Tensor, record: DispatchRecord) -> torch.Tensor:
+        """Expert output rows back to the input's shape (unweighted sum), for the call of ``record``."""
+        out = self._combine_exchange(self._combine_pre(out_NH, record), record)
+        return self._shared_finish(out, self._combine_post(out, record))
+
+    # ------------------------------------------- Megatron-Core's six stages (one call at a time)
+    def dispatch_preprocess(self, hidden, routing_map, probs):
+        """Local work before the dispatch communication; returns ``(hidden, probs)``."""
+        self._shared_start(hidden)
+        rows, probs, self._stage_call = self._preprocess(hidden, routing_map, probs)
+        return rows, probs
+
+    def token_dispatch(self, hidden, probs):
+        """The dispatch communication; returns ``(hidden, probs)``."""
+        return self._exchange(hidden, probs, self._stage_call)
+
+    def dispatch_postprocess(self, hidden, probs):
+        """Local work after it; returns ``(tokens_NH, tokens_per_expert_L, probs_N)``, expert-major."""
+        self._shared_fc1(hidden)
+        tokens, record, probs = self._postprocess(hidden, probs, self._stage_call)
+        self._stage_call, self._stage_record = None, record
+        return tokens, record.tokens_per_expert, probs
+
+    def combine_preprocess(self, out):
+        """Local work on the experts' output before the combine communication."""
+        return self._combine_pre(out, self._stage_record)
+
+    def token_combine(self, out):
+        """The combine communication."""
+        return self._combine_exchange(out, self._stage_record)
+
+    def combine_postprocess(self, out):
+        """Local work after it; returns the shape ``hidden`` had in ``dispatch_preprocess``."""
+        return self._shared_finish(out, self._combine_post(out, self._stage_record))
+
+    @property
+    def tokens_per_expert_host(self) -> Optional[Tuple[int, ...]]:
+        """Six-stage interface: rows per local expert of the latest call through the stages (from its
+        ``dispatch_postprocess`` on), as Python ints; ``None`` before the first."""
+        return None if self._stage_record is None else self._stage_record.tokens_per_expert_host
+
+    @property
+    def last_stats(self) -> Dict[str, Any]:
+        """Six-stage interface: the byte and row counts of the latest call through the stages (``{}``
+        before the first)."""
+        return {} if self._stage_record is None else dict(self._stage_record.stats)

@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from folding.moe.dispatcher_base import DispatchRecord
 from folding.moe.expert_backends import grouped_linear, host_counts
 from folding.moe.expert_select import BACKENDS, check_backend, resolve_backend
 from folding.moe.expert_te import (
@@ -211,10 +212,12 @@ class GroupedMLP(torch.nn.Module):
     def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:
         """Expert outputs ``[N, H]`` for tokens sorted expert-major (a partial sum over F shards under ETP).
 
-        ``tokens_per_expert``: a list (host sizes, validated here) or a 1-D int tensor ``[E_local]`` on
+        ``tokens_per_expert``: a list (host sizes, validated here), a 1-D int tensor ``[E_local]`` on
         the tokens' device (the ``torch`` backend then builds its offsets there without any host
-        copy; other backends read it once); ``probs_N``: the router probability of each row. Experts with
-        zero rows and ``N == 0`` are fine.
+        copy; other backends read it once), or the dispatcher's
+        :class:`~folding.moe.dispatcher_base.DispatchRecord` of the call (the device counts for the
+        ``torch`` backend, the host counts it already holds for the others); ``probs_N``: the router
+        probability of each row. Experts with zero rows and ``N == 0`` are fine.
         """
         if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
             raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
@@ -222,6 +225,9 @@ class GroupedMLP(torch.nn.Module):
         if probs_N.shape != (n,):
             raise ValueError(f"probs_N must be [N={n}] (one probability per row); got {tuple(probs_N.shape)}")
         backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
+        if isinstance(tokens_per_expert, DispatchRecord):  # the counts this backend wants, no copy
+            rec = tokens_per_expert
+            tokens_per_expert = rec.tokens_per_expert if backend == "torch" else list(rec.tokens_per_expert_host)
         w1 = self.fc1_weight.to(tokens_NH.dtype)
         w2 = self.fc2_weight.to(tokens_NH.dtype)
         if backend == "te":

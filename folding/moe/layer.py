@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from folding.parallel import overlap
 from folding.parallel.collectives import group_rank, group_size, reduce_scatter_to_sequence_region
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.parallel.sequence_parallel import gather_linears
@@ -206,6 +207,9 @@ class MoELayer(nn.Module):
                 params_dtype=params_dtype,
                 device=device,
             )
+        self.overlap_comm = False
+        """Compute the shared expert while this micro-batch's dispatch is in flight (set by the model
+        from ``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work)."""
         if init_seed is not None and not self.router.weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -220,12 +224,14 @@ class MoELayer(nn.Module):
         if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects [S, B, H={self.hidden_size}] or [T, H], got {tuple(hidden.shape)}")
         probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
-        tokens_NH, tokens_per_expert, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
-        if self.experts.resolve_backend(tokens_NH.device, tokens_NH.dtype) != "torch":
-            # host sizes for per-expert loops and TE's m_splits: the copy the dispatcher already made
-            tokens_per_expert = self.dispatcher.tokens_per_expert_host
-        out_NH = self.experts(tokens_NH, tokens_per_expert, probs_N)
-        out = self.dispatcher.combine(out_NH)
+        shared = None
         if self.shared_expert is not None:
-            out = out + self.shared_expert(hidden.reshape(-1, self.hidden_size)).reshape(out.shape)
+            tokens_TH = hidden.reshape(-1, self.hidden_size)
+            if self.overlap_comm:  # computed while this micro-batch's dispatch is in flight
+                shared = overlap.defer(lambda: self.shared_expert(tokens_TH))
+        tokens_NH, record, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
+        out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N), record)
+        if self.shared_expert is not None:
+            y = shared.result() if shared is not None else self.shared_expert(tokens_TH)
+            out = out + y.reshape(out.shape)
         return out

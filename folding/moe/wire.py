@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.collectives import all_gather_single, group_rank, group_size
+from ..parallel.overlap import Exchange
 from ..quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
 from .permute import inverse_order
 
@@ -109,13 +110,22 @@ def _size(group) -> int:
     return group_size(group)
 
 
-def _a2a_all(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None) -> List[torch.Tensor]:
+def _a2a_all(
+    parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str = "ep all-to-all"
+) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
-    waited on (see :func:`_a2a_start`)."""
+    waited on as one :class:`~folding.parallel.overlap.Exchange` (see :func:`_a2a_start`)."""
     outs, works = _a2a_start(parts, group, recv, send, rows)
-    for w in works:
-        w.wait()
+    _wait(works, what, linked=what.startswith("ep"))
     return outs
+
+
+def _wait(works, what: str, *, linked: bool) -> None:
+    """Wait on collectives issued together: the overlap point of every token exchange (deferred work
+    and the other lane of a pair run here while they are in flight; see :mod:`folding.parallel.overlap`).
+    ``linked``: an EP exchange, which the benchmarks' link model delays."""
+    if works:
+        Exchange(works, what=what, linked=linked).wait()
 
 
 def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None):
@@ -180,8 +190,7 @@ def _gather_all(
         out = x.new_empty((n * m,) + tuple(x.shape[1:]))
         works.append(all_gather_single(out, x.contiguous(), group=group, async_op=True))
         outs.append(out)
-    for w in works:
-        w.wait()
+    _wait(works, "etp all-gather", linked=False)
     if keep_padding or all(s == m for s in sizes):
         return outs
     return [torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0) for out in outs]
@@ -195,7 +204,7 @@ def _reduce_scatter_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) 
     if n == 1:
         return list(parts)
     me = group_rank(group)
-    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes))
+    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes), what="etp reduce-scatter")
     return [r.view((n, sizes[me]) + tuple(r.shape[1:])).sum(0) for r in recv]
 
 
@@ -255,18 +264,17 @@ def _probs_part(probs_N: Optional[torch.Tensor]) -> List[torch.Tensor]:
     return [] if probs_N is None else [probs_N.detach().reshape(-1, 1)]
 
 
-def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, rows: Optional[int] = None):
+def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, rows: Optional[int] = None, what=""):
     """The EP all-to-all of the rows' parts and the probabilities' part (forward: dispatch direction;
     ``backward``: the reverse), all issued before any is waited on; the probabilities with their own
     splits when ``spec.probs_send`` is set (sliced rows, one probabilities call)."""
     send, recv = (spec.ep_recv, spec.ep_send) if backward else (spec.ep_send, spec.ep_recv)
     if spec.probs_send is None:
-        return _a2a_all(list(rows_parts) + list(probs_parts), spec.ep_group, recv, send, rows=rows)
+        return _a2a_all(list(rows_parts) + list(probs_parts), spec.ep_group, recv, send, rows=rows, what=what)
     p_send, p_recv = (spec.probs_recv, spec.probs_send) if backward else (spec.probs_send, spec.probs_recv)
     outs, works = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows)
     p_outs, p_works = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send)
-    for w in works + p_works:
-        w.wait()
+    _wait(works + p_works, what, linked=True)
     return outs + p_outs
 
 
@@ -280,7 +288,9 @@ class _Dispatch(torch.autograd.Function):
         ctx.spec = spec
         ctx.probs_dtype = None if probs_N is None else probs_N.dtype
         m = max(spec.etp_sizes) if len(spec.etp_sizes) > 1 else None  # receive straight into the padded block
-        parts = _ep_exchange(encode(rows_NH, spec.wire), _probs_part(probs_N), spec, backward=False, rows=m)
+        parts = _ep_exchange(
+            encode(rows_NH, spec.wire), _probs_part(probs_N), spec, backward=False, rows=m, what="ep dispatch"
+        )
         parts = _gather_all(parts, spec.etp_group, spec.etp_sizes, keep_padding=spec.etp_padded)
         if probs_N is None:
             return decode(parts, spec.wire, spec.hidden_size, spec.dtype), None
@@ -291,7 +301,9 @@ class _Dispatch(torch.autograd.Function):
         s, pdt = ctx.spec, ctx.probs_dtype  # autograd materializes unused gradients as zeros
         if len(s.etp_sizes) > 1:
             g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, s.etp_group, s.etp_sizes, padded=s.etp_padded)
-        parts = _ep_exchange(encode(g_NH, s.grad_wire), _probs_part(gp_N), s, backward=True)
+        parts = _ep_exchange(
+            encode(g_NH, s.grad_wire), _probs_part(gp_N), s, backward=True, what="ep dispatch backward"
+        )
         if pdt is None:
             return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None, None
         return decode(parts[:-1], s.grad_wire, s.hidden_size, s.dtype), parts[-1].reshape(-1), None
@@ -311,14 +323,16 @@ class _Combine(torch.autograd.Function):
             x = x[: sizes[group_rank(spec.etp_group)]]
         else:
             (x,) = _reduce_scatter_all([out_NH], spec.etp_group, sizes)
-        parts = _a2a_all(encode(x, spec.wire), spec.ep_group, spec.ep_send, spec.ep_recv)
+        parts = _a2a_all(encode(x, spec.wire), spec.ep_group, spec.ep_send, spec.ep_recv, what="ep combine")
         return decode(parts, spec.wire, spec.hidden_size, spec.dtype)
 
     @staticmethod
     def backward(ctx, g_NH):
         s = ctx.spec
         m = max(s.etp_sizes) if len(s.etp_sizes) > 1 else None  # receive straight into the padded block
-        parts = _a2a_all(encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m)
+        parts = _a2a_all(
+            encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m, what="ep combine backward"
+        )
         parts = _gather_all(parts, s.etp_group, s.etp_sizes, keep_padding=s.etp_padded)
         return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
 

@@ -50,6 +50,15 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class Pair:
+    """Run ``forward`` and ``backward`` (two :class:`Compute` steps) merged, as the two lanes of
+    :func:`folding.parallel.overlap.run_pair` (``parallel.overlap_moe_comm``)."""
+
+    forward: Compute
+    backward: Compute
+
+
+@dataclass(frozen=True)
 class Exchange:
     """One group of point-to-point operations, issued together and waited for.
 
@@ -63,7 +72,7 @@ class Exchange:
     recvs: Tuple[Tuple[int, Key], ...]
 
 
-Action = Union[Compute, Exchange]
+Action = Union[Compute, Pair, Exchange]
 
 
 def _needs_and_makes(kind: str, v: int, m: int, V: int) -> Tuple[Optional[Key], Optional[Tuple[int, Key]]]:
@@ -82,16 +91,26 @@ def _order_key(offset: int, send: bool) -> int:
     return -offset if send else offset
 
 
+def _steps(entry: tuple) -> List[Compute]:
+    """The compute steps of one schedule entry (one, or two for a pair)."""
+    if entry[0] == "FB":
+        return [Compute("F", entry[1], entry[2]), Compute("B", entry[3], entry[4])]
+    return [Compute(*entry)]
+
+
 @lru_cache(maxsize=64)
 def global_plan(
-    *, num_microbatches: int, pp: int, vpp: int = 1, forward_only: bool = False
+    *, num_microbatches: int, pp: int, vpp: int = 1, forward_only: bool = False, overlap: bool = False
 ) -> Tuple[Tuple[Action, ...], ...]:
-    """Every pipeline rank's program (index = pipeline rank), computed identically on all ranks."""
+    """Every pipeline rank's program (index = pipeline rank), computed identically on all ranks.
+    ``overlap``: the schedules with merged forward-backward pairs (:func:`.order.schedule_order`);
+    a pair runs once both of its inputs have arrived, and its messages go in the round after it."""
     vpp = vpp or 1
     V = pp * vpp
+    overlap = overlap and not forward_only
     orders = []
     for r in range(pp):
-        order = schedule_order(num_microbatches=num_microbatches, pp_size=pp, pp_rank=r, vpp=vpp)
+        order = schedule_order(num_microbatches=num_microbatches, pp_size=pp, pp_rank=r, vpp=vpp, overlap=overlap)
         orders.append([s for s in order if not (forward_only and s[0] == "B")])
     pos = [0] * pp
     inbox: List[set] = [set() for _ in range(pp)]
@@ -104,19 +123,21 @@ def global_plan(
         for r in range(pp):
             if pos[r] == len(orders[r]):
                 continue
-            kind, chunk, m = orders[r][pos[r]]
-            need, make = _needs_and_makes(kind, chunk * pp + r, m, V)
-            if need is not None and need not in inbox[r]:
+            steps = _steps(orders[r][pos[r]])
+            io = [_needs_and_makes(c.kind, c.chunk * pp + r, c.microbatch, V) for c in steps]
+            if any(need is not None and need not in inbox[r] for need, _ in io):
                 continue
-            inbox[r].discard(need)
-            programs[r].append(Compute(kind, chunk, m))
+            for need, _ in io:
+                inbox[r].discard(need)
+            programs[r].append(steps[0] if len(steps) == 1 else Pair(*steps))
             pos[r] += 1
             ran = True
-            if make is not None:
-                offset, key = make
-                dst = (r + offset) % pp
-                sends.setdefault(r, []).append((offset, key))
-                recvs.setdefault(dst, []).append((-offset, key))
+            for _, make in io:
+                if make is not None:
+                    offset, key = make
+                    dst = (r + offset) % pp
+                    sends.setdefault(r, []).append((offset, key))
+                    recvs.setdefault(dst, []).append((-offset, key))
         if not ran:  # the schedules are deadlock-free as dataflow; this guards a future change
             raise RuntimeError(f"pipeline schedule stalls (pp={pp}, vpp={vpp}, M={num_microbatches})")
         for r, got in recvs.items():  # delivered after the tick: usable from the next one on
@@ -130,7 +151,10 @@ def global_plan(
 
 
 def rank_program(
-    *, num_microbatches: int, pp: int, vpp: int, pp_rank: int, forward_only: bool = False
+    *, num_microbatches: int, pp: int, vpp: int, pp_rank: int, forward_only: bool = False, overlap: bool = False
 ) -> Tuple[Action, ...]:
-    """This pipeline rank's program: its compute steps in schedule order, with its exchanges."""
-    return global_plan(num_microbatches=num_microbatches, pp=pp, vpp=vpp or 1, forward_only=forward_only)[pp_rank]
+    """This pipeline rank's program: its compute steps (and, with ``overlap``, pairs) in schedule
+    order, with its exchanges."""
+    return global_plan(
+        num_microbatches=num_microbatches, pp=pp, vpp=vpp or 1, forward_only=forward_only, overlap=overlap
+    )[pp_rank]

@@ -8,9 +8,20 @@ backwards. Interleaved 1F1B walks the virtual micro-batches ``k = 0 .. M·vpp �
 ``2·(pp − rank − 1) + (vpp − 1)·pp`` (all forwards first when ``M == pp``). It needs ``M``
 divisible by ``pp``.
 
+With ``overlap`` (``parallel.overlap_moe_comm``) every schedule runs one more forward in warm-up and
+then, in the steady state, each forward merged with the backward that follows it into one *pair*
+``("FB", f_chunk, f_microbatch, b_chunk, b_microbatch)``: the two run as the lanes of
+:func:`folding.parallel.overlap.run_pair`, each MoE exchange of one hidden behind the compute of the
+other. The extra warm-up forward is what lets the pair start with both inputs present (the backward's
+gradient arrived in the exchange after the previous step); it keeps one more micro-batch's
+activations of one chunk in flight. Forwards and backwards keep their order among themselves, so
+gradients accumulate in the same order as without overlap.
+
 Usage::
 
     schedule_order(num_microbatches=8, pp_size=4, pp_rank=0, vpp=2)   # [("F", 0, 0), ...]
+    schedule_order(num_microbatches=8, pp_size=1, pp_rank=0, vpp=1, overlap=True)
+    # [("F", 0, 0), ("FB", 0, 1, 0, 0), ("FB", 0, 2, 0, 1), ..., ("B", 0, 7)]
 """
 
 from __future__ import annotations
@@ -18,8 +29,12 @@ from __future__ import annotations
 from typing import List, Tuple
 
 
-def schedule_order(*, num_microbatches: int, pp_size: int, pp_rank: int, vpp: int) -> List[Tuple[str, int, int]]:
-    """The ordered list of ``("F" | "B", chunk, microbatch)`` steps this rank runs (pure function)."""
+def schedule_order(
+    *, num_microbatches: int, pp_size: int, pp_rank: int, vpp: int, overlap: bool = False
+) -> List[Tuple]:
+    """The ordered list of ``("F" | "B", chunk, microbatch)`` steps this rank runs (pure function);
+    with ``overlap``, the steady state's ``("FB", f_chunk, f_microbatch, b_chunk, b_microbatch)`` pairs
+    (see the module docstring)."""
     M, pp, r = num_microbatches, pp_size, pp_rank
     if M < 1:
         raise ValueError(f"num_microbatches={M} must be >= 1")
@@ -43,8 +58,13 @@ def schedule_order(*, num_microbatches: int, pp_size: int, pp_rank: int, vpp: in
         fwd = [((k % group) // pp, mb(k)) for k in range(total)]
         bwd = [(vpp - 1 - (k % group) // pp, mb(k)) for k in range(total)]
         warmup = total if M == pp else min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+    if overlap:
+        warmup = min(warmup + 1, len(fwd))
     order = [("F",) + fwd[k] for k in range(warmup)]
     for k in range(len(fwd) - warmup):
+        if overlap:
+            order.append(("FB",) + fwd[k + warmup] + bwd[k])
+            continue
         order.append(("F",) + fwd[k + warmup])
         order.append(("B",) + bwd[k])
     order += [("B",) + bwd[k] for k in range(len(fwd) - warmup, len(bwd))]

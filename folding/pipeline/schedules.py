@@ -13,7 +13,10 @@ rank on micro-batch ``microbatch`` and returns
 
 The order of each rank's steps is :func:`.order.schedule_order` (Megatron-Core's 1F1B and
 interleaved 1F1B); the messages between stages follow :mod:`.comm_plan`, one grouped exchange per
-round, so the same code is safe on NCCL and on gloo.
+round, so the same code is safe on NCCL and on gloo. With ``overlap`` (``parallel.overlap_moe_comm``)
+the steady state runs each forward merged with a backward as a pair
+(:func:`folding.parallel.overlap.run_pair`): the MoE exchanges of each are hidden behind the compute of
+the other, and the losses and gradients are bitwise those without overlap.
 
 Usage::
 
@@ -29,7 +32,8 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from .comm_plan import Exchange, Key, rank_program
+from ..parallel.overlap import run_pair, steady_state
+from .comm_plan import Exchange, Key, Pair, rank_program
 from .p2p import P2P
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
@@ -48,6 +52,7 @@ def forward_backward(
     device=None,
     forward_only: bool = False,
     backward_context: Optional[Callable[[int, int], ContextManager]] = None,
+    overlap: bool = False,
 ) -> List[torch.Tensor]:
     """Run the schedule; return the detached per-micro-batch losses (in micro-batch order) on the
     rank holding the last virtual stage, and ``[]`` elsewhere.
@@ -93,8 +98,17 @@ def forward_backward(
         if v > 0:
             outbox[("B", v - 1, m)] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
+    def backward_step(chunk: int, m: int) -> None:
+        with backward_context(chunk, m) if backward_context is not None else contextlib.nullcontext():
+            run_backward(chunk, m)
+
     program = rank_program(
-        num_microbatches=num_microbatches, pp=pp_size, vpp=vpp, pp_rank=pp_rank, forward_only=forward_only
+        num_microbatches=num_microbatches,
+        pp=pp_size,
+        vpp=vpp,
+        pp_rank=pp_rank,
+        forward_only=forward_only,
+        overlap=overlap,
     )
     for action in program:
         if isinstance(action, Exchange):
@@ -103,13 +117,12 @@ def forward_backward(
                 recvs=[(off, tensor_shape, dtype, device) for off, _ in action.recvs],
             )
             inbox.update((key, t) for (_, key), t in zip(action.recvs, got))
+        elif isinstance(action, Pair):
+            f, b = action.forward, action.backward
+            with steady_state():
+                run_pair(lambda: run_forward(f.chunk, f.microbatch), lambda: backward_step(b.chunk, b.microbatch))
         elif action.kind == "F":
             run_forward(action.chunk, action.microbatch)
         else:
-            with (
-                backward_context(action.chunk, action.microbatch)
-                if backward_context is not None
-                else contextlib.nullcontext()
-            ):
-                run_backward(action.chunk, action.microbatch)
+            backward_step(action.chunk, action.microbatch)
     return [losses[m] for m in sorted(losses)]

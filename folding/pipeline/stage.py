@@ -34,6 +34,7 @@ def run_microbatches(
     loss_scale: float,
     forward_only: bool = False,
     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+    overlap: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
@@ -48,6 +49,8 @@ def run_microbatches(
     Returns ``{"lm_loss_sum": float64 tensor, "mtp_loss_sum": float64 tensor}``: the detached masked LM
     loss sum of this rank's micro-batches on the last pipeline stage, and the sum of their MTP losses
     (the mean over the depths, per token; 0 without MTP), both 0 on other stages.
+    ``overlap`` (``parallel.overlap_moe_comm``): the steady state runs each forward merged with a
+    backward, their MoE exchanges hidden behind each other's compute (bitwise the same results).
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
@@ -105,6 +108,7 @@ def run_microbatches(
         device=device,
         forward_only=forward_only,
         backward_context=grad_sync if no_sync is not None else None,
+        overlap=overlap,
     )
 
     def total(parts):

@@ -4,7 +4,7 @@ Part of the one memory model (:mod:`folding.planning.memory` re-exports these fu
 for bf16 activations, flash attention (no ``s^2`` term) and sequence parallelism (every saved tensor
 is the rank's ``T = seq*mbs/(TP*CP)`` tokens; what TP all-gathers is re-gathered in backward, not
 kept). ``R = T*top_k*ETP`` expert rows per rank (balanced routing), ``a`` bytes per element,
-``F_e = moe_ffn_hidden_size/ETP``.
+``F_e = moe.ffn_hidden_size/ETP``; the sizes are a :class:`~folding.model.config.ModelConfig`'s.
 
 Kept per layer and micro-batch (``recompute="none"``):
 
@@ -41,7 +41,8 @@ set of the layer being run.
 
 Usage::
 
-    per = activation_bytes_per_layer(sizes, layout, seq_length=4096, micro_batch_size=1, recompute="moe")
+    cfg = get_preset("mixtral_8x7b")
+    per = activation_bytes_per_layer(cfg, layout, seq_length=4096, micro_batch_size=1, recompute="moe")
     n = in_flight_chunks(pp=8, vpp=2, stage=0, num_microbatches=32)   # chunk forwards alive at the peak
 """
 
@@ -49,6 +50,8 @@ from __future__ import annotations
 
 import functools
 from typing import Optional
+
+from folding.model.config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "moe", "full")
 
@@ -59,17 +62,24 @@ def _check_mode(recompute: str) -> None:
 
 
 def _parts(
-    sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int, moe_layer: bool, fused_swiglu: bool = True
+    cfg: ModelConfig,
+    layout,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    act_bytes: int,
+    moe_layer: bool,
+    fused_swiglu: bool = True,
 ) -> dict:
     """Bytes of every kept tensor group of one layer (no recompute)."""
     return _parts_cached(
-        sizes, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu
+        cfg, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu
     )
 
 
 @functools.lru_cache(maxsize=65536)
 def _parts_cached(
-    sizes,
+    cfg: ModelConfig,
     tp: int,
     cp: int,
     etp: int,
@@ -79,29 +89,22 @@ def _parts_cached(
     moe_layer: bool,
     fused_swiglu: bool,
 ) -> dict:
-    s, a = sizes, act_bytes
-    h = s.hidden_size
+    a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (tp * cp)
-    attn = 0
-    if s.num_attention_heads and s.kv_lora_rank:
-        attn = a * t * _mla_kept_per_token(s, tp, cp)
-    elif s.num_attention_heads:
-        nq = s.num_attention_heads
-        nkv = s.num_query_groups or nq
-        d = s.head_dim or h // nq
+    if cfg.mla is not None:
+        attn = a * t * _mla_kept_per_token(cfg, tp, cp)
+    else:
+        nq, nkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.kv_channels
         attn = a * t * (h + nq * d + 2 * nkv * d * cp + nq * d)
     mlp = 0
-    mlps = [(s.dense_ffn_hidden_size, s.dense_gated), (s.shared_expert_ffn_hidden_size, True)]
-    if not moe_layer:
-        mlps = [(s.ffn_hidden_size, True)]
-    for f, gated in mlps:
-        if f:
-            mlp += a * t * h + a * t * ((2 if gated else 1) * f + 2 * f)  # [S, F/TP] = T*F elements
+    f = (cfg.moe.shared_expert_ffn_hidden_size or 0) if moe_layer else cfg.ffn_hidden_size  # a SwiGLU MLP
+    if f:
+        mlp = a * t * h + a * t * (2 * f + 2 * f)  # [S, F/TP] = T*F elements
     router = experts = 0
     if moe_layer:
-        r = t * s.top_k * etp
-        fe = s.moe_ffn_hidden_size // etp
-        router = a * t * h + 8 * t * s.num_experts
+        r = t * cfg.moe.topk * etp
+        fe = cfg.moe.ffn_hidden_size // etp
+        router = a * t * h + 8 * t * cfg.moe.num_experts
         experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe + 4 * r
     return {
         "input": a * t * h,
@@ -113,21 +116,27 @@ def _parts_cached(
     }
 
 
-def _mla_kept_per_token(s, tp: int, cp: int) -> float:
+def _mla_kept_per_token(cfg: ModelConfig, tp: int, cp: int) -> float:
     """Elements an MLA block keeps per local token (``T`` = the rank's sequence shard): its input; the
     latents on the shard (down-projection outputs and normed latents); the TP-gathered latents (kept as
     the up-projections' input, ``TP`` times the shard); the rotated queries ``N·(dn+dr)/TP`` per CP-chunk
     token; the CP-gathered compressed KV and the whole sequence's keys and values (``CP`` times); the
     attention output."""
-    h, n = s.hidden_size, s.num_attention_heads
-    lat = s.q_lora_rank + s.kv_lora_rank + s.qk_rope_head_dim
-    dqk = s.qk_nope_head_dim + s.qk_rope_head_dim
-    kv_lat = s.kv_lora_rank + s.qk_rope_head_dim
-    return h + 2 * lat + tp * lat + n * dqk + cp * (tp * kv_lat + n * (dqk + s.v_head_dim)) + n * s.v_head_dim
+    m, h, n = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    kv_lat = m.kv_lora_rank + m.qk_rope_head_dim
+    lat = (m.q_lora_rank or 0) + kv_lat
+    return (
+        h
+        + 2 * lat
+        + tp * lat
+        + n * m.qk_head_dim
+        + cp * (tp * kv_lat + n * (m.qk_head_dim + m.v_head_dim))
+        + n * m.v_head_dim
+    )
 
 
 def activation_bytes_per_layer(
-    sizes,
+    cfg: ModelConfig,
     layout,
     *,
     seq_length: int,
@@ -139,15 +148,15 @@ def activation_bytes_per_layer(
 ) -> int:
     """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
 
-    ``layout``: a :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp``
-    sizes). ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``);
-    ``fused_swiglu``: the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row;
-    ``False``: plain autograd, 5F). See
-    the module docstring for the terms and the recompute modes.
+    ``cfg``: the :class:`~folding.model.config.ModelConfig`; ``layout``: a
+    :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp`` sizes).
+    ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``); ``fused_swiglu``:
+    the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row; ``False``: plain
+    autograd, 5F). See the module docstring for the terms and the recompute modes.
     """
     _check_mode(recompute)
     p = _parts(
-        sizes,
+        cfg,
         layout,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -166,7 +175,7 @@ def activation_bytes_per_layer(
 
 
 def transient_bytes(
-    sizes,
+    cfg: ModelConfig,
     layout,
     *,
     seq_length: int,
@@ -184,7 +193,7 @@ def transient_bytes(
     copy: there this counts ``aRh`` too many (a conservative estimate)."""
     _check_mode(recompute)
     p = _parts(
-        sizes,
+        cfg,
         layout,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -192,10 +201,10 @@ def transient_bytes(
         moe_layer=True,
         fused_swiglu=fused_swiglu,
     )
-    a, h = act_bytes, sizes.hidden_size
+    a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
-    dispatch = a * t * sizes.top_k * h * (1 + 2 * layout.etp)
-    experts_backward = 5 * a * (t * sizes.top_k * layout.etp) * (sizes.moe_ffn_hidden_size // layout.etp)
+    dispatch = a * t * cfg.moe.topk * h * (1 + 2 * layout.etp)
+    experts_backward = 5 * a * (t * cfg.moe.topk * layout.etp) * (cfg.moe.ffn_hidden_size // layout.etp)
     if recompute == "full":
         working = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
     elif recompute == "selective":
@@ -208,7 +217,7 @@ def transient_bytes(
 
 
 def logits_bytes(
-    sizes, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2, chunk_tokens: int = 2048
+    cfg: ModelConfig, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2, chunk_tokens: int = 2048
 ) -> int:
     """Bytes of the fused output layer + cross-entropy (:mod:`folding.model.fused_cross_entropy`) on the last
     pipeline stage, for one micro-batch of ``tokens = seq*mbs/CP`` (the TP-gathered sequence chunk): its kept
@@ -216,11 +225,11 @@ def logits_bytes(
     ``chunk_tokens`` rows ``[chunk, vocab/TP]`` and their softmax (gradient), alive together."""
     tokens = seq_length * micro_batch_size // layout.cp
     chunk = min(chunk_tokens, tokens)
-    return act_bytes * tokens * sizes.hidden_size + 4 * tokens + 2 * 4 * chunk * (sizes.vocab_size // layout.tp)
+    return act_bytes * tokens * cfg.hidden_size + 4 * tokens + 2 * 4 * chunk * (cfg.vocab_size // layout.tp)
 
 
 def mtp_activation_bytes(
-    sizes,
+    cfg: ModelConfig,
     layout,
     *,
     seq_length: int,
@@ -233,27 +242,27 @@ def mtp_activation_bytes(
     pipeline stage (0 without them).
 
     Per module: its transformer layer (:func:`activation_bytes_per_layer`, MoE or dense by
-    ``sizes.dense_layers``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
+    ``ModelConfig.is_moe_layer``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
     sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH``, of the ``2H -> H``
     projection ``2aTH`` and of its output norm ``aTH``, and its fused output layer + loss's input
     ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token (its fp32 logits chunks are transient and run
     after the model's, so :func:`logits_bytes` counts the one chunk alive).
     """
     _check_mode(recompute)
-    a, h = act_bytes, sizes.hidden_size
+    a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     tokens = seq_length * micro_batch_size // layout.cp
     extra = a * t * 5 * h + a * tokens * h + 4 * tokens
     total = 0
-    for i in range(sizes.num_layers, sizes.num_layers + sizes.mtp_num_layers):
+    for i in cfg.layer_numbers()[cfg.num_layers :]:
         layer = activation_bytes_per_layer(
-            sizes,
+            cfg,
             layout,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             recompute=recompute,
             act_bytes=act_bytes,
-            moe_layer=i not in sizes.dense_layers,
+            moe_layer=cfg.is_moe_layer(i),
             fused_swiglu=fused_swiglu,
         )
         total += layer + extra

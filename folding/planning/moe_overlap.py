@@ -30,14 +30,16 @@ Usage::
 
     unpaired, paired = exposed_exchanges(0.004, pieces, forwards=1, contention=0.3, delay_wgrad=False)
     p = paired_share(pp=8, vpp=1, stage=7, num_microbatches=32)   # 31/32 of the micro-batches paired
-    extra = overlap_activation_bytes(sizes, layout, stage=0, seq_length=4096, micro_batch_size=1,
-                                     num_microbatches=32)
+    extra = overlap_activation_bytes(cfg, layout, stage=0, seq_length=4096, micro_batch_size=1,
+                                     num_microbatches=32)   # cfg: a ModelConfig
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional, Tuple
+
+from folding.model.config import ModelConfig
 
 from .activations import activation_bytes_per_layer, in_flight_chunks, mtp_activation_bytes
 from .costs import hidden_behind
@@ -102,7 +104,7 @@ def paired_share(*, pp: int, vpp: int, stage: int, num_microbatches: int) -> flo
 
 
 def overlap_activation_bytes(
-    sizes,
+    cfg: ModelConfig,
     layout,
     *,
     stage: int,
@@ -117,7 +119,8 @@ def overlap_activation_bytes(
     one model chunk (``1/VPP`` of the rank's layers), or nothing when the step has no more forwards to
     start early. On the last rank that chunk is the last virtual stage (the extra warm-up forward is its
     first), so it also keeps the fused loss's input and log-sum-exp and the multi-token-prediction modules'
-    activations of that micro-batch."""
+    activations of that micro-batch. ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other
+    arguments as :func:`~folding.planning.memory.memory_per_rank`'s."""
     vpp = layout.vpp or 1
     kw = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
     extra = in_flight_chunks(**kw, overlap_moe_comm=True) - in_flight_chunks(**kw)
@@ -130,31 +133,31 @@ def overlap_activation_bytes(
         act_bytes=act_bytes,
         fused_swiglu=fused_swiglu,
     )
-    layers = stage_layers(sizes, layout, stage)
-    dense = sum(1 for i in layers if i in sizes.dense_layers)
-    per_mb = activation_bytes_per_layer(sizes, layout, moe_layer=True, **akw) * (len(layers) - dense)
+    layers = stage_layers(cfg, layout, stage)
+    dense = sum(1 for i in layers if not cfg.is_moe_layer(i))
+    per_mb = activation_bytes_per_layer(cfg, layout, moe_layer=True, **akw) * (len(layers) - dense)
     if dense:
-        per_mb += activation_bytes_per_layer(sizes, layout, moe_layer=False, **akw) * dense
+        per_mb += activation_bytes_per_layer(cfg, layout, moe_layer=False, **akw) * dense
     out = per_mb / vpp
     if stage == layout.pp - 1:
         tokens = seq_length * micro_batch_size // layout.cp
-        out += act_bytes * tokens * sizes.hidden_size + 4 * tokens
-        out += mtp_activation_bytes(sizes, layout, **akw)
+        out += act_bytes * tokens * cfg.hidden_size + 4 * tokens
+        out += mtp_activation_bytes(cfg, layout, **akw)
     return int(extra * out)
 
 
-def memory_with_overlap(sizes, layout, *, stage: Optional[int] = None, **kw) -> MemoryEstimate:
+def memory_with_overlap(cfg: ModelConfig, layout, *, stage: Optional[int] = None, **kw) -> MemoryEstimate:
     """:func:`~folding.planning.memory.memory_per_rank` with ``overlap_moe_comm``: its activations plus
     :func:`overlap_activation_bytes` on that stage (``stage=None``: the stage with the largest total).
     ``kw``: :func:`~folding.planning.memory.memory_per_rank`'s keywords."""
     if stage is None:
-        ests = [memory_with_overlap(sizes, layout, stage=k, **kw) for k in range(layout.pp)]
+        ests = [memory_with_overlap(cfg, layout, stage=k, **kw) for k in range(layout.pp)]
         return max(ests, key=lambda e: e.total)
-    est = memory_per_rank(sizes, layout, stage=stage, **kw)
+    est = memory_per_rank(cfg, layout, stage=stage, **kw)
     if not kw.get("seq_length"):
         return est
     extra = overlap_activation_bytes(
-        sizes,
+        cfg,
         layout,
         stage=stage,
         seq_length=kw["seq_length"],

@@ -31,7 +31,7 @@ from folding.parallel import LayoutError, ParallelLayout
 
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB
-from .memory import MemoryEstimate, memory_per_rank, model_sizes, peak_candidate_stages
+from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
 from .moe_overlap import memory_with_overlap
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
@@ -74,9 +74,8 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
     )
-    sizes = model_sizes(cfg)
     per_stage = memory_with_overlap if plan.overlap_moe_comm else memory_per_rank
-    ests = [per_stage(sizes, plan, stage=k, **kw) for k in peak_candidate_stages(sizes, plan)]
+    ests = [per_stage(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]
     return max(ests, key=lambda e: e.total)
 
 

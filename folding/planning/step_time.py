@@ -60,7 +60,7 @@ from folding.parallel.partition import partition_layers
 from . import flops as F
 from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
-from .memory import model_sizes, param_counts
+from .memory import param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
 
 BF16, FP32 = 2, 4
@@ -415,7 +415,7 @@ def _stage_parameters(
         last_stage_layers=last_layers,
         first_stage_layers=first_layers,
     )
-    c = param_counts(model_sizes(cfg), plan, stage=stage)
+    c = param_counts(cfg, plan, stage=stage)
     return {"dense": c.dense, "expert": c.expert}
 
 

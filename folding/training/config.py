@@ -93,13 +93,15 @@ class ParallelConfig:
     ``last_stage_layers`` is set) sharing the rest evenly (Megatron-Core's
     ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
     overlap_moe_comm: bool = False
-    """Hide the MoE layer's exchanges behind compute: in the steady state of every pipeline schedule the
-    forward of one micro-batch and the backward of another run paired, each EP all-to-all (and ETP
-    all-gather / reduce-scatter) of one in flight while the other computes, the shared expert during its
-    own dispatch. Costs one more micro-batch of one model chunk's activations per pipeline rank."""
+    """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
+    of one micro-batch and the backward of another run merged, taking turns at each exchange (the EP
+    all-to-all and, with ETP, its all-gather / reduce-scatter overlap alike), and the shared expert runs
+    during its own dispatch. Same numbers bitwise; one more micro-batch's activations of one model chunk
+    in flight per rank (docs/training.md, "Hiding MoE communication")."""
     delay_wgrad: bool = False
-    """With ``overlap_moe_comm``: run the experts' weight-gradient GEMMs behind the backward dispatch
-    all-to-all (Megatron-Core's ``--delay-wgrad-compute``) instead of right after their data gradients."""
+    """With ``overlap_moe_comm``: compute the experts' weight gradients while the backward dispatch
+    all-to-all is in flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``); same
+    numbers bitwise."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""

@@ -20,7 +20,7 @@ from typing import Dict, List
 
 from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
-from ..planning.memory import MemoryEstimate, ModelSizes, memory_per_rank, param_counts
+from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
 from ..planning.moe_overlap import memory_with_overlap
 from .config import JobConfig
 from .validate import validate_job
@@ -33,8 +33,7 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
     pipeline rank (embedding on the first, final norm and output layer on the last; tied weights counted
     once; the multi-token-prediction modules, and with PP > 1 an untied embedding's copy, on the last), from
     the planning memory model's :func:`~folding.planning.memory.param_counts`."""
-    sizes = ModelSizes.from_model_config(model)
-    counts = [param_counts(sizes, layout, stage=r) for r in range(layout.pp)]
+    counts = [param_counts(model, layout, stage=r) for r in range(layout.pp)]
     return [{"dense": c.dense, "expert": c.expert} for c in counts]
 
 
@@ -48,7 +47,7 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     width = 2 if t.precision == "bf16" else 4
     estimate = memory_with_overlap if job.parallel.overlap_moe_comm else memory_per_rank
     return estimate(
-        ModelSizes.from_model_config(job.model),
+        job.model,
         layout,
         param_bytes=width,
         distributed=job.optim.distributed,

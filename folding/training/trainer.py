@@ -175,6 +175,7 @@ def train(
         model_config=job.model,
         parallel_state=ps,
         recompute=t.recompute,
+        overlap_moe_comm=job.parallel.overlap_moe_comm,
         params_dtype=dtype,
         init_seed=t.seed,
         device=device,
@@ -228,7 +229,12 @@ def train(
             optimizer.zero_grad()
             stats.reset()
             out = run_microbatches(
-                chunks, mbs, parallel_state=ps, loss_scale=1.0 / float(n_tokens.clamp(min=1)), no_sync=optimizer.no_sync
+                chunks,
+                mbs,
+                parallel_state=ps,
+                loss_scale=1.0 / float(n_tokens.clamp(min=1)),
+                no_sync=optimizer.no_sync,
+                overlap=job.parallel.overlap_moe_comm,
             )
             parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
             # per-token losses are identical on the TP ranks of the last stage: count them once

@@ -41,7 +41,9 @@ def _compare_bounds():
         g = torch.randn(T, H, generator=gen)
         want = _job(d, x, routing_map, probs, g)
         leaves = []
-        for _, run in bound_variants(x, routing_map, probs, g, group=ps.ep_group, plan=d._plan, leaves=leaves):
+        for _, run in bound_variants(
+            x, routing_map, probs, g, group=ps.ep_group, plan=d._stage_record.plan, leaves=leaves
+        ):
             run()
         out = {}
         for name, tensors in leaves:

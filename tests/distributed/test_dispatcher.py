@@ -88,10 +88,11 @@ def _one_case(c, ps, world, rank):
     pl = probs[sl].clone().requires_grad_(True)
     before = host_sync.count()
     shape = (T // 2, 2, H) if c.get("sbh") else (T, H)
-    tokens, tpe, pn = d.dispatch(xl.view(shape), rmap[sl], pl)
+    tokens, rec, pn = d.dispatch(xl.view(shape), rmap[sl], pl)
+    tpe = rec.tokens_per_expert
     assert tpe.device.type == "cpu" and tpe.dtype == torch.long
-    assert int(tpe.sum()) == tokens.shape[0]
-    y = d.combine(_toy_experts(tokens, tpe, pn, A_l, B_l))
+    assert int(tpe.sum()) == tokens.shape[0] and list(rec.tokens_per_expert_host) == tpe.tolist()
+    y = d.combine(_toy_experts(tokens, tpe, pn, A_l, B_l), rec)
     syncs = host_sync.count() - before
     assert y.shape == shape
     (y.reshape(T, H) * gy[sl]).sum().backward()
@@ -203,16 +204,16 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
     )
     Fs, j, off = FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
-    tok, tpe, pn = d.dispatch(xl, rmap[sl], pl)
+    tok, rec, pn = d.dispatch(xl, rmap[sl], pl)
     outs, start = [], 0
-    for l, n in enumerate(tpe.tolist()):  # a linear expert: (x A_e p) B_e, F sharded over ETP
+    for l, n in enumerate(rec.tokens_per_expert_host):  # a linear expert: (x A_e p) B_e, F sharded over ETP
         e = off + l
         outs.append(
             (tok[start : start + n] @ A[e, :, j * Fs : (j + 1) * Fs] * pn[start : start + n, None])
             @ Bw[e, j * Fs : (j + 1) * Fs]
         )
         start += n
-    y = d.combine(torch.cat(outs))
+    y = d.combine(torch.cat(outs), rec)
     (y * gy[sl]).sum().backward()
     # elementwise bound (docs/dispatcher.md): with u = 2^-4 and sigma = 2^-9 amax/448 per row,
     # |y_q - y| <= sum_k p_k (u(2+u)|x| + (1+u) sigma_x) |A_e||B_e| + sigma_r(k)  (+ fp32 slack)
@@ -226,7 +227,7 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
         r_abs = ((1 + u) * xs.abs() + sig_x) @ M * ps_[:, e : e + 1]
         term = ((u * (1 + uc) + uc) * xs.abs() + (1 + uc) * sig_x) @ M * ps_[:, e : e + 1]
         bound += term + 2.0**-9 * r_abs.amax(1, keepdim=True) / 448 * (uc > 0)
-    return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(d.last_stats))
+    return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(rec.stats))
 
 
 def _wire_cases(wire_sets):

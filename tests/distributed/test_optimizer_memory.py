@@ -19,7 +19,7 @@ from folding.model.presets import get_preset
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec
-from folding.planning.memory import ModelSizes, memory_per_rank
+from folding.planning.memory import memory_per_rank
 
 CASES = [  # (preset, layout with ETP written, ZeRO-1, parameter dtype)
     *[("mixtral_tiny", dict(ep=ep, etp=1), d, torch.float32) for ep in (1, 2, 4, 8) for d in (False, True)],
@@ -61,11 +61,10 @@ def test_measured_memory_matches_model(ranks):
     for i, (preset, layout_kwargs, distributed, dtype) in enumerate(CASES):
         layout = ParallelLayout(world_size=8, **layout_kwargs)
         pb = torch.tensor([], dtype=dtype).element_size()
-        sizes = ModelSizes.from_model_config(get_preset(preset))
         dsize = {"dense": layout.dp * layout.cp, "expert": layout.edp}
         for rank, per_rank in enumerate(results):
             m = per_rank[i]
-            est = memory_per_rank(sizes, layout, param_bytes=pb, distributed=distributed, stage=m["stage"])
+            est = memory_per_rank(get_preset(preset), layout, param_bytes=pb, distributed=distributed, stage=m["stage"])
             for kind in ("dense", "expert"):
                 want_p = getattr(est, f"params_{kind}")
                 assert m[f"model_params_{kind}"] == want_p, (preset, layout_kwargs, rank, kind)

@@ -2,11 +2,17 @@
 DeepSeek-V3 (fp32, micro-batches of 2 sequences, several per step, the same split everywhere) give the
 1-rank per-step losses and final parameters on 8 gloo ranks, through the real training loop (pipeline schedules,
 folded MoE, gradient reduction, optimizer). A bf16 run stays within 1e-2 of the fp32 1-rank losses.
-The 1-rank losses of 10 steps are the golden losses in ``tests/golden_losses.json``."""
+The 1-rank losses of 10 steps are the golden losses in ``tests/golden_losses.json``.
+
+Every case also runs with ``parallel.overlap_moe_comm`` (the ``overlap`` parameter): merged
+forward-backward pairs whose MoE exchanges hide behind each other's compute must give the same
+tolerances against one rank and, against the same layout without overlap, bitwise the same losses,
+gradient norms and parameters."""
 
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -137,16 +143,42 @@ def _full(entries):
     return full
 
 
-def _check_cases(ranks, tmp_path, cases, bf16_cases=()):
+_NO_OVERLAP: dict = {}  # case -> its 8-rank results without overlap (the overlap runs' bitwise reference)
+_ONE_RANK: dict = {}  # (model, moe overrides) -> the 1-rank reference run (computed once per session)
+
+
+def _key(case):
+    return repr(case)
+
+
+def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False):
     """Train ``cases`` on 8 ranks and their 1-rank references; compare losses, grad norms, parameters
     and the golden curves of the models they train. ``bf16_cases`` ``(model, parallel)`` train in bf16
-    on 8 ranks and stay within 1e-2 of the fp32 1-rank losses."""
-    refs = {}
-    for key in {(m, tuple(sorted(moe.items()))) for m, _, _, _, moe in cases}:
+    on 8 ranks and stay within 1e-2 of the fp32 1-rank losses. With ``overlap`` every case runs with
+    ``parallel.overlap_moe_comm=true`` and must also equal its run without overlap bit for bit."""
+    refs = _ONE_RANK
+    for key in {(m, tuple(sorted(moe.items()))) for m, _, _, _, moe in cases} - set(refs):
         ((losses, norms, params),) = ranks(1).run(_train, [(key[0], {}, {}, False, dict(key[1]))], str(tmp_path))[0]
         refs[key] = (losses, norms, {n: t.reshape(s.full_shape) for n, (s, t) in params.items()})
     # one call per case, each well inside the pool's timeout on a slow machine
-    results = [ranks(8).run(_train, [case], str(tmp_path)) for case in cases]
+    results = []
+    for case in cases:
+        if not overlap:
+            results.append(ranks(8).run(_train, [case], str(tmp_path)))
+            _NO_OVERLAP[_key(case)] = results[-1]
+            continue
+        model_name, parallel, train, distributed, moe = case
+        on = ranks(8).run(
+            _train, [(model_name, {**parallel, "overlap_moe_comm": True}, train, distributed, moe)], str(tmp_path)
+        )
+        off = _NO_OVERLAP.get(_key(case)) or ranks(8).run(_train, [case], str(tmp_path))
+        for r in range(8):  # bitwise: overlap changes when work runs, never what it computes
+            (l_on, n_on, p_on), (l_off, n_off, p_off) = on[r][0], off[r][0]
+            assert l_on == l_off and n_on == n_off, (case, r, l_on, l_off, n_on, n_off)
+            assert sorted(p_on) == sorted(p_off), case
+            for name in p_on:
+                assert torch.equal(p_on[name][1], p_off[name][1]), (case, r, name)
+        results.append(on)
     for i, (model_name, parallel, train, distributed, moe) in enumerate(cases):
         ref_losses, ref_norms, ref_params = refs[(model_name, tuple(sorted(moe.items())))]
         for r in range(8):
@@ -172,11 +204,15 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=()):
                 rel = float((t - ref_params[name]).norm() / ref_params[name].norm().clamp_min(1e-12))
                 assert rel <= 5e-2, (cases[i], name, rel)
     for model_name, parallel in bf16_cases:
+        if overlap:
+            parallel = {**parallel, "overlap_moe_comm": True}
         ((l16, _, _),) = ranks(8).run(
             _train, [(model_name, parallel, dict(precision="bf16"), False, {})], str(tmp_path), False
         )[0]
         for step, (a, b) in enumerate(zip(l16, refs[(model_name, ())][0])):
             assert abs(a - b) <= 1e-2 * abs(b), (model_name, parallel, step + 1, a, b)
+    if overlap:  # the golden curves are one rank's, which overlap does not change: checked once
+        return
     # golden losses: the 1-rank curves of this file's configuration, over GOLDEN_STEPS steps
     golden = json.load(open(GOLDEN))
     names = sorted({m for m, *_ in cases})
@@ -188,9 +224,11 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=()):
         assert got[-1] < got[0]
 
 
-def test_layouts_train_like_one_rank(ranks, tmp_path):
-    _check_cases(ranks, tmp_path, CASES, BF16_CASES)
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_layouts_train_like_one_rank(ranks, tmp_path, overlap):
+    _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
 
 
-def test_deepseek_v3_layouts_train_like_one_rank(ranks, tmp_path):
-    _check_cases(ranks, tmp_path, DEEPSEEK_CASES)
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_deepseek_v3_layouts_train_like_one_rank(ranks, tmp_path, overlap):
+    _check_cases(ranks, tmp_path, DEEPSEEK_CASES, overlap=overlap)

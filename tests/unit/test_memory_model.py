@@ -1,14 +1,13 @@
 """The analytic memory model: parameter counts of public models, hand-worked per-rank values, scaling."""
 
-import dataclasses
-
 import pytest
 import torch
 
+from folding.model.config import ModelConfig
 from folding.model.presets import get_preset
+from folding.moe.config import MoEConfig
 from folding.parallel import ParallelLayout
 from folding.planning.memory import (
-    ModelSizes,
     activation_bytes_per_layer,
     in_flight_chunks,
     layers_on_stage,
@@ -21,55 +20,71 @@ from folding.planning.memory import (
     transient_bytes,
 )
 
-KNOWN_SIZES = {
-    k: ModelSizes.from_model_config(get_preset(k)) for k in ("mixtral_8x7b", "mixtral_8x22b", "qwen2_57b_a14b")
-}
+KNOWN = {k: get_preset(k) for k in ("mixtral_8x7b", "mixtral_8x22b", "qwen2_57b_a14b")}
+
+
+def hand_model(**changes) -> ModelConfig:
+    """The model the hand-worked tests count: H=4, V=8, 2 layers (MoE), 2 query heads of d=2 and 1 KV head,
+    E=4 experts of F=2, top-2, untied; ``changes`` as :meth:`ModelConfig.replace` takes them."""
+    cfg = ModelConfig(
+        name="hand",
+        family="mixtral",
+        vocab_size=8,
+        hidden_size=4,
+        num_layers=2,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=2),
+    )
+    return cfg.replace(**changes) if changes else cfg
 
 
 def test_public_model_sizes():
     # published totals: Mixtral 8x7B 46.7B, 8x22B 141B, Qwen2-57B-A14B 57.4B
     one = ParallelLayout(world_size=1)
-    totals = {k: (param_counts(s, one).dense + param_counts(s, one).expert) / 1e9 for k, s in KNOWN_SIZES.items()}
+    totals = {k: (param_counts(s, one).dense + param_counts(s, one).expert) / 1e9 for k, s in KNOWN.items()}
     assert totals["mixtral_8x7b"] == pytest.approx(46.70, abs=0.01)
     assert totals["mixtral_8x22b"] == pytest.approx(140.6, abs=0.1)
     assert totals["qwen2_57b_a14b"] == pytest.approx(57.41, abs=0.01)
 
 
 def test_hand_worked_small_model():
-    # H=4, V=8, 2 layers, E=4 experts of F=2, no attention, untied, 2 norms per layer
-    s = ModelSizes(vocab_size=8, hidden_size=4, num_layers=2, num_experts=4, moe_ffn_hidden_size=2)
+    # hand_model: H=4, V=8, 2 layers, 2 query heads of d=2 and 1 KV head, E=4 experts of F=2, untied
+    s = hand_model()
     lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)  # DP2, EDP2
     first, last = param_counts(s, lay, stage=0), param_counts(s, lay, stage=1)
-    # per layer: norms 2*4 + router 4*4 = 24 dense; experts 4/2 * 3*4*2 = 48; one layer per stage
-    assert first.dense == 24 + 8 * 4 // 2 and first.expert == 48  # + embedding V*H/TP = 16
-    assert last.dense == 24 + 4 + 16 and last.expert == 48  # + final norm + output layer
+    # per layer: norms 2*4 + attention (q, k, v: 4*(2+2*1)*2 = 32, o: 2*2*4 = 16) over TP2 24 + router 4*4 = 48
+    # dense; experts 4/2 * 3*4*2 = 48; one layer per stage
+    assert first.dense == 48 + 8 * 4 // 2 and first.expert == 48  # + embedding V*H/TP = 16
+    assert last.dense == 48 + 4 + 16 == 68 and last.expert == 48  # + final norm + output layer
     assert first.fp32 == last.fp32 == 16  # the router stays fp32 under bf16 parameters
     e = memory_per_rank(s, lay, param_bytes=2, distributed=True, stage=1)
-    assert (e.params_dense, e.grads_dense) == (28 * 2 + 16 * 4, 44 * 4)
+    assert (e.params_dense, e.grads_dense) == (52 * 2 + 16 * 4, 68 * 4)
     # DP*CP = EDP = 2; moments for all, fp32 master copies for all but the router
-    assert e.optimizer_dense == (8 * 44 + 4 * 28) // 2 and e.optimizer_expert == 12 * 48 // 2
-    assert memory_per_rank(s, lay, param_bytes=4, stage=1).optimizer_dense == 8 * 44  # fp32: no master copy
+    assert e.optimizer_dense == (8 * 68 + 4 * 52) // 2 and e.optimizer_expert == 12 * 48 // 2
+    assert memory_per_rank(s, lay, param_bytes=4, stage=1).optimizer_dense == 8 * 68  # fp32: no master copy
 
 
 def test_mtp_hand_worked_small_model():
     # the model above plus one multi-token-prediction module (its layer is number 2, MoE), TP2 PP2 EP2
-    s = ModelSizes(vocab_size=8, hidden_size=4, num_layers=2, num_experts=4, moe_ffn_hidden_size=2, mtp_num_layers=1)
+    s = hand_model(mtp_num_layers=1)
     lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
     first, last = param_counts(s, lay, stage=0), param_counts(s, lay, stage=1)
-    assert (first.dense, first.expert) == (24 + 16, 48)  # unchanged: the module sits on the last stage
-    # last: layer 1 (24) + final norm (4) + output layer (16) + the MTP layer (24) + its enorm, hnorm and output
+    assert (first.dense, first.expert) == (48 + 16, 48)  # unchanged: the module sits on the last stage
+    # last: layer 1 (48) + final norm (4) + output layer (16) + the MTP layer (48) + its enorm, hnorm and output
     # norm 3*4 and eh_proj [4, 8] = 32, replicated over TP (44) + the last stage's own embedding copy (8*4/2)
-    assert (last.dense, last.expert) == (24 + 4 + 16 + 24 + 44 + 16, 48 + 48) == (128, 96)
+    assert (last.dense, last.expert) == (48 + 4 + 16 + 48 + 44 + 16, 48 + 48) == (176, 96)
     # tied: the last stage's copy of the table is the output layer already
-    tied = dataclasses.replace(s, tied_embeddings=True)
-    assert param_counts(tied, lay, stage=1).dense == 128 - 16
+    tied = s.replace(tie_embeddings=True)
+    assert param_counts(tied, lay, stage=1).dense == 176 - 16
     # one stage holds the single table: no copy
     one = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
-    assert vars(param_counts(s, one)) == {"dense": 2 * 24 + 16 + 4 + 16 + 24 + 44, "expert": 3 * 48, "fp32": 3 * 16}
-    # a dense MTP layer (number 2 in dense_layers): norms 8 + a SwiGLU of F=6 over TP2 (3*4*6/2 = 36), no experts
-    dense = dataclasses.replace(s, dense_layers=(2,), ffn_hidden_size=6)
+    assert vars(param_counts(s, one)) == {"dense": 2 * 48 + 16 + 4 + 16 + 48 + 44, "expert": 3 * 48, "fp32": 3 * 16}
+    # a dense MTP layer (number 2 in mlp_only_layers): norms 8 + attention 24 + a SwiGLU of F=6 over TP2
+    # (3*4*6/2 = 36), no experts
+    dense = s.replace(mlp_only_layers=(2,), ffn_hidden_size=6)
     assert vars(param_counts(dense, lay, stage=1)) == {
-        "dense": 24 + 4 + 16 + 8 + 36 + 44 + 16,
+        "dense": 48 + 4 + 16 + 8 + 24 + 36 + 44 + 16,
         "expert": 48,
         "fp32": 16,  # one router: layer 1's
     }
@@ -77,16 +92,7 @@ def test_mtp_hand_worked_small_model():
 
 def test_mtp_activations_by_hand():
     # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2, one MTP module; TP2: T = 8/2 = 4 tokens per rank
-    s = ModelSizes(
-        vocab_size=8,
-        hidden_size=4,
-        num_layers=2,
-        num_experts=4,
-        moe_ffn_hidden_size=2,
-        num_attention_heads=2,
-        num_query_groups=1,
-        mtp_num_layers=1,
-    )
+    s = hand_model(mtp_num_layers=1)
     lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
     kw = dict(seq_length=8, micro_batch_size=1)
     # its layer as any layer (544 bytes, test_activations_by_hand_small_model) plus, never recomputed: the inputs
@@ -94,9 +100,9 @@ def test_mtp_activations_by_hand():
     # the TP-gathered 8 tokens a*8*H = 64 and their fp32 log-sum-exp 4*8 = 32
     assert mtp_activation_bytes(s, lay, **kw) == 544 + 160 + 64 + 32
     assert mtp_activation_bytes(s, lay, recompute="full", **kw) == 2 * 4 * 4 + 160 + 64 + 32
-    assert mtp_activation_bytes(dataclasses.replace(s, mtp_num_layers=0), lay, **kw) == 0
+    assert mtp_activation_bytes(s.replace(mtp_num_layers=0), lay, **kw) == 0
     # on the last stage, once (one micro-batch of the last virtual stage is alive at the peak); stage 0 unchanged
-    base = dataclasses.replace(s, mtp_num_layers=0)
+    base = s.replace(mtp_num_layers=0)
     for rc in ("none", "full"):
         e = {k: memory_per_rank(k, lay, stage=1, recompute=rc, num_microbatches=4, **kw) for k in (s, base)}
         assert e[s].activations - e[base].activations == mtp_activation_bytes(s, lay, recompute=rc, **kw)
@@ -122,9 +128,9 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
             counts["fp32"] += p.numel() if p.dtype == torch.float32 else 0
         return counts
 
-    plain = [vars(param_counts(ModelSizes.from_model_config(base), lay, stage=k)) for k in range(2)]
+    plain = [vars(param_counts(base, lay, stage=k)) for k in range(2)]
     assert plain == [built(base, (0, 2)), built(base, (2, 4))]
-    mtp = [vars(param_counts(ModelSizes.from_model_config(cfg), lay, stage=k)) for k in range(2)]
+    mtp = [vars(param_counts(cfg, lay, stage=k)) for k in range(2)]
     assert mtp == [built(cfg, (0, 2)), built(cfg, (2, 4))] and mtp[0] == plain[0]
     # the last stage adds what ModelConfig.num_parameters counts for the module (its MoE layer, norms and
     # eh_proj), its experts 8 * 3*64*32 among it, and its own copy of the untied embedding (512 x 64)
@@ -132,7 +138,7 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
     assert mtp[1]["expert"] - plain[1]["expert"] == 8 * 3 * 64 * 32
     assert mtp[1]["dense"] - plain[1]["dense"] == added - 8 * 3 * 64 * 32 + 512 * 64
     # one stage: the model's total (test_counts_match_model_config_presets), no second table
-    whole = param_counts(ModelSizes.from_model_config(cfg), ParallelLayout(world_size=1))
+    whole = param_counts(cfg, ParallelLayout(world_size=1))
     rest = built(base, (0, 4))
     assert whole.dense + whole.expert == cfg.num_parameters()[0] == rest["dense"] + rest["expert"] + added
     assert vars(whole) == built(cfg, (0, 4))
@@ -141,7 +147,7 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
 def test_peak_candidate_stages():
     # DeepSeek-V3 on PP16 with a 1-layer last stage: stage 0 holds 3 dense layers and 1 MoE layer, stages 1-14
     # 4 MoE layers each (more experts than stage 0: stage 1 is a candidate, 2-14 hold less than it), stage 15
-    big = ModelSizes.from_model_config(get_preset("deepseek_v3"))
+    big = get_preset("deepseek_v3")
     lay = ParallelLayout(world_size=1024, tp=2, pp=16, ep=8, etp=1, last_stage_layers=1)
     assert peak_candidate_stages(big, lay) == [0, 1, 15]
     kw = dict(distributed=True, recompute="selective", seq_length=4096, num_microbatches=128)
@@ -149,14 +155,14 @@ def test_peak_candidate_stages():
     assert worst == max((memory_per_rank(big, lay, stage=k, **kw) for k in (0, 1, 15)), key=lambda e: e.total)
     assert worst.stage == 1
     # Mixtral (all MoE, even split): the first and the last only
-    assert peak_candidate_stages(KNOWN_SIZES["mixtral_8x7b"], ParallelLayout(world_size=64, pp=8, ep=8, etp=1)) == [
+    assert peak_candidate_stages(KNOWN["mixtral_8x7b"], ParallelLayout(world_size=64, pp=8, ep=8, etp=1)) == [
         0,
         7,
     ]
 
 
 def test_expert_scaling_at_fixed_world():
-    s = KNOWN_SIZES["mixtral_8x7b"]
+    s = KNOWN["mixtral_8x7b"]
     by_ep = {
         ep: memory_per_rank(s, ParallelLayout(world_size=64, pp=4, ep=ep, etp=1), distributed=True)
         for ep in (1, 2, 4, 8)
@@ -168,7 +174,7 @@ def test_expert_scaling_at_fixed_world():
 
 
 def test_activations_by_recompute_mode():
-    s = KNOWN_SIZES["mixtral_8x7b"]
+    s = KNOWN["mixtral_8x7b"]
     lay = ParallelLayout(world_size=8, tp=2, ep=4, etp=1)
     acts = {
         m: activation_bytes_per_layer(s, lay, seq_length=4096, micro_batch_size=1, recompute=m)
@@ -183,23 +189,24 @@ def test_activations_by_recompute_mode():
 
 
 def test_indivisible_sizes_are_named():
-    s = ModelSizes(vocab_size=9, hidden_size=4, num_layers=1, num_experts=4, moe_ffn_hidden_size=2)
+    s = hand_model(vocab_size=9, num_layers=1)
     with pytest.raises(ValueError, match="vocab_size"):
         param_counts(s, ParallelLayout(world_size=2, tp=2, etp=1))
 
 
 def test_counts_match_model_config_presets():
-    from folding.model.presets import get_preset, list_presets
+    """One rank's parts (the stages' layers, embedding, output layer, MTP modules) add up to the model's total."""
+    from folding.model.presets import list_presets
 
     one = ParallelLayout(world_size=1)
     for name in list_presets():
         cfg = get_preset(name)
-        c = param_counts(ModelSizes.from_model_config(cfg), one)
+        c = param_counts(cfg, one)
         assert c.dense + c.expert == cfg.num_parameters()[0], name
 
 
 def test_pipeline_stages_follow_the_partition():
-    s = ModelSizes.from_model_config(get_preset("qwen2_moe_tiny"))
+    s = get_preset("qwen2_moe_tiny")
     lay = ParallelLayout(world_size=4, pp=2, vpp=2, ep=2, etp=1)
     per_stage = [param_counts(s, lay, stage=k) for k in range(2)]
     whole = param_counts(s, ParallelLayout(world_size=1))
@@ -211,15 +218,7 @@ def test_pipeline_stages_follow_the_partition():
 def test_activations_by_hand_small_model():
     # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2; TP2 CP1 ETP1; s=8, mbs=1 -> T=4 tokens,
     # R = T*k = 8 expert rows; bf16.
-    s = ModelSizes(
-        vocab_size=8,
-        hidden_size=4,
-        num_layers=2,
-        num_experts=4,
-        moe_ffn_hidden_size=2,
-        num_attention_heads=2,
-        num_query_groups=1,
-    )
+    s = hand_model()
     lay = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
     norms = 2 * 2 * 4 * 4  # inputs of both norms: 2 * a*T*H
     attn = 2 * 4 * (4 + (2 + 2) * 2 + 2 * 2)  # a*T*(H + (nq+2nkv)d + nq*d)
@@ -244,15 +243,7 @@ def test_activations_by_hand_small_model():
     assert transient_bytes(s, lay, **kw) == 2 * 4 * 2 * 4 * 3
     assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + router + experts
     # with experts four times as wide (F=8) the backward working set wins: 5*a*R*F = 5*2*8*8 = 640 > 192
-    wide = ModelSizes(
-        vocab_size=8,
-        hidden_size=4,
-        num_layers=2,
-        num_experts=4,
-        moe_ffn_hidden_size=8,
-        num_attention_heads=2,
-        num_query_groups=1,
-    )
+    wide = hand_model(moe={"ffn_hidden_size": 8})
     assert transient_bytes(wide, lay, **kw) == 640
     # fused output layer + loss on the last stage, s/CP = 8 tokens: its bf16 input a*8*H, one fp32 log-sum-exp
     # per token, and one chunk (all 8 tokens fit in 2048) of fp32 logits + softmax [8, V/TP] = 64 + 32 + 256
@@ -260,16 +251,8 @@ def test_activations_by_hand_small_model():
     # at 4096 tokens only one chunk of chunk_tokens rows of logits exists: 32768 + 16384 + 2*4*1024*4
     assert logits_bytes(s, lay, seq_length=4096, micro_batch_size=1, chunk_tokens=1024) == 32768 + 16384 + 32768
     # a dense layer: a SwiGLU MLP of ffn_hidden_size keeps its input and 4F per token instead of the MoE terms
-    d = ModelSizes(
-        vocab_size=8,
-        hidden_size=4,
-        num_layers=1,
-        num_experts=4,
-        moe_ffn_hidden_size=2,
-        dense_layers=(0,),
-        ffn_hidden_size=6,
-    )
-    assert activation_bytes_per_layer(d, lay, moe_layer=False, **kw) == 2 * 2 * 4 * 4 + 2 * 4 * 4 + 2 * 4 * 4 * 6
+    d = hand_model(ffn_hidden_size=6)
+    assert activation_bytes_per_layer(d, lay, moe_layer=False, **kw) == norms + attn + 2 * 4 * 4 + 2 * 4 * 4 * 6
 
 
 def test_in_flight_chunks_follow_the_schedule():
@@ -283,7 +266,7 @@ def test_in_flight_chunks_follow_the_schedule():
 
 
 def test_memory_per_rank_pipeline_peak():
-    s = KNOWN_SIZES["mixtral_8x7b"]
+    s = KNOWN["mixtral_8x7b"]
     lay = ParallelLayout(world_size=64, pp=4, vpp=2, ep=8, etp=1)
     kw = dict(param_bytes=2, distributed=True, seq_length=4096, micro_batch_size=1)
     per = activation_bytes_per_layer(s, lay, seq_length=4096, micro_batch_size=1)
@@ -320,7 +303,7 @@ def test_dry_run_uses_the_same_model():
     j = job("recipes=mixtral_8x22b")
     layout = validate_job(j, world_size=128)
     want = memory_per_rank(
-        ModelSizes.from_model_config(j.model),
+        j.model,
         layout,
         param_bytes=2,
         distributed=True,
@@ -349,7 +332,7 @@ def test_memory_tool_runs_on_a_preset():
     out = subprocess.run([sys.executable, "tools/memory.py", *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lay = ParallelLayout(world_size=4, tp=2, pp=2, ep=2, etp=1)
-    c = param_counts(ModelSizes.from_model_config(get_preset("deepseek_v3_tiny")), lay, stage=1)
+    c = param_counts(get_preset("deepseek_v3_tiny"), lay, stage=1)
     # bf16 parameters of the last stage: layers 2 and 3 and the MTP module's layer 4 (3 MoE layers of 4 local
     # experts of 3*64*32)
     assert c.expert == 3 * 4 * 3 * 64 * 32
@@ -360,9 +343,9 @@ def test_memory_tool_runs_on_a_preset():
 def test_first_and_last_stage_layers_place_the_layers():
     """Qwen3-235B-A22B's published PP16 split (5, 14 x 6, 5): the memory model's stages hold those
     layers, and their expert parameters scale with them."""
-    sizes = ModelSizes.from_model_config(get_preset("qwen3_235b_a22b"))
+    cfg = get_preset("qwen3_235b_a22b")
     lay = ParallelLayout(world_size=256, tp=4, cp=2, pp=16, first_stage_layers=5, last_stage_layers=5, ep=8, etp=1)
-    assert [layers_on_stage(sizes, lay, k) for k in range(16)] == [5] + [6] * 14 + [5]
-    assert stage_layers(sizes, lay, 15) == list(range(89, 94))
-    first, middle = param_counts(sizes, lay, stage=0), param_counts(sizes, lay, stage=1)
+    assert [layers_on_stage(cfg, lay, k) for k in range(16)] == [5] + [6] * 14 + [5]
+    assert stage_layers(cfg, lay, 15) == list(range(89, 94))
+    first, middle = param_counts(cfg, lay, stage=0), param_counts(cfg, lay, stage=1)
     assert first.expert * 6 == middle.expert * 5

@@ -424,10 +424,12 @@ def test_deepseek_v3_mla_memory_and_uneven_pipeline():
     """MLA's replicated down-projections and latent norms and its TP-sharded up-projections are counted
     like the model holds them; 61 layers on PP16 plan as 15 stages of 4 and a last stage of 1."""
     from folding.model.transformer import MoETransformer
-    from folding.planning.memory import mla_param_counts, model_sizes, param_counts
+    from folding.planning.memory import param_counts
 
     cfg = get_preset("deepseek_v3_tiny")
-    rep, sharded = mla_param_counts(model_sizes(cfg), tp=2)
+    # the rank's attention parameters under TP2 (less the layer's input norm): replicated + its half of the heads'
+    rep = cfg.mla.replicated_params(hidden_size=cfg.hidden_size)
+    sharded = cfg.attention_params(tp=2) - cfg.hidden_size - rep
     model = MoETransformer(cfg, device="meta")
     attn = model.layers["0"].attention
     want_rep = sum(
@@ -446,7 +448,7 @@ def test_deepseek_v3_mla_memory_and_uneven_pipeline():
     assert plans and all(p.last_stage_layers == 1 and p.vpp == 1 for p in plans)
     p16 = plans[0]
     first, last = stage_parameters(big, p16, last=False), stage_parameters(big, p16, last=True)
-    middle = param_counts(model_sizes(big), p16, stage=1)
+    middle = param_counts(big, p16, stage=1)
     # stage 0: layers 0-3 (3 dense, 1 MoE); stages 1-14: 4 MoE layers each; stage 15: layer 60 (MoE) and the
     # multi-token-prediction module's layer (number 61, MoE)
     assert 2 * first["expert"] == last["expert"] and middle.expert == 4 * first["expert"] > 0
@@ -513,17 +515,15 @@ def test_deepseek_v3_plans_count_mtp():
     res = plan_layouts(cfg, cluster=cl, shape=shape)
     assert len(res) > 10 and [r.time.step_s for r in res] == sorted(r.time.step_s for r in res)
     best = res[0].plan
-    from folding.planning.memory import memory_per_rank, model_sizes
+    from folding.planning.memory import memory_per_rank
 
     kw = dict(param_bytes=2, distributed=best.distributed_optimizer, recompute=best.recompute, seq_length=4096)
     kw.update(num_microbatches=256 // best.dp)
     base = cfg.replace(mtp_num_layers=0)
-    last = {c: memory_per_rank(model_sizes(c), best, stage=best.pp - 1, **kw) for c in (cfg, base)}
+    last = {c: memory_per_rank(c, best, stage=best.pp - 1, **kw) for c in (cfg, base)}
     for part in ("params", "grads", "optimizer", "activations"):
         assert last[cfg].by_part()[part] > last[base].by_part()[part], part
-    assert memory_per_rank(model_sizes(cfg), best, stage=0, **kw) == memory_per_rank(
-        model_sizes(base), best, stage=0, **kw
-    )
+    assert memory_per_rank(cfg, best, stage=0, **kw) == memory_per_rank(base, best, stage=0, **kw)
 
 
 def test_uneven_splits_by_hand():

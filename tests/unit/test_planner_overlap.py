@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from folding.model.presets import get_preset
 from folding.planning.activations import activation_bytes_per_layer, in_flight_chunks
 from folding.planning.hardware import get_gpu
-from folding.planning.memory import ModelSizes, memory_per_rank
+from folding.planning.memory import memory_per_rank
 from folding.planning.moe_overlap import (
     MoEPieces,
     exposed_exchanges,
@@ -131,17 +131,16 @@ def test_hidden_exchanges_bounded_by_the_compute_they_hide_behind():
 
 @pytest.mark.parametrize("vpp", [1, 7])
 def test_memory_with_overlap_is_one_more_chunk(vpp):
-    sizes = ModelSizes.from_model_config(MIXTRAL)
     kw = dict(distributed=True, recompute="none", seq_length=4096, micro_batch_size=1, num_microbatches=32)
     plan = _plan(vpp=vpp)
-    layer = activation_bytes_per_layer(sizes, plan, seq_length=4096, micro_batch_size=1)
+    layer = activation_bytes_per_layer(MIXTRAL, plan, seq_length=4096, micro_batch_size=1)
     for stage in (0, 3):
-        off = memory_per_rank(sizes, plan, stage=stage, **kw)
-        on = memory_with_overlap(sizes, plan, stage=stage, **kw)
+        off = memory_per_rank(MIXTRAL, plan, stage=stage, **kw)
+        on = memory_with_overlap(MIXTRAL, plan, stage=stage, **kw)
         assert on.total - off.total == pytest.approx(layer * 7 / vpp, abs=1)  # 7 layers per rank, 1/vpp a chunk
     # The last rank's chunk also keeps the fused loss's input and log-sum-exp of that micro-batch.
     tokens = 4096
-    last = memory_with_overlap(sizes, plan, stage=7, **kw).total - memory_per_rank(sizes, plan, stage=7, **kw).total
+    last = memory_with_overlap(MIXTRAL, plan, stage=7, **kw).total - memory_per_rank(MIXTRAL, plan, stage=7, **kw).total
     assert last == pytest.approx(layer * 7 / vpp + 2 * tokens * MIXTRAL.hidden_size + 4 * tokens, abs=1)
     # The planner's memory call takes it too.
     r_off, r_on = (
@@ -152,12 +151,13 @@ def test_memory_with_overlap_is_one_more_chunk(vpp):
 
 
 def test_no_extra_memory_when_every_forward_is_already_in_flight():
-    sizes = ModelSizes.from_model_config(MIXTRAL)
     plan = _plan()  # PP8: 8 in flight on stage 0 already
-    assert overlap_activation_bytes(sizes, plan, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=8) == 0
+    assert (
+        overlap_activation_bytes(MIXTRAL, plan, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=8) == 0
+    )
     one = _plan(pp=1, tp=8, dp=16, edp=16)
-    assert overlap_activation_bytes(sizes, one, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=1) == 0
-    assert overlap_activation_bytes(sizes, one, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=2) > 0
+    assert overlap_activation_bytes(MIXTRAL, one, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=1) == 0
+    assert overlap_activation_bytes(MIXTRAL, one, stage=0, seq_length=4096, micro_batch_size=1, num_microbatches=2) > 0
 
 
 def _tool(*extra):
@@ -188,8 +188,7 @@ def test_dry_run_memory_with_the_option():
     assert not off.parallel.overlap_moe_comm and on.parallel.overlap_moe_comm and on.parallel.delay_wgrad
     layout = off.parallel.layout(128, off.model.moe.num_experts)
     m_off, m_on = memory_estimate(off, layout), memory_estimate(on, layout)
-    sizes = ModelSizes.from_model_config(off.model)
     extra = overlap_activation_bytes(
-        sizes, layout, stage=m_on.stage, seq_length=4096, micro_batch_size=1, num_microbatches=32
+        off.model, layout, stage=m_on.stage, seq_length=4096, micro_batch_size=1, num_microbatches=32
     )
     assert extra > 0 and m_on.total == m_off.total + extra

@@ -1,0 +1,260 @@
+"""Overlap benchmark: how much MoE communication ``parallel.overlap_moe_comm`` hides, on CPU ranks.
+
+gloo on a small CPU machine has no network worth hiding, so the engine's link model
+(:func:`folding.parallel.overlap.link_latency`) makes every EP token exchange complete no earlier than
+``--link-latency-ms`` after it was issued, by sleeping (no CPU used), as a slow network would. Four
+gloo ranks (``folding.testing.RankPool``) train a small Mixtral-shaped MoE model in the chosen layout
+for ``--steps`` optimizer steps, alternating overlap off and on step by step in one process group
+(the same model trains on; the first ``--warmup`` steps of each mode are not counted). Per step it
+records the wall time and the time every rank spent blocked in exchange waits (the *exposed*
+communication, :data:`folding.parallel.overlap.stats`), and reports the medians:
+
+- ``step_time_off_s`` / ``step_time_on_s``: the step's wall time (rank 0), and their ratio;
+- ``exposed_off_s`` / ``exposed_on_s``: time blocked in exchange waits (mean over the ranks);
+- ``hidden = 1 − exposed_on / exposed_off``: the share of the exposed communication that overlap hides.
+
+Layouts (4 ranks): ``ep4`` (EP4, DP4, no pipelining: 16 micro-batches per step), ``ep2etp2`` (EP2 ×
+ETP2), ``pp2ep2`` (PP2 with 1F1B, EP2). With ``--latencies`` it sweeps several latencies and writes a
+Markdown report (``--out``) with the curve, the machine's load and the exact command.
+
+Usage::
+
+    python -m benchmarks.bench_overlap --layout ep4 --link-latency-ms 10 --steps 8 --json out.json
+    python -m benchmarks.bench_overlap --latencies 0,2,5,10,20 --layouts ep4,ep2etp2,pp2ep2 \\
+        --out benchmarks/overlap_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = {
+    "ep4": dict(ep=4, etp=1),
+    "ep2etp2": dict(ep=2, etp=2),
+    "pp2ep2": dict(pp=2, ep=2, etp=1),
+}
+
+
+def _job(layout: str, a: dict):
+    """The benchmark's training job on 4 ranks (a Mixtral-shaped model, fp32, synthetic tokens)."""
+    from folding.data.config import DataConfig
+    from folding.model.presets import get_preset
+    from folding.optim.config import OptimConfig
+    from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
+
+    model = get_preset(
+        "mixtral_tiny",
+        hidden_size=a["hidden"],
+        num_layers=a["layers"],
+        moe=dict(ffn_hidden_size=a["ffn"], num_experts=a["experts"], topk=2, aux_loss_coeff=0.0),
+    )
+    par = ParallelConfig(**LAYOUTS[layout])
+    dp = 4 // (par.pp * par.tp * par.cp)
+    return JobConfig(
+        model=model,
+        parallel=par,
+        train=TrainConfig(
+            steps=a["steps"],
+            global_batch_size=a["microbatches"] * a["mbs"] * dp,
+            micro_batch_size=a["mbs"],
+            seq_length=a["seq"],
+            eval_interval=0,
+        ),
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"),
+        data=DataConfig(),
+        logging=LoggingConfig(console=False, wandb=WandbConfig(mode="disabled")),
+    )
+
+
+def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
+    """One rank: build the model once, then alternate overlap off / on per step; per-step records."""
+    from folding.model.chunks import build_stage_chunks
+    from folding.optim.optimizer import FoldedOptimizer
+    from folding.parallel import build_parallel_state, overlap
+    from folding.pipeline.stage import run_microbatches
+
+    torch.set_num_threads(a["threads"])
+    job = _job(layout, a)
+    ps = build_parallel_state(job.layout(dist.get_world_size()))
+    records = []
+    try:
+        chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, init_seed=1, overlap_moe_comm=False)
+        optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=a["steps"])
+        t = job.train
+        dp = ps.layout.dp
+        M = t.global_batch_size // (t.micro_batch_size * dp)
+        gen = torch.Generator().manual_seed(1000 + ps.dp_rank)
+        V = job.model.vocab_size
+        with overlap.link_latency(a["latency_ms"] / 1e3):
+            for step in range(2 * a["steps"]):
+                on = step % 2 == 1
+                for c in chunks:  # the shared-expert placement (none in this model) follows the mode
+                    for m in c.modules():
+                        if hasattr(m, "overlap_comm"):
+                            m.overlap_comm = on
+                mbs = []
+                for _ in range(M):
+                    tok = torch.randint(0, V, (t.micro_batch_size, t.seq_length + 1), generator=gen)
+                    mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones_like(tok[:, 1:]).float()))
+                dist.barrier()
+                overlap.stats.reset()
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                run_microbatches(
+                    chunks,
+                    mbs,
+                    parallel_state=ps,
+                    loss_scale=1.0 / (M * dp * t.micro_batch_size * t.seq_length),
+                    no_sync=optimizer.no_sync,
+                    overlap=on,
+                )
+                blocked = overlap.stats.blocked_s
+                optimizer.clip_and_step()
+                seconds = time.perf_counter() - t0
+                records.append(dict(step=step // 2, overlap=on, step_time_s=seconds, exposed_s=blocked))
+    finally:
+        ps.destroy()
+    return records
+
+
+def run_layout(layout: str, a: dict, pool=None) -> dict:
+    """Run one layout at one latency on 4 ranks; return the summary (medians after warm-up)."""
+    from folding.testing import RankPool
+
+    own = pool is None
+    pool = pool or RankPool(4)
+    try:
+        per_rank = pool.run(_rank_main, layout, a, timeout_s=3600)
+    finally:
+        if own:
+            pool.shutdown()
+    steps = []
+    for i, rec in enumerate(per_rank[0]):
+        exposed = statistics.fmean(r[i]["exposed_s"] for r in per_rank)
+        steps.append(dict(rec, exposed_s=exposed))
+    kept = [s for s in steps if s["step"] >= a["warmup"]]
+
+    def med(key, on):
+        return statistics.median(s[key] for s in kept if s["overlap"] == on)
+
+    out = dict(
+        layout=layout,
+        link_latency_ms=a["latency_ms"],
+        step_time_off_s=med("step_time_s", False),
+        step_time_on_s=med("step_time_s", True),
+        exposed_off_s=med("exposed_s", False),
+        exposed_on_s=med("exposed_s", True),
+        steps=steps,
+    )
+    out["step_time_ratio"] = out["step_time_on_s"] / out["step_time_off_s"]
+    out["hidden"] = 1 - out["exposed_on_s"] / out["exposed_off_s"] if out["exposed_off_s"] > 0 else None
+    return out
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="ep4", help="the 4-rank layout")
+    p.add_argument("--layouts", default=None, help="comma-separated layouts for a report (with --latencies)")
+    p.add_argument("--link-latency-ms", type=float, default=10.0, help="link model: each EP exchange's latency")
+    p.add_argument("--latencies", default=None, help="comma-separated latencies (ms) for a report")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per mode (alternating off/on)")
+    p.add_argument("--warmup", type=int, default=2, help="steps per mode not counted")
+    p.add_argument("--microbatches", type=int, default=16, help="micro-batches per step per data-parallel rank")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512, help="expert FFN width")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--out", default=None, help="Markdown report (with --latencies)")
+    return p.parse_args(argv)
+
+
+def _settings(ns, latency_ms: float) -> dict:
+    keys = ("steps", "warmup", "microbatches", "mbs", "seq", "hidden", "ffn", "experts", "layers", "threads")
+    return dict({k: getattr(ns, k) for k in keys}, latency_ms=latency_ms)
+
+
+def _report(results: List[dict], ns, command: str, load_before, load_after) -> str:
+    lines = [
+        "# Overlap of MoE communication on CPU ranks (link model)",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}; load average before {load_before}, after {load_after}.",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Model: Mixtral-shaped, hidden {ns.hidden}, {ns.experts} experts of FFN {ns.ffn}, top-2, {ns.layers} "
+        f"layers, sequence {ns.seq}, micro-batch {ns.mbs}, {ns.microbatches} micro-batches per step and data-parallel "
+        f"rank, fp32, {ns.threads} thread(s) per rank, 4 gloo ranks. Overlap off and on alternate step by step "
+        f"(medians of {ns.steps - ns.warmup} steps each after {ns.warmup} warm-up steps).",
+        "",
+        "| layout | link latency (ms) | step off (s) | step on (s) | on / off | exposed off (s) | exposed on (s) "
+        "| hidden |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        hidden = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
+        lines.append(
+            f"| {r['layout']} | {r['link_latency_ms']:g} | {r['step_time_off_s']:.3f} | {r['step_time_on_s']:.3f} "
+            f"| {r['step_time_ratio']:.2f} | {r['exposed_off_s']:.3f} | {r['exposed_on_s']:.3f} | {hidden} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    import sys
+
+    from folding.testing import RankPool
+
+    ns = _args(argv)
+    command = "python -m benchmarks.bench_overlap " + " ".join(sys.argv[1:] if argv is None else argv)
+    layouts = ns.layouts.split(",") if ns.layouts else [ns.layout]
+    latencies = [float(x) for x in ns.latencies.split(",")] if ns.latencies else [ns.link_latency_ms]
+    for name in layouts:
+        if name not in LAYOUTS:
+            raise SystemExit(f"error: --layouts: unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
+    load_before = tuple(round(x, 2) for x in os.getloadavg())
+    results = []
+    pool = RankPool(4)
+    try:
+        for name in layouts:
+            for lat in latencies:
+                r = run_layout(name, _settings(ns, lat), pool)
+                results.append(r)
+                hidden = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
+                print(
+                    f"{name} latency {lat:g} ms: step off {r['step_time_off_s']:.3f} s, on {r['step_time_on_s']:.3f} s "
+                    f"(x{r['step_time_ratio']:.2f}); exposed off {r['exposed_off_s']:.3f} s, on {r['exposed_on_s']:.3f} s; "
+                    f"hidden {hidden}",
+                    flush=True,
+                )
+    finally:
+        pool.shutdown()
+    load_after = tuple(round(x, 2) for x in os.getloadavg())
+    if ns.json:
+        top = results[0] if len(results) == 1 else {}
+        summary = {k: top[k] for k in ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s")} if top else {}
+        summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
+        with open(ns.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(_report(results, ns, command, load_before, load_after))
+
+
+if __name__ == "__main__":
+    main()
