@@ -6,6 +6,7 @@ Usage::
     python -m tools.plan --model qwen2_57b_a14b --world 64 --gpu h100 --seq-length 4096 \\
         --global-batch-size 256 --json          # only a JSON list on stdout, best first
     python -m tools.plan ... --top 20 --all-variants --unfolded
+    python -m tools.plan ... --overlap-moe-comm [--delay-wgrad]   # MoE exchanges hidden in the steady state
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
@@ -80,6 +81,19 @@ def parse_args(argv=None):
         "exposed, backward ones partly overlapped (--no-tp-comm-overlap, the default, is accepted)",
     )
     p.add_argument(
+        "--overlap-moe-comm",
+        action="store_true",
+        help="plan for parallel.overlap_moe_comm=true: in the steady state one micro-batch's forward and "
+        "another's backward run paired, each MoE exchange hidden behind the other's compute (bounded by it), "
+        "one more micro-batch of one model chunk in flight per pipeline rank",
+    )
+    p.add_argument(
+        "--delay-wgrad",
+        action="store_true",
+        help="with --overlap-moe-comm: the experts' weight-gradient GEMMs run behind the backward dispatch "
+        "(parallel.delay_wgrad=true)",
+    )
+    p.add_argument(
         "--compute-efficiency",
         type=float,
         default=COMPUTE_EFFICIENCY,
@@ -104,6 +118,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _overlap_note(args) -> str:
+    if not args.overlap_moe_comm:
+        return ""
+    return ", MoE exchanges overlapped" + (", expert wgrad delayed" if args.delay_wgrad else "")
+
+
 def _line(i: int, r) -> str:
     p = r.plan
     vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
@@ -121,6 +141,9 @@ def _line(i: int, r) -> str:
 def main(argv=None) -> int:
     """Run the planner; 0 on success, 2 on bad input, 1 when no layout fits."""
     args = parse_args(argv)
+    if args.delay_wgrad and not args.overlap_moe_comm:
+        print("error: --delay-wgrad needs --overlap-moe-comm (it moves what that hides)", file=sys.stderr)
+        return 2
     try:
         cfg = get_preset(args.model)
         if args.moe:
@@ -142,6 +165,8 @@ def main(argv=None) -> int:
             compute_efficiency=args.compute_efficiency,
             folded=not args.unfolded,
             distinct=not args.all_variants,
+            overlap_moe_comm=args.overlap_moe_comm,
+            delay_wgrad=args.delay_wgrad,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -153,7 +178,7 @@ def main(argv=None) -> int:
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
         f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
-        f"compute efficiency {args.compute_efficiency})"
+        f"compute efficiency {args.compute_efficiency}{_overlap_note(args)})"
     )
     print(head)
     if not results:

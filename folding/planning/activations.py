@@ -269,12 +269,16 @@ def mtp_activation_bytes(
     return total
 
 
-def in_flight_chunks(*, pp: int, vpp: int, stage: int, num_microbatches: Optional[int] = None) -> int:
+def in_flight_chunks(
+    *, pp: int, vpp: int, stage: int, num_microbatches: Optional[int] = None, overlap_moe_comm: bool = False
+) -> int:
     """Model-chunk forwards whose activations pipeline rank ``stage`` holds at its peak.
 
     1F1B (``vpp == 1``): ``pp - stage`` micro-batches (warm-up forwards plus the one of the steady
     state). Interleaved 1F1B: ``2(pp - stage - 1) + (vpp - 1)pp + 1`` chunk forwards, each of
-    ``1/vpp`` of the rank's layers (Megatron-Core's warm-up count). Both are capped by the
+    ``1/vpp`` of the rank's layers (Megatron-Core's warm-up count). ``overlap_moe_comm``
+    (:mod:`folding.planning.moe_overlap`): one more, the extra warm-up forward that lets the steady state
+    pair each forward with a backward (2 micro-batches without pipelining). All are capped by the
     ``num_microbatches * vpp`` forwards a step has (``None``: no cap).
     """
     if not 0 <= stage < pp:
@@ -283,6 +287,7 @@ def in_flight_chunks(*, pp: int, vpp: int, stage: int, num_microbatches: Optiona
         n = pp - stage
     else:
         n = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1
+    n += 1 if overlap_moe_comm else 0
     if num_microbatches is not None:
         n = min(n, num_microbatches * max(vpp, 1))
     return n

@@ -32,6 +32,7 @@ from folding.parallel import LayoutError, ParallelLayout
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB
 from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
+from .moe_overlap import memory_with_overlap
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
@@ -60,7 +61,8 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
     Only the stages that can hold the most are evaluated (:func:`folding.planning.memory.peak_candidate_stages`):
     the first, the last (output layer, multi-token-prediction modules), and a middle stage only where its mix
     of dense and MoE layers differs from the first's; any other middle stage holds what an earlier one holds,
-    with fewer micro-batches in flight.
+    with fewer micro-batches in flight. With ``plan.overlap_moe_comm`` each stage keeps one more micro-batch
+    of one model chunk in flight (:func:`folding.planning.moe_overlap.memory_with_overlap`).
     """
     m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
     kw = dict(
@@ -72,7 +74,8 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
     )
-    ests = [memory_per_rank(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]
+    per_stage = memory_with_overlap if plan.overlap_moe_comm else memory_per_rank
+    ests = [per_stage(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]
     return max(ests, key=lambda e: e.total)
 
 
@@ -112,11 +115,20 @@ def _uneven_splits(num_layers: int, pp: int) -> List[Tuple[Optional[int], Option
     return out
 
 
-def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape, folded: bool = True) -> Iterator[Plan]:
+def enumerate_plans(
+    cfg: ModelConfig,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    folded: bool = True,
+    overlap_moe_comm: bool = False,
+    delay_wgrad: bool = False,
+) -> Iterator[Plan]:
     """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
 
     ``folded=False`` yields Megatron-Core's layouts without folding instead: ETP = TP and EP carved out of
-    DP (DP divisible by EP), the dispatch group spanning TP·CP·EP ranks.
+    DP (DP divisible by EP), the dispatch group spanning TP·CP·EP ranks. ``overlap_moe_comm`` and
+    ``delay_wgrad`` are set on every plan (``parallel.*`` of the same names).
     """
     N, dom = cluster.num_gpus, cluster.nvlink_domain
     S, B, b, L = shape.seq_length, shape.global_batch_size, shape.micro_batch_size, cfg.num_layers
@@ -167,6 +179,8 @@ def enumerate_plans(cfg: ModelConfig, *, cluster: Cluster, shape: TrainingShape,
                                         distributed_optimizer=dist,
                                         recompute=rc,
                                         folded=folded,
+                                        overlap_moe_comm=overlap_moe_comm,
+                                        delay_wgrad=delay_wgrad,
                                     )
 
 
@@ -226,16 +240,23 @@ def plan_layouts(
     compute_efficiency: float = COMPUTE_EFFICIENCY,
     folded: bool = True,
     distinct: bool = True,
+    overlap_moe_comm: bool = False,
+    delay_wgrad: bool = False,
 ) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
 
     With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
     parallel mapping (TP, CP, PP, EP, ETP) is kept, so the list reads as a choice between mappings.
+    ``overlap_moe_comm`` / ``delay_wgrad``: plan for ``parallel.overlap_moe_comm`` / ``parallel.delay_wgrad``
+    (:mod:`folding.planning.moe_overlap`).
     """
     _check_inputs(cfg, cluster, shape)
     best: Dict[tuple, PlanResult] = {}
     results: List[PlanResult] = []
-    for plan in enumerate_plans(cfg, cluster=cluster, shape=shape, folded=folded):
+    plans = enumerate_plans(
+        cfg, cluster=cluster, shape=shape, folded=folded, overlap_moe_comm=overlap_moe_comm, delay_wgrad=delay_wgrad
+    )
+    for plan in plans:
         mem = plan_memory(cfg, plan, shape=shape)
         if not cluster.gpu.fits(mem.total):
             continue

@@ -26,7 +26,10 @@ transformer layer, on one GPU:
   ``(EP-1)/EP`` of the rank's ``tokens·k`` routed copies; with ETP>1 an all-gather / reduce-scatter over
   ETP of ``(ETP-1)`` times those copies. The all-to-all crosses nodes when the dispatch group
   (ETP·EP consecutive ranks folded; TP·CP·EP without folding) outgrows the NVLink domain: the share of
-  peers on other nodes goes over the NIC, the rest over NVLink, at the same time.
+  peers on other nodes goes over the NIC, the rest over NVLink, at the same time. With
+  ``Plan.overlap_moe_comm`` each exchange of the paired steady state hides behind the other micro-batch's
+  matching compute, bounded by it (:mod:`folding.planning.moe_overlap`); the unpaired warm-up / cool-down
+  share and the bubble keep them exposed.
 - **PP**: activation send/recv per micro-batch and virtual stage, waited for under 1F1B, overlapped with a
   chunk's compute under interleaving (Megatron-Core's ``overlap_p2p_comm``); **bubble** ``(PP-1)/VPP``
   stage times.
@@ -58,6 +61,7 @@ from . import flops as F
 from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
 from .memory import param_counts
+from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
 
 BF16, FP32 = 2, 4
 
@@ -129,6 +133,13 @@ class Plan:
     folded: bool = True
     """``False`` models Megatron-Core without folding: ETP = TP and EP carved out of DP, so the dispatch
     group spans TP·CP·EP consecutive ranks instead of ETP·EP."""
+    overlap_moe_comm: bool = False
+    """``parallel.overlap_moe_comm``: the steady state pairs one micro-batch's forward with another's
+    backward, each MoE exchange hidden behind the other's matching compute, at the cost of one more
+    micro-batch of one chunk in flight (:mod:`folding.planning.moe_overlap`)."""
+    delay_wgrad: bool = False
+    """``parallel.delay_wgrad`` (with ``overlap_moe_comm``): the experts' weight-gradient GEMMs run behind
+    the backward dispatch instead of behind the forward one."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,14 +189,15 @@ def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap:
 
 
 def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gpu, eff: float, train, attn_fwd: int):
-    """Multi-head latent attention GEMMs of one layer and micro-batch: ``(col, row, seconds, tp_width)``.
+    """Multi-head latent attention GEMMs of one layer and micro-batch: ``(col, row, seconds, tp_width,
+    forward_seconds)``.
 
     The down-projections run replicated on the rank's sequence shard (``seq_tok / TP`` tokens); the
     query up-projection and the output projection on the CP chunk (``seq_tok``); the KV up-projection on
     the whole sequence (``full_tok``: each CP rank expands the gathered compressed KV). ``col`` / ``row``
     stand for the TP block's column- and row-parallel GEMMs in :func:`_tp_block`; ``tp_width`` is the
     average width of its two sequence-parallel collectives (the latents gathered, the hidden state
-    reduce-scattered)."""
+    reduce-scattered); ``forward_seconds``: the four GEMMs' forward once."""
     m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
     heads = N / plan.tp
     q_in = m.q_lora_rank or H
@@ -195,7 +207,8 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gp
     proj = gemm_train_times(seq_tok, H, heads * m.v_head_dim, gpu, eff)
     seconds = train(down, attn_fwd) + train(q_up, attn_fwd) + train(kv_up, attn_fwd) + train(proj, attn_fwd)
     latents = (m.q_lora_rank or H) + m.kv_lora_rank + m.qk_rope_head_dim
-    return q_up, proj, seconds, (latents + H) / 2
+    fwd = down[0] + q_up[0] + kv_up[0] + proj[0]
+    return q_up, proj, seconds, (latents + H) / 2, fwd
 
 
 def _layer_times(
@@ -222,18 +235,19 @@ def _layer_times(
         proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
         attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
         tp_width = H  # the sequence-parallel all-gather moves the hidden state
+        attn_fwd_s = qkv[0] + proj[0]
     else:
-        qkv, proj, attn_t, tp_width = _mla_times(cfg, plan, seq_tok, S * b, gpu, eff, train, attn_fwd)
+        qkv, proj, attn_t, tp_width, attn_fwd_s = _mla_times(cfg, plan, seq_tok, S * b, gpu, eff, train, attn_fwd)
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.moe.num_experts // plan.ep
         rows = plan.etp * tok * cfg.moe.topk / local  # routed copies per local expert (balanced)
         f = cfg.moe.ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
-        mlp_t = train(gemm_train_times(rows, 2 * f, H, gpu, eff, local), mlp_fwd) + train(
-            gemm_train_times(rows, H, f, gpu, eff, local), mlp_fwd
-        )
-        mlp_t += (2 + mlp_fwd) * F.router_flops(cfg) * tok / flops_rate
+        fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+        mlp_t = train(fc1, mlp_fwd) + train(fc2, mlp_fwd)
+        router_t = F.router_flops(cfg) * tok / flops_rate
+        mlp_t += (2 + mlp_fwd) * router_t
         if cfg.moe.shared_expert_ffn_hidden_size:
             fs = cfg.moe.shared_expert_ffn_hidden_size / plan.tp
             tp_block = (gemm_train_times(seq_tok, 2 * fs, H, gpu, eff), gemm_train_times(seq_tok, H, fs, gpu, eff))
@@ -303,6 +317,23 @@ def _layer_times(
         a2a = _a2a_time(copies * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
         etp = _ring_time(copies * (plan.etp - 1), plan.etp, cluster) if plan.etp > 1 else 0.0
         ep_t = 2 * (mlp_fwd + 1) * (a2a + etp)
+        if plan.overlap_moe_comm:
+            shared_fwd = shared_bwd = 0.0
+            if tp_block is not None:  # the shared expert
+                shared_fwd = tp_block[0][0] + tp_block[1][0]
+                shared_bwd = train(tp_block[0], mlp_fwd) + train(tp_block[1], mlp_fwd) - shared_fwd
+            pieces = MoEPieces(
+                attention_fwd=attn_fwd_s + core_t + router_t,
+                attention_bwd=attn_t - attn_fwd_s + (1 + attn_fwd) * core_t + (1 + mlp_fwd) * router_t,
+                experts_fwd=fc1[0] + fc2[0],
+                experts_dgrad=(mlp_fwd - 1) * (fc1[0] + fc2[0]) + fc1[1] + fc2[1],
+                experts_wgrad=fc1[2] + fc2[2],
+                shared_fwd=shared_fwd,
+                shared_bwd=shared_bwd,
+            )
+            ep_t, out["ep_paired"] = exposed_exchanges(
+                a2a + etp, pieces, forwards=mlp_fwd, contention=gpu.overlap_contention, delay_wgrad=plan.delay_wgrad
+            )
     out["ep"] = ep_t
     return out
 
@@ -406,6 +437,19 @@ def _stage_layer_counts(num_layers: int, plan: Plan):
     return sizes[0], sizes[1] if plan.pp > 2 else sizes[0], sizes[-1]
 
 
+def _pair_moe_exchanges(cfg: ModelConfig, plan: Plan, m: int, kinds, pair_save: float, counts) -> None:
+    """Take off each kind of stage's per-micro-batch ``ep`` (in place) what ``overlap_moe_comm`` hides in
+    its paired steady state: ``pair_save`` per MoE layer (decoder and multi-token-prediction ones), times the
+    share of its chunk forwards that run paired (:func:`folding.planning.moe_overlap.paired_share`)."""
+    n_moe_mtp = sum(1 for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers) if cfg.is_moe_layer(i))
+    share = num_moe_layers(cfg) / cfg.num_layers  # the mean decoder layer's MoE share, as in the stage times
+    first, between, last = counts
+    moe_layers = {0: first * share, plan.pp - 1: last * share + n_moe_mtp}  # PP1: the one stage is the last
+    for stage, _, d in kinds:
+        p = paired_share(pp=plan.pp, vpp=plan.vpp, stage=stage, num_microbatches=m)
+        d["ep"] -= p * moe_layers.get(stage, between * share) * pair_save
+
+
 def estimate_step_time(
     cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster, compute_efficiency: float
 ) -> StepTime:
@@ -419,6 +463,8 @@ def estimate_step_time(
 
     moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True)
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
+    # with overlap_moe_comm: what pairing saves per MoE layer and micro-batch (moe_l["ep"] is then unpaired)
+    pair_save = moe_l["ep"] - moe_l.pop("ep_paired", moe_l["ep"])
     causes = ("compute", "memory_bound", "tp", "cp", "ep")
     layer = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L for c in causes}  # the mean decoder layer
     # layers of the first stage, of each stage between, of the last (the same three on every rank when even)
@@ -451,7 +497,9 @@ def estimate_step_time(
     if plan.pp > 1:
         kinds.append((0, 1, per_mb_first))
     t_mean = sum(n * sum(d.values()) for _, n, d in kinds) / plan.pp
-    bubble = (plan.pp - 1) / plan.vpp * t_mean
+    bubble = (plan.pp - 1) / plan.vpp * t_mean  # fill and drain run unpaired
+    if pair_save:
+        _pair_moe_exchanges(cfg, plan, m, kinds, pair_save, (n_first, n_mid, n_last))
     # the pipeline runs at the pace of its slowest stage: the last one, unless an uneven split leaves it
     # lighter than the others
     stage, _, slowest = max(kinds, key=lambda k: sum(k[2].values()))

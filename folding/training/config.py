@@ -94,9 +94,10 @@ class ParallelConfig:
     ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
     overlap_moe_comm: bool = False
     """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
-    of one micro-batch and the backward of another run merged, taking turns at each exchange, and the
-    shared expert runs during its own dispatch. Same numbers bitwise; one more micro-batch's
-    activations of one model chunk in flight per rank (docs/training.md, "Hiding MoE communication")."""
+    of one micro-batch and the backward of another run merged, taking turns at each exchange (the EP
+    all-to-all and, with ETP, its all-gather / reduce-scatter overlap alike), and the shared expert runs
+    during its own dispatch. Same numbers bitwise; one more micro-batch's activations of one model chunk
+    in flight per rank (docs/training.md, "Hiding MoE communication")."""
     delay_wgrad: bool = False
     """With ``overlap_moe_comm``: compute the experts' weight gradients while the backward dispatch
     all-to-all is in flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``); same

@@ -5,7 +5,8 @@ model's total and active parameters, the parameters one rank of each pipeline st
 sharded over TP, expert ones over EP×ETP; the multi-token-prediction modules on the last stage), and the
 per-rank memory estimate of the one memory model,
 :func:`folding.planning.memory.memory_per_rank` (params, grads, optimizer state, activations,
-transients; the same call the layout planner makes).
+transients; the same call the layout planner makes), with ``parallel.overlap_moe_comm`` the one more
+micro-batch of one model chunk in flight that it costs (:func:`folding.planning.moe_overlap.memory_with_overlap`).
 
 Usage::
 
@@ -20,6 +21,7 @@ from typing import Dict, List
 from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
 from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
+from ..planning.moe_overlap import memory_with_overlap
 from .config import JobConfig
 from .validate import validate_job
 
@@ -38,11 +40,13 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
 def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     """Bytes per rank on the worst pipeline stage, from :func:`folding.planning.memory.memory_per_rank`
     with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch count (the
-    experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row)."""
+    experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row); with
+    ``parallel.overlap_moe_comm`` one more micro-batch of one model chunk in flight per pipeline rank."""
     t = job.train
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)
     width = 2 if t.precision == "bf16" else 4
-    return memory_per_rank(
+    estimate = memory_with_overlap if job.parallel.overlap_moe_comm else memory_per_rank
+    return estimate(
         job.model,
         layout,
         param_bytes=width,
@@ -86,6 +90,8 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.by_part().items())
     lines.append(
         f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
-        f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute})"
+        f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute}"
+        + (", MoE exchanges overlapped: one more micro-batch in flight" if job.parallel.overlap_moe_comm else "")
+        + ")"
     )
     return "\n".join(lines)

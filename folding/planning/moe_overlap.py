@@ -1,0 +1,170 @@
+"""The MoE exchanges hidden by ``parallel.overlap_moe_comm``, and the activations it keeps in flight.
+
+The schedule it models (the engine's, as Megatron-Core's combined 1F1B): in the steady state of every
+pipeline schedule the forward of one micro-batch (A) and the backward of another (B) run merged as a
+pair, alternating at every MoE exchange, so each exchange of one is in flight while the other computes
+its matching piece. Per MoE layer, one exchange = the EP all-to-all plus, with ETP > 1, its ETP
+all-gather / reduce-scatter (``exchange_s``):
+
+===============================================  =====================================================
+exchange in flight                               compute it hides behind
+===============================================  =====================================================
+A's forward dispatch                             B's experts backward (dgrad, + wgrad unless delayed) and
+                                                 shared-expert backward, and A's own shared-expert forward
+A's forward combine                              B's attention backward
+B's backward combine (+ recomputed combine)      A's attention + router forward
+B's backward dispatch (+ recomputed dispatch)    A's experts forward (+ B's expert wgrad with
+                                                 ``delay_wgrad``: Megatron-Core's ``--delay-wgrad-compute``)
+===============================================  =====================================================
+
+Each exchange hides at most the compute it runs beside: what outlasts it stays exposed, and the hidden
+part still costs the GPU's ``overlap_contention`` of its time (:func:`~folding.planning.costs.hidden_behind`),
+as every other overlapped communication of the model. To pair them each pipeline rank runs one more
+forward in warm-up (:func:`~folding.planning.activations.in_flight_chunks` with ``overlap_moe_comm``): the
+first forwards of the warm-up and the last backwards of the cool-down (that count on each rank) are not
+paired and expose their exchanges, except the forward dispatch, behind which the micro-batch's own
+shared expert runs. The extra warm-up forward keeps one more micro-batch of one model chunk's
+activations alive (:func:`overlap_activation_bytes`).
+
+Usage::
+
+    unpaired, paired = exposed_exchanges(0.004, pieces, forwards=1, contention=0.3, delay_wgrad=False)
+    p = paired_share(pp=8, vpp=1, stage=7, num_microbatches=32)   # 31/32 of the micro-batches paired
+    extra = overlap_activation_bytes(cfg, layout, stage=0, seq_length=4096, micro_batch_size=1,
+                                     num_microbatches=32)   # cfg: a ModelConfig
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from folding.model.config import ModelConfig
+
+from .activations import activation_bytes_per_layer, in_flight_chunks, mtp_activation_bytes
+from .costs import hidden_behind
+from .memory import MemoryEstimate, memory_per_rank, stage_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEPieces:
+    """Seconds of the compute pieces of one MoE layer and micro-batch between its exchanges, on one GPU."""
+
+    attention_fwd: float
+    """Attention (projections and core) and router forward: what runs before the dispatch."""
+    attention_bwd: float
+    """Attention and router backward (with the attention's recomputed forward under recompute)."""
+    experts_fwd: float
+    """The routed experts' grouped GEMMs, forward."""
+    experts_dgrad: float
+    """The routed experts' data-gradient GEMMs (with their recomputed forward under recompute)."""
+    experts_wgrad: float
+    """The routed experts' weight-gradient GEMMs."""
+    shared_fwd: float = 0.0
+    """The shared expert's forward (0 without one): it runs during its own micro-batch's dispatch."""
+    shared_bwd: float = 0.0
+    """The shared expert's backward (with its recomputed forward under recompute)."""
+
+
+def exposed_exchanges(
+    exchange_s: float, pieces: MoEPieces, *, forwards: int, contention: float, delay_wgrad: bool = False
+) -> Tuple[float, float]:
+    """``(unpaired, paired)`` seconds that the exchanges of one MoE layer and micro-batch add to its compute
+    with ``overlap_moe_comm``: unpaired in warm-up / cool-down, paired in the steady state (the table in the
+    module docstring).
+
+    ``exchange_s``: one exchange (dispatch or combine, either direction); ``forwards``: forwards of the MoE
+    sublayer per training pass (2 when recompute re-runs it, which repeats its dispatch and combine inside
+    the backward). Without overlap all ``2·(forwards + 1)`` exchanges are exposed; both values are at most
+    that.
+    """
+    total = 2 * (forwards + 1) * exchange_s
+    unpaired = total - exchange_s + hidden_behind(exchange_s, pieces.shared_fwd, contention)
+    kept_wgrad = 0.0 if delay_wgrad else pieces.experts_wgrad
+    slots = (
+        (exchange_s, pieces.experts_dgrad + kept_wgrad + pieces.shared_bwd + pieces.shared_fwd),
+        (exchange_s, pieces.attention_bwd),
+        (forwards * exchange_s, pieces.attention_fwd),
+        (forwards * exchange_s, pieces.experts_fwd + pieces.experts_wgrad - kept_wgrad),
+    )
+    paired = sum(hidden_behind(comm, compute, contention) for comm, compute in slots)
+    return unpaired, paired
+
+
+def paired_share(*, pp: int, vpp: int, stage: int, num_microbatches: int) -> float:
+    """Fraction of pipeline rank ``stage``'s chunk forwards (and backwards) run paired in the steady state.
+
+    Unpaired are the warm-up forwards, one more than without overlap, so as many as the rank keeps in flight
+    without it (:func:`~folding.planning.activations.in_flight_chunks`), and as many backwards of the
+    cool-down: without pipelining the first forward and the last backward of the step, so ``(m - 1)/m``.
+    """
+    total = num_microbatches * max(vpp, 1)
+    unpaired = in_flight_chunks(pp=pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+    return (total - unpaired) / total
+
+
+def overlap_activation_bytes(
+    cfg: ModelConfig,
+    layout,
+    *,
+    stage: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: Optional[int] = None,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    fused_swiglu: bool = True,
+) -> int:
+    """Activation bytes that ``overlap_moe_comm`` adds on pipeline rank ``stage``: one more micro-batch of
+    one model chunk (``1/VPP`` of the rank's layers), or nothing when the step has no more forwards to
+    start early. On the last rank that chunk is the last virtual stage (the extra warm-up forward is its
+    first), so it also keeps the fused loss's input and log-sum-exp and the multi-token-prediction modules'
+    activations of that micro-batch. ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other
+    arguments as :func:`~folding.planning.memory.memory_per_rank`'s."""
+    vpp = layout.vpp or 1
+    kw = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+    extra = in_flight_chunks(**kw, overlap_moe_comm=True) - in_flight_chunks(**kw)
+    if not extra:
+        return 0
+    akw = dict(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        recompute=recompute,
+        act_bytes=act_bytes,
+        fused_swiglu=fused_swiglu,
+    )
+    layers = stage_layers(cfg, layout, stage)
+    dense = sum(1 for i in layers if not cfg.is_moe_layer(i))
+    per_mb = activation_bytes_per_layer(cfg, layout, moe_layer=True, **akw) * (len(layers) - dense)
+    if dense:
+        per_mb += activation_bytes_per_layer(cfg, layout, moe_layer=False, **akw) * dense
+    out = per_mb / vpp
+    if stage == layout.pp - 1:
+        tokens = seq_length * micro_batch_size // layout.cp
+        out += act_bytes * tokens * cfg.hidden_size + 4 * tokens
+        out += mtp_activation_bytes(cfg, layout, **akw)
+    return int(extra * out)
+
+
+def memory_with_overlap(cfg: ModelConfig, layout, *, stage: Optional[int] = None, **kw) -> MemoryEstimate:
+    """:func:`~folding.planning.memory.memory_per_rank` with ``overlap_moe_comm``: its activations plus
+    :func:`overlap_activation_bytes` on that stage (``stage=None``: the stage with the largest total).
+    ``kw``: :func:`~folding.planning.memory.memory_per_rank`'s keywords."""
+    if stage is None:
+        ests = [memory_with_overlap(cfg, layout, stage=k, **kw) for k in range(layout.pp)]
+        return max(ests, key=lambda e: e.total)
+    est = memory_per_rank(cfg, layout, stage=stage, **kw)
+    if not kw.get("seq_length"):
+        return est
+    extra = overlap_activation_bytes(
+        cfg,
+        layout,
+        stage=stage,
+        seq_length=kw["seq_length"],
+        micro_batch_size=kw.get("micro_batch_size", 1),
+        num_microbatches=kw.get("num_microbatches"),
+        recompute=kw.get("recompute", "none"),
+        act_bytes=kw.get("act_bytes", 2),
+        fused_swiglu=kw.get("fused_swiglu", True),
+    )
+    return dataclasses.replace(est, activations=est.activations + extra)
