@@ -8,14 +8,18 @@ backwards. Interleaved 1F1B walks the virtual micro-batches ``k = 0 .. M·vpp �
 ``2·(pp − rank − 1) + (vpp − 1)·pp`` (all forwards first when ``M == pp``). It needs ``M``
 divisible by ``pp``.
 
-With ``overlap`` (``parallel.overlap_moe_comm``) every schedule runs one more forward in warm-up and
+With ``overlap`` (``parallel.overlap_moe_comm``) every schedule runs more forwards in warm-up and
 then, in the steady state, each forward merged with the backward that follows it into one *pair*
 ``("FB", f_chunk, f_microbatch, b_chunk, b_microbatch)``: the two run as the lanes of
 :func:`folding.parallel.overlap.run_pair`, each MoE exchange of one hidden behind the compute of the
-other. The extra warm-up forward is what lets the pair start with both inputs present (the backward's
-gradient arrived in the exchange after the previous step); it keeps one more micro-batch's
-activations of one chunk in flight. Forwards and backwards keep their order among themselves, so
-gradients accumulate in the same order as without overlap.
+other. A pair starts once both of its inputs are present and hands its outputs on only at its end, so
+a stage's pair must not need the output of the next stage's pair of the same round, or the stages
+would take turns instead of working side by side: the warm-ups of neighbouring stages must differ by
+2. Interleaved 1F1B's already do, and it runs one extra warm-up forward (one more chunk of activations
+in flight); 1F1B without virtual stages runs ``2·(pp − rank − 1) + 1`` warm-up forwards (twice 1F1B's
+``pp − rank`` micro-batches in flight); with no pipelining, one (two micro-batches in flight instead of
+one). Forwards and backwards keep their order among themselves, so gradients accumulate in the same
+order as without overlap.
 
 Usage::
 
@@ -59,7 +63,10 @@ def schedule_order(
         bwd = [(vpp - 1 - (k % group) // pp, mb(k)) for k in range(total)]
         warmup = total if M == pp else min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
     if overlap:
-        warmup = min(warmup + 1, len(fwd))
+        # a pair finishes its backward only at its end, so a stage's pair must not wait for the next
+        # stage's pair of the same round: without virtual stages the stages' warm-ups then differ by 2
+        # (as interleaving's already do), else by the one extra forward that starts the pairs
+        warmup = min((2 * (pp - r - 1) if vpp == 1 else warmup) + 1, len(fwd))
     order = [("F",) + fwd[k] for k in range(warmup)]
     for k in range(len(fwd) - warmup):
         if overlap:

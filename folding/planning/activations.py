@@ -277,17 +277,18 @@ def in_flight_chunks(
     1F1B (``vpp == 1``): ``pp - stage`` micro-batches (warm-up forwards plus the one of the steady
     state). Interleaved 1F1B: ``2(pp - stage - 1) + (vpp - 1)pp + 1`` chunk forwards, each of
     ``1/vpp`` of the rank's layers (Megatron-Core's warm-up count). ``overlap_moe_comm``
-    (:mod:`folding.planning.moe_overlap`): one more, the extra warm-up forward that lets the steady state
-    pair each forward with a backward (2 micro-batches without pipelining). All are capped by the
-    ``num_microbatches * vpp`` forwards a step has (``None``: no cap).
+    (:mod:`folding.planning.moe_overlap`, :func:`folding.pipeline.order.schedule_order`): the warm-up
+    that lets the steady state pair each forward with a backward while the stages still work side by
+    side: interleaved, one more chunk forward; 1F1B, ``2(pp - stage)`` micro-batches (its warm-ups differ
+    by 2 between neighbouring stages); no pipelining, 2. All are capped by the ``num_microbatches * vpp``
+    forwards a step has (``None``: no cap).
     """
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={pp}")
     if vpp <= 1:
-        n = pp - stage
+        n = 2 * (pp - stage) if overlap_moe_comm else pp - stage
     else:
-        n = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1
-    n += 1 if overlap_moe_comm else 0
+        n = 2 * (pp - stage - 1) + (vpp - 1) * pp + 1 + (1 if overlap_moe_comm else 0)
     if num_microbatches is not None:
         n = min(n, num_microbatches * max(vpp, 1))
     return n

@@ -19,11 +19,11 @@ B's backward dispatch (+ recomputed dispatch)    A's experts forward (+ B's expe
 
 Each exchange hides at most the compute it runs beside: what outlasts it stays exposed, and the hidden
 part still costs the GPU's ``overlap_contention`` of its time (:func:`~folding.planning.costs.hidden_behind`),
-as every other overlapped communication of the model. To pair them each pipeline rank runs one more
-forward in warm-up (:func:`~folding.planning.activations.in_flight_chunks` with ``overlap_moe_comm``): the
-first forwards of the warm-up and the last backwards of the cool-down (that count on each rank) are not
-paired and expose their exchanges, except the forward dispatch, behind which the micro-batch's own
-shared expert runs. The extra warm-up forward keeps one more micro-batch of one model chunk's
+as every other overlapped communication of the model. To pair them each pipeline rank runs a longer
+warm-up (:func:`~folding.planning.activations.in_flight_chunks` with ``overlap_moe_comm``: one more chunk
+forward when interleaved, ``2(pp - stage - 1) + 1`` micro-batches under 1F1B, 1 without pipelining): those
+warm-up forwards and as many backwards of the cool-down are not paired and expose their exchanges, except
+the forward dispatch, behind which the micro-batch's own shared expert runs. The longer warm-up keeps more
 activations alive (:func:`overlap_activation_bytes`).
 
 Usage::
@@ -94,12 +94,13 @@ def exposed_exchanges(
 def paired_share(*, pp: int, vpp: int, stage: int, num_microbatches: int) -> float:
     """Fraction of pipeline rank ``stage``'s chunk forwards (and backwards) run paired in the steady state.
 
-    Unpaired are the warm-up forwards, one more than without overlap, so as many as the rank keeps in flight
-    without it (:func:`~folding.planning.activations.in_flight_chunks`), and as many backwards of the
-    cool-down: without pipelining the first forward and the last backward of the step, so ``(m - 1)/m``.
+    Unpaired are the warm-up forwards of the overlap schedule, one fewer than the rank keeps in flight with
+    it (:func:`~folding.planning.activations.in_flight_chunks`), and as many backwards of the cool-down:
+    without pipelining the first forward and the last backward of the step, so ``(m - 1)/m``.
     """
     total = num_microbatches * max(vpp, 1)
-    unpaired = in_flight_chunks(pp=pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+    warmup = in_flight_chunks(pp=pp, vpp=vpp, stage=stage, overlap_moe_comm=True) - 1  # uncapped
+    unpaired = min(warmup, total)
     return (total - unpaired) / total
 
 
@@ -115,10 +116,10 @@ def overlap_activation_bytes(
     act_bytes: int = 2,
     fused_swiglu: bool = True,
 ) -> int:
-    """Activation bytes that ``overlap_moe_comm`` adds on pipeline rank ``stage``: one more micro-batch of
-    one model chunk (``1/VPP`` of the rank's layers), or nothing when the step has no more forwards to
-    start early. On the last rank that chunk is the last virtual stage (the extra warm-up forward is its
-    first), so it also keeps the fused loss's input and log-sum-exp and the multi-token-prediction modules'
+    """Activation bytes that ``overlap_moe_comm`` adds on pipeline rank ``stage``: the extra chunk forwards
+    its longer warm-up keeps (one chunk, ``1/VPP`` of the rank's layers, when interleaved or without
+    pipelining; ``pp - stage`` micro-batches under 1F1B), capped by the step's forwards. On the last rank
+    the one extra is of the last virtual stage, so it also keeps the fused loss's input and log-sum-exp and the multi-token-prediction modules'
     activations of that micro-batch. ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other
     arguments as :func:`~folding.planning.memory.memory_per_rank`'s."""
     vpp = layout.vpp or 1

@@ -67,14 +67,18 @@ def test_paired_share_by_schedule():
     # No pipelining: the first forward and the last backward run alone.
     assert paired_share(pp=1, vpp=1, stage=0, num_microbatches=4) == pytest.approx(3 / 4)
     assert paired_share(pp=1, vpp=1, stage=0, num_microbatches=1) == 0
-    # 1F1B: the last rank pairs all but one; the first all but PP.
+    # 1F1B: warm-ups 2(PP - stage - 1) + 1, so that neighbouring stages' pairs do not wait for each
+    # other: the last rank pairs all but one, the first all but 2·PP - 1.
     assert paired_share(pp=8, vpp=1, stage=7, num_microbatches=32) == pytest.approx(31 / 32)
-    assert paired_share(pp=8, vpp=1, stage=0, num_microbatches=32) == pytest.approx(24 / 32)
+    assert paired_share(pp=8, vpp=1, stage=0, num_microbatches=32) == pytest.approx(17 / 32)
     # Interleaved: Megatron-Core's warm-up count + 1 chunk forwards unpaired (pp4 vpp2 last rank: 4 + 1).
     assert paired_share(pp=4, vpp=2, stage=3, num_microbatches=8) == pytest.approx((16 - 5) / 16)
-    # The extra warm-up forward is one more chunk in flight, capped by the step's forwards.
-    assert in_flight_chunks(pp=8, vpp=1, stage=0, num_microbatches=32, overlap_moe_comm=True) == 9
+    # The longer warm-up: 2(PP - stage) micro-batches under 1F1B, one more chunk when interleaved,
+    # capped by the step's forwards.
+    assert in_flight_chunks(pp=8, vpp=1, stage=0, num_microbatches=32, overlap_moe_comm=True) == 16
+    assert in_flight_chunks(pp=8, vpp=1, stage=5, num_microbatches=32, overlap_moe_comm=True) == 6
     assert in_flight_chunks(pp=8, vpp=1, stage=0, num_microbatches=8, overlap_moe_comm=True) == 8
+    assert in_flight_chunks(pp=4, vpp=2, stage=0, num_microbatches=8, overlap_moe_comm=True) == 6 + 4 + 1 + 1
     assert in_flight_chunks(pp=1, vpp=1, stage=0, num_microbatches=4, overlap_moe_comm=True) == 2
 
 
@@ -90,7 +94,7 @@ def test_paired_share_by_schedule():
         dict(pp=1, tp=8, ep=8, etp=1, dp=16, edp=16),  # no pipelining: gradient accumulation only
     ],
 )
-def test_overlap_never_slower_only_the_exchanges_change(kw):
+def test_overlap_never_slower_and_exposes_less(kw):
     off = _plan(**kw)
     t_off = estimate_step_time(MIXTRAL, off, shape=SHAPE, cluster=CLUSTER, compute_efficiency=0.651)
     plain = dataclasses.replace(off, overlap_moe_comm=False)
@@ -101,9 +105,8 @@ def test_overlap_never_slower_only_the_exchanges_change(kw):
         t_on = estimate_step_time(MIXTRAL, on, shape=SHAPE, cluster=CLUSTER, compute_efficiency=0.651)
         assert t_on.step_s < t_off.step_s
         assert 0 < t_on.breakdown["ep"] < t_off.breakdown["ep"]
-        assert {k: v for k, v in t_on.breakdown.items() if k != "ep"} == {
-            k: v for k, v in t_off.breakdown.items() if k != "ep"
-        }
+        # the other terms are those of the slowest stage, which the overlap may change (its paired share
+        # differs per stage under 1F1B), so they are not compared here
 
 
 def test_hidden_exchanges_bounded_by_the_compute_they_hide_behind():
@@ -130,14 +133,15 @@ def test_hidden_exchanges_bounded_by_the_compute_they_hide_behind():
 
 
 @pytest.mark.parametrize("vpp", [1, 7])
-def test_memory_with_overlap_is_one_more_chunk(vpp):
+def test_memory_with_overlap_is_the_longer_warmup(vpp):
     kw = dict(distributed=True, recompute="none", seq_length=4096, micro_batch_size=1, num_microbatches=32)
     plan = _plan(vpp=vpp)
     layer = activation_bytes_per_layer(MIXTRAL, plan, seq_length=4096, micro_batch_size=1)
     for stage in (0, 3):
         off = memory_per_rank(MIXTRAL, plan, stage=stage, **kw)
         on = memory_with_overlap(MIXTRAL, plan, stage=stage, **kw)
-        assert on.total - off.total == pytest.approx(layer * 7 / vpp, abs=1)  # 7 layers per rank, 1/vpp a chunk
+        extra = (8 - stage) if vpp == 1 else 1  # micro-batches (1F1B) or one chunk (interleaved)
+        assert on.total - off.total == pytest.approx(extra * layer * 7 / vpp, abs=1)  # 7 layers per rank
     # The last rank's chunk also keeps the fused loss's input and log-sum-exp of that micro-batch.
     tokens = 4096
     last = memory_with_overlap(MIXTRAL, plan, stage=7, **kw).total - memory_per_rank(MIXTRAL, plan, stage=7, **kw).total
@@ -146,7 +150,9 @@ def test_memory_with_overlap_is_one_more_chunk(vpp):
     r_off, r_on = (
         evaluate(MIXTRAL, dataclasses.replace(plan, overlap_moe_comm=o), cluster=CLUSTER, shape=SHAPE) for o in (0, 1)
     )
-    assert r_on.memory.total - r_off.memory.total == pytest.approx(layer * 7 / vpp, abs=1)
+    peak = r_on.memory.stage
+    extra = (8 - peak) if vpp == 1 else 1
+    assert r_on.memory.total - memory_per_rank(MIXTRAL, plan, stage=peak, **kw).total >= extra * layer * 7 / vpp - 1
     assert plan_memory(MIXTRAL, dataclasses.replace(plan, overlap_moe_comm=True), shape=SHAPE) == r_on.memory
 
 
