@@ -84,9 +84,17 @@ def _job(layout: str, a: dict):
     )
 
 
+def _batch(job, M: int, gen: torch.Generator) -> List[Dict[str, torch.Tensor]]:
+    """``M`` micro-batches of random tokens (every position counts in the loss)."""
+    t, mbs = job.train, []
+    for _ in range(M):
+        tok = torch.randint(0, job.model.vocab_size, (t.micro_batch_size, t.seq_length + 1), generator=gen)
+        mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(tok[:, 1:].shape)))
+    return mbs
+
+
 def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     """One rank: build the model once, then alternate overlap off / on per step; per-step records."""
-
     torch.set_num_threads(a["threads"])
     job = _job(layout, a)
     ps = build_parallel_state(job.layout(dist.get_world_size()))
@@ -98,7 +106,12 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         dp = ps.layout.dp
         M = t.global_batch_size // (t.micro_batch_size * dp)
         gen = torch.Generator().manual_seed(1000 + ps.dp_rank)
-        V = job.model.vocab_size
+        mbs = _batch(job, M, gen)
+        run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
+        forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
         with overlap.link_latency(a["latency_ms"] / 1e3):
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
@@ -106,12 +119,8 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                     for m in c.modules():
                         if isinstance(m, MoELayer):
                             m.overlap_comm = on
-                mbs = []
-                for _ in range(M):
-                    tok = torch.randint(0, V, (t.micro_batch_size, t.seq_length + 1), generator=gen)
-                    mbs.append(
-                        dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones_like(tok[:, 1:]).float())
-                    )
+                            m.experts.delay_wgrad = on and a["delay_wgrad"]
+                mbs = _batch(job, M, gen)
                 dist.barrier()
                 overlap.stats.reset()
                 t0 = time.perf_counter()
@@ -127,7 +136,9 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                 blocked = overlap.stats.blocked_s
                 optimizer.clip_and_step()
                 seconds = time.perf_counter() - t0
-                records.append(dict(step=step // 2, overlap=on, step_time_s=seconds, exposed_s=blocked))
+                records.append(
+                    dict(step=step // 2, overlap=on, step_time_s=seconds, exposed_s=blocked, forward_s=forward_s)
+                )
     finally:
         ps.destroy()
     return records
@@ -162,10 +173,12 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         steps=steps,
     )
     out["step_time_ratio"] = out["step_time_on_s"] / out["step_time_off_s"]
-    # compute of one transformer layer (attention + MoE) for one micro-batch, forward and backward: the
-    # overlap-off step less its exposed communication, per micro-batch and layer (optimizer included)
-    chunks_per_step = a["microbatches"] * a["layers"] // LAYOUTS[layout].get("pp", 1)
-    out["layer_compute_ms"] = 1e3 * (out["step_time_off_s"] - out["exposed_off_s"]) / chunks_per_step
+    # compute of one transformer layer (attention + MoE) for one micro-batch: forward and backward (the
+    # overlap-off step less its exposed communication, optimizer included), and forward alone (a
+    # forward-only pass without link latency, rank 0)
+    layers_per_step = a["microbatches"] * a["layers"] // LAYOUTS[layout].get("pp", 1)
+    out["layer_compute_ms"] = 1e3 * (out["step_time_off_s"] - out["exposed_off_s"]) / layers_per_step
+    out["layer_forward_ms"] = 1e3 * per_rank[0][0]["forward_s"] / layers_per_step
     out["hidden"] = 1 - out["exposed_on_s"] / out["exposed_off_s"] if out["exposed_off_s"] > 0 else None
     return out
 
@@ -182,17 +195,35 @@ def _args(argv=None):
     p.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences)")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=512, help="expert FFN width")
+    p.add_argument("--ffn", type=int, default=256, help="expert FFN width")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--delay-wgrad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with overlap on, also parallel.delay_wgrad (expert weight gradients behind the backward dispatch)",
+    )
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--out", default=None, help="Markdown report (with --latencies)")
     return p.parse_args(argv)
 
 
 def _settings(ns, latency_ms: float) -> dict:
-    keys = ("steps", "warmup", "microbatches", "mbs", "seq", "hidden", "ffn", "experts", "layers", "threads")
+    keys = (
+        "steps",
+        "warmup",
+        "microbatches",
+        "mbs",
+        "seq",
+        "hidden",
+        "ffn",
+        "experts",
+        "layers",
+        "threads",
+        "delay_wgrad",
+    )
     return dict({k: getattr(ns, k) for k in keys}, latency_ms=latency_ms)
 
 
@@ -207,17 +238,19 @@ def _report(results: List[dict], ns, command: str, load_before, load_after) -> s
         "",
         f"Model: Mixtral-shaped, hidden {ns.hidden}, {ns.experts} experts of FFN {ns.ffn}, top-2, {ns.layers} "
         f"layers, sequence {ns.seq}, micro-batch {ns.mbs}, {ns.microbatches} micro-batches per step and data-parallel "
-        f"rank, fp32, {ns.threads} thread(s) per rank, 4 gloo ranks. Overlap off and on alternate step by step "
+        f"rank, fp32, {ns.threads} thread(s) per rank, 4 gloo ranks. Overlap off and on "
+        f"({'with' if ns.delay_wgrad else 'without'} parallel.delay_wgrad) alternate step by step "
         f"(medians of {ns.steps - ns.warmup} steps each after {ns.warmup} warm-up steps).",
         "",
-        "| layout | link latency (ms) | layer compute (ms) | step off (s) | step on (s) | on / off | exposed off (s) "
-        "| exposed on (s) | hidden |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layout | link latency (ms) | layer forward (ms) | layer fwd+bwd (ms) | step off (s) | step on (s) "
+        "| on / off | exposed off (s) | exposed on (s) | hidden |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         hidden = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
         lines.append(
-            f"| {r['layout']} | {r['link_latency_ms']:g} | {r['layer_compute_ms']:.1f} | {r['step_time_off_s']:.3f} "
+            f"| {r['layout']} | {r['link_latency_ms']:g} | {r['layer_forward_ms']:.1f} | {r['layer_compute_ms']:.1f} "
+            f"| {r['step_time_off_s']:.3f} "
             f"| {r['step_time_on_s']:.3f} "
             f"| {r['step_time_ratio']:.2f} | {r['exposed_off_s']:.3f} | {r['exposed_on_s']:.3f} | {hidden} |"
         )

@@ -120,8 +120,11 @@ def forward_backward(
             inbox.update((key, t) for (_, key), t in zip(action.recvs, got))
         elif isinstance(action, Pair):
             f, b = action.forward, action.backward
+            # the backward starts: on a stage without the loss its first exchange (the last layer's combine)
+            # comes before any compute, and it then hides behind the forward's first piece, while the
+            # forward's last exchange hides behind the backward's last piece (the first layer's attention)
             with steady_state():
-                run_pair(lambda: run_forward(f.chunk, f.microbatch), lambda: backward_step(b.chunk, b.microbatch))
+                run_pair(lambda: backward_step(b.chunk, b.microbatch), lambda: run_forward(f.chunk, f.microbatch))
         elif action.kind == "F":
             run_forward(action.chunk, action.microbatch)
         else:

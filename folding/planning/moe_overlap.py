@@ -119,7 +119,8 @@ def overlap_activation_bytes(
     """Activation bytes that ``overlap_moe_comm`` adds on pipeline rank ``stage``: the extra chunk forwards
     its longer warm-up keeps (one chunk, ``1/VPP`` of the rank's layers, when interleaved or without
     pipelining; ``pp - stage`` micro-batches under 1F1B), capped by the step's forwards. On the last rank
-    the one extra is of the last virtual stage, so it also keeps the fused loss's input and log-sum-exp and the multi-token-prediction modules'
+    the one extra is of the last virtual stage, so it also keeps the fused loss's input and log-sum-exp and
+    the multi-token-prediction modules'
     activations of that micro-batch. ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other
     arguments as :func:`~folding.planning.memory.memory_per_rank`'s."""
     vpp = layout.vpp or 1

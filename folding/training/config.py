@@ -96,8 +96,9 @@ class ParallelConfig:
     """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
     of one micro-batch and the backward of another run merged, taking turns at each exchange (the EP
     all-to-all and, with ETP, its all-gather / reduce-scatter overlap alike), and the shared expert runs
-    during its own dispatch. Same numbers bitwise; one more micro-batch's activations of one model chunk
-    in flight per rank (docs/training.md, "Hiding MoE communication")."""
+    during its own dispatch. Same numbers bitwise; a longer warm-up keeps more activations in flight (one
+    more chunk with virtual stages, ``2·(pp − rank)`` micro-batches under plain 1F1B, two without
+    pipelining; docs/training.md, "Hiding MoE communication")."""
     delay_wgrad: bool = False
     """With ``overlap_moe_comm``: compute the experts' weight gradients while the backward dispatch
     all-to-all is in flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``); same

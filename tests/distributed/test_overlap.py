@@ -43,7 +43,7 @@ def _audit_step(layout: str, sequential: bool):
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, overlap_moe_comm=True)
             gen = torch.Generator().manual_seed(ps.rank // (ps.tp_size * ps.pp_size))
             mbs = []
-            for _ in range(4):
+            for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
                 mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(1, 16)))
             with overlap.audit() as log:
@@ -65,7 +65,7 @@ def test_order_audit_every_steady_exchange_hides_behind_compute(ranks, layout):
     sequential = os.environ.get("FOLDING_AUDIT_DISABLE_PAIRS") == "1"
     for r, log in enumerate(ranks(4).run(_audit_step, layout, sequential)):
         steady = [e for e in log if e["steady"] and e["what"].startswith("ep")]
-        # 2 MoE layers per chunk, 4 EP exchanges per layer (dispatch and combine, forward and backward)
+        # at least two pairs of 4 EP exchanges per MoE layer (dispatch and combine, forward and backward)
         assert len(steady) >= 8, (layout, r, log)
         bad = _violations(log)
         assert not bad, (
