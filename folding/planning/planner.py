@@ -61,8 +61,8 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
     Only the stages that can hold the most are evaluated (:func:`folding.planning.memory.peak_candidate_stages`):
     the first, the last (output layer, multi-token-prediction modules), and a middle stage only where its mix
     of dense and MoE layers differs from the first's; any other middle stage holds what an earlier one holds,
-    with fewer micro-batches in flight. With ``plan.overlap_moe_comm`` each stage keeps one more micro-batch
-    of one model chunk in flight (:func:`folding.planning.moe_overlap.memory_with_overlap`).
+    with fewer micro-batches in flight. With ``plan.overlap_moe_comm`` each stage keeps what its longer
+    warm-up holds in flight (:func:`folding.planning.moe_overlap.memory_with_overlap`).
     """
     m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
     kw = dict(

@@ -41,7 +41,7 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
     """Bytes per rank on the worst pipeline stage, from :func:`folding.planning.memory.memory_per_rank`
     with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch count (the
     experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row); with
-    ``parallel.overlap_moe_comm`` one more micro-batch of one model chunk in flight per pipeline rank."""
+    ``parallel.overlap_moe_comm`` the activations its longer warm-up keeps in flight per pipeline rank."""
     t = job.train
     m = t.global_batch_size // (t.micro_batch_size * layout.dp)
     width = 2 if t.precision == "bf16" else 4
@@ -91,7 +91,11 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     lines.append(
         f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
         f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute}"
-        + (", MoE exchanges overlapped: one more micro-batch in flight" if job.parallel.overlap_moe_comm else "")
+        + (
+            ", MoE exchanges overlapped: the longer warm-up's activations in flight"
+            if job.parallel.overlap_moe_comm
+            else ""
+        )
         + ")"
     )
     return "\n".join(lines)
