@@ -288,11 +288,9 @@ def main(argv=None) -> None:
     load_after = tuple(round(x, 2) for x in os.getloadavg())
     if ns.json:
         top = results[0] if len(results) == 1 else {}
-        summary = (
-            {k: top[k] for k in ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s")}
-            if top
-            else {}
-        )
+        keys = ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s", "step_time_ratio")
+        keys += ("layer_compute_ms", "layer_forward_ms", "layout", "link_latency_ms")
+        summary = {k: top[k] for k in keys} if top else {}
         summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
         with open(ns.json, "w") as f:
             json.dump(summary, f, indent=1)
