@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
-from folding.model.chunks import build_stage_chunks
+from folding.model.chunks import build_stage_chunks, set_moe_overlap
 from folding.model.presets import get_preset
-from folding.moe.layer import MoELayer
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import build_parallel_state, overlap
@@ -115,11 +114,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         with overlap.link_latency(a["latency_ms"] / 1e3):
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
-                for c in chunks:  # the shared-expert placement (none in this model) follows the mode
-                    for m in c.modules():
-                        if isinstance(m, MoELayer):
-                            m.overlap_comm = on
-                            m.experts.delay_wgrad = on and a["delay_wgrad"]
+                set_moe_overlap(chunks, overlap_moe_comm=on, delay_wgrad=on and a["delay_wgrad"])
                 mbs = _batch(job, M, gen)
                 dist.barrier()
                 overlap.stats.reset()

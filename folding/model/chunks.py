@@ -69,9 +69,17 @@ def build_stage_chunks(
         )
         for layer in chunk.transformer_layers():
             layer.recompute = recompute
+        chunks.append(chunk)
+    set_moe_overlap(chunks, overlap_moe_comm=overlap_moe_comm, delay_wgrad=delay_wgrad)
+    return chunks
+
+
+def set_moe_overlap(chunks: List[nn.Module], *, overlap_moe_comm: bool, delay_wgrad: bool) -> None:
+    """Set every MoE layer of ``chunks`` to compute its shared expert during its own dispatch
+    (``overlap_moe_comm``) and its experts' weight gradients behind the backward dispatch
+    (``delay_wgrad``); the numbers do not change, only when the work runs."""
+    for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 module.overlap_comm = overlap_moe_comm
                 module.experts.delay_wgrad = delay_wgrad
-        chunks.append(chunk)
-    return chunks

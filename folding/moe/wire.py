@@ -111,12 +111,13 @@ def _size(group) -> int:
 
 
 def _a2a_all(
-    parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str = "ep all-to-all"
+    parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str, ep: bool = True
 ) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
-    waited on as one :class:`~folding.parallel.overlap.Exchange` (see :func:`_a2a_start`)."""
+    waited on as one :class:`~folding.parallel.overlap.Exchange` named ``what`` (see :func:`_a2a_start`);
+    ``ep``: an EP exchange (the link model delays those)."""
     outs, works = _a2a_start(parts, group, recv, send, rows)
-    _wait(works, what, linked=what.startswith("ep"))
+    _wait(works, what, linked=ep)
     return outs
 
 
@@ -204,7 +205,7 @@ def _reduce_scatter_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) 
     if n == 1:
         return list(parts)
     me = group_rank(group)
-    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes), what="etp reduce-scatter")
+    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes), what="etp reduce-scatter", ep=False)
     return [r.view((n, sizes[me]) + tuple(r.shape[1:])).sum(0) for r in recv]
 
 

@@ -184,16 +184,14 @@ def defer(fn: Callable[[], Any]) -> Deferred:
 
 @dataclasses.dataclass
 class Stats:
-    """Time blocked in exchange waits since the last :meth:`reset` (seconds), and the number of waits."""
+    """Time blocked in exchange waits since the last :meth:`reset` (seconds)."""
 
     blocked_s: float = 0.0
     """Wall time spent waiting for exchanges to complete (what the exchanges cost the critical path)."""
-    waits: int = 0
-    """Exchanges waited on."""
 
     def reset(self) -> None:
-        """Zero the counters."""
-        self.blocked_s, self.waits = 0.0, 0
+        """Zero the counter."""
+        self.blocked_s = 0.0
 
 
 stats = Stats()
@@ -245,14 +243,11 @@ def _counting_mode():
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func._schema.is_mutable and "view" not in func.__name__ and func not in _NOT_COMPUTE:
+            if not func._schema.is_mutable and "view" not in func.__name__:
                 _op_count[0] += 1
             return func(*args, **(kwargs or {}))
 
     return _Count()
-
-
-_NOT_COMPUTE = set()
 
 
 @contextlib.contextmanager
@@ -309,7 +304,6 @@ class Exchange:
             if rest > 0:
                 time.sleep(rest)
         stats.blocked_s += time.perf_counter() - t0
-        stats.waits += 1
         if _audit_log is not None:
             _audit_log.append(
                 {"what": self.what, "steady": self.steady, "paired": paired, "ops": _op_count[0] - self.ops}
