@@ -268,6 +268,7 @@ def memory_per_rank(
     stage: Optional[int] = None,
     num_microbatches: Optional[int] = None,
     fused_swiglu: bool = True,
+    overlap_moe_comm: bool = False,
 ) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
@@ -279,6 +280,9 @@ def memory_per_rank(
     replica, which caps the in-flight count (``None``: no cap); ``fused_swiglu``: the experts'
     probability-weighted SwiGLU is one autograd node that keeps 3 ``F``-wide tensors per row (folding's,
     and Megatron-Core's; the default); ``False`` estimates a plain-autograd activation (5 per row).
+    ``overlap_moe_comm`` (``parallel.overlap_moe_comm``): the chunk forwards its longer warm-up keeps in
+    flight (:func:`~folding.planning.activations.in_flight_chunks`); on the last rank a pair also keeps
+    the previous micro-batch's loss input, log-sum-exp and multi-token-prediction activations.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
@@ -296,6 +300,7 @@ def memory_per_rank(
                 stage=k,
                 num_microbatches=num_microbatches,
                 fused_swiglu=fused_swiglu,
+                overlap_moe_comm=overlap_moe_comm,
             )
             for k in range(layout.pp)
         ]
@@ -320,8 +325,14 @@ def memory_per_rank(
         per_mb = activation_bytes_per_layer(cfg, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
             activation_bytes_per_layer(cfg, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
         )
-        chunks = in_flight_chunks(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+        flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+        chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
         acts = per_mb * chunks / vpp
+        if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
+            # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
+            # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too
+            tokens = seq_length * micro_batch_size // layout.cp
+            acts += act_bytes * tokens * cfg.hidden_size + 4 * tokens + mtp_activation_bytes(cfg, layout, **kw)
         if stage == layout.pp - 1:
             acts += logits_bytes(
                 cfg, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes

@@ -41,9 +41,9 @@ from typing import Optional, Tuple
 
 from folding.model.config import ModelConfig
 
-from .activations import activation_bytes_per_layer, in_flight_chunks, mtp_activation_bytes
+from .activations import in_flight_chunks
 from .costs import hidden_behind
-from .memory import MemoryEstimate, memory_per_rank, stage_layers
+from .memory import MemoryEstimate, memory_per_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,55 +118,24 @@ def overlap_activation_bytes(
 ) -> int:
     """Activation bytes that ``overlap_moe_comm`` adds on pipeline rank ``stage``: the extra chunk forwards
     its longer warm-up keeps (one chunk, ``1/VPP`` of the rank's layers, when interleaved or without
-    pipelining; ``pp - stage`` micro-batches under 1F1B), capped by the step's forwards. On the last rank
-    the one extra is of the last virtual stage, so it also keeps the fused loss's input and log-sum-exp and
-    the multi-token-prediction modules'
-    activations of that micro-batch. ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other
-    arguments as :func:`~folding.planning.memory.memory_per_rank`'s."""
-    vpp = layout.vpp or 1
-    kw = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
-    extra = in_flight_chunks(**kw, overlap_moe_comm=True) - in_flight_chunks(**kw)
-    if not extra:
-        return 0
-    akw = dict(
+    pipelining; ``pp - stage`` micro-batches under 1F1B), capped by the step's forwards, and on the last
+    rank the paired micro-batch's loss input and multi-token-prediction activations
+    (:func:`~folding.planning.memory.memory_per_rank` with and without ``overlap_moe_comm``).
+    ``cfg``: the :class:`~folding.model.config.ModelConfig`; the other arguments as ``memory_per_rank``'s."""
+    kw = dict(
+        stage=stage,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
         recompute=recompute,
         act_bytes=act_bytes,
         fused_swiglu=fused_swiglu,
     )
-    layers = stage_layers(cfg, layout, stage)
-    dense = sum(1 for i in layers if not cfg.is_moe_layer(i))
-    per_mb = activation_bytes_per_layer(cfg, layout, moe_layer=True, **akw) * (len(layers) - dense)
-    if dense:
-        per_mb += activation_bytes_per_layer(cfg, layout, moe_layer=False, **akw) * dense
-    out = per_mb / vpp
-    if stage == layout.pp - 1:
-        tokens = seq_length * micro_batch_size // layout.cp
-        out += act_bytes * tokens * cfg.hidden_size + 4 * tokens
-        out += mtp_activation_bytes(cfg, layout, **akw)
-    return int(extra * out)
+    on = memory_per_rank(cfg, layout, overlap_moe_comm=True, **kw)
+    return on.activations - memory_per_rank(cfg, layout, **kw).activations
 
 
 def memory_with_overlap(cfg: ModelConfig, layout, *, stage: Optional[int] = None, **kw) -> MemoryEstimate:
-    """:func:`~folding.planning.memory.memory_per_rank` with ``overlap_moe_comm``: its activations plus
-    :func:`overlap_activation_bytes` on that stage (``stage=None``: the stage with the largest total).
-    ``kw``: :func:`~folding.planning.memory.memory_per_rank`'s keywords."""
-    if stage is None:
-        ests = [memory_with_overlap(cfg, layout, stage=k, **kw) for k in range(layout.pp)]
-        return max(ests, key=lambda e: e.total)
-    est = memory_per_rank(cfg, layout, stage=stage, **kw)
-    if not kw.get("seq_length"):
-        return est
-    extra = overlap_activation_bytes(
-        cfg,
-        layout,
-        stage=stage,
-        seq_length=kw["seq_length"],
-        micro_batch_size=kw.get("micro_batch_size", 1),
-        num_microbatches=kw.get("num_microbatches"),
-        recompute=kw.get("recompute", "none"),
-        act_bytes=kw.get("act_bytes", 2),
-        fused_swiglu=kw.get("fused_swiglu", True),
-    )
-    return dataclasses.replace(est, activations=est.activations + extra)
+    """:func:`~folding.planning.memory.memory_per_rank` with ``overlap_moe_comm`` (``stage=None``: the stage
+    with the largest total). ``kw``: ``memory_per_rank``'s keywords."""
+    return memory_per_rank(cfg, layout, stage=stage, overlap_moe_comm=True, **kw)
