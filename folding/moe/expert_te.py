@@ -3,35 +3,50 @@
 Shape suffixes (docs/shapes.md): N rows sorted expert-major, Np padded rows, I input features, O output
 features, L local experts.
 
-Written against TransformerEngine 2.10–2.x (read at 2.20): ``te.GroupedLinear(num_gemms,
-in_features, out_features, bias=, params_dtype=, device=)`` whose ``forward(inp, m_splits,
-is_first_microbatch=)`` takes host row counts; ``te.autocast(enabled=, recipe=,
-amax_reduction_group=)`` (``fp8_autocast(enabled=, fp8_recipe=, fp8_group=)`` before 2.10, used only
-when ``autocast`` is missing); the recipes ``DelayedScaling``, ``Float8CurrentScaling``,
+Written against TransformerEngine 2.10–2.x (read at 2.20.2): ``te.GroupedLinear(num_gemms,
+in_features, out_features, bias=, params_dtype=, device=, use_grouped_tensor=)`` whose
+``forward(inp, m_splits, is_first_microbatch=)`` takes host row counts; ``te.autocast(enabled=,
+recipe=, amax_reduction_group=)``; the recipes ``DelayedScaling``, ``Float8CurrentScaling``,
 ``Float8BlockScaling``, ``MXFP8BlockScaling``. Every TE callable and keyword the engine uses is in
-:data:`TE_API`, which a test checks against the installed TransformerEngine.
+:data:`TE_API`; ``tests/data/te_api_2.20.2.json`` records their signatures as parsed from TE's own
+sources, and the unit tests check the engine's calls and the CPU stand-in of TE against it.
 
-**One FP8 region per model-chunk forward.** On leaving an FP8 region with the ``delayed`` recipe, TE
-all-reduces the amax of every module used in it over the region's group and rolls their histories.
+``use_grouped_tensor=False`` is passed explicitly: TE's native grouped-tensor path needs the row
+counts as a CUDA tensor and raises on host ``m_splits``; left at ``None``, the deprecated environment
+variable ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM`` would decide.
+
+**One FP8 region per model-chunk forward.** On leaving the outermost FP8 region with the ``delayed``
+recipe, TE all-reduces the amaxes of every module registered in its global buffer (each module
+registers on its first FP8 forward, under the recipe and amax-reduction group of its region; not only
+the modules run in this region) over that module's group, and updates their scales and histories.
 :func:`fp8_region` is opened once per forward of a model chunk (``MoETransformer.stage_forward``)
 with the data-parallel × context-parallel group of the chunk's ranks (the ranks that run the same
-layers), as Megatron-Core does; the experts never open a region of their own for ``delayed`` (that
-would reduce per layer, and over the world group by default: a hang with pipelining) and raise
-instead. Other recipes reduce nothing on exit, so a standalone :class:`GroupedMLP` opens a local
-region for them. The region also carries ``is_first_microbatch``, so TE quantizes the weights once
-per optimizer step and reuses them for later micro-batches.
+layers, so every rank of the group reduces the same modules in the same order), as Megatron-Core
+does; the experts never open a region of their own for ``delayed`` (that would reduce per layer,
+and over the world group by default: a hang with pipelining) and raise instead. Other recipes
+reduce nothing on exit, so a standalone :class:`GroupedMLP` opens a local region for them. The
+region also carries ``is_first_microbatch``, so TE quantizes the weights once per optimizer step and
+reuses them for later micro-batches.
 
 **Weights.** The experts own ``fc1_weight [L, 2·Fl, H]`` / ``fc2_weight [L, H, Fl]``, stored alike for
 every backend. The ``GroupedLinear`` modules are built on ``meta`` (TE allocates and initializes no
 weight of its own) and used as kernels: before each call their ``weight{i}`` attributes are pointed
 at the ``unbind`` of the packed weight (one autograd node, whose backward stacks the per-expert
 gradients into one packed gradient; per-expert ``w[i]`` views would each allocate a zero tensor the
-size of the whole weight in backward). TE's FP8 state (scales, amax histories: the modules'
-``get_extra_state``) is part of :class:`GroupedMLP`'s ``state_dict``.
+size of the whole weight in backward).
 
-**Padding.** FP8 grouped GEMMs need every expert's row count aligned (16 for FP8, 32 for MXFP8).
-Rows are padded once before fc1 and the padding removed once after fc2: the zero rows pass through
-SwiGLU as zeros (their probability is 0), so fc2 sees the same aligned counts.
+**FP8 state.** Only ``delayed`` has state (TE's ``get_extra_state`` is an empty tensor for the
+stateless recipes). Its scales and amax histories are read from the modules' ``fp8_meta`` as plain
+tensors (:data:`DELAYED_STATE`) and saved by the checkpoint in ``fp8/rank_<r>.pt``, not in any
+``state_dict``; they are restored by allocating TE's meta tensors (``init_fp8_meta_tensors``, as
+TE's own ``set_extra_state`` does) and copying into them. No pickle is handed to TE: since 2.20 its
+``set_extra_state`` refuses a pickled ``delayed`` payload unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``.
+
+**Padding.** FP8 grouped GEMMs need every expert's row count aligned (16 for FP8, 32 for MXFP8:
+TE's ``get_align_size_for_quantization``). Rows are padded once before fc1 and the padding removed
+once after fc2: the zero rows pass through SwiGLU as zeros (their probability is 0), so fc2 sees
+the same aligned counts. The other two GEMM dimensions are checked at configuration time
+(:mod:`folding.moe.fp8_shapes`).
 """
 
 from __future__ import annotations
@@ -57,14 +72,29 @@ TE_API = {
         "bias",
         "params_dtype",
         "device",
+        "use_grouped_tensor",
     ),
     "transformer_engine.pytorch.GroupedLinear.forward": ("inp", "m_splits", "is_first_microbatch"),
+    "transformer_engine.pytorch.GroupedLinear.init_fp8_meta_tensors": ("recipe",),
     "transformer_engine.pytorch.autocast": ("enabled", "recipe", "amax_reduction_group"),
     "transformer_engine.pytorch.is_fp8_available": ("return_reason",),
     "transformer_engine.pytorch.is_fp8_block_scaling_available": ("return_reason",),
     "transformer_engine.pytorch.is_mxfp8_available": ("return_reason",),
+    "transformer_engine.common.recipe.DelayedScaling": (),
+    "transformer_engine.common.recipe.Float8CurrentScaling": (),
+    "transformer_engine.common.recipe.Float8BlockScaling": (),
+    "transformer_engine.common.recipe.MXFP8BlockScaling": (),
 }
-"""Every TransformerEngine callable the engine calls, with the keywords it passes."""
+"""Every TransformerEngine callable the engine calls, with the keywords it passes (all by keyword)."""
+
+DELAYED_STATE = {
+    "scale_fwd": ("scaling_fwd", "scale"),
+    "amax_history_fwd": ("scaling_fwd", "amax_history"),
+    "scale_bwd": ("scaling_bwd", "scale"),
+    "amax_history_bwd": ("scaling_bwd", "amax_history"),
+}
+"""Where a TE module keeps the ``delayed`` recipe's state: saved name -> ``fp8_meta[key].attribute``
+(the names TE's own ``get_extra_state`` gives them)."""
 
 _TE_CHECK = {
     "delayed": "is_fp8_available",
@@ -133,11 +163,7 @@ def fp8_region(recipe_name: Optional[str], *, amax_reduction_group, first_microb
         return
     import transformer_engine.pytorch as te
 
-    recipe = make_te_recipe(recipe_name)
-    if hasattr(te, "autocast"):
-        ctx = te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_reduction_group)
-    else:  # TransformerEngine < 2.10
-        ctx = te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+    ctx = te.autocast(enabled=True, recipe=make_te_recipe(recipe_name), amax_reduction_group=amax_reduction_group)
     token = _REGION.set(_Region(recipe_name, first_microbatch))
     try:
         with ctx:
@@ -170,8 +196,9 @@ def unpad_rows_per_expert(y_NpO: torch.Tensor, counts: list[int], padded: list[i
 class TEGroupedRunner(torch.nn.Module):
     """One TransformerEngine ``GroupedLinear`` per projection (fc1, fc2), used as kernels only.
 
-    A submodule of :class:`~folding.moe.experts.GroupedMLP` so that the TE modules' FP8 state is in
-    its ``state_dict`` (``_extra_state``); the modules hold no parameters.
+    Held by :class:`~folding.moe.experts.GroupedMLP` outside its registered submodules (its
+    ``state_dict`` has no TE entry); the ``delayed`` FP8 state travels by :meth:`delayed_state` /
+    :meth:`load_delayed_state` into the checkpoint's ``fp8/rank_<r>.pt``. The modules hold no parameters.
     """
 
     def __init__(self, *, num_local_experts: int, hidden_size: int, ffn_local: int, params_dtype: torch.dtype):
@@ -190,6 +217,7 @@ class TEGroupedRunner(torch.nn.Module):
                 bias=False,
                 params_dtype=params_dtype,
                 device="meta",
+                use_grouped_tensor=False,  # host m_splits: TE's split-quantize path
             )
             for i in range(num_local_experts):
                 del mod._parameters[f"weight{i}"]  # the experts own the weights
@@ -203,6 +231,40 @@ class TEGroupedRunner(torch.nn.Module):
         region = _REGION.get()
         first = None if region is None else region.first_microbatch
         return mod(inp=x_NI, m_splits=counts, is_first_microbatch=first)
+
+    def delayed_state(self) -> dict:
+        """CPU copies of each module's ``delayed`` scales and amax histories, ``{gemm: {name: tensor}}``
+        (names of :data:`DELAYED_STATE`); ``{}`` before the first FP8 forward allocated them."""
+        out = {}
+        for name, mod in self.gemms.items():
+            meta = mod.fp8_meta
+            if all(key in meta for key, _ in DELAYED_STATE.values()):
+                out[name] = {
+                    saved: getattr(meta[key], attr).detach().to("cpu", copy=True)
+                    for saved, (key, attr) in DELAYED_STATE.items()
+                }
+        return out
+
+    def load_delayed_state(self, state: dict) -> None:
+        """Restore :meth:`delayed_state` without pickle: allocate each module's meta tensors for the
+        ``delayed`` recipe (``init_fp8_meta_tensors``, as TE's ``set_extra_state`` does) and copy the
+        saved tensors into them; the first FP8 forward keeps them (same recipe class)."""
+        recipe = make_te_recipe("delayed")
+        for name, saved in state.items():
+            mod = self.gemms[name]
+            mod.fp8_meta["recipe"] = recipe
+            mod.fp8_meta["num_gemms"] = mod.num_gemms
+            mod.init_fp8_meta_tensors(recipe=recipe)
+            for saved_name, (key, attr) in DELAYED_STATE.items():
+                dst, src = getattr(mod.fp8_meta[key], attr), saved[saved_name]
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"checkpoint FP8 state {name}.{saved_name} has shape {tuple(src.shape)}, TE allocates "
+                        f"{tuple(dst.shape)} (another amax_history_len or expert count); delete the checkpoint's "
+                        "fp8/ directory to let TE recalibrate"
+                    )
+                with torch.no_grad():
+                    dst.copy_(src)
 
 
 @contextlib.contextmanager

@@ -186,26 +186,32 @@ class GroupedMLP(torch.nn.Module):
         return self._te
 
     def fp8_state(self) -> dict:
-        """TransformerEngine's FP8 state of these experts (scales, amax histories), keyed by the
-        experts it belongs to; empty when TE has not run. Saved with checkpoints."""
-        if self._te is None:
+        """TransformerEngine's ``delayed`` FP8 state of these experts (scales and amax histories as plain
+        tensors), keyed by the experts it belongs to; empty for the other recipes (TE keeps no state
+        for them) and before TE has run. Saved with checkpoints (``fp8/rank_<r>.pt``)."""
+        if self._te is None or self.fp8_recipe != "delayed":
+            return {}
+        gemms = self._te.delayed_state()
+        if not gemms:
             return {}
         return {
             "expert_offset": self.expert_offset,
             "etp_rank": self.etp_rank,
             "etp_size": self.etp_size,
-            "gemms": {n: m.get_extra_state() for n, m in self._te.gemms.items()},
+            "recipe": self.fp8_recipe,
+            "gemms": gemms,
         }
 
     def load_fp8_state(self, state: dict) -> bool:
-        """Restore :meth:`fp8_state` if it belongs to the same experts and shard; return whether it did
-        (a checkpoint from another layout leaves TE to recalibrate its scales)."""
-        mine = (self.expert_offset, self.etp_rank, self.etp_size)
-        if not state or (state["expert_offset"], state["etp_rank"], state["etp_size"]) != mine:
+        """Restore :meth:`fp8_state` into TE's meta tensors if it belongs to the same experts, shard and
+        recipe; return whether it did (a checkpoint from another layout or recipe, or one saved as TE's
+        pickled extra state, leaves TE to recalibrate its scales)."""
+        mine = (self.expert_offset, self.etp_rank, self.etp_size, self.fp8_recipe)
+        if not state or (state["expert_offset"], state["etp_rank"], state["etp_size"], state.get("recipe")) != mine:
             return False
-        runner = self._te_runner(self.fc1_weight.dtype)
-        for n, extra in state["gemms"].items():
-            runner.gemms[n].set_extra_state(extra)
+        if not all(isinstance(g, dict) for g in state["gemms"].values()):
+            return False  # an older checkpoint: TE's extra state, a pickle this engine never hands to TE
+        self._te_runner(self.fc1_weight.dtype).load_delayed_state(state["gemms"])
         return True
 
     def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,11 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
   tensor is read), the layout and optimizer settings (information);
 - ``rng/rank_<r>.pt``: each rank's RNG states (restored when the world size is unchanged; read with
   ``torch.load(weights_only=True)``);
-- ``fp8/rank_<r>.pt`` (only when experts ran TransformerEngine): each rank's TE FP8 state (scales,
-  amax histories) per expert module, restored into the modules holding the same experts (same
-  layout); in another layout TE recalibrates from the next steps, with a warning;
+- ``fp8/rank_<r>.pt`` (only when experts ran TransformerEngine with ``moe.fp8_recipe=delayed``, the
+  one recipe with state): each rank's TE scales and amax histories per expert module, as plain tensors
+  (read with ``torch.load(weights_only=True)``; no pickle is handed to TE), copied into the TE meta
+  tensors of the modules holding the same experts (same layout); in another layout TE recalibrates
+  from the next steps, with a warning;
 - ``COMPLETE``: the completion marker.
 
 Save: every rank writes into ``DIR/step_<N>.tmp-<nonce>``; then rank 0 writes ``meta.json`` and
@@ -310,7 +312,7 @@ def _fp8_modules(chunks):
 
 
 def _fp8_states(chunks) -> Dict[Any, dict]:
-    """This rank's TransformerEngine FP8 state (scales, amax histories) per expert module, if any ran."""
+    """This rank's TransformerEngine ``delayed`` FP8 state (scales, amax histories) per expert module."""
     return {k: st for k, m in _fp8_modules(chunks).items() for st in [m.fp8_state()] if st}
 
 
@@ -324,8 +326,9 @@ def _load_fp8_states(chunks, path: str) -> None:
     restored = sum(1 for k, st in saved.items() if k in modules and modules[k].load_fp8_state(st))
     if restored < len(saved):
         warnings.warn(
-            f"checkpoint FP8 state: {restored} of {len(saved)} expert modules restored (the others "
-            f"belong to other experts in this layout); TransformerEngine recalibrates their scales"
+            f"checkpoint FP8 state: {restored} of {len(saved)} expert modules restored (the others belong "
+            f"to other experts in this layout, or were saved as TransformerEngine's pickled extra state by "
+            f"an older version); TransformerEngine recalibrates their scales"
         )
 
 

@@ -89,8 +89,9 @@ def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
 
 def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     """Validate ``job`` for ``world_size`` ranks and open this rank's data; no collective, no writes
-    except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``)."""
-    layout = validate_job(job, world_size=world_size)
+    except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``). The
+    checks that depend on the expert backend see what it resolves to on :func:`training_device`."""
+    layout = validate_job(job, world_size=world_size, device=training_device())
     resume = resume_run_dir = None
     if job.checkpoint.dir or job.checkpoint.load:
         resume = resolve_resume(job.checkpoint)

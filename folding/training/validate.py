@@ -7,6 +7,7 @@ length against TP/CP, ...) for a given world size, and returns the validated lay
 Usage::
 
     layout = validate_job(job, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    layout = validate_job(job, world_size=8, device=torch.device("cuda", 0))   # also resolves moe.expert_backend=auto
 
 Every failure raises :class:`~folding.training.config.ConfigError` naming the setting and a fix.
 """
@@ -15,7 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
+from typing import Optional
 
+import torch
+
+from ..moe.expert_select import resolve_backend
+from ..moe.fp8_shapes import check_fp8_shapes
 from ..parallel import LayoutError, ParallelLayout
 from ..parallel.partition import partition_layers
 from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
@@ -41,15 +48,6 @@ def _check_train(job: JobConfig) -> None:
     if t.recompute not in RECOMPUTE_MODES:
         _fail("train.recompute", t.recompute, "unknown mode", f"choose one of {', '.join(RECOMPUTE_MODES)}")
     moe = job.moe
-    if t.recompute in ("full", "moe") and moe.fp8_recipe == "delayed" and moe.expert_backend == "te":
-        # a recomputed expert forward runs in backward, outside the chunk's FP8 region
-        _fail(
-            "train.recompute",
-            t.recompute,
-            "recomputes the experts outside the FP8 region that "
-            "moe.fp8_recipe='delayed' needs with moe.expert_backend='te'",
-            "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8",
-        )
     par = job.parallel
     for key in ("overlap_moe_comm", "delay_wgrad"):
         if not isinstance(getattr(par, key), bool):
@@ -127,12 +125,53 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
         _fail("checkpoint.dir", ck.dir, "exists and is not a directory", "choose another checkpoint.dir")
 
 
+def expert_backend_on(job: JobConfig, device: Optional[torch.device]) -> str:
+    """The expert backend the job's experts run on ``device``: ``moe.expert_backend`` itself, or what
+    ``auto`` resolves to there (:func:`folding.moe.expert_select.resolve_backend`, TE's own checks;
+    its fallback warning is left to the run). Without a device, ``auto`` stays ``auto``."""
+    moe = job.moe
+    if moe.expert_backend != "auto" or device is None:
+        return moe.expert_backend
+    dtype = torch.bfloat16 if job.train.precision == "bf16" else torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return resolve_backend("auto", moe.fp8_recipe, torch.device(device), dtype)
+
+
+def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device]) -> None:
+    """``delayed`` on TE needs every expert forward inside the chunk's FP8 region; a recomputed expert
+    forward runs in backward, outside it. Checked on the backend the experts will really run."""
+    t, moe = job.train, job.moe
+    if t.recompute not in ("full", "moe") or moe.fp8_recipe != "delayed":
+        return
+    backend = expert_backend_on(job, device)
+    if backend == "te":
+        how = "moe.expert_backend='te'" if moe.expert_backend == "te" else f"moe.expert_backend='auto' (te on {device})"
+        _fail(
+            "train.recompute",
+            t.recompute,
+            f"recomputes the experts outside the FP8 region that moe.fp8_recipe='delayed' needs with {how}",
+            "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8",
+        )
+
+
 def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
     m, t, tp, cp = job.model, job.train, layout.tp, layout.cp
     try:
         m.check_divisible(tp=tp, ep=layout.ep, etp=layout.etp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if any(m.is_moe_layer(i) for i in m.layer_numbers()):
+        try:
+            check_fp8_shapes(
+                job.moe.fp8_recipe,
+                hidden_size=m.hidden_size,
+                ffn_hidden_size=job.moe.ffn_hidden_size,
+                etp=layout.etp,
+                backend=job.moe.expert_backend,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     chunk = 2 * cp if cp > 1 else 1
     if t.seq_length % (chunk * tp):
         _fail(
@@ -172,9 +211,12 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
             raise ConfigError(f"parallel.pp={layout.pp}/parallel.vpp={layout.vpp}: {e}") from None
 
 
-def validate_job(job: JobConfig, *, world_size: int) -> ParallelLayout:
+def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.device] = None) -> ParallelLayout:
     """Check every cross-section constraint of ``job`` on ``world_size`` ranks; return the layout.
 
+    ``device``: where this process's experts will run (the training device); with it, the checks that
+    depend on the expert backend see what ``moe.expert_backend=auto`` resolves to there (the dry run,
+    which may run elsewhere, passes none and checks the backend as written).
     Pure: no process group, no file written. Raises :class:`ConfigError`.
     """
     ws = job.parallel.world_size
@@ -188,6 +230,7 @@ def validate_job(job: JobConfig, *, world_size: int) -> ParallelLayout:
                 f"launch {ws} ranks (torchrun --nproc-per-node ...) or set parallel.world_size=null",
             )
     _check_train(job)
+    _check_recompute_vs_fp8_region(job, device)
     _check_logging_and_checkpoint(job)
     try:
         layout = job.layout(world_size)

@@ -1,19 +1,17 @@
-"""The TransformerEngine path on CPU, through a stand-in with TE's interface.
+"""The TransformerEngine path on CPU, through the stand-in of TE in ``tests/te_standin.py``.
 
-The stand-in has exactly the signatures the engine relies on (``GroupedLinear(num_gemms,
-in_features, out_features, bias, params_dtype, device)`` reading ``weight{i}``, ``forward(inp,
-m_splits, is_first_microbatch)``, ``autocast(enabled, recipe, amax_reduction_group)``, the
-``is_*_available(return_reason)`` checks, ``get/set_extra_state``), computes in high precision and
-records every call. Checked here: numerics against the loop backend, one FP8 region per model-chunk
-forward with the chunk's DP×CP group, ``delayed`` refused outside a region, ``is_first_microbatch``,
-one padding around fc1→fc2, TE modules built on ``meta``, FP8 state round trip, backend selection
-with TE's reasons. The real kernels are exercised by test_experts_te.py where TE and a GPU exist
+The stand-in has TE 2.20.2's signatures and recorded rules (``tests/unit/test_te_snapshot.py`` holds
+it to ``tests/data/te_api_2.20.2.json``), computes in high precision and records every call. Checked
+here: numerics against the loop backend, one FP8 region per model-chunk forward with the chunk's
+DP×CP group, ``delayed`` refused outside a region, ``is_first_microbatch``, one padding around
+fc1→fc2, TE modules built on ``meta`` with an explicit ``use_grouped_tensor``, no FP8 state for the
+stateless recipes, backend selection with TE's reasons. The ``delayed`` state round trip is in
+test_te_snapshot.py. The real kernels are exercised by test_experts_te.py where TE and a GPU exist
 (not run on CPU machines).
 """
 
 import contextlib
-import sys
-import types
+import warnings
 
 import pytest
 import torch
@@ -24,74 +22,17 @@ import folding.moe.experts as experts_mod
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
-from folding.moe.expert_te import TE_API, fp8_region
+from folding.moe.expert_te import fp8_region
 from folding.moe.experts import GroupedMLP
-
-CALLS = []
-SUPPORT = {}
-
-
-class _StandInGroupedLinear(torch.nn.Module):
-    def __init__(self, num_gemms, in_features, out_features, bias=True, params_dtype=None, device="cuda"):
-        super().__init__()
-        CALLS.append(("build", str(device)))
-        self.num_gemms, self.state = num_gemms, torch.zeros(2)
-        for i in range(num_gemms):
-            self.register_parameter(
-                f"weight{i}", torch.nn.Parameter(torch.empty(out_features, in_features, device=device))
-            )
-
-    def forward(self, inp, m_splits, is_first_microbatch=None):
-        CALLS.append(("gemm", list(m_splits), is_first_microbatch))
-        self.state += 1
-        return torch.cat([x @ getattr(self, f"weight{i}").t() for i, x in enumerate(inp.split(list(m_splits)))])
-
-    def get_extra_state(self):
-        return self.state.clone()
-
-    def set_extra_state(self, state):
-        self.state = state.clone()
-
-
-class _Recipe:
-    def __init__(self):
-        self.name = type(self).__name__
-
-
-@contextlib.contextmanager
-def _autocast(enabled=True, recipe=None, amax_reduction_group=None):
-    CALLS.append(("enter", recipe.name, amax_reduction_group))
-    yield
-    CALLS.append(("exit",))
-
-
-def _check(name):
-    return lambda return_reason=False: SUPPORT.get(name, (True, ""))
+from tests import te_standin
+from tests.te_standin import CALLS, SUPPORT
 
 
 @pytest.fixture
 def stand_in_te(monkeypatch):
-    te = types.ModuleType("transformer_engine")
-    pt = types.ModuleType("transformer_engine.pytorch")
-    common = types.ModuleType("transformer_engine.common")
-    recipe = types.ModuleType("transformer_engine.common.recipe")
-    pt.GroupedLinear, pt.autocast = _StandInGroupedLinear, _autocast
-    for name in ("is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available"):
-        setattr(pt, name, _check(name))
-    for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
-        setattr(recipe, name, type(name, (_Recipe,), {}))
-    te.pytorch, te.common, common.recipe = pt, common, recipe
-    for name, mod in [
-        ("transformer_engine", te),
-        ("transformer_engine.pytorch", pt),
-        ("transformer_engine.common", common),
-        ("transformer_engine.common.recipe", recipe),
-    ]:
-        monkeypatch.setitem(sys.modules, name, mod)
+    te_standin.install(monkeypatch)
     monkeypatch.setattr(te_mod, "te_available", lambda: (True, ""))
     monkeypatch.setattr(select_mod, "te_available", lambda: (True, ""))
-    CALLS.clear()
-    SUPPORT.clear()
     yield
 
 
@@ -173,25 +114,23 @@ def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
         assert {c[2] for c in gemms} == {m == 0}
 
 
-def test_fp8_state_round_trip_and_layout_check(te_on_cpu):
+def test_stateless_recipes_save_no_fp8_state(te_on_cpu):
     a = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
-    assert a.fp8_state() == {}  # TE has not run: nothing to save
     a(torch.randn(4, 8), [1, 2, 1], torch.rand(4))
-    state = a.fp8_state()
-    assert state["gemms"]["fc1"].tolist() == [1.0, 1.0]
-    b = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
-    assert b.load_fp8_state(state)
-    assert b._te.gemms["fc1"].get_extra_state().tolist() == [1.0, 1.0]
-    other = GroupedMLP(backend="te", fp8_recipe="mxfp8", **dict(KW, expert_offset=3, num_experts=6))
-    assert not other.load_fp8_state(state)  # other experts: TE recalibrates instead
+    assert a.fp8_state() == {}  # TE's extra state is empty for mxfp8: nothing to save
+    assert a._te.gemms["fc1"].get_extra_state().numel() == 0
 
 
-def test_every_te_keyword_the_engine_uses_is_listed(te_on_cpu):
-    # the stand-in's signatures are TE's; the engine calls them by keyword, so a keyword outside
-    # TE_API (or a renamed one) fails here as it would on a real TE
+def test_te_modules_get_an_explicit_use_grouped_tensor(te_on_cpu, monkeypatch):
+    # the deprecated variable would turn on TE's native path, which raises on host m_splits
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM", "1")
     mod = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
-    mod(torch.randn(4, 8), [4, 0, 0], torch.rand(4))
-    assert set(TE_API["transformer_engine.pytorch.GroupedLinear.forward"]) == {"inp", "m_splits", "is_first_microbatch"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # TE's deprecation warning for the env var
+        mod(torch.randn(4, 8), [1, 2, 1], torch.rand(4))  # no error either
+    assert [g.use_grouped_tensor for g in mod._te.gemms.values()] == [False, False]
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="requires CUDA m_splits"):
+        te_standin.GroupedLinear(3, 8, 4, device="cpu")(torch.randn(3, 8), [1, 1, 1])  # what the env var alone did
 
 
 def test_backend_selection_uses_te_checks(stand_in_te):

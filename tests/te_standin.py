@@ -1,0 +1,279 @@
+"""A CPU stand-in for the part of TransformerEngine 2.20 the engine uses, held to TE's recorded API.
+
+Its classes and functions carry TE's exact signatures (names, order, defaults; the recipes' dataclass
+fields), which ``tests/unit/test_te_snapshot.py`` compares with ``tests/data/te_api_2.20.2.json``
+(parsed from TE's sources). Its behaviours are TE's recorded rules run by :mod:`tests.te_rules`:
+``get_extra_state`` is an empty tensor unless the module ran FP8 with a stateful recipe (then a
+pickled payload, as TE's); ``set_extra_state`` ignores, loads or refuses a payload as TE's loading
+rule does (a pickled ``delayed`` payload needs ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``);
+``GroupedLinear`` resolves ``use_grouped_tensor`` as TE does (``None``: the deprecated environment
+variable), checks ``len(m_splits) == num_gemms``, takes the native path's CUDA ``m_splits`` rule
+when ``use_grouped_tensor`` is on, and requires CUDA at construction and in forward unless a test
+sets :data:`ALLOW_CPU` explicitly. ``delayed`` keeps ``fp8_meta["scaling_fwd"/"scaling_bwd"]``
+with ``scale`` / ``amax_history`` of TE's shapes; forwards write amaxes into the history, and
+leaving the outermost ``autocast`` updates every module registered under the recipe and group.
+It computes in high precision and records every call in :data:`CALLS`.
+
+Usage (a pytest fixture installs it)::
+
+    install(monkeypatch)          # sys.modules["transformer_engine..."] -> this stand-in
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import types
+from typing import Callable, Optional, Union
+
+import torch
+
+from tests.te_rules import Rules, load_snapshot
+from tests.te_standin_recipes import (  # noqa: F401 - installed as transformer_engine.common.recipe
+    RECIPE_MODULE,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    MXFP8BlockScaling,
+    Recipe,
+)
+
+RULES = Rules(load_snapshot())
+CALLS: list = []
+"""Every call the engine made: ``("build", device)``, ``("gemm", m_splits, is_first_microbatch, kwargs)``,
+``("enter", recipe class name, group)``, ``("exit",)``, ``("init_meta", recipe class name)``,
+``("set_extra_state", state)``."""
+SUPPORT: dict = {}
+"""``is_*_available`` name -> ``(ok, reason)`` a test wants TE to answer (default: supported)."""
+ALLOW_CPU = False
+"""Explicit test flag: accept CPU (TE itself raises "TransformerEngine needs CUDA.")."""
+_REGION = {"depth": 0, "recipe": None, "group": None, "registered": {}}
+STANDS_IN_FOR = {
+    "transformer_engine.pytorch.GroupedLinear": "GroupedLinear",
+    "transformer_engine.pytorch.GroupedLinear.forward": "GroupedLinear.forward",
+    "transformer_engine.pytorch.GroupedLinear.get_extra_state": "GroupedLinear.get_extra_state",
+    "transformer_engine.pytorch.GroupedLinear.set_extra_state": "GroupedLinear.set_extra_state",
+    "transformer_engine.pytorch.GroupedLinear.init_fp8_meta_tensors": "GroupedLinear.init_fp8_meta_tensors",
+    "transformer_engine.pytorch.autocast": "autocast",
+    "transformer_engine.pytorch.is_fp8_available": "is_fp8_available",
+    "transformer_engine.pytorch.is_fp8_block_scaling_available": "is_fp8_block_scaling_available",
+    "transformer_engine.pytorch.is_mxfp8_available": "is_mxfp8_available",
+    "transformer_engine.common.recipe.DelayedScaling": "DelayedScaling",
+    "transformer_engine.common.recipe.Float8CurrentScaling": "Float8CurrentScaling",
+    "transformer_engine.common.recipe.Float8BlockScaling": "Float8BlockScaling",
+    "transformer_engine.common.recipe.MXFP8BlockScaling": "MXFP8BlockScaling",
+}
+"""TE name -> the stand-in's definition (here, or a recipe in ``tests/te_standin_recipes.py``)."""
+
+
+# ------------------------------------------------------------------------------ checks, autocast
+def _support(name: str, return_reason: bool):
+    ok, why = SUPPORT.get(name, (True, ""))
+    return (ok, why) if return_reason else ok
+
+
+def is_fp8_available(return_reason: bool = False):
+    """TE's check for ``delayed`` / ``tensorwise`` (answer set by the test in :data:`SUPPORT`)."""
+    return _support("is_fp8_available", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False):
+    """TE's check for ``blockwise``."""
+    return _support("is_fp8_block_scaling_available", return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False):
+    """TE's check for ``mxfp8``."""
+    return _support("is_mxfp8_available", return_reason)
+
+
+class autocast:  # noqa: N801 - TE's name
+    """TE's FP8 region: records entry and exit; on leaving the outermost one, updates every module
+    registered (on its first ``delayed`` forward) under any recipe and group, as TE's global buffer does."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        calibrating: bool = False,
+        recipe: Optional["Recipe"] = None,
+        amax_reduction_group: Optional["dist_group_type"] = None,  # noqa: F821 - TE's annotation
+        _graph: bool = False,
+    ) -> None:
+        self._enabled, self._recipe, self._group, self._saved = enabled, recipe, amax_reduction_group, None
+
+    def __enter__(self):
+        CALLS.append(("enter", type(self._recipe).__name__, self._group))
+        self._saved = (_REGION["recipe"], _REGION["group"])
+        _REGION.update(recipe=self._recipe if self._enabled else None, group=self._group)
+        _REGION["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _REGION["depth"] -= 1
+        _REGION["recipe"], _REGION["group"] = self._saved
+        CALLS.append(("exit",))
+        if self._enabled and _REGION["depth"] == 0 and torch.is_grad_enabled():
+            for modules in _REGION["registered"].values():
+                for meta in modules:  # roll the history, scale from the newest amax (a simplified update)
+                    st = meta["scaling_fwd"]
+                    amax = st.amax_history[0].clone()
+                    st.scale.copy_(torch.where(amax > 0, 448.0 / amax.clamp_min(1e-12), st.scale))
+                    st.amax_history.copy_(torch.roll(st.amax_history, -1, 0))
+                    st.amax_history[0].zero_()
+
+
+# ------------------------------------------------------------------------------ GroupedLinear
+class _State:
+    def __init__(self, recipe, **buffers):
+        self.recipe = recipe
+        for k, v in buffers.items():
+            setattr(self, k, v)
+
+
+class GroupedLinear(torch.nn.Module):
+    """TE's ``GroupedLinear`` signature and checks; ``y_i = x_i · weight{i}ᵀ`` in high precision."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: Optional["dist_group_type"] = None,  # noqa: F821 - TE's annotation
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        device: Union[torch.device, str] = "cuda",
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        name: Optional[str] = None,
+        use_grouped_tensor: Optional[bool] = None,
+    ) -> None:
+        super().__init__()
+        if not ALLOW_CPU:
+            RULES.cuda_check("construct")
+        CALLS.append(("build", str(device)))
+        self.num_gemms = num_gemms
+        self.use_grouped_tensor = RULES.use_grouped_tensor(use_grouped_tensor)
+        self.fp8, self.fp8_calibration, self.fp8_meta_tensors_initialized = False, False, False
+        self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
+        dtype = params_dtype or torch.get_default_dtype()
+        for i in range(num_gemms):
+            w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+
+    def init_fp8_meta_tensors(self, recipe) -> None:
+        """Allocate the recipe state per direction (``delayed``: TE's ``scale`` / ``amax_history``); an
+        initialized ``delayed`` state of the same class is kept, as TE's ``set_meta_tensor`` does."""
+        CALLS.append(("init_meta", type(recipe).__name__))
+        for fwd in (True, False):
+            key = RULES.meta_key(fwd)
+            old = self.fp8_meta.get(key)
+            if self.fp8_meta_tensors_initialized and old is not None and type(old.recipe) is type(recipe):
+                continue
+            buffers = RULES.delayed_buffers(recipe, self.fp8_meta["num_gemms"], fwd) if recipe.delayed() else {}
+            self.fp8_meta[key] = _State(recipe, **buffers)
+        self.fp8_meta_tensors_initialized = True
+
+    def _init_fp8_metadata(self) -> None:
+        recipe = _REGION["recipe"]
+        self.fp8 = recipe is not None
+        self.fp8_meta["fp8_checkpoint"] = self.fp8
+        if not self.fp8:
+            return
+        self.fp8_meta["recipe"], self.fp8_meta["num_gemms"] = recipe, self.num_gemms
+        self.fp8_meta["fp8_group"] = _REGION["group"]
+        self.init_fp8_meta_tensors(recipe)
+        if recipe.delayed():
+            key = (type(recipe).__name__, id(_REGION["group"]))
+            registered = _REGION["registered"].setdefault(key, [])
+            if not any(m is self.fp8_meta for m in registered):
+                registered.append(self.fp8_meta)
+
+    def forward(
+        self,
+        inp: torch.Tensor,
+        m_splits: torch.Tensor,
+        is_first_microbatch: Optional[bool] = None,
+        out: Optional[torch.Tensor] = None,
+        dgrad_out: Optional[torch.Tensor] = None,
+    ):
+        """TE's checks of ``m_splits`` and the device, then the per-GEMM products."""
+        splits = RULES.forward_checks(self, m_splits)
+        if self.use_grouped_tensor:  # as on a GPU where TE's native path is supported
+            RULES.native_path_check(splits)
+        if not ALLOW_CPU:
+            RULES.cuda_check("forward", inp=inp)
+        self._init_fp8_metadata()
+        sizes = splits.tolist()
+        CALLS.append(("gemm", sizes, is_first_microbatch))
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        if self.fp8 and self.fp8_meta["recipe"].delayed():
+            amax = self.fp8_meta["scaling_fwd"].amax_history[0]
+            for i, (x, w) in enumerate(zip(inp.split(sizes), weights)):
+                amax[3 * i] = torch.maximum(amax[3 * i], x.detach().abs().amax() if x.numel() else amax[3 * i])
+                amax[3 * i + 1] = w.detach().abs().amax()
+        return torch.cat([x @ w.t() for x, w in zip(inp.split(sizes), weights)])
+
+    def get_extra_state(self) -> torch.Tensor:
+        """TE's rule: an empty tensor unless FP8 ran with a stateful recipe; then its pickled payload."""
+        done, empty = RULES.get_extra_state_early(self)
+        if done:
+            return empty
+        spec = RULES.snap["extra_state"]
+        state = {"recipe": self.fp8_meta["recipe"]}
+        for saved, (key, attr) in spec["delayed_tensors"].items():
+            state[saved] = getattr(self.fp8_meta[key], attr).clone()
+        state["extra_fp8_variables"] = {
+            k: v for k, v in self.fp8_meta.items() if isinstance(v, (bool, int, float, str, tuple, list))
+        }
+        assert set(state) == set(spec["get_extra_state"]["payload_keys"])
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        """TE's loading rule (ignore, load, or refuse without the unsafe-pickle opt-in), then restore."""
+        CALLS.append(("set_extra_state", state))
+        ignored, payload = RULES.set_extra_state_gate(self, state)
+        if ignored or payload is None:
+            return
+        self.fp8_meta.update(payload["extra_fp8_variables"])
+        self.fp8_meta["recipe"] = payload["recipe"]
+        self.init_fp8_meta_tensors(payload["recipe"])
+        for saved, (key, attr) in RULES.snap["extra_state"]["delayed_tensors"].items():
+            getattr(self.fp8_meta[key], attr).copy_(payload[saved])
+
+
+# ------------------------------------------------------------------------------ installation
+def install(monkeypatch) -> None:
+    """Put this stand-in where ``import transformer_engine.pytorch`` (and ``.common.recipe``) find it,
+    reset its records, and let CPU through (:data:`ALLOW_CPU`), for one test."""
+    te = types.ModuleType("transformer_engine")
+    pt = types.ModuleType("transformer_engine.pytorch")
+    common = types.ModuleType("transformer_engine.common")
+    recipe = types.ModuleType(RECIPE_MODULE)
+    me = sys.modules[__name__]
+    for te_name, local in STANDS_IN_FOR.items():
+        if "." not in local:
+            setattr(recipe if te_name.startswith(RECIPE_MODULE) else pt, local, getattr(me, local))
+    recipe.Format, recipe.MMParams, recipe.Recipe = Format, MMParams, Recipe
+    te.pytorch, te.common, common.recipe = pt, common, recipe
+    for name, mod in [("transformer_engine", te), ("transformer_engine.pytorch", pt),
+                      ("transformer_engine.common", common), (RECIPE_MODULE, recipe)]:  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(me, "ALLOW_CPU", True)
+    monkeypatch.setitem(_REGION, "registered", {})
+    CALLS.clear()
+    SUPPORT.clear()
