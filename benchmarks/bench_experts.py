@@ -27,9 +27,10 @@ import time
 
 import torch
 
-from folding.moe.expert_backends import torch_grouped_mm_supported
+from folding.moe.expert_select import backend_support
 from folding.moe.expert_te import te_available
 from folding.moe.experts import GroupedMLP
+from folding.quant import RECIPES
 
 DEFAULT_SHAPES = "128,256,8,2,256;256,512,8,2,512"
 MIXTRAL_SHAPE = "4096,14336,8,2,4096"
@@ -46,7 +47,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--backends", default="loop,torch,te", help="comma-separated backends to time")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated compute dtypes: bf16, fp32")
-    p.add_argument("--fp8-recipes", default="", help="FP8 recipes to time (te backend, GPU), e.g. tensorwise,mxfp8")
+    p.add_argument(
+        "--fp8-recipes",
+        default="",
+        help="FP8 recipes to time (te and torch backends, GPU), e.g. tensorwise,mxfp8 or rowwise (torch, Hopper)",
+    )
     p.add_argument("--emulated", action="store_true", help="also time the emulated FP8 backend (slow; numerics only)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per case (after one warm-up)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
@@ -158,7 +163,7 @@ def accuracy_rows(device):
         ref = run("loop", torch.float32)
         for name, args in [("bf16", ("loop", torch.bfloat16))] + [
             (f"emulated {r}" + (" (first step: scale 1)" if r == "delayed" else ""), ("emulated", torch.bfloat16, r))
-            for r in ("delayed", "tensorwise", "blockwise", "mxfp8")
+            for r in RECIPES
         ]:
             out = run(*args)
             errs = [((a.float() - b).norm() / b.norm()).item() for a, b in zip(out, ref)]
@@ -205,7 +210,7 @@ def main(argv=None):
                 emulated = True
                 continue
             cases.append((b, dname, dtype, None))
-            if b == "te":
+            if b in ("te", "torch"):  # each backend times the recipes it runs here; the rest are skipped
                 cases += [(b, dname, dtype, r) for r in args.fp8_recipes.split(",") if r]
         if emulated:
             cases += [("emulated", dname, dtype, r) for r in (args.fp8_recipes or "mxfp8").split(",") if r]
@@ -214,12 +219,8 @@ def main(argv=None):
         flops = layer_flops(shape)
         dense = {}
         for backend, dname, dtype, recipe in cases:
-            why = None
-            if backend == "te" and not te_ok:
-                why = te_why
-            elif backend == "torch" and not torch_grouped_mm_supported(device.type, dtype):
-                why = f"no grouped_mm for {device.type}/{dname} in this torch build"
-            if why:
+            ok, why = backend_support(backend, recipe, device, dtype)
+            if not ok:
                 skipped.append(f"{backend} {dname}{' ' + recipe if recipe else ''}: {why}")
                 continue
             if dname not in dense:

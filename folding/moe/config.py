@@ -28,7 +28,7 @@ AuxLossType = Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"]
 Dispatcher = Literal["alltoall", "allgather"]
 WireFormat = Literal["none", "fp8", "mxfp8"]
 ExpertBackend = Literal["auto", "te", "torch", "loop", "emulated"]
-Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8", "rowwise"]
 
 SCORE_FUNCTIONS = get_args(ScoreFunction)
 ROUTER_DTYPES = get_args(RouterDtype)
@@ -120,11 +120,13 @@ class MoEConfig:
     grad_wire: WireFormat = "none"
     """Wire format of the backward exchanges: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
     expert_backend: ExpertBackend = "auto"
-    """Grouped-GEMM backend: ``"auto"``, ``"te"`` (TransformerEngine), ``"torch"``, ``"loop"`` (one
-    GEMM per expert) or ``"emulated"`` (FP8 emulated on any device)."""
+    """Grouped-GEMM backend: ``"auto"``, ``"te"`` (TransformerEngine), ``"torch"`` (grouped_mm; FP8
+    ``rowwise`` / ``mxfp8`` through ``torch._scaled_grouped_mm``), ``"loop"`` (one GEMM per expert) or
+    ``"emulated"`` (FP8 emulated on any device)."""
     fp8_recipe: Optional[Fp8Recipe] = None
-    """FP8 recipe of the experts: ``None`` (off), ``"delayed"``, ``"tensorwise"``, ``"blockwise"`` or
-    ``"mxfp8"``."""
+    """FP8 recipe of the experts: ``None`` (off), ``"delayed"``, ``"tensorwise"``, ``"blockwise"``,
+    ``"mxfp8"`` (TransformerEngine's recipes; ``mxfp8`` also on the ``torch`` backend) or ``"rowwise"``
+    (per-row scales, ``torch._scaled_grouped_mm`` on compute capability 9.x; not in TE)."""
     shared_expert_ffn_hidden_size: Optional[int] = None
     """FFN size of the shared expert (Qwen2-MoE); ``None`` = no shared expert."""
     shared_expert_gate: bool = False

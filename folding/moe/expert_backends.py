@@ -9,7 +9,8 @@ Backends (all take the same arguments and give the same result up to round-off):
 - ``loop``: one matmul per expert; the reference.
 - ``torch``: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) where the build has it.
   Its CPU backward rejects stride-0 gradients and strides that are not multiples of 16 bytes, so
-  the output's gradient is made contiguous and K / O are zero-padded to 16-byte multiples.
+  the output's gradient is made contiguous and K / O are zero-padded to 16-byte multiples. With an
+  FP8 recipe (``rowwise``, ``mxfp8``): ``torch._scaled_grouped_mm`` (:mod:`folding.moe.expert_scaled`).
 - ``emulated``: the loop on FP8/MXFP8-quantized operands (:func:`folding.quant.emulated_linear`).
 - ``te``: TransformerEngine ``GroupedLinear`` (see :mod:`folding.moe.expert_te`).
 
@@ -28,6 +29,8 @@ import functools
 
 import torch
 
+from folding.moe.expert_scaled import FEATURE_ALIGN, scaled_grouped_linear
+from folding.moe.expert_te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
 from folding.parallel import overlap
 from folding.quant import emulated_linear
 
@@ -213,7 +216,9 @@ def grouped_linear(
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ``; rows expert-major.
 
     ``tokens_per_expert``: list or 1-D integer tensor [E] on the inputs' device. ``backend`` is ``loop``,
-    ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``). Calls are chunked so that
+    ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``; ``torch`` with ``rowwise`` or
+    ``mxfp8`` runs FP8 through ``torch._scaled_grouped_mm``, reading the counts on the host and padding
+    each expert's rows to the recipe's alignment unless they are already). Calls are chunked so that
     no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
     tensor of counts and an input that fits one call runs without a host transfer either way (and
     without checking that the counts sum to N); with a list it builds the offsets by one host copy.
@@ -230,13 +235,15 @@ def grouped_linear(
         return x_NI @ w_LOI[0].t()
     width = max(x_NI.shape[1], w_LOI.shape[1])
     fits = num_rows * (width + 16) <= index_limit
-    if backend == "torch" and fits and isinstance(tokens_per_expert, torch.Tensor):
+    if backend == "torch" and fp8_recipe is None and fits and isinstance(tokens_per_expert, torch.Tensor):
         if tuple(tokens_per_expert.shape) != (num_experts,):
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
             )
         return _torch_call(x_NI, w_LOI, tokens_per_expert, delay_wgrad)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
+    if backend == "torch" and fp8_recipe is not None:
+        return _scaled_calls(x_NI, w_LOI, counts, fp8_recipe, index_limit, delay_wgrad)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
         linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
@@ -257,6 +264,25 @@ def grouped_linear(
         else:
             raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
         start += rows
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad):
+    """FP8 grouped GEMMs in calls of whole aligned row blocks (an expert may span calls)."""
+    align = FP8_ROW_ALIGN.get(recipe, 16)
+    if any(c % align for c in counts):  # standalone use: align once for every call
+        x_NpI, padded = pad_rows_per_expert(x_NI, counts, align)
+        y_NpO = _scaled_calls(x_NpI, w_LOI, padded, recipe, index_limit, delay_wgrad)
+        return unpad_rows_per_expert(y_NpO, counts, padded)
+    width = max(x_NI.shape[1], w_LOI.shape[1]) + FEATURE_ALIGN.get(recipe, 16)
+    rows = max(align, (index_limit // width) // align * align)  # every piece stays aligned
+    outs, start = [], 0
+    for call in plan_chunks(counts, 1, rows):
+        n = sum(c for _, c in call)
+        experts = [e for e, _ in call]
+        ws = w_LOI.narrow(0, experts[0], len(experts))
+        outs.append(scaled_grouped_linear(x_NI[start : start + n], ws, [c for _, c in call], recipe, delay_wgrad))
+        start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 

@@ -1,22 +1,28 @@
 """Which expert backend runs where: the one place that decides, with TransformerEngine's own checks.
 
 Backends: ``te`` (TransformerEngine ``GroupedLinear``, CUDA, BF16 or an FP8 recipe), ``torch``
-(``torch._grouped_mm``, BF16/FP32), ``loop`` (one GEMM per expert, high precision), ``emulated``
-(FP8 numerics on any device, one GEMM per expert). FP8 recipes: ``delayed``, ``tensorwise``,
-``blockwise``, ``mxfp8``. TransformerEngine decides what the GPU supports: ``is_fp8_available``
-(compute capability ≥ 8.9: ``delayed``, ``tensorwise``), ``is_fp8_block_scaling_available`` (≥ 9.0
-and CUDA ≥ 12.9: ``blockwise``), ``is_mxfp8_available`` (≥ 10.0: ``mxfp8``).
+(``torch._grouped_mm`` for BF16/FP32; ``torch._scaled_grouped_mm`` for the FP8 recipes ``rowwise``
+and ``mxfp8``, :mod:`folding.moe.expert_scaled`), ``loop`` (one GEMM per expert, high precision),
+``emulated`` (FP8 numerics on any device, one GEMM per expert). FP8 recipes: ``delayed``,
+``tensorwise``, ``blockwise``, ``mxfp8``, ``rowwise``.
 
-``auto`` picks ``te`` only where TransformerEngine supports the recipe on this GPU, then ``torch``
-(no recipe) or ``emulated`` (a recipe), then ``loop``. A fallback to a slower backend on a GPU is a
-warning. An explicit backend that cannot run raises :class:`BackendError` naming the setting, the
-reason (TE's, with the GPU's compute capability) and the fix, when the experts are built for a
-device or when the job is validated, before any step.
+- TransformerEngine decides what the GPU supports: ``is_fp8_available`` (compute capability ≥ 8.9:
+  ``delayed``, ``tensorwise``), ``is_fp8_block_scaling_available`` (≥ 9.0 and CUDA ≥ 12.9:
+  ``blockwise``), ``is_mxfp8_available`` (≥ 10.0: ``mxfp8``). TE has no ``rowwise`` recipe.
+- The ``torch`` backend runs ``rowwise`` on compute capability 9.x and ``mxfp8`` on 10.x, in bf16
+  (:func:`folding.moe.expert_scaled.scaled_grouped_mm_support`, which also probes the kernel once).
+
+``auto`` picks ``te`` where TransformerEngine supports the recipe on this GPU; else, with a recipe,
+the ``torch`` FP8 path where it runs, else ``emulated``; without a recipe ``torch``, else ``loop``.
+A fallback to ``emulated`` (or to ``torch``/``loop`` without a recipe) on a GPU is a warning. An
+explicit backend that cannot run raises :class:`BackendError` naming the settings, the reason (TE's
+or the kernel's, with the GPU's compute capability) and the fix, when the experts are built for a
+device or when the job is validated for this machine, before any step.
 
 Usage::
 
     ok, why = backend_support("te", "mxfp8", torch.device("cuda", 0))
-    name = resolve_backend("auto", "mxfp8", torch.device("cuda", 0), torch.bfloat16)
+    name = resolve_backend("auto", "rowwise", torch.device("cuda", 0), torch.bfloat16)
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 
 from ..quant.emulate import RECIPES
 from .expert_backends import torch_grouped_mm_supported
+from .expert_scaled import TORCH_FP8_RECIPES, scaled_grouped_mm_support
 from .expert_te import te_available, te_recipe_support
 
 BACKENDS = ("auto", "te", "torch", "loop", "emulated")
@@ -55,6 +62,11 @@ def backend_support(
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"fp8_recipe={recipe!r}: choose one of {RECIPES} or None")
     if backend == "te":
+        if recipe == "rowwise":
+            return False, (
+                "TransformerEngine has no rowwise recipe (its FP8 recipes are DelayedScaling, "
+                "Float8CurrentScaling, Float8BlockScaling and MXFP8BlockScaling)"
+            )
         if device.type != "cuda":
             return False, f"TransformerEngine runs on CUDA devices, not {device.type}"
         ok, why = te_available()
@@ -63,7 +75,7 @@ def backend_support(
         return ok, "" if ok else f"{why} ({_capability(device)})"
     if backend == "torch":
         if recipe is not None:
-            return False, "the torch backend computes BF16/FP32 only; FP8 needs te (GPU) or emulated"
+            return scaled_grouped_mm_support(recipe, device, dtype)
         ok = torch_grouped_mm_supported(device.type, dtype)
         return ok, "" if ok else f"torch {torch.__version__} has no working grouped_mm for {device.type}/{dtype}"
     if backend == "loop":
@@ -84,14 +96,30 @@ def check_backend(
         return
     ok, why = backend_support(backend, recipe, device, dtype)
     if not ok:
-        fix = (
-            "set moe.expert_backend=auto, or a recipe this GPU supports"
-            if backend == "te"
-            else "set moe.expert_backend=auto"
-        )
         raise BackendError(
-            f"moe.expert_backend={backend!r} with moe.fp8_recipe={recipe!r} cannot run on {device}: {why}; {fix}"
+            f"moe.expert_backend={backend!r} with moe.fp8_recipe={recipe!r} cannot run on {device}: {why}; "
+            + _fix(backend, recipe)
         )
+
+
+def _fix(backend: str, recipe: Optional[str]) -> str:
+    """What to change when ``backend`` cannot run ``recipe`` here."""
+    if backend == "te" and recipe == "rowwise":
+        return (
+            "set moe.expert_backend=torch (GPUs of compute capability 9.x) or auto, or choose a "
+            "TransformerEngine recipe (moe.fp8_recipe=tensorwise, blockwise, mxfp8 or delayed)"
+        )
+    if backend == "te":
+        return "set moe.expert_backend=auto, or a recipe this GPU supports"
+    if backend == "torch" and recipe in TORCH_FP8_RECIPES:
+        return (
+            "run on a GPU with the kernel (compute capability 9.x for rowwise, 10.x for mxfp8) with "
+            "train.precision=bf16, or set moe.expert_backend=emulated (the same numerics on any device, "
+            "slowly) or moe.expert_backend=auto"
+        )
+    if backend == "torch" and recipe is not None:
+        return "set moe.expert_backend=te or emulated (or auto), or moe.fp8_recipe=rowwise or mxfp8"
+    return "set moe.expert_backend=auto"
 
 
 def resolve_backend(backend: str, recipe: Optional[str], device: torch.device, dtype: torch.dtype) -> str:
@@ -103,13 +131,14 @@ def resolve_backend(backend: str, recipe: Optional[str], device: torch.device, d
     te_ok, te_why = backend_support("te", recipe, device, dtype)
     if te_ok:
         return "te"
-    if recipe is not None:
-        name = "emulated"
-    else:
-        name = "torch" if backend_support("torch", None, device, dtype)[0] else "loop"
+    torch_ok, torch_why = backend_support("torch", recipe, device, dtype)
+    if recipe is not None and torch_ok:
+        return "torch"  # FP8 through torch._scaled_grouped_mm: not a fallback
+    name = "torch" if torch_ok else ("emulated" if recipe is not None else "loop")
+    why = te_why if torch_ok else f"{te_why}; {torch_why}"
     if device.type == "cuda":
         warnings.warn(
-            f"moe.expert_backend=auto runs the {name} backend on {device} (slower than te): {te_why}",
+            f"moe.expert_backend=auto runs the {name} backend on {device} (slower than te): {why}",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-FP8_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}
+FP8_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "rowwise": 16}
 """Per-expert row multiple that each FP8 recipe's grouped GEMM needs."""
 
 TE_VERSION_RANGE = ">=2.10,<3"

@@ -19,7 +19,9 @@ rank's slice (EP along dim 0, ETP along F) in its :class:`~folding.parallel.para
 full tensor is drawn from ``normal(0, init_std)`` one expert at a time (``chunk_dim=0``), so a rank
 generates only its own experts, and every layout holds the same numbers.
 
-Backends: ``loop`` (reference), ``torch`` (grouped_mm), ``emulated`` (loop on FP8/MXFP8-quantized
+Backends: ``loop`` (reference), ``torch`` (grouped_mm; with ``fp8_recipe`` ``rowwise`` or ``mxfp8``
+``torch._scaled_grouped_mm``, rows padded per expert once around fc1→fc2, see
+:mod:`folding.moe.expert_scaled`), ``emulated`` (loop on FP8/MXFP8-quantized
 operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
 inside the model chunk's FP8 region, see :mod:`folding.moe.expert_te`), ``auto`` (chosen by
 :mod:`folding.moe.expert_select` with TransformerEngine's own checks).
@@ -111,7 +113,8 @@ class GroupedMLP(torch.nn.Module):
             raise ValueError("backend='emulated' emulates an FP8 recipe: set fp8_recipe (e.g. 'mxfp8'), or use 'loop'")
         if backend == "loop" and fp8_recipe is not None:
             raise ValueError(
-                f"backend='loop' computes in high precision; for fp8_recipe={fp8_recipe!r} use 'emulated' or 'te'"
+                f"backend='loop' computes in high precision; for fp8_recipe={fp8_recipe!r} use 'emulated', "
+                "'torch' or 'te'"
             )
         if device is not None and torch.device(device).type != "meta":
             check_backend(backend, fp8_recipe, torch.device(device), params_dtype)  # before any step
@@ -232,11 +235,14 @@ class GroupedMLP(torch.nn.Module):
         backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
         if isinstance(tokens_per_expert, DispatchRecord):  # the counts this backend wants, no copy
             rec = tokens_per_expert
-            tokens_per_expert = rec.tokens_per_expert if backend == "torch" else list(rec.tokens_per_expert_host)
+            device_counts = backend == "torch" and self.fp8_recipe is None
+            tokens_per_expert = rec.tokens_per_expert if device_counts else list(rec.tokens_per_expert_host)
         w1 = self.fc1_weight.to(tokens_NH.dtype)
         w2 = self.fc2_weight.to(tokens_NH.dtype)
         if backend == "te":
             return self._te_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
+        if backend == "torch" and self.fp8_recipe is not None:
+            return self._scaled_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
         if not isinstance(
             tokens_per_expert, torch.Tensor
         ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
@@ -258,6 +264,17 @@ class GroupedMLP(torch.nn.Module):
                 probs_N = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)
             h = runner.linear("fc1", x_NH, w1, padded)
             y = runner.linear("fc2", self._activation(h, probs_N), w2, padded)
+        return unpad_rows_per_expert(y, counts, padded)
+
+    def _scaled_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2) -> torch.Tensor:
+        """fc1 → SwiGLU·p → fc2 through ``torch._scaled_grouped_mm``, rows aligned once for the recipe."""
+        counts = host_counts(tokens_per_expert, self.num_local_experts, x_NH.shape[0])
+        align = FP8_ROW_ALIGN[self.fp8_recipe]
+        x_NpH, padded = pad_rows_per_expert(x_NH, counts, align)
+        probs_Np = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)
+        kw = dict(delay_wgrad=self.delay_wgrad)
+        h = grouped_linear(x_NpH, w1, padded, "torch", self.fp8_recipe, **kw)
+        y = grouped_linear(self._activation(h, probs_Np), w2, padded, "torch", self.fp8_recipe, **kw)
         return unpad_rows_per_expert(y, counts, padded)
 
     def _activation(self, h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,12 @@ rows (for ``none`` their own bytes, a view of the permuted rows), for quantized 
 beside them, and the router probabilities (in their own dtype) as one more small part. Formats:
 
 - ``none``: the activation dtype, bit for bit (exact).
-- ``fp8``: e4m3 values with one fp32 scale per row (``folding.quant.quantize_fp8_rowwise``).
+- ``fp8``: e4m3 values with one fp32 power-of-two scale per row (``folding.quant.quantize_fp8_rowwise``),
+  the operand format of the ``rowwise`` expert recipe: rows decode exactly into bf16, and the experts'
+  rowwise quantization of fc1's input gives back the same values (no second rounding).
 - ``mxfp8``: e4m3 values with one e8m0 scale per 32 elements, ``rceil`` rule so nothing saturates
-  (``folding.quant.quantize_mxfp8``); ``(H + H/32)`` bytes per row instead of ``2H`` in bf16.
+  (``folding.quant.quantize_mxfp8``); ``(H + H/32)`` bytes per row instead of ``2H`` in bf16. The
+  ``mxfp8`` expert recipe re-quantizes these rows to the same values.
 
 Quantization happens only at the EP boundary: the ETP all-gather forwards the already encoded bytes
 (no second rounding), while ETP reductions (sums of partial results) run in the activation dtype.
@@ -86,7 +89,7 @@ def encode(x_NH: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, ...]:
     if fmt == "none":
         return (_as_bytes(x_NH),)
     if fmt == "fp8":
-        data, scale_inv = quantize_fp8_rowwise(x_NH)
+        data, scale_inv = quantize_fp8_rowwise(x_NH, power_2_scale=True)
         return _as_bytes(data), _as_bytes(scale_inv.to(torch.float32).reshape(-1, 1))
     data, scales = quantize_mxfp8(x_NH, block_size=MX_BLOCK, scale_mode="rceil")
     return _as_bytes(data), _as_bytes(scales)

@@ -11,11 +11,15 @@ delayed    e4m3, per tensor      e4m3, per tensor       e5m2, per tensor
 tensorwise e4m3, per tensor      e4m3, per tensor       e5m2, per tensor
 blockwise  e4m3, 1×128 blocks    e4m3, 128×128 blocks   e4m3, 1×128 blocks
 mxfp8      e4m3, 1×32 blocks     e4m3, 1×32 blocks      e4m3, 1×32 blocks (E8M0, rceil)
+rowwise    e4m3, per row         e4m3, per row          e4m3, per row
 ========== ===================== ====================== ===================================
 
 1-D blocks run along the GEMM's contraction dimension, so an operand is quantized differently in
 each GEMM it takes part in (rowwise for the forward, columnwise for the weight gradient), exactly
-as the GPU kernels do. ``delayed`` keeps amax histories in a
+as the GPU kernels do. ``rowwise`` (the Hopper recipe of ``torch._scaled_grouped_mm``, which
+TransformerEngine does not have) gives every row of an operand along the GEMM's contraction its own
+power-of-two float32 scale: in the weight-gradient GEMM that is one scale per feature column of each
+expert's tokens. ``delayed`` keeps amax histories in a
 :class:`folding.quant.delayed.DelayedScaling` passed by the caller (without one it falls back to the
 current amax); per-tensor scales are float32, blockwise scales powers of two.
 
@@ -36,13 +40,15 @@ import torch
 
 from folding.quant.fp8 import (
     dequantize_fp8_blockwise,
+    dequantize_fp8_rowwise,
     dequantize_fp8_tensorwise,
     quantize_fp8_blockwise,
+    quantize_fp8_rowwise,
     quantize_fp8_tensorwise,
 )
 from folding.quant.mx import fake_quant_mxfp8
 
-RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
 """Recipes that :func:`fake_quant` and :func:`emulated_linear` understand."""
 
 ROLES = ("input", "weight", "grad")
@@ -76,6 +82,9 @@ def quant_dequant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = 
         xt = x.movedim(dim, -1)
         data, s_inv = quantize_fp8_blockwise(xt, (1, 128))
         return dequantize_fp8_blockwise(data, s_inv, (1, 128), x.dtype).movedim(-1, dim)
+    if recipe == "rowwise":
+        data, s_inv = quantize_fp8_rowwise(x.movedim(dim, -1), torch.float8_e4m3fn, power_2_scale=True)
+        return dequantize_fp8_rowwise(data, s_inv, x.dtype).movedim(-1, dim)
     return fake_quant_mxfp8(x, dim=dim, block_size=32, scale_mode="rceil")
 
 
@@ -94,7 +103,7 @@ class _FakeQuant(torch.autograd.Function):
 def fake_quant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = -1) -> torch.Tensor:
     """Quantize→dequantize ``x`` per ``recipe`` with a straight-through gradient.
 
-    ``recipe`` is one of ``delayed``, ``tensorwise``, ``blockwise``, ``mxfp8``; ``role`` (input,
+    ``recipe`` is one of :data:`RECIPES`; ``role`` (input,
     weight, grad) picks the format and block shape of the table above; 1-D blocks run along ``dim``.
     """
     check_recipe(recipe)

@@ -9,7 +9,8 @@ recipe does.
 
 - per tensor: ``quantize_fp8_tensorwise`` (the ``delayed`` / ``tensorwise`` recipes).
 - per row: ``quantize_fp8_rowwise`` (one scale per row of the last dimension; the dispatcher wire
-  format and ``torch._scaled_grouped_mm``'s rowwise scaling).
+  format and ``torch._scaled_grouped_mm``'s rowwise scaling); ``quantize_fp8_group_columns`` (one
+  scale per column of each group of rows: the per-expert token-wise scaling of a weight gradient).
 - blocks: ``quantize_fp8_blockwise`` with ``block=(1, 128)`` (activations, gradients) or
   ``(128, 128)`` (weights) over the last two dimensions, the shape not necessarily divisible.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from folding.quant.formats import cast_to_fp8, fp8_max
+from folding.quant.formats import cast_to_fp8, floor_log2, fp8_max
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
@@ -33,8 +34,8 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool
     # a true float32 division (``float / tensor`` would multiply by a rounded reciprocal)
     scale = torch.full_like(amax, fp8_max(dtype)) / torch.where(amax > 0, amax, torch.ones_like(amax))
     scale = scale.clamp(max=2.0**127)  # a subnormal amax must not give an infinite scale
-    if power_2_scale:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if power_2_scale:  # exact floor(log2): ``torch.log2`` rounds 2^k·(1 - 2^-24) up to k
+        scale = torch.exp2(floor_log2(scale).float())
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
@@ -83,6 +84,32 @@ def dequantize_fp8_rowwise(
 ) -> torch.Tensor:
     """``data.float() * scale_inv`` cast to ``dtype`` (inverse of :func:`quantize_fp8_rowwise`)."""
     return (data.float() * scale_inv).to(dtype)
+
+
+def quantize_fp8_group_columns(
+    x_NC: torch.Tensor,
+    counts_G: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    power_2_scale: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One float32 scale per column of each group of consecutive rows (``counts_G`` rows each).
+
+    The groups are the experts of a weight-gradient GEMM, whose contraction runs over tokens: each
+    group's columns are scaled like :func:`quantize_fp8_rowwise` of that group's transpose, bit for
+    bit. ``counts_G``: an integer tensor on ``x_NC``'s device summing to N (not checked: no host
+    sync). Returns ``(data_NC, scale_inv_GC)``; an empty group gets scale 1.
+    """
+    if x_NC.dim() != 2 or counts_G.dim() != 1:
+        raise ValueError(
+            f"quantize_fp8_group_columns needs x [N, C] and counts [G]; got {tuple(x_NC.shape)} and "
+            f"{tuple(counts_G.shape)}"
+        )
+    n, g = x_NC.shape[0], counts_G.shape[0]
+    xf = x_NC.float()
+    amax_GC = torch.segment_reduce(xf.abs(), "max", lengths=counts_G, axis=0, unsafe=True, initial=0.0)
+    scale_GC = _scale_from_amax(amax_GC, dtype, power_2_scale)
+    group_N = torch.repeat_interleave(torch.arange(g, device=x_NC.device), counts_G, output_size=n)
+    return _quantize(xf, scale_GC[group_N], dtype), 1.0 / scale_GC
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, int]):

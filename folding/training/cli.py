@@ -2,7 +2,9 @@
 
 ``examples/pretrain_mixtral.py`` calls :func:`check_command_line` first. It composes the config the
 way Hydra will (same ``configs/``, same overrides), builds the typed job and validates it for the
-launched world. So a typo, a bad value or an impossible layout
+launched world, and checks that this machine runs the experts' backend and FP8 recipe
+(:func:`folding.training.machine.check_experts_here`). So a typo, a bad value, an impossible layout
+or a backend this machine lacks
 
 - is reported as one ``error: ...`` line, printed once per node (by the process with local rank 0;
   the other processes find the same error and wait for torchrun to stop them: :func:`report_error`),
@@ -43,6 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .dry_run import dry_run_report
+from .machine import check_experts_here
 from .schema import job_schema
 from .validate import validate_job
 
@@ -175,6 +178,7 @@ def check_command_line(
                 print(report, flush=True)
             return 0
         validate_job(job, world_size=world)
+        check_experts_here(job)  # this machine runs moe.expert_backend with moe.fp8_recipe
     except (HydraException, OmegaConfBaseException) as e:
         report_error(_hydra_message(e))
         return 2

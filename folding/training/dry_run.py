@@ -7,6 +7,8 @@ per-rank memory estimate of the one memory model,
 :func:`folding.planning.memory.memory_per_rank` (params, grads, optimizer state, activations,
 transients; the same call the layout planner makes), with ``parallel.overlap_moe_comm`` the one more
 micro-batch of one model chunk in flight that it costs (:func:`folding.planning.moe_overlap.memory_with_overlap`).
+It also says which expert backend runs the job on the machine the dry run is on, or why it cannot
+(a report, not an error: the job may be meant for other machines).
 
 Usage::
 
@@ -22,7 +24,8 @@ from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
 from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
 from ..planning.moe_overlap import memory_with_overlap
-from .config import JobConfig
+from .config import ConfigError, JobConfig
+from .machine import check_experts_here, training_device
 from .validate import validate_job
 
 GIB = 2**30
@@ -81,6 +84,14 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
             f"  mtp         {m.mtp_num_layers} multi-token-prediction module(s) on the last stage, loss weight "
             f"{m.mtp_loss_scaling_factor} (in the counts above and below)"
         )
+    try:
+        here = f"runs {check_experts_here(job)}"
+    except ConfigError as e:
+        here = f"cannot run: {e}"
+    lines.append(
+        f"  experts     moe.expert_backend={job.moe.expert_backend}, moe.fp8_recipe={job.moe.fp8_recipe}; "
+        f"on this machine ({training_device()}) it {here}"
+    )
     stages = stage_parameters_per_rank(m, layout)
     for r, s in enumerate(stages):
         lines.append(

@@ -39,6 +39,7 @@ from .cli import report_error
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .config import plain_tree as _plain
 from .dry_run import dry_run_report
+from .machine import experts_summary
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
 from .trainer import prepare, train
@@ -200,6 +201,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
                 + (" (resumed run: log and metrics appended)" if prepared.resume_run_dir == run_dir else "")
             )
             log.echo(f"layout: {prepared.layout.describe()}")
+            log.echo(experts_summary(job, prepared.expert_backend))
             log.echo(f"threads: {threads} per process ({why})")
             for note in job.notes:
                 log.echo(note)

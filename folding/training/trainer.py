@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -57,6 +56,7 @@ from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_re
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
+from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
 from .throughput import Throughput
@@ -77,6 +77,8 @@ class Prepared:
     """The checkpoint to resume from (checked against the model), or ``None``."""
     resume_run_dir: Optional[str] = None
     """The run directory that wrote ``resume`` (from its metadata), or ``None``."""
+    expert_backend: str = ""
+    """The expert backend that runs on this machine (``moe.expert_backend`` resolved, checked)."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -92,6 +94,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     except the data cache. Raises :class:`ConfigError` (or the data module's ``ValueError``). The
     checks that depend on the expert backend see what it resolves to on :func:`training_device`."""
     layout = validate_job(job, world_size=world_size, device=training_device())
+    expert_backend = check_experts_here(job)  # this machine can run the experts' backend and recipe
     resume = resume_run_dir = None
     if job.checkpoint.dir or job.checkpoint.load:
         resume = resolve_resume(job.checkpoint)
@@ -115,14 +118,14 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
             "or use the model's tokenizer"
         )
-    return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume, resume_run_dir=resume_run_dir)
-
-
-def training_device() -> torch.device:
-    """``cuda:<LOCAL_RANK>`` when CUDA is available, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    return Prepared(
+        layout=layout,
+        data=data,
+        dp_rank=dp_rank,
+        resume=resume,
+        resume_run_dir=resume_run_dir,
+        expert_backend=expert_backend,
+    )
 
 
 @dataclasses.dataclass

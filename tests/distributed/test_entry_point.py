@@ -111,6 +111,7 @@ def test_two_step_run_without_omp_setting_logs_steps_and_status(tmp_path):
     (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
     log = (run_dir / "train.log").read_text()
     assert "optim.warmup_steps: 1 (the default 5" in log
+    assert "experts: moe.expert_backend=auto -> torch (moe.fp8_recipe=None, cpu" in log  # said at start
     assert re.search(r"threads: \d+ per process \(\d+ usable CPUs / 1 process on this node\)", log), log
     assert len(re.findall(r"^\[#*\.*\] [12]/2 \| loss", log, re.M)) == 2, log
     assert json.loads((run_dir / "status.json").read_text()) == {"status": "completed", "step": 2, "checkpoint": None}

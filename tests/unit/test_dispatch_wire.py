@@ -98,3 +98,15 @@ def test_to_padded_blocks_inverts_the_padded_sort():
     # equal blocks (chunks of 2, 2 | 1, 3 rows): no padding row, just the unsort
     z = to_padded_blocks(x.detach(), [2, 2, 1, 3], [0, 2, 1, 3], [4, 4])
     assert z.squeeze(1).tolist() == [0, 2, 1, 1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("fmt,recipe", [("fp8", "rowwise"), ("mxfp8", "mxfp8")])
+def test_wire_rows_reach_the_matching_expert_recipe_without_a_second_rounding(fmt, recipe):
+    from folding.quant import quant_dequant
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-10, 10, (64, 1), generator=g).float())
+    rows = decode(encode(x.bfloat16(), fmt), fmt, 96, torch.bfloat16)
+    assert not torch.equal(rows, x.bfloat16())  # the wire quantized
+    # fc1's forward quantizes its input along the hidden size: the wire's values come back unchanged
+    assert torch.equal(quant_dequant(rows, recipe, "input", -1), rows)

@@ -49,7 +49,7 @@ def _run(mod, x, counts, probs, dy):
 #   (power-of-two block scales leave mantissas unchanged: with no outliers block size hardly matters)
 #   outlier tokens (every 50th x1000), error of the other tokens' outputs: tensorwise 0.996 (they
 #   fall below the per-tensor scale's range), blockwise 0.067, mxfp8 0.067.
-@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "tensorwise", "delayed", "rowwise"])
 def test_emulated_layer_error_against_bf16(recipe):
     x, counts, probs, dy = _inputs(outliers=False)
     ref = _run(_layer("loop", torch.float32), x, counts, probs, dy)
@@ -67,12 +67,13 @@ def test_block_scaling_beats_per_tensor_with_outliers():
     normal[::50] = False
     ref = _run(_layer("loop", torch.float32), x, counts, probs, dy)
     err = {}
-    for recipe in ("tensorwise", "blockwise", "mxfp8"):
+    for recipe in ("tensorwise", "blockwise", "mxfp8", "rowwise"):
         out = _run(_layer("emulated", torch.bfloat16, recipe), x, counts, probs, dy)
         err[recipe] = _rel(out[0][normal], ref[0][normal])
-    # 1x32 / 1x128 blocks give every token its own scale; one per-tensor scale sized for the
-    # outliers pushes ordinary tokens below e4m3's range and loses them
-    assert err["mxfp8"] < 0.1 and err["blockwise"] < 0.1 and err["tensorwise"] > 0.5, err
+    # 1x32 / 1x128 blocks and per-row scales give every token its own scale; one per-tensor scale
+    # sized for the outliers pushes ordinary tokens below e4m3's range and loses them
+    assert err["mxfp8"] < 0.1 and err["blockwise"] < 0.1 and err["rowwise"] < 0.1, err
+    assert err["tensorwise"] > 0.5, err
 
 
 def test_emulated_backend_is_the_loop_of_emulated_linears():

@@ -128,7 +128,7 @@ def test_emulated_linear_quantizes_each_gemm_along_its_contraction(recipe):
     exact = x.detach() @ w.detach().t()
     rel = ((y - exact).norm() / exact.norm()).item()
     assert 1e-4 < rel < 0.1
-    if recipe in ("mxfp8", "blockwise"):  # wgrad operands are blocked along tokens, not features
+    if recipe in ("mxfp8", "blockwise", "rowwise"):  # wgrad operands are scaled along tokens, not features
         xw = _wide((128, 128), 9)  # rows of very different magnitudes: the two blockings differ
         assert not torch.equal(qd(xw, recipe, "input", 0), qd(xw, recipe, "input", -1))
 
@@ -139,3 +139,29 @@ def test_subnormal_amax_gives_finite_scales():
         d, s = quantize_fp8_rowwise(x, power_2_scale=pow2)
         y = dequantize_fp8_rowwise(d, s)
         assert bool(torch.isfinite(y).all()) and bool(((y - x).abs() <= x.abs()).all())
+
+
+def test_power_of_two_scales_never_saturate_at_the_boundary():
+    # 448 / amax one ulp below a power of two: torch.log2 rounds it up to the exact exponent, and a
+    # scale one octave too large pushes the row's largest value past 448 (it would saturate)
+    amax = torch.tensor(56.0).nextafter(torch.tensor(64.0))  # 448 / amax = 8 - 2^-21, just below 8
+    assert float(torch.floor(torch.log2(torch.tensor(448.0) / amax))) == 3.0  # the rounding trap
+    x = torch.stack([amax, torch.tensor(1.0)]).reshape(1, 2)
+    data, s_inv = quantize_fp8_rowwise(x, power_2_scale=True)
+    assert float(s_inv) == 0.25  # scale 4, not 8
+    assert float(data.float().abs().max()) < 448.0
+
+
+def test_group_columns_are_each_groups_rowwise_transpose_bit_for_bit():
+    from folding.quant.fp8 import quantize_fp8_group_columns
+
+    x = _wide((48, 24), 7).t().contiguous().t()  # rows of very different magnitudes, any layout
+    counts = [16, 0, 5, 27]
+    for pow2 in (False, True):
+        data, s_inv = quantize_fp8_group_columns(x, torch.tensor(counts), power_2_scale=pow2)
+        assert data.shape == x.shape and s_inv.shape == (4, 24)
+        for g, rows in enumerate(x.split(counts)):
+            want_d, want_s = quantize_fp8_rowwise(rows.t(), power_2_scale=pow2)
+            got = data.split(counts)[g].t()
+            assert torch.equal(got.view(torch.uint8), want_d.view(torch.uint8))
+            assert torch.equal(s_inv[g], want_s.squeeze(-1) if counts[g] else torch.ones(24))
