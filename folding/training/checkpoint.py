@@ -58,14 +58,15 @@ _STEP = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^step_\d{8}\.tmp-")
 # ModelConfig fields that do not change any tensor: they may differ between save and load.
 _FREE_MODEL_FIELDS = ("name", "init_std")
-# The MoE options that shape tensors (every other MoE option, routing and dispatch alike, may change).
-_SHAPED_MOE_FIELDS = (
+SHAPED_MOE_FIELDS = (
     "num_experts",
     "ffn_hidden_size",
     "shared_expert_ffn_hidden_size",
     "shared_expert_gate",
     "expert_bias",  # a buffer exists only when on
 )
+"""The MoE options that shape tensors (every other MoE option, routing and dispatch alike, may change
+between save and load)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -137,20 +138,34 @@ def read_meta(path: str) -> Dict[str, Any]:
     return meta
 
 
+def config_differences(
+    reference: Dict[str, Any], model, *, free_model_fields: Sequence[str], moe_fields: Sequence[str]
+) -> List[Tuple[str, Any, Any]]:
+    """``(key, reference value, model's value)`` for every field of the :class:`ModelConfig` ``model``
+    that differs from the plain dict ``reference`` (``dataclasses.asdict`` of a model config, MoE record
+    under ``moe``): every ``model.*`` field but ``free_model_fields`` (nested records compared field by
+    field, ``model.mla.kv_lora_rank``), and the ``moe.*`` fields in ``moe_fields``."""
+    ref, now = dict(reference), _plain(dataclasses.asdict(model))
+    ref_moe, now_moe = ref.pop("moe", None) or {}, now.pop("moe")
+    out = []
+    for k in sorted(now):
+        if k in _FREE_MODEL_FIELDS or k in free_model_fields:
+            continue
+        a, b = _plain(ref.get(k)), now[k]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [(f"model.{k}.{f}", a.get(f), b[f]) for f in sorted(b) if _plain(a.get(f)) != b[f]]
+        elif a != b:
+            out.append((f"model.{k}", a, b))
+    return out + [(f"moe.{k}", ref_moe.get(k), now_moe[k]) for k in moe_fields if _plain(ref_moe.get(k)) != now_moe[k]]
+
+
 def check_compatible(meta: Dict[str, Any], job) -> None:
     """Fail with :class:`ConfigError` naming every differing ``model.*`` / ``moe.*`` field when the
     checkpoint's model is not ``job``'s (fields that change no tensor, such as ``model.init_std`` or
     ``moe.topk``, may differ)."""
-    saved, now = dict(meta["model"]), _plain(dataclasses.asdict(job.model))
-    saved_moe, now_moe = saved.pop("moe", None) or {}, now.pop("moe")
     diff = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}"
-        for k in sorted(now)
-        if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]
-    ] + [
-        f"moe.{k}: checkpoint {saved_moe.get(k)!r}, this job {now_moe[k]!r}"
-        for k in _SHAPED_MOE_FIELDS
-        if _plain(saved_moe.get(k)) != now_moe[k]
+        f"{k}: checkpoint {a!r}, this job {b!r}"
+        for k, a, b in config_differences(meta["model"], job.model, free_model_fields=(), moe_fields=SHAPED_MOE_FIELDS)
     ]
     if diff:
         raise ConfigError(

@@ -27,7 +27,9 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
-its step to ``train.steps``, in whatever layout this run has.
+its step to ``train.steps``, in whatever layout this run has. Without one, ``checkpoint.init_from_hf``
+starts the run at step 0 from those weights instead of a random initialization
+(:mod:`folding.training.init_from_hf`).
 
 Usage::
 
@@ -52,11 +54,13 @@ from ..model.compile import compile_dense
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
+from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
 from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
+from .init_from_hf import check_init_source, load_initial_weights
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
 from .throughput import Throughput
@@ -77,6 +81,9 @@ class Prepared:
     """The checkpoint to resume from (checked against the model), or ``None``."""
     resume_run_dir: Optional[str] = None
     """The run directory that wrote ``resume`` (from its metadata), or ``None``."""
+    init_from_hf: Optional[str] = None
+    """The weights to start from (``checkpoint.init_from_hf``, checked against the model) when there
+    is no checkpoint to resume from; ``None`` otherwise."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -99,6 +106,9 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             meta["path"] = resume
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
+    init = None
+    if job.checkpoint.init_from_hf and resume is None:
+        init = check_init_source(job.checkpoint.init_from_hf, job.model)
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(
         job.data,
@@ -114,7 +124,9 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
             "or use the model's tokenizer"
         )
-    return Prepared(layout=layout, data=data, dp_rank=dp_rank, resume=resume, resume_run_dir=resume_run_dir)
+    return Prepared(
+        layout=layout, data=data, dp_rank=dp_rank, resume=resume, resume_run_dir=resume_run_dir, init_from_hf=init
+    )
 
 
 def training_device() -> torch.device:
@@ -142,6 +154,8 @@ class _Run:
     chunks: List[nn.Module]
     optimizer: FoldedOptimizer
     resumed_from: Optional[str]
+    init_from_hf: Optional[str]
+    """The weights the run started from (``checkpoint.init_from_hf``), or ``None``."""
     stats: MoEStats
     sink: Optional[MetricsSink]
     """Rank 0's metrics sink; ``None`` elsewhere."""
@@ -214,9 +228,11 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     and open rank 0's metrics sink."""
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
-    chunks = _build_chunks(job, ps, device)
+    resumed_from, init_from = _starting_point(job, prep)
+    chunks = _build_chunks(job, ps, device, init_from=init_from)
     optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
-    resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
+    if resumed_from:
+        load_checkpoint(resumed_from, chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     stats = MoEStats(chunks, model_config=job.model)
     stats.set_aux_loss_scale(1.0 / (M * prep.layout.dp))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -231,6 +247,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         chunks=chunks,
         optimizer=optimizer,
         resumed_from=resumed_from,
+        init_from_hf=init_from,
         stats=stats,
         sink=_open_sink(job, run_dir, run_log) if rank == 0 else None,
         throughput=Throughput(job, device=device, world_size=world),
@@ -241,8 +258,10 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     )
 
 
-def _build_chunks(job: JobConfig, ps, device: torch.device) -> List[nn.Module]:
-    """This rank's model chunks in training mode (compiled with ``train.compile``)."""
+def _build_chunks(job: JobConfig, ps, device: torch.device, *, init_from: Optional[str] = None) -> List[nn.Module]:
+    """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
+    ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
+    those weights (:mod:`folding.training.init_from_hf`)."""
     t = job.train
     chunks = build_stage_chunks(
         model_config=job.model,
@@ -252,8 +271,12 @@ def _build_chunks(job: JobConfig, ps, device: torch.device) -> List[nn.Module]:
         delay_wgrad=job.parallel.delay_wgrad,
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
         init_seed=t.seed,
-        device=device,
+        device="meta" if init_from else device,
     )
+    if init_from:
+        for c in chunks:
+            materialize(c, device=device, init_seed=None)
+        load_initial_weights(chunks, init_from)
     for c in chunks:
         c.train()
     if t.compile:
@@ -272,16 +295,15 @@ def _open_sink(job: JobConfig, run_dir: str, run_log) -> MetricsSink:
     )
 
 
-def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[str]:
-    """Load the checkpoint :func:`prepare` chose (rank 0's choice, broadcast so that every rank
-    agrees); return its path or ``None``. Collective over the world."""
-    if not (job.checkpoint.dir or job.checkpoint.load):
-        return None
-    box = [prep.resume]
+def _starting_point(job: JobConfig, prep: Prepared) -> Tuple[Optional[str], Optional[str]]:
+    """``(checkpoint to resume, weights to initialize from)`` as :func:`prepare` chose them on rank 0
+    (broadcast, so that every rank agrees; at most one is set). Collective over the world when
+    ``checkpoint.dir``, ``load`` or ``init_from_hf`` is set."""
+    ck = job.checkpoint
+    if not (ck.dir or ck.load or ck.init_from_hf):
+        return None, None
+    box = [(prep.resume, prep.init_from_hf)]
     dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        return None
-    load_checkpoint(box[0], chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     return box[0]
 
 
@@ -296,6 +318,7 @@ def _log_run(run: _Run) -> None:
                 "parameters": run.job.model.num_parameters()[0],
                 "microbatches_per_step": run.num_microbatches,
                 "resumed_from": run.resumed_from,
+                "init_from_hf": run.init_from_hf,
                 "start_step": run.optimizer.step_count + 1,
             }
         )

@@ -89,8 +89,9 @@ def test_another_model_fails_before_any_tensor(tmp_path):
         prepare(job, world_size=1, rank=0)
 
 
-def test_async_save_is_rejected():
-    job = dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save=True))
+def test_async_save_is_a_boolean():
+    validate_job(dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save=True)), world_size=1)
+    job = dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save="yes"))
     with pytest.raises(ConfigError, match="checkpoint.async_save"):
         validate_job(job, world_size=1)
 
