@@ -13,7 +13,7 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 2. forward-backward schedule (:func:`_forward_backward`): each micro-batch with loss
    ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer);
 3. reductions (:func:`_reduce`): one world all-reduce of [LM loss sum, expert counts, dropped
-   pairs, router losses, stop flag];
+   pairs, router losses, stop flag, whether this rank still writes an asynchronous save];
 4. clip and step (:func:`_clip_and_step`): if the loss or the gradient norm is NaN/Inf the update is
    skipped (logged ``skipped: true``), the data and the LR schedule still advance;
 5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
@@ -23,7 +23,9 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
    steps an ``eval`` record (:func:`_evaluate_if_due`);
 7. checkpoint (:func:`_checkpoint_if_due`): with ``checkpoint.dir`` set, every
    ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
-   rank through the step's all-reduce), after which the loop stops.
+   rank through the step's all-reduce), after which the loop stops. With ``checkpoint.async_save``
+   the write goes on behind the next steps (:mod:`folding.training.checkpoint_async`) and the save
+   is published at the first step boundary where every rank's write has finished.
 
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
@@ -42,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -56,7 +59,9 @@ from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
-from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
+from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, step_dir_name
+from .checkpoint_async import AsyncSaver
+from .checkpoint_save import save_checkpoint
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
@@ -168,6 +173,10 @@ class _Run:
     """True once a stop request reached every rank (through a step's all-reduce)."""
     saved_at: Optional[int] = None
     """Step of the last checkpoint saved or loaded by this run."""
+    saver: Optional[AsyncSaver] = None
+    """The asynchronous saves (``checkpoint.async_save`` with ``checkpoint.dir``), or ``None``."""
+    save_written: bool = False
+    """True after a step's all-reduce showed that no rank is still writing the pending save."""
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -206,6 +215,10 @@ def train(
                 if run.stopped:
                     _report_stop(run, step)
                     break
+            if run.saver:  # normal end: nothing may stay unpublished
+                if run.saver.pending is not None:
+                    _published(run, run.saver.finish(), blocked_s=None)
+                run.saver.close()
     finally:
         run.stats.close()
         if run.sink:
@@ -255,6 +268,9 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         run_log=run_log,
         timer=StepTimer(device),
         saved_at=optimizer.step_count if resumed_from else None,
+        saver=AsyncSaver(timeout_s=t.collective_timeout_s)
+        if job.checkpoint.async_save and job.checkpoint.dir
+        else None,
     )
 
 
@@ -366,16 +382,20 @@ def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch
 
 
 def _reduce(run: _Run, out: Dict[str, torch.Tensor], n_tokens: torch.Tensor) -> _StepLosses:
-    """One world all-reduce of [LM loss sum, MTP loss sum, router statistics, stop flag]: the step's
-    losses, and :attr:`_Run.stopped` when any rank saw a stop request."""
+    """One world all-reduce of [LM loss sum, MTP loss sum, router statistics, stop flag, writing flag]:
+    the step's losses, :attr:`_Run.stopped` when any rank saw a stop request, and
+    :attr:`_Run.save_written` when no rank is still writing the pending asynchronous save."""
     job, ps, layout, device = run.job, run.ps, run.prep.layout, run.device
     parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
     # per-token losses are identical on the TP ranks of the last stage: count them once
     parts = parts / layout.tp if ps.is_last_stage else torch.zeros_like(parts)
-    flag = torch.tensor([1.0 if run.stop.requested else 0.0], dtype=torch.float64, device=device)
-    vec = torch.cat([parts, run.stats.vector().to(device), flag])
+    writing = run.saver is not None and run.saver.writing()
+    flags = torch.tensor([1.0 if run.stop.requested else 0.0, float(writing)], dtype=torch.float64, device=device)
+    vec = torch.cat([parts, run.stats.vector().to(device), flags])
     dist.all_reduce(vec)
-    run.stopped, vec = bool(vec[-1] > 0), vec[:-1]
+    stop, still_writing = vec[-2:].tolist()  # one host read for both flags
+    vec, run.stopped = vec[:-2], stop > 0
+    run.save_written = run.saver is not None and run.saver.pending is not None and still_writing == 0
     lm_loss, mtp_loss = (vec[:2] / n_tokens.clamp(min=1)).tolist()  # one host read for both
     moe = run.stats.summarize(
         vec[2:], num_microbatches=run.num_microbatches * layout.dp, dp=layout.dp, topk=job.moe.topk
@@ -458,14 +478,19 @@ def _evaluate_if_due(run: _Run, step: int) -> None:
 
 
 def _checkpoint_if_due(run: _Run, step: int) -> None:
-    """With ``checkpoint.dir``: save every ``checkpoint.save_interval`` steps, at the last step and
-    when the run stops."""
+    """With ``checkpoint.dir``: publish an asynchronous save that every rank has written, then save
+    every ``checkpoint.save_interval`` steps, at the last step and when the run stops (with
+    ``checkpoint.async_save`` the loop only waits for the host copy, except at the last step and on a
+    stop, where the write is waited for)."""
     ck = run.job.checkpoint
+    if run.save_written:
+        _published(run, run.saver.finish(), blocked_s=None)
+        run.save_written = False
     due = run.stopped or step == run.job.train.steps or (ck.save_interval and step % ck.save_interval == 0)
     if not (ck.dir and due):
         return
-    path = save_checkpoint(
-        ck.dir,
+    t0 = time.perf_counter()
+    save_args = dict(
         step=step,
         chunks=run.chunks,
         optimizer=run.optimizer,
@@ -474,9 +499,31 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
         layout=run.prep.layout,
         run_dir=run.run_dir,
     )
-    run.saved_at = step
+    if run.saver is None:
+        save_checkpoint(ck.dir, **save_args)
+        _published(run, step, blocked_s=time.perf_counter() - t0)
+        return
+    if run.saver.pending is not None:  # the previous write is still running: wait for it
+        _published(run, run.saver.finish(), blocked_s=None)
+    run.saver.start(ck.dir, **save_args)
+    if run.stopped or step == run.job.train.steps:
+        run.saver.finish()
+    _published(run, step, blocked_s=time.perf_counter() - t0, pending=run.saver.pending is not None)
+
+
+def _published(run: _Run, save, *, blocked_s: Optional[float], pending: bool = False) -> None:
+    """Rank 0 logs the ``checkpoint`` record of step ``save`` (a step or an asynchronous save):
+    ``blocked_s`` the seconds the loop waited for it (``None`` for a background write finishing),
+    ``pending`` whether its write goes on in the background (published later, in a second record)."""
+    step = save if isinstance(save, int) else save.step
+    if not pending:
+        run.saved_at = step
     if run.sink:
-        run.sink.log({"kind": "checkpoint", "step": step, "path": path})
+        path = os.path.join(os.path.abspath(run.job.checkpoint.dir), step_dir_name(step))
+        record = {"kind": "checkpoint", "step": step, "path": path, "published": not pending}
+        if blocked_s is not None:
+            record["blocked_s"] = blocked_s
+        run.sink.log(record)
 
 
 def _report_stop(run: _Run, step: int) -> None:
