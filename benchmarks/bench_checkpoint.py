@@ -30,11 +30,13 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from folding.data.config import DataConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.testing import RankPool
+from folding.training import trainer
 from folding.training.config import CheckpointConfig, JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 
@@ -56,10 +58,6 @@ def _job(a, ckpt_dir: str, async_save: bool) -> JobConfig:
 def run_worker(a, root: str, async_save: bool):
     """On every rank: one training run; ``(step, seconds)`` of each loop iteration, the checkpoint
     records (rank 0) and the size of the last checkpoint in bytes (rank 0)."""
-    import torch.distributed as dist
-
-    from folding.training import trainer
-
     torch.set_num_threads(1)
     ck, run_dir = os.path.join(root, "ck"), os.path.join(root, "run")
     real, times = trainer._train_step, []
@@ -162,8 +160,8 @@ def report(a, argv, summary) -> str:
             "A step's time is one loop iteration of its slowest rank, including its checkpoint phase. "
             "Synchronous: the step that saves also writes the whole checkpoint. Asynchronous: it copies the "
             "state to host memory and hands it to DCP's save thread; the write then runs behind the next "
-            "steps, which share the CPU with it here (on a GPU node the write competes with nothing "
-            "the GPU does). Blocked time: the `blocked_s` of the run's `checkpoint` records.",
+            "steps, which share the CPU cores with it here (on a GPU node the steps' compute would be on "
+            "the GPU instead; not measured). Blocked time: the `blocked_s` of the run's `checkpoint` records.",
             "",
             *rows,
             "",
