@@ -3,6 +3,8 @@ gives its logits, LM loss and every parameter gradient (1 rank, fp32).
 
 Usage::
 
+    hf = MixtralForCausalLM(MixtralConfig(**TRAINABLE_MIXTRAL))      # the trainer can start from it
+    job_model = get_preset("mixtral_tiny", **TRAINABLE_MIXTRAL_PRESET)
     hf_model = randomized(MixtralForCausalLM(MixtralConfig(**TINY_HF, ...))).eval()
     rel = assert_matches_hf(from_hf(path), hf_model, ids, "mixtral")    # ids [B, S]
 """
@@ -14,6 +16,28 @@ from folding.parallel.params import require_spec
 
 TINY_HF = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4)
 """Sizes every tiny HF test model shares."""
+
+TRAINABLE_MIXTRAL = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+"""A transformers ``MixtralConfig`` that the trainer can start from (``checkpoint.init_from_hf``): its
+vocabulary holds the byte tokenizer's 257 ids of the default data."""
+TRAINABLE_MIXTRAL_PRESET = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    moe=dict(num_experts=4, ffn_hidden_size=16, topk=2),
+)
+"""The same model as overrides of the ``mixtral_tiny`` preset."""
 
 
 def randomized(model: torch.nn.Module) -> torch.nn.Module:

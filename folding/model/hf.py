@@ -198,13 +198,25 @@ def read_hf_config(path: str) -> dict:
     return json.load(open(f))
 
 
-@torch.no_grad()
-def load_hf_weights(model: MoETransformer, path: str) -> None:
-    """Copy into ``model`` the slices of the checkpoint at ``path`` that this rank holds.
+def hf_model_config(path: str) -> ModelConfig:
+    """The :class:`ModelConfig` of the Hugging Face checkpoint directory ``path`` (what :func:`from_hf`
+    builds): its ``config.json`` through :func:`~folding.model.hf_config.config_from_hf`, without
+    multi-token prediction when the checkpoint holds no MTP tensors (as transformers saves them)."""
+    cfg = config_from_hf(read_hf_config(path), name=os.path.basename(os.path.normpath(path)))
+    if cfg.mtp_num_layers and not deepseek_has_mtp(_Reader(path).weight_map):
+        # transformers drops the MTP layers and keeps num_nextn_predict_layers in config.json
+        warnings.warn(
+            f"{path}: config.json has num_nextn_predict_layers={cfg.mtp_num_layers} but the checkpoint "
+            "holds no multi-token-prediction tensors (as transformers saves them); building the model "
+            "without MTP (model.mtp_num_layers=0)",
+            stacklevel=3,
+        )
+        cfg = cfg.replace(mtp_num_layers=0)
+    return cfg
 
-    Reads file by file: each shard file is opened once, its needed slices are read, and it is closed.
-    """
-    reader, cfg = _Reader(path), model.config
+
+def _check_names(reader: _Reader, cfg: ModelConfig) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint holds exactly the tensors ``cfg`` implies."""
     expected = set(hf_tensor_names(cfg))
     present = set(reader.weight_map) - {"lm_head.weight"} if cfg.tie_embeddings else set(reader.weight_map)
     if expected - present or present - expected:
@@ -215,9 +227,25 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
                 "transformers' save_pretrained, which writes one tensor per expert"
             )
         raise CheckpointError(
-            f"checkpoint {path} does not match its config: missing {sorted(expected - present)[:8]}, "
+            f"checkpoint {reader.path} does not match its config: missing {sorted(expected - present)[:8]}, "
             f"unexpected {sorted(present - expected)[:8]}{hint}"
         )
+
+
+def check_hf_names(path: str, cfg: ModelConfig) -> None:
+    """Check, reading only the index or the safetensors header, that the checkpoint at ``path`` holds
+    exactly the tensors of ``cfg`` (:func:`hf_tensor_names`); raise :class:`CheckpointError` otherwise."""
+    _check_names(_Reader(path), cfg)
+
+
+@torch.no_grad()
+def load_hf_weights(model: MoETransformer, path: str) -> None:
+    """Copy into ``model`` the slices of the checkpoint at ``path`` that this rank holds.
+
+    Reads file by file: each shard file is opened once, its needed slices are read, and it is closed.
+    """
+    reader, cfg = _Reader(path), model.config
+    _check_names(reader, cfg)
     tasks: Dict[str, list] = {}  # file -> [(local buffer, slot, hf name, full shape, index)]
     buffers = []
     for name, p in model.named_parameters():
@@ -261,16 +289,7 @@ def from_hf(
     is initialized only to be overwritten; ``device="meta"`` returns the structure without reading.
     """
     hf = read_hf_config(path)
-    cfg = config_from_hf(hf, name=os.path.basename(os.path.normpath(path)))
-    if cfg.mtp_num_layers and not deepseek_has_mtp(_Reader(path).weight_map):
-        # transformers drops the MTP layers and keeps num_nextn_predict_layers in config.json
-        warnings.warn(
-            f"{path}: config.json has num_nextn_predict_layers={cfg.mtp_num_layers} but the checkpoint "
-            "holds no multi-token-prediction tensors (as transformers saves them); building the model "
-            "without MTP (model.mtp_num_layers=0)",
-            stacklevel=2,
-        )
-        cfg = cfg.replace(mtp_num_layers=0)
+    cfg = hf_model_config(path)
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype, device="meta")

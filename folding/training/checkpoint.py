@@ -8,7 +8,7 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
   (:mod:`.checkpoint_blocks`); names use global layer indices, so TP, CP, PP, VPP, EP, ETP and
   ``optim.distributed`` may all change between save and load;
 - ``meta.json``: step, the data iterators' positions, the model and MoE configs (checked before any
-  tensor is read), the layout and optimizer settings (information);
+  tensor is read), the layout, optimizer settings and ``data.tokenizer`` (information);
 - ``rng/rank_<r>.pt``: each rank's RNG states (restored when the world size is unchanged; read with
   ``torch.load(weights_only=True)``);
 - ``fp8/rank_<r>.pt`` (only when experts ran TransformerEngine with ``moe.fp8_recipe=delayed``, the
@@ -18,9 +18,11 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
   from the next steps, with a warning;
 - ``COMPLETE``: the completion marker.
 
-Save: every rank writes into ``DIR/step_<N>.tmp-<nonce>``; then rank 0 writes ``meta.json`` and
-``COMPLETE``, syncs, and publishes with one ``rename`` to ``DIR/step_<N>``. Only directories named
-``step_<N>`` that hold ``COMPLETE`` are ever loaded, so a crash during a save leaves the previous
+Save: every rank writes into ``DIR/step_<N>.tmp-<nonce>``; once every rank's data is written, rank 0
+writes ``meta.json`` and ``COMPLETE``, syncs, and publishes with one ``rename`` to ``DIR/step_<N>``
+(:func:`folding.training.checkpoint_save.save_checkpoint` waits for the write;
+:mod:`folding.training.checkpoint_async` lets training go on and publishes later, the same way).
+Only directories named ``step_<N>`` that hold ``COMPLETE`` are ever loaded, so a crash during a save leaves the previous
 checkpoint as the latest. ``keep_last`` prunes older complete checkpoints; nothing else in ``DIR``
 is touched (left-over ``step_*.tmp-*`` directories of crashed saves are removed by the next save).
 
@@ -29,8 +31,8 @@ Usage::
     path = resolve_resume(job.checkpoint)                      # None, or the checkpoint to resume
     check_compatible(read_meta(path), job)                     # before any process group
     step = load_checkpoint(path, chunks=chunks, optimizer=opt, data=data, job=job)
-    save_checkpoint(job.checkpoint.dir, step=k, chunks=chunks, optimizer=opt, data=data, job=job,
-                    layout=layout)
+
+Saving: :mod:`folding.training.checkpoint_save` (and :mod:`folding.training.checkpoint_async`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..parallel.params import require_spec
-from .checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
+from .checkpoint_blocks import Block, BlockLoadPlanner
 from .config import ConfigError
 from .config import plain_tree as _plain
 
@@ -57,17 +57,17 @@ FORMAT = 1
 MARKER = "COMPLETE"
 META = "meta.json"
 _STEP = re.compile(r"^step_(\d{8})$")
-_TMP = re.compile(r"^step_\d{8}\.tmp-")
 # ModelConfig fields that do not change any tensor: they may differ between save and load.
 _FREE_MODEL_FIELDS = ("name", "init_std")
-# The MoE options that shape tensors (every other MoE option, routing and dispatch alike, may change).
-_SHAPED_MOE_FIELDS = (
+SHAPED_MOE_FIELDS = (
     "num_experts",
     "ffn_hidden_size",
     "shared_expert_ffn_hidden_size",
     "shared_expert_gate",
     "expert_bias",  # a buffer exists only when on
 )
+"""The MoE options that shape tensors (every other MoE option, routing and dispatch alike, may change
+between save and load)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -139,20 +139,34 @@ def read_meta(path: str) -> Dict[str, Any]:
     return meta
 
 
+def config_differences(
+    reference: Dict[str, Any], model, *, free_model_fields: Sequence[str], moe_fields: Sequence[str]
+) -> List[Tuple[str, Any, Any]]:
+    """``(key, reference value, model's value)`` for every field of the :class:`ModelConfig` ``model``
+    that differs from the plain dict ``reference`` (``dataclasses.asdict`` of a model config, MoE record
+    under ``moe``): every ``model.*`` field but ``free_model_fields`` (nested records compared field by
+    field, ``model.mla.kv_lora_rank``), and the ``moe.*`` fields in ``moe_fields``."""
+    ref, now = dict(reference), _plain(dataclasses.asdict(model))
+    ref_moe, now_moe = ref.pop("moe", None) or {}, now.pop("moe")
+    out = []
+    for k in sorted(now):
+        if k in _FREE_MODEL_FIELDS or k in free_model_fields:
+            continue
+        a, b = _plain(ref.get(k)), now[k]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [(f"model.{k}.{f}", a.get(f), b[f]) for f in sorted(b) if _plain(a.get(f)) != b[f]]
+        elif a != b:
+            out.append((f"model.{k}", a, b))
+    return out + [(f"moe.{k}", ref_moe.get(k), now_moe[k]) for k in moe_fields if _plain(ref_moe.get(k)) != now_moe[k]]
+
+
 def check_compatible(meta: Dict[str, Any], job) -> None:
     """Fail with :class:`ConfigError` naming every differing ``model.*`` / ``moe.*`` field when the
     checkpoint's model is not ``job``'s (fields that change no tensor, such as ``model.init_std`` or
     ``moe.topk``, may differ)."""
-    saved, now = dict(meta["model"]), _plain(dataclasses.asdict(job.model))
-    saved_moe, now_moe = saved.pop("moe", None) or {}, now.pop("moe")
     diff = [
-        f"model.{k}: checkpoint {saved.get(k)!r}, this job {now[k]!r}"
-        for k in sorted(now)
-        if k not in _FREE_MODEL_FIELDS and _plain(saved.get(k)) != now[k]
-    ] + [
-        f"moe.{k}: checkpoint {saved_moe.get(k)!r}, this job {now_moe[k]!r}"
-        for k in _SHAPED_MOE_FIELDS
-        if _plain(saved_moe.get(k)) != now_moe[k]
+        f"{k}: checkpoint {a!r}, this job {b!r}"
+        for k, a, b in config_differences(meta["model"], job.model, free_model_fields=(), moe_fields=SHAPED_MOE_FIELDS)
     ]
     if diff:
         raise ConfigError(
@@ -198,112 +212,6 @@ def _optim_blocks(
             else:
                 out[k] = Block(t.view(mb.local.shape), mb.full_shape, mb.offsets)
     return out
-
-
-# ---------------------------------------------------------------------------------- save
-def _rng_state() -> Dict[str, torch.Tensor]:
-    st = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Rank 0: marker, sync, one rename (an older copy of the same step is moved aside first)."""
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        f.write("ok\n")
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    old = None
-    if os.path.exists(final):
-        old = f"{tmp}-replaced"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def prune(ckpt_dir: str, keep_last: Optional[int], *, keep: Sequence[str] = ()) -> List[str]:
-    """Delete complete checkpoints older than the newest ``keep_last`` (never one in ``keep``) and
-    left-over ``step_*.tmp-*`` directories; return the removed paths. Other files are left alone."""
-    removed = []
-    if keep_last:
-        for _, path in list_complete(ckpt_dir)[:-keep_last]:
-            if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
-
-
-def _remove_stale_tmp(ckpt_dir: str, current: str) -> None:
-    for name in os.listdir(ckpt_dir):
-        path = os.path.join(ckpt_dir, name)
-        if _TMP.match(name) and path != current and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def save_checkpoint(
-    ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout, run_dir: Optional[str] = None
-) -> str:
-    """Save step ``step`` to ``ckpt_dir/step_<N>`` (collective over the world; returns the path).
-    ``run_dir`` (the run directory, recorded in the metadata) is where a resumed run continues.
-
-    The optimizer state is exported parameter-shaped first (an all-gather inside each ZeRO-1 group
-    when ``optim.distributed``); DCP then writes each distinct block once.
-    """
-    rank = dist.get_rank()
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    final = os.path.join(ckpt_dir, step_dir_name(step))
-    box = [f"{final}.tmp-{os.getpid()}-{time.time_ns()}" if rank == 0 else None]
-    if rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        _remove_stale_tmp(ckpt_dir, box[0])
-    dist.broadcast_object_list(box, src=0)
-    tmp = box[0]
-    states = optimizer.param_state()
-    model = _model_blocks(chunks)
-    sd: Dict[str, Any] = dict(model)
-    sd.update(_optim_blocks(chunks, optimizer, model, states))
-    dcp.save(sd, checkpoint_id=tmp, planner=BlockSavePlanner())
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    fp8 = _fp8_states(chunks)
-    if fp8:
-        os.makedirs(os.path.join(tmp, "fp8"), exist_ok=True)
-        torch.save(fp8, os.path.join(tmp, "fp8", f"rank_{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "step": int(step),
-            "adam_updates": int(optimizer.updates),
-            "data": data.state_dict() if data is not None else None,
-            "model": _plain(dataclasses.asdict(job.model)),
-            "optim": _plain(dataclasses.asdict(job.optim)),
-            "layout": layout.describe(),
-            "world_size": dist.get_world_size(),
-            "precision": job.train.precision,
-            "master_weights": any(k.endswith("/master") for k in sd),
-            "run_dir": os.path.abspath(run_dir) if run_dir else None,
-        }
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(tmp, final)
-        prune(ckpt_dir, job.checkpoint.keep_last, keep=(final,))
-    dist.barrier()
-    return final
 
 
 def _fp8_modules(chunks):

@@ -204,7 +204,16 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     """Keep only the newest N checkpoints; null keeps all."""
     async_save: bool = False
-    """Write checkpoints in the background."""
+    """Write checkpoints in the background (DCP's asynchronous save): the step that saves only copies
+    its state to host memory, training goes on while a background thread writes it, and the checkpoint
+    is published (``COMPLETE``) once every rank's write has finished; the next save and the end of
+    the run wait for it. Costs one host copy of this rank's model and optimizer state while in flight."""
+    init_from_hf: Optional[str] = None
+    """Start from these weights instead of a random initialization: a Hugging Face checkpoint
+    directory (``config.json`` + safetensors) or a file of ``tools/convert_hf.py import``. Each rank
+    reads only its slices; the optimizer starts fresh at step 0. The job's model must be the source's
+    (checked before training starts). Ignored once ``dir`` holds a checkpoint to resume from; not
+    combinable with ``load``."""
 
 
 @dataclasses.dataclass(kw_only=True)

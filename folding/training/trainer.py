@@ -13,7 +13,7 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 2. forward-backward schedule (:func:`_forward_backward`): each micro-batch with loss
    ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer);
 3. reductions (:func:`_reduce`): one world all-reduce of [LM loss sum, expert counts, dropped
-   pairs, router losses, stop flag];
+   pairs, router losses, stop flag, whether this rank still writes an asynchronous save];
 4. clip and step (:func:`_clip_and_step`): if the loss or the gradient norm is NaN/Inf the update is
    skipped (logged ``skipped: true``), the data and the LR schedule still advance;
 5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
@@ -23,11 +23,15 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
    steps an ``eval`` record (:func:`_evaluate_if_due`);
 7. checkpoint (:func:`_checkpoint_if_due`): with ``checkpoint.dir`` set, every
    ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
-   rank through the step's all-reduce), after which the loop stops.
+   rank through the step's all-reduce), after which the loop stops. With ``checkpoint.async_save``
+   the write goes on behind the next steps (:mod:`folding.training.checkpoint_async`) and the save
+   is published at the first step boundary where every rank's write has finished.
 
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
-its step to ``train.steps``, in whatever layout this run has.
+its step to ``train.steps``, in whatever layout this run has. Without one, ``checkpoint.init_from_hf``
+starts the run at step 0 from those weights instead of a random initialization
+(:mod:`folding.training.init_from_hf`).
 
 Usage::
 
@@ -39,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -51,11 +57,15 @@ from ..model.compile import compile_dense
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
+from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
-from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, save_checkpoint
+from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, step_dir_name
+from .checkpoint_async import AsyncSaver
+from .checkpoint_save import save_checkpoint
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
+from .init_from_hf import check_init_source, load_initial_weights
 from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
@@ -79,6 +89,9 @@ class Prepared:
     """The run directory that wrote ``resume`` (from its metadata), or ``None``."""
     expert_backend: str = ""
     """The expert backend that runs on this machine (``moe.expert_backend`` resolved, checked)."""
+    init_from_hf: Optional[str] = None
+    """The weights to start from (``checkpoint.init_from_hf``, checked against the model) when there
+    is no checkpoint to resume from; ``None`` otherwise."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -103,6 +116,9 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             meta["path"] = resume
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
+    init = None
+    if job.checkpoint.init_from_hf and resume is None:
+        init = check_init_source(job.checkpoint.init_from_hf, job.model)
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(
         job.data,
@@ -125,6 +141,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         resume=resume,
         resume_run_dir=resume_run_dir,
         expert_backend=expert_backend,
+        init_from_hf=init,
     )
 
 
@@ -146,6 +163,8 @@ class _Run:
     chunks: List[nn.Module]
     optimizer: FoldedOptimizer
     resumed_from: Optional[str]
+    init_from_hf: Optional[str]
+    """The weights the run started from (``checkpoint.init_from_hf``), or ``None``."""
     stats: MoEStats
     sink: Optional[MetricsSink]
     """Rank 0's metrics sink; ``None`` elsewhere."""
@@ -158,6 +177,10 @@ class _Run:
     """True once a stop request reached every rank (through a step's all-reduce)."""
     saved_at: Optional[int] = None
     """Step of the last checkpoint saved or loaded by this run."""
+    saver: Optional[AsyncSaver] = None
+    """The asynchronous saves (``checkpoint.async_save`` with ``checkpoint.dir``), or ``None``."""
+    save_written: bool = False
+    """True after a step's all-reduce showed that no rank is still writing the pending save."""
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -196,6 +219,10 @@ def train(
                 if run.stopped:
                     _report_stop(run, step)
                     break
+            if run.saver:  # normal end: nothing may stay unpublished
+                if run.saver.pending is not None:
+                    _published(run, run.saver.finish(), blocked_s=None)
+                run.saver.close()
     finally:
         run.stats.close()
         if run.sink:
@@ -218,9 +245,11 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     and open rank 0's metrics sink."""
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
-    chunks = _build_chunks(job, ps, device)
+    resumed_from, init_from = _starting_point(job, prep)
+    chunks = _build_chunks(job, ps, device, init_from=init_from)
     optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
-    resumed_from = _resume(job, prep, chunks=chunks, optimizer=optimizer)
+    if resumed_from:
+        load_checkpoint(resumed_from, chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     stats = MoEStats(chunks, model_config=job.model)
     stats.set_aux_loss_scale(1.0 / (M * prep.layout.dp))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -235,6 +264,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         chunks=chunks,
         optimizer=optimizer,
         resumed_from=resumed_from,
+        init_from_hf=init_from,
         stats=stats,
         sink=_open_sink(job, run_dir, run_log) if rank == 0 else None,
         throughput=Throughput(job, device=device, world_size=world),
@@ -242,11 +272,16 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         run_log=run_log,
         timer=StepTimer(device),
         saved_at=optimizer.step_count if resumed_from else None,
+        saver=AsyncSaver(timeout_s=t.collective_timeout_s)
+        if job.checkpoint.async_save and job.checkpoint.dir
+        else None,
     )
 
 
-def _build_chunks(job: JobConfig, ps, device: torch.device) -> List[nn.Module]:
-    """This rank's model chunks in training mode (compiled with ``train.compile``)."""
+def _build_chunks(job: JobConfig, ps, device: torch.device, *, init_from: Optional[str] = None) -> List[nn.Module]:
+    """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
+    ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
+    those weights (:mod:`folding.training.init_from_hf`)."""
     t = job.train
     chunks = build_stage_chunks(
         model_config=job.model,
@@ -256,8 +291,12 @@ def _build_chunks(job: JobConfig, ps, device: torch.device) -> List[nn.Module]:
         delay_wgrad=job.parallel.delay_wgrad,
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
         init_seed=t.seed,
-        device=device,
+        device="meta" if init_from else device,
     )
+    if init_from:
+        for c in chunks:
+            materialize(c, device=device, init_seed=None)
+        load_initial_weights(chunks, init_from)
     for c in chunks:
         c.train()
     if t.compile:
@@ -276,16 +315,15 @@ def _open_sink(job: JobConfig, run_dir: str, run_log) -> MetricsSink:
     )
 
 
-def _resume(job: JobConfig, prep: Prepared, *, chunks, optimizer) -> Optional[str]:
-    """Load the checkpoint :func:`prepare` chose (rank 0's choice, broadcast so that every rank
-    agrees); return its path or ``None``. Collective over the world."""
-    if not (job.checkpoint.dir or job.checkpoint.load):
-        return None
-    box = [prep.resume]
+def _starting_point(job: JobConfig, prep: Prepared) -> Tuple[Optional[str], Optional[str]]:
+    """``(checkpoint to resume, weights to initialize from)`` as :func:`prepare` chose them on rank 0
+    (broadcast, so that every rank agrees; at most one is set). Collective over the world when
+    ``checkpoint.dir``, ``load`` or ``init_from_hf`` is set."""
+    ck = job.checkpoint
+    if not (ck.dir or ck.load or ck.init_from_hf):
+        return None, None
+    box = [(prep.resume, prep.init_from_hf)]
     dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        return None
-    load_checkpoint(box[0], chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     return box[0]
 
 
@@ -300,6 +338,7 @@ def _log_run(run: _Run) -> None:
                 "parameters": run.job.model.num_parameters()[0],
                 "microbatches_per_step": run.num_microbatches,
                 "resumed_from": run.resumed_from,
+                "init_from_hf": run.init_from_hf,
                 "start_step": run.optimizer.step_count + 1,
             }
         )
@@ -347,16 +386,20 @@ def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch
 
 
 def _reduce(run: _Run, out: Dict[str, torch.Tensor], n_tokens: torch.Tensor) -> _StepLosses:
-    """One world all-reduce of [LM loss sum, MTP loss sum, router statistics, stop flag]: the step's
-    losses, and :attr:`_Run.stopped` when any rank saw a stop request."""
+    """One world all-reduce of [LM loss sum, MTP loss sum, router statistics, stop flag, writing flag]:
+    the step's losses, :attr:`_Run.stopped` when any rank saw a stop request, and
+    :attr:`_Run.save_written` when no rank is still writing the pending asynchronous save."""
     job, ps, layout, device = run.job, run.ps, run.prep.layout, run.device
     parts = torch.stack([out["lm_loss_sum"], out["mtp_loss_sum"]]).to(device=device, dtype=torch.float64)
     # per-token losses are identical on the TP ranks of the last stage: count them once
     parts = parts / layout.tp if ps.is_last_stage else torch.zeros_like(parts)
-    flag = torch.tensor([1.0 if run.stop.requested else 0.0], dtype=torch.float64, device=device)
-    vec = torch.cat([parts, run.stats.vector().to(device), flag])
+    writing = run.saver is not None and run.saver.writing()
+    flags = torch.tensor([1.0 if run.stop.requested else 0.0, float(writing)], dtype=torch.float64, device=device)
+    vec = torch.cat([parts, run.stats.vector().to(device), flags])
     dist.all_reduce(vec)
-    run.stopped, vec = bool(vec[-1] > 0), vec[:-1]
+    stop, still_writing = vec[-2:].tolist()  # one host read for both flags
+    vec, run.stopped = vec[:-2], stop > 0
+    run.save_written = run.saver is not None and run.saver.pending is not None and still_writing == 0
     lm_loss, mtp_loss = (vec[:2] / n_tokens.clamp(min=1)).tolist()  # one host read for both
     moe = run.stats.summarize(
         vec[2:], num_microbatches=run.num_microbatches * layout.dp, dp=layout.dp, topk=job.moe.topk
@@ -439,14 +482,19 @@ def _evaluate_if_due(run: _Run, step: int) -> None:
 
 
 def _checkpoint_if_due(run: _Run, step: int) -> None:
-    """With ``checkpoint.dir``: save every ``checkpoint.save_interval`` steps, at the last step and
-    when the run stops."""
+    """With ``checkpoint.dir``: publish an asynchronous save that every rank has written, then save
+    every ``checkpoint.save_interval`` steps, at the last step and when the run stops (with
+    ``checkpoint.async_save`` the loop only waits for the host copy, except at the last step and on a
+    stop, where the write is waited for)."""
     ck = run.job.checkpoint
+    if run.save_written:
+        _published(run, run.saver.finish(), blocked_s=None)
+        run.save_written = False
     due = run.stopped or step == run.job.train.steps or (ck.save_interval and step % ck.save_interval == 0)
     if not (ck.dir and due):
         return
-    path = save_checkpoint(
-        ck.dir,
+    t0 = time.perf_counter()
+    save_args = dict(
         step=step,
         chunks=run.chunks,
         optimizer=run.optimizer,
@@ -455,9 +503,31 @@ def _checkpoint_if_due(run: _Run, step: int) -> None:
         layout=run.prep.layout,
         run_dir=run.run_dir,
     )
-    run.saved_at = step
+    if run.saver is None:
+        save_checkpoint(ck.dir, **save_args)
+        _published(run, step, blocked_s=time.perf_counter() - t0)
+        return
+    if run.saver.pending is not None:  # the previous write is still running: wait for it
+        _published(run, run.saver.finish(), blocked_s=None)
+    run.saver.start(ck.dir, **save_args)
+    if run.stopped or step == run.job.train.steps:
+        run.saver.finish()
+    _published(run, step, blocked_s=time.perf_counter() - t0, pending=run.saver.pending is not None)
+
+
+def _published(run: _Run, save, *, blocked_s: Optional[float], pending: bool = False) -> None:
+    """Rank 0 logs the ``checkpoint`` record of step ``save`` (a step or an asynchronous save):
+    ``blocked_s`` the seconds the loop waited for it (``None`` for a background write finishing),
+    ``pending`` whether its write goes on in the background (published later, in a second record)."""
+    step = save if isinstance(save, int) else save.step
+    if not pending:
+        run.saved_at = step
     if run.sink:
-        run.sink.log({"kind": "checkpoint", "step": step, "path": path})
+        path = os.path.join(os.path.abspath(run.job.checkpoint.dir), step_dir_name(step))
+        record = {"kind": "checkpoint", "step": step, "path": path, "published": not pending}
+        if blocked_s is not None:
+            record["blocked_s"] = blocked_s
+        run.sink.log(record)
 
 
 def _report_stop(run: _Run, step: int) -> None:

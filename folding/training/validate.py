@@ -107,13 +107,27 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
             )
     if ck.keep_last is not None:
         _int_at_least("checkpoint.keep_last", ck.keep_last, 1)
-    if ck.async_save:
+    if not isinstance(ck.async_save, bool):
         _fail(
-            "checkpoint.async_save",
-            ck.async_save,
-            "is not supported: checkpoints are written synchronously",
-            "set checkpoint.async_save=false",
+            "checkpoint.async_save", ck.async_save, "must be true or false", "set checkpoint.async_save=true or false"
         )
+    if ck.init_from_hf is not None:
+        if not isinstance(ck.init_from_hf, str) or not os.path.exists(os.path.expanduser(ck.init_from_hf)):
+            _fail(
+                "checkpoint.init_from_hf",
+                ck.init_from_hf,
+                "does not exist",
+                "give a Hugging Face checkpoint directory (config.json + safetensors) or a file of "
+                "tools/convert_hf.py import, or checkpoint.init_from_hf=null",
+            )
+        if ck.load is not None:
+            _fail(
+                "checkpoint.init_from_hf",
+                ck.init_from_hf,
+                f"and checkpoint.load={ck.load!r} both choose the starting weights",
+                "keep checkpoint.load to resume a run of this engine, or checkpoint.init_from_hf to "
+                "start one from Hugging Face weights (set the other to null)",
+            )
     if ck.load is not None and not os.path.exists(os.path.expanduser(ck.load)):
         _fail(
             "checkpoint.load",

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from folding.model.presets import get_preset
 from folding.training import checkpoint as ck
+from folding.training import checkpoint_save as cks
 from folding.training.checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
 from folding.training.config import CheckpointConfig, ConfigError, JobConfig
 from folding.training.validate import validate_job
@@ -70,10 +71,10 @@ def test_prune_keeps_newest_and_foreign_files(tmp_path):
         _fake_checkpoint(root, s)
     _fake_checkpoint(root, 5, complete=False)
     open(os.path.join(root, "README"), "w").close()
-    removed = ck.prune(root, 2)
+    removed = cks.prune(root, 2)
     assert sorted(os.path.basename(p) for p in removed) == ["step_00000001", "step_00000002"]
     assert sorted(os.listdir(root)) == ["README", "step_00000003", "step_00000004", "step_00000005"]
-    assert ck.prune(root, None) == []
+    assert cks.prune(root, None) == []
 
 
 def test_another_model_fails_before_any_tensor(tmp_path):
@@ -89,8 +90,9 @@ def test_another_model_fails_before_any_tensor(tmp_path):
         prepare(job, world_size=1, rank=0)
 
 
-def test_async_save_is_rejected():
-    job = dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save=True))
+def test_async_save_is_a_boolean():
+    validate_job(dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save=True)), world_size=1)
+    job = dataclasses.replace(_job(), checkpoint=CheckpointConfig(dir="ck", async_save="yes"))
     with pytest.raises(ConfigError, match="checkpoint.async_save"):
         validate_job(job, world_size=1)
 
