@@ -26,8 +26,8 @@ import warnings
 
 import torch
 
-from folding.moe.experts import GroupedMLP
 from folding.moe.expert_select import backend_support
+from folding.moe.experts import GroupedMLP
 from folding.quant.emulate import RECIPES
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
@@ -213,6 +213,17 @@ def _hf_block(dev, dtype, H, E, k, F):
     return MixtralSparseMoeBlock(cfg).to(device=dev, dtype=dtype)
 
 
+def _time_layer(module, shape, dev, dtype, iters) -> float:
+    """Median forward + backward seconds of ``module`` on one random input of ``shape``."""
+    x = torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
+
+    def step():
+        out = module(x)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+    return time_median(step, dev, iters)
+
+
 def moe_layer_speed(dev: torch.device, sizes: Sizes, dtype: torch.dtype, fp8_recipe: str) -> list[str]:
     """Forward + backward ms and TFLOP/s of one MoE layer per shape: BF16, FP8 ``fp8_recipe`` (torch
     backend), and transformers' ``MixtralSparseMoeBlock`` (BF16)."""
@@ -228,7 +239,10 @@ def moe_layer_speed(dev: torch.device, sizes: Sizes, dtype: torch.dtype, fp8_rec
     for E, k, F in sizes.layer_shapes:
         flops = 3 * T * (2 * k * 3 * H * F + 2 * H * E)
         plain = str(dtype).replace("torch.", "")
-        cases = [(f"folding {plain} (auto backend)", None, "auto"), (f"folding {fp8_recipe} (torch)", fp8_recipe, "torch")]
+        cases = [
+            (f"folding {plain} (auto backend)", None, "auto"),
+            (f"folding {fp8_recipe} (torch)", fp8_recipe, "torch"),
+        ]
         for name, recipe, backend in cases:
             try:
                 ok, why = (True, "") if recipe is None else backend_support(backend, recipe, dev, dtype)
@@ -237,26 +251,16 @@ def moe_layer_speed(dev: torch.device, sizes: Sizes, dtype: torch.dtype, fp8_rec
             if not ok:
                 notes.append(f"- E{E} k{k} {name}: not run: {why}")
                 continue
-            layer = _layer(dev, dtype, H, E, k, F, recipe, backend)
-            x = torch.randn(T, 1, H, device=dev, dtype=dtype, requires_grad=True)
-            sec = time_median(lambda: layer(x).float().sum().backward(), dev, sizes.iters)
+            sec = _time_layer(_layer(dev, dtype, H, E, k, F, recipe, backend), (T, 1, H), dev, dtype, sizes.iters)
             lines.append(f"| {E} | {k} | {F} | {name} | {sec * 1e3:.2f} | {flops / sec / 1e12:.1f} |")
-            del layer, x
         try:
             blk = _hf_block(dev, dtype, H, E, k, F)
         except Exception as e:  # noqa: BLE001 - transformers missing or its API changed: say so
             notes.append(f"- E{E} k{k} transformers MixtralSparseMoeBlock: not run: {type(e).__name__}: {e}")
             continue
-        xh = torch.randn(1, T, H, device=dev, dtype=dtype, requires_grad=True)
-
-        def hf_step():
-            out = blk(xh)
-            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-
-        sec = time_median(hf_step, dev, sizes.iters)
-        lines.append(f"| {E} | {k} | {F} | transformers MixtralSparseMoeBlock {plain} | {sec * 1e3:.2f} | "
-                     f"{flops / sec / 1e12:.1f} |")
-        del blk, xh
+        sec = _time_layer(blk, (1, T, H), dev, dtype, sizes.iters)
+        hf = f"transformers MixtralSparseMoeBlock {plain}"
+        lines.append(f"| {E} | {k} | {F} | {hf} | {sec * 1e3:.2f} | {flops / sec / 1e12:.1f} |")
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return lines + [""] + notes

@@ -90,7 +90,8 @@ def _header(dev: torch.device, args, started: str) -> list[str]:
     return [
         "# GPU bring-up report",
         "",
-        f"- device: {name} ({cap}); torch {torch.__version__}, CUDA {torch.version.cuda}; Python {sys.version.split()[0]}",
+        f"- device: {name} ({cap}); torch {torch.__version__}, CUDA {torch.version.cuda}; "
+        f"Python {sys.version.split()[0]}",
         f"- started: {started} UTC; command: `python -m tools.gpu_bringup {' '.join(args.argv)}`",
         f"- FP8 recipe of the speed cases: `{args.fp8_recipe}` on the `torch` backend",
         "",

@@ -201,14 +201,11 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
                 + (" (resumed run: log and metrics appended)" if prepared.resume_run_dir == run_dir else "")
             )
             log.echo(f"layout: {prepared.layout.describe()}")
-<<<<<<< HEAD
             log.echo(experts_summary(job, prepared.expert_backend))
-=======
             if prepared.init_from_hf:
                 log.echo(f"weights: {prepared.init_from_hf} (checkpoint.init_from_hf; fresh optimizer, step 0)")
             elif job.checkpoint.init_from_hf and prepared.resume:
                 log.echo(f"checkpoint.init_from_hf ignored: resuming from {prepared.resume}")
->>>>>>> i-hfinit
             log.echo(f"threads: {threads} per process ({why})")
             for note in job.notes:
                 log.echo(note)
