@@ -25,10 +25,18 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
+from folding.model.presets import get_preset
 from folding.moe.expert_select import backend_support
+from folding.moe.expert_te import fp8_region
 from folding.moe.experts import GroupedMLP
+from folding.moe.layer import MoELayer
+from folding.parallel.groups import ProcessGroups
 from folding.quant.emulate import RECIPES
+from folding.training.cli import compose_tree
+from folding.training.launch import run_job
+from folding.training.schema import register_schema
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 
@@ -144,8 +152,6 @@ def expert_combos(dev: torch.device, dtype: torch.dtype):
 
 def expert_numerics(dev: torch.device, sizes: Sizes, dtype: torch.dtype) -> list[str]:
     """Relative errors of y, dx, dfc1, dfc2 per supported backend × recipe (module docstring)."""
-    from folding.moe.expert_te import fp8_region
-
     counts, H, F = sizes.numerics_counts, sizes.numerics_hidden, sizes.numerics_ffn
     g = torch.Generator().manual_seed(0)
     n = sum(counts)
@@ -191,12 +197,6 @@ def expert_numerics(dev: torch.device, sizes: Sizes, dtype: torch.dtype) -> list
 
 
 def _layer(dev, dtype, H, E, k, F, recipe, backend):
-    import torch.distributed as dist
-
-    from folding.model.presets import get_preset
-    from folding.moe.layer import MoELayer
-    from folding.parallel.groups import ProcessGroups
-
     w = dist.group.WORLD
     cfg = get_preset("mixtral_8x7b").moe.replace(
         num_experts=E, topk=k, ffn_hidden_size=F, aux_loss_coeff=0.0, fp8_recipe=recipe, expert_backend=backend
@@ -278,10 +278,6 @@ def _count_syncs(caught) -> collections.Counter:
 
 def training_run(dev: torch.device, sizes: Sizes, run_dir: str) -> list[str]:
     """The training job for a few steps; tokens/s, MFU, peak memory per step and the host syncs."""
-    from folding.training.cli import compose_tree
-    from folding.training.launch import run_job
-    from folding.training.schema import register_schema
-
     overrides = list(sizes.train_overrides)
     register_schema()
     tree = compose_tree(overrides, config_dir=CONFIGS, config_name="config")

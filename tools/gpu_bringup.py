@@ -34,6 +34,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from tools import bringup_cases as cases
 
@@ -59,8 +60,6 @@ def _numerics(dev, sizes, dtype, args):
 
 
 def _speed(dev, sizes, dtype, args):
-    import torch.distributed as dist
-
     if not dist.is_initialized():  # a 1-rank world for the layer's groups; the training run makes its own
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
