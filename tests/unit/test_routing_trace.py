@@ -102,3 +102,22 @@ def test_trace_dir_setting_is_checked():
     assert MoEConfig(num_experts=8, topk=2, ffn_hidden_size=8, trace_dir="t").trace_dir == "t"
     with pytest.raises(ValueError, match="moe.trace_dir='': must be a directory path; set moe.trace_dir=PATH"):
         MoEConfig(num_experts=8, topk=2, ffn_hidden_size=8, trace_dir="")
+
+
+def test_resume_with_other_geometry_fails_before_anything_starts(tmp_path):
+    from folding.training.config import ConfigError
+    from folding.training.trace_record import check_trace_dir, trace_header
+    from folding.training.validate import validate_job
+    from tests.distributed.test_routing_trace import _readme_job
+
+    job = _readme_job([f"moe.trace_dir={tmp_path}", "parallel.ep=2", "parallel.etp=1"])
+    layout = validate_job(job, world_size=2)
+    header = trace_header(job, layout, world_size=2)
+    assert (header["source_ranks"], header["ep"], header["layout"]["dp"]) == (2, 2, 2)
+    TraceWriter(trace_path(str(tmp_path)), header, start_step=1).close()
+    check_trace_dir(job, layout, world_size=2, resuming=True)  # same geometry: appends
+    job4 = _readme_job([f"moe.trace_dir={tmp_path}", "parallel.ep=4", "parallel.etp=1"])
+    layout4 = validate_job(job4, world_size=4)
+    check_trace_dir(job4, layout4, world_size=4, resuming=False)  # a fresh run replaces the file
+    with pytest.raises(ConfigError, match=r"moe.trace_dir=.*source_ranks 2 -> 4.*another directory"):
+        check_trace_dir(job4, layout4, world_size=4, resuming=True)
