@@ -40,6 +40,8 @@ class BalancingRouter(nn.Module, abc.ABC):
     """Rows per expert ``[E]`` after capacity (this rank's tokens) of the last forward."""
     last_dropped: Optional[torch.Tensor]
     """Routed (token, expert) pairs dropped by capacity in the last forward (this rank, a scalar)."""
+    last_dropped_per_expert: Optional[torch.Tensor]
+    """``[E]``: the pairs of :attr:`last_dropped` by the expert they were routed to."""
     last_losses: Dict[str, torch.Tensor]
     """This rank's share of each router loss of the last forward, by loss type (detached)."""
 

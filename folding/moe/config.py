@@ -131,6 +131,10 @@ class MoEConfig:
     """FFN size of the shared expert (Qwen2-MoE); ``None`` = no shared expert."""
     shared_expert_gate: bool = False
     """Multiply the shared expert's output by sigmoid(x·g) with a learned g [1, H] (Qwen2-MoE)."""
+    trace_dir: Optional[str] = None
+    """Training only: record the routing of every step (tokens each source rank sent to each expert,
+    and the drops, per MoE layer) in ``<trace_dir>/routing_trace.bin``; ``None`` = off. Changes no
+    tensor of the model. Read it with ``python -m tools.routing_trace``."""
 
     def __post_init__(self):
         self.validate()
@@ -187,6 +191,9 @@ class MoEConfig:
             _choice(f, getattr(self, f), WIRE_FORMATS)
         _choice("expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
+            fix = "set moe.trace_dir=PATH, or null for no trace"
+            _fail("trace_dir", self.trace_dir, "must be a directory path", fix)
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         elif self.shared_expert_gate:

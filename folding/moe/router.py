@@ -130,6 +130,8 @@ class Router(BalancingRouter):
         """Rows per expert after capacity (this rank's tokens) of the last forward, for load metrics."""
         self.last_dropped: Optional[torch.Tensor] = None
         """Routed (token, expert) pairs dropped by capacity in the last forward (this rank)."""
+        self.last_dropped_per_expert: Optional[torch.Tensor] = None
+        """``[E]``: the pairs of :attr:`last_dropped` by the expert they were routed to."""
 
         if init_seed is not None and not self.weight.is_meta:
             initialize_parameters(self, init_seed)
@@ -218,9 +220,12 @@ class Router(BalancingRouter):
                 drop_policy=cfg.drop_policy,
                 pad_to_capacity=cfg.pad_to_capacity,
             )
-            self.last_dropped = (routed_TE & ~routing_map_TE).sum()
+            self.last_dropped_per_expert = (routed_TE & ~routing_map_TE).sum(dim=0)
         else:
-            self.last_dropped = torch.zeros((), dtype=torch.int64, device=logits_TE.device)
+            self.last_dropped_per_expert = torch.zeros(
+                routing_map_TE.shape[1], dtype=torch.int64, device=logits_TE.device
+            )
+        self.last_dropped = self.last_dropped_per_expert.sum()
         self.last_tokens_per_expert = routing_map_TE.sum(dim=0)
 
         if aux_on:

@@ -48,6 +48,8 @@ class MoEStats:
         device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
         self.counts_LE = torch.zeros(len(self.moe_layers), self.E, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        self.dropped_LE = torch.zeros_like(self.counts_LE)
+        """This rank's dropped pairs per layer and expert (for the routing trace; not in :meth:`vector`)."""
         self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
@@ -58,6 +60,9 @@ class MoEStats:
                 self.counts_LE[self.row_of[router.layer_number]] += counts.to(self.counts_LE)
             if router.last_dropped is not None:
                 self.dropped += router.last_dropped.to(self.dropped)
+            per_expert = getattr(router, "last_dropped_per_expert", None)
+            if per_expert is not None:
+                self.dropped_LE[self.row_of[router.layer_number]] += per_expert.to(self.dropped_LE)
             for name, value in router.last_losses.items():
                 if name in LOSS_NAMES:
                     self.losses[LOSS_NAMES.index(name)] += value.detach().to(self.losses).sum()
@@ -71,6 +76,7 @@ class MoEStats:
         """Forget the previous step."""
         self.counts_LE.zero_()
         self.dropped.zero_()
+        self.dropped_LE.zero_()
         self.losses.zero_()
 
     def vector(self) -> torch.Tensor:

@@ -13,7 +13,9 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 2. forward-backward schedule (:func:`_forward_backward`): each micro-batch with loss
    ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer);
 3. reductions (:func:`_reduce`): one world all-reduce of [LM loss sum, expert counts, dropped
-   pairs, router losses, stop flag, whether this rank still writes an asynchronous save];
+   pairs, router losses, stop flag, whether this rank still writes an asynchronous save]; with
+   ``moe.trace_dir``, before it, a gather of every rank's per-expert counts and drops on rank 0,
+   which appends them to the routing trace (:mod:`folding.training.trace_record`);
 4. clip and step (:func:`_clip_and_step`): if the loss or the gradient norm is NaN/Inf the update is
    skipped (logged ``skipped: true``), the data and the LR schedule still advance;
 5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
@@ -70,6 +72,7 @@ from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
 from .throughput import Throughput
+from .trace_record import RoutingTracer, check_trace_dir
 from .validate import validate_job
 
 
@@ -117,6 +120,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
     init = None
+    check_trace_dir(job, layout, world_size=world_size, resuming=resume is not None)
     if job.checkpoint.init_from_hf and resume is None:
         init = check_init_source(job.checkpoint.init_from_hf, job.model)
     dp_rank = dp_rank_of(layout, rank)
@@ -182,6 +186,8 @@ class _Run:
     save_written: bool = False
     """True after a step's all-reduce showed that no rank is still writing the pending save."""
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    tracer: Optional[RoutingTracer] = None
+    """The routing trace (``moe.trace_dir``), or ``None``."""
 
 
 @dataclasses.dataclass
@@ -225,6 +231,8 @@ def train(
                 run.saver.close()
     finally:
         run.stats.close()
+        if run.tracer:
+            run.tracer.close()
         if run.sink:
             run.sink.close()
         if run.own_ps:
@@ -275,6 +283,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         saver=AsyncSaver(timeout_s=t.collective_timeout_s)
         if job.checkpoint.async_save and job.checkpoint.dir
         else None,
+        tracer=RoutingTracer.start(job, prep.layout, rank=rank, world_size=world, start_step=optimizer.step_count + 1),
     )
 
 
@@ -352,6 +361,8 @@ def _train_step(run: _Run, step: int) -> None:
     mbs, n_tokens = _read_batch(run)
     out = _forward_backward(run, mbs, n_tokens)
     losses = _reduce(run, out, n_tokens)
+    if run.tracer:
+        run.tracer.write(step)
     lr = run.optimizer.lr
     grad_norm, skipped = _clip_and_step(run.optimizer, losses.loss)
     _update_routers(run, skipped=skipped)
@@ -396,6 +407,8 @@ def _reduce(run: _Run, out: Dict[str, torch.Tensor], n_tokens: torch.Tensor) -> 
     writing = run.saver is not None and run.saver.writing()
     flags = torch.tensor([1.0 if run.stop.requested else 0.0, float(writing)], dtype=torch.float64, device=device)
     vec = torch.cat([parts, run.stats.vector().to(device), flags])
+    if run.tracer:  # the routing trace's gather on rank 0, covered by the host read below
+        run.tracer.gather(run.stats)
     dist.all_reduce(vec)
     stop, still_writing = vec[-2:].tolist()  # one host read for both flags
     vec, run.stopped = vec[:-2], stop > 0

@@ -57,6 +57,7 @@ OVERRIDES = {
     "fp8_recipe": ("mxfp8", ["moe.expert_backend=emulated"]),
     "shared_expert_ffn_hidden_size": ("32", []),
     "shared_expert_gate": ("true", ["moe.shared_expert_ffn_hidden_size=32"]),
+    "trace_dir": ("traces", []),
 }
 
 
