@@ -142,7 +142,7 @@ class ParallelLayout:
         """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
         v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
         ends = [
-            f"{which} stage {n} layers"
+            f"{which} stage {n} layer{'' if n == 1 else 's'}"
             for which, n in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
             if n is not None
         ]
