@@ -43,9 +43,7 @@ def split_launcher(argv: List[str]) -> Tuple[List[str], Optional[int], List[str]
         return [], None, []
     if argv[0].endswith(".py"):
         return [], None, argv[1:]
-    is_launcher = os.path.basename(argv[0]) in LAUNCHERS or (
-        len(argv) > 2 and argv[1] == "-m" and argv[2] in LAUNCHERS
-    )
+    is_launcher = os.path.basename(argv[0]) in LAUNCHERS or (len(argv) > 2 and argv[1] == "-m" and argv[2] in LAUNCHERS)
     if not is_launcher:
         return [], None, argv
     script = next((i for i, t in enumerate(argv) if t.endswith(".py")), None)

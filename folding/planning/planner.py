@@ -79,9 +79,7 @@ def describe_plan(plan: Plan) -> str:
     if ends:
         vpp += " (" + ", ".join(f"{w} stage {n} layer{'' if n == 1 else 's'}" for w, n in ends) + ")"
     where = "" if plan.ep == 1 else " EP in DP" if ep_in_dp(plan) else " EP over TP·CP·DP"
-    return (
-        f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
-    )
+    return f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
 
 
 # --------------------------------------------------------------------------------------------- memory

@@ -36,13 +36,14 @@ import time
 import typing
 from typing import List, Optional, Sequence
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .compose import compose_tree
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .dry_run import dry_run_report
+from .megatron_args import MegatronArgsError, convert
+from .megatron_flags import leaf_synonyms
 from .schema import job_schema
 from .validate import validate_job
 
@@ -123,8 +124,6 @@ def synonyms(key: str, keys) -> List[str]:
     names such as ``tensor_model_parallel_size`` -> ``parallel.tp``:
     :func:`folding.training.megatron_flags.leaf_synonyms`), else the same last part in another section
     (``train.lr`` -> ``optim.lr``; at most two)."""
-    from .megatron_flags import leaf_synonyms
-
     leaf = key.split(".")[-1]
     target = leaf_synonyms().get(leaf)
     if target in keys and target != key:
@@ -148,7 +147,9 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
         moved = MOVED_KEYS.get(key) or (
             f"moe.{key[6:]}" if key.startswith("model.") and f"moe.{key[6:]}" in keys else None
         )
-        close = [moved] if moved else synonyms(key, keys) or difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        close = (
+            [moved] if moved else synonyms(key, keys) or difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        )
         hint = (
             f"did you mean {' or '.join(close)}?"
             if close
@@ -175,8 +176,6 @@ def foreign_flags(args: Sequence[str]) -> Optional[str]:
     flags = [a for a in args if a.startswith("--") and a.split("=")[0] not in HYDRA_FLAGS]
     if not flags:
         return None
-    from .megatron_args import MegatronArgsError, convert
-
     start = args.index(flags[0])
     megatron = [a for a in args[start:] if a.startswith("--") or "=" not in a]
     unique = list(dict.fromkeys(a.split("=")[0] for a in flags))
@@ -185,7 +184,8 @@ def foreign_flags(args: Sequence[str]) -> Optional[str]:
         overrides = " ".join(convert(megatron).overrides)
     except MegatronArgsError as e:
         return (
-            f"{names}: {'not a flag' if one else 'not flags'} of this entry point, which takes Hydra overrides (key=value, e.g. parallel.tp=2); "
+            f"{names}: {'not a flag' if one else 'not flags'} of this entry point, which takes Hydra overrides "
+            "(key=value, e.g. parallel.tp=2); "
             f"as Megatron-LM flags: {e}; python -m tools.megatron_args converts a Megatron-LM command line "
             "(docs/megatron.md has the table)"
         )
@@ -194,14 +194,6 @@ def foreign_flags(args: Sequence[str]) -> Optional[str]:
         f"overrides, here: {overrides} "
         "(python -m tools.megatron_args converts a whole Megatron-LM command line; docs/megatron.md has the table)"
     )
-
-
-def compose_tree(args: Sequence[str], *, config_dir: str, config_name: str) -> dict:
-    """The composed config as a plain dict (Hydra's compose API, without the ``hydra`` node)."""
-    overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra", "++hydra"))]
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def check_command_line(

@@ -27,8 +27,10 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..model.presets import get_preset, list_presets
+from .compose import compose_tree
 from .megatron_flags import FLAGS, MEGATRON_DEFAULTS
 from .megatron_specials import specials as _specials
+from .schema import register_schema
 
 ARCH_KEYS = (
     "model.hidden_size",
@@ -206,9 +208,6 @@ def _flat_preset(name: str) -> Dict[str, Any]:
 
 
 def _composed_defaults(config_dir: str, preset: Optional[str]) -> Dict[str, Any]:
-    from .cli import compose_tree  # the entry point's own composition (cli imports this module)
-    from .schema import register_schema
-
     register_schema()
     return _flat(compose_tree([f"model={preset}"] if preset else [], config_dir=config_dir, config_name="config"))
 
@@ -219,7 +218,9 @@ def _match_preset(out: Dict[str, Any]) -> Optional[str]:
         return None
     for name in list_presets():
         ref = _flat_preset(name)
-        if all(ref.get(k) == v for k, v in given.items()) and out.get("model.vocab_size", ref["model.vocab_size"]) == ref["model.vocab_size"]:
+        if (
+            all(ref.get(k) == v for k, v in given.items())
+            and out.get("model.vocab_size", ref["model.vocab_size"]) == ref["model.vocab_size"]
+        ):
             return name
     return None
-

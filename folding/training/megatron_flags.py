@@ -199,7 +199,9 @@ FLAGS: Dict[str, Flag] = {
     "--recompute-method": special(),
     "--recompute-num-layers": special(),
     "--recompute-modules": special(),
-    "--calculate-per-token-loss": noop("the loss is always per token here: the global batch's token losses / their count"),
+    "--calculate-per-token-loss": noop(
+        "the loss is always per token here: the global batch's token losses / their count"
+    ),
     "--manual-gc": noop("no manual garbage collection is needed here"),
     "--num-workers": noop("batches are read in the training process here (memory-mapped)", True),
     "--eval-interval": value("train.eval_interval", int),

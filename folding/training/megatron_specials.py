@@ -32,7 +32,10 @@ ARCHITECTURE_DEFAULTS = (
         "learned absolute positions (Megatron-LM's default; folding uses RoPE: --position-embedding-type rope)",
     ),
     ("--swiglu", "GeLU MLPs (Megatron-LM's default; folding's are SwiGLU: --swiglu)"),
-    ("--disable-bias-linear", "biases in every linear layer (Megatron-LM's default; folding has none: --disable-bias-linear)"),
+    (
+        "--disable-bias-linear",
+        "biases in every linear layer (Megatron-LM's default; folding has none: --disable-bias-linear)",
+    ),
 )
 """Flags whose absence gives a model this engine does not build, with what the default would be."""
 

@@ -185,7 +185,8 @@ def validate_job(job: JobConfig, *, world_size: int) -> ParallelLayout:
                 "parallel.world_size",
                 ws,
                 f"but the job was launched on {world_size} rank{'' if world_size == 1 else 's'}",
-                f"launch {ws} rank{'' if ws == 1 else 's'} (torchrun --nproc-per-node ...) or set parallel.world_size=null",
+                f"launch {ws} rank{'' if ws == 1 else 's'} (torchrun --nproc-per-node ...) "
+                "or set parallel.world_size=null",
             )
     _check_train(job)
     _check_logging_and_checkpoint(job)

@@ -129,7 +129,10 @@ def test_a_key_spelled_another_way_gets_did_you_mean(given, meant, capsys):
 def test_megatron_flags_on_the_entry_point_get_their_overrides(capsys):
     status, err = _check(["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "4"], capsys)
     assert status == 2 and err.count("\n") == 1
-    assert "Megatron-LM flags; this entry point takes Hydra overrides, here: parallel.tp=2 parallel.ep=4 parallel.etp=2" in err
+    assert (
+        "Megatron-LM flags; this entry point takes Hydra overrides, here: parallel.tp=2 parallel.ep=4 parallel.etp=2"
+        in err
+    )
     assert "python -m tools.megatron_args" in err and "usage" not in err
     status, err = _check(["--moe-foo", "3", "train.steps=2"], capsys)
     assert status == 2 and err.startswith("error: --moe-foo: not a flag of this entry point") and "--moe-foo" in err
