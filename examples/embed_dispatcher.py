@@ -6,7 +6,8 @@ ETP groups ``[0,1] [2,3]`` (ranks sharing the same experts, F split between them
 host codebase's grouped GEMM; the script checks the layer against the same computation done densely
 on one rank's own tokens with the full weights.
 
-Run with ``torchrun --nproc-per-node 4 examples/embed_dispatcher.py`` (gloo or NCCL), or plainly with
+Run with ``torchrun --nproc-per-node 4 examples/embed_dispatcher.py`` (NCCL on a node with 4 GPUs: each
+rank uses the GPU of its ``LOCAL_RANK``; gloo on CPU otherwise), or plainly with
 ``python examples/embed_dispatcher.py`` (spawns four local gloo processes).
 """
 
@@ -24,8 +25,8 @@ from folding.parallel.groups import ProcessGroups
 H, F, E, TOPK, T = 32, 16, 4, 2, 10
 
 
-def main():
-    """Build groups, route, dispatch, run the toy experts, combine, check."""
+def main(device=torch.device("cpu")):
+    """Build groups, route, dispatch, run the toy experts, combine, check; every tensor on ``device``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "this example is written for 4 ranks"
     # Every rank creates every group, in the same order (torch.distributed's rule).
@@ -37,15 +38,16 @@ def main():
 
     cfg = MoEConfig(num_experts=E, topk=TOPK, ffn_hidden_size=F)
     # No attention TP/CP here: each rank's tokens are a micro-batch of their own.
-    router = Router(hidden_size=H, config=cfg, groups=ProcessGroups(tp_cp=singles[rank], tp_dp_cp=dist.group.WORLD))
+    groups = ProcessGroups(tp_cp=singles[rank], tp_dp_cp=dist.group.WORLD)
+    router = Router(hidden_size=H, config=cfg, groups=groups, device=device)
     dispatcher = build_dispatcher("alltoall", num_experts=E, topk=TOPK, ep_group=ep_group, etp_group=etp_group)
 
     g = torch.Generator().manual_seed(0)  # the same full toy weights on every rank
-    Wa, Wb = torch.randn(E, H, F, generator=g) / 4, torch.randn(E, F, H, generator=g) / 4
+    Wa, Wb = (torch.randn(E, *shape, generator=g).to(device) / 4 for shape in ((H, F), (F, H)))
     Fl, j = F // dispatcher.etp_size, dispatcher.etp_rank
     off = dispatcher.local_expert_offset
 
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank)).to(device)
     probs_TE, routing_map_TE = router(x)
     tokens, record, probs = dispatcher.dispatch(x, routing_map_TE, probs_TE)
     outs, start = [], 0
@@ -73,9 +75,15 @@ def _spawned(rank, world, init_file):
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        main()
+    if "RANK" in os.environ:  # torchrun
+        if torch.cuda.is_available():  # one GPU per rank, chosen by the rank on its node
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        main(device)
         dist.destroy_process_group()
     else:
         import tempfile

@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from folding.training.cli import check_command_line, normalize_overrides
+from folding.training.faults import interrupt_exits_quietly
 from folding.training.launch import quiet_hydra_argv, run_job
 from folding.training.schema import register_schema
 
@@ -36,10 +37,11 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    register_schema()
-    sys.argv = [sys.argv[0]] + normalize_overrides(sys.argv[1:])
-    status = check_command_line(sys.argv[1:], config_dir=CONFIGS, config_name="config")
-    if status is not None:  # a bad setting (printed once) or a dry run: no run directory is made
-        sys.exit(status)
-    sys.argv = quiet_hydra_argv(sys.argv)
-    main()
+    with interrupt_exits_quietly():  # Ctrl-C before or after the job: one line, no traceback
+        register_schema()
+        sys.argv = [sys.argv[0]] + normalize_overrides(sys.argv[1:])
+        status = check_command_line(sys.argv[1:], config_dir=CONFIGS, config_name="config")
+        if status is not None:  # a bad setting (printed once) or a dry run: no run directory is made
+            sys.exit(status)
+        sys.argv = quiet_hydra_argv(sys.argv)
+        main()

@@ -34,7 +34,7 @@ from folding.moe.experts import GroupedMLP
 from folding.moe.layer import MoELayer
 from folding.parallel.groups import ProcessGroups
 from folding.quant.emulate import RECIPES
-from folding.training.cli import compose_tree
+from folding.training.compose import compose_tree
 from folding.training.launch import run_job
 from folding.training.schema import register_schema
 

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(groups))
         return 0
-    print(f"{layout.world_size} ranks, order {layout.order}: {layout.describe()}")
+    print(f"{layout.world_size} rank{'' if layout.world_size == 1 else 's'}, order {layout.order}: {layout.describe()}")
     print(_table("attention (TP x CP x DP x PP)", groups["attention"]))
     print(_table("expert (ETP x EP x EDP x PP)", groups["expert"], EXPERT_LABELS))
     return 0

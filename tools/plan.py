@@ -10,7 +10,10 @@ Usage::
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
-memory. Layouts that do not fit in the GPU's memory are dropped. The cost model and its calibration are
+memory. The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP group, as in
+Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks too), so that a
+folded and an ``--unfolded`` line with the same sizes read alike only when they are the same layout.
+Layouts that do not fit in the GPU's memory are dropped. The cost model and its calibration are
 described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr. The flags are those of
 tools/memory.py and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
@@ -25,7 +28,7 @@ import yaml
 
 from folding.model.presets import get_preset, list_presets
 from folding.planning.hardware import get_gpu, list_gpus
-from folding.planning.planner import COMPUTE_EFFICIENCY, plan_layouts
+from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts
 from folding.planning.step_time import Cluster, TrainingShape
 
 
@@ -124,17 +127,19 @@ def _overlap_note(args) -> str:
     return ", MoE exchanges overlapped" + (", expert wgrad delayed" if args.delay_wgrad else "")
 
 
+EP_LEGEND = (
+    "EP in DP: the expert-parallel group lies inside one attention DP group (Megatron-Core without folding); "
+    "EP over TP·CP·DP: it is folded across attention TP / CP ranks too"
+)
+"""Printed above the lines when any of them has EP > 1."""
+
+
 def _line(i: int, r) -> str:
     p = r.plan
-    vpp = f" VPP{p.vpp}" if p.vpp > 1 else ""
-    ends = [(w, n) for w, n in (("first", p.first_stage_layers), ("last", p.last_stage_layers)) if n]
-    if ends:
-        vpp += " (" + ", ".join(f"{w} stage {n} layers" for w, n in ends) + ")"
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
     return (
         f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
-        f"TP{p.tp} CP{p.cp} DP{p.dp} PP{p.pp}{vpp} | ETP{p.etp} EP{p.ep} EDP{p.edp}  "
-        f"recompute={p.recompute} {opt}"
+        f"{describe_plan(p)}  recompute={p.recompute} {opt}"
     )
 
 
@@ -184,7 +189,10 @@ def main(argv=None) -> int:
     if not results:
         print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
         return 1
-    for i, r in enumerate(results[: args.top], 1):
+    shown = results[: args.top]
+    if any(r.plan.ep > 1 for r in shown):
+        print(EP_LEGEND)
+    for i, r in enumerate(shown, 1):
         print(_line(i, r))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))

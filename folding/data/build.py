@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -27,7 +28,7 @@ from .cache import default_cache_dir
 from .config import DataConfig
 from .corpus import default_corpus_prefix
 from .gpt_dataset import GPTDataset
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, IndexedDatasetError, preprocess_hint
 from .sampler import MicroBatchIterator, check_batch_sizes
 from .tokenizer import build_tokenizer
 
@@ -114,6 +115,14 @@ def build_data(
     else:
         prefixes = [default_corpus_prefix(config.tokenizer, cache_dir)]
         weights = [1.0]
+    for p in config.paths or []:
+        missing = [p + s for s in (".bin", ".idx") if not os.path.isfile(p + s)]
+        if missing:
+            raise IndexedDatasetError(
+                f"data.paths entry {p!r}: {' and '.join(missing)} {'do' if len(missing) > 1 else 'does'} not "
+                f"exist (data.paths takes the prefix of a tokenized dataset, PREFIX.bin + PREFIX.idx); "
+                f"{preprocess_hint(p, config.tokenizer)}"
+            )
     indexed = [IndexedDataset(p) for p in prefixes]
     for p, ds in zip(prefixes, indexed):
         if ds.num_tokens == 0:

@@ -95,6 +95,33 @@ def _read_header(idx_path: str):
     return CODE_DTYPES[code], seq_count, doc_count
 
 
+RAW_SUFFIXES = (".txt.gz", ".jsonl.gz", ".json.gz", ".txt", ".jsonl", ".json")
+"""Endings of the raw inputs ``tools/preprocess_data.py`` reads (plain text, JSON lines; gzipped or not)."""
+
+
+def preprocess_hint(prefix: str, tokenizer: str = "byte") -> str:
+    """The command that writes ``PREFIX.bin`` + ``PREFIX.idx`` for a dataset prefix that has neither.
+
+    When ``prefix`` is itself a raw input (a file that exists, or a name ending in one of
+    :data:`RAW_SUFFIXES`), that file is the ``--input`` and the prefix is its name without the ending
+    (``notes.txt`` -> ``--input notes.txt --output-prefix notes``, then ``data.paths=[notes]``); otherwise
+    the command writes ``prefix`` from a text or JSON-lines file the user names. ``tokenizer`` other than
+    ``byte`` is passed on (the dataset must be written with the tokenizer it is read with).
+    """
+    ending = next((s for s in RAW_SUFFIXES if prefix.endswith(s)), None)
+    raw = ending is not None or os.path.isfile(prefix)
+    if raw:
+        out = prefix[: -len(ending)] if ending else prefix + "_tokens"
+        source = prefix
+    else:
+        out, source = prefix, "<your .txt or .jsonl file>"
+    tok = "" if tokenizer == "byte" else f" --tokenizer {tokenizer}"
+    command = f"python -m tools.preprocess_data --input {source} --output-prefix {out}{tok} --append-eod"
+    if raw:
+        return f"{prefix} is raw text, not a tokenized dataset: run {command}, then set data.paths=[{out}]"
+    return f"write it with {command}"
+
+
 class IndexedDataset:
     """Read-only, memory-mapped view of ``PREFIX.bin`` + ``PREFIX.idx``.
 
@@ -112,7 +139,7 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise IndexedDatasetError(
                     f"{path} does not exist; a dataset prefix needs both PREFIX.bin and PREFIX.idx "
-                    f"(write them with tools/preprocess_data.py --output-prefix {self.prefix})"
+                    f"({preprocess_hint(self.prefix)})"
                 )
         self.dtype, seq_count, doc_count = _read_header(self.idx_path)
         idx = np.memmap(self.idx_path, mode="r", dtype=np.uint8)

@@ -29,6 +29,29 @@ def _check_size(name: str, value) -> None:
         raise LayoutError(f"parallel.{name}={value!r} must be an integer >= 1")
 
 
+def _expert_size_fix(layout: "ParallelLayout", etp_defaulted: bool) -> str:
+    """The fix for a world that ``etp*ep*pp`` does not divide: changing one setting at a time, the largest
+    smaller ETP and the largest smaller EP that give a legal layout (experts divisible by EP included),
+    and the world size that would fit as it is."""
+
+    def legal(**change) -> bool:
+        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+        try:
+            ParallelLayout(**{**fields, **change})
+        except LayoutError:
+            return False
+        return True
+
+    etp = next((e for e in range(layout.etp - 1, 0, -1) if legal(etp=e)), None)
+    ep = next((e for e in range(layout.ep - 1, 0, -1) if legal(ep=e)), None)
+    fixes = [f"parallel.{name}={v}" for name, v in (("etp", etp), ("ep", ep)) if v is not None]
+    text = "change etp, ep or pp" + (", e.g. " + " or ".join(fixes) if fixes else "")
+    text += f" (or launch a multiple of {layout.etp * layout.ep * layout.pp} ranks)"
+    if etp_defaulted and etp is not None:
+        text += f"; etp defaults to tp={layout.tp}: set parallel.etp explicitly, e.g. parallel.etp={etp}"
+    return text
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
     """A validated folded layout of ``world_size`` ranks.
@@ -66,7 +89,8 @@ class ParallelLayout:
     def __post_init__(self):
         for name in ("world_size", "tp", "cp", "pp", "ep"):
             _check_size(name if name != "world_size" else "world_size", getattr(self, name))
-        if self.etp is None:
+        etp_defaulted = self.etp is None
+        if etp_defaulted:
             object.__setattr__(self, "etp", self.tp)
         _check_size("etp", self.etp)
         if self.vpp is not None:
@@ -93,10 +117,9 @@ class ParallelLayout:
                 f"= {self.tp * self.cp * self.pp}; change tp, cp or pp (or the number of ranks)"
             )
         if w % (self.etp * self.ep * self.pp):
-            hint = " (etp defaults to tp: set parallel.etp explicitly, e.g. etp=1)" if self.etp == self.tp else ""
             raise LayoutError(
                 f"world size {w} is not divisible by parallel.etp*ep*pp = {self.etp}*{self.ep}*{self.pp} "
-                f"= {self.etp * self.ep * self.pp}; change etp, ep or pp{hint}"
+                f"= {self.etp * self.ep * self.pp}; {_expert_size_fix(self, etp_defaulted)}"
             )
         if self.num_experts is not None:
             _check_size("num_experts", self.num_experts)
@@ -142,7 +165,7 @@ class ParallelLayout:
         """One line such as ``attention TP2 CP2 DP2 PP1 | MoE ETP1 EP8 EDP1 PP1``."""
         v = f" VPP{self.vpp}" if self.vpp and self.vpp > 1 else ""
         ends = [
-            f"{which} stage {n} layers"
+            f"{which} stage {n} layer{'' if n == 1 else 's'}"
             for which, n in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
             if n is not None
         ]

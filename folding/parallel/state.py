@@ -278,7 +278,9 @@ def build_parallel_state(
         raise RuntimeError("build_parallel_state needs torch.distributed.init_process_group() first")
     world = dist.get_world_size()
     if world != layout.world_size:
-        raise ValueError(f"layout is for world_size={layout.world_size} but the job has {world} ranks")
+        raise ValueError(
+            f"layout is for world_size={layout.world_size} but the job has {world} rank{'' if world == 1 else 's'}"
+        )
     rank = dist.get_rank()
     table = layout.groups()
     kwargs = {}

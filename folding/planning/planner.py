@@ -51,6 +51,37 @@ def _mapping(plan: Plan) -> tuple:
     return tuple(getattr(plan, k) for k in MATCH_KEYS)
 
 
+def ep_in_dp(plan: Plan) -> bool:
+    """Whether the expert-parallel group of ``plan`` sits inside one attention DP group (its ranks differ only
+    in their DP coordinate), as in Megatron-Core without folding, rather than folded over the attention
+    TP×CP×DP grid (spanning TP or CP ranks as well).
+
+    Consecutive EP ranks are ``stride`` ranks apart: ETP when folded, TP·CP without folding (EP carved out
+    of DP). With the order ``tp-cp-ep-dp-pp`` a rank's attention TP and CP coordinates are its remainder
+    modulo TP·CP, so the group stays inside DP exactly when the stride is a multiple of TP·CP. Worked example
+    on 128 GPUs: TP1 CP2 PP8 with ETP1 EP8 is folded over CP×DP (ranks 0..7: CP ranks 0 and 1 of four DP
+    ranks), while the same sizes without folding put EP on ranks 0, 2, .., 14 (eight DP ranks of one CP rank).
+    TP2 CP1 with ETP2 is in DP either way, which is why the two listings then print the same line.
+    """
+    stride = plan.etp if plan.folded else plan.tp * plan.cp
+    return stride % (plan.tp * plan.cp) == 0
+
+
+def describe_plan(plan: Plan) -> str:
+    """The layout part of the planner's line: ``TP1 CP2 DP8 PP8 VPP7 | ETP1 EP8 EDP2 EP over TP·CP·DP``.
+
+    The expert half ends with where EP sits (:func:`ep_in_dp`): ``EP in DP`` or ``EP over TP·CP·DP``
+    (nothing for EP1), so that a folded and an unfolded layout of the same sizes never read alike unless
+    their EP groups hold the same ranks.
+    """
+    vpp = f" VPP{plan.vpp}" if plan.vpp > 1 else ""
+    ends = [(w, n) for w, n in (("first", plan.first_stage_layers), ("last", plan.last_stage_layers)) if n]
+    if ends:
+        vpp += " (" + ", ".join(f"{w} stage {n} layer{'' if n == 1 else 's'}" for w, n in ends) + ")"
+    where = "" if plan.ep == 1 else " EP in DP" if ep_in_dp(plan) else " EP over TP·CP·DP"
+    return f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
+
+
 # --------------------------------------------------------------------------------------------- memory
 def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> MemoryEstimate:
     """Per-GPU memory of ``plan`` from the one memory model (:func:`folding.planning.memory.memory_per_rank`),
@@ -206,9 +237,11 @@ class PlanResult:
         return self.memory.total / GIB
 
     def to_dict(self) -> dict:
-        """A JSON-ready record: layout sizes, knobs, ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
+        """A JSON-ready record: layout sizes, knobs, ``ep_placement`` (``"in_dp"`` or ``"folded"``, see
+        :func:`ep_in_dp`; ``None`` for EP1), ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
         d = dataclasses.asdict(self.plan)
         d.update(
+            ep_placement=None if self.plan.ep == 1 else "in_dp" if ep_in_dp(self.plan) else "folded",
             mfu=round(self.mfu, 4),
             memory_gib=round(self.memory_gib, 2),
             step_s=round(self.time.step_s, 4),

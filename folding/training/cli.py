@@ -38,14 +38,15 @@ import time
 import typing
 from typing import List, Optional, Sequence
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .compose import compose_tree
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .dry_run import dry_run_report
 from .machine import check_experts_here
+from .megatron_args import MegatronArgsError, convert
+from .megatron_flags import leaf_synonyms
 from .schema import job_schema
 from .validate import validate_job
 
@@ -120,6 +121,20 @@ MOVED_KEYS = {
 """Model keys whose option is now a field of the MoE record under another name."""
 
 
+def synonyms(key: str, keys) -> List[str]:
+    """The valid keys that ``key`` names under another spelling: a known synonym of its last part
+    (``learning_rate`` -> ``optim.lr``, ``num_expert`` -> ``moe.num_experts``, Megatron-LM's argument
+    names such as ``tensor_model_parallel_size`` -> ``parallel.tp``:
+    :func:`folding.training.megatron_flags.leaf_synonyms`), else the same last part in another section
+    (``train.lr`` -> ``optim.lr``; at most two)."""
+    leaf = key.split(".")[-1]
+    target = leaf_synonyms().get(leaf)
+    if target in keys and target != key:
+        return [target]
+    same_leaf = [k for k in sorted(keys) if k.split(".")[-1] == leaf and k != key]
+    return same_leaf if 0 < len(same_leaf) <= 2 else []
+
+
 def unknown_key(args: Sequence[str]) -> Optional[str]:
     """The error message for the first override whose key the schema does not have (with the closest
     valid keys), or ``None``. Hydra keys, config groups and ``+``/``~`` edits are not checked."""
@@ -135,7 +150,9 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
         moved = MOVED_KEYS.get(key) or (
             f"moe.{key[6:]}" if key.startswith("model.") and f"moe.{key[6:]}" in keys else None
         )
-        close = [moved] if moved else difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        close = (
+            [moved] if moved else synonyms(key, keys) or difflib.get_close_matches(key, sorted(keys), n=2, cutoff=0.8)
+        )
         hint = (
             f"did you mean {' or '.join(close)}?"
             if close
@@ -147,12 +164,39 @@ def unknown_key(args: Sequence[str]) -> Optional[str]:
     return None
 
 
-def compose_tree(args: Sequence[str], *, config_dir: str, config_name: str) -> dict:
-    """The composed config as a plain dict (Hydra's compose API, without the ``hydra`` node)."""
-    overrides = [a for a in args if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra", "++hydra"))]
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+HYDRA_FLAGS = (
+    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
+    "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i",
+)  # fmt: skip
+"""Hydra's own command-line flags (everything else on the command line is an override)."""
+
+
+def foreign_flags(args: Sequence[str]) -> Optional[str]:
+    """The error for ``--flags`` that are not Hydra's (Megatron-LM habits such as
+    ``--tensor-model-parallel-size 2``), or ``None``. When they convert
+    (:func:`folding.training.megatron_args.convert`), the message gives the overrides that say the same."""
+    flags = [a for a in args if a.startswith("--") and a.split("=")[0] not in HYDRA_FLAGS]
+    if not flags:
+        return None
+    start = args.index(flags[0])
+    megatron = [a for a in args[start:] if a.startswith("--") or "=" not in a]
+    unique = list(dict.fromkeys(a.split("=")[0] for a in flags))
+    names, one = " ".join(unique), len(unique) == 1
+    try:
+        overrides = " ".join(convert(megatron).overrides)
+    except MegatronArgsError as e:
+        return (
+            f"{names}: {'not a flag' if one else 'not flags'} of this entry point, which takes Hydra overrides "
+            "(key=value, e.g. parallel.tp=2); "
+            f"as Megatron-LM flags: {e}; python -m tools.megatron_args converts a Megatron-LM command line "
+            "(docs/megatron.md has the table)"
+        )
+    return (
+        f"{names}: {'a Megatron-LM flag' if one else 'Megatron-LM flags'}; this entry point takes Hydra "
+        f"overrides, here: {overrides} "
+        "(python -m tools.megatron_args converts a whole Megatron-LM command line; docs/megatron.md has the table)"
+    )
 
 
 def check_command_line(
@@ -163,6 +207,10 @@ def check_command_line(
     Returns the exit status to stop with (2 after printing the error; 0 after printing a dry run's
     report) or ``None`` when the job is valid and Hydra should run it. No file is written.
     """
+    foreign = foreign_flags(args)
+    if foreign:
+        report_error(foreign)
+        return 2
     if any(a.startswith("-") for a in args):  # multirun or a Hydra flag: Hydra handles it
         return None
     try:
@@ -199,13 +247,17 @@ def _hydra_message(e: BaseException) -> str:
                 break
             if line and not line.startswith(("object_type=", "full_key:", "reference_type=")) and line not in lines:
                 lines.append(line)
-    out, prefix, listing = [], "", False
+    out, prefix, listing, override = [], "", False, ""
     for line in lines:
         if line.startswith("Error merging override "):
-            prefix = line[len("Error merging override ") :] + ": "
+            override = line[len("Error merging override ") :]
+            prefix = override + ": "
         elif listing:
             out[-1] += (" " if out[-1].endswith(":") else ", ") + line
         else:
             out.append(prefix + line)
             prefix, listing = "", line.startswith("Available options") and line.endswith(":")
-    return "; ".join(out)
+    key, eq, value = override.partition("=")
+    if eq and any("is not a ListConfig" in line for line in lines):  # a bare value where a list is expected
+        out.append(f"{key} takes a list: write {key}=[{value}]")
+    return "; ".join(part.rstrip(".") if i < len(out) - 1 else part for i, part in enumerate(out))

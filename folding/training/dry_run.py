@@ -69,7 +69,7 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     total, active = m.num_parameters()
     M = t.global_batch_size // (t.micro_batch_size * layout.dp)
     lines = [
-        f"dry run: {m.name} on {world_size} ranks",
+        f"dry run: {m.name} on {world_size} rank{'' if world_size == 1 else 's'}",
         f"  layout      {layout.describe()}  (order {layout.order})",
         f"  batch       global {t.global_batch_size} x seq {t.seq_length}, micro-batch "
         f"{t.micro_batch_size}, {M} micro-batches per replica per step",

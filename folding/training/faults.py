@@ -9,6 +9,11 @@ signal after the handlers are removed, once a stop was requested: the process ex
 Handlers can only be installed from the main thread; elsewhere :meth:`StopRequest.install` does
 nothing and the run simply cannot be stopped by a signal.
 
+The launcher installs its request for the whole job, from before the model is built to after the
+process groups are gone (a signal during start-up stops the run after its first step, with a
+checkpoint); :func:`interrupt_exits_quietly` covers what comes before and after it in the entry point
+(the command-line checks, Hydra's start and end): a Ctrl-C there ends the process with one line.
+
 Usage::
 
     stop = StopRequest()
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from typing import Dict, Iterator
 
@@ -54,3 +60,20 @@ class StopRequest:
                 # after a stop request the process is winding down: a repeated signal must not turn
                 # the clean exit into a KeyboardInterrupt traceback or a death by signal
                 signal.signal(s, signal.SIG_IGN if self.requested else h)
+
+
+INTERRUPTED_STATUS = 130
+"""Exit status after a Ctrl-C outside the job (128 + SIGINT, the shell's convention)."""
+
+
+@contextlib.contextmanager
+def interrupt_exits_quietly(stream=None) -> Iterator[None]:
+    """A Ctrl-C (``KeyboardInterrupt``) that reaches this block ends the process with the line
+    ``interrupted`` on ``stream`` (stderr) and exit status :data:`INTERRUPTED_STATUS` instead of a
+    traceback; SIGINT is ignored from then on, so a second Ctrl-C cannot interrupt the exit."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("interrupted", file=stream or sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None

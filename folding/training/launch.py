@@ -39,6 +39,7 @@ from .cli import report_error
 from .config import ConfigError, env_world_size, job_config_from_dict
 from .config import plain_tree as _plain
 from .dry_run import dry_run_report
+from .faults import StopRequest
 from .machine import experts_summary
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
@@ -171,7 +172,16 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
     process before any process group exists. In both early exits rank 0 removes ``run_dir`` if it is
     still empty. ``status.json`` in the run directory says how the run ended (see
     :mod:`folding.training.run_dir`); ``overrides`` (the command line) head ``resolved_config.yaml``.
+    SIGINT / SIGTERM stop the run at a step boundary from the moment this is called until it returns
+    (:class:`~folding.training.faults.StopRequest`): one that comes while the job is being set up stops
+    it after its first step; once a stop was requested, further signals are ignored.
     """
+    stop = StopRequest()
+    with stop.installed():
+        return _run_job(tree, run_dir=run_dir, overrides=overrides, stop=stop)
+
+
+def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]], stop: StopRequest) -> int:
     try:
         job = job_config_from_dict(tree)
         world = env_world_size()
@@ -210,7 +220,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
             for note in job.notes:
                 log.echo(note)
         result = train(
-            job, run_dir=run_dir, prepared=prepared, run_log=log
+            job, run_dir=run_dir, prepared=prepared, run_log=log, stop=stop
         )  # its groups' destroy() is the last barrier
         status = "stopped" if result["stopped"] else "completed"
         last = result["history"][-1]["step"] if result["history"] else None

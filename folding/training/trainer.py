@@ -203,7 +203,13 @@ class _StepLosses:
 
 
 def train(
-    job: JobConfig, *, run_dir: str, prepared: Optional[Prepared] = None, parallel_state=None, run_log=None
+    job: JobConfig,
+    *,
+    run_dir: str,
+    prepared: Optional[Prepared] = None,
+    parallel_state=None,
+    run_log=None,
+    stop: Optional[StopRequest] = None,
 ) -> Dict[str, Any]:
     """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
     ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file`` and ``chunks``
@@ -212,11 +218,15 @@ def train(
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
     (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``); its
     console lines also go to ``run_log`` (a :class:`~folding.training.run_dir.RunLog`) when given.
+    ``stop``: a :class:`~folding.training.faults.StopRequest` the caller installed before (a signal
+    that came while the run was being set up then stops it after its first step); default: a request
+    installed for the loop only.
     """
     prep = prepared or prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
     own_ps = parallel_state is None
     ps = parallel_state or build_parallel_state(prep.layout, timeout_s=job.train.collective_timeout_s)
     run = _start(job, prep, ps, own_ps=own_ps, run_dir=run_dir, run_log=run_log)
+    run.stop = stop or run.stop
     try:
         with run.stop.installed():
             _log_run(run)

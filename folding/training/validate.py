@@ -240,8 +240,9 @@ def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.devi
             _fail(
                 "parallel.world_size",
                 ws,
-                f"but the job was launched on {world_size} ranks",
-                f"launch {ws} ranks (torchrun --nproc-per-node ...) or set parallel.world_size=null",
+                f"but the job was launched on {world_size} rank{'' if world_size == 1 else 's'}",
+                f"launch {ws} rank{'' if ws == 1 else 's'} (torchrun --nproc-per-node ...) "
+                "or set parallel.world_size=null",
             )
     _check_train(job)
     _check_recompute_vs_fp8_region(job, device)

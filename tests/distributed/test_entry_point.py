@@ -100,7 +100,7 @@ def test_dry_run_and_failed_checks_leave_no_run_directory(tmp_path):
     bad = _python(tmp_path, ["optim.lr=-1", *TINY])
     assert bad.returncode == 2 and bad.stderr.count("error: optim.lr") == 1, bad.stderr
     data = _python(tmp_path, ["data.paths=[missing/prefix]", *TINY])  # caught after Hydra made the directory
-    assert data.returncode == 2 and "missing/prefix.idx does not exist" in data.stderr, data.stderr
+    assert data.returncode == 2 and "missing/prefix.bin and missing/prefix.idx do not exist" in data.stderr, data.stderr
     assert "Traceback" not in dry.stderr + bad.stderr + data.stderr
     assert not (tmp_path / "outputs").exists(), list((tmp_path / "outputs").rglob("*"))
 
@@ -270,3 +270,63 @@ def test_run_job_leaves_no_process_group_threads_for_interpreter_shutdown(tmp_pa
     assert job.returncode == 0, out[-3000:]
     lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
     assert lines == [f"rank {r} status 0 native threads before 0 after 0" for r in (0, 1)], out[-3000:]
+
+
+INTERRUPTED = """
+import os, signal, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from folding.training import launch
+from folding.training.schema import register_schema
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever launched this test
+register_schema()
+with initialize_config_dir(config_dir=os.path.join(sys.argv[1], "configs"), version_base="1.3"):
+    tree = OmegaConf.to_container(compose("config", overrides=sys.argv[3:]), resolve=True)
+real_prepare, real_release = launch.prepare, launch.release_process_groups
+def prepare(*a, **k):  # the first Ctrl-C: while the job is being set up, before any training step
+    os.kill(os.getpid(), signal.SIGINT)
+    return real_prepare(*a, **k)
+def release():  # the second Ctrl-C: while the run winds down
+    os.kill(os.getpid(), signal.SIGINT)
+    real_release()
+launch.prepare, launch.release_process_groups = prepare, release
+status = launch.run_job(tree, run_dir=os.path.join(sys.argv[2], "run"))
+os.kill(os.getpid(), signal.SIGINT)  # a third, after the job: ignored as well
+print(f"status {status}", flush=True)
+"""
+
+
+def test_ctrl_c_during_set_up_and_again_while_winding_down_exits_cleanly(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(INTERRUPTED)
+    p = subprocess.run(
+        [sys.executable, str(probe), ROOT, str(tmp_path), "train.steps=50", "checkpoint.dir=ck", *TINY],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stdout.splitlines()[-1] == "status 0"
+    assert "stop requested by a signal: stopped after step 1, checkpoint saved" in p.stdout
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "stopped" and status["step"] == 1
+    assert os.path.exists(os.path.join(status["checkpoint"], "COMPLETE"))
+
+
+def test_ctrl_c_outside_the_job_is_one_line():
+    from folding.training.faults import INTERRUPTED_STATUS, interrupt_exits_quietly
+
+    previous = signal.getsignal(signal.SIGINT)
+    err = []
+    try:
+        try:
+            with interrupt_exits_quietly(stream=type("S", (), {"write": err.append, "flush": lambda s: None})()):
+                raise KeyboardInterrupt  # e.g. while the command line is checked
+        except SystemExit as e:
+            assert e.code == INTERRUPTED_STATUS and e.__cause__ is None
+        assert "".join(err) == "interrupted\n"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C cannot interrupt the exit
+    finally:
+        signal.signal(signal.SIGINT, previous)

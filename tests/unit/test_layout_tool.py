@@ -56,3 +56,17 @@ def test_tools_share_flag_names():
     old = load("memory").parse_args(["--preset", "mixtral_tiny", "--world", "8", "--seq", "16", "--mbs", "2"])
     assert (old.preset, old.seq, old.mbs) == ("mixtral_tiny", 16, 2)  # the former spellings
     assert load("layout").parse_args(["--world", "8"]).world == 8
+
+
+def test_readme_names_the_groups_as_the_tables_do():
+    # the multi-axis rank lists the tables print are the ones the README's layout section names
+    p = _run("--world", "16", "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1")
+    assert p.returncode == 0, p.stderr
+    labels = [line.split()[0] for line in p.stdout.splitlines() if line.startswith("  ")]
+    joint = {lab for lab in labels if "-" in lab}
+    assert {"tp-pp", "etp-ep", "etp-ep-pp"} <= joint
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("Groups, by role") : readme.index("Impossible layouts")]
+    for lab in ("tp-pp", "etp-ep", "etp-ep-pp"):
+        assert f"`{lab}`" in section, lab
+    assert _run("--world", "1").stdout.startswith("1 rank, order")  # not "1 ranks"
