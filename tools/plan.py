@@ -124,8 +124,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--routing-skew",
         metavar="zipf:S",
-        help="plan for synthetic skewed routing: expert popularity proportional to 1/rank^S, experts "
-        "permuted per step and MoE layer from --seed (zipf:0 is balanced)",
+        help="plan for synthetic skewed routing: expert popularity proportional to 1/rank^S (no expert "
+        "above 1/topk of the routed copies), experts permuted per step and MoE layer from --seed "
+        "(zipf:0 is balanced)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of --routing-skew's permutations (default 0)")
     p.add_argument("--skew-steps", type=int, default=100, help="steps drawn for --routing-skew (default 100)")
@@ -164,6 +165,7 @@ def routing_model(args, cfg):
             steps=args.skew_steps,
             exponent=parse_skew(args.routing_skew),
             seed=args.seed,
+            topk=cfg.moe.topk,
         )
     else:
         return None

@@ -103,13 +103,33 @@ def parse_skew(spec: str) -> float:
     return exponent
 
 
-def zipf_loads(*, num_experts: int, num_layers: int, steps: int, exponent: float, seed: int) -> np.ndarray:
+def topk_feasible(shares_E: np.ndarray, topk: int) -> np.ndarray:
+    """``shares_E`` (summing to 1) with no expert above ``1/topk`` of the routed copies (a token picks
+    ``topk`` distinct experts): the excess of the capped experts goes to the others in proportion to their
+    shares, until none is above. Unchanged when none is above."""
+    cap = 1.0 / topk
+    shares_E = shares_E.copy()
+    while np.any(shares_E > cap * (1 + 1e-12)):
+        over = shares_E >= cap
+        free = shares_E[~over].sum()
+        shares_E[~over] *= (1.0 - cap * over.sum()) / free
+        shares_E[over] = cap
+    return shares_E
+
+
+def zipf_loads(
+    *, num_experts: int, num_layers: int, steps: int, exponent: float, seed: int, topk: int = 1
+) -> np.ndarray:
     """Synthetic routed-token shares ``[steps, layers, experts]``: expert popularity ``∝ 1/rank^exponent``,
-    the ranks assigned to the experts by a random permutation drawn per step and layer from ``seed``
-    (so the hottest experts land on different EP ranks from step to step). ``exponent=0`` is balanced."""
+    capped at ``1/topk`` of the routed copies (:func:`topk_feasible`: with top-k routing no expert gets
+    more), the ranks assigned to the experts by a random permutation drawn per step and layer from
+    ``seed`` (so the hottest experts land on different EP ranks from step to step). ``exponent=0`` is
+    balanced."""
     if steps < 1:
         raise ValueError(f"--skew-steps={steps} must be >= 1")
     weights_E = 1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** exponent
+    if exponent > 0:
+        weights_E = topk_feasible(weights_E / weights_E.sum(), topk)
     rng = np.random.default_rng(seed)
     perm_SLE = np.argsort(rng.random((steps, num_layers, num_experts)), axis=-1)
     return weights_E[perm_SLE]

@@ -16,6 +16,7 @@ from folding.planning.imbalance import (
     quantile_step,
     rank_loads,
     register_trace_reader,
+    topk_feasible,
     zipf_loads,
 )
 from folding.planning.planner import plan_layouts
@@ -69,8 +70,20 @@ def test_zipf_draws_are_seeded_and_skewed():
     a = zipf_loads(num_experts=8, num_layers=2, steps=4, exponent=1.2, seed=3)
     assert np.array_equal(a, zipf_loads(num_experts=8, num_layers=2, steps=4, exponent=1.2, seed=3))
     assert not np.array_equal(a, zipf_loads(num_experts=8, num_layers=2, steps=4, exponent=1.2, seed=4))
-    assert np.allclose(np.sort(a[1, 1]), np.sort(1 / np.arange(1, 9) ** 1.2))
+    w = 1 / np.arange(1, 9) ** 1.2
+    assert np.allclose(np.sort(a[1, 1]), np.sort(w / w.sum()))
     assert not np.array_equal(a[0, 0], a[1, 0])  # a fresh permutation per step
+
+
+def test_topk_cap():
+    # top-2 over 4 experts: shares 0.8, 0.1, 0.05, 0.05 -> 0.5, then 0.5 split 2:1:1
+    assert np.allclose(topk_feasible(np.array([0.8, 0.1, 0.05, 0.05]), 2), [0.5, 0.25, 0.125, 0.125])
+    shares = np.array([0.4, 0.35, 0.15, 0.1])  # top-4 over 4 experts: every token uses all of them
+    assert np.allclose(topk_feasible(shares, 4), 0.25)
+    draws = zipf_loads(num_experts=64, num_layers=2, steps=3, exponent=1.2, seed=0, topk=8)
+    assert draws.max() == pytest.approx(1 / 8) and np.allclose(draws.sum(-1), 1.0)
+    mild = np.array([0.3, 0.3, 0.2, 0.2])
+    assert np.array_equal(topk_feasible(mild, 2), mild)
 
 
 def _rows(results):
