@@ -41,6 +41,10 @@ transformer layer, on one GPU:
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
+Routing is balanced unless ``moe_load`` gives the slowest EP rank's load (:mod:`folding.planning.imbalance`):
+then every MoE layer's expert GEMMs and received-row passes scale with its rows, its exchanges with its
+received copies.
+
 Usage::
 
     t = estimate_step_time(cfg, plan, shape=TrainingShape(seq_length=4096, global_batch_size=256),
