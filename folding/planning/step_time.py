@@ -62,7 +62,7 @@ from folding.model.config import ModelConfig
 from folding.parallel.partition import partition_layers
 
 from . import flops as F
-from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
+from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time_parts, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
 from .memory import param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
@@ -215,6 +215,22 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gp
     return q_up, proj, seconds, (latents + H) / 2, fwd
 
 
+def _loaded_train_times(rows: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int, load: float):
+    """``(forward, dgrad, wgrad)`` seconds of a grouped expert GEMM whose ``groups`` experts hold ``load``
+    times their balanced ``rows`` in all: the tensor-core time of the balanced GEMM (its wave utilization:
+    the experts' rows differ, so no one tile count stands for them) times ``load``, against the HBM time
+    of the loaded rows. ``load = 1`` gives :func:`~folding.planning.costs.gemm_train_times` exactly."""
+    if rows <= 0:
+        return (0.0, 0.0, 0.0)
+    out = []
+    for (m_, n_, k_, ob), scaled in (((rows, n, k, 2.0), 0), ((rows, k, n, 2.0), 0), ((k, n, rows, 8.0), 2)):
+        flops_t, _ = gemm_time_parts(m_, n_, k_, gpu, eff, groups, ob)
+        dims = [m_, n_, k_]
+        dims[scaled] *= load
+        out.append(max(flops_t * load, gemm_time_parts(*dims, gpu, eff, groups, ob)[1]))
+    return tuple(out)
+
+
 def _layer_times(
     cfg: ModelConfig,
     plan: Plan,
@@ -256,11 +272,13 @@ def _layer_times(
     if moe:
         local = cfg.moe.num_experts // plan.ep
         rows = plan.etp * tok * cfg.moe.topk / local  # routed copies per local expert (balanced)
-        if moe_load is not None:
-            rows *= load_c  # the slowest rank's mean rows per local expert
         f = cfg.moe.ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
-        fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+        if moe_load is None:
+            fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+        else:  # the slowest rank's experts: load_c times the rows
+            fc1 = _loaded_train_times(rows, 2 * f, H, gpu, eff, local, load_c)
+            fc2 = _loaded_train_times(rows, H, f, gpu, eff, local, load_c)
         mlp_t = train(fc1, mlp_fwd) + train(fc2, mlp_fwd)
         router_t = F.router_flops(cfg) * tok / flops_rate
         mlp_t += (2 + mlp_fwd) * router_t
