@@ -7,13 +7,18 @@ Usage::
         --global-batch-size 256 --json          # only a JSON list on stdout, best first
     python -m tools.plan ... --top 20 --all-variants --unfolded
     python -m tools.plan ... --overlap-moe-comm [--delay-wgrad]   # MoE exchanges hidden in the steady state
+    python -m tools.plan ... --routing-skew zipf:1.2 --seed 0 --rank-by p99   # imbalanced routing
+    python -m tools.plan ... --routing-trace loads.npy                         # counts [steps, layers, experts]
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
 memory. The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP group, as in
 Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks too), so that a
 folded and an ``--unfolded`` line with the same sizes read alike only when they are the same layout.
-Layouts that do not fit in the GPU's memory are dropped. The cost model and its calibration are
+Layouts that do not fit in the GPU's memory are dropped. With ``--routing-trace`` /
+``--routing-skew`` the step time is the one at ``--rank-by``'s quantile of the steps (each line also shows
+p50, p99 and the slowest EP rank's tokens over the mean at both, and the drops under a capacity factor;
+``--rank-by`` has no effect without them). The cost model and its calibration are
 described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr. The flags are those of
 tools/memory.py and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
@@ -28,8 +33,16 @@ import yaml
 
 from folding.model.presets import get_preset, list_presets
 from folding.planning.hardware import get_gpu, list_gpus
+from folding.planning.imbalance import (
+    RoutingModel,
+    load_routing_trace,
+    parse_skew,
+    register_trace_reader,
+    zipf_loads,
+)
 from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts
 from folding.planning.step_time import Cluster, TrainingShape
+from folding.training.trace_file import read_trace
 
 
 def moe_overrides(items):
@@ -112,6 +125,29 @@ def parse_args(argv=None):
         action="store_true",
         help="list every VPP / recompute / optimizer variant, not only the best per mapping",
     )
+    p.add_argument(
+        "--routing-trace",
+        metavar="PATH",
+        help="plan for the routed-token counts of a trace instead of balanced routing: a moe.trace_dir the "
+        "engine wrote (or its routing_trace.bin), or [steps, MoE layers, experts] counts as .npy or .json "
+        '(nested lists or {"counts": ...})',
+    )
+    p.add_argument(
+        "--routing-skew",
+        metavar="zipf:S",
+        help="plan for synthetic skewed routing: expert popularity proportional to 1/rank^S (no expert "
+        "above 1/topk of the routed copies), experts permuted per step and MoE layer from --seed "
+        "(zipf:0 is balanced)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of --routing-skew's permutations (default 0)")
+    p.add_argument("--skew-steps", type=int, default=100, help="steps drawn for --routing-skew (default 100)")
+    p.add_argument(
+        "--rank-by",
+        choices=("p50", "p99"),
+        default="p50",
+        help="with --routing-trace / --routing-skew: rank by the step time at the median (default) or the "
+        "99th-percentile step of the slowest EP rank's load",
+    )
     p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
     p.add_argument(
         "--json",
@@ -134,9 +170,59 @@ EP_LEGEND = (
 """Printed above the lines when any of them has EP > 1."""
 
 
+def engine_trace_loads(path: str):
+    """The routed (token, expert) pairs ``[steps, MoE layers, experts]`` of a trace the engine recorded
+    (``moe.trace_dir``: the directory or its ``routing_trace.bin``), summed over source ranks, drops
+    included: the planner applies the capacity factor itself."""
+    trace = read_trace(path)
+    return (trace.counts_SLRE.astype("int64") + trace.dropped_SLRE).sum(axis=2)
+
+
+register_trace_reader(".bin", engine_trace_loads)
+register_trace_reader("/", engine_trace_loads)
+
+
+def routing_model(args, cfg):
+    """The :class:`RoutingModel` of ``--routing-trace`` / ``--routing-skew`` (``None``: balanced)."""
+    if args.routing_trace and args.routing_skew:
+        raise ValueError("--routing-trace and --routing-skew are exclusive: give one")
+    if args.routing_trace:
+        loads = load_routing_trace(args.routing_trace)
+    elif args.routing_skew:
+        loads = zipf_loads(
+            num_experts=cfg.moe.num_experts,
+            num_layers=cfg.num_moe_layers(),
+            steps=args.skew_steps,
+            exponent=parse_skew(args.routing_skew),
+            seed=args.seed,
+            topk=cfg.moe.topk,
+        )
+    else:
+        return None
+    return RoutingModel(loads, cfg, rank_by=args.rank_by)
+
+
+def _routing_note(args) -> str:
+    if args.routing_trace:
+        src = f"routing trace {args.routing_trace}"
+    elif args.routing_skew:
+        src = f"routing {args.routing_skew} seed {args.seed} over {args.skew_steps} steps"
+    else:
+        return ""
+    return f", {src}, ranked by {args.rank_by}"
+
+
 def _line(i: int, r) -> str:
     p = r.plan
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
+    if r.routing is not None:
+        rt = r.routing
+        opt += (
+            f"  p50 {rt.p50.step_s:.3f} s p99 {rt.p99.step_s:.3f} s "
+            f"max/mean {rt.load_p50.max_over_mean:.2f}/{rt.load_p99.max_over_mean:.2f}"
+        )
+        if rt.load_p99.dropped:
+            opt += f" dropped {100 * rt.load_p50.dropped:.1f}%/{100 * rt.load_p99.dropped:.1f}%"
     return (
         f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
         f"{describe_plan(p)}  recompute={p.recompute} {opt}"
@@ -163,6 +249,7 @@ def main(argv=None) -> int:
             micro_batch_size=args.micro_batch_size,
             fused_swiglu=args.fused_swiglu,
         )
+        routing = routing_model(args, cfg)
         results = plan_layouts(
             cfg,
             cluster=cluster,
@@ -172,6 +259,7 @@ def main(argv=None) -> int:
             distinct=not args.all_variants,
             overlap_moe_comm=args.overlap_moe_comm,
             delay_wgrad=args.delay_wgrad,
+            routing=routing,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -183,7 +271,7 @@ def main(argv=None) -> int:
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
         f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
-        f"compute efficiency {args.compute_efficiency}{_overlap_note(args)})"
+        f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)})"
     )
     print(head)
     if not results:

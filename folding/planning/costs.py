@@ -47,9 +47,14 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: in
     """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
+    return max(gemm_time_parts(m, n, k, gpu, eff, groups, out_bytes))
+
+
+def gemm_time_parts(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, out_bytes: float = 2.0):
+    """``(tensor-core seconds, HBM seconds)`` of :func:`gemm_time` (positive sizes), before the roofline's max."""
     flops_t = 2.0 * groups * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms, groups))
     hbm_t = groups * (2.0 * (m * k + k * n) + out_bytes * m * n) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
-    return max(flops_t, hbm_t)
+    return flops_t, hbm_t
 
 
 def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1):

@@ -31,6 +31,7 @@ from folding.parallel import LayoutError, ParallelLayout
 
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB
+from .imbalance import LoadAt, RoutingModel
 from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
 from .moe_overlap import memory_with_overlap
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
@@ -225,6 +226,9 @@ class PlanResult:
     """Predicted step time, MFU and breakdown."""
     memory: MemoryEstimate
     """Per-GPU bytes of the worst pipeline stage (:func:`plan_memory`)."""
+    routing: Optional["RoutedTimes"] = None
+    """With a routing trace or skew: the step time at p50 and p99 of its steps (``time`` is the one ranked
+    by); ``None``: balanced routing."""
 
     @property
     def mfu(self) -> float:
@@ -248,7 +252,48 @@ class PlanResult:
             step_breakdown_s={k: round(v, 4) for k, v in self.time.breakdown.items()},
             memory_breakdown_gib={k: round(v / GIB, 2) for k, v in self.memory.by_part().items()},
         )
+        if self.routing is not None:
+            d["routing"] = self.routing.to_dict()
         return d
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedTimes:
+    """A layout's step time under imbalanced routing, at the p50 and p99 steps of the slowest EP rank's load."""
+
+    p50: StepTime
+    """Step time at the median step."""
+    p99: StepTime
+    """Step time at the 99th-percentile step."""
+    load_p50: LoadAt
+    """The slowest rank's load at the median step."""
+    load_p99: LoadAt
+    """The slowest rank's load at the 99th-percentile step."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``p50_step_s``, ``p99_step_s``, and per quantile ``max_over_mean`` (tokens per EP
+        rank), ``compute`` / ``comm`` (the slowest rank's factors) and ``dropped`` (fraction)."""
+        d = {"p50_step_s": round(self.p50.step_s, 4), "p99_step_s": round(self.p99.step_s, 4)}
+        for q, load in (("p50", self.load_p50), ("p99", self.load_p99)):
+            d[q] = {k: round(v, 4) for k, v in dataclasses.asdict(load).items()}
+        return d
+
+
+def routed_times(
+    cfg: ModelConfig, plan: Plan, routing: RoutingModel, *, cluster: Cluster, shape: TrainingShape, eff: float
+) -> RoutedTimes:
+    """:class:`RoutedTimes` of ``plan``: the routing's p50 / p99 steps for its EP (experts placed in
+    contiguous blocks), each step's load fed to :func:`~folding.planning.step_time.estimate_step_time`."""
+    tok = shape.seq_length * shape.micro_batch_size / (plan.tp * plan.cp)
+    rows = plan.etp * tok * cfg.moe.topk / (cfg.moe.num_experts // plan.ep)  # balanced, as step_time's
+    loads = routing.at_quantiles(ep=plan.ep, rows_per_expert=rows)
+    times = {
+        q: estimate_step_time(
+            cfg, plan, shape=shape, cluster=cluster, compute_efficiency=eff, moe_load=(a.compute, a.comm)
+        )
+        for q, a in loads.items()
+    }
+    return RoutedTimes(p50=times["p50"], p99=times["p99"], load_p50=loads["p50"], load_p99=loads["p99"])
 
 
 def evaluate(
@@ -258,11 +303,20 @@ def evaluate(
     cluster: Cluster,
     shape: TrainingShape,
     compute_efficiency: float = COMPUTE_EFFICIENCY,
+    routing: Optional[RoutingModel] = None,
 ) -> PlanResult:
-    """Memory and step time of one ``plan`` (whether it fits or not: see ``cluster.gpu.fits``)."""
+    """Memory and step time of one ``plan`` (whether it fits or not: see ``cluster.gpu.fits``); with
+    ``routing``, the step time at its ``rank_by`` quantile (:func:`routed_times`)."""
     mem = plan_memory(cfg, plan, shape=shape)
-    t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency)
-    return PlanResult(plan=plan, time=t, memory=mem)
+    return _result(cfg, plan, mem, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing)
+
+
+def _result(cfg, plan, mem, *, cluster, shape, eff, routing) -> PlanResult:
+    if routing is None:
+        t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=eff)
+        return PlanResult(plan=plan, time=t, memory=mem)
+    rt = routed_times(cfg, plan, routing, cluster=cluster, shape=shape, eff=eff)
+    return PlanResult(plan=plan, time=getattr(rt, routing.rank_by), memory=mem, routing=rt)
 
 
 def plan_layouts(
@@ -275,8 +329,13 @@ def plan_layouts(
     distinct: bool = True,
     overlap_moe_comm: bool = False,
     delay_wgrad: bool = False,
+    routing: Optional[RoutingModel] = None,
 ) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
+
+    ``routing``: rank by the step time at ``routing.rank_by`` (p50 or p99) of its steps' load on the
+    slowest EP rank instead of balanced routing (:mod:`folding.planning.imbalance`); memory stays the
+    balanced estimate.
 
     With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
     parallel mapping (TP, CP, PP, EP, ETP) is kept, so the list reads as a choice between mappings.
@@ -293,11 +352,7 @@ def plan_layouts(
         mem = plan_memory(cfg, plan, shape=shape)
         if not cluster.gpu.fits(mem.total):
             continue
-        r = PlanResult(
-            plan=plan,
-            memory=mem,
-            time=estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=compute_efficiency),
-        )
+        r = _result(cfg, plan, mem, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing)
         if not distinct:
             results.append(r)
             continue

@@ -41,6 +41,10 @@ transformer layer, on one GPU:
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
+Routing is balanced unless ``moe_load`` gives the slowest EP rank's load (:mod:`folding.planning.imbalance`):
+then every MoE layer's expert GEMMs and received-row passes scale with its rows, its exchanges with its
+received copies.
+
 Usage::
 
     t = estimate_step_time(cfg, plan, shape=TrainingShape(seq_length=4096, global_batch_size=256),
@@ -52,13 +56,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from folding.model.config import ModelConfig
 from folding.parallel.partition import partition_layers
 
 from . import flops as F
-from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_train_times, hidden_behind
+from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time_parts, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
 from .memory import param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
@@ -211,10 +215,36 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gp
     return q_up, proj, seconds, (latents + H) / 2, fwd
 
 
+def _loaded_train_times(rows: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int, load: float):
+    """``(forward, dgrad, wgrad)`` seconds of a grouped expert GEMM whose ``groups`` experts hold ``load``
+    times their balanced ``rows`` in all: the tensor-core time of the balanced GEMM (its wave utilization:
+    the experts' rows differ, so no one tile count stands for them) times ``load``, against the HBM time
+    of the loaded rows. ``load = 1`` gives :func:`~folding.planning.costs.gemm_train_times` exactly."""
+    if rows <= 0:
+        return (0.0, 0.0, 0.0)
+    out = []
+    for (m_, n_, k_, ob), scaled in (((rows, n, k, 2.0), 0), ((rows, k, n, 2.0), 0), ((k, n, rows, 8.0), 2)):
+        flops_t, _ = gemm_time_parts(m_, n_, k_, gpu, eff, groups, ob)
+        dims = [m_, n_, k_]
+        dims[scaled] *= load
+        out.append(max(flops_t * load, gemm_time_parts(*dims, gpu, eff, groups, ob)[1]))
+    return tuple(out)
+
+
 def _layer_times(
-    cfg: ModelConfig, plan: Plan, shape: TrainingShape, cluster: Cluster, eff: float, moe: bool
+    cfg: ModelConfig,
+    plan: Plan,
+    shape: TrainingShape,
+    cluster: Cluster,
+    eff: float,
+    moe: bool,
+    moe_load: Optional[Tuple[float, float]] = None,
 ) -> Dict[str, float]:
-    """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause."""
+    """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause.
+
+    ``moe_load``: ``(compute, comm)``, the slowest EP rank's expert rows and received copies relative to
+    the balanced ones (:class:`folding.planning.imbalance.RankLoads`); ``None``: balanced."""
+    load_c, load_a = moe_load if moe_load is not None else (1.0, 1.0)
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     tok = S * b / (plan.tp * plan.cp)  # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
@@ -244,7 +274,11 @@ def _layer_times(
         rows = plan.etp * tok * cfg.moe.topk / local  # routed copies per local expert (balanced)
         f = cfg.moe.ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
-        fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+        if moe_load is None:
+            fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+        else:  # the slowest rank's experts: load_c times the rows
+            fc1 = _loaded_train_times(rows, 2 * f, H, gpu, eff, local, load_c)
+            fc2 = _loaded_train_times(rows, H, f, gpu, eff, local, load_c)
         mlp_t = train(fc1, mlp_fwd) + train(fc2, mlp_fwd)
         router_t = F.router_flops(cfg) * tok / flops_rate
         mlp_t += (2 + mlp_fwd) * router_t
@@ -272,7 +306,10 @@ def _layer_times(
     if moe:
         routed = cfg.moe.topk * tok
         sort = 4 * plan.etp * routed * H if (cfg.moe.num_experts // plan.ep > 1 or plan.etp > 1) else 0
-        elem_mlp += (4 * routed * H + sort + 3 * routed * cfg.moe.ffn_hidden_size) * BF16
+        recv = 3 * routed * cfg.moe.ffn_hidden_size
+        if moe_load is not None:  # the received rows of the slowest rank
+            sort, recv = sort * load_c, recv * load_c
+        elem_mlp += (4 * routed * H + sort + recv) * BF16
     out["memory_bound"] = ((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp) / (
         gpu.hbm_bandwidth * gpu.hbm_efficiency
     )
@@ -313,6 +350,8 @@ def _layer_times(
     ep_t = 0.0
     if moe:
         copies = tok * cfg.moe.topk * H * BF16
+        if moe_load is not None:
+            copies *= load_a  # what the slowest rank receives
         stride = plan.etp if plan.folded else plan.tp * plan.cp
         a2a = _a2a_time(copies * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
         etp = _ring_time(copies * (plan.etp - 1), plan.etp, cluster) if plan.etp > 1 else 0.0
@@ -451,9 +490,19 @@ def _pair_moe_exchanges(cfg: ModelConfig, plan: Plan, m: int, kinds, pair_save: 
 
 
 def estimate_step_time(
-    cfg: ModelConfig, plan: Plan, *, shape: TrainingShape, cluster: Cluster, compute_efficiency: float
+    cfg: ModelConfig,
+    plan: Plan,
+    *,
+    shape: TrainingShape,
+    cluster: Cluster,
+    compute_efficiency: float,
+    moe_load: Optional[Tuple[float, float]] = None,
 ) -> StepTime:
-    """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring)."""
+    """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring).
+
+    ``moe_load``: ``(compute, comm)`` load of the slowest EP rank relative to balanced routing, the mean
+    over the MoE layers (:mod:`folding.planning.imbalance`): every MoE layer's expert GEMMs, received-row
+    passes and exchanges run at that rank's pace. ``None`` (or ``(1.0, 1.0)``): balanced routing."""
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1]")
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
@@ -461,7 +510,7 @@ def estimate_step_time(
     m = shape.global_batch_size // (plan.dp * b)
     tok = S * b / (plan.tp * plan.cp)
 
-    moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True)
+    moe_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=True, moe_load=moe_load)
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
     # with overlap_moe_comm: what pairing saves per MoE layer and micro-batch (moe_l["ep"] is then unpaired)
     pair_save = moe_l["ep"] - moe_l.pop("ep_paired", moe_l["ep"])
