@@ -42,8 +42,10 @@ def _expert_size_fix(layout: "ParallelLayout", etp_defaulted: bool) -> str:
             return False
         return True
 
-    etp = next((e for e in range(layout.etp - 1, 0, -1) if legal(etp=e)), None)
-    ep = next((e for e in range(layout.ep - 1, 0, -1) if legal(ep=e)), None)
+    w, pp = layout.world_size, layout.pp
+    # only sizes that divide the world are built (so this check is never reached again from here)
+    etp = next((e for e in range(layout.etp - 1, 0, -1) if w % (e * layout.ep * pp) == 0 and legal(etp=e)), None)
+    ep = next((e for e in range(layout.ep - 1, 0, -1) if w % (layout.etp * e * pp) == 0 and legal(ep=e)), None)
     fixes = [f"parallel.{name}={v}" for name, v in (("etp", etp), ("ep", ep)) if v is not None]
     text = "change etp, ep or pp" + (", e.g. " + " or ".join(fixes) if fixes else "")
     text += f" (or launch a multiple of {layout.etp * layout.ep * layout.pp} ranks)"

@@ -72,6 +72,17 @@ def test_expert_layout_hint_suggests_sizes_that_fit(capsys):
     assert tried > 20
 
 
+def test_the_expert_layout_hint_builds_few_layouts(monkeypatch):
+    # The hint tries candidate sizes by building layouts; each must be one that divides the world, or
+    # building it would ask for a hint again (the planner checks thousands of illegal layouts).
+    built = []
+    post_init = ParallelLayout.__post_init__
+    monkeypatch.setattr(ParallelLayout, "__post_init__", lambda self: (built.append(1), post_init(self)))
+    with pytest.raises(LayoutError, match="e.g. parallel.ep=2"):
+        ParallelLayout(world_size=16, ep=64, etp=8, num_experts=64)
+    assert len(built) <= 1 + 7 + 63
+
+
 def test_text_file_as_dataset_prefix_suggests_a_command_that_works(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("\n\n".join(f"Paragraph {i}: " + "words " * 40 for i in range(60)))
