@@ -183,6 +183,12 @@ class MetricsSink:
                 flat.update({f"load/imbalance_layer{i}": v for i, v in enumerate(record.get("load_imbalance", []))})
             self._wandb.log(flat, step=step)
 
+    def warn(self, step: int, message: str, **fields: Any) -> None:
+        """Write a ``{"kind": "warning", "step", "message", **fields}`` record to the JSONL file and the
+        line ``warning: <message>`` to the console (whatever ``logging.interval`` is) and the run's log."""
+        self.jsonl.write({"kind": "warning", "step": step, "message": message, **fields})
+        self.echo(f"warning: {message}", console=self.config.console)
+
     def close(self) -> None:
         """Flush and close the outputs (and finish the W&B run)."""
         self.jsonl.close()

@@ -21,8 +21,10 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
    the ``global_aux_loss`` counts restart, for every router the model holds
    (:class:`folding.moe.balancing.BalancingRouter`);
-6. metrics (:func:`_train_record`): rank 0 writes the ``train`` record; every ``train.eval_interval``
-   steps an ``eval`` record (:func:`_evaluate_if_due`);
+6. metrics (:func:`_train_record`): rank 0 writes the ``train`` record, and a ``warning`` record
+   when a layer's router has sent more than 90% of its tokens to one expert for 5 steps running
+   (:mod:`folding.training.collapse`); every ``train.eval_interval`` steps an ``eval`` record
+   (:func:`_evaluate_if_due`);
 7. checkpoint (:func:`_checkpoint_if_due`): with ``checkpoint.dir`` set, every
    ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
    rank through the step's all-reduce), after which the loop stops. With ``checkpoint.async_save``
@@ -64,6 +66,7 @@ from ..pipeline.stage import run_microbatches
 from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, step_dir_name
 from .checkpoint_async import AsyncSaver
 from .checkpoint_save import save_checkpoint
+from .collapse import CollapseWatch
 from .config import ConfigError, JobConfig
 from .evaluate import evaluate, global_token_count
 from .faults import StopRequest
@@ -172,6 +175,8 @@ class _Run:
     stats: MoEStats
     sink: Optional[MetricsSink]
     """Rank 0's metrics sink; ``None`` elsewhere."""
+    collapse: Optional[CollapseWatch]
+    """Rank 0's router-collapse watch; ``None`` elsewhere."""
     throughput: Throughput
     run_dir: str
     run_log: Any
@@ -285,6 +290,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         init_from_hf=init_from,
         stats=stats,
         sink=_open_sink(job, run_dir, run_log) if rank == 0 else None,
+        collapse=CollapseWatch(moe_layers=stats.moe_layers, topk=job.moe.topk) if rank == 0 else None,
         throughput=Throughput(job, device=device, world_size=world),
         run_dir=run_dir,
         run_log=run_log,
@@ -380,6 +386,8 @@ def _train_step(run: _Run, step: int) -> None:
     run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
     if run.sink:
         run.sink.log(record)
+        for warning in run.collapse.update(step, losses.moe["counts_LE"]):
+            run.sink.warn(step, warning.pop("message"), **warning)
     _evaluate_if_due(run, step)
     _checkpoint_if_due(run, step)
 

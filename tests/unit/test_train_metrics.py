@@ -116,3 +116,51 @@ def test_console_line_shows_the_mtp_loss_only_with_mtp():
     plain = format_train_line(rec, 10)
     assert "| lm 4.2500 | gnorm" in plain and "mtp" not in plain
     assert "| lm 4.2500 | mtp 2.5000 | gnorm" in format_train_line(dict(rec, mtp_loss=2.5), 10)
+
+
+def test_plot_run_imbalance_curves_and_heatmap_window(tmp_path):
+    import numpy as np
+    import pytest
+
+    from tools import plot_run
+
+    # 2 layers of 4 experts; layer 1's hot expert changes every step, so its average looks balanced
+    counts = {1: [[2, 2, 2, 2], [8, 0, 0, 0]], 2: [[2, 2, 2, 2], [0, 8, 0, 0]], 3: [[4, 2, 1, 1], [0, 0, 8, 0]]}
+    train = [{"kind": "train", "step": s, "loss": 1.0, "lm_loss": 1.0, "expert_counts": c} for s, c in counts.items()]
+    steps, imb = plot_run.imbalance_curves(train)
+    assert steps == [1, 2, 3]
+    np.testing.assert_allclose(imb, [[1.0, 4.0], [1.0, 4.0], [2.0, 4.0]])  # max / mean per step and layer
+    assert plot_run.parse_steps("2:3") == (2, 3) and plot_run.parse_steps("2:") == (2, None)
+    assert [r["step"] for r in plot_run.in_window(train, steps=(None, 2))] == [1, 2]
+    assert [r["step"] for r in plot_run.in_window(train, last=1)] == [3]
+    mat = plot_run.load_matrix(train, steps=(2, 3))  # the mean share over steps 2 and 3 only
+    np.testing.assert_allclose(mat, [[0.375, 0.25, 0.1875, 0.1875], [0.0, 0.5, 0.5, 0.0]])
+    for bad in ("3:2", "10", "a:b"):
+        with pytest.raises(SystemExit, match="--steps"):
+            plot_run.parse_steps(bad)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in train))
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "w.png"
+    cmd = [sys.executable, "-m", "tools.plot_run", str(tmp_path), "--steps", "2:3", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = subprocess.run(cmd[:-2] + ["--steps", "7:9"], capture_output=True, text=True, cwd=root)
+    assert empty.returncode != 0 and "no 'train' records in the chosen steps" in empty.stderr
+
+
+def test_sink_warning_goes_to_the_file_and_the_console(tmp_path):
+    out = io.StringIO()
+    cfg = LoggingConfig(metrics_file="m.jsonl", interval=100, wandb=WandbConfig(mode="disabled"))
+    sink = MetricsSink(cfg, run_dir=str(tmp_path), total_steps=50, stream=out)
+    sink.warn(7, "router collapse in layer 2: ...", layer=2, experts=[5])
+    sink.close()
+    assert out.getvalue() == "warning: router collapse in layer 2: ...\n"  # not held back by logging.interval
+    rec = json.loads((tmp_path / "m.jsonl").read_text())
+    assert rec == {
+        "kind": "warning",
+        "step": 7,
+        "message": "router collapse in layer 2: ...",
+        "layer": 2,
+        "experts": [5],
+    }
