@@ -189,3 +189,25 @@ def test_bytes_per_parameter():
     assert OptimizerPrecision(main_grads_dtype="bf16").grad_bytes() == 2
     with pytest.raises(ValueError, match="optim.exp_avg_dtype"):
         OptimizerPrecision(exp_avg_dtype="fp16")
+
+
+def test_memory_model_counts_the_dtypes():
+    from folding.model.presets import get_preset
+    from folding.parallel import ParallelLayout
+    from folding.planning.memory import memory_per_rank, param_counts
+
+    cfg = get_preset("mixtral_tiny")
+    lay = ParallelLayout(world_size=4, ep=2, etp=1)
+    c = param_counts(cfg, lay, stage=0)
+    base = memory_per_rank(cfg, lay, param_bytes=2, distributed=True, stage=0)
+    prec = OptimizerPrecision(exp_avg_dtype="bf16", exp_avg_sq_dtype="fp8", main_grads_dtype="bf16")
+    e = memory_per_rank(cfg, lay, param_bytes=2, distributed=True, stage=0, optim_precision=prec)
+    moments = 2 + 1 + 4 / 128
+    assert e.optimizer_dense == int((moments * c.dense + 4 * (c.dense - c.fp32)) / (lay.dp * lay.cp))
+    assert e.optimizer_expert == int((moments + 4) * c.expert / lay.edp)
+    assert e.grads_dense == 2 * c.dense and e.grads_expert == 2 * c.expert
+    assert base.optimizer_dense == int((8 * c.dense + 4 * (c.dense - c.fp32)) / (lay.dp * lay.cp))
+    bf16_master = memory_per_rank(
+        cfg, lay, param_bytes=2, stage=0, optim_precision=OptimizerPrecision(main_params_dtype="bf16")
+    )
+    assert bf16_master.optimizer_dense == 8 * c.dense and bf16_master.optimizer_expert == 8 * c.expert
