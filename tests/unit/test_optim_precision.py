@@ -211,3 +211,18 @@ def test_memory_model_counts_the_dtypes():
         cfg, lay, param_bytes=2, stage=0, optim_precision=OptimizerPrecision(main_params_dtype="bf16")
     )
     assert bf16_master.optimizer_dense == 8 * c.dense and bf16_master.optimizer_expert == 8 * c.expert
+
+
+def test_dry_run_shows_optimizer_bytes_per_parameter():
+    from folding.model.presets import get_preset
+    from folding.training.config import JobConfig, TrainConfig
+    from folding.training.dry_run import dry_run_report
+
+    job = JobConfig(
+        model=get_preset("mixtral_tiny"),
+        train=TrainConfig(precision="bf16"),
+        optim=OptimConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+    )
+    line = next(x for x in dry_run_report(job, world_size=1).splitlines() if x.strip().startswith("optimizer"))
+    assert "exp avg bf16, exp avg sq bf16" in line and "8.00 bytes of state per parameter" in line, line
+    assert "fp32 12.00, bf16 8.00, fp8 6.06" in line, line
