@@ -83,7 +83,7 @@ def run_variant(overrides, steps: int, run_dir: str, batch: int) -> dict:
 
 def report(results: dict, *, steps: int, batch: int, command: str, load: tuple, png: str) -> str:
     """The markdown report (gaps are to the fp32 run, step by step)."""
-    ref = results["fp32"]["losses"]
+    ref = results["fp32"]["losses"] if "fp32" in results else next(iter(results.values()))["losses"]
     lines = [
         "# AdamW state precision on the default tiny model (CPU)",
         "",
@@ -129,7 +129,7 @@ def plot(results: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ref = results["fp32"]["losses"]
+    ref = results["fp32"]["losses"] if "fp32" in results else next(iter(results.values()))["losses"]
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for name, r in results.items():
         steps = range(1, len(r["losses"]) + 1)
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp()
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    png = os.path.splitext(a.out)[0] + ".png"
+    command = "python -m benchmarks.bench_optimizer_precision " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         results = {}
         for name, overrides in VARIANTS:
@@ -167,17 +169,16 @@ def main(argv=None) -> int:
                 overrides, a.steps, os.path.join(tmp, name.replace(" ", "_")), a.global_batch_size
             )
             print(f"{name}: final loss {results[name]['losses'][-1]:.4f} in {results[name]['seconds']:.0f} s", flush=True)
+            # written after every variant, so that a run cut short still leaves its finished columns
+            load = tuple(f"{x:.1f}" for x in (load0[0], os.getloadavg()[0]))
+            text = report(results, steps=a.steps, batch=a.global_batch_size, command=command, load=load, png=png)
+            with open(a.out, "w", encoding="utf-8") as f:
+                f.write(text)
+            with open(os.path.splitext(a.out)[0] + ".json", "w", encoding="utf-8") as f:
+                json.dump(results, f)
+            plot(results, png)
     finally:
         dist.destroy_process_group()
-    load1 = os.getloadavg()
-    png = os.path.splitext(a.out)[0] + ".png"
-    command = "python -m benchmarks.bench_optimizer_precision " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(results, steps=a.steps, batch=a.global_batch_size, command=command, load=tuple(f"{x:.1f}" for x in load0[:1] + load1[:1]), png=png)
-    with open(a.out, "w", encoding="utf-8") as f:
-        f.write(text)
-    with open(os.path.splitext(a.out)[0] + ".json", "w", encoding="utf-8") as f:
-        json.dump(results, f)
-    plot(results, png)
     print(text)
     return 0
 
