@@ -92,32 +92,37 @@ def report(results: dict, *, steps: int, batch: int, command: str, load: tuple, 
         f"The job of `configs/config.yaml` (mixtral_tiny, 0.71 M parameters, embedded corpus, seq 64, "
         f"micro-batch 2; global batch {batch}), one process, one thread, {steps} steps per variant "
         f"(cosine schedule over them), seed 1234 for all: same initial weights and batches. "
-        f"Host load average before / after: {load[0]} / {load[1]} (a shared 2-core machine; times are "
+        f"Host load average (1 min) at the start / after the last variant: {load[0]} / {load[1]} (a shared "
+        f"2-core machine; times are "
         f"wall-clock and only indicative). Optimizer-state bytes per parameter are measured from the "
         f"optimizer's buffers (moments, fp8 block scales, master copies; the routers' fp32 gating weights "
         f"never get a master copy, hence slightly under the predicted value for bf16 parameters).",
         "",
-        "| variant | steps run (skipped) | final loss | vs fp32 final | max abs gap to fp32 | max rel gap "
-        "| state bytes/param (measured / predicted) | time (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | steps run (skipped) | final loss | vs fp32 at that step | mean of the last 10 steps "
+        "(fp32's) | max abs gap to fp32 | max rel gap | state bytes/param (measured / predicted) | time (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         gaps = [abs(a - b) for a, b in zip(r["losses"], ref)]
         rel = [g / abs(b) for g, b in zip(gaps, ref)]
         k = max(range(len(gaps)), key=gaps.__getitem__)
-        final = r["losses"][-1]
+        final, n = r["losses"][-1], len(r["losses"])
+        tail, ref_tail = sum(r["losses"][-10:]) / len(r["losses"][-10:]), sum(ref[max(0, n - 10) : n]) / min(n, 10)
         lines.append(
-            f"| {name} | {len(r['losses'])} ({r['skipped']}){' stopped' if r['stopped'] else ''} | {final:.4f} | {100 * (final - ref[-1]) / ref[-1]:+.2f}% | {gaps[k]:.4f} (step {k + 1}) | "
+            f"| {name} | {n} ({r['skipped']}){' stopped' if r['stopped'] else ''} | {final:.4f} | "
+            f"{100 * (final - ref[n - 1]) / ref[n - 1]:+.2f}% | {tail:.4f} ({ref_tail:.4f}) | {gaps[k]:.4f} (step {k + 1}) | "
             f"{100 * max(rel):.2f}% | {r['state_bytes_per_param']:.2f} / {r['predicted_bytes_per_param']:.2f} | "
             f"{r['seconds']:.0f} |"
         )
     lines += [
-        "| muon | (a later column: `optim.name=muon` is not built yet) | | | | | | |",
+        "| muon | (a later column: `optim.name=muon` is not built yet) | | | | | | | |",
         "",
         f"![loss curves]({os.path.basename(png)})",
         "",
         "Loss is the training lm loss of each step (its own batch), so step-to-step noise is the batches'; "
-        "the gap columns compare the same step of two runs, which see the same batch.",
+        "the gap columns compare the same step of two runs, which see the same batch. A run marked "
+        "`stopped` received a stop request (SIGTERM: the benchmark's time limit) and ended cleanly early; "
+        "it is compared with fp32 at its own last steps.",
     ]
     return "\n".join(lines) + "\n"
 
