@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from folding.planning.optim_precision import OptimizerPrecision
+from folding.training import trainer
 from folding.training.cli import compose_tree
 from folding.training.config import job_config_from_dict
 from folding.training.schema import register_schema
@@ -52,8 +53,6 @@ VARIANTS = [
 
 def run_variant(overrides, steps: int, run_dir: str, batch: int) -> dict:
     """Train one variant on the initialized 1-rank world; its losses, seconds and state bytes."""
-    from folding.training import trainer
-
     args = [
         f"train.steps={steps}",
         f"train.global_batch_size={batch}",
