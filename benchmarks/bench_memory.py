@@ -123,7 +123,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
         step()  # warm-up: state exists
         opt.zero_grad()
         gc.collect()
-        state = [t for st in opt.state for ts in st.values() for t in ts]
+        state = [x for st in opt.state for ts in st.values() for t in ts for x in (t.data, t.scale) if x is not None]
         persistent = storage_bytes([*model.parameters(), *model.buffers(), *(b.main_grad for b in opt.buffers), *state])
         saved[0], saved[1] = 0, set()
         dist.barrier()

@@ -9,6 +9,7 @@ Usage::
     python -m tools.plan ... --overlap-moe-comm [--delay-wgrad]   # MoE exchanges hidden in the steady state
     python -m tools.plan ... --routing-skew zipf:1.2 --seed 0 --rank-by p99   # imbalanced routing
     python -m tools.plan ... --routing-trace loads.npy                         # counts [steps, layers, experts]
+    python -m tools.plan ... --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16   # AdamW state precision
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
@@ -40,6 +41,7 @@ from folding.planning.imbalance import (
     register_trace_reader,
     zipf_loads,
 )
+from folding.planning.optim_precision import OptimizerPrecision
 from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts
 from folding.planning.step_time import Cluster, TrainingShape
 from folding.training.trace_file import read_trace
@@ -148,6 +150,13 @@ def parse_args(argv=None):
         help="with --routing-trace / --routing-skew: rank by the step time at the median (default) or the "
         "99th-percentile step of the slowest EP rank's load",
     )
+    for flag, choices, what in (
+        ("exp-avg-dtype", ("fp32", "bf16", "fp8"), "AdamW first moment (optim.exp_avg_dtype)"),
+        ("exp-avg-sq-dtype", ("fp32", "bf16", "fp8"), "AdamW second moment (optim.exp_avg_sq_dtype)"),
+        ("main-params-dtype", ("fp32", "bf16"), "master weights of the bf16 parameters (optim.main_params_dtype)"),
+        ("main-grads-dtype", ("fp32", "bf16"), "main gradients and their reduction (optim.main_grads_dtype)"),
+    ):
+        p.add_argument(f"--{flag}", choices=choices, default="fp32", help=f"{what}; default fp32")
     p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
     p.add_argument(
         "--json",
@@ -248,6 +257,12 @@ def main(argv=None) -> int:
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
             fused_swiglu=args.fused_swiglu,
+            optim_precision=OptimizerPrecision(
+                exp_avg_dtype=args.exp_avg_dtype,
+                exp_avg_sq_dtype=args.exp_avg_sq_dtype,
+                main_params_dtype=args.main_params_dtype,
+                main_grads_dtype=args.main_grads_dtype,
+            ),
         )
         routing = routing_model(args, cfg)
         results = plan_layouts(
@@ -271,7 +286,9 @@ def main(argv=None) -> int:
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
         f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
-        f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)})"
+        f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)}; optimizer "
+        f"{shape.optim_precision.describe()}: {shape.optim_precision.state_bytes(2):g} bytes of state per bf16 "
+        f"parameter)"
     )
     print(head)
     if not results:

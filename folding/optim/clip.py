@@ -35,7 +35,7 @@ def local_sum_of_squares(buffers: List[GradBuffer]) -> torch.Tensor:
             continue
         for b in buf.buckets:
             lo, hi = buf.shard_range(b)
-            g = buf.main_grad[lo:hi]
+            g = buf.main_grad[lo:hi].float()  # bf16 main grads: square and sum in fp32
             total += torch.dot(g, g).double()
     return total
 

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from typing import Optional
 
+from .precision import MASTER_DTYPES, STATE_DTYPES
+
 DECAY_STYLES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -60,6 +62,18 @@ class OptimConfig:
     """Elements per gradient-reduction bucket (the unit of communication and of overlap)."""
     overlap_grad_reduce: bool = True
     """Launch each bucket's reduction from backward hooks as soon as its gradients are complete."""
+    exp_avg_dtype: str = "fp32"
+    """Storage of AdamW's first moment: ``fp32``, ``bf16`` (round to nearest even) or ``fp8``
+    (e4m3 with one fp32 scale per 128 consecutive elements of a bucket shard)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Storage of AdamW's second moment: ``fp32``, ``bf16`` or ``fp8`` (e4m3 of ``sqrt(v)`` with one
+    fp32 scale per 128 elements: the square root halves v's exponent range)."""
+    main_params_dtype: str = "fp32"
+    """Weights AdamW updates for bf16 parameters: ``fp32`` (an fp32 master copy) or ``bf16`` (no copy:
+    the bf16 parameter is updated in place with stochastic rounding). fp32 parameters are always their
+    own fp32 master."""
+    main_grads_dtype: str = "fp32"
+    """Dtype gradients accumulate, reduce and feed AdamW in: ``fp32`` or ``bf16``."""
 
     def __post_init__(self):
         self.validate()
@@ -104,6 +118,14 @@ class OptimConfig:
             bad("clip_grad", "must be >= 0 (0 or null disables clipping)")
         if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
             bad("bucket_size", "must be an integer >= 1 (elements per bucket, e.g. 40000000)")
+        for f, names in (
+            ("exp_avg_dtype", STATE_DTYPES),
+            ("exp_avg_sq_dtype", STATE_DTYPES),
+            ("main_params_dtype", MASTER_DTYPES),
+            ("main_grads_dtype", MASTER_DTYPES),
+        ):
+            if getattr(self, f) not in names:
+                bad(f, f"must be one of {', '.join(names)}")
         if train_steps is not None and self.decay_steps is None and train_steps < 1:
             raise OptimConfigError(f"optim.decay_steps=None uses train.steps={train_steps}, which must be >= 1")
         horizon = self.decay_steps if self.decay_steps is not None else train_steps
@@ -113,6 +135,13 @@ class OptimConfig:
                 f"exceeds the decay horizon ({horizon} steps); lower warmup_steps or raise optim.decay_steps",
             )
         return self
+
+    def fused(self) -> bool:
+        """Whether every state is fp32, so that PyTorch's fused AdamW kernel runs the update."""
+        return all(
+            getattr(self, f) == "fp32"
+            for f in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype")
+        )
 
     def horizon(self, train_steps: Optional[int]) -> int:
         """The schedule horizon: ``decay_steps``, or ``train_steps`` when it is ``None``."""

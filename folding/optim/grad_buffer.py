@@ -1,8 +1,9 @@
-"""Contiguous parameter and fp32 main-gradient buffers, cut into buckets, one buffer per class.
+"""Contiguous parameter and main-gradient buffers, cut into buckets, one buffer per class.
 
 A :class:`GradBuffer` holds every parameter of one :class:`~folding.optim.param_groups.ParamClass`
 on this rank: their data live in one flat ``param_data`` tensor (parameters become views of it) and
-their gradients accumulate in one flat fp32 ``main_grad`` tensor (``param.main_grad`` is the view).
+their gradients accumulate in one flat ``main_grad`` tensor (fp32, or bf16 with
+``optim.main_grads_dtype=bf16``) (``param.main_grad`` is the view).
 The buffer is cut into :class:`Bucket` s at parameter boundaries, each about ``bucket_size`` elements
 and padded to a multiple of the data-parallel size ``D`` so that it splits into ``D`` equal shards:
 rank ``r`` of the data-parallel group owns elements ``[start + r*n/D, start + (r+1)*n/D)`` of every
@@ -98,7 +99,7 @@ class Bucket:
 
 
 class GradBuffer:
-    """Flat parameter storage and fp32 main gradients for one parameter class (see module docstring)."""
+    """Flat parameter storage and main gradients for one parameter class (see module docstring)."""
 
     def __init__(
         self,
@@ -108,9 +109,11 @@ class GradBuffer:
         groups: BufferGroups,
         shard: bool,
         bucket_size: int,
+        grad_dtype: torch.dtype = torch.float32,
     ):
         """``named_params``: (name, parameter, registration index), in any order; parameters are laid
-        out in reverse registration order (roughly the order backward produces their gradients)."""
+        out in reverse registration order (roughly the order backward produces their gradients);
+        ``grad_dtype``: dtype of ``main_grad`` (``optim.main_grads_dtype``: fp32 or bf16)."""
         self.cls = cls
         self.groups = groups
         self.shard = shard
@@ -145,7 +148,7 @@ class GradBuffer:
                 f"on one device (every builder takes device=)"
             )
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.main_grad = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.bucket_of = {}
         for b in self.buckets:
             b.deferred = cls.embedding_tied
@@ -172,5 +175,5 @@ class GradBuffer:
         return self.param_data.numel() * self.param_data.element_size()
 
     def grad_bytes(self) -> int:
-        """Bytes of the fp32 main-gradient storage (padding included)."""
+        """Bytes of the main-gradient storage (padding included)."""
         return self.main_grad.numel() * self.main_grad.element_size()

@@ -2,15 +2,18 @@
 
 :class:`FoldedOptimizer` owns the gradient buffers of a model (one per
 :class:`~folding.optim.param_groups.ParamClass`), their reduction (:mod:`folding.optim.reducer`), the
-global grad norm (:mod:`folding.optim.clip`), AdamW on flat fp32 shards (PyTorch's fused AdamW kernel,
-one pass per bucket; an elementwise fallback where the build lacks it), and
-the LR schedule (:mod:`folding.optim.schedules`).
+global grad norm (:mod:`folding.optim.clip`), AdamW on flat bucket shards (:mod:`folding.optim.adamw`:
+PyTorch's fused kernel, one pass per bucket, when every state is fp32; an elementwise fp32 pass that
+stores each state back in its dtype otherwise), and the LR schedule (:mod:`folding.optim.schedules`).
 
 - Gradients are *summed* over DP×CP (dense) and EDP (experts), plus TP for sequence-parallel and
   the embedding group for tied parameters: each rank's loss must be its masked loss sum divided by
   the *global* number of unmasked tokens (docs/optimizer.md, "The loss contract").
-- Parameters of any dtype; gradients accumulate in fp32; for non-fp32 parameters the optimizer keeps
-  fp32 master weights (for fp32 parameters the parameter itself is the master).
+- Parameters of any dtype; gradients accumulate in ``optim.main_grads_dtype`` (fp32 by default); for
+  bf16 parameters the optimizer keeps fp32 master weights, or with ``optim.main_params_dtype=bf16``
+  updates the parameter itself with stochastic rounding (fp32 parameters are their own master).
+  The moments are stored in ``optim.exp_avg_dtype`` / ``optim.exp_avg_sq_dtype``
+  (:mod:`folding.optim.precision`: fp32, bf16, or fp8 with a scale per 128 elements).
 - ``distributed=True`` (ZeRO-1): gradients reduce-scatter, each rank keeps AdamW moments and master
   weights for its 1/D shard of every bucket (D = DP×CP dense, EDP expert), updates it, and
   all-gathers the parameters. AdamW is elementwise, so the update equals the non-distributed one up
@@ -37,15 +40,17 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .adamw import adamw_fused, adamw_shard, fusable
 from .clip import clip_coefficient, global_grad_norm
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
 from .param_groups import classify
+from .precision import TORCH_DTYPES, StateShard
 from .reducer import GradReducer, all_gather_flat
 from .schedules import lr_at
 
-# PyTorch's fused AdamW kernel (CPU and CUDA): the same update as the elementwise fallback below
-_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW moment keys of the state and of :meth:`FoldedOptimizer.param_state`."""
 
 
 class FoldedOptimizer:
@@ -74,23 +79,55 @@ class FoldedOptimizer:
         for cls in sorted(by_class):
             groups = BufferGroups.for_class(cls, parallel_state)
             self.buffers.append(
-                GradBuffer(cls, by_class[cls], groups=groups, shard=config.distributed, bucket_size=config.bucket_size)
+                GradBuffer(
+                    cls,
+                    by_class[cls],
+                    groups=groups,
+                    shard=config.distributed,
+                    bucket_size=config.bucket_size,
+                    grad_dtype=TORCH_DTYPES[config.main_grads_dtype],
+                )
             )
         self.reducer = GradReducer(self.buffers, overlap=config.overlap_grad_reduce)
         self.state = [self._init_state(buf) for buf in self.buffers]
 
     # ------------------------------------------------------------------------------ state
-    def _init_state(self, buf: GradBuffer) -> Dict[str, List[torch.Tensor]]:
+    def has_master_copy(self, buf: GradBuffer) -> bool:
+        """Whether ``buf``'s parameters have a separate fp32 master copy (16-bit parameters with
+        ``optim.main_params_dtype=fp32``); otherwise the parameter storage is what AdamW updates."""
+        return buf.param_data.dtype != torch.float32 and self.config.main_params_dtype == "fp32"
+
+    def _init_state(self, buf: GradBuffer) -> Dict[str, List[StateShard]]:
+        c = self.config
+        dev = buf.main_grad.device
         st = {"exp_avg": [], "exp_avg_sq": [], "master": []}
         for b in buf.buckets:
             lo, hi = buf.update_range(b)
-            st["exp_avg"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
-            st["exp_avg_sq"].append(torch.zeros(hi - lo, dtype=torch.float32, device=buf.main_grad.device))
-            if buf.param_data.dtype == torch.float32:
-                st["master"].append(buf.param_data[lo:hi])  # the parameter is its own master
+            st["exp_avg"].append(StateShard(hi - lo, c.exp_avg_dtype, dev))
+            st["exp_avg_sq"].append(StateShard(hi - lo, c.exp_avg_sq_dtype, dev, sqrt_domain=True))
+            if self.has_master_copy(buf):
+                master = StateShard(hi - lo, "fp32", dev)
+                master.write(buf.param_data[lo:hi].float())
+            elif buf.param_data.dtype == torch.bfloat16:  # main_params_dtype=bf16: the parameter itself
+                master = StateShard(hi - lo, "bf16", dev, stochastic=True, storage=buf.param_data[lo:hi])
+            elif buf.param_data.dtype == torch.float32:  # the parameter is its own master
+                master = StateShard(hi - lo, "fp32", dev, storage=buf.param_data[lo:hi])
             else:
-                st["master"].append(buf.param_data[lo:hi].float().clone())
+                raise ValueError(
+                    f"parameters in {buf.param_data.dtype} need optim.main_params_dtype=fp32 (an fp32 "
+                    f"master copy); bf16 master weights are for bf16 parameters"
+                )
+            st["master"].append(master)
         return st
+
+    def _rounding_generator(self, device, buffer_index: int, bucket_index: int) -> torch.Generator:
+        """The generator of one bucket shard's stochastic rounding this step: seeded from the update
+        count, the bucket and the data-parallel rank, so a resumed run draws the same bits."""
+        buf = self.buffers[buffer_index]
+        gen = torch.Generator(device=device)
+        key = (self.updates * 1_000_003 + buffer_index * 10_007 + bucket_index) * 4099 + buf.groups.dp_rank
+        gen.manual_seed(key % (2**63 - 1))
+        return gen
 
     # ------------------------------------------------------------------------------ gradients
     def zero_grad(self) -> None:
@@ -137,11 +174,9 @@ class FoldedOptimizer:
         self.step_count += 1
         self.updates += 1
         c = self.config
-        bc1 = 1.0 - c.beta1**self.updates
-        bc2 = 1.0 - c.beta2**self.updates
         works = []
         steps_t: Dict[torch.device, torch.Tensor] = {}  # the update count, one per device
-        for buf, st in zip(self.buffers, self.state):
+        for j, (buf, st) in enumerate(zip(self.buffers, self.state)):
             wd = c.weight_decay if buf.cls.decay else 0.0
             for i, b in enumerate(buf.buckets):
                 lo, hi = buf.update_range(b)
@@ -149,32 +184,17 @@ class FoldedOptimizer:
                 if coef != 1.0:
                     g.mul_(coef)
                 m, v, w = st["exp_avg"][i], st["exp_avg_sq"][i], st["master"][i]
-                if _FUSED_ADAMW is not None and w.device.type in ("cpu", "cuda"):
+                hyper = dict(lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=wd)
+                if fusable(w, g, m, v):
                     # one pass, no temporaries: PyTorch's fused AdamW kernel on the flat shard
-                    if w.device not in steps_t:
-                        steps_t[w.device] = torch.tensor(float(self.updates), device=w.device)
-                    _FUSED_ADAMW(
-                        [w],
-                        [g],
-                        [m],
-                        [v],
-                        [],
-                        [steps_t[w.device]],
-                        lr=lr,
-                        beta1=c.beta1,
-                        beta2=c.beta2,
-                        weight_decay=wd,
-                        eps=c.eps,
-                        amsgrad=False,
-                        maximize=False,
-                    )
+                    dev = w.data.device
+                    if dev not in steps_t:
+                        steps_t[dev] = torch.tensor(float(self.updates), device=dev)
+                    adamw_fused(w, g, m, v, step_t=steps_t[dev], **hyper)
                 else:
-                    m.lerp_(g, 1.0 - c.beta1)
-                    v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-                    if wd:
-                        w.mul_(1.0 - lr * wd)
-                    denom = v.sqrt().div_(math.sqrt(bc2)).add_(c.eps)
-                    w.addcdiv_(m, denom, value=-lr / bc1)
+                    gen = self._rounding_generator(w.data.device, j, i) if w.stochastic else None
+                    adamw_shard(w, g, m, v, step=self.updates, generator=gen, **hyper)
+                w = w.data
                 if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
                     buf.param_data[lo:hi].copy_(w)
                 if buf.shard and buf.groups.dp_size > 1:
@@ -189,8 +209,9 @@ class FoldedOptimizer:
     # ------------------------------------------------------------------------------ checkpoints
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """Every parameter's AdamW state in the parameter's own shape: ``name -> {"exp_avg",
-        "exp_avg_sq"[, "master"]}`` (fp32 copies; ``master`` only for non-fp32 parameters, whose fp32
-        master weights differ from the parameter).
+        "exp_avg_sq"[, "master"]}``, copies in the states' storage dtype (fp32 or bf16; fp8 states
+        dequantized to fp32, exactly); ``master`` only where a separate fp32 master copy exists
+        (16-bit parameters with ``optim.main_params_dtype=fp32``).
 
         Under ZeRO-1 (``distributed=True``) each bucket's state is reassembled first: an all-gather
         of the equal per-rank shards over the buffer's DP group (DP×CP dense, EDP expert); forward
@@ -198,16 +219,17 @@ class FoldedOptimizer:
         """
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         for buf, st in zip(self.buffers, self.state):
-            keys = ["exp_avg", "exp_avg_sq"] + (["master"] if buf.param_data.dtype != torch.float32 else [])
+            keys = list(MOMENTS) + (["master"] if self.has_master_copy(buf) else [])
             for b in buf.buckets:
                 lo, hi = buf.update_range(b)
                 whole = {}
                 for key in keys:
+                    shard = st[key][b.index]
                     if (lo, hi) == (b.start, b.end):
-                        whole[key] = st[key][b.index]
+                        whole[key] = shard.saved()
                     else:
-                        t = torch.empty(b.end - b.start, dtype=torch.float32, device=buf.main_grad.device)
-                        all_gather_flat(t, st[key][b.index].contiguous(), buf.groups.dp_group).wait()
+                        t = torch.empty(b.end - b.start, dtype=shard.saved_dtype(), device=buf.main_grad.device)
+                        all_gather_flat(t, shard.saved(), buf.groups.dp_group).wait()
                         whole[key] = t
                 for k, p in enumerate(buf.params):
                     if buf.bucket_of[id(p)] is not b:
@@ -216,17 +238,24 @@ class FoldedOptimizer:
                     out[buf.names[k]] = {key: whole[key][a : a + p.numel()].reshape(p.shape).clone() for key in keys}
         return out
 
+    def state_dtypes(self) -> Dict[str, torch.dtype]:
+        """The torch dtype :meth:`param_state` gives each key (what a checkpoint load should read into)."""
+        shard = self.state[0]
+        return {key: shard[key][0].saved_dtype() for key in MOMENTS} | {"master": torch.float32}
+
     @torch.no_grad()
     def load_param_state(
         self, states: Dict[str, Dict[str, torch.Tensor]], *, step: int, updates: Optional[int] = None
     ) -> None:
-        """Restore state exported by :meth:`param_state` (possibly saved under another layout or
-        ``distributed`` setting, once resliced to this rank's parameter shapes): each rank keeps the
-        part of every parameter it updates (its ZeRO-1 shard, or all of it). ``master`` entries, when
-        present, also overwrite the parameters' owned range; when absent (saved from fp32
-        parameters) non-fp32 masters are taken from the current parameter values. ``step`` becomes
-        ``step_count`` (the LR schedule position) and ``updates`` (default: ``step``) the AdamW updates
-        applied (the bias-correction step). No communication."""
+        """Restore state exported by :meth:`param_state` (possibly saved under another layout,
+        ``distributed`` setting or state dtypes, once resliced to this rank's parameter shapes): each
+        rank keeps the part of every parameter it updates (its ZeRO-1 shard, or all of it), converted
+        to this optimizer's state dtypes (exact when they match). ``master`` entries, when present and
+        this optimizer keeps an fp32 master copy, overwrite it and the parameters' owned range; when
+        absent, masters are taken from the current parameter values; with bf16 master weights the
+        parameter is the master and ``master`` entries are ignored. ``step`` becomes ``step_count``
+        (the LR schedule position) and ``updates`` (default: ``step``) the AdamW updates applied (the
+        bias-correction step). No communication."""
         for buf in self.buffers:
             for name, p in zip(buf.names, buf.params):
                 if name not in states:
@@ -237,28 +266,38 @@ class FoldedOptimizer:
                             f"optimizer state {key} of {name!r} has {t.numel()} elements, the parameter {p.numel()}"
                         )
         for buf, st in zip(self.buffers, self.state):
-            for k, (name, p) in enumerate(zip(buf.names, buf.params)):
-                b = buf.bucket_of[id(p)]
+            copy = self.has_master_copy(buf)
+            for b in buf.buckets:
                 lo, hi = buf.update_range(b)
-                off, n = buf.offsets[k], p.numel()
-                a, z = max(lo, off), min(hi, off + n)
-                if z <= a:
-                    continue
-                saved = states[name]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key][b.index][a - lo : z - lo].copy_(saved[key].reshape(-1)[a - off : z - off])
-                if "master" in saved:
-                    st["master"][b.index][a - lo : z - lo].copy_(saved["master"].reshape(-1)[a - off : z - off])
-                    buf.param_data[a:z].copy_(st["master"][b.index][a - lo : z - lo])
-                elif buf.param_data.dtype != torch.float32:
-                    st["master"][b.index][a - lo : z - lo].copy_(buf.param_data[a:z])
+                keys = list(MOMENTS) + (["master"] if copy else [])
+                vals = {key: st[key][b.index].read().clone() for key in keys}
+                for k, (name, p) in enumerate(zip(buf.names, buf.params)):
+                    if buf.bucket_of[id(p)] is not b:
+                        continue
+                    off, n = buf.offsets[k], p.numel()
+                    a, z = max(lo, off), min(hi, off + n)
+                    if z <= a:
+                        continue
+                    saved = states[name]
+                    for key in MOMENTS:
+                        vals[key][a - lo : z - lo].copy_(saved[key].reshape(-1)[a - off : z - off])
+                    if copy:
+                        src = (
+                            saved["master"].reshape(-1)[a - off : z - off] if "master" in saved else buf.param_data[a:z]
+                        )
+                        vals["master"][a - lo : z - lo].copy_(src)
+                for key in keys:
+                    st[key][b.index].write(vals[key])
+                if copy:
+                    buf.param_data[lo:hi].copy_(vals["master"])
         self.step_count = int(step)
         self.updates = int(step if updates is None else updates)
 
     # ------------------------------------------------------------------------------ memory
     def memory_bytes(self) -> Dict[str, int]:
-        """Bytes this rank holds: ``params`` (model parameters), ``grads`` (fp32 main grads) and
-        ``optimizer`` (moments plus separate master weights), each split into dense and expert."""
+        """Bytes this rank holds: ``params`` (model parameters), ``grads`` (main grads) and
+        ``optimizer`` (moments, fp8 scales included, plus separate master weights), each split into
+        dense and expert."""
         out = {
             k: 0
             for k in (
@@ -274,8 +313,8 @@ class FoldedOptimizer:
             kind = "expert" if buf.cls.expert else "dense"
             out[f"params_{kind}"] += buf.param_bytes()
             out[f"grads_{kind}"] += buf.grad_bytes()
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"optimizer_{kind}"] += sum(t.numel() * 4 for t in st[key])
-            if buf.param_data.dtype != torch.float32:
-                out[f"optimizer_{kind}"] += sum(t.numel() * 4 for t in st["master"])
+            for key in MOMENTS:
+                out[f"optimizer_{kind}"] += sum(t.nbytes() for t in st[key])
+            if self.has_master_copy(buf):
+                out[f"optimizer_{kind}"] += sum(t.nbytes() for t in st["master"])
         return out

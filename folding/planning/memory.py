@@ -10,9 +10,11 @@ parameter formulas of :class:`~folding.model.config.ModelConfig`, ``attention_pa
 
 - parameters: ``(P_d + P_e) * param_bytes``, except the routers' gating weights, which stay fp32
   whatever the parameter dtype (4 bytes each);
-- gradients: fp32 main grads, ``4 * (P_d + P_e)``;
+- gradients: main grads, ``4 * (P_d + P_e)`` (fp32; 2 with ``optim.main_grads_dtype=bf16``);
 - optimizer: AdamW moments ``8`` bytes per element, plus ``4`` for fp32 master weights of the
-  parameters that are not fp32; with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
+  parameters that are not fp32 (other state dtypes:
+  :class:`~folding.planning.optim_precision.OptimizerPrecision`, e.g. bf16 moments 4, fp8 moments
+  ``2 * (1 + 4/128)``, bf16 master weights 0); with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
   expert state by ``EDP``. So expert parameters and gradients per rank scale as
   ``1/(EP*ETP*PP)``, and with ZeRO-1 the expert optimizer state as ``1/world`` (it does not shrink
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
@@ -59,6 +61,7 @@ from .activations import (
     mtp_activation_bytes,
     transient_bytes,
 )
+from .optim_precision import OptimizerPrecision
 
 Ends = Tuple[Optional[int], Optional[int]]
 """``(first_stage_layers, last_stage_layers)`` of a layout, ``None`` where even."""
@@ -269,6 +272,7 @@ def memory_per_rank(
     num_microbatches: Optional[int] = None,
     fused_swiglu: bool = True,
     overlap_moe_comm: bool = False,
+    optim_precision: Optional[OptimizerPrecision] = None,
 ) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
@@ -283,7 +287,9 @@ def memory_per_rank(
     ``overlap_moe_comm`` (``parallel.overlap_moe_comm``): the chunk forwards its longer warm-up keeps in
     flight (:func:`~folding.planning.activations.in_flight_chunks`); on the last rank a pair also keeps
     the previous micro-batch's loss input, log-sum-exp and multi-token-prediction activations.
+    ``optim_precision``: the optimizer's state and gradient dtypes (``None``: all fp32).
     """
+    prec = optim_precision or OptimizerPrecision()
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
     if stage is None:
@@ -301,6 +307,7 @@ def memory_per_rank(
                 num_microbatches=num_microbatches,
                 fused_swiglu=fused_swiglu,
                 overlap_moe_comm=overlap_moe_comm,
+                optim_precision=prec,
             )
             for k in range(layout.pp)
         ]
@@ -308,9 +315,11 @@ def memory_per_rank(
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage={stage} is not a pipeline stage of pp={layout.pp}")
     c = param_counts(cfg, layout, stage=stage)
-    master = 4 if param_bytes != 4 else 0  # fp32 master weights beside 16-bit parameters
-    opt_d = (8 * c.dense + master * (c.dense - c.fp32)) / (layout.dp * layout.cp if distributed else 1)
-    opt_e = (8 + master) * c.expert / (layout.edp if distributed else 1)
+    moments = prec.state_bytes(4)  # both moments (fp32 elements: no master copy)
+    master = prec.master_bytes(param_bytes)  # fp32 master weights beside 16-bit parameters, if kept
+    opt_d = (moments * c.dense + master * (c.dense - c.fp32)) / (layout.dp * layout.cp if distributed else 1)
+    opt_e = (moments + master) * c.expert / (layout.edp if distributed else 1)
+    grad = prec.grad_bytes()
     acts = transient = 0
     if seq_length:
         kw = dict(
@@ -344,8 +353,8 @@ def memory_per_rank(
     return MemoryEstimate(
         params_dense=(c.dense - c.fp32) * param_bytes + 4 * c.fp32,
         params_expert=c.expert * param_bytes,
-        grads_dense=4 * c.dense,
-        grads_expert=4 * c.expert,
+        grads_dense=grad * c.dense,
+        grads_expert=grad * c.expert,
         optimizer_dense=int(opt_d),
         optimizer_expert=int(opt_e),
         activations=int(acts),

@@ -86,9 +86,9 @@ def describe_plan(plan: Plan) -> str:
 # --------------------------------------------------------------------------------------------- memory
 def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> MemoryEstimate:
     """Per-GPU memory of ``plan`` from the one memory model (:func:`folding.planning.memory.memory_per_rank`),
-    on its worst pipeline stage: bf16 parameters, fp32 gradients, Adam state (sharded when
+    on its worst pipeline stage: bf16 parameters, gradients, Adam state (sharded when
     ``plan.distributed_optimizer``), activations at the schedule's peak for ``plan.recompute`` and the
-    step's micro-batch count, transients.
+    step's micro-batch count, transients; optimizer state and gradients in ``shape.optim_precision``'s dtypes.
 
     Only the stages that can hold the most are evaluated (:func:`folding.planning.memory.peak_candidate_stages`):
     the first, the last (output layer, multi-token-prediction modules), and a middle stage only where its mix
@@ -105,6 +105,7 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         micro_batch_size=shape.micro_batch_size,
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
+        optim_precision=shape.optim_precision,
     )
     per_stage = memory_with_overlap if plan.overlap_moe_comm else memory_per_rank
     ests = [per_stage(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]

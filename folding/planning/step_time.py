@@ -33,11 +33,14 @@ transformer layer, on one GPU:
 - **PP**: activation send/recv per micro-batch and virtual stage, waited for under 1F1B, overlapped with a
   chunk's compute under interleaving (Megatron-Core's ``overlap_p2p_comm``); **bubble** ``(PP-1)/VPP``
   stage times.
-- **DP**: dense gradients over DP·CP and expert gradients over EDP, fp32 reduce-scatter (distributed
-  optimizer) or fp32 all-reduce, queued on the GPU's links per model chunk and overlapped with the backward
+- **DP**: dense gradients over DP·CP and expert gradients over EDP, reduce-scatter (distributed
+  optimizer) or all-reduce in the main gradients' dtype (fp32, or bf16: ``TrainingShape.optim_precision``),
+  queued on the GPU's links per model chunk and overlapped with the backward
   that follows each chunk's last micro-batch (:func:`_exposed_behind_chunks`; the hidden part still costs
   ``overlap_contention`` of its time); the distributed optimizer's bf16 parameter all-gather, hidden only
-  behind the optimizer step itself (memory-bound), as folding waits for it at the end of the step.
+  behind the optimizer step itself (memory-bound: the update's bytes per element from
+  :meth:`~folding.planning.optim_precision.OptimizerPrecision.update_traffic_bytes`), as folding waits
+  for it at the end of the step.
 
 Every collective also pays a fixed latency (see :mod:`folding.planning.hardware`).
 
@@ -66,6 +69,7 @@ from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time_part
 from .hardware import GPUSpec
 from .memory import param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
+from .optim_precision import OptimizerPrecision
 
 BF16, FP32 = 2, 4
 
@@ -84,6 +88,9 @@ class TrainingShape:
     """The experts' probability-weighted SwiGLU is one autograd node (folding's and Megatron-Core's), keeping
     3 ``F``-wide tensors per routed row for backward; ``False`` plans for a plain-autograd activation that
     keeps 5 (memory only)."""
+    optim_precision: OptimizerPrecision = OptimizerPrecision()
+    """The optimizer's state and gradient dtypes (``optim.exp_avg_dtype`` ...): optimizer and gradient
+    memory, the gradient reduction's bytes and the update's memory traffic."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -564,6 +571,7 @@ def estimate_step_time(
         cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, plan.last_stage_layers, plan.first_stage_layers
     )
     fwd_share = slowest["compute"] / 3
+    grad_b = shape.optim_precision.grad_bytes()  # fp32 main grads reduce in fp32 (4 bytes), bf16 in 2
     grad_s = param_s = 0.0
     shard = 0.0
     for kind, n, span in (
@@ -575,12 +583,13 @@ def estimate_step_time(
         if n == 1:
             continue
         if plan.distributed_optimizer:
-            grad_s += _ring_time((n - 1) / n * p * FP32, span, cluster)
+            grad_s += _ring_time((n - 1) / n * p * grad_b, span, cluster)
             param_s += _ring_time((n - 1) / n * p * BF16, span, cluster)
         else:
-            grad_s += _ring_time(2 * (n - 1) / n * p * FP32, span, cluster)
+            grad_s += _ring_time(2 * (n - 1) / n * p * grad_b, span, cluster)
     exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
-    optimizer = 30 * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    traffic = shape.optim_precision.update_traffic_bytes(BF16)  # 30 bytes per element when all fp32
+    optimizer = traffic * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     exposed_dp = (
         exposed_grad
         + gpu.overlap_contention * (grad_s - exposed_grad)

@@ -4,7 +4,9 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
 
 - a ``torch.distributed.checkpoint`` (DCP) save of every parameter (``model/<name>``), persistent
   buffer (``buffer/<name>``) and the AdamW state shaped like its parameter
-  (``optim/<name>/exp_avg|exp_avg_sq[|master]``), each stored by its *full* shape as blocks
+  (``optim/<name>/exp_avg|exp_avg_sq[|master]``, moments in their ``optim.exp_avg_dtype`` /
+  ``optim.exp_avg_sq_dtype``: fp32 or bf16 as stored, fp8 dequantized to fp32; a resume into other
+  state dtypes converts them, with a warning), each stored by its *full* shape as blocks
   (:mod:`.checkpoint_blocks`); names use global layer indices, so TP, CP, PP, VPP, EP, ETP and
   ``optim.distributed`` may all change between save and load;
 - ``meta.json``: step, the data iterators' positions, the model and MoE configs (checked before any
@@ -241,6 +243,27 @@ def _load_fp8_states(chunks, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- load
+STATE_DTYPE_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype")
+"""``optim.*`` keys whose change between save and resume converts the optimizer state."""
+
+
+def _warn_state_conversion(meta: Dict[str, Any], job) -> None:
+    """Warn when the checkpoint's optimizer state dtypes differ from this run's: the states are
+    converted on load (widening is exact, narrowing rounds to nearest)."""
+    saved = meta.get("optim") or {}
+    changed = [
+        f"optim.{k}: {saved.get(k, 'fp32')} -> {getattr(job.optim, k)}"
+        for k in STATE_DTYPE_KEYS
+        if saved.get(k, "fp32") != getattr(job.optim, k)
+    ]
+    if changed:
+        warnings.warn(
+            f"checkpoint {meta.get('path')}: optimizer state saved in other dtypes ({'; '.join(changed)}); "
+            f"converting it on load (narrowing rounds to nearest; an fp32 master copy that this run "
+            f"does not keep is dropped, one it keeps without a saved copy starts from the parameters)"
+        )
+
+
 def _check_saved_shapes(path: str, sd: Dict[str, Block]) -> None:
     """Compare the requested keys and full shapes with the checkpoint's metadata (no tensor read)."""
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -267,13 +290,17 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     meta["path"] = path
     check_compatible(meta, job)
     model = _model_blocks(chunks)
+    _warn_state_conversion(meta, job)
+    dtypes = optimizer.state_dtypes()
     fp32 = {
-        n: {k: torch.empty_like(p.data, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        n: {k: torch.empty_like(p.data, dtype=dtypes[k]) for k in ("exp_avg", "exp_avg_sq")}
         for buf in optimizer.buffers
         for n, p in zip(buf.names, buf.params)
     }
     if meta.get("master_weights"):
         for buf in optimizer.buffers:
+            if not optimizer.has_master_copy(buf):
+                continue  # bf16 master weights: the parameter is the master
             for n, p in zip(buf.names, buf.params):
                 fp32[n]["master"] = torch.empty_like(p.data, dtype=torch.float32)
     sd: Dict[str, Any] = dict(model)

@@ -18,12 +18,14 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
 from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
 from ..planning.moe_overlap import memory_with_overlap
+from ..planning.optim_precision import OptimizerPrecision
 from .config import ConfigError, JobConfig
 from .machine import check_experts_here, training_device
 from .validate import validate_job
@@ -59,6 +61,22 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
         micro_batch_size=t.micro_batch_size,
         act_bytes=width,
         num_microbatches=m,
+        optim_precision=OptimizerPrecision.of(job.optim),
+    )
+
+
+def optimizer_line(job: JobConfig) -> str:
+    """The optimizer's state dtypes and its bytes per parameter element (unsharded; ZeRO-1 divides
+    them by DP×CP / EDP), with the same for fp32, bf16 and fp8 moments for comparison."""
+    width = 2 if job.train.precision == "bf16" else 4
+    prec = OptimizerPrecision.of(job.optim)
+    alt = ", ".join(
+        f"{d} {dataclasses.replace(prec, exp_avg_dtype=d, exp_avg_sq_dtype=d).state_bytes(width):.2f}"
+        for d in ("fp32", "bf16", "fp8")
+    )
+    return (
+        f"  optimizer   AdamW, {prec.describe()}: {prec.state_bytes(width):.2f} bytes of state per "
+        f"parameter (moments in fp32 / bf16 / fp8: {alt}), gradients {prec.grad_bytes()} bytes"
     )
 
 
@@ -97,6 +115,7 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         lines.append(
             f"  stage {r:<4d}  per rank: dense {s['dense'] / 1e9:.3f} B + expert {s['expert'] / 1e9:.3f} B params"
         )
+    lines.append(optimizer_line(job))
     mem = memory_estimate(job, layout)
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.by_part().items())
     lines.append(

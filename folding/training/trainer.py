@@ -217,8 +217,8 @@ def train(
     stop: Optional[StopRequest] = None,
 ) -> Dict[str, Any]:
     """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
-    ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file`` and ``chunks``
-    (this rank's trained model chunks).
+    ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file``, ``chunks``
+    (this rank's trained model chunks) and ``optimizer`` (its :class:`~folding.optim.FoldedOptimizer`).
 
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
     (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``); its
@@ -256,6 +256,7 @@ def train(
         "history": run.history,
         "metrics_file": run.sink.path if run.sink else None,
         "chunks": run.chunks,
+        "optimizer": run.optimizer,
         "resumed_from": run.resumed_from,
         "stopped": run.stopped,
         "last_checkpoint_step": run.saved_at,

@@ -28,6 +28,19 @@ from ..parallel.partition import partition_layers
 from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
 
 
+def _check_optim_precision(job: JobConfig) -> None:
+    """bf16 master weights need bf16 parameters: under fp32 training every parameter is its own fp32
+    master, and ``optim.main_params_dtype=bf16`` would silently do nothing."""
+    if job.optim.main_params_dtype == "bf16" and job.train.precision != "bf16":
+        _fail(
+            "optim.main_params_dtype",
+            job.optim.main_params_dtype,
+            f"keeps bf16 master weights of bf16 parameters, but train.precision={job.train.precision} "
+            f"trains fp32 parameters (their own fp32 masters)",
+            "set train.precision=bf16, or optim.main_params_dtype=fp32",
+        )
+
+
 def _check_train(job: JobConfig) -> None:
     t = job.train
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length"):
@@ -256,4 +269,5 @@ def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.devi
         job.optim.validate(train_steps=job.train.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_optim_precision(job)
     return layout

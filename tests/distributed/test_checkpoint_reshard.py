@@ -5,11 +5,17 @@ Run A trains 3 steps (``train.steps=3``, ``optim.decay_steps=6``) and saves at s
 flipped) and trains steps 4-6. Its losses and grad norms must equal those of an uninterrupted
 6-step run (fp32: relative 1e-5 on losses, 1e-4 on grad norms), and its final parameters too.
 Everything runs through the real trainer on 4 gloo ranks.
+
+With bf16 moments (``optim.exp_avg_dtype=exp_avg_sq_dtype=bf16``, the ``moments`` parameter; two of
+the pairs) the checkpoint stores the moments in bf16 and the resumed runs meet the same tolerances
+against an uninterrupted bf16-moment run. A resume into other state dtypes converts, with a warning.
 """
 
 import math
 import os
+import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,7 +44,7 @@ PAIRS = [
 REFERENCE = (dict(tp=2, ep=2, etp=1), False)
 
 
-def _job(parallel, distributed, steps, ckpt_dir=None, load=None):
+def _job(parallel, distributed, steps, ckpt_dir=None, load=None, moments="fp32"):
     model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16})
     return JobConfig(
         model=model,
@@ -56,6 +62,8 @@ def _job(parallel, distributed, steps, ckpt_dir=None, load=None):
             weight_decay=0.01,
             eps=1e-6,
             distributed=distributed,
+            exp_avg_dtype=moments,
+            exp_avg_sq_dtype=moments,
         ),
         data=DataConfig(),
         checkpoint=CheckpointConfig(dir=ckpt_dir, load=load),
@@ -74,38 +82,63 @@ def _run(job, run_dir):
             for c in res["chunks"]
             for n, p in c.named_parameters()
         }
+        # the AdamW state by parameter (collective under ZeRO-1), as the checkpoint stores it
+        canon = {id(p): n for c in res["chunks"] for n, p in c.named_parameters()}
+        opt = res["optimizer"]
+        st = opt.param_state()
+        state = {
+            canon[id(p)]: (require_spec(p, o).full_shape, require_spec(p, o).shards, st[o])
+            for buf in opt.buffers
+            for o, p in zip(buf.names, buf.params)
+        }
     finally:
         ps.destroy()
     hist = [(h["step"], h["lm_loss"], h["grad_norm"], h["lr"]) for h in res["history"]]
-    return hist, res["resumed_from"], params
+    return hist, res["resumed_from"], params, state
 
 
-def _resume_cases(root):
-    out = {"reference": _run(_job(*REFERENCE, steps=6), root)[:2]}
-    for i, ((la, da), (lb, db)) in enumerate(PAIRS):
+def _resume_cases(root, moments="fp32", pairs=PAIRS):
+    out = {"reference": _run(_job(*REFERENCE, steps=6, moments=moments), root)[:2]}
+    for i, ((la, da), (lb, db)) in enumerate(pairs):
         d = os.path.join(root, f"pair{i}")
-        a = _run(_job(la, da, steps=3, ckpt_dir=d), root)
-        b = _run(_job(lb, db, steps=6, load=d), root)
+        a = _run(_job(la, da, steps=3, ckpt_dir=d, moments=moments), root)
+        b = _run(_job(lb, db, steps=6, load=d, moments=moments), root)
         out[i] = (a[0], b[0], b[1], b[2])
+        if moments != "fp32":  # B's state right after the load (no step run) against A's at the save
+            loaded = _run(_job(lb, db, steps=3, load=d, moments=moments), root)
+            out[f"state{i}"] = (a[3], loaded[3])
+    if moments != "fp32":  # the first pair's checkpoint resumed with fp32 moments: converted, warned
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = _run(_job(*pairs[0][1], steps=4, load=os.path.join(root, "pair0")), root)
+        out["converted"] = (c[0], [str(w.message) for w in caught])
     return out
 
 
-def _assemble(per_rank_params):
+def _assemble(per_rank_params, dtype=torch.float32):
     from folding.parallel.params import take_slice
 
     full = {}
     for params in per_rank_params:
         for name, (shape, shards, local) in params.items():
-            t = full.setdefault(name, torch.full(shape, float("nan")))
+            t = full.setdefault(name, torch.full(shape, float("nan"), dtype=dtype))
             take_slice(t, shards).copy_(local.reshape(take_slice(t, shards).shape))
     return full
 
 
-def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path):
-    results = ranks(WORLD).run(_resume_cases, str(tmp_path))
+def _assemble_state(per_rank_states, key):
+    """Full tensors of one state ``key`` in its stored dtype (bf16 moments stay bf16)."""
+    dtype = next(iter(per_rank_states[0].values()))[2][key].dtype
+    return _assemble([{n: (f, s, st[key]) for n, (f, s, st) in r.items()} for r in per_rank_states], dtype)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments):
+    pairs = PAIRS if moments == "fp32" else PAIRS[:2]
+    results = ranks(WORLD).run(_resume_cases, str(tmp_path), moments, pairs)
     ref, _ = results[0]["reference"]
     assert [s for s, *_ in ref] == [1, 2, 3, 4, 5, 6]
-    for i, pair in enumerate(PAIRS):
+    for i, pair in enumerate(pairs):
         hist_a, hist_b, resumed, _ = results[0][i]
         assert [s for s, *_ in hist_a] == [1, 2, 3], pair
         assert [s for s, *_ in hist_b] == [4, 5, 6], pair  # B continued, did not restart
@@ -121,10 +154,32 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path):
     for key, m in md.items():
         if hasattr(m, "chunks"):
             assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
+        if key.endswith(("/exp_avg", "/exp_avg_sq")):  # stored in the moments' own dtype
+            assert m.properties.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[moments], key
+    if moments != "fp32":
+        hist_c, messages = results[0]["converted"]
+        assert [s for s, *_ in hist_c] == [4]
+        assert any("optim.exp_avg_dtype: bf16 -> fp32" in m for m in messages), messages
+        # bf16 -> fp32 widening is exact, so step 4 is the bf16 run's step 4 up to that step's own
+        # rounding of the moments (fp32 from here on)
+        assert abs(hist_c[0][1] - ref[3][1]) <= 1e-4 * abs(ref[3][1])
     # the final parameters of two different resumed layouts agree with each other
     f0 = _assemble([results[r][0][3] for r in range(WORLD)])
     f1 = _assemble([results[r][1][3] for r in range(WORLD)])
     assert sorted(f0) == sorted(f1)
+    # bf16 moments: where the two layouts' fp32 moments (equal to reduction-order noise) straddle a
+    # bf16 rounding boundary they round one bf16 gap (2^-7 relative) apart, which moves that element's
+    # update by up to lr * 2^-7 (2.3e-5 at lr 3e-3) per step; three steps after the resume
+    atol = 1e-5 if moments == "fp32" else 3 * 3e-3 * 2**-7
     for name in f0:
         assert not torch.isnan(f0[name]).any() and not torch.isnan(f1[name]).any(), name
-        torch.testing.assert_close(f0[name], f1[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(f0[name], f1[name], rtol=1e-4, atol=atol, msg=name)
+    if moments != "fp32":  # the resharded load itself is exact: bit for bit what the other layout saved
+        for i in range(len(pairs)):
+            saved = [results[r][f"state{i}"][0] for r in range(WORLD)]
+            loaded = [results[r][f"state{i}"][1] for r in range(WORLD)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = _assemble_state(saved, key), _assemble_state(loaded, key)
+                assert sorted(a) == sorted(b)
+                for name in a:
+                    assert a[name].dtype == torch.bfloat16 and torch.equal(a[name], b[name]), (i, key, name)

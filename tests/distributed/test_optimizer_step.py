@@ -185,13 +185,13 @@ def test_clip_threshold_is_active():
 
 def _step_on_rank_elementwise(cases):
     """``_step_on_rank`` with the elementwise AdamW (the fallback where a build lacks the fused kernel)."""
-    import folding.optim.optimizer as optimizer_module
+    import folding.optim.adamw as adamw_module
 
-    fused, optimizer_module._FUSED_ADAMW = optimizer_module._FUSED_ADAMW, None
+    fused, adamw_module.FUSED_ADAMW = adamw_module.FUSED_ADAMW, None
     try:
         return _step_on_rank(cases, None)
     finally:
-        optimizer_module._FUSED_ADAMW = fused
+        adamw_module.FUSED_ADAMW = fused
 
 
 def test_steps_match_one_rank_adamw(ranks):
@@ -267,7 +267,7 @@ def _owned_masters(opt):
             b = buf.bucket_of[id(buf.params[k])]
             lo, hi = buf.update_range(b)
             a, z = max(lo, off), min(hi, off + buf.params[k].numel())
-            master = st["master"][b.index]
+            master = st["master"][b.index].read()
             out[name] = {
                 "flat_range": (a - off, z - off) if z > a else (0, 0),
                 "master": master[a - lo : z - lo].clone() if z > a else master[:0].clone(),

@@ -1,0 +1,73 @@
+"""Bytes per parameter element of the optimizer's state and gradients for the chosen dtypes.
+
+The planning side of ``optim.exp_avg_dtype``, ``optim.exp_avg_sq_dtype``, ``optim.main_params_dtype``
+and ``optim.main_grads_dtype`` (the optimizer's own storage is :mod:`folding.optim.precision`; the
+two tables are checked against each other by the tests): fp32 4 bytes, bf16 2, fp8 1 plus one fp32
+scale per 128 elements. The memory model, the planner's step time and the dry run read it.
+
+Usage::
+
+    prec = OptimizerPrecision(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    prec.state_bytes(param_bytes=2)      # 2 + 2 + 4 (fp32 master of bf16 parameters) = 8
+    OptimizerPrecision.of(job.optim)     # from an OptimConfig (any object with the four fields)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
+"""Bytes per element of each state dtype (fp8: the e4m3 code and its share of a per-128 fp32 scale)."""
+FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype")
+"""The ``optim.*`` keys this record mirrors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPrecision:
+    """Storage dtypes of AdamW's state and of the main gradients (``optim.*`` of the same names)."""
+
+    exp_avg_dtype: str = "fp32"
+    """First moment: fp32, bf16 or fp8."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Second moment: fp32, bf16 or fp8."""
+    main_params_dtype: str = "fp32"
+    """Master weights of 16-bit parameters: fp32 (a copy) or bf16 (the parameter itself)."""
+    main_grads_dtype: str = "fp32"
+    """Main gradients: fp32 or bf16."""
+
+    def __post_init__(self):
+        for f in FIELDS:
+            allowed = ("fp32", "bf16", "fp8") if f.startswith("exp_avg") else ("fp32", "bf16")
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"{f}={getattr(self, f)!r} must be one of {', '.join(allowed)} (optim.{f})")
+
+    @classmethod
+    def of(cls, optim) -> "OptimizerPrecision":
+        """The record of an ``OptimConfig`` (or any object with the four fields; missing ones are fp32)."""
+        return cls(**{f: getattr(optim, f, "fp32") for f in FIELDS})
+
+    def master_bytes(self, param_bytes: float) -> float:
+        """Bytes of a separate master copy per element: 4 for 16-bit parameters with fp32 master
+        weights, 0 for fp32 parameters (their own master) or bf16 master weights (the parameter)."""
+        return 4.0 if param_bytes != 4 and self.main_params_dtype == "fp32" else 0.0
+
+    def state_bytes(self, param_bytes: float) -> float:
+        """Optimizer-state bytes per parameter element: both moments plus any master copy."""
+        return STATE_BYTES[self.exp_avg_dtype] + STATE_BYTES[self.exp_avg_sq_dtype] + self.master_bytes(param_bytes)
+
+    def grad_bytes(self) -> int:
+        """Bytes per element of the main gradients (and of their reduction on the wire)."""
+        return 4 if self.main_grads_dtype == "fp32" else 2
+
+    def update_traffic_bytes(self, param_bytes: float) -> float:
+        """Memory traffic of one AdamW update per element: read and write both moments and the
+        weights AdamW updates, read the gradient, write the parameter when it is a separate copy
+        (fp32 everything with bf16 parameters: 2*(4+4+4) + 4 + 2 = 30 bytes)."""
+        master = self.master_bytes(param_bytes)
+        weights = master if master else param_bytes
+        moments = STATE_BYTES[self.exp_avg_dtype] + STATE_BYTES[self.exp_avg_sq_dtype]
+        return 2 * (moments + weights) + self.grad_bytes() + (param_bytes if master else 0.0)
+
+    def describe(self) -> str:
+        """``exp_avg fp32, exp_avg_sq fp32, main params fp32, main grads fp32``."""
+        return ", ".join(f"{f.removesuffix('_dtype').replace('_', ' ')} {getattr(self, f)}" for f in FIELDS)
