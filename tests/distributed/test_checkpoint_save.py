@@ -46,7 +46,7 @@ def _crash_then_resume(root):
     listing = sorted(os.listdir(d))
     latest = ckpt.latest_complete(d)
     dist.barrier()
-    hist, resumed, _ = _run(_job(dict(pp=2, ep=2, etp=1), True, steps=3, ckpt_dir=d), root)
+    hist, resumed, _, _ = _run(_job(dict(pp=2, ep=2, etp=1), True, steps=3, ckpt_dir=d), root)
     return dict(
         ref=ref,
         crashed=crashed,
@@ -107,7 +107,7 @@ def test_sigterm_saves_and_stops_then_resumes(ranks, tmp_path):
 
 def _train_for_export(root):
     d = os.path.join(root, "ck")
-    _, _, params = _run(_job(dict(tp=2, pp=2, ep=2, etp=1), True, steps=2, ckpt_dir=d), root)
+    _, _, params, _ = _run(_job(dict(tp=2, pp=2, ep=2, etp=1), True, steps=2, ckpt_dir=d), root)
     return params
 
 

@@ -51,8 +51,8 @@ def _train_collapsed(run_dir):
 
     real = trainer._build_chunks
 
-    def build(job, ps, device):
-        chunks = real(job, ps, device)
+    def build(job, ps, device, **kw):
+        chunks = real(job, ps, device, **kw)
         for m in chunks[0].modules():
             if isinstance(m, Router) and m.layer_number == HOT_LAYER:
                 m.register_forward_pre_hook(_force_hot_expert)
