@@ -61,8 +61,8 @@ def _train_one_step(parallel, run_dir):
     seen = {}
     real_run, real_step, real_build = trainer.run_microbatches, trainer._clip_and_step, trainer._build_chunks
 
-    def build(job, ps, device):
-        seen["chunks"] = real_build(job, ps, device)
+    def build(job, ps, device, **kw):
+        seen["chunks"] = real_build(job, ps, device, **kw)
         return seen["chunks"]
 
     def run(chunks, mbs, **kw):
