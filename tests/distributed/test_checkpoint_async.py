@@ -65,7 +65,7 @@ def _kill_during_async_save(root):
 
 def _reference_then_resume(root):
     ref = _run(_async_job(6), os.path.join(root, "ref"))[0]
-    hist, resumed, _ = _run(_async_job(6, os.path.join(root, "ck")), os.path.join(root, "b"))
+    hist, resumed, _, _ = _run(_async_job(6, os.path.join(root, "ck")), os.path.join(root, "b"))
     return dict(ref=ref, hist=hist, resumed=resumed)
 
 
