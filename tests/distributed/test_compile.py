@@ -25,7 +25,7 @@ def _run(model, ids):
 
 def _eager_and_compiled(cases):
     torch.set_num_threads(1)
-    cfg = get_preset("mixtral_tiny", num_layers=2)
+    cfg = get_preset("mixtral_tiny", num_layers=2, init_std=0.02)  # the scale its tolerances were set at
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
     out = []
     for layout_kw, recompute in cases:
