@@ -65,7 +65,7 @@ def _train(parallel, steps, source, run_dir, ckpt_dir=None):
 
     hf._Reader.read = counting
     try:
-        hist, resumed, params = _run(_job(parallel, steps, source, ckpt_dir), run_dir)
+        hist, resumed, params, _ = _run(_job(parallel, steps, source, ckpt_dir), run_dir)
     finally:
         hf._Reader.read = real
     return dict(
