@@ -46,7 +46,7 @@ def test_last_stage_layers_layout_checks():
     from folding.parallel import LayoutError, ParallelLayout
 
     lay = ParallelLayout(world_size=32, tp=2, pp=16, last_stage_layers=1)
-    assert "(last stage 1 layers)" in lay.describe()
+    assert "(last stage 1 layer)" in lay.describe()
     for kw in (dict(pp=1), dict(pp=4, vpp=2)):
         with pytest.raises(LayoutError, match="last_stage_layers"):
             ParallelLayout(world_size=32, last_stage_layers=1, **kw)
