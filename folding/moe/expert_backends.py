@@ -162,7 +162,9 @@ class _GroupedMMDelayedWgrad(torch.autograd.Function):
             anchor = ctx.anchor
 
             def wgrad():
-                gw = fn(x_NI.transpose(-2, -1), g_NO, offs=offs).transpose(-2, -1)
+                # torch's own backward for a column-major mat2 (``wᵀ`` of a contiguous ``w``): gᵀ·x;
+                # (xᵀ·g)ᵀ sums in another order on some shapes and is not bitwise the same
+                gw = fn(g_NO.transpose(-2, -1), x_NI, offs=offs)
                 torch.autograd.backward(anchor, gw)
 
             overlap.defer(wgrad)

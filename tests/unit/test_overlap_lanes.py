@@ -75,12 +75,14 @@ def test_paired_schedule_keeps_the_order_of_forwards_and_backwards():
     ]
 
 
-def test_delayed_weight_gradients_are_bitwise_the_plain_ones():
+# shapes where (xᵀ·g)ᵀ and torch's gᵀ·x round differently: an ETP2 shard (F/2 = 8) and padded widths
+@pytest.mark.parametrize("hidden,ffn,etp", [(32, 16, 1), (32, 16, 2), (12, 8, 1), (10, 6, 1)])
+def test_delayed_weight_gradients_are_bitwise_the_plain_ones(hidden, ffn, etp):
     def run(delay):
-        m = GroupedMLP(num_experts=4, num_local_experts=4, hidden_size=32, ffn_hidden_size=16, etp_size=1,
+        m = GroupedMLP(num_experts=4, num_local_experts=4, hidden_size=hidden, ffn_hidden_size=ffn, etp_size=etp,
                        etp_rank=0, expert_offset=0, backend="torch", init_seed=3)  # fmt: skip
         m.delay_wgrad = delay
-        x = torch.randn(20, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        x = torch.randn(20, hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
         p = torch.rand(20, generator=torch.Generator().manual_seed(2))
         for _ in range(2):  # the second accumulates onto the first
             y = m(x, torch.tensor([5, 0, 7, 8]), p)
