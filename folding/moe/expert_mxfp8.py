@@ -100,17 +100,8 @@ def mx_forward(x_NI, w_LOI, counts, offs_L, out_dtype):
 
 
 def mx_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
-    """``dx = dy·w[e]``: ``dy`` blocked along O, ``w`` re-quantized along O."""
-    gq_NO, gs = _quantize(dy_NO)
-    wq_LIO, ws = _quantize(w_LOI.transpose(-2, -1))
-    return _op()(
-        gq_NO,
-        wq_LIO.transpose(-2, -1),
-        _scales_by_row_group(gs, counts),
-        _scales_per_expert(ws),
-        offs=offs_L,
-        out_dtype=out_dtype,
-    )
+    """``dx = dy·w[e]``: the forward GEMM with ``dy`` blocked along O and ``w`` re-quantized along O."""
+    return mx_forward(dy_NO, w_LOI.transpose(-2, -1), counts, offs_L, out_dtype)
 
 
 def mx_wgrad(dy_NO, x_NI, counts_L, offs_L, out_dtype, counts):

@@ -72,6 +72,7 @@ def scaled_mm_op():
 
 
 def _rowwise_forward(x_NI, w_LOI, counts, offs_L, out_dtype):
+    """``y = x·w[e]ᵀ``: x scaled per row, w per output row (both along the contraction I)."""
     xq_NI, xs_N1 = quantize_fp8_rowwise(x_NI.contiguous(), E4M3, power_2_scale=True)
     wq_LOI, ws_LO1 = quantize_fp8_rowwise(w_LOI.contiguous(), E4M3, power_2_scale=True)
     return scaled_mm_op()(
@@ -86,18 +87,8 @@ def _rowwise_forward(x_NI, w_LOI, counts, offs_L, out_dtype):
 
 
 def _rowwise_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
-    gq_NO, gs_N1 = quantize_fp8_rowwise(dy_NO, E4M3, power_2_scale=True)
-    # w re-quantized along O (the contraction of dx = dy·w): one scale per input column
-    wq_LIO, ws_LI1 = quantize_fp8_rowwise(w_LOI.transpose(-2, -1).contiguous(), E4M3, power_2_scale=True)
-    return scaled_mm_op()(
-        gq_NO,
-        wq_LIO.transpose(-2, -1),
-        gs_N1.squeeze(-1),
-        ws_LI1.squeeze(-1),
-        offs=offs_L,
-        out_dtype=out_dtype,
-        use_fast_accum=FAST_ACCUM,
-    )
+    """``dx = dy·w[e]``: the forward GEMM with w re-quantized along O (one scale per input column)."""
+    return _rowwise_forward(dy_NO, w_LOI.transpose(-2, -1), counts, offs_L, out_dtype)
 
 
 def _rowwise_wgrad(dy_NO, x_NI, counts_L, offs_L, out_dtype, counts):

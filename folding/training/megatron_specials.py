@@ -125,18 +125,17 @@ def _schedule(flags: Flags, out: Dict[str, Any], notes: List[str], problems: Lis
             problems.append("--lr-warmup-fraction needs --lr-decay-iters or --train-iters, and no --lr-warmup-iters")
         else:
             out["optim.warmup_steps"] = int(float(fraction) * horizon)
-    style = _one(flags, "--lr-decay-style")
-    if style is not None:
-        if style in DECAY_STYLES:
-            out["optim.decay_style"] = DECAY_STYLES[style]
+    for flag, key, table in (
+        ("--lr-decay-style", "optim.decay_style", DECAY_STYLES),
+        ("--lr-wsd-decay-style", "optim.wsd_decay_shape", WSD_SHAPES),
+    ):
+        name = _one(flags, flag)
+        if name is None:
+            continue
+        if name in table:
+            out[key] = table[name]
         else:
-            problems.append(f"--lr-decay-style {style}: no equivalent; folding has {', '.join(DECAY_STYLES)}")
-    shape = _one(flags, "--lr-wsd-decay-style")
-    if shape is not None:
-        if shape in WSD_SHAPES:
-            out["optim.wsd_decay_shape"] = WSD_SHAPES[shape]
-        else:
-            problems.append(f"--lr-wsd-decay-style {shape}: no equivalent; folding has {', '.join(WSD_SHAPES)}")
+            problems.append(f"{flag} {name}: no equivalent; folding has {', '.join(table)}")
     iters = _one(flags, "--lr-wsd-decay-iters")
     if iters is not None:
         if horizon is None:
