@@ -53,8 +53,14 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_
         timeout=datetime.timedelta(seconds=coll_timeout_s),
     )
     results.put((-1, rank, True, b""))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the caller was killed: do not linger as an orphan
+                break
+            continue
         if task is None:
             break
         tid, fn, args, kwargs = task
