@@ -24,8 +24,8 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 6. metrics (:func:`_train_record`): rank 0 writes the ``train`` record, and a ``warning`` record
    when a layer's router has sent more than 90% of its tokens to one expert for 5 steps running
    (:mod:`folding.training.collapse`); every ``train.eval_interval`` steps an ``eval`` record
-   (:func:`_evaluate_if_due`);
-7. checkpoint (:func:`_checkpoint_if_due`): with ``checkpoint.dir`` set, every
+   (:func:`folding.training.step_duties.evaluate_if_due`);
+7. checkpoint (:func:`folding.training.step_duties.checkpoint_if_due`): with ``checkpoint.dir`` set, every
    ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
    rank through the step's all-reduce), after which the loop stops. With ``checkpoint.async_save``
    the write goes on behind the next steps (:mod:`folding.training.checkpoint_async`) and the save
@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -63,17 +61,17 @@ from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
-from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume, step_dir_name
+from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume
 from .checkpoint_async import AsyncSaver
-from .checkpoint_save import save_checkpoint
 from .collapse import CollapseWatch
 from .config import ConfigError, JobConfig
-from .evaluate import evaluate, global_token_count
+from .evaluate import global_token_count
 from .faults import StopRequest
 from .init_from_hf import check_init_source, load_initial_weights
 from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
+from .step_duties import checkpoint_if_due, evaluate_if_due, published, report_stop
 from .throughput import Throughput
 from .trace_record import RoutingTracer, check_trace_dir
 from .validate import validate_job
@@ -238,11 +236,11 @@ def train(
             for step in range(run.optimizer.step_count + 1, job.train.steps + 1):
                 _train_step(run, step)
                 if run.stopped:
-                    _report_stop(run, step)
+                    report_stop(run, step)
                     break
             if run.saver:  # normal end: nothing may stay unpublished
                 if run.saver.pending is not None:
-                    _published(run, run.saver.finish(), blocked_s=None)
+                    published(run, run.saver.finish(), blocked_s=None)
                 run.saver.close()
     finally:
         run.stats.close()
@@ -389,8 +387,8 @@ def _train_step(run: _Run, step: int) -> None:
         run.sink.log(record)
         for warning in run.collapse.update(step, losses.moe["counts_LE"]):
             run.sink.warn(step, warning.pop("message"), **warning)
-    _evaluate_if_due(run, step)
-    _checkpoint_if_due(run, step)
+    evaluate_if_due(run, step)
+    checkpoint_if_due(run, step)
 
 
 def _read_batch(run: _Run) -> Tuple[List[Dict[str, torch.Tensor]], torch.Tensor]:
@@ -492,81 +490,3 @@ def _train_record(
         "dropped_fraction": moe["dropped_fraction"],
         "expert_counts": moe["counts_LE"],
     }
-
-
-def _evaluate_if_due(run: _Run, step: int) -> None:
-    """Every ``train.eval_interval`` steps and at the last one (with validation data): the ``eval``
-    record, and ``eval_lm_loss`` in the step's history."""
-    t, valid = run.job.train, run.prep.data.valid
-    if not (t.eval_interval and valid is not None and (step % t.eval_interval == 0 or step == t.steps)):
-        return
-    ev = evaluate(
-        run.chunks,
-        valid,
-        parallel_state=run.ps,
-        num_microbatches=run.num_microbatches,
-        eval_steps=t.eval_steps,
-        device=run.device,
-    )
-    run.history[-1]["eval_lm_loss"] = ev["lm_loss"]
-    if run.sink:
-        run.sink.log({"kind": "eval", "step": step, **ev})
-
-
-def _checkpoint_if_due(run: _Run, step: int) -> None:
-    """With ``checkpoint.dir``: publish an asynchronous save that every rank has written, then save
-    every ``checkpoint.save_interval`` steps, at the last step and when the run stops (with
-    ``checkpoint.async_save`` the loop only waits for the host copy, except at the last step and on a
-    stop, where the write is waited for)."""
-    ck = run.job.checkpoint
-    if run.save_written:
-        _published(run, run.saver.finish(), blocked_s=None)
-        run.save_written = False
-    due = run.stopped or step == run.job.train.steps or (ck.save_interval and step % ck.save_interval == 0)
-    if not (ck.dir and due):
-        return
-    t0 = time.perf_counter()
-    save_args = dict(
-        step=step,
-        chunks=run.chunks,
-        optimizer=run.optimizer,
-        data=run.prep.data,
-        job=run.job,
-        layout=run.prep.layout,
-        run_dir=run.run_dir,
-    )
-    if run.saver is None:
-        save_checkpoint(ck.dir, **save_args)
-        _published(run, step, blocked_s=time.perf_counter() - t0)
-        return
-    if run.saver.pending is not None:  # the previous write is still running: wait for it
-        _published(run, run.saver.finish(), blocked_s=None)
-    run.saver.start(ck.dir, **save_args)
-    if run.stopped or step == run.job.train.steps:
-        run.saver.finish()
-    _published(run, step, blocked_s=time.perf_counter() - t0, pending=run.saver.pending is not None)
-
-
-def _published(run: _Run, save, *, blocked_s: Optional[float], pending: bool = False) -> None:
-    """Rank 0 logs the ``checkpoint`` record of step ``save`` (a step or an asynchronous save):
-    ``blocked_s`` the seconds the loop waited for it (``None`` for a background write finishing),
-    ``pending`` whether its write goes on in the background (published later, in a second record)."""
-    step = save if isinstance(save, int) else save.step
-    if not pending:
-        run.saved_at = step
-    if run.sink:
-        path = os.path.join(os.path.abspath(run.job.checkpoint.dir), step_dir_name(step))
-        record = {"kind": "checkpoint", "step": step, "path": path, "published": not pending}
-        if blocked_s is not None:
-            record["blocked_s"] = blocked_s
-        run.sink.log(record)
-
-
-def _report_stop(run: _Run, step: int) -> None:
-    """Rank 0 says that a signal stopped the run after ``step`` and whether a checkpoint was saved."""
-    if run.rank != 0:
-        return
-    line = f"stop requested by a signal: stopped after step {step}" + (
-        ", checkpoint saved" if run.saved_at == step else ", no checkpoint (checkpoint.dir is unset)"
-    )
-    (run.run_log.echo if run.run_log else print)(line)
