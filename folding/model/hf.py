@@ -8,7 +8,8 @@ safetensors shards with their index beyond ``max_shard_bytes`` (gathering the pi
 rank 0); HF -> engine -> HF gives bit-identical tensors.
 
 The mapping is driven by each parameter's :class:`~folding.parallel.params.ParamSpec` record (its
-full shape and this rank's slice; a parameter without one is an error) and by :func:`hf_components`,
+full shape and this rank's slice; a parameter without one is an error) and by
+:func:`folding.model.hf_names.hf_components`,
 which says which HF tensors make up the full tensor of an engine parameter: ``experts.fc1_weight``
 is the stack ``[E, 2, F, H]`` of every expert's (gate, up) weights, ``experts.fc2_weight`` the stack
 ``[E, H, F]`` of the down weights.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -34,118 +34,9 @@ import torch.distributed as dist
 from ..parallel.params import materialize, require_spec, shard_index
 from .config import ModelConfig
 from .hf_config import CheckpointError, config_from_hf, config_to_hf
-from .hf_deepseek import (
-    deepseek_buffers,
-    deepseek_components,
-    deepseek_has_mtp,
-    deepseek_mtp_copies,
-    deepseek_mtp_name,
-    deepseek_tensor_names,
-)
+from .hf_deepseek import deepseek_buffers, deepseek_has_mtp, deepseek_mtp_copies
+from .hf_names import hf_components, hf_tensor_names
 from .transformer import MoETransformer
-
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def _moe_prefix(cfg: ModelConfig) -> str:
-    return "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
-
-
-def _expert_names(cfg: ModelConfig) -> Tuple[str, str, str]:
-    return ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-
-
-def hf_components(name: str, cfg: ModelConfig) -> List[Tuple[Tuple[int, ...], str]]:
-    """HF tensors forming the full tensor of engine parameter ``name``: ``(leading index, hf name)`` pairs.
-
-    An empty leading index means the HF tensor *is* the full tensor.
-    """
-    top = {
-        "embedding.weight": "model.embed_tokens.weight",
-        "output_weight": "lm_head.weight",
-        "final_norm.weight": "model.norm.weight",
-    }
-    if name in top:
-        return [((), top[name])]
-    if name.startswith("mtp."):  # multi-token prediction: DeepSeek-V3's layout
-        if cfg.family != "deepseek_v3":
-            raise CheckpointError(
-                f"multi-token prediction (model.mtp_num_layers={cfg.mtp_num_layers}) has a Hugging Face "
-                f"layout for deepseek_v3 only, not {cfg.family}; set model.mtp_num_layers=0 to convert"
-            )
-        hf_name, own = deepseek_mtp_name(name, cfg)
-        if own:
-            return [((), hf_name)]
-        name = hf_name  # the module's transformer layer, named like a decoder layer
-    special = deepseek_components(name, cfg) if cfg.family == "deepseek_v3" else None
-    if special is not None:
-        return special
-    m = _LAYER.match(name)
-    if not m:
-        raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
-    i, rest = int(m.group(1)), m.group(2)
-    L = f"model.layers.{i}"
-    simple = {
-        "input_norm.weight": f"{L}.input_layernorm.weight",
-        "post_attention_norm.weight": f"{L}.post_attention_layernorm.weight",
-    }
-    if rest in simple:
-        return [((), simple[rest])]
-    if rest.startswith("attention."):
-        return [((), f"{L}.self_attn.{rest[len('attention.') :]}")]
-    if not cfg.is_moe_layer(i):
-        return [((), f"{L}.{rest}")]  # mlp.{gate,up,down}_proj.weight
-    P, (g, u, d) = f"{L}.{_moe_prefix(cfg)}", _expert_names(cfg)
-    if rest == "mlp.router.weight":
-        return [((), f"{P}.gate.weight")]
-    if rest == "mlp.experts.fc1_weight":
-        return [
-            ((e, h), f"{P}.experts.{e}.{w}.weight") for e in range(cfg.moe.num_experts) for h, w in enumerate((g, u))
-        ]
-    if rest == "mlp.experts.fc2_weight":
-        return [((e,), f"{P}.experts.{e}.{d}.weight") for e in range(cfg.moe.num_experts)]
-    S = f"{L}.mlp.shared_expert"
-    if rest == "mlp.shared_expert.fc1_weight":  # fused [gate; up] (engine MoE layer)
-        return [((0,), f"{S}.gate_proj.weight"), ((1,), f"{S}.up_proj.weight")]
-    if rest == "mlp.shared_expert.fc2_weight":
-        return [((), f"{S}.down_proj.weight")]
-    if rest == "mlp.shared_expert.gate_weight":
-        return [((), f"{S}_gate.weight")]
-    if rest.startswith("mlp.shared_expert"):
-        return [((), f"{L}.{rest}")]
-    raise CheckpointError(f"engine parameter {name!r} has no Hugging Face counterpart")
-
-
-def hf_tensor_names(cfg: ModelConfig) -> List[str]:
-    """Every tensor name a Hugging Face checkpoint of ``cfg`` holds."""
-    if cfg.family == "deepseek_v3":
-        return deepseek_tensor_names(cfg)
-    if cfg.mtp_num_layers:
-        raise CheckpointError(
-            f"multi-token prediction (model.mtp_num_layers={cfg.mtp_num_layers}) has a Hugging Face layout "
-            f"for deepseek_v3 only, not {cfg.family}; set model.mtp_num_layers=0 to convert"
-        )
-    H = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
-    for i in range(cfg.num_layers):
-        L = f"model.layers.{i}"
-        H += [f"{L}.input_layernorm.weight", f"{L}.post_attention_layernorm.weight", f"{L}.self_attn.o_proj.weight"]
-        H += [
-            f"{L}.self_attn.{p}_proj.{k}" for p in "qkv" for k in (("weight", "bias") if cfg.qkv_bias else ("weight",))
-        ]
-        if cfg.qk_norm != "none":
-            H += [f"{L}.self_attn.q_norm.weight", f"{L}.self_attn.k_norm.weight"]
-        if not cfg.is_moe_layer(i):
-            H += [f"{L}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            continue
-        P = f"{L}.{_moe_prefix(cfg)}"
-        H += [f"{P}.gate.weight"] + [
-            f"{P}.experts.{e}.{w}.weight" for e in range(cfg.moe.num_experts) for w in _expert_names(cfg)
-        ]
-        if cfg.moe.shared_expert_ffn_hidden_size:
-            H += [f"{L}.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            if cfg.moe.shared_expert_gate:
-                H.append(f"{L}.mlp.shared_expert_gate.weight")
-    return H
 
 
 class _Reader:

@@ -216,7 +216,7 @@ def deepseek_config_to_hf(cfg: ModelConfig) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------ tensors
 def deepseek_components(name: str, cfg: ModelConfig) -> Optional[List[Tuple[Tuple[int, ...], str]]]:
     """``(leading index, hf name)`` pairs of engine parameter ``name`` when DeepSeek-V3 names it
-    differently from the shared mapping of :func:`folding.model.hf.hf_components`, else ``None``."""
+    differently from the shared mapping of :func:`folding.model.hf_names.hf_components`, else ``None``."""
     m = _LAYER.match(name)
     if not m or not cfg.is_moe_layer(int(m.group(1))):
         return None

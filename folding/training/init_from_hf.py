@@ -9,7 +9,7 @@ the full tensor, as its record (:class:`~folding.parallel.params.ParamSpec`) say
 
 - from safetensors, each rank reads only the slices it holds, file by file
   (:func:`folding.model.hf.load_hf_weights`: ``safe_open(...).get_slice``), through the same
-  per-parameter mapping as ``from_hf`` and the export (:func:`folding.model.hf.hf_components`);
+  per-parameter mapping as ``from_hf`` and the export (:func:`folding.model.hf_names.hf_components`);
 - from the ``.pt`` file, memory-mapped, so that a rank touches only the pages of its slices.
 
 The optimizer starts fresh and the run starts at step 0. Once the run has saved checkpoints of its
