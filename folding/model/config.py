@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Literal, Optional, Tuple, get_args
 
-from ..moe.config import MoEConfig
+from ..moe.config import FP8_ROW_ALIGN, MoEConfig  # noqa: F401 - FP8_ROW_ALIGN for the planner
 from .mla_config import MLAConfig
 from .rope_yarn import YarnConfig
 

@@ -38,6 +38,9 @@ DISPATCHERS = get_args(Dispatcher)
 WIRE_FORMATS = get_args(WireFormat)
 EXPERT_BACKENDS = get_args(ExpertBackend)
 FP8_RECIPES = (None,) + get_args(Fp8Recipe)
+FP8_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "rowwise": 16}
+"""Per-expert row multiple that each FP8 recipe's grouped GEMM needs (each expert's rows are
+zero-padded to it; MX blocks are 32 rows, the FP8 GEMMs' tiles 16)."""
 
 
 def _fail(field: str, value, why: str, fix: str) -> None:

@@ -58,8 +58,7 @@ from typing import Optional
 
 import torch
 
-FP8_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "rowwise": 16}
-"""Per-expert row multiple that each FP8 recipe's grouped GEMM needs."""
+from .config import FP8_ROW_ALIGN  # noqa: F401 - re-exported: the recipes' row alignment
 
 TE_VERSION_RANGE = ">=2.10,<3"
 """TransformerEngine versions this backend was written against (``setup.py``'s ``te`` extra)."""

@@ -38,11 +38,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from folding.model.config import ModelConfig
-
-#: Rows per expert that a grouped GEMM of each FP8 recipe needs aligned (the experts' TransformerEngine
-#: path pads to these); BF16 (no recipe) pads nothing.
-RECIPE_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, "rowwise": 16}
+from folding.model.config import FP8_ROW_ALIGN, ModelConfig
 
 #: Quantiles the planner reports, by name (``--rank-by``).
 QUANTILES = {"p50": 0.50, "p99": 0.99}
@@ -209,9 +205,10 @@ def quantile_step(keys: Tuple[np.ndarray, ...], q: float) -> int:
 
 
 def row_alignment(cfg: ModelConfig) -> int:
-    """Rows per expert the grouped GEMMs pad to under ``cfg.moe.fp8_recipe`` (1: none)."""
+    """Rows per expert the grouped GEMMs pad to under ``cfg.moe.fp8_recipe`` (1: none; the engine's own
+    ``FP8_ROW_ALIGN`` table)."""
     recipe = cfg.moe.fp8_recipe
-    return 1 if recipe is None else RECIPE_ROW_ALIGN.get(recipe, 16)
+    return 1 if recipe is None else FP8_ROW_ALIGN.get(recipe, 16)
 
 
 @dataclasses.dataclass(frozen=True)
