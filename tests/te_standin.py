@@ -172,7 +172,9 @@ class GroupedLinear(torch.nn.Module):
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
         dtype = params_dtype or torch.get_default_dtype()
         for i in range(num_gemms):
-            w = torch.empty(out_features, in_features, device=device, dtype=dtype)
+            # TE draws its weights with its init_method; any finite values do here (uninitialized memory
+            # could hold NaN, which then reaches the amax history)
+            w = torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02
             self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
 
     def init_fp8_meta_tensors(self, recipe) -> None:
