@@ -13,6 +13,13 @@ SCRIPT = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from folding.parallel import ParallelLayout, build_parallel_state
     from folding.training.launch import init_world
+    # both ranks past their imports first: on a loaded machine one may start seconds after the other,
+    # and the 3 s timeout also bounds the rendezvous and the group set-up
+    here = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(here, f"ready{os.environ['RANK']}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(here, f"ready{r}")) for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     init_world(3.0)                                  # what run_job does with train.collective_timeout_s
     ps = build_parallel_state(ParallelLayout(world_size=2, tp=2), timeout_s=3.0)
     if dist.get_rank() == 0:                         # rank 1 never joins this all-reduce
