@@ -168,7 +168,7 @@ def test_no_extra_memory_when_every_forward_is_already_in_flight():
 
 def _tool(*extra):
     args = ["--model", "mixtral_tiny", "--world", "4", "--seq-length", "16", "--global-batch-size", "8", "--json"]
-    return subprocess.run([sys.executable, "tools/plan.py", *args, *extra], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "tools.plan", *args, *extra], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_tool_overlap_flags():
