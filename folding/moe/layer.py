@@ -45,6 +45,8 @@ from folding.parallel.sequence_parallel import gather_linears
 from .config import MoEConfig
 from .dispatcher import dispatcher_for
 from .experts import GroupedMLP
+from .replica_fetch import fetch_replica_weights
+from .replicas import check_replica_layout, check_table, empty_table, split_to_slots
 from .router import Router
 
 
@@ -139,8 +141,18 @@ class MoELayer(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
-        self.dispatcher = dispatcher_for(config, groups)
+        self.num_replicas = config.expert_replicas
+        ep = group_size(groups.ep)
+        slots = None
+        if self.num_replicas:
+            check_replica_layout(config, ep)
+            slots = ep * (config.num_experts // ep + self.num_replicas)
+        self.dispatcher = dispatcher_for(config, groups, num_slots=slots)
         d = self.dispatcher
+        num_local = d.num_local_experts - self.num_replicas
+        self.replica_table = empty_table(ep, self.num_replicas)
+        """The slot table (:mod:`folding.moe.replicas`): the expert each replica slot computes; all
+        empty until the first plan (:meth:`set_replica_table`)."""
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
                 f"config.ffn_hidden_size={config.ffn_hidden_size} is not divisible by the size {d.etp_size} "
@@ -157,12 +169,12 @@ class MoELayer(nn.Module):
         )
         self.experts = GroupedMLP(
             num_experts=config.num_experts,
-            num_local_experts=d.num_local_experts,
+            num_local_experts=num_local,
             hidden_size=hidden_size,
             ffn_hidden_size=config.ffn_hidden_size,
             etp_size=d.etp_size,
             etp_rank=d.etp_rank,
-            expert_offset=d.local_expert_offset,
+            expert_offset=d.ep_rank * num_local,
             backend=config.expert_backend,
             fp8_recipe=config.fp8_recipe,
             params_dtype=params_dtype,
@@ -190,6 +202,23 @@ class MoELayer(nn.Module):
         if init_seed is not None and not self.router.weight.is_meta:
             initialize_parameters(self, init_seed)
 
+    def replica_geometry(self) -> dict:
+        """``ep_size``, ``num_local_experts`` and ``num_replicas`` of this layer's slots (the keyword
+        arguments of the :mod:`folding.moe.replicas` functions)."""
+        return dict(
+            ep_size=self.dispatcher.ep_size,
+            num_local_experts=self.experts.num_local_experts,
+            num_replicas=self.num_replicas,
+        )
+
+    def set_replica_table(self, table) -> None:
+        """Install a slot table (every rank of the layer's EP×ETP domain must install the same one,
+        between steps; :class:`folding.moe.replicas.ReplicaSchedule` does)."""
+        if not self.num_replicas:
+            raise ValueError("this MoE layer has no replica slots; set moe.expert_replicas > 0")
+        check_table(table, **self.replica_geometry())
+        self.replica_table = tuple(int(e) for e in table)
+
     def forward(
         self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
@@ -206,8 +235,17 @@ class MoELayer(nn.Module):
             tokens_TH = hidden.reshape(-1, self.hidden_size)
             if self.overlap_comm:  # computed while this micro-batch's dispatch is in flight
                 shared = overlap.defer(lambda: self.shared_expert(tokens_TH))
+        replica_weights = None
+        if self.num_replicas:  # route by slot; the replica slots' weights come from their owners
+            geo = self.replica_geometry()
+            routing_map_TE, probs_TE = split_to_slots(routing_map_TE, probs_TE, self.replica_table, **geo)
+            kw = dict(ep_group=self.dispatcher.ep_group, ep_size=geo["ep_size"], ep_rank=self.dispatcher.ep_rank)
+            replica_weights = tuple(
+                fetch_replica_weights(w, self.replica_table, num_replicas=self.num_replicas, **kw)
+                for w in (self.experts.fc1_weight, self.experts.fc2_weight)
+            )
         tokens_NH, record, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
-        out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N), record)
+        out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N, replica_weights), record)
         if self.shared_expert is not None:
             y = shared.result() if shared is not None else self.shared_expert(tokens_TH)
             out = out + y.reshape(out.shape)
