@@ -90,12 +90,14 @@ def plan_replicas(
 ) -> Tuple[int, ...]:
     """The slot table for per-expert loads ``load_E`` (token counts summed over all ranks).
 
-    Greedy: while some replica slot is free, take the expert whose per-copy share ``load/copies`` is
-    largest (ties: lower expert index) and give it a replica on the least loaded EP rank (projected
-    load: the sum of the shares of the copies it holds; ties: lower rank) that holds no copy of it and
-    has a free slot, if that rank's load after taking its share stays below the current maximum;
-    else try the next expert; stop when no expert qualifies. Pure and deterministic: every rank given
-    the same loads computes the same table.
+    Greedy, one replica at a time while a slot is free: on the most loaded EP rank (projected load:
+    the sum of the shares ``load/copies`` of the copies it holds; ties: lower rank), consider each
+    expert it holds a copy of; a new copy of expert ``e`` goes to the least loaded rank (ties: lower
+    rank) that has a free slot and no copy of ``e``, and every copy's share becomes
+    ``load/(copies+1)``. Take the candidate whose resulting rank loads, sorted from the largest, are
+    smallest (ties: lower expert index), if they are smaller than now (sorted vectors compared
+    lexicographically: the peak drops, or stays while fewer ranks sit at it); stop when none is (a
+    balanced load gets no replica). Pure and deterministic: every rank given the same loads computes the same table.
     """
     L, R = num_local_experts, num_replicas
     E = ep_size * L
@@ -105,35 +107,33 @@ def plan_replicas(
     holders: List[List[int]] = [[e // L] for e in range(E)]  # EP ranks holding a copy, owner first
     free = [R] * ep_size
     table = [EMPTY] * (ep_size * R)
-
-    def rank_loads() -> List[float]:
-        out = [0.0] * ep_size
+    while any(free):
+        loads = [0.0] * ep_size
         for e in range(E):
             for r in holders[e]:
-                out[r] += load[e] / len(holders[e])
-        return out
-
-    while any(free):
-        loads = rank_loads()
-        peak = max(loads)
-        placed = False
-        for e in sorted(range(E), key=lambda e: (-load[e] / len(holders[e]), e)):
-            share = load[e] / (len(holders[e]) + 1)
-            if share <= 0:
-                break
+                loads[r] += load[e] / len(holders[e])
+        now = sorted(loads, reverse=True)
+        p = loads.index(now[0])
+        best = None
+        for e in (e for e in range(E) if p in holders[e] and load[e] > 0):
             targets = [r for r in range(ep_size) if free[r] and r not in holders[e]]
             if not targets:
                 continue
             r = min(targets, key=lambda r: (loads[r], r))
-            if loads[r] + share >= peak:
-                continue
-            table[r * R + (R - free[r])] = e
-            free[r] -= 1
-            holders[e].append(r)
-            placed = True
+            share, old = load[e] / (len(holders[e]) + 1), load[e] / len(holders[e])
+            new = list(loads)
+            for h in holders[e]:
+                new[h] -= old - share
+            new[r] += share
+            key = (sorted(new, reverse=True), e)
+            if key[0] < now and (best is None or key < best[0]):
+                best = (key, e, r)
+        if best is None:
             break
-        if not placed:
-            break
+        _, e, r = best
+        table[r * R + (R - free[r])] = e
+        free[r] -= 1
+        holders[e].append(r)
     return tuple(table)
 
 
