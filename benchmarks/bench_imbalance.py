@@ -97,13 +97,13 @@ def _build(args, ps, replicas: int, bias_E):
         replica_interval=args.interval,
     )
     layers = torch.nn.ModuleList(
-        MoELayer(config=cfg, hidden_size=args.hidden, groups=ps.groups, layer_number=i, init_seed=3, init_std=0.5)
+        MoELayer(config=cfg, hidden_size=args.hidden, groups=ps.groups, layer_number=i, init_seed=3, init_std=args.init_std)
         for i in range(args.layers)
     )
     for layer in layers:
         # router logits of std ~1.28 (a standard Gumbel's), so that top-1 popularity ~ exp(bias): zipf S
         with torch.no_grad():
-            layer.router.weight.mul_(1.28 / (0.5 * args.hidden**0.5))
+            layer.router.weight.mul_(1.28 / (args.init_std * args.hidden**0.5))
         _bias_router(layer, bias_E)
     return layers
 
@@ -138,7 +138,7 @@ def worker(args, ep: int):
                 layers, clocks, sched, opt, rec = runs[name]
                 clocks.clear()
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 h = x
                 for layer in layers:
                     h = h + layer(h)
@@ -146,14 +146,14 @@ def worker(args, ep: int):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 if sched is not None:  # the step's loads over all ranks: untimed, as the trainer reuses the
                     # world all-reduce of its step statistics for them
                     counts = torch.stack([layer.router.last_tokens_per_expert.double() for layer in layers])
                     dist.all_reduce(counts)
                     sched.observe({layer.layer_number: counts[i] for i, layer in enumerate(layers)})
                 bwd = clocks["bwd"]
-                rec.append((clocks["rows"], dt, clocks["fwd"][0] + bwd[0], clocks["fwd"][1] + bwd[1]))
+                rec.append((clocks["rows"], dt, clocks["fwd"][0] + bwd[0], clocks["fwd"][1] + bwd[1], dc))
         tables = [tuple(layer.replica_table) for layer in runs["with"][0]]
         return {name: run[4] for name, run in runs.items()}, tables
     finally:
@@ -161,7 +161,8 @@ def worker(args, ep: int):
 
 
 def summarize(per_rank, warmup: int):
-    """Per step over ranks: (max/mean rows, slowest step time, slowest expert wall, slowest expert CPU)."""
+    """Per step over ranks: (max/mean rows, slowest step time, slowest expert wall, slowest expert CPU,
+    largest step CPU time, step CPU time summed over ranks)."""
     out = {}
     for name in ("without", "with"):
         steps = []
@@ -169,10 +170,12 @@ def summarize(per_rank, warmup: int):
             recs = [r[0][name][s] for r in per_rank]
             rows = [x[0] for x in recs]
             steps.append(
-                (max(rows) / (sum(rows) / len(rows)), max(x[1] for x in recs), max(x[2] for x in recs), max(x[3] for x in recs))
+                (max(rows) / (sum(rows) / len(rows)),)
+                + tuple(max(x[i] for x in recs) for i in (1, 2, 3, 4))
+                + (sum(x[4] for x in recs),)
             )
         kept = steps[warmup:]
-        med = [statistics.median(x[i] for x in kept) for i in range(4)]
+        med = [statistics.median(x[i] for x in kept) for i in range(6)]
         out[name] = (steps, med)
     return out
 
@@ -193,12 +196,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--init-std", type=float, default=0.02, help="std of the initial weights")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown report path")
     args = p.parse_args(argv)
     parse_skew(args.skew)
     load0 = os.getloadavg()
-    pool = RankPool(args.world)
+    pool = RankPool(args.world, start_timeout_s=900, collective_timeout_s=1800)
     sections = []
     try:
         for ep in [int(e) for e in args.ep.split(",")]:
@@ -208,10 +212,16 @@ def main(argv=None):
             for name in ("without", "with"):
                 steps, med = summ[name]
                 print(f"EP{ep} {name} replicas:")
-                for s, (ratio, dt, ew, ec) in enumerate(steps, 1):
-                    print(f"  step {s:2d}  max/mean rows {ratio:.3f}  step {dt * 1e3:7.1f} ms  experts {ew * 1e3:7.1f} ms wall {ec * 1e3:7.1f} ms cpu")
-                print(f"  median (steps {args.interval + 1}-{args.steps}): max/mean {med[0]:.3f}  step {med[1] * 1e3:.1f} ms  "
-                      f"experts {med[2] * 1e3:.1f} ms wall {med[3] * 1e3:.1f} ms cpu")
+                for s, (ratio, dt, ew, ec, sc, tc) in enumerate(steps, 1):
+                    print(
+                        f"  step {s:2d}  max/mean rows {ratio:.3f}  step {dt * 1e3:7.1f} ms (cpu max {sc * 1e3:6.1f}, "
+                        f"sum {tc * 1e3:7.1f})  experts {ew * 1e3:7.1f} ms wall {ec * 1e3:7.1f} ms cpu"
+                    )
+                print(
+                    f"  median (steps {args.interval + 1}-{args.steps}): max/mean {med[0]:.3f}  step {med[1] * 1e3:.1f} ms "
+                    f"(cpu max {med[4] * 1e3:.1f}, sum {med[5] * 1e3:.1f})  experts {med[2] * 1e3:.1f} ms wall "
+                    f"{med[3] * 1e3:.1f} ms cpu"
+                )
     finally:
         pool.shutdown()
     load1 = os.getloadavg()
@@ -235,22 +245,46 @@ def _report(args, sections, load0, load1, argv) -> str:
         f"{' / '.join(f'{x:.1f}' for x in load1)} on {os.cpu_count()} CPUs",
         f"- command: `{cmd}`",
         f"- model: {args.layers} MoE layers, H={args.hidden} F={args.ffn} E={args.experts} top-{args.topk}, "
-        f"{args.tokens} tokens per rank per step, SGD lr {args.lr}; router logits biased to {args.skew} "
+        f"{args.tokens} tokens per rank per step, init std {args.init_std}, SGD lr {args.lr}; router logits biased to {args.skew} "
         f"(popularity ranks from a seeded permutation, seed {args.seed})",
         f"- replicas: {args.replicas} slots per EP rank, re-planned every {args.interval} steps; medians over "
         f"steps {args.interval + 1}-{args.steps} (both models)",
         "",
         "Rows per EP rank: the rows its expert GEMMs compute (all layers); max/mean over the ranks. Step: the "
-        "slowest rank's wall time. Experts: forward + backward of the expert GEMMs on the slowest rank, wall "
+        "slowest rank's wall time; step CPU: the rank's own CPU time in the step (a rank waiting in a "
+        "collective uses none), the largest over the ranks and the sum. Experts: forward + backward of the expert GEMMs on the slowest rank, wall "
         "clock and the rank's own CPU time (thread time: not inflated by other processes on shared cores).",
         "",
-        "| EP | replicas | max/mean rows per EP rank | median step ms | median expert ms (wall) | median expert ms (CPU) |",
-        "|---|---|---|---|---|---|",
+        "| EP | replicas | max/mean rows per EP rank | median step ms (wall) | median step ms (CPU, slowest rank) "
+        "| median step ms (CPU, sum of ranks) | median expert ms (wall) | median expert ms (CPU) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for ep, summ, _ in sections:
         for name, R in (("without", 0), ("with", args.replicas)):
             med = summ[name][1]
-            lines.append(f"| {ep} | {R} | {med[0]:.3f} | {med[1] * 1e3:.1f} | {med[2] * 1e3:.1f} | {med[3] * 1e3:.1f} |")
+            lines.append(
+                f"| {ep} | {R} | {med[0]:.3f} | {med[1] * 1e3:.1f} | {med[4] * 1e3:.1f} | {med[5] * 1e3:.1f} | "
+                f"{med[2] * 1e3:.1f} | {med[3] * 1e3:.1f} |"
+            )
+    lines += ["", "Reading (computed from the medians above):", ""]
+    for ep, summ, _ in sections:
+        a, b = summ["without"][1], summ["with"][1]
+        lines.append(
+            f"- EP{ep}: max/mean rows per EP rank {a[0]:.3f} without replicas, {b[0]:.3f} with; wall step time "
+            f"{'lower' if b[1] < a[1] else 'not lower'} with replicas ({b[1] * 1e3:.0f} vs {a[1] * 1e3:.0f} ms); "
+            f"the slowest rank's step CPU time {b[4] * 1e3:.0f} vs {a[4] * 1e3:.0f} ms, its expert CPU time "
+            f"{b[3] * 1e3:.0f} vs {a[3] * 1e3:.0f} ms; all ranks' step CPU time {b[5] * 1e3:.0f} vs {a[5] * 1e3:.0f} ms "
+            "(the replicas' own cost: weight exchange, split, more rows crossing EP)."
+        )
+    cores = os.cpu_count() or 1
+    if args.world > cores:
+        lines += [
+            "",
+            f"{args.world} ranks share {cores} cores here (and the host's other load): the ranks take turns "
+            "on the cores, so the wall step time follows the CPU time summed over the ranks, which balancing "
+            "does not lower, rather than the slowest rank's, which it does. With a core (or GPU) per rank the "
+            "step waits for the slowest rank: its CPU time is the measure of what replicas buy there.",
+        ]
     for ep, summ, tables in sections:
         lines += ["", f"## EP{ep} per step", "", f"Slot tables at the end (per layer, slot → expert, -1 empty): {tables}", ""]
         lines += ["| step | max/mean without | max/mean with | step ms without | step ms with | expert ms without (wall/CPU) | expert ms with (wall/CPU) |",
