@@ -29,7 +29,12 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
+from folding.moe.config import MoEConfig
+from folding.moe.layer import MoELayer
+from folding.moe.replicas import ReplicaSchedule
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 
 
@@ -85,9 +90,6 @@ def _bias_router(layer, bias_E: torch.Tensor) -> None:
 
 
 def _build(args, ps, replicas: int, bias_E):
-    from folding.moe.config import MoEConfig
-    from folding.moe.layer import MoELayer
-
     cfg = MoEConfig(
         num_experts=args.experts,
         topk=args.topk,
@@ -111,11 +113,6 @@ def _build(args, ps, replicas: int, bias_E):
 def worker(args, ep: int):
     """On every rank: both models of one EP size; per step (rows per rank, step time, expert wall
     time, expert CPU time) for each."""
-    import torch.distributed as dist
-
-    from folding.moe.replicas import ReplicaSchedule
-    from folding.parallel import ParallelLayout, build_parallel_state
-
     torch.set_num_threads(1)
     S = parse_skew(args.skew)
     perm = torch.randperm(args.experts, generator=torch.Generator().manual_seed(args.seed))
