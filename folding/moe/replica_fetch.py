@@ -18,9 +18,11 @@ every rank holds, so no count exchange):
 Under ETP the weight is this ETP rank's shard, and ``ep_group`` holds the ranks with the same ETP
 index, so a replica is the same shard as its owner's.
 
+Shape suffixes (docs/shapes.md): ``L`` local experts, ``Lr`` this rank's replica slots.
+
 Usage::
 
-    w1_RFH = fetch_replica_weights(experts.fc1_weight, table, ep_group=ps.ep_group, ep_rank=r, num_replicas=2)
+    w1_Lr = fetch_replica_weights(experts.fc1_weight, table, ep_group=ps.ep_group, ep_size=4, ep_rank=r, num_replicas=2)
 """
 
 from __future__ import annotations
@@ -64,21 +66,21 @@ class _FetchReplicas(torch.autograd.Function):
         send = weight_L.detach().index_select(0, idx).contiguous()
         recv = weight_L.new_empty((len(recv_slots),) + tuple(weight_L.shape[1:]))
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=ep_group)
-        out_R = weight_L.new_zeros((R,) + tuple(weight_L.shape[1:]))
+        out_Lr = weight_L.new_zeros((R,) + tuple(weight_L.shape[1:]))
         slots = torch.tensor(recv_slots, dtype=torch.long, device=weight_L.device)
-        out_R.index_copy_(0, slots, recv)
+        out_Lr.index_copy_(0, slots, recv)
         ctx.save_for_backward(idx, slots)
         ctx.meta = (ep_group, send_splits, recv_splits, L)
-        return out_R
+        return out_Lr
 
     @staticmethod
-    def backward(ctx, grad_R):
+    def backward(ctx, grad_Lr):
         idx, slots = ctx.saved_tensors
         ep_group, send_splits, recv_splits, L = ctx.meta
-        send = grad_R.index_select(0, slots).contiguous()
-        recv = grad_R.new_empty((idx.numel(),) + tuple(grad_R.shape[1:]))
+        send = grad_Lr.index_select(0, slots).contiguous()
+        recv = grad_Lr.new_empty((idx.numel(),) + tuple(grad_Lr.shape[1:]))
         dist.all_to_all_single(recv, send, send_splits, recv_splits, group=ep_group)
-        grad_L = grad_R.new_zeros((L,) + tuple(grad_R.shape[1:]))
+        grad_L = grad_Lr.new_zeros((L,) + tuple(grad_Lr.shape[1:]))
         grad_L.index_add_(0, idx, recv)
         return grad_L, None, None, None, None, None
 

@@ -12,15 +12,15 @@ each forward (:mod:`folding.moe.replica_fetch`), so they are never parameters.
 
 - :func:`plan_replicas`: the table from measured per-expert loads (greedy, deterministic ties).
 - :func:`expert_copies`: each replicated expert's copies, owner first.
-- :func:`split_to_slots`: the logical routing map and probabilities ``[T, E]`` → slots ``[T, S]``.
+- :func:`split_to_slots`: the logical routing map and probabilities ``[T, E]`` → slots ``[T, Es]``.
 - :class:`ReplicaSchedule`: the trainer's re-plan every ``moe.replica_interval`` steps.
 
-Shape suffixes (docs/shapes.md): ``T`` local tokens, ``E`` global experts, ``S`` slots ``EP·(L+R)``.
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``E`` global experts, ``Es`` expert slots ``EP·(L+R)``.
 
 Usage::
 
     table = plan_replicas(load_E, ep_size=4, num_local_experts=4, num_replicas=2)
-    map_TS, probs_TS = split_to_slots(map_TE, probs_TE, table, ep_size=4, num_local_experts=4, num_replicas=2)
+    map_TEs, probs_TEs = split_to_slots(map_TE, probs_TE, table, ep_size=4, num_local_experts=4, num_replicas=2)
 """
 
 from __future__ import annotations
@@ -171,29 +171,29 @@ def split_to_slots(
     num_local_experts: int,
     num_replicas: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The routing map and probabilities per slot: ``(map_TS, probs_TS)``.
+    """The routing map and probabilities per slot: ``(map_TEs, probs_TEs)``.
 
     Each kept pair of an unreplicated expert goes to its owned slot. The pairs of a replicated expert
     with ``k`` copies are split, in token order, into ``k`` contiguous near-equal parts (pair number
     ``i`` of ``n`` goes to copy ``floor(i·k/n)``, owner first): deterministic, local, no host sync.
-    ``probs_TS[:, s]`` is the probability of the slot's expert (the map decides which entries count).
+    ``probs_TEs[:, s]`` is the probability of the slot's expert (the map decides which entries count).
     """
     T = routing_map_TE.shape[0]
     L, R = num_local_experts, num_replicas
     experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
     cols = torch.tensor([max(e, 0) for e in experts], dtype=torch.long, device=probs_TE.device)
-    probs_TS = probs_TE.index_select(1, cols)
+    probs_TEs = probs_TE.index_select(1, cols)
     owned = routing_map_TE.reshape(T, ep_size, L)
     spare = routing_map_TE.new_zeros((T, ep_size, R))
-    map_TS = torch.cat([owned, spare], dim=2).reshape(T, ep_size * (L + R))
+    map_TEs = torch.cat([owned, spare], dim=2).reshape(T, ep_size * (L + R))
     for e, slots in sorted(expert_copies(table, ep_size=ep_size, num_local_experts=L, num_replicas=R).items()):
         col_T = routing_map_TE[:, e]
         k = len(slots)
         n = col_T.sum().clamp(min=1)
         part_T = ((col_T.long().cumsum(0) - 1) * k).div(n, rounding_mode="floor")
         for j, s in enumerate(slots):
-            map_TS[:, s] = col_T & (part_T == j)
-    return map_TS, probs_TS
+            map_TEs[:, s] = col_T & (part_T == j)
+    return map_TEs, probs_TEs
 
 
 class ReplicaSchedule:
