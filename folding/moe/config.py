@@ -138,6 +138,14 @@ class MoEConfig:
     """Training only: record the routing of every step (tokens each source rank sent to each expert,
     and the drops, per MoE layer) in ``<trace_dir>/routing_trace.bin``; ``None`` = off. Changes no
     tensor of the model. Read it with ``python -m tools.routing_trace``."""
+    expert_replicas: int = 0
+    """Hot-expert replicas: extra expert slots per EP rank (``0`` = off). Every
+    ``replica_interval`` steps the hottest experts of the last interval get copies on the least
+    loaded EP ranks and their tokens are split across the copies; the model trains exactly as
+    without (see docs/dispatcher.md). Needs EP > 1."""
+    replica_interval: int = 100
+    """Steps between two re-plans of the replica slots (from the per-expert loads measured over the
+    steps since the last one); only with ``expert_replicas > 0``."""
 
     def __post_init__(self):
         self.validate()
@@ -197,6 +205,7 @@ class MoEConfig:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
             fix = "set moe.trace_dir=PATH, or null for no trace"
             _fail("trace_dir", self.trace_dir, "must be a directory path", fix)
+        self._validate_replicas()
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         elif self.shared_expert_gate:
@@ -205,6 +214,35 @@ class MoEConfig:
                 True,
                 "there is no shared expert",
                 "set moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate=false",
+            )
+
+    def _validate_replicas(self) -> None:
+        R = self.expert_replicas
+        if isinstance(R, bool) or not isinstance(R, int) or R < 0:
+            _fail("expert_replicas", R, "must be an integer >= 0", "set moe.expert_replicas=0 (off) or e.g. 2")
+        _positive_int("replica_interval", self.replica_interval)
+        if R == 0:
+            return
+        if self.pad_to_capacity:
+            _fail(
+                "expert_replicas",
+                R,
+                "pad_to_capacity gives every expert a static row count, which a split expert cannot keep",
+                "set moe.pad_to_capacity=false or moe.expert_replicas=0",
+            )
+        if self.expert_backend == "te":
+            _fail(
+                "expert_replicas",
+                R,
+                "the te expert backend has a fixed number of local experts",
+                "set moe.expert_backend=torch (or loop, emulated, auto off GPU) or moe.expert_replicas=0",
+            )
+        if self.fp8_recipe == "delayed":
+            _fail(
+                "expert_replicas",
+                R,
+                "the delayed FP8 recipe keeps amax histories per expert slot, which a replica would not share",
+                "use another moe.fp8_recipe or moe.expert_replicas=0",
             )
 
     def _validate_groups(self) -> None:

@@ -73,12 +73,14 @@ def build_dispatcher(kind: str, **kwargs) -> TokenDispatcher:
     raise ValueError(f"moe.dispatcher={kind!r} is not a dispatcher; choose one of {DISPATCHERS}")
 
 
-def dispatcher_for(config: MoEConfig, groups: ProcessGroups) -> TokenDispatcher:
+def dispatcher_for(config: MoEConfig, groups: ProcessGroups, num_slots: int | None = None) -> TokenDispatcher:
     """The dispatcher of an MoE layer: kind, experts, capacity and wires from ``config``, the expert
-    groups (``groups.ep``, ``groups.etp``) from the rank's group record."""
+    groups (``groups.ep``, ``groups.etp``) from the rank's group record. ``num_slots``: route over
+    that many expert slots instead of ``config.num_experts`` (hot-expert replicas,
+    :mod:`folding.moe.replicas`: ``EP·(L+R)``)."""
     return build_dispatcher(
         config.dispatcher,
-        num_experts=config.num_experts,
+        num_experts=config.num_experts if num_slots is None else num_slots,
         topk=config.topk,
         ep_group=groups.ep,
         etp_group=groups.etp,

@@ -217,7 +217,9 @@ class GroupedMLP(torch.nn.Module):
         self._te_runner(self.fc1_weight.dtype).load_delayed_state(state["gemms"])
         return True
 
-    def forward(self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens_NH: torch.Tensor, tokens_per_expert, probs_N: torch.Tensor, replica_weights=None
+    ) -> torch.Tensor:
         """Expert outputs ``[N, H]`` for tokens sorted expert-major (a partial sum over F shards under ETP).
 
         ``tokens_per_expert``: a list (host sizes, validated here), a 1-D int tensor ``[E_local]`` on
@@ -226,6 +228,8 @@ class GroupedMLP(torch.nn.Module):
         :class:`~folding.moe.dispatcher_base.DispatchRecord` of the call (the device counts for the
         ``torch`` backend, the host counts it already holds for the others); ``probs_N``: the router
         probability of each row. Experts with zero rows and ``N == 0`` are fine.
+        ``replica_weights``: ``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of ``R`` replica slots computed
+        after the local experts (``moe.expert_replicas``; the counts then have ``L + R`` entries).
         """
         if tokens_NH.dim() != 2 or tokens_NH.shape[1] != self.hidden_size:
             raise ValueError(f"tokens_NH must be [N, hidden_size={self.hidden_size}]; got {tuple(tokens_NH.shape)}")
@@ -237,8 +241,15 @@ class GroupedMLP(torch.nn.Module):
             rec = tokens_per_expert
             device_counts = backend == "torch" and self.fp8_recipe is None
             tokens_per_expert = rec.tokens_per_expert if device_counts else list(rec.tokens_per_expert_host)
-        w1 = self.fc1_weight.to(tokens_NH.dtype)
-        w2 = self.fc2_weight.to(tokens_NH.dtype)
+        w1, w2 = self.fc1_weight, self.fc2_weight
+        if replica_weights is not None:
+            if backend == "te":
+                raise ValueError(
+                    "moe.expert_replicas needs a backend with a variable number of experts; set "
+                    "moe.expert_backend=torch (auto resolved to te here) or moe.expert_replicas=0"
+                )
+            w1, w2 = torch.cat([w1, replica_weights[0]]), torch.cat([w2, replica_weights[1]])
+        w1, w2 = w1.to(tokens_NH.dtype), w2.to(tokens_NH.dtype)
         if backend == "te":
             return self._te_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
         if backend == "torch" and self.fp8_recipe is not None:
@@ -246,7 +257,7 @@ class GroupedMLP(torch.nn.Module):
         if not isinstance(
             tokens_per_expert, torch.Tensor
         ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
-            tokens_per_expert = host_counts(tokens_per_expert, self.num_local_experts, n)
+            tokens_per_expert = host_counts(tokens_per_expert, w1.shape[0], n)
         kw = dict(delayed=self.delayed_scaling, delay_wgrad=self.delay_wgrad)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
@@ -268,7 +279,7 @@ class GroupedMLP(torch.nn.Module):
 
     def _scaled_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2) -> torch.Tensor:
         """fc1 → SwiGLU·p → fc2 through ``torch._scaled_grouped_mm``, rows aligned once for the recipe."""
-        counts = host_counts(tokens_per_expert, self.num_local_experts, x_NH.shape[0])
+        counts = host_counts(tokens_per_expert, w1.shape[0], x_NH.shape[0])
         align = FP8_ROW_ALIGN[self.fp8_recipe]
         x_NpH, padded = pad_rows_per_expert(x_NH, counts, align)
         probs_Np = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)

@@ -9,6 +9,10 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
 - Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``groups.ep`` / ``groups.etp``.
 - Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
+- Hot-expert replicas (``config.expert_replicas``): the routing map is split onto ``EP·(L+R)``
+  slots after the router (:func:`folding.moe.replicas.split_to_slots`), the dispatcher routes by
+  slot, and the replica slots' weights are fetched from their owners each forward
+  (:mod:`folding.moe.replica_fetch`); the slot table is set between steps (:meth:`MoELayer.set_replica_table`).
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
   optionally scaled by ``sigmoid(x·g)``.
 
@@ -45,6 +49,8 @@ from folding.parallel.sequence_parallel import gather_linears
 from .config import MoEConfig
 from .dispatcher import dispatcher_for
 from .experts import GroupedMLP
+from .replica_fetch import fetch_replica_weights
+from .replicas import check_replica_layout, check_table, empty_table, split_to_slots
 from .router import Router
 
 
@@ -139,8 +145,18 @@ class MoELayer(nn.Module):
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
-        self.dispatcher = dispatcher_for(config, groups)
+        self.num_replicas = config.expert_replicas
+        ep = group_size(groups.ep)
+        slots = None
+        if self.num_replicas:
+            check_replica_layout(config, ep)
+            slots = ep * (config.num_experts // ep + self.num_replicas)
+        self.dispatcher = dispatcher_for(config, groups, num_slots=slots)
         d = self.dispatcher
+        num_local = d.num_local_experts - self.num_replicas
+        self.replica_table = empty_table(ep, self.num_replicas)
+        """The slot table (:mod:`folding.moe.replicas`): the expert each replica slot computes; all
+        empty until the first plan (:meth:`set_replica_table`)."""
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
                 f"config.ffn_hidden_size={config.ffn_hidden_size} is not divisible by the size {d.etp_size} "
@@ -157,12 +173,12 @@ class MoELayer(nn.Module):
         )
         self.experts = GroupedMLP(
             num_experts=config.num_experts,
-            num_local_experts=d.num_local_experts,
+            num_local_experts=num_local,
             hidden_size=hidden_size,
             ffn_hidden_size=config.ffn_hidden_size,
             etp_size=d.etp_size,
             etp_rank=d.etp_rank,
-            expert_offset=d.local_expert_offset,
+            expert_offset=d.ep_rank * num_local,
             backend=config.expert_backend,
             fp8_recipe=config.fp8_recipe,
             params_dtype=params_dtype,
@@ -190,6 +206,42 @@ class MoELayer(nn.Module):
         if init_seed is not None and not self.router.weight.is_meta:
             initialize_parameters(self, init_seed)
 
+    def replica_geometry(self) -> dict:
+        """``ep_size``, ``num_local_experts`` and ``num_replicas`` of this layer's slots (the keyword
+        arguments of the :mod:`folding.moe.replicas` functions)."""
+        return dict(
+            ep_size=self.dispatcher.ep_size,
+            num_local_experts=self.experts.num_local_experts,
+            num_replicas=self.num_replicas,
+        )
+
+    def _replica_weights(self, geo: dict):
+        """``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of the replica slots, fetched from their owners in
+        one exchange (both weights flattened side by side per expert)."""
+        w1, w2 = self.experts.fc1_weight, self.experts.fc2_weight
+        L, R = geo["num_local_experts"], self.num_replicas
+        if all(e < 0 for e in self.replica_table):  # nothing to fetch (before the first plan)
+            return w1.new_zeros((R,) + tuple(w1.shape[1:])), w2.new_zeros((R,) + tuple(w2.shape[1:]))
+        both = torch.cat([w1.reshape(L, -1), w2.reshape(L, -1)], dim=1)
+        got = fetch_replica_weights(
+            both,
+            self.replica_table,
+            ep_group=self.dispatcher.ep_group,
+            ep_size=geo["ep_size"],
+            ep_rank=self.dispatcher.ep_rank,
+            num_replicas=R,
+        )
+        r1, r2 = got.split([w1[0].numel(), w2[0].numel()], dim=1)
+        return r1.reshape((R,) + tuple(w1.shape[1:])), r2.reshape((R,) + tuple(w2.shape[1:]))
+
+    def set_replica_table(self, table) -> None:
+        """Install a slot table (every rank of the layer's EP×ETP domain must install the same one,
+        between steps; :class:`folding.moe.replicas.ReplicaSchedule` does)."""
+        if not self.num_replicas:
+            raise ValueError("this MoE layer has no replica slots; set moe.expert_replicas > 0")
+        check_table(table, **self.replica_geometry())
+        self.replica_table = tuple(int(e) for e in table)
+
     def forward(
         self, hidden: torch.Tensor, *, num_sequences: Optional[int] = None, padding_mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
@@ -206,8 +258,13 @@ class MoELayer(nn.Module):
             tokens_TH = hidden.reshape(-1, self.hidden_size)
             if self.overlap_comm:  # computed while this micro-batch's dispatch is in flight
                 shared = overlap.defer(lambda: self.shared_expert(tokens_TH))
+        replica_weights = None
+        if self.num_replicas:  # route by slot; the replica slots' weights come from their owners
+            geo = self.replica_geometry()
+            routing_map_TE, probs_TE = split_to_slots(routing_map_TE, probs_TE, self.replica_table, **geo)
+            replica_weights = self._replica_weights(geo)
         tokens_NH, record, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
-        out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N), record)
+        out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N, replica_weights), record)
         if self.shared_expert is not None:
             y = shared.result() if shared is not None else self.shared_expert(tokens_TH)
             out = out + y.reshape(out.shape)

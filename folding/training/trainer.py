@@ -56,6 +56,8 @@ from torch import nn
 from ..data.build import build_data
 from ..model.chunks import build_stage_chunks
 from ..model.compile import compile_dense
+from ..moe.layer import MoELayer
+from ..moe.replicas import ReplicaSchedule
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
@@ -191,6 +193,8 @@ class _Run:
     history: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     tracer: Optional[RoutingTracer] = None
     """The routing trace (``moe.trace_dir``), or ``None``."""
+    replicas: Optional[ReplicaSchedule] = None
+    """The re-plans of the hot-expert replica slots (``moe.expert_replicas``), or ``None``."""
 
 
 @dataclasses.dataclass
@@ -273,6 +277,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     if resumed_from:
         load_checkpoint(resumed_from, chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     stats = MoEStats(chunks, model_config=job.model)
+    replica_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.num_replicas]
     stats.set_aux_loss_scale(1.0 / (M * prep.layout.dp))
     rank, world = dist.get_rank(), dist.get_world_size()
     return _Run(
@@ -295,6 +300,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         run_log=run_log,
         timer=StepTimer(device),
         saved_at=optimizer.step_count if resumed_from else None,
+        replicas=ReplicaSchedule(replica_layers, interval=job.moe.replica_interval) if replica_layers else None,
         saver=AsyncSaver(timeout_s=t.collective_timeout_s)
         if job.checkpoint.async_save and job.checkpoint.dir
         else None,
@@ -376,6 +382,9 @@ def _train_step(run: _Run, step: int) -> None:
     mbs, n_tokens = _read_batch(run)
     out = _forward_backward(run, mbs, n_tokens)
     losses = _reduce(run, out, n_tokens)
+    if run.replicas:  # the step's world-summed loads, the same on every rank: no collective of its own
+        counts = losses.moe["counts_LE"]
+        run.replicas.observe({layer: counts[row] for layer, row in run.stats.row_of.items()})
     if run.tracer:
         run.tracer.write(step)
     lr = run.optimizer.lr

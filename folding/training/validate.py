@@ -182,6 +182,37 @@ def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device
         )
 
 
+def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[torch.device]) -> None:
+    """``moe.expert_replicas`` against the layout, the overlap knobs and the backend the experts run."""
+    moe, par = job.moe, job.parallel
+    R = moe.expert_replicas
+    if not R or not any(job.model.is_moe_layer(i) for i in job.model.layer_numbers()):
+        return
+    if layout.ep < 2:
+        _fail(
+            "moe.expert_replicas",
+            R,
+            f"needs expert parallelism, but parallel.ep={layout.ep} puts every expert on every rank",
+            "set parallel.ep > 1 or moe.expert_replicas=0",
+        )
+    for key in ("overlap_moe_comm", "delay_wgrad"):
+        if getattr(par, key):
+            _fail(
+                "moe.expert_replicas",
+                R,
+                f"is not implemented with parallel.{key} (the replica weight exchange is not ordered "
+                "with the overlapped exchanges)",
+                f"set parallel.{key}=false or moe.expert_replicas=0",
+            )
+    if expert_backend_on(job, device) == "te":
+        _fail(
+            "moe.expert_replicas",
+            R,
+            f"needs a backend with a variable number of experts, and the experts run on te on {device}",
+            "set moe.expert_backend=torch or moe.expert_replicas=0",
+        )
+
+
 def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
     m, t, tp, cp = job.model, job.train, layout.tp, layout.cp
     try:
@@ -265,6 +296,7 @@ def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.devi
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     _check_layout_vs_model(job, layout)
+    _check_replicas(job, layout, device)
     try:
         job.optim.validate(train_steps=job.train.steps)
     except ValueError as e:

@@ -9,6 +9,10 @@ Everything runs through the real trainer on 4 gloo ranks.
 With bf16 moments (``optim.exp_avg_dtype=exp_avg_sq_dtype=bf16``, the ``moments`` parameter; two of
 the pairs) the checkpoint stores the moments in bf16 and the resumed runs meet the same tolerances
 against an uninterrupted bf16-moment run. A resume into other state dtypes converts, with a warning.
+
+Hot-expert replicas (``moe.expert_replicas``) are not parameters: a run saved with replicas in use
+(EP4, re-planned every step) holds the logical experts only, and resumes without replicas in another
+layout, or with replicas in another one, like an uninterrupted run without replicas.
 """
 
 import math
@@ -44,8 +48,8 @@ PAIRS = [
 REFERENCE = (dict(tp=2, ep=2, etp=1), False)
 
 
-def _job(parallel, distributed, steps, ckpt_dir=None, load=None, moments="fp32"):
-    model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16})
+def _job(parallel, distributed, steps, ckpt_dir=None, load=None, moments="fp32", moe=None):
+    model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16, **(moe or {})})
     return JobConfig(
         model=model,
         parallel=ParallelConfig(**parallel),
@@ -183,3 +187,43 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments
                 assert sorted(a) == sorted(b)
                 for name in a:
                     assert a[name].dtype == torch.bfloat16 and torch.equal(a[name], b[name]), (i, key, name)
+
+
+REPLICAS = dict(expert_replicas=1, replica_interval=1)
+
+
+def _replica_resume_cases(root):
+    ref = _run(_job(*REFERENCE, steps=6), root)
+    d = os.path.join(root, "replicas")
+    a = _run(_job(dict(ep=4, etp=1), False, steps=3, ckpt_dir=d, moe=REPLICAS), root)
+    b = _run(_job(dict(tp=2, ep=2, etp=1), True, steps=6, load=d), root)  # without replicas
+    c = _run(_job(dict(pp=2, ep=2, etp=1), False, steps=6, load=d, moe=REPLICAS), root)  # other layout, with
+    return ref[0], ref[2], a[0], b[0], b[1], b[2], c[0], c[2]
+
+
+def test_resume_with_replicas_in_another_layout_matches_uninterrupted(ranks, tmp_path):
+    results = ranks(WORLD).run(_replica_resume_cases, str(tmp_path))
+    ref, _, hist_a, hist_b, resumed, _, hist_c, _ = results[0]
+    assert resumed and resumed.endswith("step_00000003"), resumed
+    for hist in (hist_b, hist_c):
+        assert [s for s, *_ in hist] == [4, 5, 6]
+        for (step, loss, norm, lr), (rs, rloss, rnorm, rlr) in zip(hist_a + hist, ref):
+            assert step == rs
+            assert abs(loss - rloss) <= 1e-5 * abs(rloss), (step, loss, rloss)
+            assert abs(norm - rnorm) <= 1e-4 * abs(rnorm), (step, norm, rnorm)
+            assert abs(lr - rlr) <= 1e-12
+    # the checkpoint holds the logical experts only: every tensor's chunks tile its full shape once,
+    # the expert weights are [E, ...], and nothing names a replica
+    md = dcp.FileSystemReader(str(tmp_path / "replicas" / "step_00000003")).read_metadata().state_dict_metadata
+    experts = [k for k in md if k.startswith("model/") and k.endswith(("fc1_weight", "fc2_weight")) and "experts" in k]
+    assert experts and all(md[k].size[0] == 8 for k in experts), experts
+    assert not any("replica" in k for k in md), sorted(md)
+    for key, m in md.items():
+        if hasattr(m, "chunks"):
+            assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
+    f_ref = _assemble([results[r][1] for r in range(WORLD)])
+    for idx in (5, 7):  # resumed without replicas (TP2 EP2), with replicas (PP2 EP2)
+        f = _assemble([results[r][idx] for r in range(WORLD)])
+        assert sorted(f) == sorted(f_ref)
+        for name in f:
+            torch.testing.assert_close(f[name], f_ref[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -11,7 +11,11 @@ overlap, bitwise the same losses, gradient norms and parameters.
 
 With bf16 AdamW moments (``optim.exp_avg_dtype=exp_avg_sq_dtype=bf16``, the ``bf16_moments`` case) two
 cases of the matrix, one with ZeRO-1 and one without, train like one rank with bf16 moments: the same
-loss and grad-norm tolerances, parameters within the bound of one bf16 rounding flip per step."""
+loss and grad-norm tolerances, parameters within the bound of one bf16 rounding flip per step.
+
+With hot-expert replicas (the ``replicas`` case: ``moe.expert_replicas=1``, re-planned every 2 steps,
+so replicas are in use from step 3 on) four cases (EP4 dropless, PP2 EP4 dropping, EP2×ETP2, PP2×EP2)
+train like one rank without replicas under the same tolerances."""
 
 import json
 import os
@@ -127,6 +131,13 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
         ps = build_parallel_state(job.layout(dist.get_world_size()))
         try:
             res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
+            # the replica slot tables the run ended with (moe.expert_replicas), by layer
+            tables = {
+                m.layer_number: m.replica_table
+                for chunk in res["chunks"]
+                for m in chunk.modules()
+                if getattr(m, "num_replicas", 0)
+            }
             params = {}
             if with_params:
                 for chunk in res["chunks"]:
@@ -134,7 +145,7 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
                         params[name] = (require_spec(p, name), p.detach().clone())
         finally:
             ps.destroy()
-        out.append(([h["lm_loss"] for h in res["history"]], [h["grad_norm"] for h in res["history"]], params))
+        out.append(([h["lm_loss"] for h in res["history"]], [h["grad_norm"] for h in res["history"]], params, tables))
     return out
 
 
@@ -158,22 +169,26 @@ def _key(case):
     return repr(case)
 
 
-def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=()):
+def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(), replicas=0):
     """Train ``cases`` on 8 ranks and their 1-rank references; compare losses, grad norms, parameters
     and the golden curves of the models they train. ``bf16_cases`` ``(model, parallel)`` train in bf16
     on 8 ranks and stay within 1e-2 of the fp32 1-rank losses. With ``overlap`` every case runs with
     ``parallel.overlap_moe_comm=true`` and must also equal its run without overlap bit for bit.
-    ``optim``: ``optim.*`` overrides (``(key, value)`` pairs) of every run, the 1-rank references' too."""
+    ``optim``: ``optim.*`` overrides (``(key, value)`` pairs) of every run, the 1-rank references' too.
+    ``replicas``: the 8-rank runs use ``moe.expert_replicas`` slots re-planned every 2 steps (the
+    1-rank references have none) and must have replicated some expert by their end."""
     refs = _ONE_RANK
     optim = tuple(sorted(dict(optim).items()))
     for key in {(m, tuple(sorted(moe.items())), optim) for m, _, _, _, moe in cases} - set(refs):
-        ((losses, norms, params),) = ranks(1).run(
+        ((losses, norms, params, _),) = ranks(1).run(
             _train, [(key[0], {}, {}, False, dict(key[1]))], str(tmp_path), True, STEPS, optim
         )[0]
         refs[key] = (losses, norms, {n: t.reshape(s.full_shape) for n, (s, t) in params.items()})
     # one call per case, each well inside the pool's timeout on a slow machine
     results = []
+    extra = dict(expert_replicas=replicas, replica_interval=2) if replicas else {}
     for case in cases:
+        case = (*case[:4], {**case[4], **extra})
         if not overlap:
             results.append(ranks(8).run(_train, [case], str(tmp_path), True, STEPS, optim))
             _NO_OVERLAP[_key(case) + repr(optim)] = results[-1]
@@ -188,7 +203,7 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=())
             _train, [case], str(tmp_path), True, STEPS, optim
         )
         for r in range(8):  # bitwise: overlap changes when work runs, never what it computes
-            (l_on, n_on, p_on), (l_off, n_off, p_off) = on[r][0], off[r][0]
+            (l_on, n_on, p_on, _), (l_off, n_off, p_off, _) = on[r][0], off[r][0]
             assert l_on == l_off and n_on == n_off, (case, r, l_on, l_off, n_on, n_off)
             assert sorted(p_on) == sorted(p_off), case
             for name in p_on:
@@ -200,8 +215,10 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=())
     atol = 1e-5 if all(v == "fp32" for k, v in optim if k.endswith("_dtype")) else STEPS * 3e-3 * 2**-7
     for i, (model_name, parallel, train, distributed, moe) in enumerate(cases):
         ref_losses, ref_norms, ref_params = refs[(model_name, tuple(sorted(moe.items())), optim)]
+        if replicas:  # not vacuous: some layer ended with a replicated expert on some rank
+            assert any(e >= 0 for r in range(8) for t in results[i][r][0][3].values() for e in t), cases[i]
         for r in range(8):
-            losses, norms, _ = results[i][r][0]
+            losses, norms, _, _ = results[i][r][0]
             assert len(losses) == STEPS
             for step, (a, b) in enumerate(zip(losses, ref_losses)):
                 assert abs(a - b) <= 1e-5 * abs(b), (cases[i], step + 1, a, b)
@@ -225,31 +242,38 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=())
     for model_name, parallel in bf16_cases:
         if overlap:
             parallel = {**parallel, "overlap_moe_comm": True}
-        ((l16, _, _),) = ranks(8).run(
+        ((l16, _, _, _),) = ranks(8).run(
             _train, [(model_name, parallel, dict(precision="bf16"), False, {})], str(tmp_path), False, STEPS, optim
         )[0]
         for step, (a, b) in enumerate(zip(l16, refs[(model_name, (), optim)][0])):
             assert abs(a - b) <= 1e-2 * abs(b), (model_name, parallel, step + 1, a, b)
-    if overlap or optim:  # the golden curves are one rank's fp32 ones, which overlap does not change: once
+    if overlap or optim or replicas:  # the golden curves are one rank's fp32 ones, which overlap does not change: once
         return
     # golden losses: the 1-rank curves of this file's configuration, over GOLDEN_STEPS steps
     golden = json.load(open(GOLDEN))
     names = sorted({m for m, *_ in cases})
     curves = ranks(1).run(_train, [(m, {}, {}, False, {}) for m in names], str(tmp_path), False, GOLDEN_STEPS)[0]
-    for model_name, (got, _, _) in zip(names, curves):
+    for model_name, (got, _, _, _) in zip(names, curves):
         want = golden[model_name]
         assert len(got) == len(want) == GOLDEN_STEPS, (model_name, len(got), len(want))
         assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (model_name, got)
         assert got[-1] < got[0]
 
 
+# hot-expert replicas (moe.expert_replicas=1, re-planned every 2 steps): EP4 dropless, EP4 dropping
+# with PP2, EP2×ETP2, PP2×EP2 with TP2 and ZeRO-1
+REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CASES[6], CASES[5], CASES[0]]
+
+
 @pytest.mark.parametrize(
-    "overlap,moments",
-    [(False, "fp32"), (True, "fp32"), (False, "bf16")],
-    ids=["overlap_off", "overlap_on", "bf16_moments"],
+    "overlap,moments,replicas",
+    [(False, "fp32", 0), (True, "fp32", 0), (False, "bf16", 0), (False, "fp32", 1)],
+    ids=["overlap_off", "overlap_on", "bf16_moments", "replicas"],
 )
-def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments):
-    if moments == "fp32":
+def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas):
+    if replicas:
+        _check_cases(ranks, tmp_path, REPLICA_CASES, replicas=replicas)
+    elif moments == "fp32":
         _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
     else:  # two cases of the matrix (ZeRO-1 over DP with PP2 TP2; plain with ETP2, EDP2 != DP·CP)
         cases = [CASES[0], CASES[5]]

@@ -58,6 +58,8 @@ OVERRIDES = {
     "shared_expert_ffn_hidden_size": ("32", []),
     "shared_expert_gate": ("true", ["moe.shared_expert_ffn_hidden_size=32"]),
     "trace_dir": ("traces", []),
+    "expert_replicas": ("2", []),
+    "replica_interval": ("10", ["moe.expert_replicas=2"]),
 }
 
 

@@ -1,0 +1,155 @@
+"""The replica slot planner, the deterministic token split, the re-plan schedule and the settings'
+errors (``moe.expert_replicas``, ``moe.replica_interval``)."""
+
+import pytest
+import torch
+
+from folding.moe.config import MoEConfig
+from folding.moe.replicas import (
+    EMPTY,
+    ReplicaSchedule,
+    check_replica_layout,
+    check_table,
+    expert_copies,
+    plan_replicas,
+    projected_rank_loads,
+    slot_experts,
+    split_to_slots,
+)
+
+GEO = dict(ep_size=4, num_local_experts=2, num_replicas=1)
+
+
+def test_balanced_load_gets_no_replica():
+    assert plan_replicas([5.0] * 8, **GEO) == (EMPTY,) * 4
+    assert plan_replicas([0.0] * 8, **GEO) == (EMPTY,) * 4
+
+
+def test_hottest_expert_goes_to_least_loaded_rank_with_deterministic_ties():
+    # expert 0 (rank 0) is hot; ranks 1..3 tie at load 2: the replica goes to rank 1 (lowest)
+    load = [10, 0, 1, 1, 1, 1, 1, 1]
+    table = plan_replicas(load, **GEO)
+    assert table[1] == 0  # rank 1's slot
+    assert plan_replicas(load, **GEO) == table  # deterministic
+    loads = projected_rank_loads(load, table, **GEO)
+    assert max(loads) < 10  # the peak went down
+    check_table(table, **GEO)
+    # equal hot experts: the lower index is served first
+    t2 = plan_replicas([8, 0, 8, 0, 0, 0, 0, 0], ep_size=4, num_local_experts=2, num_replicas=1)
+    assert t2.index(0) < t2.index(2)
+
+
+def test_plan_spreads_a_very_hot_expert_and_never_places_on_its_owner():
+    load = [100, 10, 10, 10, 5, 5, 5, 5]
+    geo = dict(ep_size=2, num_local_experts=4, num_replicas=2)
+    table = plan_replicas(load, **geo)
+    check_table(table, **geo)
+    assert table[:2] == (EMPTY, EMPTY)  # rank 0 owns the hot experts: nothing of its own comes back
+    before = projected_rank_loads(load, (EMPTY,) * 4, **geo)
+    after = projected_rank_loads(load, table, **geo)
+    assert max(after) / (sum(after) / 2) < max(before) / (sum(before) / 2)
+    assert sum(after) == pytest.approx(sum(before))
+
+
+def test_zipf_16_experts_ep4_two_slots_reaches_the_target():
+    load = [1 / (i + 1) ** 1.2 for i in range(16)]
+    geo = dict(ep_size=4, num_local_experts=4, num_replicas=2)
+    loads = projected_rank_loads(load, plan_replicas(load, **geo), **geo)
+    assert max(loads) / (sum(loads) / 4) <= 1.15
+
+
+def test_copies_and_slot_experts():
+    table = (EMPTY, 0, 0, 3)  # rank 1 and 2 hold expert 0, rank 3 holds expert 3
+    assert expert_copies(table, **GEO) == {0: [0, 5, 8], 3: [4, 11]}
+    assert slot_experts(table, **GEO) == [0, 1, -1, 2, 3, 0, 4, 5, 0, 6, 7, 3]
+    with pytest.raises(ValueError, match="on its owner"):
+        check_table((0, EMPTY, EMPTY, EMPTY), **GEO)
+    with pytest.raises(ValueError, match="entries"):
+        check_table((EMPTY,), **GEO)
+
+
+def test_split_is_contiguous_and_near_equal():
+    T = 10
+    map_TE = torch.zeros(T, 8, dtype=torch.bool)
+    map_TE[:, 0] = True
+    map_TE[1::2, 3] = True  # 5 pairs of expert 3
+    map_TE[0::2, 7] = True
+    probs = torch.rand(T, 8)
+    table = (EMPTY, 0, 0, 3)
+    m, p = split_to_slots(map_TE, probs, table, **GEO)
+    assert m.shape == (T, 12) and p.shape == (T, 12)
+    assert torch.equal(m.sum(1), map_TE.sum(1))  # every pair kept exactly once
+    rows0 = [m[:, s].nonzero().flatten().tolist() for s in (0, 5, 8)]
+    assert rows0 == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]  # floor(i*3/10): 4, 3, 3 in token order
+    rows3 = [m[:, s].nonzero().flatten().tolist() for s in (4, 11)]
+    assert rows3 == [[1, 3, 5], [7, 9]]
+    assert torch.equal(m[:, 10], map_TE[:, 7])  # unreplicated: its owned slot
+    for s, e in enumerate(slot_experts(table, **GEO)):
+        if e >= 0:
+            assert torch.equal(p[:, s], probs[:, e])
+    assert not m[:, 2].any()  # the empty slot
+
+
+class _Layer:
+    def __init__(self, n):
+        self.layer_number, self.tables = n, []
+
+    def replica_geometry(self):
+        return GEO
+
+    def set_replica_table(self, table):
+        self.tables.append(table)
+
+
+def test_schedule_replans_every_interval_from_the_interval_loads():
+    a = _Layer(3)
+    s = ReplicaSchedule([a], interval=2)
+    assert not s.observe({3: [0, 0, 9, 0, 0, 0, 0, 0]})
+    assert s.observe({3: [1, 0, 0, 0, 0, 0, 0, 0]})
+    assert a.tables == [plan_replicas([1, 0, 9, 0, 0, 0, 0, 0], **GEO)]
+    assert not s.observe({3: [9, 0, 0, 0, 0, 0, 0, 0]})
+    assert s.observe({3: [0] * 8})  # the second interval forgets the first
+    assert a.tables[1] == plan_replicas([9, 0, 0, 0, 0, 0, 0, 0], **GEO)
+    with pytest.raises(ValueError, match="moe.replica_interval=0"):
+        ReplicaSchedule([a], interval=0)
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(expert_replicas=-1), r"moe.expert_replicas=-1: must be an integer >= 0"),
+        (dict(expert_replicas=1, replica_interval=0), r"moe.replica_interval=0: must be an integer >= 1"),
+        (dict(expert_replicas=1, capacity_factor=1.0, pad_to_capacity=True), r"moe.expert_replicas=1: pad_to"),
+        (dict(expert_replicas=1, expert_backend="te"), r"moe.expert_replicas=1: the te expert backend"),
+    ],
+)
+def test_bad_settings_name_the_key(changes, match):
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(num_experts=8, topk=2, ffn_hidden_size=8, **changes)
+
+
+def test_layout_checks():
+    cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=8, expert_replicas=2)
+    with pytest.raises(ValueError, match=r"moe.expert_replicas=2 needs expert parallelism .*parallel.ep=1"):
+        check_replica_layout(cfg, 1)
+    check_replica_layout(cfg, 4)
+
+
+def test_validate_job_refuses_replicas_without_ep_and_with_overlap():
+    from folding.model.presets import get_preset
+    from folding.training.config import ConfigError, JobConfig, ParallelConfig, TrainConfig
+    from folding.training.validate import validate_job
+
+    def job(**par):
+        model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16, "expert_replicas": 1})
+        return JobConfig(
+            model=model,
+            parallel=ParallelConfig(**par),
+            train=TrainConfig(steps=2, global_batch_size=8, micro_batch_size=1, seq_length=16),
+        )
+
+    with pytest.raises(ConfigError, match=r"moe.expert_replicas=1: needs expert parallelism.*parallel.ep > 1"):
+        validate_job(job(ep=1), world_size=4)
+    with pytest.raises(ConfigError, match=r"parallel.overlap_moe_comm=false or moe.expert_replicas=0"):
+        validate_job(job(ep=4, overlap_moe_comm=True), world_size=4)
+    validate_job(job(ep=4), world_size=4)
