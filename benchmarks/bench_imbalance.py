@@ -99,7 +99,9 @@ def _build(args, ps, replicas: int, bias_E):
         replica_interval=args.interval,
     )
     layers = torch.nn.ModuleList(
-        MoELayer(config=cfg, hidden_size=args.hidden, groups=ps.groups, layer_number=i, init_seed=3, init_std=args.init_std)
+        MoELayer(
+            config=cfg, hidden_size=args.hidden, groups=ps.groups, layer_number=i, init_seed=3, init_std=args.init_std
+        )
         for i in range(args.layers)
     )
     for layer in layers:
@@ -215,7 +217,8 @@ def main(argv=None):
                         f"sum {tc * 1e3:7.1f})  experts {ew * 1e3:7.1f} ms wall {ec * 1e3:7.1f} ms cpu"
                     )
                 print(
-                    f"  median (steps {args.interval + 1}-{args.steps}): max/mean {med[0]:.3f}  step {med[1] * 1e3:.1f} ms "
+                    f"  median (steps {args.interval + 1}-{args.steps}): max/mean {med[0]:.3f}  "
+                    f"step {med[1] * 1e3:.1f} ms "
                     f"(cpu max {med[4] * 1e3:.1f}, sum {med[5] * 1e3:.1f})  experts {med[2] * 1e3:.1f} ms wall "
                     f"{med[3] * 1e3:.1f} ms cpu"
                 )
@@ -242,14 +245,16 @@ def _report(args, sections, load0, load1, argv) -> str:
         f"{' / '.join(f'{x:.1f}' for x in load1)} on {os.cpu_count()} CPUs",
         f"- command: `{cmd}`",
         f"- model: {args.layers} MoE layers, H={args.hidden} F={args.ffn} E={args.experts} top-{args.topk}, "
-        f"{args.tokens} tokens per rank per step, init std {args.init_std}, SGD lr {args.lr}; router logits biased to {args.skew} "
+        f"{args.tokens} tokens per rank per step, init std {args.init_std}, SGD lr {args.lr}; "
+        f"router logits biased to {args.skew} "
         f"(popularity ranks from a seeded permutation, seed {args.seed})",
         f"- replicas: {args.replicas} slots per EP rank, re-planned every {args.interval} steps; medians over "
         f"steps {args.interval + 1}-{args.steps} (both models)",
         "",
         "Rows per EP rank: the rows its expert GEMMs compute (all layers); max/mean over the ranks. Step: the "
         "slowest rank's wall time; step CPU: the rank's own CPU time in the step (a rank waiting in a "
-        "collective uses none), the largest over the ranks and the sum. Experts: forward + backward of the expert GEMMs on the slowest rank, wall "
+        "collective uses none), the largest over the ranks and the sum. Experts: forward + backward of the "
+        "expert GEMMs on the slowest rank, wall "
         "clock and the rank's own CPU time (thread time: not inflated by other processes on shared cores).",
         "",
         "| EP | replicas | max/mean rows per EP rank | median step ms (wall) | median step ms (CPU, slowest rank) "
@@ -270,7 +275,8 @@ def _report(args, sections, load0, load1, argv) -> str:
             f"- EP{ep}: max/mean rows per EP rank {a[0]:.3f} without replicas, {b[0]:.3f} with; wall step time "
             f"{'lower' if b[1] < a[1] else 'not lower'} with replicas ({b[1] * 1e3:.0f} vs {a[1] * 1e3:.0f} ms); "
             f"the slowest rank's step CPU time {b[4] * 1e3:.0f} vs {a[4] * 1e3:.0f} ms, its expert CPU time "
-            f"{b[3] * 1e3:.0f} vs {a[3] * 1e3:.0f} ms; all ranks' step CPU time {b[5] * 1e3:.0f} vs {a[5] * 1e3:.0f} ms "
+            f"{b[3] * 1e3:.0f} vs {a[3] * 1e3:.0f} ms; "
+            f"all ranks' step CPU time {b[5] * 1e3:.0f} vs {a[5] * 1e3:.0f} ms "
             "(the replicas' own cost: weight exchange, split, more rows crossing EP)."
         )
     cores = os.cpu_count() or 1
@@ -283,9 +289,18 @@ def _report(args, sections, load0, load1, argv) -> str:
             "step waits for the slowest rank: its CPU time is the measure of what replicas buy there.",
         ]
     for ep, summ, tables in sections:
-        lines += ["", f"## EP{ep} per step", "", f"Slot tables at the end (per layer, slot → expert, -1 empty): {tables}", ""]
-        lines += ["| step | max/mean without | max/mean with | step ms without | step ms with | expert ms without (wall/CPU) | expert ms with (wall/CPU) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## EP{ep} per step",
+            "",
+            f"Slot tables at the end (per layer, slot → expert, -1 empty): {tables}",
+            "",
+        ]
+        lines += [
+            "| step | max/mean without | max/mean with | step ms without | step ms with "
+            "| expert ms without (wall/CPU) | expert ms with (wall/CPU) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for s, (a, b) in enumerate(zip(summ["without"][0], summ["with"][0]), 1):
             lines.append(
                 f"| {s} | {a[0]:.3f} | {b[0]:.3f} | {a[1] * 1e3:.1f} | {b[1] * 1e3:.1f} | "

@@ -48,8 +48,15 @@ def _layer(case, ps, replicas):
         dispatch_wire=wire,
         expert_replicas=replicas,
     )
-    return MoELayer(config=cfg, hidden_size=H, groups=ps.groups, layer_number=1, init_seed=5, init_std=0.3,
-                    params_dtype=torch.float64 if _fp64(case) else torch.float32)
+    return MoELayer(
+        config=cfg,
+        hidden_size=H,
+        groups=ps.groups,
+        layer_number=1,
+        init_seed=5,
+        init_std=0.3,
+        params_dtype=torch.float64 if _fp64(case) else torch.float32,
+    )
 
 
 def _run(case, ps, replicas):
