@@ -11,7 +11,12 @@ overlap, bitwise the same losses, gradient norms and parameters.
 
 With bf16 AdamW moments (``optim.exp_avg_dtype=exp_avg_sq_dtype=bf16``, the ``bf16_moments`` case) two
 cases of the matrix, one with ZeRO-1 and one without, train like one rank with bf16 moments: the same
-loss and grad-norm tolerances, parameters within the bound of one bf16 rounding flip per step."""
+loss and grad-norm tolerances, parameters within the bound of one bf16 rounding flip per step.
+
+With Muon (``optim.name=muon``, the ``muon`` case) four cases of the matrix train like one rank with
+Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and dense matrices, each
+matrix orthogonalized by its owner in the DP group), VPP2 TP2 EP4 with ZeRO-1, ETP2 without ZeRO-1
+(expert matrices gathered over ETP) and Qwen2-MoE's shared expert with ETP2 and ZeRO-1."""
 
 import json
 import os
@@ -245,12 +250,14 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=())
 
 @pytest.mark.parametrize(
     "overlap,moments",
-    [(False, "fp32"), (True, "fp32"), (False, "bf16")],
-    ids=["overlap_off", "overlap_on", "bf16_moments"],
+    [(False, "fp32"), (True, "fp32"), (False, "bf16"), (False, "muon")],
+    ids=["overlap_off", "overlap_on", "bf16_moments", "muon"],
 )
 def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments):
     if moments == "fp32":
         _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
+    elif moments == "muon":  # ZeRO-1 PP2 TP2; VPP2 TP2 EP4; ETP2 plain; Qwen2-MoE shared expert ETP2
+        _check_cases(ranks, tmp_path, [CASES[0], CASES[2], CASES[5], CASES[7]], optim=(("name", "muon"),))
     else:  # two cases of the matrix (ZeRO-1 over DP with PP2 TP2; plain with ETP2, EDP2 != DP·CP)
         cases = [CASES[0], CASES[5]]
         _check_cases(ranks, tmp_path, cases, optim=(("exp_avg_dtype", moments), ("exp_avg_sq_dtype", moments)))
