@@ -160,15 +160,54 @@ def plot(results: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def _slug(name: str) -> str:
+    """A variant's name usable in ``--only``: ``bf16 params, fp32 master`` -> ``bf16_params_fp32_master``."""
+    return name.replace(",", "").replace(" ", "_")
+
+
+def _merge(a, argv) -> int:
+    """``--from-json``: one report and plot from the curves of runs made in separate processes."""
+    results = {}
+    for path in a.from_json.split(","):
+        with open(path, encoding="utf-8") as f:
+            results.update(json.load(f))
+    firsts = {k: v["losses"][0] for k, v in results.items() if not k.startswith("bf16 params")}
+    if len(set(firsts.values())) > 1:
+        raise SystemExit(f"runs of different setups (first losses {firsts}): not one benchmark")
+    png = os.path.splitext(a.out)[0] + ".png"
+    command = "python -m benchmarks.bench_optimizer_precision " + " ".join(argv if argv is not None else sys.argv[1:])
+    load = tuple((a.load or "?,?").split(","))
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write(report(results, steps=a.steps, batch=a.global_batch_size, command=command, load=load, png=png))
+    with open(os.path.splitext(a.out)[0] + ".json", "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    plot(results, png)
+    return 0
+
+
 def main(argv=None) -> int:
     """Run every variant and write the report, its PNG and a JSON of the curves."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="steps per variant (default 300)")
     p.add_argument("--global-batch-size", type=int, default=16, help="samples per step (default 16, the config's)")
     p.add_argument("--out", default="benchmarks/optimizer_precision_cpu.md", help="markdown report path")
-    p.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated variant names or slugs (names with '_' for spaces and no commas, e.g. "
+        "bf16_params_fp32_master; default: all)",
+    )
     p.add_argument("--reuse", default=None, help="JSON of an earlier run: keep its variants, run only --only's")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        help="comma-separated JSONs of runs made in parallel (same --steps and batch): write their joint report "
+        "and plot without training; their first losses must agree",
+    )
+    p.add_argument("--load", default=None, help="with --from-json: the host load line's two numbers, e.g. 11.9,12.0")
     a = p.parse_args(argv)
+    if a.from_json:
+        return _merge(a, argv)
     register_schema()  # the presets as Hydra config groups (model=mixtral_tiny)
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp()
@@ -181,7 +220,7 @@ def main(argv=None) -> int:
             with open(a.reuse, encoding="utf-8") as f:
                 results = {k: v for k, v in json.load(f).items() if not a.only or k not in a.only.split(",")}
         for name, overrides in VARIANTS:
-            if a.only and name not in a.only.split(","):
+            if a.only and name not in a.only.split(",") and _slug(name) not in a.only.split(","):
                 continue
             torch.manual_seed(0)
             results[name] = run_variant(
