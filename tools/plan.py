@@ -150,6 +150,13 @@ def parse_args(argv=None):
         help="with --routing-trace / --routing-skew: rank by the step time at the median (default) or the "
         "99th-percentile step of the slowest EP rank's load",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="optim.name: adamw (default), or muon (one fp32 momentum for the hidden matrices, AdamW for the "
+        "rest; Newton-Schulz time and working set counted)",
+    )
     for flag, choices, what in (
         ("exp-avg-dtype", ("fp32", "bf16", "fp8"), "AdamW first moment (optim.exp_avg_dtype)"),
         ("exp-avg-sq-dtype", ("fp32", "bf16", "fp8"), "AdamW second moment (optim.exp_avg_sq_dtype)"),
@@ -164,6 +171,14 @@ def parse_args(argv=None):
         help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)",
     )
     return p.parse_args(argv)
+
+
+def _optimizer_note(prec: OptimizerPrecision) -> str:
+    """The optimizer and its state bytes per bf16 parameter, for the header line."""
+    adamw = f"{prec.describe()}: {prec.state_bytes(2):g} bytes of state per bf16 parameter"
+    if prec.name != "muon":
+        return adamw
+    return f"Muon: {prec.muon_state_bytes(2):g} bytes of state per bf16 matrix parameter; AdamW for the rest, {adamw}"
 
 
 def _overlap_note(args) -> str:
@@ -262,6 +277,7 @@ def main(argv=None) -> int:
                 exp_avg_sq_dtype=args.exp_avg_sq_dtype,
                 main_params_dtype=args.main_params_dtype,
                 main_grads_dtype=args.main_grads_dtype,
+                name=args.optimizer,
             ),
         )
         routing = routing_model(args, cfg)
@@ -287,8 +303,7 @@ def main(argv=None) -> int:
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
         f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
         f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)}; optimizer "
-        f"{shape.optim_precision.describe()}: {shape.optim_precision.state_bytes(2):g} bytes of state per bf16 "
-        f"parameter)"
+        f"{_optimizer_note(shape.optim_precision)})"
     )
     print(head)
     if not results:

@@ -17,6 +17,8 @@ from typing import Optional
 
 from .precision import MASTER_DTYPES, STATE_DTYPES
 
+OPTIMIZERS = ("adamw", "muon")
+"""Names accepted by ``optim.name``."""
 DECAY_STYLES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -27,8 +29,12 @@ class OptimConfigError(ValueError):
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW, gradient clipping, LR schedule and distributed-optimizer settings."""
+    """AdamW / Muon, gradient clipping, LR schedule and distributed-optimizer settings."""
 
+    name: str = "adamw"
+    """The optimizer: ``adamw``, or ``muon`` (Newton–Schulz orthogonalized momentum for the hidden
+    weight matrices, AdamW with the settings below for embeddings, output layer, norms, biases and
+    router; docs/optimizer.md, "Muon")."""
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = 0.0
@@ -74,6 +80,15 @@ class OptimConfig:
     own fp32 master."""
     main_grads_dtype: str = "fp32"
     """Dtype gradients accumulate, reduce and feed AdamW in: ``fp32`` or ``bf16``."""
+    muon_momentum: float = 0.95
+    """Muon's momentum ``μ`` (``m = μ·m + g``), in [0, 1)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalizes ``g + μ·m`` (Nesterov) instead of ``m``."""
+    muon_ns_steps: int = 5
+    """Newton–Schulz iterations per Muon update (quintic, coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_update_scale: float = 0.2
+    """Muon's update is the orthogonalized matrix times ``muon_update_scale · sqrt(max(rows, cols))``
+    (Moonlight: 0.2 matches the RMS of an AdamW update, so ``lr`` and ``weight_decay`` carry over)."""
 
     def __post_init__(self):
         self.validate()
@@ -126,6 +141,19 @@ class OptimConfig:
         ):
             if getattr(self, f) not in names:
                 bad(f, f"must be one of {', '.join(names)}")
+        if self.name not in OPTIMIZERS:
+            bad("name", f"must be one of {', '.join(OPTIMIZERS)} (adamw is the default)")
+        m = self.muon_momentum
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+            bad("muon_momentum", "must be a number in [0, 1) (e.g. 0.95)")
+        if not isinstance(self.muon_nesterov, bool):
+            bad("muon_nesterov", "must be true or false")
+        n = self.muon_ns_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            bad("muon_ns_steps", "must be an integer >= 1 (5 is the tuned value of the quintic iteration)")
+        s = self.muon_update_scale
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            bad("muon_update_scale", "must be a finite number > 0 (0.2 matches AdamW's update RMS)")
         if train_steps is not None and self.decay_steps is None and train_steps < 1:
             raise OptimConfigError(f"optim.decay_steps=None uses train.steps={train_steps}, which must be >= 1")
         horizon = self.decay_steps if self.decay_steps is not None else train_steps

@@ -49,6 +49,10 @@ class BufferGroups:
     counts_in_norm: bool
     """Whether this rank's copy counts in the global grad norm (TP rank 0 for TP-replicated
     parameters, the first stage for tied embeddings); data-parallel replicas are split by shard."""
+    tp_group: Optional[dist.ProcessGroup] = None
+    """The view's tensor-parallel group (TP dense, ETP expert): Muon gathers a sharded matrix over it."""
+    tp_size: int = 1
+    """Size of ``tp_group``."""
 
     @staticmethod
     def for_class(cls: ParamClass, ps) -> "BufferGroups":
@@ -67,7 +71,16 @@ class BufferGroups:
             dp, size, rank = ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_rank
             tp_rank = ps.tp_rank
         counts = (cls.tp_sharded or tp_rank == 0) and (not cls.embedding_tied or ps.is_first_stage)
-        return BufferGroups(pre_groups=pre, dp_group=dp, dp_size=size, dp_rank=rank, counts_in_norm=counts)
+        tp_group, tp_size = (ps.etp_group, ps.etp_size) if cls.expert else (ps.tp_group, ps.tp_size)
+        return BufferGroups(
+            pre_groups=pre,
+            dp_group=dp,
+            dp_size=size,
+            dp_rank=rank,
+            counts_in_norm=counts,
+            tp_group=tp_group,
+            tp_size=tp_size,
+        )
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The one optimizer object a trainer uses: folded gradient reduction, clipping, AdamW, ZeRO-1.
+"""The one optimizer object a trainer uses: folded gradient reduction, clipping, AdamW or Muon, ZeRO-1.
 
 :class:`FoldedOptimizer` owns the gradient buffers of a model (one per
 :class:`~folding.optim.param_groups.ParamClass`), their reduction (:mod:`folding.optim.reducer`), the
@@ -14,6 +14,10 @@ stores each state back in its dtype otherwise), and the LR schedule (:mod:`foldi
   updates the parameter itself with stochastic rounding (fp32 parameters are their own master).
   The moments are stored in ``optim.exp_avg_dtype`` / ``optim.exp_avg_sq_dtype``
   (:mod:`folding.optim.precision`: fp32, bf16, or fp8 with a scale per 128 elements).
+- ``optim.name=muon``: the hidden weight matrices (:func:`~folding.optim.param_groups.uses_muon`) get
+  their own buffers and a :class:`~folding.optim.muon_state.MuonState` (momentum, Newton–Schulz on the
+  full matrix, ZeRO-1 ownership); this class only dispatches each buffer to AdamW or Muon and applies
+  the weight update to the range it owns, with the same LR schedule, clipping and master weights.
 - ``distributed=True`` (ZeRO-1): gradients reduce-scatter, each rank keeps AdamW moments and master
   weights for its 1/D shard of every bucket (D = DP×CP dense, EDP expert), updates it, and
   all-gathers the parameters. AdamW is elementwise, so the update equals the non-distributed one up
@@ -44,17 +48,21 @@ from .adamw import adamw_fused, adamw_shard, fusable
 from .clip import clip_coefficient, global_grad_norm
 from .config import OptimConfig
 from .grad_buffer import BufferGroups, GradBuffer
-from .param_groups import classify
+from .muon import apply_update
+from .muon_state import MuonState
+from .param_groups import classify, uses_muon
 from .precision import TORCH_DTYPES, StateShard
 from .reducer import GradReducer, all_gather_flat
 from .schedules import lr_at
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW moment keys of the state and of :meth:`FoldedOptimizer.param_state`."""
+MUON_KEYS = ("momentum",)
+"""The Muon state keys of :meth:`FoldedOptimizer.param_state` (fp32, parameter-shaped)."""
 
 
 class FoldedOptimizer:
-    """AdamW with folded gradient reduction, global-norm clipping, LR schedule and optional ZeRO-1."""
+    """AdamW (or Muon) with folded gradient reduction, global-norm clipping, LR schedule and optional ZeRO-1."""
 
     def __init__(
         self, model: torch.nn.Module, config: OptimConfig, *, parallel_state, train_steps: Optional[int] = None
@@ -74,7 +82,8 @@ class FoldedOptimizer:
             raise ValueError("FoldedOptimizer: the model has no trainable parameters")
         by_class = defaultdict(list)
         for idx, (name, p) in enumerate(named):
-            by_class[classify(name, p)].append((name, p, idx))
+            muon = config.name == "muon" and uses_muon(name, p)
+            by_class[classify(name, p, muon=muon)].append((name, p, idx))
         self.buffers: List[GradBuffer] = []
         for cls in sorted(by_class):
             groups = BufferGroups.for_class(cls, parallel_state)
@@ -100,11 +109,16 @@ class FoldedOptimizer:
     def _init_state(self, buf: GradBuffer) -> Dict[str, List[StateShard]]:
         c = self.config
         dev = buf.main_grad.device
-        st = {"exp_avg": [], "exp_avg_sq": [], "master": []}
+        st = {"master": []}
+        if buf.cls.muon:
+            st["muon"] = MuonState(buf, c)
+        else:
+            st.update(exp_avg=[], exp_avg_sq=[])
         for b in buf.buckets:
             lo, hi = buf.update_range(b)
-            st["exp_avg"].append(StateShard(hi - lo, c.exp_avg_dtype, dev))
-            st["exp_avg_sq"].append(StateShard(hi - lo, c.exp_avg_sq_dtype, dev, sqrt_domain=True))
+            if not buf.cls.muon:
+                st["exp_avg"].append(StateShard(hi - lo, c.exp_avg_dtype, dev))
+                st["exp_avg_sq"].append(StateShard(hi - lo, c.exp_avg_sq_dtype, dev, sqrt_domain=True))
             if self.has_master_copy(buf):
                 master = StateShard(hi - lo, "fp32", dev)
                 master.write(buf.param_data[lo:hi].float())
@@ -119,6 +133,12 @@ class FoldedOptimizer:
                 )
             st["master"].append(master)
         return st
+
+    @staticmethod
+    def moment_keys(buf: GradBuffer) -> Tuple[str, ...]:
+        """The state keys (besides ``master``) of ``buf``'s parameters: :data:`MOMENTS` for AdamW,
+        :data:`MUON_KEYS` for Muon buffers."""
+        return MUON_KEYS if buf.cls.muon else MOMENTS
 
     def _rounding_generator(self, device, buffer_index: int, bucket_index: int) -> torch.Generator:
         """The generator of one bucket shard's stochastic rounding this step: seeded from the update
@@ -159,7 +179,7 @@ class FoldedOptimizer:
         return lr_at(self.step_count, self.config, train_steps=self.train_steps)
 
     def clip_and_step(self) -> Tuple[float, bool]:
-        """Reduce, clip to ``optim.clip_grad`` and apply one AdamW step.
+        """Reduce, clip to ``optim.clip_grad`` and apply one AdamW (Muon, per buffer) step.
 
         Returns ``(grad_norm, skipped)``: the pre-clip global norm, and True when it is NaN/Inf (then
         no parameter or state changes and neither ``step_count`` nor ``updates`` advances; a trainer that
@@ -183,6 +203,14 @@ class FoldedOptimizer:
                 g = buf.main_grad[lo:hi]
                 if coef != 1.0:
                     g.mul_(coef)
+                if buf.cls.muon:  # Muon: collective over DP (ZeRO-1) and TP; the update of [lo, hi)
+                    w = st["master"][i]
+                    gen = self._rounding_generator(w.data.device, j, i) if w.stochastic else None
+                    w32 = w.read()
+                    apply_update(w32, st["muon"].step_bucket(b), lr=lr, weight_decay=wd)
+                    w.write(w32, gen)
+                    self._publish(buf, b, w.data, works)
+                    continue
                 m, v, w = st["exp_avg"][i], st["exp_avg_sq"][i], st["master"][i]
                 hyper = dict(lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=wd)
                 if fusable(w, g, m, v):
@@ -194,17 +222,21 @@ class FoldedOptimizer:
                 else:
                     gen = self._rounding_generator(w.data.device, j, i) if w.stochastic else None
                     adamw_shard(w, g, m, v, step=self.updates, generator=gen, **hyper)
-                w = w.data
-                if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
-                    buf.param_data[lo:hi].copy_(w)
-                if buf.shard and buf.groups.dp_size > 1:
-                    # in place: this rank's shard is its own slot of the bucket (no staging copy)
-                    works.append(
-                        all_gather_flat(buf.param_data[b.start : b.end], buf.param_data[lo:hi], buf.groups.dp_group)
-                    )
+                self._publish(buf, b, w.data, works)
         for w in works:
             w.wait()
         return norm, False
+
+    @staticmethod
+    def _publish(buf: GradBuffer, b, w: torch.Tensor, works: List) -> None:
+        """Copy the updated weights ``w`` of ``update_range(b)`` into the parameters; under ZeRO-1
+        start the all-gather (forward only) of every shard of the bucket over the DP group."""
+        lo, hi = buf.update_range(b)
+        if w.data_ptr() != buf.param_data[lo:hi].data_ptr():
+            buf.param_data[lo:hi].copy_(w)
+        if buf.shard and buf.groups.dp_size > 1:
+            # in place: this rank's shard is its own slot of the bucket (no staging copy)
+            works.append(all_gather_flat(buf.param_data[b.start : b.end], buf.param_data[lo:hi], buf.groups.dp_group))
 
     # ------------------------------------------------------------------------------ checkpoints
     def param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -219,11 +251,14 @@ class FoldedOptimizer:
         """
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         for buf, st in zip(self.buffers, self.state):
-            keys = list(MOMENTS) + (["master"] if self.has_master_copy(buf) else [])
+            keys = list(self.moment_keys(buf)) + (["master"] if self.has_master_copy(buf) else [])
             for b in buf.buckets:
                 lo, hi = buf.update_range(b)
                 whole = {}
                 for key in keys:
+                    if key == "momentum":  # Muon: assembled from the owners (collective under ZeRO-1)
+                        whole[key] = st["muon"].bucket_momentum(b)
+                        continue
                     shard = st[key][b.index]
                     if (lo, hi) == (b.start, b.end):
                         whole[key] = shard.saved()
@@ -240,8 +275,11 @@ class FoldedOptimizer:
 
     def state_dtypes(self) -> Dict[str, torch.dtype]:
         """The torch dtype :meth:`param_state` gives each key (what a checkpoint load should read into)."""
-        shard = self.state[0]
-        return {key: shard[key][0].saved_dtype() for key in MOMENTS} | {"master": torch.float32}
+        out = {"momentum": torch.float32, "master": torch.float32}
+        for shard in self.state:
+            if "exp_avg" in shard:
+                out.update({key: shard[key][0].saved_dtype() for key in MOMENTS})
+        return out
 
     @torch.no_grad()
     def load_param_state(
@@ -260,6 +298,12 @@ class FoldedOptimizer:
             for name, p in zip(buf.names, buf.params):
                 if name not in states:
                     raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+                missing = [key for key in self.moment_keys(buf) if key not in states[name]]
+                if missing:
+                    raise KeyError(
+                        f"optimizer state of {name!r} lacks {missing}: it was saved by another optimizer "
+                        f"(optim.name); resume with the optim.name that saved it"
+                    )
                 for key, t in states[name].items():
                     if t.numel() != p.numel():
                         raise ValueError(
@@ -267,9 +311,12 @@ class FoldedOptimizer:
                         )
         for buf, st in zip(self.buffers, self.state):
             copy = self.has_master_copy(buf)
+            for k, name in enumerate(buf.names) if buf.cls.muon else ():  # the owned matrices' momentum
+                st["muon"].load_momentum(k, states[name]["momentum"])
             for b in buf.buckets:
                 lo, hi = buf.update_range(b)
-                keys = list(MOMENTS) + (["master"] if copy else [])
+                moments = () if buf.cls.muon else MOMENTS
+                keys = list(moments) + (["master"] if copy else [])
                 vals = {key: st[key][b.index].read().clone() for key in keys}
                 for k, (name, p) in enumerate(zip(buf.names, buf.params)):
                     if buf.bucket_of[id(p)] is not b:
@@ -279,7 +326,7 @@ class FoldedOptimizer:
                     if z <= a:
                         continue
                     saved = states[name]
-                    for key in MOMENTS:
+                    for key in moments:
                         vals[key][a - lo : z - lo].copy_(saved[key].reshape(-1)[a - off : z - off])
                     if copy:
                         src = (
@@ -313,7 +360,9 @@ class FoldedOptimizer:
             kind = "expert" if buf.cls.expert else "dense"
             out[f"params_{kind}"] += buf.param_bytes()
             out[f"grads_{kind}"] += buf.grad_bytes()
-            for key in MOMENTS:
+            if buf.cls.muon:
+                out[f"optimizer_{kind}"] += st["muon"].nbytes()
+            for key in () if buf.cls.muon else MOMENTS:
                 out[f"optimizer_{kind}"] += sum(t.nbytes() for t in st[key])
             if self.has_master_copy(buf):
                 out[f"optimizer_{kind}"] += sum(t.nbytes() for t in st["master"])

@@ -10,10 +10,14 @@ Weight decay (AdamW's decoupled decay) is applied to matrices only. It is *not* 
 - any parameter whose last name component contains ``bias`` (e.g. stacked expert biases ``[E, F]``);
 - any parameter whose name contains ``norm`` (e.g. a norm stored with an extra dimension).
 
+Under ``optim.name=muon`` :func:`uses_muon` splits the parameters once more: Muon updates the 2-D
+hidden weight matrices, AdamW everything else (their classes differ in :attr:`ParamClass.muon`, so
+they never share a gradient buffer).
+
 Usage::
 
-    cls = classify(name, param)
-    cls.expert, cls.decay
+    cls = classify(name, param, muon=uses_muon(name, param))
+    cls.expert, cls.decay, cls.muon
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class ParamClass:
     """AdamW weight decay applies."""
     dtype: str
     """Parameter dtype name (``float32``, ``bfloat16``...)."""
+    muon: bool = False
+    """Updated by Muon (``optim.name=muon`` and :func:`uses_muon`); AdamW otherwise."""
 
     def describe(self) -> str:
         """Short human-readable name, e.g. ``expert/tp_sharded/decay/float32``."""
@@ -51,6 +57,8 @@ class ParamClass:
         if self.embedding_tied:
             parts.append("embedding_tied")
         parts += ["decay" if self.decay else "no_decay", self.dtype]
+        if self.muon:
+            parts.append("muon")
         return "/".join(parts)
 
 
@@ -62,8 +70,32 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     return True
 
 
-def classify(name: str, param: torch.Tensor) -> ParamClass:
-    """The :class:`ParamClass` of ``param`` (named ``name`` in its module) from its tags."""
+MUON_EXCLUDED = ("embedding", "output_weight", "router", "gate_weight")
+"""Name components (substrings of one dot-separated component) of 2-D weights that stay on AdamW:
+word embeddings (the MTP module's copy included), the output layer, the router, the shared expert's
+scalar gate."""
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """True when Muon updates ``param`` named ``name`` under ``optim.name=muon``: the hidden weight
+    matrices, i.e. attention projections (MLA's down/up projections included), dense MLP, shared
+    expert, MTP's projection, and the routed experts' ``fc1``/``fc2`` (orthogonalized per expert, and
+    fc1's gate and up halves as two matrices: the parameter record's full shape ends in the matrix
+    ``[rows, cols]``, every leading dimension indexes separate matrices).
+
+    AdamW keeps (as the published Muon recipes do): anything whose full shape is not at least 2-D or
+    has a dimension of 1, biases and norms (:func:`uses_weight_decay` is false), and the weights named
+    in :data:`MUON_EXCLUDED` (embedding, output layer, router, shared-expert gate)."""
+    full = param_spec(param).full_shape or tuple(param.shape)
+    if len(full) < 2 or min(full[-2:]) <= 1 or not uses_weight_decay(name, param):
+        return False
+    parts = name.lower().split(".")
+    return not any(key in part for part in parts for key in MUON_EXCLUDED)
+
+
+def classify(name: str, param: torch.Tensor, *, muon: bool = False) -> ParamClass:
+    """The :class:`ParamClass` of ``param`` (named ``name`` in its module) from its tags; ``muon``:
+    Muon updates it (:func:`uses_muon` under ``optim.name=muon``)."""
     t = param_spec(param)
     return ParamClass(
         expert=t.expert,
@@ -72,4 +104,5 @@ def classify(name: str, param: torch.Tensor) -> ParamClass:
         embedding_tied=t.embedding_tied,
         decay=uses_weight_decay(name, param),
         dtype=str(param.dtype).replace("torch.", ""),
+        muon=muon,
     )

@@ -14,7 +14,10 @@ parameter formulas of :class:`~folding.model.config.ModelConfig`, ``attention_pa
 - optimizer: AdamW moments ``8`` bytes per element, plus ``4`` for fp32 master weights of the
   parameters that are not fp32 (other state dtypes:
   :class:`~folding.planning.optim_precision.OptimizerPrecision`, e.g. bf16 moments 4, fp8 moments
-  ``2 * (1 + 4/128)``, bf16 master weights 0); with ``distributed`` (ZeRO-1) dense state is divided by ``DP*CP`` and
+  ``2 * (1 + 4/128)``, bf16 master weights 0; ``optim.name=muon``: one fp32 momentum, 4 bytes, for
+  Muon's matrices, AdamW's moments for :attr:`ParamCounts.adamw`, and Newton–Schulz transients
+  :func:`~folding.planning.optim_precision.muon_transient_bytes`); with ``distributed`` (ZeRO-1)
+  dense state is divided by ``DP*CP`` and
   expert state by ``EDP``. So expert parameters and gradients per rank scale as
   ``1/(EP*ETP*PP)``, and with ZeRO-1 the expert optimizer state as ``1/world`` (it does not shrink
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
@@ -61,7 +64,7 @@ from .activations import (
     mtp_activation_bytes,
     transient_bytes,
 )
-from .optim_precision import OptimizerPrecision
+from .optim_precision import MUON_MOMENTUM_BYTES, OptimizerPrecision, muon_transient_bytes
 
 Ends = Tuple[Optional[int], Optional[int]]
 """``(first_stage_layers, last_stage_layers)`` of a layout, ``None`` where even."""
@@ -94,6 +97,10 @@ class ParamCounts:
     fp32: int = 0
     """Of the dense elements, those kept in fp32 whatever the parameter dtype (the routers' gating
     weights): 4 bytes each, and no fp32 master copy in the optimizer."""
+    adamw: int = 0
+    """Of the dense elements, those AdamW keeps under ``optim.name=muon`` (embedding and output copies,
+    routers, shared-expert gates, the layers' and the final norms; biases and q/k or latent norms, under
+    0.01% of a layer, are counted with Muon's): every other element, experts included, is Muon's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +127,7 @@ class MemoryEstimate:
     """The pipeline stage this estimate is for."""
     transient: int = 0
     """Estimated short-lived bytes at the peak: dispatch buffers and the recomputed region (0 when
-    ``seq_length`` is 0)."""
+    ``seq_length`` is 0), and under ``optim.name=muon`` the Newton–Schulz working set."""
 
     @property
     def total(self) -> int:
@@ -246,16 +253,24 @@ def _param_counts_of(
     dense = sum(cfg.layer_params(i, tp) for i in mine)
     experts = cfg.routed_experts_params(ep=ep, etp=etp)
     emb = cfg.embedding_params(tp)
+    H = cfg.hidden_size
+    gate = H if cfg.moe.shared_expert_ffn_hidden_size and cfg.moe.shared_expert_gate else 0
+    adamw = 2 * H * len(mine) + n_moe * (cfg.router_params() + gate)  # two norms per layer; router, gate
     if first:
         dense += emb
+        adamw += emb
     if last:
         dense += cfg.hidden_size  # final norm
+        adamw += cfg.hidden_size
         if not cfg.tie_embeddings or not first:
             dense += emb  # output layer (or tied copy)
+            adamw += emb
         dense += cfg.mtp_params()
+        adamw += 3 * H * cfg.mtp_num_layers
         if cfg.mtp_num_layers and not cfg.tie_embeddings and not first:
             dense += emb  # the last stage's own copy of the (untied) embedding, for the MTP inputs
-    return ParamCounts(dense=dense, expert=n_moe * experts, fp32=n_moe * cfg.router_params())
+            adamw += emb
+    return ParamCounts(dense=dense, expert=n_moe * experts, fp32=n_moe * cfg.router_params(), adamw=adamw)
 
 
 def memory_per_rank(
@@ -317,8 +332,15 @@ def memory_per_rank(
     c = param_counts(cfg, layout, stage=stage)
     moments = prec.state_bytes(4)  # both moments (fp32 elements: no master copy)
     master = prec.master_bytes(param_bytes)  # fp32 master weights beside 16-bit parameters, if kept
-    opt_d = (moments * c.dense + master * (c.dense - c.fp32)) / (layout.dp * layout.cp if distributed else 1)
-    opt_e = (moments + master) * c.expert / (layout.edp if distributed else 1)
+    if prec.name == "muon":  # Muon's matrices keep one fp32 momentum; AdamW keeps the rest
+        muon = MUON_MOMENTUM_BYTES
+        opt_d = moments * c.adamw + muon * (c.dense - c.adamw) + master * (c.dense - c.fp32)
+        opt_e = (muon + master) * c.expert
+    else:
+        opt_d = moments * c.dense + master * (c.dense - c.fp32)
+        opt_e = (moments + master) * c.expert
+    opt_d /= layout.dp * layout.cp if distributed else 1
+    opt_e /= layout.edp if distributed else 1
     grad = prec.grad_bytes()
     acts = transient = 0
     if seq_length:
@@ -350,6 +372,8 @@ def memory_per_rank(
             # the last rank: one micro-batch of theirs is alive at the peak
             acts += mtp_activation_bytes(cfg, layout, **kw)
         transient = transient_bytes(cfg, layout, **kw)
+    if prec.name == "muon":
+        transient += muon_transient_bytes(cfg, layout, distributed=distributed)
     return MemoryEstimate(
         params_dense=(c.dense - c.fp32) * param_bytes + 4 * c.fp32,
         params_expert=c.expert * param_bytes,
@@ -361,3 +385,26 @@ def memory_per_rank(
         stage=stage,
         transient=int(transient),
     )
+
+
+class _OneRank:
+    """The trivial layout (one rank holds every parameter) for whole-model counts."""
+
+    tp = pp = vpp = ep = etp = cp = dp = edp = 1
+
+
+def state_bytes_per_param(cfg: ModelConfig, prec: OptimizerPrecision, *, param_bytes: int) -> float:
+    """Optimizer-state bytes per parameter element averaged over the whole model (unsharded): AdamW's
+    :meth:`~OptimizerPrecision.state_bytes` for every element, or under ``prec.name == "muon"`` Muon's
+    momentum (plus master) for the hidden matrices and AdamW's for :attr:`ParamCounts.adamw`."""
+    if prec.name != "muon":
+        return prec.state_bytes(param_bytes)
+    c = param_counts(cfg, _OneRank(), stage=0)
+    share = c.adamw / (c.dense + c.expert)
+    return prec.muon_state_bytes(param_bytes) * (1 - share) + prec.state_bytes(param_bytes) * share
+
+
+def adamw_share(cfg: ModelConfig) -> float:
+    """Fraction of the model's parameters AdamW keeps under ``optim.name=muon`` (:attr:`ParamCounts.adamw`)."""
+    c = param_counts(cfg, _OneRank(), stage=0)
+    return c.adamw / (c.dense + c.expert)

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, Optional, Tuple
 
 from folding.model.config import ModelConfig
@@ -67,9 +68,9 @@ from folding.parallel.partition import partition_layers
 from . import flops as F
 from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time_parts, gemm_train_times, hidden_behind
 from .hardware import GPUSpec
-from .memory import param_counts
+from .memory import _stage_counts, param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
-from .optim_precision import OptimizerPrecision
+from .optim_precision import OptimizerPrecision, muon_flops
 
 BF16, FP32 = 2, 4
 
@@ -437,6 +438,29 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
 
 
 @functools.lru_cache(maxsize=4096)
+def _muon_seconds(cfg: ModelConfig, plan: "Plan", stage: int, gpu) -> float:
+    """Newton–Schulz time of one step on a rank of ``stage`` under ``optim.name=muon``: the routed
+    experts' fc1 gate/up and fc2 matrices of its MoE layers (split over EDP owners under ZeRO-1), the
+    dense and shared-expert MLP matrices (over DP×CP owners), at the TF32 tensor rate (half of bf16's)
+    with full efficiency; attention projections are left out (smaller than the MLPs' in the presets).
+    Every TP rank orthogonalizes the whole gathered matrix, so TP does not divide the work."""
+    n_layers, n_dense = _stage_counts(
+        cfg, plan.pp, plan.vpp or 1, stage, (plan.first_stage_layers, plan.last_stage_layers)
+    )
+    own_e = plan.edp if plan.distributed_optimizer else 1
+    own_d = plan.dp * plan.cp if plan.distributed_optimizer else 1
+    H, moe = cfg.hidden_size, cfg.moe
+    flops = 0.0
+    if moe.num_experts and moe.ffn_hidden_size:
+        local = moe.num_experts // plan.ep
+        flops += (n_layers - n_dense) * math.ceil(3 * local / own_e) * muon_flops(moe.ffn_hidden_size, H)
+    if moe.shared_expert_ffn_hidden_size:
+        flops += (n_layers - n_dense) * 3 * muon_flops(moe.shared_expert_ffn_hidden_size, H) / own_d
+    if cfg.ffn_hidden_size:
+        flops += n_dense * 3 * muon_flops(cfg.ffn_hidden_size, H) / own_d
+    return flops / (0.5 * gpu.bf16_flops)
+
+
 def _stage_parameters(
     cfg: ModelConfig,
     tp: int,
@@ -590,6 +614,15 @@ def estimate_step_time(
     exposed_grad = _exposed_behind_chunks(grad_s, pp=plan.pp, vpp=plan.vpp, slot_s=2 * fwd_share / plan.vpp)
     traffic = shape.optim_precision.update_traffic_bytes(BF16)  # 30 bytes per element when all fp32
     optimizer = traffic * shard / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    if shape.optim_precision.name == "muon":
+        optimizer += _muon_seconds(cfg, plan, stage, gpu)
+        if plan.distributed_optimizer:  # Muon under ZeRO-1: reduced gradients all-gathered, fp32 updates
+            for kind, n, span in (  # reduce-scattered, over the same groups (all parameters counted as Muon's)
+                ("dense", plan.dp * plan.cp, plan.tp * plan.cp * plan.dp),
+                ("expert", plan.edp, plan.etp * plan.ep * plan.edp),
+            ):
+                if n > 1:
+                    param_s += _ring_time((n - 1) / n * params[kind] * (grad_b + 4), span, cluster)
     exposed_dp = (
         exposed_grad
         + gpu.overlap_contention * (grad_s - exposed_grad)

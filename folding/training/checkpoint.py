@@ -6,7 +6,9 @@ A checkpoint is a directory ``DIR/step_<8 digits>`` holding
   buffer (``buffer/<name>``) and the AdamW state shaped like its parameter
   (``optim/<name>/exp_avg|exp_avg_sq[|master]``, moments in their ``optim.exp_avg_dtype`` /
   ``optim.exp_avg_sq_dtype``: fp32 or bf16 as stored, fp8 dequantized to fp32; a resume into other
-  state dtypes converts them, with a warning), each stored by its *full* shape as blocks
+  state dtypes converts them, with a warning; under ``optim.name=muon`` Muon's parameters store
+  ``optim/<name>/momentum[|master]`` in fp32 instead, and a resume under the other optimizer name
+  fails naming ``optim.name``), each stored by its *full* shape as blocks
   (:mod:`.checkpoint_blocks`); names use global layer indices, so TP, CP, PP, VPP, EP, ETP and
   ``optim.distributed`` may all change between save and load;
 - ``meta.json``: step, the data iterators' positions, the model and MoE configs (checked before any
@@ -165,11 +167,20 @@ def config_differences(
 def check_compatible(meta: Dict[str, Any], job) -> None:
     """Fail with :class:`ConfigError` naming every differing ``model.*`` / ``moe.*`` field when the
     checkpoint's model is not ``job``'s (fields that change no tensor, such as ``model.init_std`` or
-    ``moe.topk``, may differ)."""
+    ``moe.topk``, may differ), or naming ``optim.name`` when the checkpoint's optimizer is another
+    (AdamW moments and Muon momentum do not convert into each other)."""
     diff = [
         f"{k}: checkpoint {a!r}, this job {b!r}"
         for k, a, b in config_differences(meta["model"], job.model, free_model_fields=(), moe_fields=SHAPED_MOE_FIELDS)
     ]
+    optim = getattr(job, "optim", None)
+    saved = (meta.get("optim") or {}).get("name", "adamw")
+    if optim is not None and saved != optim.name:
+        raise ConfigError(
+            f"checkpoint {meta.get('path', '')} holds {saved} optimizer state and this job sets "
+            f"optim.name={optim.name}: resume with optim.name={saved} (the states do not convert), or "
+            f"start a new run from its weights"
+        )
     if diff:
         raise ConfigError(
             f"checkpoint {meta.get('path', '')} holds another model: "
@@ -293,7 +304,7 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     _warn_state_conversion(meta, job)
     dtypes = optimizer.state_dtypes()
     fp32 = {
-        n: {k: torch.empty_like(p.data, dtype=dtypes[k]) for k in ("exp_avg", "exp_avg_sq")}
+        n: {k: torch.empty_like(p.data, dtype=dtypes[k]) for k in optimizer.moment_keys(buf)}
         for buf in optimizer.buffers
         for n, p in zip(buf.names, buf.params)
     }

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 from ..model.config import ModelConfig
 from ..planning.flops import flops_per_token
-from ..planning.memory import MemoryEstimate, memory_per_rank, param_counts
+from ..planning.memory import MemoryEstimate, adamw_share, memory_per_rank, param_counts, state_bytes_per_param
 from ..planning.moe_overlap import memory_with_overlap
 from ..planning.optim_precision import OptimizerPrecision
 from .config import ConfigError, JobConfig
@@ -67,16 +67,29 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
 
 def optimizer_line(job: JobConfig) -> str:
     """The optimizer's state dtypes and its bytes per parameter element (unsharded; ZeRO-1 divides
-    them by DP×CP / EDP), with the same for fp32, bf16 and fp8 moments for comparison."""
+    them by DP×CP / EDP), with the same for fp32, bf16 and fp8 moments and for Muon for comparison.
+    Muon's figure is the model's average: one fp32 momentum (plus any master copy) for the hidden
+    matrices, this run's AdamW state for the rest (``ParamCounts.adamw`` on one rank)."""
     width = 2 if job.train.precision == "bf16" else 4
     prec = OptimizerPrecision.of(job.optim)
+    share = adamw_share(job.model)
+    muon_avg = state_bytes_per_param(job.model, dataclasses.replace(prec, name="muon"), param_bytes=width)
     alt = ", ".join(
         f"{d} {dataclasses.replace(prec, exp_avg_dtype=d, exp_avg_sq_dtype=d).state_bytes(width):.2f}"
         for d in ("fp32", "bf16", "fp8")
     )
+    alt += f"; Muon {muon_avg:.2f}"
+    if prec.name == "muon":
+        head = (
+            f"Muon for the hidden matrices ({100 * (1 - share):.2f}% of the parameters: fp32 momentum, "
+            f"{prec.muon_state_bytes(width):.2f} bytes), AdamW for the rest ({prec.describe()}, "
+            f"{prec.state_bytes(width):.2f} bytes): {muon_avg:.2f}"
+        )
+    else:
+        head = f"AdamW, {prec.describe()}: {prec.state_bytes(width):.2f}"
     return (
-        f"  optimizer   AdamW, {prec.describe()}: {prec.state_bytes(width):.2f} bytes of state per "
-        f"parameter (moments in fp32 / bf16 / fp8: {alt}), gradients {prec.grad_bytes()} bytes"
+        f"  optimizer   {head} bytes of state per parameter (moments in fp32 / bf16 / fp8: {alt}), "
+        f"gradients {prec.grad_bytes()} bytes"
     )
 
 

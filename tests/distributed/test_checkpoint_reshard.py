@@ -13,6 +13,11 @@ against an uninterrupted bf16-moment run. A resume into other state dtypes conve
 Hot-expert replicas (``moe.expert_replicas``) are not parameters: a run saved with replicas in use
 (EP4, re-planned every step) holds the logical experts only, and resumes without replicas in another
 layout, or with replicas in another one, like an uninterrupted run without replicas.
+
+With Muon (``optim.name=muon``, ``moments="muon"``; two of the pairs, ZeRO-1 on either side) the
+checkpoint stores Muon's fp32 momentum (assembled from its owners under ZeRO-1) beside the AdamW
+moments of the other parameters; the resumed runs meet the fp32 tolerances, the resharded load is bit
+for bit what was saved, and resuming the Muon checkpoint with AdamW fails naming ``optim.name``.
 """
 
 import math
@@ -66,8 +71,9 @@ def _job(parallel, distributed, steps, ckpt_dir=None, load=None, moments="fp32",
             weight_decay=0.01,
             eps=1e-6,
             distributed=distributed,
-            exp_avg_dtype=moments,
-            exp_avg_sq_dtype=moments,
+            exp_avg_dtype="fp32" if moments == "muon" else moments,
+            exp_avg_sq_dtype="fp32" if moments == "muon" else moments,
+            name="muon" if moments == "muon" else "adamw",
         ),
         data=DataConfig(),
         checkpoint=CheckpointConfig(dir=ckpt_dir, load=load),
@@ -111,7 +117,13 @@ def _resume_cases(root, moments="fp32", pairs=PAIRS):
         if moments != "fp32":  # B's state right after the load (no step run) against A's at the save
             loaded = _run(_job(lb, db, steps=3, load=d, moments=moments), root)
             out[f"state{i}"] = (a[3], loaded[3])
-    if moments != "fp32":  # the first pair's checkpoint resumed with fp32 moments: converted, warned
+    if moments == "muon":  # the first pair's Muon checkpoint resumed with AdamW: refused
+        try:
+            _run(_job(*pairs[0][1], steps=4, load=os.path.join(root, "pair0")), root)
+            out["other_optimizer"] = None
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            out["other_optimizer"] = f"{type(e).__name__}: {e}"
+    elif moments != "fp32":  # the first pair's checkpoint resumed with fp32 moments: converted, warned
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             c = _run(_job(*pairs[0][1], steps=4, load=os.path.join(root, "pair0")), root)
@@ -132,13 +144,13 @@ def _assemble(per_rank_params, dtype=torch.float32):
 
 def _assemble_state(per_rank_states, key):
     """Full tensors of one state ``key`` in its stored dtype (bf16 moments stay bf16)."""
-    dtype = next(iter(per_rank_states[0].values()))[2][key].dtype
-    return _assemble([{n: (f, s, st[key]) for n, (f, s, st) in r.items()} for r in per_rank_states], dtype)
+    dtype = next(st[key] for _, _, st in per_rank_states[0].values() if key in st).dtype
+    return _assemble([{n: (f, s, st[key]) for n, (f, s, st) in r.items() if key in st} for r in per_rank_states], dtype)
 
 
-@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "muon"])
 def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments):
-    pairs = PAIRS if moments == "fp32" else PAIRS[:2]
+    pairs = PAIRS if moments == "fp32" else PAIRS[:2]  # bf16 / muon: ZeRO-1 saved, ZeRO-1 loaded
     results = ranks(WORLD).run(_resume_cases, str(tmp_path), moments, pairs)
     ref, _ = results[0]["reference"]
     assert [s for s, *_ in ref] == [1, 2, 3, 4, 5, 6]
@@ -158,9 +170,14 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments
     for key, m in md.items():
         if hasattr(m, "chunks"):
             assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
-        if key.endswith(("/exp_avg", "/exp_avg_sq")):  # stored in the moments' own dtype
-            assert m.properties.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[moments], key
-    if moments != "fp32":
+        if key.endswith(("/exp_avg", "/exp_avg_sq", "/momentum")):  # stored in the moments' own dtype
+            assert m.properties.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}.get(moments, torch.float32)
+    if moments == "muon":
+        assert any(k.endswith("/momentum") for k in md) and any(k.endswith("/exp_avg") for k in md)
+        assert not any(k.startswith("optim/layers.") and k.endswith("experts.fc1_weight/exp_avg") for k in md)
+        message = results[0]["other_optimizer"]
+        assert message and "optim.name" in message and "muon" in message, message
+    elif moments != "fp32":
         hist_c, messages = results[0]["converted"]
         assert [s for s, *_ in hist_c] == [4]
         assert any("optim.exp_avg_dtype: bf16 -> fp32" in m for m in messages), messages
@@ -174,7 +191,7 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments
     # bf16 moments: where the two layouts' fp32 moments (equal to reduction-order noise) straddle a
     # bf16 rounding boundary they round one bf16 gap (2^-7 relative) apart, which moves that element's
     # update by up to lr * 2^-7 (2.3e-5 at lr 3e-3) per step; three steps after the resume
-    atol = 1e-5 if moments == "fp32" else 3 * 3e-3 * 2**-7
+    atol = 1e-5 if moments in ("fp32", "muon") else 3 * 3e-3 * 2**-7
     for name in f0:
         assert not torch.isnan(f0[name]).any() and not torch.isnan(f1[name]).any(), name
         torch.testing.assert_close(f0[name], f1[name], rtol=1e-4, atol=atol, msg=name)
@@ -182,11 +199,12 @@ def test_resume_in_another_layout_matches_uninterrupted(ranks, tmp_path, moments
         for i in range(len(pairs)):
             saved = [results[r][f"state{i}"][0] for r in range(WORLD)]
             loaded = [results[r][f"state{i}"][1] for r in range(WORLD)]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq") + (("momentum",) if moments == "muon" else ()):
                 a, b = _assemble_state(saved, key), _assemble_state(loaded, key)
                 assert sorted(a) == sorted(b)
+                dtype = torch.bfloat16 if moments == "bf16" else torch.float32
                 for name in a:
-                    assert a[name].dtype == torch.bfloat16 and torch.equal(a[name], b[name]), (i, key, name)
+                    assert a[name].dtype == dtype and torch.equal(a[name], b[name]), (i, key, name)
 
 
 REPLICAS = dict(expert_replicas=1, replica_interval=1)

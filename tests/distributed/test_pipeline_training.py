@@ -15,7 +15,12 @@ loss and grad-norm tolerances, parameters within the bound of one bf16 rounding 
 
 With hot-expert replicas (the ``replicas`` case: ``moe.expert_replicas=1``, re-planned every 2 steps,
 so replicas are in use from step 3 on) four cases (EP4 dropless, PP2 EP4 dropping, EP2×ETP2, PP2×EP2)
-train like one rank without replicas under the same tolerances."""
+train like one rank without replicas under the same tolerances.
+
+With Muon (``optim.name=muon``, the ``muon`` case) four cases of the matrix train like one rank with
+Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and dense matrices, each
+matrix orthogonalized by its owner in the DP group), VPP2 TP2 EP4 with ZeRO-1, ETP2 without ZeRO-1
+(expert matrices gathered over ETP) and Qwen2-MoE's shared expert with ETP2 and ZeRO-1."""
 
 import json
 import os
@@ -267,14 +272,16 @@ REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CA
 
 @pytest.mark.parametrize(
     "overlap,moments,replicas",
-    [(False, "fp32", 0), (True, "fp32", 0), (False, "bf16", 0), (False, "fp32", 1)],
-    ids=["overlap_off", "overlap_on", "bf16_moments", "replicas"],
+    [(False, "fp32", 0), (True, "fp32", 0), (False, "bf16", 0), (False, "muon", 0), (False, "fp32", 1)],
+    ids=["overlap_off", "overlap_on", "bf16_moments", "muon", "replicas"],
 )
 def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas):
     if replicas:
         _check_cases(ranks, tmp_path, REPLICA_CASES, replicas=replicas)
     elif moments == "fp32":
         _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
+    elif moments == "muon":  # ZeRO-1 PP2 TP2; VPP2 TP2 EP4; ETP2 plain; Qwen2-MoE shared expert ETP2
+        _check_cases(ranks, tmp_path, [CASES[0], CASES[2], CASES[5], CASES[7]], optim=(("name", "muon"),))
     else:  # two cases of the matrix (ZeRO-1 over DP with PP2 TP2; plain with ETP2, EDP2 != DP·CP)
         cases = [CASES[0], CASES[5]]
         _check_cases(ranks, tmp_path, cases, optim=(("exp_avg_dtype", moments), ("exp_avg_sq_dtype", moments)))
