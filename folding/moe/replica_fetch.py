@@ -27,12 +27,23 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .replicas import EMPTY
+
+
+@functools.lru_cache(maxsize=64)
+def _route_tensors(table: Tuple[int, ...], ep_size: int, ep_rank: int, L: int, R: int, device: torch.device):
+    """:func:`_routes` with the two index lists as tensors on ``device``, built once per table (no
+    host→device copy per layer call)."""
+    send_idx, send_splits, recv_slots, recv_splits = _routes(table, ep_size, ep_rank, L, R)
+    idx = torch.tensor(send_idx, dtype=torch.long, device=device)
+    slots = torch.tensor(recv_slots, dtype=torch.long, device=device)
+    return idx, send_splits, slots, recv_splits
 
 
 def _routes(table: Sequence[int], ep_size: int, ep_rank: int, L: int, R: int):
@@ -61,13 +72,11 @@ class _FetchReplicas(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight_L, table: Tuple[int, ...], ep_group, ep_size: int, ep_rank: int, R: int):
         L = weight_L.shape[0]
-        send_idx, send_splits, recv_slots, recv_splits = _routes(table, ep_size, ep_rank, L, R)
-        idx = torch.tensor(send_idx, dtype=torch.long, device=weight_L.device)
+        idx, send_splits, slots, recv_splits = _route_tensors(table, ep_size, ep_rank, L, R, weight_L.device)
         send = weight_L.detach().index_select(0, idx).contiguous()
-        recv = weight_L.new_empty((len(recv_slots),) + tuple(weight_L.shape[1:]))
+        recv = weight_L.new_empty((slots.numel(),) + tuple(weight_L.shape[1:]))
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=ep_group)
         out_Lr = weight_L.new_zeros((R,) + tuple(weight_L.shape[1:]))
-        slots = torch.tensor(recv_slots, dtype=torch.long, device=weight_L.device)
         out_Lr.index_copy_(0, slots, recv)
         ctx.save_for_backward(idx, slots)
         ctx.meta = (ep_group, send_splits, recv_splits, L)

@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -180,13 +181,12 @@ def split_to_slots(
     """
     T = routing_map_TE.shape[0]
     L, R = num_local_experts, num_replicas
-    experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
-    cols = torch.tensor([max(e, 0) for e in experts], dtype=torch.long, device=probs_TE.device)
+    cols, copies = _slot_plan(tuple(table), ep_size, L, R, probs_TE.device)
     probs_TEs = probs_TE.index_select(1, cols)
     owned = routing_map_TE.reshape(T, ep_size, L)
     spare = routing_map_TE.new_zeros((T, ep_size, R))
     map_TEs = torch.cat([owned, spare], dim=2).reshape(T, ep_size * (L + R))
-    for e, slots in sorted(expert_copies(table, ep_size=ep_size, num_local_experts=L, num_replicas=R).items()):
+    for e, slots in copies:
         col_T = routing_map_TE[:, e]
         k = len(slots)
         n = col_T.sum().clamp(min=1)
@@ -194,6 +194,17 @@ def split_to_slots(
         for j, s in enumerate(slots):
             map_TEs[:, s] = col_T & (part_T == j)
     return map_TEs, probs_TEs
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_plan(table: Tuple[int, ...], ep_size: int, L: int, R: int, device: torch.device):
+    """The slot→expert columns ``[S]`` on ``device`` and the ``(expert, slots)`` copies of a table, built
+    once per table (it changes every ``moe.replica_interval`` steps, not per forward: no host→device
+    copy per layer call)."""
+    experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
+    cols = torch.tensor([max(e, 0) for e in experts], dtype=torch.long, device=device)
+    copies = sorted(expert_copies(table, ep_size=ep_size, num_local_experts=L, num_replicas=R).items())
+    return cols, tuple((e, tuple(slots)) for e, slots in copies)
 
 
 class ReplicaSchedule:
