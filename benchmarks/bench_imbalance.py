@@ -15,8 +15,10 @@ steps before the first plan are warm-up for both models and left out of the medi
 
 Usage::
 
-    python -m benchmarks.bench_imbalance --skew zipf:1.2 --replicas 2 --experts 16 --ep 4,8 \\
-        --out benchmarks/imbalance_cpu.md
+    python -m benchmarks.bench_imbalance --skew zipf:1.2 --replicas 2 --experts 16 --ep 4 --world 4
+    python -m benchmarks.bench_imbalance --skew zipf:1.2 --replicas 2 --experts 16 --ep 4,8 --world 8
+
+(``benchmarks/imbalance_cpu.md`` gathers three such runs.)
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--ep", default="4,8", help="EP sizes, comma-separated")
     p.add_argument("--world", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank per step")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
