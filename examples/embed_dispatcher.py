@@ -62,7 +62,8 @@ def main(device=torch.device("cpu")):
 
     dense = sum(((x @ Wa[e]) * probs_TE[:, e : e + 1]) @ Wb[e] for e in range(E))
     torch.testing.assert_close(y, dense)
-    print(f"rank {rank}: {T} tokens, rows per local expert {list(record.tokens_per_expert_host)}, output matches", flush=True)
+    rows = list(record.tokens_per_expert_host)
+    print(f"rank {rank}: {T} tokens, rows per local expert {rows}, output matches", flush=True)
     dist.barrier()  # no rank closes its connections while a peer still uses them
 
 
