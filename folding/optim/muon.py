@@ -17,6 +17,7 @@ of tensor-parallel pieces and the ownership under ZeRO-1 are :mod:`folding.optim
 
 Usage::
 
+    chunks = stack_chunks(K, M * N)                                       # bounded Newton–Schulz stacks
     u = momentum_direction(g_KMN, m_KMN, momentum=0.95, nesterov=True)   # updates m in place
     o = newton_schulz5(u, steps=5)                                        # fp32, same shape
     w32.mul_(1 - lr * wd).add_(o, alpha=-lr * update_scale(M, N, 0.2))
@@ -25,12 +26,19 @@ Usage::
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """``(a, b, c)`` of the quintic ``X ← a·X + b·(X Xᵀ) X + c·(X Xᵀ)² X`` (Keller Jordan's tuned
 coefficients: fast growth of small singular values, which then oscillate in about [0.7, 1.2])."""
+
+NS_STACK_ELEMENTS = 1 << 25
+"""The most full-matrix elements one Newton–Schulz call stacks (128 MiB of fp32): an owner's matrices
+of one parameter go through in chunks of at most this many elements (at least one matrix each), so
+the working set (about four fp32 copies of the stack, see ``muon_transient_bytes``) stays bounded
+however many experts a rank owns, while small matrices still batch."""
 
 NS_EPS = 1e-7
 """Added to the Frobenius norm before the first iteration (an all-zero matrix stays zero)."""
@@ -53,6 +61,18 @@ def newton_schulz5(x_KMN: torch.Tensor, steps: int = 5) -> torch.Tensor:
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x
     return (x.mT if tall else x).contiguous()
+
+
+def stack_chunks(count: int, matrix_elements: int, budget: Optional[int] = None):
+    """``[(start, stop), ...]`` covering ``range(count)`` in order: consecutive matrices of
+    ``matrix_elements`` each, at most ``budget`` (default :data:`NS_STACK_ELEMENTS`) elements per
+    chunk and at least one matrix. Pure:
+    tensor-parallel peers that own the same matrices chunk them the same way (their gathers pair up).
+
+    Example: ``stack_chunks(5, 10, budget=25)`` -> ``[(0, 2), (2, 4), (4, 5)]``."""
+    budget = NS_STACK_ELEMENTS if budget is None else budget
+    per = max(1, budget // max(1, matrix_elements))
+    return [(i, min(i + per, count)) for i in range(0, count, per)]
 
 
 def momentum_direction(g_KMN: torch.Tensor, m_KMN: torch.Tensor, *, momentum: float, nesterov: bool) -> torch.Tensor:

@@ -11,9 +11,10 @@ One step of one bucket (:meth:`MuonState.step_bucket`), after reduction and clip
 
 1. ZeRO-1 only: all-gather the reduced gradient shards over the DP group, so every rank holds the
    whole reduced gradient of the bucket (in place in ``main_grad``);
-2. for each owned matrix: momentum, Nesterov, the TP all-gather of the matrix (TP / ETP group),
-   Newton–Schulz on the full matrix, this rank's piece back, times the update scale
-   (:mod:`folding.optim.muon`), written into a bucket-sized update buffer that is zero elsewhere;
+2. for each owned matrix, in stacks of at most ``NS_STACK_ELEMENTS`` full-matrix elements
+   (:func:`~folding.optim.muon.stack_chunks`): momentum, Nesterov, the TP all-gather of the matrix
+   (TP / ETP group), Newton–Schulz on the full matrix, this rank's piece back, times the update
+   scale (:mod:`folding.optim.muon`), written into a bucket-sized update buffer that is zero elsewhere;
 3. ZeRO-1 only: reduce-scatter (sum) of the update buffer over the DP group: each element has one
    owner and zeros from every other rank, so each rank receives exactly the updates of its shard;
 4. the caller applies ``w ← w − lr·wd·w − lr·update`` to the range it updates.
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from ..parallel.collectives import reduce_scatter_single
 from .config import OptimConfig
 from .grad_buffer import Bucket, GradBuffer
-from .muon import momentum_direction, newton_schulz5, update_scale
+from .muon import momentum_direction, newton_schulz5, stack_chunks, update_scale
 from .muon_owner import MatrixLayout, assign_owners, gather_full, local_piece
 from .reducer import all_gather_flat
 
@@ -88,13 +89,19 @@ class MuonState:
             if not mine:
                 continue
             lay = self.layouts[k]
-            idx = torch.tensor(mine, device=grads.device)
-            g = grads[a : a + n].view(lay.local_shape).index_select(0, idx)
-            u = momentum_direction(g, self.momentum[k], momentum=c.muon_momentum, nesterov=c.muon_nesterov)
-            full = gather_full(u, lay, buf.groups.tp_group)  # TP / ETP all-gather when sharded
-            o = local_piece(newton_schulz5(full, c.muon_ns_steps), lay)
-            o = o * update_scale(lay.rows, lay.cols, c.muon_update_scale)
-            update[a : a + n].view(lay.local_shape).index_copy_(0, idx, o)
+            scale = update_scale(lay.rows, lay.cols, c.muon_update_scale)
+            # the owned matrices in bounded stacks (NS_STACK_ELEMENTS): the Newton–Schulz working set
+            # does not grow with the number of experts a rank owns
+            for lo, hi in stack_chunks(len(mine), lay.rows * lay.cols):
+                idx = torch.tensor(mine[lo:hi], device=grads.device)
+                g = grads[a : a + n].view(lay.local_shape).index_select(0, idx)
+                m = self.momentum[k][lo:hi]  # a view: updated in place
+                u = momentum_direction(g, m, momentum=c.muon_momentum, nesterov=c.muon_nesterov)
+                full = gather_full(u, lay, buf.groups.tp_group)  # TP / ETP all-gather when sharded
+                del u
+                o = local_piece(newton_schulz5(full, c.muon_ns_steps), lay)
+                del full
+                update[a : a + n].view(lay.local_shape).index_copy_(0, idx, o.mul_(scale))
         if not sharded:
             return update
         out = torch.empty(b.numel() // buf.groups.dp_size, dtype=torch.float32, device=update.device)

@@ -25,6 +25,10 @@ STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
 """Bytes per element of each state dtype (fp8: the e4m3 code and its share of a per-128 fp32 scale)."""
 FIELDS = ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype")
 """The ``optim.*`` keys this record mirrors."""
+NS_STACK_ELEMENTS = 1 << 25
+"""The engine's largest Newton–Schulz stack in full-matrix elements (``folding.optim.muon``'s constant of
+the same name, which this layer may not import; ``tests/unit/test_optim_muon.py`` keeps them equal)."""
+
 MUON_MOMENTUM_BYTES = 4.0
 """Bytes per element of Muon's state: one fp32 momentum buffer."""
 
@@ -89,11 +93,10 @@ class OptimizerPrecision:
 
 
 def _muon_stacks(cfg, layout, distributed: bool):
-    """``(K, M, N)`` of the matrix stacks one rank orthogonalizes at once (one parameter's owned
-    matrices): routed experts' fc1 (gate and up of every local expert, split over EDP owners under
-    ZeRO-1) and fc2, the shared expert's fc1 and a dense MLP projection. Attention projections are
-    left out: smaller than these in the presets (DeepSeek-V3's largest, o_proj, is 7168x16384 against
-    the dense MLP's 18432x7168)."""
+    """``(K, M, N)`` of one parameter's owned matrices on a rank (before chunking): routed experts'
+    fc1 (gate and up of every local expert, split over EDP owners under ZeRO-1) and fc2, the shared
+    expert's fc1 and a dense MLP projection. Attention projections are left out: smaller than these
+    in the presets (DeepSeek-V3's largest, o_proj, is 7168x16384 against the dense MLP's 18432x7168)."""
     H, moe = cfg.hidden_size, cfg.moe
     owners = layout.edp if distributed else 1
     out = []
@@ -112,10 +115,13 @@ def _muon_stacks(cfg, layout, distributed: bool):
 
 def muon_transient_bytes(cfg, layout, *, distributed: bool, bucket_size: int = 40_000_000) -> int:
     """Peak short-lived bytes of one Muon step on a rank: the largest stack of full fp32 matrices
-    (:func:`_muon_stacks`) held about four times at once (the gathered direction, the normalized
+    (:func:`_muon_stacks`, cut to the engine's chunks of at most :data:`NS_STACK_ELEMENTS` elements,
+    at least one matrix) held about four times at once (the gathered direction, the normalized
     iterate, the polynomial's product, the next iterate) plus three ``min(M, N)²`` Gram-sized
     matrices per stack member, and the bucket-sized fp32 update buffer."""
-    stacks = _muon_stacks(cfg, layout, distributed)
+    stacks = [
+        (min(k, max(1, NS_STACK_ELEMENTS // (m * n))), m, n) for k, m, n in _muon_stacks(cfg, layout, distributed)
+    ]
     ns = max((4 * (4 * k * m * n + 3 * k * min(m, n) ** 2) for k, m, n in stacks), default=0)
     return int(ns + 4 * bucket_size)
 

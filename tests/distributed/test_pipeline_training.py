@@ -290,3 +290,28 @@ def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas
 @pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
 def test_deepseek_v3_layouts_train_like_one_rank(ranks, tmp_path, overlap):
     _check_cases(ranks, tmp_path, DEEPSEEK_CASES, overlap=overlap)
+
+
+def _train_with_ns_budget(budget, case, run_dir, optim):
+    from folding.optim import muon
+
+    saved = muon.NS_STACK_ELEMENTS
+    muon.NS_STACK_ELEMENTS = budget if budget else saved
+    try:
+        return _train([case], run_dir, True, 3, optim)
+    finally:
+        muon.NS_STACK_ELEMENTS = saved
+
+
+def test_muon_in_newton_schulz_chunks_trains_like_one_stack(ranks, tmp_path):
+    """Muon orthogonalizes an owner's matrices of one parameter in stacks of at most
+    ``NS_STACK_ELEMENTS`` elements; a budget of one expert matrix per call (16x32, so each of the
+    8 experts' fc1/fc2 is its own Newton-Schulz call) gives the losses and parameters of one stack."""
+    case = ("mixtral_tiny", {}, {}, False, {})
+    optim = (("name", "muon"),)
+    (one,), (many,) = (ranks(1).run(_train_with_ns_budget, b, case, str(tmp_path), optim)[0] for b in (16 * 32, None))
+    for a, b in zip(one[0], many[0]):  # losses
+        assert abs(a - b) <= 1e-6 * abs(b), (one[0], many[0])
+    assert sorted(one[2]) == sorted(many[2])
+    for name in many[2]:
+        torch.testing.assert_close(one[2][name][1], many[2][name][1], rtol=0, atol=1e-6, msg=name)

@@ -162,3 +162,15 @@ def test_config_errors_name_the_field():
         with pytest.raises(OptimConfigError, match=f"optim.{key}"):
             OptimConfig(**{key: bad})
     OptimConfig(name="muon", muon_momentum=0.0, muon_nesterov=False, muon_ns_steps=1, muon_update_scale=1)
+
+
+def test_stack_chunks_bound_the_newton_schulz_stack():
+    from folding.optim.muon import NS_STACK_ELEMENTS, stack_chunks
+    from folding.planning.optim_precision import NS_STACK_ELEMENTS as PLANNED
+
+    assert PLANNED == NS_STACK_ELEMENTS  # the memory model counts the engine's chunks
+    assert stack_chunks(5, 10, budget=25) == [(0, 2), (2, 4), (4, 5)]
+    assert stack_chunks(3, 100, budget=25) == [(0, 1), (1, 2), (2, 3)]  # at least one matrix
+    assert stack_chunks(0, 10) == []
+    # DeepSeek-V3's expert fc1 gate/up matrices [2048, 7168]: two per stack, not all 64 local ones
+    assert stack_chunks(64, 2048 * 7168) == [(i, i + 2) for i in range(0, 64, 2)]
