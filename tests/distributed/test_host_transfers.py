@@ -4,7 +4,9 @@ Audited on CPU by :class:`folding.testing.transfer_audit.TransferAudit` (which m
 would copy): device→host reads D2H ≤ 1 dropless (the all-to-all split sizes) and 0 with
 pad-to-capacity; host→device copies H2D = 0 in both, for both dispatchers, on a 1×1 expert
 domain and on EP-only and EP×ETP layouts of 4 gloo ranks. The router's aux and z losses are on, so their
-reductions are audited too.
+reductions are audited too. With hot-expert replicas (``moe.expert_replicas=2``, dropless, a slot
+table planned from a skewed load) the same budget holds on the EP layouts: the split onto slots and
+the replica weights' fetch add no host transfer once the table is set.
 """
 
 import torch
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
 from folding.moe.layer import MoELayer
+from folding.moe.replicas import EMPTY, plan_replicas
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing.transfer_audit import TransferAudit
 
@@ -19,8 +22,9 @@ H, S, B, E = 16, 8, 2, 8
 BUDGET = {"dropless": 1, "pad": 0}  # D2H per layer forward + backward; H2D is 0 everywhere
 
 
-def _layer(ps, dispatcher, mode):
+def _layer(ps, dispatcher, mode, replicas=0):
     cfg = MoEConfig(
+        expert_replicas=replicas,
         num_experts=E,
         topk=2,
         ffn_hidden_size=8,
@@ -52,6 +56,18 @@ def _audit(layouts):
                     with TransferAudit() as audit:
                         layer(x).sum().backward()
                     out.append((layout_kw, dispatcher, mode, audit.h2d, audit.d2h, audit.events))
+            if layout_kw["ep"] == 1:
+                continue
+            for dispatcher in ("alltoall", "allgather"):
+                layer = _layer(ps, dispatcher, "dropless", replicas=2)
+                skew = [float(2 ** (E - e)) for e in range(E)]  # expert 0 hottest: replicas get planned
+                layer.set_replica_table(plan_replicas(skew, **layer.replica_geometry()))
+                assert any(e != EMPTY for e in layer.replica_table)
+                x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank), requires_grad=True)
+                layer(x).sum().backward()  # warm-up: the table's index tensors are built once per table
+                with TransferAudit() as audit:
+                    layer(x).sum().backward()
+                out.append((layout_kw, dispatcher, "dropless", audit.h2d, audit.d2h, audit.events))
     return out
 
 
@@ -65,6 +81,6 @@ def _check(results):
 def test_budget_on_one_expert_rank_ep_and_ep_etp(ranks):
     # ep=1: each rank is its own 1x1 expert domain (the 1-rank path); then EP-only and EP x ETP
     results = ranks(4).run(_audit, [dict(ep=1, etp=1), dict(ep=4, etp=1), dict(ep=2, etp=2)])
-    assert sum(len(r) for r in results) == 4 * 3 * 2 * 2
+    assert sum(len(r) for r in results) == 4 * (3 * 2 * 2 + 2 * 2)  # + replicas on the two EP layouts
     for rank_out in results:
         _check(rank_out)
