@@ -181,30 +181,46 @@ def split_to_slots(
     """
     T = routing_map_TE.shape[0]
     L, R = num_local_experts, num_replicas
-    cols, copies = _slot_plan(tuple(table), ep_size, L, R, probs_TE.device)
+    cols, rep = _slot_plan(tuple(table), ep_size, L, R, probs_TE.device)
     probs_TEs = probs_TE.index_select(1, cols)
     owned = routing_map_TE.reshape(T, ep_size, L)
     spare = routing_map_TE.new_zeros((T, ep_size, R))
     map_TEs = torch.cat([owned, spare], dim=2).reshape(T, ep_size * (L + R))
-    for e, slots in copies:
-        col_T = routing_map_TE[:, e]
-        k = len(slots)
-        n = col_T.sum().clamp(min=1)
-        part_T = ((col_T.long().cumsum(0) - 1) * k).div(n, rounding_mode="floor")
-        for j, s in enumerate(slots):
-            map_TEs[:, s] = col_T & (part_T == j)
+    if rep is None:
+        return map_TEs, probs_TEs
+    experts_X, k_X, slots_C, expert_of_C, copy_of_C = rep  # X: replicated experts, C: all their copies
+    col_TX = routing_map_TE.index_select(1, experts_X)
+    n_X = col_TX.sum(0).clamp(min=1)
+    part_TX = ((col_TX.long().cumsum(0) - 1) * k_X).div(n_X, rounding_mode="floor")
+    sel_TC = col_TX.index_select(1, expert_of_C) & (part_TX.index_select(1, expert_of_C) == copy_of_C)
+    map_TEs.index_copy_(1, slots_C, sel_TC)
     return map_TEs, probs_TEs
 
 
 @functools.lru_cache(maxsize=64)
 def _slot_plan(table: Tuple[int, ...], ep_size: int, L: int, R: int, device: torch.device):
-    """The slot→expert columns ``[S]`` on ``device`` and the ``(expert, slots)`` copies of a table, built
-    once per table (it changes every ``moe.replica_interval`` steps, not per forward: no host→device
-    copy per layer call)."""
+    """The slot→expert columns ``[S]`` on ``device`` and, when some expert has a replica, the index
+    tensors of the split: the replicated experts ``[X]``, their copy counts ``[X]``, and for each of
+    their copies ``[C]`` its slot, the position of its expert in ``[X]`` and its copy number (owner 0).
+    Built once per table (it changes every ``moe.replica_interval`` steps, not per forward: no
+    host→device copy per layer call)."""
     experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
     cols = torch.tensor([max(e, 0) for e in experts], dtype=torch.long, device=device)
     copies = sorted(expert_copies(table, ep_size=ep_size, num_local_experts=L, num_replicas=R).items())
-    return cols, tuple((e, tuple(slots)) for e, slots in copies)
+    if not copies:
+        return cols, None
+    slots, expert_of, copy_of = [], [], []
+    for x, (_, held) in enumerate(copies):
+        for j, s in enumerate(held):
+            slots.append(s)
+            expert_of.append(x)
+            copy_of.append(j)
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    rep = (t([e for e, _ in copies]), t([len(h) for _, h in copies]), t(slots), t(expert_of), t(copy_of))
+    return cols, rep
 
 
 class ReplicaSchedule:
