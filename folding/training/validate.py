@@ -195,15 +195,14 @@ def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[tor
             f"needs expert parallelism, but parallel.ep={layout.ep} puts every expert on every rank",
             "set parallel.ep > 1 or moe.expert_replicas=0",
         )
-    for key in ("overlap_moe_comm", "delay_wgrad"):
-        if getattr(par, key):
-            _fail(
-                "moe.expert_replicas",
-                R,
-                f"is not implemented with parallel.{key} (the replica weight exchange is not ordered "
-                "with the overlapped exchanges)",
-                f"set parallel.{key}=false or moe.expert_replicas=0",
-            )
+    if par.delay_wgrad:
+        _fail(
+            "moe.expert_replicas",
+            R,
+            "is not implemented with parallel.delay_wgrad (a replica's weight gradient must reach its "
+            "owner through the replica weight exchange's backward, which a deferred weight gradient skips)",
+            "set parallel.delay_wgrad=false or moe.expert_replicas=0",
+        )
     if expert_backend_on(job, device) == "te":
         _fail(
             "moe.expert_replicas",

@@ -15,7 +15,9 @@ loss and grad-norm tolerances, parameters within the bound of one bf16 rounding 
 
 With hot-expert replicas (the ``replicas`` case: ``moe.expert_replicas=1``, re-planned every 2 steps,
 so replicas are in use from step 3 on) four cases (EP4 dropless, PP2 EP4 dropping, EP2×ETP2, PP2×EP2)
-train like one rank without replicas under the same tolerances.
+train like one rank without replicas under the same tolerances; with ``parallel.overlap_moe_comm`` too
+(``replicas_overlap``) two cases whose ranks run merged pairs train like one rank and bitwise like
+their runs with replicas and without overlap.
 
 With Muon (``optim.name=muon``, the ``muon`` case) four cases of the matrix train like one rank with
 Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and dense matrices, each
@@ -200,7 +202,8 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
             continue
         model_name, parallel, train, distributed, moe = case
         # every other case also delays the experts' weight gradients (parallel.delay_wgrad)
-        knobs = {"overlap_moe_comm": True, "delay_wgrad": len(results) % 2 == 1}
+        # (not with replicas: moe.expert_replicas refuses parallel.delay_wgrad)
+        knobs = {"overlap_moe_comm": True, "delay_wgrad": not replicas and len(results) % 2 == 1}
         on = ranks(8).run(
             _train, [(model_name, {**parallel, **knobs}, train, distributed, moe)], str(tmp_path), True, STEPS, optim
         )
@@ -268,16 +271,28 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
 # hot-expert replicas (moe.expert_replicas=1, re-planned every 2 steps): EP4 dropless, EP4 dropping
 # with PP2, EP2×ETP2, PP2×EP2 with TP2 and ZeRO-1
 REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CASES[6], CASES[5], CASES[0]]
+# replicas with parallel.overlap_moe_comm: layouts with several micro-batches per rank, so that merged
+# forward-backward pairs do run (on every rank: TP2 CP2 EP8; on the last stage: Qwen2-MoE's shared
+# expert with PP2 TP2 EP2 ETP2 and full recompute, which fetches the replicas again)
+REPLICA_OVERLAP_CASES = [CASES[4], CASES[7]]
 
 
 @pytest.mark.parametrize(
     "overlap,moments,replicas",
-    [(False, "fp32", 0), (True, "fp32", 0), (False, "bf16", 0), (False, "muon", 0), (False, "fp32", 1)],
-    ids=["overlap_off", "overlap_on", "bf16_moments", "muon", "replicas"],
+    [
+        (False, "fp32", 0),
+        (True, "fp32", 0),
+        (False, "bf16", 0),
+        (False, "muon", 0),
+        (False, "fp32", 1),
+        (True, "fp32", 1),
+    ],
+    ids=["overlap_off", "overlap_on", "bf16_moments", "muon", "replicas", "replicas_overlap"],
 )
 def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas):
-    if replicas:
-        _check_cases(ranks, tmp_path, REPLICA_CASES, replicas=replicas)
+    if replicas:  # with overlap: also bitwise the run with replicas and without overlap
+        cases = REPLICA_OVERLAP_CASES if overlap else REPLICA_CASES
+        _check_cases(ranks, tmp_path, cases, overlap=overlap, replicas=replicas)
     elif moments == "fp32":
         _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
     elif moments == "muon":  # ZeRO-1 PP2 TP2; VPP2 TP2 EP4; ETP2 plain; Qwen2-MoE shared expert ETP2
