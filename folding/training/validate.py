@@ -199,8 +199,8 @@ def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[tor
         _fail(
             "moe.expert_replicas",
             R,
-            "is not implemented with parallel.delay_wgrad (a replica's weight gradient must reach its "
-            "owner through the replica weight exchange's backward, which a deferred weight gradient skips)",
+            "is not implemented with parallel.delay_wgrad (the replicas' gradient exchange over EP would "
+            "run inside the deferred weight-gradient work, which is not ordered across the EP ranks)",
             "set parallel.delay_wgrad=false or moe.expert_replicas=0",
         )
     if expert_backend_on(job, device) == "te":
