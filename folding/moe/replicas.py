@@ -15,7 +15,8 @@ each forward (:mod:`folding.moe.replica_fetch`), so they are never parameters.
 - :func:`split_to_slots`: the logical routing map and probabilities ``[T, E]`` → slots ``[T, Es]``.
 - :class:`ReplicaSchedule`: the trainer's re-plan every ``moe.replica_interval`` steps.
 
-Shape suffixes (docs/shapes.md): ``T`` local tokens, ``E`` global experts, ``Es`` expert slots ``EP·(L+R)``.
+Shape suffixes (docs/shapes.md): ``T`` local tokens, ``E`` global experts, ``Es`` expert slots ``EP·(L+R)``,
+``Er`` the experts with a replica, ``Ec`` all copies of those (owner slots included).
 
 Usage::
 
@@ -188,20 +189,20 @@ def split_to_slots(
     map_TEs = torch.cat([owned, spare], dim=2).reshape(T, ep_size * (L + R))
     if rep is None:
         return map_TEs, probs_TEs
-    experts_X, k_X, slots_C, expert_of_C, copy_of_C = rep  # X: replicated experts, C: all their copies
-    col_TX = routing_map_TE.index_select(1, experts_X)
-    n_X = col_TX.sum(0).clamp(min=1)
-    part_TX = ((col_TX.long().cumsum(0) - 1) * k_X).div(n_X, rounding_mode="floor")
-    sel_TC = col_TX.index_select(1, expert_of_C) & (part_TX.index_select(1, expert_of_C) == copy_of_C)
-    map_TEs.index_copy_(1, slots_C, sel_TC)
+    experts_Er, k_Er, slots_Ec, expert_of_Ec, copy_of_Ec = rep  # Er: replicated experts, Ec: all their copies
+    col_TEr = routing_map_TE.index_select(1, experts_Er)
+    n_Er = col_TEr.sum(0).clamp(min=1)
+    part_TEr = ((col_TEr.long().cumsum(0) - 1) * k_Er).div(n_Er, rounding_mode="floor")
+    sel_TEc = col_TEr.index_select(1, expert_of_Ec) & (part_TEr.index_select(1, expert_of_Ec) == copy_of_Ec)
+    map_TEs.index_copy_(1, slots_Ec, sel_TEc)
     return map_TEs, probs_TEs
 
 
 @functools.lru_cache(maxsize=64)
 def _slot_plan(table: Tuple[int, ...], ep_size: int, L: int, R: int, device: torch.device):
     """The slot→expert columns ``[S]`` on ``device`` and, when some expert has a replica, the index
-    tensors of the split: the replicated experts ``[X]``, their copy counts ``[X]``, and for each of
-    their copies ``[C]`` its slot, the position of its expert in ``[X]`` and its copy number (owner 0).
+    tensors of the split: the replicated experts ``[Er]``, their copy counts ``[Er]``, and for each of
+    their copies ``[Ec]`` its slot, the position of its expert in ``[Er]`` and its copy number (owner 0).
     Built once per table (it changes every ``moe.replica_interval`` steps, not per forward: no
     host→device copy per layer call)."""
     experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
