@@ -20,7 +20,8 @@ other.
   network would.
 - :func:`audit` records, for each exchange, the compute operations issued between its start and its
   wait (the order audit of the overlap tests).
-- :data:`stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed time).
+- :data:`stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed time) and
+  counts the pairs run and the hand-overs between their lanes (the trainer reports both per step).
 
 The baton is held by lanes, not threads: a lane may be served by another thread (the autograd engine
 runs CUDA backward on its own device thread), so the state is module-level and guarded by one
@@ -76,6 +77,7 @@ def _hand_over() -> None:
         me = p.turn
         if p.done[1 - me]:
             return
+        stats.hand_overs += 1
         p.turn = 1 - me
         p.cond.notify_all()
         p.cond.wait_for(lambda: p.turn == me)
@@ -123,6 +125,7 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> Tuple[Any, 
                 p.cond.notify_all()
 
     _pair = p
+    stats.pairs += 1
     try:
         helper = threading.Thread(target=lane, args=(1, second, True), name="folding-lane", daemon=True)
         helper.start()
@@ -188,10 +191,16 @@ class Stats:
 
     blocked_s: float = 0.0
     """Wall time spent waiting for exchanges to complete (what the exchanges cost the critical path)."""
+    pairs: int = 0
+    """Pairs run as two lanes (:func:`run_pair` outside another pair): proof that overlap was on."""
+    hand_overs: int = 0
+    """Hand-overs that switched lanes at an exchange (each one hides an exchange behind the other lane)."""
 
     def reset(self) -> None:
-        """Zero the counter."""
+        """Zero the counters."""
         self.blocked_s = 0.0
+        self.pairs = 0
+        self.hand_overs = 0
 
 
 stats = Stats()

@@ -61,6 +61,7 @@ from ..moe.replicas import ReplicaSchedule
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
+from ..parallel.overlap import stats as overlap_stats
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
 from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume
@@ -219,7 +220,8 @@ def train(
     stop: Optional[StopRequest] = None,
 ) -> Dict[str, Any]:
     """Run ``job`` to ``train.steps`` on the initialized world; return a summary (every rank):
-    ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped), ``metrics_file``, ``chunks``
+    ``history`` (per-step loss, lm_loss, grad_norm, lr, skipped, and this rank's ``overlap_pairs`` and
+    ``overlap_hand_overs``: merged forward-backward pairs run and lane switches), ``metrics_file``, ``chunks``
     (this rank's trained model chunks) and ``optimizer`` (its :class:`~folding.optim.FoldedOptimizer`).
 
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
@@ -380,7 +382,12 @@ def _train_step(run: _Run, step: int) -> None:
     router updates, metrics, evaluation and checkpoint when due."""
     run.timer.restart()
     mbs, n_tokens = _read_batch(run)
+    pairs0, hand_overs0 = overlap_stats.pairs, overlap_stats.hand_overs
     out = _forward_backward(run, mbs, n_tokens)
+    paired = {
+        "overlap_pairs": overlap_stats.pairs - pairs0,
+        "overlap_hand_overs": overlap_stats.hand_overs - hand_overs0,
+    }
     losses = _reduce(run, out, n_tokens)
     if run.replicas:  # the step's world-summed loads, the same on every rank: no collective of its own
         counts = losses.moe["counts_LE"]
@@ -391,7 +398,9 @@ def _train_step(run: _Run, step: int) -> None:
     grad_norm, skipped = _clip_and_step(run.optimizer, losses.loss)
     _update_routers(run, skipped=skipped)
     record = _train_record(run, step, losses, grad_norm=grad_norm, lr=lr, skipped=skipped, n_tokens=n_tokens)
-    run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
+    if run.job.parallel.overlap_moe_comm:  # this rank's merged forward-backward pairs: overlap is in effect
+        record.update(paired)
+    run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")} | paired)
     if run.sink:
         run.sink.log(record)
         for warning in run.collapse.update(step, losses.moe["counts_LE"]):
