@@ -138,7 +138,9 @@ class ParallelLayout:
                 f"parallel.order={self.order!r} does not put 'pp' last, which with pp={self.pp} requires "
                 f"EDP == DP (got EDP={self.edp}, DP={self.dp}); put 'pp' last in parallel.order"
             )
-        if att.get_ranks("pp") != exp.get_ranks("pp"):
+        # with 'pp' the slowest axis both views give pp the stride world/pp, hence the same groups
+        # {b + k*world/pp}: enumerating them (O(world) each time a layout is built) only matters otherwise
+        if names[-1] != "pp" and att.get_ranks("pp") != exp.get_ranks("pp"):
             raise LayoutError(
                 f"the attention and expert views give different pipeline groups under "
                 f"parallel.order={self.order!r}; put 'pp' last in parallel.order"
