@@ -33,6 +33,7 @@ setup(
         "dev": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",
             "hypothesis",
             "transformers>=4.46",
             "megatron-core==0.16.1",

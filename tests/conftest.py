@@ -1,10 +1,36 @@
 """Shared pytest fixtures: long-lived gloo rank pools reused by every distributed test; one intra-op
-thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup`` in ``pytest.ini``): each worker
+uses one intra-op thread (two workers fill the two cores; more threads would only contend), and the
+tests that share results within a session (an equivalence parameter that reuses another's runs) are
+kept on one worker by an ``xdist_group`` (:data:`SHARED_RUNS`). Every other test may run on either
+worker beside any other, so none may depend on running alone."""
+
+import os
 
 import pytest
 import torch
 
 from folding.testing import RankPool
+
+# test-id prefixes whose tests reuse each other's runs through module-level caches: one worker each
+SHARED_RUNS = {
+    # overlap_on compares bitwise with overlap_off's 8-rank runs of the same cases
+    "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[overlap_": "equivalence-matrix",
+    "tests/distributed/test_pipeline_training.py::test_deepseek_v3_layouts_train_like_one_rank": "equivalence-deepseek",
+}
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of a parallel run: one core's worth of threads
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the tests of each :data:`SHARED_RUNS` prefix on one xdist worker."""
+    for item in items:
+        for prefix, group in SHARED_RUNS.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="module")
