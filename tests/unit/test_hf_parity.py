@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import require
+
+transformers = require("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402
@@ -111,10 +113,6 @@ def test_parity_with_engine_moe_layer(tmp_path):
     import subprocess
     import sys
 
-    try:
-        import folding.moe.layer  # noqa: F401
-    except ImportError:
-        pytest.skip("folding.moe.layer (the engine's MoE layer) is not in this tree")
     code = (
         "import sys; from tests.unit.test_hf_parity import CASES, check_parity\n"
         "for i, (f, kw, legacy) in enumerate(CASES):\n"
