@@ -67,8 +67,9 @@ def _eval(n, ns):  # noqa: C901 - one branch per node type, deliberately flat
         fn = _eval(n.func, ns)
         args = [_eval(a, ns) for a in n.args]
         return fn(*args, **{k.arg: _eval(k.value, ns) for k in n.keywords})
-    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
-        return not _eval(n.operand, ns)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.Not, ast.USub)):
+        value = _eval(n.operand, ns)
+        return not value if isinstance(n.op, ast.Not) else -value
     if isinstance(n, ast.BoolOp):
         vals = (_eval(v, ns) for v in n.values)
         return all(vals) if isinstance(n.op, ast.And) else any(vals)
@@ -157,6 +158,7 @@ class Rules:
         self.Policy = enum.Enum("CheckpointExtraStatePolicy", sorted(names))
         self.policies = {tuple(k.rsplit(".", 1)): self.Policy[v] for k, v in es["recipe_policies"].items()}
         self.ns = dict(es["constants"])
+        self.ns["MXFP8_BLOCK_SCALING_SIZE"] = snap["shape_rules"]["MXFP8_BLOCK_SCALING_SIZE"]
         self.ns.update(
             _PickledExtraStateAction=self.Action,
             CheckpointExtraStatePolicy=self.Policy,
@@ -253,6 +255,46 @@ class Rules:
                 *shape, dtype=evaluate(spec["dtype"], {"torch": torch})
             )
         return out
+
+    # ---------------------------------------------------------------- FP8 shapes
+    def row_alignment(self, recipe) -> int:
+        """TE's ``get_align_size_for_quantization(recipe)``: the rows each split must be a multiple of."""
+        return run(self.snap["alignment"]["get_align_size_for_quantization"], dict(self.ns, recipe=recipe))[1]
+
+    def fp8_shape_checks(self, recipe, m_splits: list, out_features: int, in_features: int, backward: bool) -> None:
+        """Refuse (``ValueError``) a grouped GEMM under ``recipe`` whose shapes TE's FP8 kernels cannot take.
+
+        Per split ``i`` of ``m`` rows: ``m`` a multiple of :meth:`row_alignment`; every operand of the
+        forward GEMM (input ``[m, in]``, weight ``[out, in]``) and, when ``backward``, of the backward
+        GEMMs (output gradient ``[m, out]``, weight ``[in, out]``, input ``[in, m]``, output gradient
+        ``[out, m]``) passes the recorded ``fp8_gemm_dims`` rule; under MXFP8 every operand also passes
+        the recorded ``mxfp8_is_quantizable`` (blocks of 32 along both dimensions). Expressions and
+        constants are the snapshot's."""
+        rules, align = self.snap["shape_rules"], self.row_alignment(recipe)
+        for i, m in enumerate(m_splits):
+            if m % align:
+                raise ValueError(
+                    f"split {i} has {m} rows, not a multiple of {align}: TE's get_align_size_for_quantization "
+                    f"for {type(recipe).__name__}; pad each split's rows to it"
+                )
+            operands = {"input": (m, in_features), "weight": (out_features, in_features)}
+            if backward:
+                operands["output gradient"] = (m, out_features)
+                operands["weight (dgrad)"] = (in_features, out_features)
+                operands["input (wgrad)"] = (in_features, m)
+                operands["output gradient (wgrad)"] = (out_features, m)
+            for role, shape in operands.items():
+                tensor = torch.empty(shape, device="meta")
+                if evaluate(rules["fp8_gemm_dims"], dict(self.ns, tensor=tensor)):
+                    raise ValueError(
+                        f"TE's FP8 GEMM refuses the {role} operand of split {i}, shape {list(shape)}: "
+                        f"its dimension rule `{rules['fp8_gemm_dims']}` holds"
+                    )
+                if recipe.mxfp8() and not run(rules["mxfp8_is_quantizable"], dict(self.ns, inp=tensor))[1]:
+                    raise ValueError(
+                        f"TE's MXFP8 quantizer refuses the {role} operand of split {i}, shape {list(shape)}: "
+                        f"not quantizable (both dimensions must be multiples of {rules['MXFP8_BLOCK_SCALING_SIZE']})"
+                    )
 
     def meta_key(self, fwd: bool) -> str:
         """``scaling_fwd`` / ``scaling_bwd``: where TE keeps a direction's recipe state in ``fp8_meta``."""

@@ -9,10 +9,14 @@ rule does (a pickled ``delayed`` payload needs ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_
 ``GroupedLinear`` resolves ``use_grouped_tensor`` as TE does (``None``: the deprecated environment
 variable), checks ``len(m_splits) == num_gemms``, takes the native path's CUDA ``m_splits`` rule
 when ``use_grouped_tensor`` is on, and requires CUDA at construction and in forward unless a test
-sets :data:`ALLOW_CPU` explicitly. ``delayed`` keeps ``fp8_meta["scaling_fwd"/"scaling_bwd"]``
-with ``scale`` / ``amax_history`` of TE's shapes; forwards write amaxes into the history, and
-leaving the outermost ``autocast`` updates every module registered under the recipe and group.
-It computes in high precision and records every call in :data:`CALLS`.
+sets :data:`ALLOW_CPU` explicitly. Whenever FP8 is on, ``forward`` applies the shape rules the
+snapshot records and refuses what TE's FP8 kernels cannot take: each split's rows a multiple of
+``get_align_size_for_quantization`` (16; 32 for MXFP8), every forward and backward GEMM operand
+passing ``fp8_gemm_dims``, and under MXFP8 ``mxfp8_is_quantizable``. ``delayed`` keeps
+``fp8_meta["scaling_fwd"/"scaling_bwd"]`` with ``scale`` / ``amax_history`` of TE's shapes;
+forwards write amaxes into the history, and leaving the outermost ``autocast`` updates every
+module registered under the recipe and group. It computes in high precision and records every call
+in :data:`CALLS`.
 
 Usage (a pytest fixture installs it)::
 
@@ -166,7 +170,7 @@ class GroupedLinear(torch.nn.Module):
         if not ALLOW_CPU:
             RULES.cuda_check("construct")
         CALLS.append(("build", str(device)))
-        self.num_gemms = num_gemms
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_grouped_tensor = RULES.use_grouped_tensor(use_grouped_tensor)
         self.fp8, self.fp8_calibration, self.fp8_meta_tensors_initialized = False, False, False
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
@@ -213,7 +217,9 @@ class GroupedLinear(torch.nn.Module):
         out: Optional[torch.Tensor] = None,
         dgrad_out: Optional[torch.Tensor] = None,
     ):
-        """TE's checks of ``m_splits`` and the device, then the per-GEMM products."""
+        """TE's checks of ``m_splits`` and the device; under FP8 its shape rules (per split: row
+        alignment, GEMM dimensions, MXFP8 quantizability, for the backward GEMMs too when a gradient
+        will be taken); then the per-GEMM products."""
         splits = RULES.forward_checks(self, m_splits)
         if self.use_grouped_tensor:  # as on a GPU where TE's native path is supported
             RULES.native_path_check(splits)
@@ -221,8 +227,11 @@ class GroupedLinear(torch.nn.Module):
             RULES.cuda_check("forward", inp=inp)
         self._init_fp8_metadata()
         sizes = splits.tolist()
-        CALLS.append(("gemm", sizes, is_first_microbatch))
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        if self.fp8:
+            backward = torch.is_grad_enabled() and (inp.requires_grad or any(w.requires_grad for w in weights))
+            RULES.fp8_shape_checks(self.fp8_meta["recipe"], sizes, self.out_features, self.in_features, backward)
+        CALLS.append(("gemm", sizes, is_first_microbatch))
         if self.fp8 and self.fp8_meta["recipe"].delayed():
             amax = self.fp8_meta["scaling_fwd"].amax_history[0]
             for i, (x, w) in enumerate(zip(inp.split(sizes), weights)):

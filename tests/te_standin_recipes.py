@@ -61,6 +61,11 @@ class Recipe:
         return issubclass(cls, Float8BlockScaling)
 
     @classmethod
+    def nvfp4(cls):
+        """Never NVFP4 here (the engine uses no NVFP4 recipe)."""
+        return False
+
+    @classmethod
     def custom(cls):
         """Never a custom recipe here."""
         return False

@@ -25,7 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import require
+
+transformers = require("transformers")
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
 from folding.data.config import DataConfig  # noqa: E402

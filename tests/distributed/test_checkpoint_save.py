@@ -10,12 +10,12 @@
 import os
 import signal
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from folding.training import checkpoint as ckpt
 from tests.distributed.test_checkpoint_reshard import _assemble, _job, _run
+from tests.optional import require
 
 WORLD = 4
 
@@ -112,7 +112,7 @@ def _train_for_export(root):
 
 
 def test_export_after_training_loads_in_transformers(ranks, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from tools import convert_hf as convert
 
     trained = _assemble(ranks(WORLD).run(_train_for_export, str(tmp_path)))

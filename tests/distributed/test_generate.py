@@ -11,11 +11,11 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from folding.data.tokenizer import ByteTokenizer
 from tests.distributed.test_checkpoint_reshard import _job, _run
+from tests.optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "generate.py")
@@ -39,7 +39,7 @@ def _generate(capsys, path, *args):
 
 
 def test_generate_from_checkpoint_and_hf_directory(ranks, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from tools import convert_hf
 
     ranks(1).run(_train_tiny, str(tmp_path))

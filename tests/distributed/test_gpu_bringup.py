@@ -1,16 +1,23 @@
 """``tools/gpu_bringup.sh --cpu-smoke`` runs every section of the GPU bring-up on CPU at toy sizes and writes
-the report; without a GPU and without the flag it refuses with the fix."""
+the report; without a GPU and without the flag it refuses with the fix; with a GPU the real run runs.
+
+The smoke run and the refusal hide CUDA from the script, so they are the same runs on a GPU host as on
+a CPU one; the real run is checked where CUDA is available (its pre-flight section only)."""
 
 import os
 import re
 import subprocess
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_bringup.sh")
 
 
-def _run(args, tmp_path):
+def _run(args, tmp_path, hide_cuda=True):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if hide_cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run(["bash", SCRIPT, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -41,6 +48,22 @@ def test_cpu_smoke_writes_every_section(tmp_path):
 
 
 def test_without_a_gpu_the_real_run_refuses_with_the_fix(tmp_path):
-    proc = _run(["--out", str(tmp_path / "r")], tmp_path)
+    proc = _run(["--out", str(tmp_path / "r")], tmp_path)  # CUDA hidden: a host without a GPU
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "--cpu-smoke" in proc.stderr
+
+
+def test_the_real_run_on_this_host(tmp_path):
+    out = tmp_path / "r"
+    proc = _run(["--out", str(out), "--only", "1"], tmp_path, hide_cuda=False)
+    if not torch.cuda.is_available():  # this host has no GPU: the real run refuses, as above
+        assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr[-3000:]
+        assert not out.exists()
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (out / "gpu_bringup.md").read_text()
+    device = next(line for line in report.splitlines() if line.startswith("- device: "))
+    assert "(sm_" in device and "smoke" not in device, device  # the GPU itself, not the CPU smoke run
+    check = _section(report, 1)
+    assert "(passed in" in check and "backend nccl" in check and "all checks that ran passed" in check, check
+    assert "## 2. " not in report  # --only 1: the pre-flight check alone

@@ -34,6 +34,7 @@ from folding.training.config import (
 )
 from tests.distributed.test_checkpoint_reshard import _run
 from tests.hf_checks import TRAINABLE_MIXTRAL, TRAINABLE_MIXTRAL_PRESET, randomized
+from tests.optional import require
 
 HF, MODEL = TRAINABLE_MIXTRAL, TRAINABLE_MIXTRAL_PRESET
 TRAIN = dict(global_batch_size=8, micro_batch_size=1, seq_length=16)
@@ -102,7 +103,7 @@ def _close(a, b, rel):
 
 
 def test_train_from_transformers_mixtral_in_two_layouts(ranks, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from tools import convert_hf
 
     hf_model = randomized(transformers.MixtralForCausalLM(transformers.MixtralConfig(**HF))).eval()

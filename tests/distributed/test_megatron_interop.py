@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
+from tests.optional import require
+
+require("megatron.core")
 
 E, K, H, F, S, B = 8, 2, 16, 12, 8, 2
 LAYOUTS = [dict(tp=1, ep=4, etp=1), dict(tp=1, ep=2, etp=2), dict(tp=2, ep=4, etp=1)]  # the last with SP

@@ -47,7 +47,8 @@ def te_on_cpu(stand_in_te, monkeypatch):
     yield
 
 
-KW = dict(num_local_experts=3, hidden_size=8, ffn_hidden_size=6, init_seed=2, init_std=0.3)
+KW = dict(num_local_experts=3, hidden_size=32, ffn_hidden_size=32, init_seed=2, init_std=0.3)
+H = KW["hidden_size"]  # H, 2F and F multiples of 32: shapes every FP8 recipe of TE takes (MXFP8 the strictest)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,7 @@ def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
     te, ref = GroupedMLP(backend="te", fp8_recipe=recipe, **KW), GroupedMLP(backend="loop", **KW)
     counts = [5, 0, 18]
     g = torch.Generator().manual_seed(0)
-    x, p, dy = torch.randn(23, 8, generator=g), torch.rand(23, generator=g), torch.randn(23, 8, generator=g)
+    x, p, dy = torch.randn(23, H, generator=g), torch.rand(23, generator=g), torch.randn(23, H, generator=g)
     outs = []
     region = (
         fp8_region(recipe, amax_reduction_group="dp_cp", first_microbatch=True)
@@ -97,7 +98,7 @@ def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
 def test_delayed_outside_a_region_is_refused(te_on_cpu):
     mod = GroupedMLP(backend="te", fp8_recipe="delayed", **KW)
     with pytest.raises(RuntimeError, match="one FP8 region per model-chunk forward"):
-        mod(torch.randn(4, 8), [4, 0, 0], torch.rand(4))
+        mod(torch.randn(4, H), [4, 0, 0], torch.rand(4))
 
 
 def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
@@ -116,7 +117,7 @@ def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
 
 def test_stateless_recipes_save_no_fp8_state(te_on_cpu):
     a = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
-    a(torch.randn(4, 8), [1, 2, 1], torch.rand(4))
+    a(torch.randn(4, H), [1, 2, 1], torch.rand(4))
     assert a.fp8_state() == {}  # TE's extra state is empty for mxfp8: nothing to save
     assert a._te.gemms["fc1"].get_extra_state().numel() == 0
 
@@ -127,7 +128,7 @@ def test_te_modules_get_an_explicit_use_grouped_tensor(te_on_cpu, monkeypatch):
     mod = GroupedMLP(backend="te", fp8_recipe="mxfp8", **KW)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # TE's deprecation warning for the env var
-        mod(torch.randn(4, 8), [1, 2, 1], torch.rand(4))  # no error either
+        mod(torch.randn(4, H), [1, 2, 1], torch.rand(4))  # no error either
     assert [g.use_grouped_tensor for g in mod._te.gemms.values()] == [False, False]
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="requires CUDA m_splits"):
         te_standin.GroupedLinear(3, 8, 4, device="cpu")(torch.randn(3, 8), [1, 1, 1])  # what the env var alone did
@@ -171,7 +172,7 @@ def test_te_backend_backward_has_no_per_expert_select_nodes(te_on_cpu, num_exper
     mod = GroupedMLP(backend="te", **dict(KW, num_local_experts=num_experts))
     counts = [i % 3 for i in range(num_experts)]
     n = sum(counts)
-    y = mod(torch.randn(n, 8), counts, torch.rand(n))
+    y = mod(torch.randn(n, H), counts, torch.rand(n))
     names = _autograd_node_names(y)
     assert not [m for m in names if m.startswith("Select")], names
     assert names.count("UnbindBackward0") == 2  # fc1 and fc2, whatever E is
@@ -182,7 +183,7 @@ def test_te_backend_backward_has_no_per_expert_select_nodes(te_on_cpu, num_exper
 def test_loop_backend_backward_has_no_per_expert_select_nodes():
     mod = GroupedMLP(backend="loop", **dict(KW, num_local_experts=8))
     counts = [3, 1, 0, 2, 4, 1, 2, 3]
-    y = mod(torch.randn(16, 8), counts, torch.rand(16))
+    y = mod(torch.randn(16, H), counts, torch.rand(16))
     names = _autograd_node_names(y)
     assert not [n for n in names if n.startswith("Select")], names
     assert names.count("UnbindBackward0") == 2  # one per weight (fc1, fc2), whatever E is

@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import require
+
+transformers = require("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from folding.model.config import ModelConfig  # noqa: E402

@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import require
+
+transformers = require("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402

@@ -16,8 +16,9 @@ from folding.training.validate import validate_job
 from tests.hf_checks import TRAINABLE_MIXTRAL as HF
 from tests.hf_checks import TRAINABLE_MIXTRAL_PRESET as MODEL
 from tests.hf_checks import randomized
+from tests.optional import require
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 
 @pytest.fixture(scope="module")

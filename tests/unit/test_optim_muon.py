@@ -69,17 +69,18 @@ def test_newton_schulz_output_is_orthogonal_within_the_quintic_band():
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_update_matches_hand_fp64_reference(nesterov):
+@pytest.mark.parametrize("rows,cols", [(12, 20), (20, 12)])  # wide and tall: the larger side is 20 in both
+def test_update_matches_hand_fp64_reference(nesterov, rows, cols):
     mu, lr, wd, scale, steps = 0.9, 0.05, 0.1, 0.2, 3
     gen = torch.Generator().manual_seed(3)
-    w0 = torch.randn(2, 12, 20, generator=gen)
-    grads = [torch.randn(2, 12, 20, generator=gen) for _ in range(steps)]
-    w, m = w0.clone(), torch.zeros(2, 12, 20)
+    w0 = torch.randn(2, rows, cols, generator=gen)
+    grads = [torch.randn(2, rows, cols, generator=gen) for _ in range(steps)]
+    w, m = w0.clone(), torch.zeros(2, rows, cols)
     for g in grads:
         u = momentum_direction(g, m, momentum=mu, nesterov=nesterov)
-        apply_update(w, newton_schulz5(u, 5) * update_scale(12, 20, scale), lr=lr, weight_decay=wd)
-    # by hand, fp64
-    wr, mr = w0.double(), torch.zeros(2, 12, 20, dtype=torch.float64)
+        apply_update(w, newton_schulz5(u, 5) * update_scale(rows, cols, scale), lr=lr, weight_decay=wd)
+    # by hand, fp64; Moonlight's factor 0.2·sqrt(max(rows, cols)) = 0.2·sqrt(20) for both shapes
+    wr, mr = w0.double(), torch.zeros(2, rows, cols, dtype=torch.float64)
     for g in grads:
         g = g.double()
         mr = mu * mr + g
@@ -87,7 +88,15 @@ def test_update_matches_hand_fp64_reference(nesterov):
         wr = wr - lr * wd * wr - lr * scale * math.sqrt(20) * reference_ns(ur, 5)
     torch.testing.assert_close(m.double(), mr, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w.double(), wr, rtol=0, atol=2e-6)
+    assert update_scale(rows, cols, 0.2) == pytest.approx(0.2 * math.sqrt(20))
+
+
+def test_update_scale_takes_the_larger_side():
+    # sqrt(max(rows, cols)), not sqrt(cols) nor sqrt(rows): a tall and a wide matrix of the same sides agree
+    assert update_scale(20, 12, 0.2) == pytest.approx(0.2 * math.sqrt(20))
     assert update_scale(12, 20, 0.2) == pytest.approx(0.2 * math.sqrt(20))
+    assert update_scale(20, 12, 0.2) != pytest.approx(0.2 * math.sqrt(12))
+    assert update_scale(7, 7, 1.0) == pytest.approx(math.sqrt(7))
 
 
 def _p(shape, full, shards=(), name="w", **tags):

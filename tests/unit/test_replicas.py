@@ -1,6 +1,8 @@
 """The replica slot planner, the deterministic token split, the re-plan schedule and the settings'
 errors (``moe.expert_replicas``, ``moe.replica_interval``)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -49,6 +51,32 @@ def test_plan_spreads_a_very_hot_expert_and_never_places_on_its_owner():
     after = projected_rank_loads(load, table, **geo)
     assert max(after) / (sum(after) / 2) < max(before) / (sum(before) / 2)
     assert sum(after) == pytest.approx(sum(before))
+
+
+def test_plan_reaches_the_hand_worked_best_plan():
+    # EP=3 ranks, L=2 experts each (rank 0: e0 e1, rank 1: e2 e3, rank 2: e4 e5), R=1 slot per rank.
+    # Loads 12 6 3 3 0 0: ranks 18 6 0 (24 in all, 8 each would be even).
+    # By hand: rank 0 always keeps its own copies, so its load is 12/c0 + 6/c1 with c0, c1 the copies
+    # of e0, e1; only ranks 1 and 2 can add one (a copy on rank 0 only adds to rank 0), so
+    # c0 + c1 <= 4: (3,1) -> 4+6 = 10, (2,2) -> 6+3 = 9, (2,1) -> 12, (1,2) -> 15, (1,3) -> 14.
+    # The best rank 0 is 9: one copy of e0 and one of e1. If e0's goes to rank 1, rank 1 has 6+6 = 12;
+    # so e0 -> rank 2 (0+6 = 6) and e1 -> rank 1 (6+3 = 9): ranks 9 9 6, peak 9, rank 0's slot empty.
+    # A rule that only copies the hottest expert again would stop at (3,1): ranks 10 10 4.
+    load = [12, 6, 3, 3, 0, 0]
+    geo = dict(ep_size=3, num_local_experts=2, num_replicas=1)
+    table = plan_replicas(load, **geo)
+    assert table == (EMPTY, 1, 0)
+    assert projected_rank_loads(load, table, **geo) == [9.0, 9.0, 6.0]
+    # and no valid table does better (all 7^3 tables, the invalid ones skipped)
+    best = None
+    for cand in itertools.product(range(EMPTY, 6), repeat=3):
+        try:
+            check_table(cand, **geo)
+        except ValueError:
+            continue
+        loads = sorted(projected_rank_loads(load, cand, **geo), reverse=True)
+        best = loads if best is None or loads < best else best
+    assert best == [9.0, 9.0, 6.0]
 
 
 def test_zipf_16_experts_ep4_two_slots_reaches_the_target():

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from folding.moe import routing as R
+from tests.optional import require
 
-mu = pytest.importorskip(
-    "megatron.core.transformer.moe.moe_utils", reason="megatron-core is not installed (optional cross-check)"
-)
+mu = require("megatron.core.transformer.moe.moe_utils", reason="megatron-core is not installed (optional cross-check)")
 
 CASES = [
     dict(topk=2, score_function="softmax", pre_softmax=False),

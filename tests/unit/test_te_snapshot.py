@@ -30,7 +30,7 @@ from tools.te_api_source import dataclass_fields, signature
 SNAP = load_snapshot()
 ENV = SNAP["extra_state"]["env"]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-KW = dict(num_local_experts=3, hidden_size=8, ffn_hidden_size=6, init_seed=2, init_std=0.3)
+KW = dict(num_local_experts=3, hidden_size=32, ffn_hidden_size=32, init_seed=2, init_std=0.3)  # FP8-legal shapes
 
 
 @pytest.fixture
@@ -175,10 +175,10 @@ def test_stand_in_covers_every_te_callable_the_engine_uses():
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
 def test_stand_in_extra_state_per_recipe_follows_te(stand_in, recipe):
-    mod = te_standin.GroupedLinear(2, 8, 4, device="cpu")
+    mod = te_standin.GroupedLinear(2, 32, 32, device="cpu")
     assert mod.get_extra_state().numel() == 0  # no FP8 forward yet: empty for every recipe
     with te_standin.autocast(enabled=True, recipe=make_te_recipe(recipe)):
-        mod(torch.randn(4, 8), [1, 3])
+        mod(torch.randn(96, 32), [32, 64])  # rows aligned to 32, dims too: legal for every recipe
     extra = mod.get_extra_state()
     if RULES.is_stateless(make_te_recipe(recipe)):
         assert extra.dtype == torch.uint8 and extra.numel() == 0
@@ -186,15 +186,15 @@ def test_stand_in_extra_state_per_recipe_follows_te(stand_in, recipe):
     else:
         assert recipe == "delayed" and extra.numel() > 0
         with pytest.raises(RuntimeError, match=ENV):
-            te_standin.GroupedLinear(2, 8, 4, device="cpu").set_extra_state(extra)
+            te_standin.GroupedLinear(2, 32, 32, device="cpu").set_extra_state(extra)
 
 
 def test_stand_in_set_extra_state_applies_te_s_rule(stand_in, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)  # the refusal is what TE does without the opt-in
-    mod = te_standin.GroupedLinear(2, 8, 4, device="cpu")
+    mod = te_standin.GroupedLinear(2, 32, 32, device="cpu")
     with te_standin.autocast(enabled=True, recipe=make_te_recipe("delayed")):
-        mod(torch.randn(4, 8), [1, 3])
-    payload, other = mod.get_extra_state(), te_standin.GroupedLinear(2, 8, 4, device="cpu")
+        mod(torch.randn(96, 32), [32, 64])  # rows aligned to 32, dims too: legal for every recipe
+    payload, other = mod.get_extra_state(), te_standin.GroupedLinear(2, 32, 32, device="cpu")
     with pytest.raises(RuntimeError, match=f"set {ENV}=1"):
         other.set_extra_state(payload)
     with pytest.raises(RuntimeError, match=ENV):
@@ -231,7 +231,7 @@ def _run_delayed_steps(mlp, steps):
     g = torch.Generator().manual_seed(3)
     for s in range(steps):
         with fp8_region("delayed", amax_reduction_group=None, first_microbatch=s == 0):
-            mlp(torch.randn(6, 8, generator=g) * (s + 1), [2, 3, 1], torch.rand(6, generator=g)).sum().backward()
+            mlp(torch.randn(6, 32, generator=g) * (s + 1), [2, 3, 1], torch.rand(6, generator=g)).sum().backward()
 
 
 def test_delayed_state_save_load_round_trip_passes_te_s_loading_rule(stand_in, tmp_path):
