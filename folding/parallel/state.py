@@ -40,6 +40,8 @@ ROLES: Tuple[Tuple[str, str, str], ...] = (
     ("ep", "expert", "ep"),
     ("etp", "expert", "tp"),
     ("edp", "expert", "dp"),
+    ("ep_node", "expert", "ep-node"),
+    ("ep_rail", "expert", "ep-rail"),
 )
 
 
@@ -228,6 +230,36 @@ class ParallelState:
     def edp_size(self) -> int:
         """Size of this rank's expert data-parallel group."""
         return len(self.ranks["edp"])
+
+    @property
+    def ep_node_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's group of its node (the EP ranks on its node)."""
+        return self.groups.ep_node
+
+    @property
+    def ep_node_rank(self) -> int:
+        """This rank's index in its group of its node (the EP ranks on its node)."""
+        return self.ranks["ep_node"].index(self.rank)
+
+    @property
+    def ep_node_size(self) -> int:
+        """Size of this rank's group of its node (the EP ranks on its node)."""
+        return len(self.ranks["ep_node"])
+
+    @property
+    def ep_rail_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's group of its rail (the EP ranks at its position on every node)."""
+        return self.groups.ep_rail
+
+    @property
+    def ep_rail_rank(self) -> int:
+        """This rank's index in its group of its rail (the EP ranks at its position on every node)."""
+        return self.ranks["ep_rail"].index(self.rank)
+
+    @property
+    def ep_rail_size(self) -> int:
+        """Size of this rank's group of its rail (the EP ranks at its position on every node)."""
+        return len(self.ranks["ep_rail"])
 
     @property
     def is_first_stage(self) -> bool:

@@ -79,7 +79,10 @@ def _one_case(c, ps, world, rank):
         etp_group=ps.etp_group,
         capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
         pad_to_capacity=mode == "pad",
+        **({"node_group": ps.ep_node_group, "rail_group": ps.ep_rail_group} if c["kind"] == "hierarchical" else {}),
     )
+    if c.get("two_stage") is not None:  # the hierarchical dispatcher is two-stage exactly when EP spans nodes
+        assert (type(d).__name__ == "HierarchicalDispatcher") == c["two_stage"], c
     L, Fs = E // c["ep"], FF // c["etp"]
     off, j = d.local_expert_offset, ps.etp_rank
     A_l = A[off : off + L, :, j * Fs : (j + 1) * Fs].clone().requires_grad_(True)
@@ -107,9 +110,11 @@ def _run_cases(cases):
     states, results = {}, []
     try:
         for c in cases:
-            key = (c["ep"], c["etp"])
+            key = (c["ep"], c["etp"], c.get("nvlink_domain"))
             if key not in states:
-                states[key] = build_parallel_state(ParallelLayout(world_size=world, ep=c["ep"], etp=c["etp"]))
+                states[key] = build_parallel_state(
+                    ParallelLayout(world_size=world, ep=c["ep"], etp=c["etp"], nvlink_domain=key[2])
+                )
             results.append(_one_case(c, states[key], world, rank))
     finally:
         for ps in states.values():
@@ -172,6 +177,43 @@ def _cases(world):
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_dispatchers_match_reference(ranks, world):
     cases = _cases(world)
+    per_rank = ranks(world).run(_run_cases, cases)
+    _check(world, cases, per_rank)
+
+
+def _hier_cases(world):
+    """Hierarchical dispatch with ``nvlink_domain`` making one machine several nodes: EP spanning
+    nodes (two stages) and inside one (the all-to-all), dropless and dropping, with ETP2."""
+    G = world // 2
+    layouts = {4: [(4, 1, True), (2, 2, True)], 8: [(8, 1, True), (4, 2, True), (2, 2, False)]}[world]
+    out, seed = [], 100
+    for ep, etp, two in layouts:
+        for mode in ("dropless", "drop"):
+            for topk in (2, 5):
+                seed += 1
+                out.append(
+                    dict(
+                        ep=ep,
+                        etp=etp,
+                        kind="hierarchical",
+                        mode=mode,
+                        E=8,
+                        topk=topk,
+                        seed=seed,
+                        cf=1.0,
+                        sbh=seed % 2 == 0,
+                        nvlink_domain=G,
+                        two_stage=two,
+                    )
+                )
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_hierarchical_matches_reference(ranks, world):
+    """Outputs and gradients of tokens, probabilities and expert weights equal the single-process
+    reference (and so the all-to-all's, tested against the same reference), one host read per layer."""
+    cases = _hier_cases(world)
     per_rank = ranks(world).run(_run_cases, cases)
     _check(world, cases, per_rank)
 
