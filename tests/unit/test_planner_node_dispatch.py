@@ -186,3 +186,14 @@ def test_tool_refuses_fp8_dense_without_recipe(capsys):
     argv = ["--model", "mixtral_8x7b", "--world", "8", "--seq-length", "4096", "--global-batch-size", "8"]
     assert plan_tool.main(argv + ["--fp8-dense"]) == 2
     assert "--fp8-recipe" in capsys.readouterr().err
+
+
+def test_dry_run_reads_the_dispatcher():
+    from folding.training.dry_run import dry_run_report
+    from tests.unit.test_config_job import job
+
+    hier = dry_run_report(job("recipes=deepseek_v3"), world_size=1024)
+    # the recipe: EP16 = 2 nodes of 8, hierarchical: P(the other node is hit) remote rows
+    assert "EP16 spans 2 nodes of 8 ranks" in hier and "0.96 rows across nodes" in hier and "(hierarchical)" in hier
+    a2a = dry_run_report(job("recipes=deepseek_v3", "moe.dispatcher=alltoall"), world_size=1024)
+    assert "4.00 rows across nodes, 3.50 inside a node (alltoall)" in a2a  # 8 copies, 8 of 15 peers remote
