@@ -218,6 +218,7 @@ def run(a: dict, pool=None) -> dict:
     kept = [s for s in steps if s["round"] >= a["warmup"]]
     calib = [max(r["calib"][i]["seconds"] for r in per_rank) for i in range(len(per_rank[0]["calib"]))]
     out["layer_compute_unlimited_link_s"] = statistics.median(calib[0::2])  # the alltoall steps
+    out["layer_compute_unlimited_link_hierarchical_s"] = statistics.median(calib[1::2])
     for kind in KINDS:
         mine = [s for s in kept if s["kind"] == kind]
         out[f"inter_node_bytes_{kind}"] = statistics.median(s["inter"] for s in mine)
@@ -225,8 +226,23 @@ def run(a: dict, pool=None) -> dict:
         out[f"step_time_{kind}_s"] = statistics.median(s["seconds"] for s in mine)
     out["inter_node_bytes_ratio"] = out["inter_node_bytes_alltoall"] / max(out["inter_node_bytes_hierarchical"], 1)
     out["step_time_ratio"] = out["step_time_hierarchical_s"] / out["step_time_alltoall_s"]
+    _predict(out, world)
     out["steps"] = steps
     return out
+
+
+def _predict(out: dict, world: int) -> None:
+    """The step times the link model predicts from the counted bytes: each dispatcher's step under the
+    unlimited link plus its four EP exchanges (forward dispatch and combine, their backward), each moving a
+    quarter of the step's bytes per rank (the ranks' mean); ``alltoall``'s classes at the same time (one
+    exchange), ``hierarchical``'s stage A (inter-node) then stage B (intra-node)."""
+    nic, nvl = out["nic_mbps"] * 1e6, out["nvlink_mbps"] * 1e6
+    per = {k: (out[f"inter_node_bytes_{k}"] / world / 4, out[f"intra_node_bytes_{k}"] / world / 4) for k in KINDS}
+    lat = out["latency_ms"] / 1e3
+    a2a = lat + max(per["alltoall"][0] / nic, per["alltoall"][1] / nvl)
+    hier = 2 * lat + per["hierarchical"][0] / nic + per["hierarchical"][1] / nvl
+    out["predicted_step_time_alltoall_s"] = out["layer_compute_unlimited_link_s"] + 4 * a2a
+    out["predicted_step_time_hierarchical_s"] = out["layer_compute_unlimited_link_hierarchical_s"] + 4 * hier
 
 
 def _args(argv=None):
@@ -278,7 +294,8 @@ def _line(r: dict) -> str:
         f"| {r['inter_node_bytes_ratio']:.2f} | {r['intra_node_bytes_alltoall'] / 1e6:.2f} "
         f"| {r['intra_node_bytes_hierarchical'] / 1e6:.2f} | {r['layer_compute_unlimited_link_s'] * 1e3:.0f} "
         f"| {r['step_time_alltoall_s'] * 1e3:.0f} | {r['step_time_hierarchical_s'] * 1e3:.0f} "
-        f"| {r['step_time_ratio']:.2f} | {r['load_before'][0]:.1f} → {r['load_after'][0]:.1f} |"
+        f"| {r['step_time_ratio']:.2f} | {r['predicted_step_time_alltoall_s'] * 1e3:.0f} / "
+        f"{r['predicted_step_time_hierarchical_s'] * 1e3:.0f} | {r['load_before'][0]:.1f} → {r['load_after'][0]:.1f} |"
     )
 
 
@@ -297,12 +314,15 @@ def _report(results: List[dict], ns, command: str) -> str:
         f"{ns.warmup} warm-up steps). Links: NIC : NVLink = 1 : 9 (an H100 node's), scaled so that one "
         f"`alltoall` exchange's inter-node bytes take one layer's compute (measured first under an unlimited "
         f"link); latency {ns.latency_ms:g} ms. Bytes: per step, all ranks, what the EP all-to-alls carry (rows, "
-        "probabilities, routing metadata). Load: the host's 1-minute load average before → after.",
+        "probabilities, routing metadata). Predicted: each dispatcher's step under the unlimited link plus four "
+        "exchanges of a quarter of its counted bytes per rank at the link model's rates (alltoall's classes at "
+        "once, hierarchical's two stages one after the other). Layer compute: the alltoall step under the "
+        "unlimited link. Load: the host's 1-minute load average before → after (2 cores, shared).",
         "",
         "| nodes × ranks | top-k | node-limited | NIC / NVLink (MB/s) | inter-node MB alltoall | hierarchical "
         "| fewer | intra-node MB alltoall | hierarchical | layer compute (ms) | step alltoall (ms) "
-        "| hierarchical (ms) | hier / a2a | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hierarchical (ms) | hier / a2a | predicted a2a / hier (ms) | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_line(r) for r in results]
     return "\n".join(lines) + "\n"
