@@ -197,3 +197,17 @@ def test_dry_run_reads_the_dispatcher():
     assert "EP16 spans 2 nodes of 8 ranks" in hier and "0.96 rows across nodes" in hier and "(hierarchical)" in hier
     a2a = dry_run_report(job("recipes=deepseek_v3", "moe.dispatcher=alltoall"), world_size=1024)
     assert "4.00 rows across nodes, 3.50 inside a node (alltoall)" in a2a  # 8 copies, 8 of 15 peers remote
+
+
+def test_benchmark_node_limited_routing_stays_on_m_nodes():
+    import torch
+
+    from benchmarks.bench_node_dispatch import route
+
+    gen = torch.Generator().manual_seed(0)
+    rmap, probs = route(512, 32, 8, 4, 2, gen)  # 4 nodes of 8 experts, at most 2 nodes per token
+    nodes_hit = rmap.view(512, 4, 8).any(2).sum(1)
+    assert (rmap.sum(1) == 8).all() and (nodes_hit <= 2).all() and (nodes_hit == 2).any()
+    assert ((probs > 0) == rmap).all()
+    free, _ = route(512, 32, 8, 4, None, gen)
+    assert (free.view(512, 4, 8).any(2).sum(1) > 2).any()  # without the limit tokens reach more nodes
