@@ -288,6 +288,7 @@ HIER_CASES = [
     ("mixtral_tiny", dict(pp=2, ep=2, etp=2, nvlink_domain=2), dict(), False, {**HIER, **DROP}),
 ]
 
+
 @pytest.mark.parametrize(
     "overlap,moments,replicas",
     [
