@@ -51,7 +51,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
+from folding.parallel.state import build_node_split_groups
 
 from .config import DISPATCHERS, MoEConfig
 from .dispatcher_allgather import AllGatherDispatcher
@@ -79,14 +81,18 @@ def build_dispatcher(
 
     ``hierarchical`` also takes the EP group split by node: ``node_group`` and ``rail_group``
     (``ParallelState.ep_node_group`` / ``ep_rail_group``, built with the layout's groups from
-    ``parallel.nvlink_domain``), and optionally ``nvlink_domain`` to check them against. When the EP
-    group lies inside one node (no rail group, or one of a single rank) it is the ``alltoall``
-    dispatcher: with one node the two are the same exchange."""
+    ``parallel.nvlink_domain``), and ``nvlink_domain`` (ranks per node) to check them against; given
+    ``nvlink_domain`` alone, the two groups are created here
+    (:func:`folding.parallel.build_node_split_groups`: collective over the world, so every rank builds
+    its dispatcher at the same point). When the EP group lies inside one node (no rail group, or one
+    of a single rank) it is the ``alltoall`` dispatcher: with one node the two are the same exchange."""
     if kind == "alltoall":
         return AllToAllDispatcher(**kwargs)
     if kind == "allgather":
         return AllGatherDispatcher(**kwargs)
     if kind == "hierarchical":
+        if node_group is None and rail_group is None and nvlink_domain is not None and group_size(None) > 1:
+            node_group, rail_group = build_node_split_groups(kwargs["ep_group"], nvlink_domain)
         if rail_group is None or len(_group_ranks(rail_group, "rail_group")) == 1:
             if kwargs.get("pad_to_capacity"):  # the same refusal whether the domain spans nodes or not
                 raise ValueError(

@@ -106,7 +106,7 @@ def _to_experts(x_TH, route: HierRoute, wire: str, meta=None, what: str = "dispa
             probs_TNdLn[route.token_Ra, route.node_Ra].detach(),
             map_TNdLn[route.token_Ra, route.node_Ra].view(torch.uint8),
         ]
-    parts = _a2a_all(parts, route.rail_group, p.rail_recv, p.rail_send, what=f"rail {what}")
+    parts = _a2a_all(parts, route.rail_group, p.rail_recv, p.rail_send, what=f"ep rail {what}")
     if meta is not None:
         ra = sum(p.rail_recv)
         map_RaRL = parts[nb + 1].view(torch.bool).view(ra, g, L)
@@ -117,7 +117,7 @@ def _to_experts(x_TH, route: HierRoute, wire: str, meta=None, what: str = "dispa
     else:
         meta_b = []
     parts = [q.index_select(0, route.row_Rb) for q in parts[:nb]] + meta_b
-    parts = _a2a_all(parts, route.node_group, p.node_recv, p.node_send, what=f"node {what}")
+    parts = _a2a_all(parts, route.node_group, p.node_recv, p.node_send, what=f"ep node {what}")
     parts = _gather_all(parts, route.etp_group, p.etp_sizes)
     rows = decode(parts[:nb], wire, route.hidden_size, route.dtype)
     if meta is None:
@@ -142,7 +142,7 @@ def _from_experts(out_NH, route: HierRoute, wire: str, gprobs_N=None, what: str 
     red = _reduce_scatter_all([acc] + extra, route.etp_group, p.etp_sizes)
     parts = list(encode(red[0].to(route.dtype), wire))
     nb = len(parts)
-    parts = _a2a_all(parts + red[1:], route.node_group, p.node_send, p.node_recv, what=f"node {what}")
+    parts = _a2a_all(parts + red[1:], route.node_group, p.node_send, p.node_recv, what=f"ep node {what}")
     ra = sum(p.rail_recv)
     acc = _sum_chunks(decode(parts[:nb], wire, H, route.dtype), route.row_Rb, p.node_send, ra)
     if gprobs_N is not None:
@@ -150,7 +150,7 @@ def _from_experts(out_NH, route: HierRoute, wire: str, gprobs_N=None, what: str 
         gp_RaRL[route.row_Rb, route.dest_Rb] = parts[nb]
         extra = [gp_RaRL.view(ra, g * L)]
     parts = list(encode(acc.to(route.dtype), wire))
-    parts = _a2a_all(parts + extra, route.rail_group, p.rail_send, p.rail_recv, what=f"rail {what}")
+    parts = _a2a_all(parts + extra, route.rail_group, p.rail_send, p.rail_recv, what=f"ep rail {what}")
     T = route.num_tokens
     y = _sum_chunks(decode(parts[:nb], wire, H, route.dtype), route.token_Ra, p.rail_send, T).to(route.dtype)
     if gprobs_N is None:

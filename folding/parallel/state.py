@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .groups import ProcessGroups
 from .layout import ParallelLayout
+from .rank_math import node_split_groups
 
 # role name on ParallelState -> (view, token)
 ROLES: Tuple[Tuple[str, str, str], ...] = (
@@ -344,3 +345,28 @@ def build_parallel_state(
     if world > 1:
         dist.barrier()
     return ParallelState(layout=layout, rank=rank, groups=ProcessGroups(**handles), ranks=ranks, created=tuple(created))
+
+
+def build_node_split_groups(ep_group, nvlink_domain: int):
+    """Split every rank's EP group by node and return this rank's ``(node_group, rail_group)``, for
+    code that holds an EP group but no :class:`ParallelState` (a Megatron-Core layer, a benchmark).
+
+    Collective over the world: every rank calls it with its own EP group and the same
+    ``nvlink_domain``; the EP groups are gathered (one small object all-gather), split by
+    :func:`~folding.parallel.rank_math.node_split_groups` (which refuses uneven nodes naming
+    ``parallel.nvlink_domain``) and every split group is created in the same order on every rank.
+    Call it once per EP group, at start-up; the engine's own layers get the same groups from
+    :func:`build_parallel_state` (``ps.ep_node_group``, ``ps.ep_rail_group``)."""
+    mine = dist.get_process_group_ranks(ep_group)
+    every: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    ep_groups = [list(g) for g in dict.fromkeys(tuple(g) for g in every)]
+    node, rail = node_split_groups(ep_groups, nvlink_domain)
+    me = dist.get_rank()
+    out = {}
+    for role, table in (("node", node), ("rail", rail)):
+        for ranks in table:
+            handle = dist.new_group(ranks)
+            if me in ranks:
+                out[role] = handle
+    return out["node"], out["rail"]

@@ -9,8 +9,9 @@ combine rows the hidden state) and backward (the same rows the other way, the di
 also carrying the probabilities' gradients). The all-to-all dispatcher's inter-node bytes, counted
 the same way on the same routing, are one row per remote (token, expert) pair: more whenever a token
 has two experts on one remote node. Also here: node-limited routing (``moe.num_groups`` = nodes,
-``moe.group_topk`` = M) sends at most M rail rows per token, and the six-stage interface gives what
-``dispatch`` / ``combine`` give.
+``moe.group_topk`` = M) sends at most M rail rows per token, the six-stage interface gives what
+``dispatch`` / ``combine`` give, and ``build_dispatcher`` given only ``nvlink_domain`` builds the same
+node and rail groups as the layout.
 """
 
 import contextlib
@@ -182,6 +183,26 @@ def _node_limited_run(M):
         rows6, tpe6, pn6 = d.dispatch_postprocess(h, p)
         out6 = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows6 * pn6.unsqueeze(1))))
         same = torch.equal(rows6, rows) and torch.equal(pn6, pn) and torch.equal(out6, y)
+        # given nvlink_domain alone, build_dispatcher creates the same two groups (collectively)
+        d2 = build_dispatcher(
+            "hierarchical",
+            num_experts=E,
+            topk=k,
+            ep_group=ps.ep_group,
+            etp_group=ps.etp_group,
+            nvlink_domain=world // 2,
+        )
+        try:
+            rows2, rec2, pn2 = d2.dispatch(x, rmap, probs)
+            same = same and torch.equal(d2.combine(rows2 * pn2.unsqueeze(1), rec2), y)
+            same = same and [dist.get_process_group_ranks(g) for g in (d2.node_group, d2.rail_group)] == [
+                ps.ranks["ep_node"],
+                ps.ranks["ep_rail"],
+            ]
+        finally:
+            dist.barrier()
+            for grp in (d2.node_group, d2.rail_group):
+                dist.destroy_process_group(grp)
         return int(per_token.max()), same, torch.equal(tpe6, rec.tokens_per_expert)
     finally:
         ps.destroy()

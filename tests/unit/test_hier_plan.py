@@ -114,3 +114,38 @@ def test_node_split_refuses_uneven_nodes():
         ParallelLayout(world_size=8, ep=8, nvlink_domain=3)
     with pytest.raises(LayoutError, match="nvlink_domain"):
         ParallelLayout(world_size=8, ep=8, nvlink_domain=0)
+
+
+def _job(dispatcher, **par):
+    from folding.model.presets import get_preset
+    from folding.training.config import JobConfig, ParallelConfig, TrainConfig
+
+    model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16, "dispatcher": dispatcher})
+    return JobConfig(
+        model=model,
+        parallel=ParallelConfig(**par),
+        train=TrainConfig(steps=2, global_batch_size=8, micro_batch_size=1, seq_length=16),
+    )
+
+
+def test_nvlink_domain_default_and_refusals(monkeypatch):
+    from folding.training.config import ConfigError
+    from folding.training.validate import validate_job
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert validate_job(_job("hierarchical", ep=8), world_size=8).nvlink_domain == 8  # the world: one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks per node
+    lay = validate_job(_job("hierarchical", ep=8), world_size=8)
+    assert lay.nvlink_domain == 4 and lay.groups()["expert"]["ep-rail"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert validate_job(_job("hierarchical", ep=8, nvlink_domain=2), world_size=8).nvlink_domain == 2
+    # the other dispatchers do not split EP by node (a layout uneven across nodes stays legal for them)
+    assert validate_job(_job("alltoall", ep=8), world_size=8).nvlink_domain is None
+    # nodes of 3 ranks: the EP group [0, 1, 2, 3] holds 3 ranks on node 0 and 1 on node 1: refused
+    with pytest.raises(ConfigError, match=r"parallel.nvlink_domain=3"):
+        validate_job(_job("hierarchical", ep=4, nvlink_domain=3), world_size=12)
+    with pytest.raises(ConfigError, match=r"parallel.nvlink_domain=0: must be an integer >= 1"):
+        validate_job(_job("hierarchical", ep=8, nvlink_domain=0), world_size=8)
+    with pytest.raises(ValueError, match=r"moe.expert_replicas=1.*moe.dispatcher=alltoall"):
+        from folding.moe.config import MoEConfig
+
+        MoEConfig(num_experts=8, topk=2, ffn_hidden_size=8, dispatcher="hierarchical", expert_replicas=1)
