@@ -10,12 +10,15 @@ Usage::
     python -m tools.plan ... --routing-skew zipf:1.2 --seed 0 --rank-by p99   # imbalanced routing
     python -m tools.plan ... --routing-trace loads.npy                         # counts [steps, layers, experts]
     python -m tools.plan ... --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16   # AdamW state precision
+    python -m tools.plan ... --dispatcher hierarchical    # a token crosses the NIC once per remote node
+    python -m tools.plan ... --fp8-recipe blockwise [--fp8-dense]   # FP8 expert (and dense) GEMMs
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
-memory. The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP group, as in
-Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks too), so that a
-folded and an ``--unfolded`` line with the same sizes read alike only when they are the same layout.
+memory, and the tokens per second per GPU it predicts. The expert half ends with where EP sits: ``EP in DP``
+(its ranks all in one attention DP group, as in Megatron-Core without folding) or ``EP over TP·CP·DP``
+(folded across attention TP / CP ranks too), so that a folded and an ``--unfolded`` line with the same
+sizes read alike only when they are the same layout.
 Layouts that do not fit in the GPU's memory are dropped. With ``--routing-trace`` /
 ``--routing-skew`` the step time is the one at ``--rank-by``'s quantile of the steps (each line also shows
 p50, p99 and the slowest EP rank's tokens over the mean at both, and the drops under a capacity factor;
@@ -42,7 +45,7 @@ from folding.planning.imbalance import (
     zipf_loads,
 )
 from folding.planning.optim_precision import OptimizerPrecision
-from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts
+from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts, planned_dispatcher
 from folding.planning.step_time import Cluster, TrainingShape
 from folding.training.trace_file import read_trace
 
@@ -164,6 +167,27 @@ def parse_args(argv=None):
         ("main-grads-dtype", ("fp32", "bf16"), "main gradients and their reduction (optim.main_grads_dtype)"),
     ):
         p.add_argument(f"--{flag}", choices=choices, default="fp32", help=f"{what}; default fp32")
+    p.add_argument(
+        "--dispatcher",
+        choices=("alltoall", "hierarchical"),
+        default=None,
+        help="moe.dispatcher to plan for (default: the preset's, after --moe): alltoall sends every routed "
+        "copy on its own; hierarchical sends a token over the NIC once per distinct remote node and forwards "
+        "it over NVLink there (node-limited with --moe num_groups=N --moe group_topk=M)",
+    )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise"),
+        default=None,
+        help="moe.fp8_recipe: the routed experts' GEMMs in FP8, at the GPU's FP8 peak and FP8 efficiency "
+        "(hardware.py; one constant for every recipe); default bf16",
+    )
+    p.add_argument(
+        "--fp8-dense",
+        action="store_true",
+        help="with --fp8-recipe: the dense linear layers in FP8 too (Megatron-Core's --fp8-format on every "
+        "TransformerEngine linear; folding's dense layers are bf16)",
+    )
     p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
     p.add_argument(
         "--json",
@@ -182,9 +206,12 @@ def _optimizer_note(prec: OptimizerPrecision) -> str:
 
 
 def _overlap_note(args) -> str:
+    note = ""
+    if args.fp8_recipe:
+        note += f", FP8 ({args.fp8_recipe}) {'all linear layers' if args.fp8_dense else 'experts'}"
     if not args.overlap_moe_comm:
-        return ""
-    return ", MoE exchanges overlapped" + (", expert wgrad delayed" if args.delay_wgrad else "")
+        return note
+    return note + ", MoE exchanges overlapped" + (", expert wgrad delayed" if args.delay_wgrad else "")
 
 
 EP_LEGEND = (
@@ -236,7 +263,7 @@ def _routing_note(args) -> str:
     return f", {src}, ranked by {args.rank_by}"
 
 
-def _line(i: int, r) -> str:
+def _line(i: int, r, tokens: float, gpus: int) -> str:
     p = r.plan
     opt = "distopt" if p.distributed_optimizer else "no-distopt"
     if r.routing is not None:
@@ -248,7 +275,8 @@ def _line(i: int, r) -> str:
         if rt.load_p99.dropped:
             opt += f" dropped {100 * rt.load_p50.dropped:.1f}%/{100 * rt.load_p99.dropped:.1f}%"
     return (
-        f"{i:>3}  MFU {100 * r.mfu:5.1f}%  step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
+        f"{i:>3}  MFU {100 * r.mfu:5.1f}%  {tokens / r.time.step_s / gpus:7.0f} tok/s/GPU  "
+        f"step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
         f"{describe_plan(p)}  recompute={p.recompute} {opt}"
     )
 
@@ -256,6 +284,9 @@ def _line(i: int, r) -> str:
 def main(argv=None) -> int:
     """Run the planner; 0 on success, 2 on bad input, 1 when no layout fits."""
     args = parse_args(argv)
+    if args.fp8_dense and not args.fp8_recipe:
+        print("error: --fp8-dense needs --fp8-recipe (the recipe the linear layers run)", file=sys.stderr)
+        return 2
     if args.delay_wgrad and not args.overlap_moe_comm:
         print("error: --delay-wgrad needs --overlap-moe-comm (it moves what that hides)", file=sys.stderr)
         return 2
@@ -279,6 +310,8 @@ def main(argv=None) -> int:
                 main_grads_dtype=args.main_grads_dtype,
                 name=args.optimizer,
             ),
+            fp8_recipe=args.fp8_recipe,
+            fp8_dense=args.fp8_dense,
         )
         routing = routing_model(args, cfg)
         results = plan_layouts(
@@ -291,6 +324,7 @@ def main(argv=None) -> int:
             overlap_moe_comm=args.overlap_moe_comm,
             delay_wgrad=args.delay_wgrad,
             routing=routing,
+            dispatcher=args.dispatcher,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -300,7 +334,8 @@ def main(argv=None) -> int:
         return 0 if results else 1
     head = (
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
-        f"{args.global_batch_size}, micro-batch {args.micro_batch_size}: {len(results)} layouts fit "
+        f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, dispatcher "
+        f"{planned_dispatcher(cfg, args.dispatcher)}: {len(results)} layouts fit "
         f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
         f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)}; optimizer "
         f"{_optimizer_note(shape.optim_precision)})"
@@ -313,7 +348,7 @@ def main(argv=None) -> int:
     if any(r.plan.ep > 1 for r in shown):
         print(EP_LEGEND)
     for i, r in enumerate(shown, 1):
-        print(_line(i, r))
+        print(_line(i, r, args.global_batch_size * args.seq_length, args.gpus))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
     print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.by_part().items()))

@@ -25,7 +25,7 @@ ScoreFunction = Literal["softmax", "sigmoid"]
 RouterDtype = Literal["fp32", "fp64"]
 DropPolicy = Literal["probs", "position"]
 AuxLossType = Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"]
-Dispatcher = Literal["alltoall", "allgather"]
+Dispatcher = Literal["alltoall", "allgather", "hierarchical"]
 WireFormat = Literal["none", "fp8", "mxfp8"]
 ExpertBackend = Literal["auto", "te", "torch", "loop", "emulated"]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8", "rowwise"]
@@ -115,7 +115,11 @@ class MoEConfig:
     """Benchmarks only: ignore the learned choice and assign tokens round-robin so that every
     expert receives the same load (probabilities still come from the real logits)."""
     dispatcher: Dispatcher = "alltoall"
-    """Token dispatcher: ``"alltoall"`` (EP all-to-all, ETP all-gather) or ``"allgather"``."""
+    """Token dispatcher: ``"alltoall"`` (EP all-to-all, ETP all-gather), ``"allgather"``, or
+    ``"hierarchical"`` (when EP spans nodes of ``parallel.nvlink_domain`` ranks: a token crosses the
+    node boundary once per destination node and is forwarded inside it; the combine sums each node's
+    partials in fp32 before they cross back; ``alltoall`` when EP lies in one node). Hierarchical
+    refuses ``pad_to_capacity`` and ``expert_replicas`` (docs/dispatcher.md)."""
     dispatch_wire: WireFormat = "none"
     """Wire format of the dispatch exchange: ``"none"``, ``"fp8"`` or ``"mxfp8"``."""
     combine_wire: WireFormat = "none"
@@ -191,6 +195,13 @@ class MoEConfig:
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
         if self.pad_to_capacity and self.capacity_factor is None:
             _fail("pad_to_capacity", True, "needs a capacity", "set moe.capacity_factor (e.g. 1.0)")
+        if self.dispatcher == "hierarchical" and self.pad_to_capacity:
+            _fail(
+                "pad_to_capacity",
+                True,
+                "the hierarchical dispatcher's de-duplicated row counts are not static",
+                "set moe.pad_to_capacity=false or moe.dispatcher=alltoall",
+            )
         _choice("aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
         for f in ("aux_loss_coeff", "z_loss_coeff"):
             if not getattr(self, f) >= 0:
@@ -223,6 +234,13 @@ class MoEConfig:
         _positive_int("replica_interval", self.replica_interval)
         if R == 0:
             return
+        if self.dispatcher == "hierarchical":
+            _fail(
+                "expert_replicas",
+                R,
+                "hot-expert replicas are not planned with the hierarchical dispatcher's node split",
+                "set moe.expert_replicas=0 or moe.dispatcher=alltoall",
+            )
         if self.pad_to_capacity:
             _fail(
                 "expert_replicas",

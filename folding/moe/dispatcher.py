@@ -22,6 +22,9 @@ adapter over the same code that keeps the record of the one call Megatron-Core d
   all-to-all, ETP all-gather, sort by local expert; the reverse with an ETP reduce-scatter.
 - :class:`~folding.moe.dispatcher_allgather.AllGatherDispatcher`: all-gather tokens, probabilities and
   map over ETP×EP, keep the local experts' columns; reduce-scatter on the way back.
+- :class:`~folding.moe.dispatcher_hierarchical.HierarchicalDispatcher`: when EP spans nodes, a token
+  crosses the node boundary once per destination node (rail all-to-all) and is forwarded inside the
+  node (node all-to-all); the combine sums each node's partials in fp32 before they cross back.
 
 Router probabilities travel with the tokens; the experts apply them (after the activation) and the
 combine is an unweighted sum. ``record.tokens_per_expert`` is an ``int64`` tensor on the tokens'
@@ -46,38 +49,70 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Optional
+
+from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
+from folding.parallel.state import build_node_split_groups
 
 from .config import DISPATCHERS, MoEConfig
 from .dispatcher_allgather import AllGatherDispatcher
 from .dispatcher_alltoall import AllToAllDispatcher
-from .dispatcher_base import DispatchRecord, TokenDispatcher
+from .dispatcher_base import DispatchRecord, TokenDispatcher, _group_ranks
+from .dispatcher_hierarchical import HierarchicalDispatcher
 
 __all__ = [
     "DISPATCHERS",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "DispatchRecord",
+    "HierarchicalDispatcher",
     "TokenDispatcher",
     "build_dispatcher",
     "dispatcher_for",
 ]
 
 
-def build_dispatcher(kind: str, **kwargs) -> TokenDispatcher:
-    """Create the dispatcher named ``kind`` (``alltoall`` or ``allgather``) with ``kwargs``."""
+def build_dispatcher(
+    kind: str, *, node_group=None, rail_group=None, nvlink_domain: Optional[int] = None, **kwargs
+) -> TokenDispatcher:
+    """Create the dispatcher named ``kind`` (``alltoall``, ``allgather`` or ``hierarchical``) with
+    ``kwargs`` (:class:`~folding.moe.dispatcher_base.TokenDispatcher`'s keywords).
+
+    ``hierarchical`` also takes the EP group split by node: ``node_group`` and ``rail_group``
+    (``ParallelState.ep_node_group`` / ``ep_rail_group``, built with the layout's groups from
+    ``parallel.nvlink_domain``), and ``nvlink_domain`` (ranks per node) to check them against; given
+    ``nvlink_domain`` alone, the two groups are created here
+    (:func:`folding.parallel.build_node_split_groups`: collective over the world, so every rank builds
+    its dispatcher at the same point). When the EP group lies inside one node (no rail group, or one
+    of a single rank) it is the ``alltoall`` dispatcher: with one node the two are the same exchange."""
     if kind == "alltoall":
         return AllToAllDispatcher(**kwargs)
     if kind == "allgather":
         return AllGatherDispatcher(**kwargs)
+    if kind == "hierarchical":
+        if node_group is None and rail_group is None and nvlink_domain is not None and group_size(None) > 1:
+            node_group, rail_group = build_node_split_groups(kwargs["ep_group"], nvlink_domain)
+        if rail_group is None or len(_group_ranks(rail_group, "rail_group")) == 1:
+            if kwargs.get("pad_to_capacity"):  # the same refusal whether the domain spans nodes or not
+                raise ValueError(
+                    "moe.dispatcher=hierarchical does not pad to capacity; set moe.pad_to_capacity=false "
+                    "or moe.dispatcher=alltoall"
+                )
+            return AllToAllDispatcher(**kwargs)
+        return HierarchicalDispatcher(
+            node_group=node_group, rail_group=rail_group, nvlink_domain=nvlink_domain, **kwargs
+        )
     raise ValueError(f"moe.dispatcher={kind!r} is not a dispatcher; choose one of {DISPATCHERS}")
 
 
 def dispatcher_for(config: MoEConfig, groups: ProcessGroups, num_slots: int | None = None) -> TokenDispatcher:
     """The dispatcher of an MoE layer: kind, experts, capacity and wires from ``config``, the expert
-    groups (``groups.ep``, ``groups.etp``) from the rank's group record. ``num_slots``: route over
-    that many expert slots instead of ``config.num_experts`` (hot-expert replicas,
-    :mod:`folding.moe.replicas`: ``EP·(L+R)``)."""
+    groups (``groups.ep``, ``groups.etp``, and for ``hierarchical`` ``groups.ep_node`` /
+    ``groups.ep_rail``) from the rank's group record. ``num_slots``: route over that many expert
+    slots instead of ``config.num_experts`` (hot-expert replicas, :mod:`folding.moe.replicas`:
+    ``EP·(L+R)``)."""
+    split = {"node_group": groups.ep_node, "rail_group": groups.ep_rail} if config.dispatcher == "hierarchical" else {}
     return build_dispatcher(
         config.dispatcher,
         num_experts=config.num_experts if num_slots is None else num_slots,
@@ -89,4 +124,5 @@ def dispatcher_for(config: MoEConfig, groups: ProcessGroups, num_slots: int | No
         dispatch_wire=config.dispatch_wire,
         combine_wire=config.combine_wire,
         grad_wire=config.grad_wire,
+        **split,
     )

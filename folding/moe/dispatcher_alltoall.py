@@ -44,6 +44,7 @@ from . import host_sync
 from .dispatcher_base import DispatchRecord, TokenDispatcher
 from .permute import (
     AllToAllPlan,
+    check_dropless,
     expert_order,
     inverse_order,
     padded_rows_per_expert,
@@ -150,22 +151,8 @@ class AllToAllDispatcher(TokenDispatcher):
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:
-            self._check_dropless(counts, call.num_tokens)
+            check_dropless(counts, call.num_tokens, self.topk)
         self._set_plan(call, counts)
-
-    def _check_dropless(self, counts, num_tokens: int) -> None:
-        """Every rank holds every rank's counts ``[EP][ETP][E]`` after the count gather: all ranks of
-        the domain check all of them, so a short map on one rank raises the same error everywhere
-        before any token moves (instead of on that rank alone, leaving its peers in the all-to-all)."""
-        want = num_tokens * self.topk
-        short = [(i, j, sum(c)) for i, row in enumerate(counts) for j, c in enumerate(row) if sum(c) != want]
-        if short:
-            where = ", ".join(f"ep rank {i} etp rank {j}: {n}" for i, j, n in short)
-            raise ValueError(
-                f"dropless dispatch expects exactly topk={self.topk} experts per token "
-                f"({want} pairs per rank) but the routing map holds {where}; set "
-                f"capacity_factor if the router drops tokens"
-            )
 
     def _set_plan(self, call: "_Call", counts) -> None:
         plan = plan_alltoall(

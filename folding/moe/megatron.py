@@ -50,14 +50,28 @@ def _unsupported(config) -> Optional[str]:
     return None
 
 
-def replace_dispatcher(layer, *, kind: Optional[str] = None, megatron_stages: bool = True, **wires) -> TokenDispatcher:
+def replace_dispatcher(
+    layer,
+    *,
+    kind: Optional[str] = None,
+    megatron_stages: bool = True,
+    node_group=None,
+    rail_group=None,
+    nvlink_domain: Optional[int] = None,
+    **wires,
+) -> TokenDispatcher:
     """Set ``layer.token_dispatcher`` (a Megatron-Core ``MoELayer``) to folding's dispatcher with the
     layer's settings and groups; returns it. ``kind`` defaults to the layer's
     ``moe_token_dispatcher_type``; ``wires`` are ``dispatch_wire`` / ``combine_wire`` / ``grad_wire``.
     ``megatron_stages`` (all-to-all only) puts the ETP all-gather / reduce-scatter in
     ``dispatch_postprocess`` / ``combine_preprocess`` as Megatron-Core does (the default here, so that
     code overlapping work with a stage sees the same split); ``False`` keeps them next to the EP
-    all-to-all (:class:`~folding.moe.dispatcher_alltoall.AllToAllDispatcher`).
+    all-to-all (:class:`~folding.moe.dispatcher_alltoall.AllToAllDispatcher`). ``kind="hierarchical"``
+    takes the layer's EP group split by node, ``node_group`` and ``rail_group``
+    (:func:`folding.parallel.build_node_split_groups`), or ``nvlink_domain`` alone to create them here
+    (collective over the world)
+    (:class:`~folding.moe.dispatcher_hierarchical.HierarchicalDispatcher`; its ETP exchange stays
+    inside ``token_dispatch`` / ``token_combine``).
     Raises ``ValueError`` naming the setting for a feature folding's dispatchers do not implement."""
     config = layer.config
     why = _unsupported(config)
@@ -75,6 +89,11 @@ def replace_dispatcher(layer, *, kind: Optional[str] = None, megatron_stages: bo
         capacity_factor=config.moe_expert_capacity_factor,
         pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
         **({"megatron_stages": megatron_stages} if kind == "alltoall" else {}),
+        **(
+            {"node_group": node_group, "rail_group": rail_group, "nvlink_domain": nvlink_domain}
+            if kind == "hierarchical"
+            else {}
+        ),
         **wires,
     )
     if getattr(layer, "shared_expert_overlap", False) and getattr(layer, "shared_experts", None) is not None:

@@ -122,6 +122,22 @@ def unpermute(
     return rows_NH.new_zeros((num_tokens,) + tuple(rows_NH.shape[1:])).index_add_(0, token_idx_N, rows_NH)
 
 
+def check_dropless(counts: Sequence[Sequence[Sequence[int]]], num_tokens: int, topk: int) -> None:
+    """Raise ``ValueError`` unless every rank's counts ``counts[s][j]`` (per expert, ``[EP][ETP][E]``)
+    sum to ``num_tokens·topk``. Every rank holds every rank's counts after the count gather, so all
+    ranks of the domain check all of them: a short map on one rank raises the same error everywhere
+    before any token moves (instead of on that rank alone, leaving its peers in the exchange)."""
+    want = num_tokens * topk
+    short = [(i, j, sum(c)) for i, row in enumerate(counts) for j, c in enumerate(row) if sum(c) != want]
+    if short:
+        where = ", ".join(f"ep rank {i} etp rank {j}: {n}" for i, j, n in short)
+        raise ValueError(
+            f"dropless dispatch expects exactly topk={topk} experts per token "
+            f"({want} pairs per rank) but the routing map holds {where}; set "
+            f"capacity_factor if the router drops tokens"
+        )
+
+
 def chunk_permutation(split_sizes: Sequence[int], sorted_idxs: Sequence[int]) -> List[int]:
     """Row indices that reorder chunks: ``x[perm]`` == the chunks of ``x`` (sizes ``split_sizes``) in the
     order ``sorted_idxs``."""

@@ -3,7 +3,7 @@
 from .groups import ProcessGroups
 from .layout import DEFAULT_ORDER, ParallelLayout
 from .rank_math import LayoutError, RankGenerator, layout_groups
-from .state import ParallelState, build_parallel_state
+from .state import ParallelState, build_node_split_groups, build_parallel_state
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -13,5 +13,6 @@ __all__ = [
     "layout_groups",
     "ParallelState",
     "ProcessGroups",
+    "build_node_split_groups",
     "build_parallel_state",
 ]

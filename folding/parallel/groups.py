@@ -2,7 +2,8 @@
 
 :class:`ProcessGroups` names each group by its role in the two views of a folded layout: the
 attention view (``tp``, ``cp``, ``dp``, ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``pp``, ``embedding``)
-and the expert view (``ep``, ``etp``, ``edp``). :func:`folding.parallel.build_parallel_state` builds
+and the expert view (``ep``, ``etp``, ``edp``, and the EP group split by node, ``ep_node`` and
+``ep_rail``). :func:`folding.parallel.build_parallel_state` builds
 it once (``ps.groups``); the model, the MoE layer, its router and its dispatcher take it as one
 ``groups=`` argument and read the fields they use. A field left ``None`` is the default group: the
 world when ``torch.distributed`` is initialized, no communication otherwise; so
@@ -53,6 +54,12 @@ class ProcessGroups:
     """Expert tensor-parallel group."""
     edp: Optional[dist.ProcessGroup] = None
     """Expert data-parallel group (expert gradient reduction)."""
+    ep_node: Optional[dist.ProcessGroup] = None
+    """The EP group's ranks on this rank's node (``parallel.nvlink_domain``): the hierarchical
+    dispatcher's second stage. ``None`` with ``ep_rail`` ``None``: the EP group is one node."""
+    ep_rail: Optional[dist.ProcessGroup] = None
+    """The EP group's ranks with this rank's position inside its node, one per node: the
+    hierarchical dispatcher's first stage (the one that crosses nodes). ``None``: one node."""
 
     @staticmethod
     def single() -> "ProcessGroups":

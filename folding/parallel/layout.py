@@ -19,7 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .rank_math import LayoutError, attention_generator, expert_generator, layout_groups, parse_order
+from .rank_math import (
+    LayoutError,
+    attention_generator,
+    expert_generator,
+    layout_groups,
+    node_split_groups,
+    parse_order,
+)
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
@@ -87,6 +94,11 @@ class ParallelLayout:
     """Axis order, fastest-varying first (Megatron-Core semantics)."""
     num_experts: Optional[int] = None
     """If given, checked for divisibility by ``ep``."""
+    nvlink_domain: Optional[int] = None
+    """Ranks per node (those that share the fast link; rank ``r`` is on node ``r // nvlink_domain``),
+    for the hierarchical dispatcher's node and rail groups. ``None``: the world is one node. When
+    set, it must divide the world and every node must hold the same number of ranks of each EP
+    group (:func:`~folding.parallel.rank_math.node_split_groups`)."""
 
     def __post_init__(self):
         for name in ("world_size", "tp", "cp", "pp", "ep"):
@@ -132,6 +144,14 @@ class ParallelLayout:
                 )
         att = attention_generator(self)
         exp = expert_generator(self)
+        if self.nvlink_domain is not None:
+            _check_size("nvlink_domain", self.nvlink_domain)
+            if w % self.nvlink_domain:
+                raise LayoutError(
+                    f"parallel.nvlink_domain={self.nvlink_domain} does not divide the world size {w}; set it "
+                    "to the ranks per node (torchrun's --nproc-per-node)"
+                )
+            node_split_groups(exp.get_ranks("ep"), self.nvlink_domain)
         names = att.order
         if self.pp > 1 and names.index("pp") != len(names) - 1 and self.edp != self.dp:
             raise LayoutError(

@@ -17,7 +17,8 @@ other.
   then hands the baton to the other lane of the pair, if any.
 - :func:`link_latency` (benchmarks and tests only): a link model under which every token exchange
   completes no earlier than a set time after it was issued, by sleeping (no CPU used), as a slow
-  network would.
+  network would; :func:`folding.parallel.link_model.link_model` extends it to two link classes
+  (inter-node and intra-node, each with its bandwidth), the exchange's bytes on each counted.
 - :func:`audit` records, for each exchange, the compute operations issued between its start and its
   wait (the order audit of the overlap tests).
 - :data:`stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed time) and
@@ -43,6 +44,9 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import link_model as _links
+from .link_model import LinkBytes, link_latency  # noqa: F401  (link_latency: this module's name for it)
 
 # ------------------------------------------------------------------------------------ the baton
 
@@ -206,24 +210,6 @@ class Stats:
 stats = Stats()
 """Process-wide exchange-wait counters (read by benchmarks)."""
 
-_latency_s = 0.0
-
-
-@contextlib.contextmanager
-def link_latency(seconds: float) -> Iterator[None]:
-    """Link model for benchmarks and tests: inside the block, every token exchange completes no
-    earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
-    network with that latency. The exchanges' data and order are unchanged."""
-    global _latency_s
-    if seconds < 0:
-        raise ValueError(f"link latency must be >= 0 seconds, got {seconds}")
-    old, _latency_s = _latency_s, float(seconds)
-    try:
-        yield
-    finally:
-        _latency_s = old
-
-
 # ------------------------------------------------------------------------------------- the audit
 
 _audit_log: Optional[List[Dict[str, Any]]] = None
@@ -282,16 +268,19 @@ class Exchange:
     """Collectives issued together (``async_op=True``) for one token exchange, waited on once.
 
     Create it right after issuing them; :meth:`wait` runs the deferred work, hands the baton to the
-    other lane of a running pair, then waits for the collectives (and, under :func:`link_latency`,
-    until the latency has passed since the start). ``what`` names the exchange in the audit.
+    other lane of a running pair, then waits for the collectives (and, under a link model, until the
+    modelled duration has passed since the start: :mod:`folding.parallel.link_model`). ``what`` names the
+    exchange in the audit; ``linked``: an EP exchange (the only kind the link model delays); ``link_bytes``:
+    its bytes per link class (``None``: the latency alone applies).
     """
 
-    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady")
+    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady", "link_bytes")
 
-    def __init__(self, works: Sequence[Any], *, what: str, linked: bool = True):
+    def __init__(self, works: Sequence[Any], *, what: str, linked: bool = True, link_bytes: Optional[LinkBytes] = None):
         self.works = list(works)
         self.what = what
         self.linked = linked
+        self.link_bytes = link_bytes
         self.start = time.perf_counter()
         self.ops = _op_count[0]
         self.steady = _steady[0]
@@ -308,8 +297,14 @@ class Exchange:
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
-        if self.linked and _latency_s > 0:
-            rest = self.start + _latency_s - time.perf_counter()
+        model = _links.current()
+        if self.linked and model.active:
+            if self.link_bytes is None:
+                duration = model.latency_s
+            else:
+                duration = self.link_bytes.duration(model)
+                _links.traffic.record(self.link_bytes)
+            rest = self.start + duration - time.perf_counter()
             if rest > 0:
                 time.sleep(rest)
         stats.blocked_s += time.perf_counter() - t0

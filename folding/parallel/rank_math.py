@@ -26,7 +26,7 @@ Usage::
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 
@@ -116,6 +116,53 @@ class RankGenerator:
         return groups
 
 
+def node_split_groups(ep_groups: List[List[int]], nvlink_domain: Optional[int]):
+    """The node and rail groups of every EP group, for the hierarchical dispatcher (pure math).
+
+    A *node* is ``nvlink_domain`` consecutive global ranks (rank ``r`` is on node ``r // G``), the
+    ranks that share the fast link. For each EP group, its *node groups* are its ranks on one node
+    (in EP order) and its *rail groups* its ranks with the same position ``i`` among the group's
+    ranks on their node, one per node (node order). ``nvlink_domain=None`` means one node (the
+    world): the node groups are the EP groups and the rails single ranks.
+
+    Every node an EP group touches must hold the same number ``g`` of its ranks, and they must be
+    consecutive in EP order (node-major EP indices: EP index ``d = n·g + i``); otherwise the layout
+    is refused naming ``parallel.nvlink_domain``. Returns ``(node_groups, rail_groups)``, each a
+    list of rank lists, every rank in exactly one of each.
+
+    Worked example (8 ranks, EP groups ``[[0, 2, 4, 6], [1, 3, 5, 7]]`` of EP4 x ETP2, G = 4):
+    node groups ``[[0, 2], [4, 6], [1, 3], [5, 7]]``, rail groups ``[[0, 4], [2, 6], [1, 5], [3, 7]]``.
+    """
+    if nvlink_domain is None:
+        return [list(g) for g in ep_groups], [[r] for g in ep_groups for r in g]
+    if isinstance(nvlink_domain, bool) or not isinstance(nvlink_domain, int) or nvlink_domain < 1:
+        raise LayoutError(f"parallel.nvlink_domain={nvlink_domain!r} must be an integer >= 1 (ranks per node)")
+    nodes_out: List[List[int]] = []
+    rails_out: List[List[int]] = []
+    for grp in ep_groups:
+        node_of = [r // nvlink_domain for r in grp]
+        runs: List[List[int]] = []  # consecutive EP indices on one node
+        for r, n in zip(grp, node_of):
+            if runs and runs[-1][0] // nvlink_domain == n:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        sizes = {len(run) for run in runs}
+        if len(sizes) > 1 or len(runs) != len(set(node_of)):
+            per = {n: node_of.count(n) for n in dict.fromkeys(node_of)}
+            raise LayoutError(
+                f"parallel.nvlink_domain={nvlink_domain}: the EP group {grp} holds "
+                f"{', '.join(f'{c} rank(s) on node {n}' for n, c in per.items())}; the hierarchical "
+                "dispatcher needs the same number of each EP group's ranks on every node it spans, "
+                "consecutive in EP order: set parallel.nvlink_domain to the ranks per node, change "
+                "parallel.ep or parallel.order, or use moe.dispatcher=alltoall"
+            )
+        g = len(runs[0])
+        nodes_out += runs
+        rails_out += [[run[i] for run in runs] for i in range(g)]
+    return nodes_out, rails_out
+
+
 def embedding_groups(pp_groups: List[List[int]]) -> List[List[int]]:
     """First and last rank of every pipeline group (the ranks that hold tied embeddings)."""
     return [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pp_groups]
@@ -135,7 +182,8 @@ def layout_groups(layout) -> Dict[str, Dict[str, List[List[int]]]]:
     """Every group a trainer needs, for both generators, keyed like ``tools/layout.py --json``.
 
     ``{"attention": {"tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp-cp", "pp", "tp-pp", "embedding"},
-    "expert": {"tp", "ep", "dp", "tp-ep", "tp-ep-pp", "pp"}}``.
+    "expert": {"tp", "ep", "dp", "tp-ep", "tp-ep-pp", "pp", "ep-node", "ep-rail"}}``; the last two
+    split the EP groups by node (:func:`node_split_groups`, ``layout.nvlink_domain``).
     """
     att = attention_generator(layout)
     exp = expert_generator(layout)
@@ -144,4 +192,6 @@ def layout_groups(layout) -> Dict[str, Dict[str, List[List[int]]]]:
         "expert": {t: exp.get_ranks(t) for t in EXPERT_TOKENS},
     }
     out["attention"]["embedding"] = embedding_groups(out["attention"]["pp"])
+    node, rail = node_split_groups(out["expert"]["ep"], layout.nvlink_domain)
+    out["expert"]["ep-node"], out["expert"]["ep-rail"] = node, rail
     return out

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .groups import ProcessGroups
 from .layout import ParallelLayout
+from .rank_math import node_split_groups
 
 # role name on ParallelState -> (view, token)
 ROLES: Tuple[Tuple[str, str, str], ...] = (
@@ -40,6 +41,8 @@ ROLES: Tuple[Tuple[str, str, str], ...] = (
     ("ep", "expert", "ep"),
     ("etp", "expert", "tp"),
     ("edp", "expert", "dp"),
+    ("ep_node", "expert", "ep-node"),
+    ("ep_rail", "expert", "ep-rail"),
 )
 
 
@@ -230,6 +233,36 @@ class ParallelState:
         return len(self.ranks["edp"])
 
     @property
+    def ep_node_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's group of its node (the EP ranks on its node)."""
+        return self.groups.ep_node
+
+    @property
+    def ep_node_rank(self) -> int:
+        """This rank's index in its group of its node (the EP ranks on its node)."""
+        return self.ranks["ep_node"].index(self.rank)
+
+    @property
+    def ep_node_size(self) -> int:
+        """Size of this rank's group of its node (the EP ranks on its node)."""
+        return len(self.ranks["ep_node"])
+
+    @property
+    def ep_rail_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's group of its rail (the EP ranks at its position on every node)."""
+        return self.groups.ep_rail
+
+    @property
+    def ep_rail_rank(self) -> int:
+        """This rank's index in its group of its rail (the EP ranks at its position on every node)."""
+        return self.ranks["ep_rail"].index(self.rank)
+
+    @property
+    def ep_rail_size(self) -> int:
+        """Size of this rank's group of its rail (the EP ranks at its position on every node)."""
+        return len(self.ranks["ep_rail"])
+
+    @property
     def is_first_stage(self) -> bool:
         """True on the first pipeline stage."""
         return self.pp_rank == 0
@@ -312,3 +345,28 @@ def build_parallel_state(
     if world > 1:
         dist.barrier()
     return ParallelState(layout=layout, rank=rank, groups=ProcessGroups(**handles), ranks=ranks, created=tuple(created))
+
+
+def build_node_split_groups(ep_group, nvlink_domain: int):
+    """Split every rank's EP group by node and return this rank's ``(node_group, rail_group)``, for
+    code that holds an EP group but no :class:`ParallelState` (a Megatron-Core layer, a benchmark).
+
+    Collective over the world: every rank calls it with its own EP group and the same
+    ``nvlink_domain``; the EP groups are gathered (one small object all-gather), split by
+    :func:`~folding.parallel.rank_math.node_split_groups` (which refuses uneven nodes naming
+    ``parallel.nvlink_domain``) and every split group is created in the same order on every rank.
+    Call it once per EP group, at start-up; the engine's own layers get the same groups from
+    :func:`build_parallel_state` (``ps.ep_node_group``, ``ps.ep_rail_group``)."""
+    mine = dist.get_process_group_ranks(ep_group)
+    every: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    ep_groups = [list(g) for g in dict.fromkeys(tuple(g) for g in every)]
+    node, rail = node_split_groups(ep_groups, nvlink_domain)
+    me = dist.get_rank()
+    out = {}
+    for role, table in (("node", node), ("rail", rail)):
+        for ranks in table:
+            handle = dist.new_group(ranks)
+            if me in ranks:
+                out[role] = handle
+    return out["node"], out["rail"]

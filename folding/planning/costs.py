@@ -37,28 +37,50 @@ def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float
     return best
 
 
-def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, out_bytes: float = 2.0) -> float:
+def gemm_time(
+    m: float,
+    n: float,
+    k: float,
+    gpu: GPUSpec,
+    eff: float,
+    groups: int = 1,
+    out_bytes: float = 2.0,
+    dtype: str = "bf16",
+) -> float:
     """Seconds of one GEMM ``[m, k] x [k, n]`` (or a grouped GEMM of ``groups`` of them): the longer of its
-    tensor-core time at ``eff`` of peak, scaled by wave utilization, and its HBM time (roofline).
+    tensor-core time at ``eff`` of the ``dtype`` peak (``bf16`` or ``fp8``), scaled by wave utilization, and
+    its HBM time (roofline).
 
-    HBM traffic: the bf16 operands once, and the ``[m, n]`` output at ``out_bytes`` per element (2: a bf16
-    result; 8: an fp32 accumulator read and written, as weight-gradient GEMMs do when they accumulate into
-    fp32 main gradients, Megatron-Core's ``gradient_accumulation_fusion``).
+    HBM traffic: the operands once (2 bytes per element in bf16, 1 in fp8), and the ``[m, n]`` output at
+    ``out_bytes`` per element (2: a bf16 result; 8: an fp32 accumulator read and written, as weight-gradient
+    GEMMs do when they accumulate into fp32 main gradients, Megatron-Core's ``gradient_accumulation_fusion``).
     """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    return max(gemm_time_parts(m, n, k, gpu, eff, groups, out_bytes))
+    return max(gemm_time_parts(m, n, k, gpu, eff, groups, out_bytes, dtype))
 
 
-def gemm_time_parts(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, out_bytes: float = 2.0):
+def gemm_time_parts(
+    m: float,
+    n: float,
+    k: float,
+    gpu: GPUSpec,
+    eff: float,
+    groups: int = 1,
+    out_bytes: float = 2.0,
+    dtype: str = "bf16",
+):
     """``(tensor-core seconds, HBM seconds)`` of :func:`gemm_time` (positive sizes), before the roofline's max."""
-    flops_t = 2.0 * groups * m * n * k / (eff * gpu.bf16_flops * wave_utilization(m, n, gpu.num_sms, groups))
-    hbm_t = groups * (2.0 * (m * k + k * n) + out_bytes * m * n) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    peak = gpu.peak_flops(dtype)
+    operand = 1.0 if dtype == "fp8" else 2.0
+    flops_t = 2.0 * groups * m * n * k / (eff * peak * wave_utilization(m, n, gpu.num_sms, groups))
+    hbm_t = groups * (operand * (m * k + k * n) + out_bytes * m * n) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     return flops_t, hbm_t
 
 
-def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1):
-    """``(forward, dgrad, wgrad)`` seconds of a linear layer whose forward GEMM is ``[m, k] x [k, n]``.
+def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, dtype: str = "bf16"):
+    """``(forward, dgrad, wgrad)`` seconds of a linear layer whose forward GEMM is ``[m, k] x [k, n]``, its
+    three GEMMs in ``dtype`` (``fp8``: an FP8 recipe's forward, dgrad and wgrad, each at ``eff`` of the FP8 peak).
 
     dgrad is ``[m, n] x [n, k]`` (output ``[m, k]``); wgrad is ``[k, m] x [m, n]`` (output ``[k, n]``, reduced
     over the ``m`` rows, accumulated into fp32 main gradients); each with its own wave utilization and
@@ -66,9 +88,9 @@ def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, gro
     fine-grained expert's wgrad has a short reduction and a large fp32 output: it can be HBM-bound.
     """
     return (
-        gemm_time(m, n, k, gpu, eff, groups),
-        gemm_time(m, k, n, gpu, eff, groups),
-        gemm_time(k, n, m, gpu, eff, groups, out_bytes=8.0),
+        gemm_time(m, n, k, gpu, eff, groups, dtype=dtype),
+        gemm_time(m, k, n, gpu, eff, groups, dtype=dtype),
+        gemm_time(k, n, m, gpu, eff, groups, out_bytes=8.0, dtype=dtype),
     )
 
 
@@ -114,6 +136,21 @@ def _exposed_behind_chunks(comm_s: float, *, pp: int, vpp: int, slot_s: float) -
         start = max(-(j * pp + 1) * slot_s, end)
         end = start + comm_s / vpp
     return max(0.0, end)
+
+
+def _staged_a2a_time(row_bytes: float, nic_rows: float, nvlink_rows: float, cluster) -> float:
+    """The hierarchical dispatcher's exchange: ``nic_rows`` rows of ``row_bytes`` over the NIC (stage A, one
+    per distinct remote node), then ``nvlink_rows`` over NVLink (stage B, the forwarding hop), one after
+    the other: stage B forwards what stage A received (two collectives, each with its latency)."""
+    gpu = cluster.gpu
+    t = 0.0
+    if nic_rows > 0:
+        t += nic_rows * row_bytes / gpu.link_bandwidth(crosses_node=True, kind="a2a") + gpu.latency(crosses_node=True)
+    if nvlink_rows > 0:
+        t += nvlink_rows * row_bytes / gpu.link_bandwidth(crosses_node=False, kind="a2a") + gpu.latency(
+            crosses_node=False
+        )
+    return t
 
 
 def hidden_behind(comm_s: float, compute_s: float, contention: float) -> float:

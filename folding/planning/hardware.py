@@ -28,6 +28,11 @@ Assumptions (not calibrated)
   kernels take SMs and HBM bandwidth from the GEMM).
 - ``host_sync_s`` 30 µs per MoE layer forward: the dropless dispatcher's device-to-host copy of split sizes
   drains the GPU queue (copy + a few kernel launches before the GPU is busy again).
+- ``fp8_efficiency`` 0.464 of the FP8 peak for FP8 GEMMs, quantization casts included (``FP8_EFFICIENCY``): not a
+  hardware fact but calibrated on the one published FP8 row the planner can reproduce (the MoE Parallel
+  Folding paper: Mixtral-8x22B, 128 H100, TP2 PP8 EP8 ETP1, FP8 with delayed scaling on every linear layer,
+  631.7 TFLOP/s per GPU against 487.7 in BF16). One constant for every recipe: blockwise and MXFP8 scaling
+  cost more casts than delayed scaling, which this row does not show.
 - ``usable_memory_gib``: what PyTorch's allocator can reserve: HBM less 2.5 GiB held outside it (CUDA
   context ≈ 0.5-1 GiB, NCCL communicator buffers for the job's dozen process groups ≈ 1 GiB, cuBLAS /
   TransformerEngine workspaces ≈ 0.5 GiB).
@@ -50,6 +55,13 @@ import dataclasses
 from typing import Dict, List
 
 GIB = 1024**3
+
+#: Fraction of peak FP8 FLOP/s reached by FP8 GEMMs (casts included). Calibrated once, on one row only:
+#: Mixtral-8x22B on 128 H100 (seq 4096, global batch 256) with FP8 (delayed scaling, every linear layer),
+#: folded layout TP2 PP8 EP8 ETP1, which the MoE Parallel Folding paper measured at 631.7 TFLOP/s per GPU
+#: (63.8% of the BF16 peak), with the BF16 GEMMs at the calibrated ``compute_efficiency``.
+#: Reproduce with ``folding.planning.planner.calibrate_fp8_efficiency`` (a test does).
+FP8_EFFICIENCY = 0.464
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +99,10 @@ class GPUSpec:
     """Fraction of link bandwidth reached by all-to-all."""
     hbm_efficiency: float = 0.80
     """Fraction of HBM bandwidth reached by memory-bound element-wise kernels."""
+    fp8_efficiency: float = FP8_EFFICIENCY
+    """Fraction of the FP8 peak that FP8 GEMMs reach, their quantization casts included (the planner's
+    ``--fp8-recipe``); the counterpart of the calibrated BF16 ``compute_efficiency``, calibrated the same way
+    on one published FP8 row (see the module docstring)."""
     intra_latency_s: float = 20e-6
     """Launch + synchronization latency of one collective inside the NVLink domain."""
     inter_latency_s: float = 40e-6

@@ -34,6 +34,7 @@ from .hardware import GIB
 from .imbalance import LoadAt, RoutingModel
 from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
 from .moe_overlap import memory_with_overlap
+from .node_dispatch import DISPATCHERS
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
@@ -156,12 +157,14 @@ def enumerate_plans(
     folded: bool = True,
     overlap_moe_comm: bool = False,
     delay_wgrad: bool = False,
+    dispatcher: str = "alltoall",
 ) -> Iterator[Plan]:
     """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
 
     ``folded=False`` yields Megatron-Core's layouts without folding instead: ETP = TP and EP carved out of
     DP (DP divisible by EP), the dispatch group spanning TP·CP·EP ranks. ``overlap_moe_comm`` and
-    ``delay_wgrad`` are set on every plan (``parallel.*`` of the same names).
+    ``delay_wgrad`` are set on every plan (``parallel.*`` of the same names), and ``dispatcher``
+    (``moe.dispatcher``).
     """
     N, dom = cluster.num_gpus, cluster.nvlink_domain
     S, B, b, L = shape.seq_length, shape.global_batch_size, shape.micro_batch_size, cfg.num_layers
@@ -214,6 +217,7 @@ def enumerate_plans(
                                         folded=folded,
                                         overlap_moe_comm=overlap_moe_comm,
                                         delay_wgrad=delay_wgrad,
+                                        dispatcher=dispatcher,
                                     )
 
 
@@ -331,8 +335,12 @@ def plan_layouts(
     overlap_moe_comm: bool = False,
     delay_wgrad: bool = False,
     routing: Optional[RoutingModel] = None,
+    dispatcher: Optional[str] = None,
 ) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
+
+    ``dispatcher``: the token dispatcher planned for (:data:`folding.planning.node_dispatch.DISPATCHERS`);
+    ``None`` reads ``cfg.moe.dispatcher`` (``allgather`` is planned as ``alltoall``, as it always was).
 
     ``routing``: rank by the step time at ``routing.rank_by`` (p50 or p99) of its steps' load on the
     slowest EP rank instead of balanced routing (:mod:`folding.planning.imbalance`); memory stays the
@@ -347,7 +355,13 @@ def plan_layouts(
     best: Dict[tuple, PlanResult] = {}
     results: List[PlanResult] = []
     plans = enumerate_plans(
-        cfg, cluster=cluster, shape=shape, folded=folded, overlap_moe_comm=overlap_moe_comm, delay_wgrad=delay_wgrad
+        cfg,
+        cluster=cluster,
+        shape=shape,
+        folded=folded,
+        overlap_moe_comm=overlap_moe_comm,
+        delay_wgrad=delay_wgrad,
+        dispatcher=planned_dispatcher(cfg, dispatcher),
     )
     for plan in plans:
         mem = plan_memory(cfg, plan, shape=shape)
@@ -362,6 +376,17 @@ def plan_layouts(
             best[key] = r
     results = results if not distinct else list(best.values())
     return sorted(results, key=lambda r: (r.time.step_s, r.memory_gib))
+
+
+def planned_dispatcher(cfg: ModelConfig, dispatcher: Optional[str] = None) -> str:
+    """The dispatcher the cost model plans for: ``dispatcher`` if given (one of
+    :data:`~folding.planning.node_dispatch.DISPATCHERS`, else a ``ValueError`` naming ``--dispatcher``),
+    otherwise ``cfg.moe.dispatcher``, with ``allgather`` planned as ``alltoall``."""
+    if dispatcher is not None:
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"--dispatcher {dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
+        return dispatcher
+    return "hierarchical" if cfg.moe.dispatcher == "hierarchical" else "alltoall"
 
 
 def _better(r: PlanResult, other: PlanResult) -> bool:
@@ -414,6 +439,40 @@ def calibrate_compute_efficiency(
 
     def best_mfu(eff: float) -> float:
         return max(estimate_step_time(cfg, p, shape=shape, cluster=cluster, compute_efficiency=eff).mfu for p in plans)
+
+    lo, hi = 0.01, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if best_mfu(mid) < target_mfu else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate_fp8_efficiency(
+    cfg: ModelConfig,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    mapping: Dict[str, int],
+    target_tflops: float,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+) -> float:
+    """The FP8 GEMM efficiency (:attr:`~folding.planning.hardware.GPUSpec.fp8_efficiency`) at which the best
+    fitting variant of ``mapping`` predicts ``target_tflops`` model TFLOP/s per GPU with ``shape``'s FP8
+    setting (``fp8_recipe``, ``fp8_dense``), the BF16 GEMMs at ``compute_efficiency``; by bisection."""
+    if not shape.fp8_recipe:
+        raise ValueError("calibrate_fp8_efficiency needs shape.fp8_recipe")
+    want = tuple(mapping[k] for k in MATCH_KEYS)
+    plans = [p for p in enumerate_plans(cfg, cluster=cluster, shape=shape) if _mapping(p) == want]
+    plans = [p for p in plans if cluster.gpu.fits(plan_memory(cfg, p, shape=shape).total)]
+    if not plans:
+        raise ValueError(f"no legal layout that fits matches {mapping}")
+    target_mfu = target_tflops * 1e12 / cluster.gpu.bf16_flops
+
+    def best_mfu(eff: float) -> float:
+        c = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, fp8_efficiency=eff))
+        return max(
+            estimate_step_time(cfg, p, shape=shape, cluster=c, compute_efficiency=compute_efficiency).mfu for p in plans
+        )
 
     lo, hi = 0.01, 1.0
     for _ in range(40):

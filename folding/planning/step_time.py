@@ -66,10 +66,19 @@ from folding.model.config import ModelConfig
 from folding.parallel.partition import partition_layers
 
 from . import flops as F
-from .costs import _a2a_time, _exposed_behind_chunks, _ring_time, gemm_time_parts, gemm_train_times, hidden_behind
+from .costs import (
+    _a2a_time,
+    _exposed_behind_chunks,
+    _ring_time,
+    _staged_a2a_time,
+    gemm_time_parts,
+    gemm_train_times,
+    hidden_behind,
+)
 from .hardware import GPUSpec
 from .memory import _stage_counts, param_counts
 from .moe_overlap import MoEPieces, exposed_exchanges, paired_share
+from .node_dispatch import exchange_rows
 from .optim_precision import OptimizerPrecision, muon_flops
 
 BF16, FP32 = 2, 4
@@ -92,6 +101,15 @@ class TrainingShape:
     optim_precision: OptimizerPrecision = OptimizerPrecision()
     """The optimizer's state and gradient dtypes (``optim.exp_avg_dtype`` ...): optimizer and gradient
     memory, the gradient reduction's bytes and the update's memory traffic."""
+    fp8_recipe: Optional[str] = None
+    """``moe.fp8_recipe``: the routed experts' GEMMs (forward, dgrad, wgrad) run in FP8 at the GPU's FP8 peak
+    and its own efficiency (:attr:`~folding.planning.hardware.GPUSpec.fp8_efficiency`, one constant for every
+    recipe); ``None``: bf16. Time only: the memory model keeps bf16 activations."""
+    fp8_dense: bool = False
+    """With ``fp8_recipe``: the dense linear layers (attention projections, shared expert, dense MLP) run in
+    FP8 too, as Megatron-Core's ``--fp8-format`` does for every TransformerEngine linear (folding's dense
+    precision is bf16: plan this for a Megatron-Core comparison). The attention core, router and output
+    layer stay bf16."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,6 +170,10 @@ class Plan:
     delay_wgrad: bool = False
     """``parallel.delay_wgrad`` (with ``overlap_moe_comm``): the experts' weight-gradient GEMMs run behind
     the backward dispatch instead of behind the forward one."""
+    dispatcher: str = "alltoall"
+    """``moe.dispatcher``: ``alltoall`` sends every routed copy on its own; ``hierarchical`` sends a token
+    over the NIC once per distinct remote node and forwards it over NVLink there
+    (:mod:`folding.planning.node_dispatch`)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -200,9 +222,9 @@ def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap:
     )
 
 
-def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gpu, eff: float, train, attn_fwd: int):
+def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, lin, train, attn_fwd: int):
     """Multi-head latent attention GEMMs of one layer and micro-batch: ``(col, row, seconds, tp_width,
-    forward_seconds)``.
+    forward_seconds)``. ``lin(m, n, k)``: ``(forward, dgrad, wgrad)`` seconds of a dense linear layer.
 
     The down-projections run replicated on the rank's sequence shard (``seq_tok / TP`` tokens); the
     query up-projection and the output projection on the CP chunk (``seq_tok``); the KV up-projection on
@@ -213,17 +235,19 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, gp
     m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
     heads = N / plan.tp
     q_in = m.q_lora_rank or H
-    down = gemm_train_times(seq_tok / plan.tp, (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim, H, gpu, eff)
-    q_up = gemm_train_times(seq_tok, heads * m.qk_head_dim, q_in, gpu, eff)
-    kv_up = gemm_train_times(full_tok, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, gpu, eff)
-    proj = gemm_train_times(seq_tok, H, heads * m.v_head_dim, gpu, eff)
+    down = lin(seq_tok / plan.tp, (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim, H)
+    q_up = lin(seq_tok, heads * m.qk_head_dim, q_in)
+    kv_up = lin(full_tok, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    proj = lin(seq_tok, H, heads * m.v_head_dim)
     seconds = train(down, attn_fwd) + train(q_up, attn_fwd) + train(kv_up, attn_fwd) + train(proj, attn_fwd)
     latents = (m.q_lora_rank or H) + m.kv_lora_rank + m.qk_rope_head_dim
     fwd = down[0] + q_up[0] + kv_up[0] + proj[0]
     return q_up, proj, seconds, (latents + H) / 2, fwd
 
 
-def _loaded_train_times(rows: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int, load: float):
+def _loaded_train_times(
+    rows: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int, load: float, dtype: str = "bf16"
+):
     """``(forward, dgrad, wgrad)`` seconds of a grouped expert GEMM whose ``groups`` experts hold ``load``
     times their balanced ``rows`` in all: the tensor-core time of the balanced GEMM (its wave utilization:
     the experts' rows differ, so no one tile count stands for them) times ``load``, against the HBM time
@@ -232,10 +256,10 @@ def _loaded_train_times(rows: float, n: float, k: float, gpu: GPUSpec, eff: floa
         return (0.0, 0.0, 0.0)
     out = []
     for (m_, n_, k_, ob), scaled in (((rows, n, k, 2.0), 0), ((rows, k, n, 2.0), 0), ((k, n, rows, 8.0), 2)):
-        flops_t, _ = gemm_time_parts(m_, n_, k_, gpu, eff, groups, ob)
+        flops_t, _ = gemm_time_parts(m_, n_, k_, gpu, eff, groups, ob, dtype)
         dims = [m_, n_, k_]
         dims[scaled] *= load
-        out.append(max(flops_t * load, gemm_time_parts(*dims, gpu, eff, groups, ob)[1]))
+        out.append(max(flops_t * load, gemm_time_parts(*dims, gpu, eff, groups, ob, dtype)[1]))
     return tuple(out)
 
 
@@ -264,18 +288,25 @@ def _layer_times(
     def train(times, fwd):  # (forward, dgrad, wgrad) -> seconds for `fwd` forwards and one backward
         return fwd * times[0] + times[1] + times[2]
 
+    # GEMM precision: the routed experts' under moe.fp8_recipe, the dense linears' too with fp8_dense
+    x_eff, x_dt = (gpu.fp8_efficiency, "fp8") if shape.fp8_recipe else (eff, "bf16")
+    d_eff, d_dt = (x_eff, x_dt) if shape.fp8_dense else (eff, "bf16")
+
+    def lin(m_, n_, k_):  # a dense linear layer's (forward, dgrad, wgrad)
+        return gemm_train_times(m_, n_, k_, gpu, d_eff, dtype=d_dt)
+
     core = F.attention_core_flops(cfg, S) * tok
     seq_tok = S * b / plan.cp  # tokens of the full (TP-gathered) CP chunk
     H, d = cfg.hidden_size, cfg.kv_channels
     if cfg.mla is None:
         qkv_n = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * d
-        qkv = gemm_train_times(seq_tok, qkv_n / plan.tp, H, gpu, eff)
-        proj = gemm_train_times(seq_tok, H, cfg.num_attention_heads * d / plan.tp, gpu, eff)
+        qkv = lin(seq_tok, qkv_n / plan.tp, H)
+        proj = lin(seq_tok, H, cfg.num_attention_heads * d / plan.tp)
         attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
         tp_width = H  # the sequence-parallel all-gather moves the hidden state
         attn_fwd_s = qkv[0] + proj[0]
     else:
-        qkv, proj, attn_t, tp_width, attn_fwd_s = _mla_times(cfg, plan, seq_tok, S * b, gpu, eff, train, attn_fwd)
+        qkv, proj, attn_t, tp_width, attn_fwd_s = _mla_times(cfg, plan, seq_tok, S * b, lin, train, attn_fwd)
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.moe.num_experts // plan.ep
@@ -283,19 +314,20 @@ def _layer_times(
         f = cfg.moe.ffn_hidden_size / plan.etp
         # One grouped GEMM over the local experts for fc1 and one for fc2 (their tiles share the waves).
         if moe_load is None:
-            fc1, fc2 = gemm_train_times(rows, 2 * f, H, gpu, eff, local), gemm_train_times(rows, H, f, gpu, eff, local)
+            fc1 = gemm_train_times(rows, 2 * f, H, gpu, x_eff, local, x_dt)
+            fc2 = gemm_train_times(rows, H, f, gpu, x_eff, local, x_dt)
         else:  # the slowest rank's experts: load_c times the rows
-            fc1 = _loaded_train_times(rows, 2 * f, H, gpu, eff, local, load_c)
-            fc2 = _loaded_train_times(rows, H, f, gpu, eff, local, load_c)
+            fc1 = _loaded_train_times(rows, 2 * f, H, gpu, x_eff, local, load_c, x_dt)
+            fc2 = _loaded_train_times(rows, H, f, gpu, x_eff, local, load_c, x_dt)
         mlp_t = train(fc1, mlp_fwd) + train(fc2, mlp_fwd)
         router_t = F.router_flops(cfg) * tok / flops_rate
         mlp_t += (2 + mlp_fwd) * router_t
         if cfg.moe.shared_expert_ffn_hidden_size:
             fs = cfg.moe.shared_expert_ffn_hidden_size / plan.tp
-            tp_block = (gemm_train_times(seq_tok, 2 * fs, H, gpu, eff), gemm_train_times(seq_tok, H, fs, gpu, eff))
+            tp_block = (lin(seq_tok, 2 * fs, H), lin(seq_tok, H, fs))
     else:
         fd = cfg.ffn_hidden_size / plan.tp
-        tp_block = (gemm_train_times(seq_tok, 2 * fd, H, gpu, eff), gemm_train_times(seq_tok, H, fd, gpu, eff))
+        tp_block = (lin(seq_tok, 2 * fd, H), lin(seq_tok, H, fd))
         mlp_t = 0.0
     if tp_block is not None:
         mlp_t += train(tp_block[0], mlp_fwd) + train(tp_block[1], mlp_fwd)
@@ -361,7 +393,7 @@ def _layer_times(
         if moe_load is not None:
             copies *= load_a  # what the slowest rank receives
         stride = plan.etp if plan.folded else plan.tp * plan.cp
-        a2a = _a2a_time(copies * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
+        a2a = _ep_exchange_time(cfg, plan, stride, copies / cfg.moe.topk, cluster)
         etp = _ring_time(copies * (plan.etp - 1), plan.etp, cluster) if plan.etp > 1 else 0.0
         ep_t = 2 * (mlp_fwd + 1) * (a2a + etp)
         if plan.overlap_moe_comm:
@@ -383,6 +415,28 @@ def _layer_times(
             )
     out["ep"] = ep_t
     return out
+
+
+def _ep_exchange_time(cfg: ModelConfig, plan: Plan, stride: int, row_bytes: float, cluster: Cluster) -> float:
+    """Seconds of one EP exchange (dispatch or combine) moving ``row_bytes`` per token and row, for the
+    plan's dispatcher: ``alltoall`` sends the ``k·(EP-1)/EP`` remote copies, off-node peers over the NIC and
+    on-node ones over NVLink at once; ``hierarchical`` (across nodes) sends the expected distinct remote
+    nodes' rows over the NIC, then the forwarding hop over NVLink (:mod:`folding.planning.node_dispatch`;
+    node-limited when ``moe.num_groups`` / ``moe.group_topk`` are set)."""
+    dom = cluster.nvlink_domain
+    per_node = max(1, min(plan.ep, dom // stride)) if stride <= dom else 1
+    if plan.dispatcher != "hierarchical" or per_node >= plan.ep:
+        return _a2a_time(row_bytes * cfg.moe.topk * (plan.ep - 1) / plan.ep, plan.ep, stride, cluster)
+    rows = exchange_rows(
+        num_experts=cfg.moe.num_experts,
+        topk=cfg.moe.topk,
+        ep=plan.ep,
+        ranks_per_node=per_node,
+        dispatcher=plan.dispatcher,
+        num_groups=cfg.moe.num_groups,
+        group_topk=cfg.moe.group_topk,
+    )
+    return _staged_a2a_time(row_bytes, rows.nic, rows.nvlink, cluster)
 
 
 def _last_stage_extra(

@@ -103,12 +103,27 @@ class ParallelConfig:
     """With ``overlap_moe_comm``: compute the experts' weight gradients while the backward dispatch
     all-to-all is in flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``); same
     numbers bitwise."""
+    nvlink_domain: Optional[int] = None
+    """Ranks that share the fast link, i.e. ranks per node (a GB200 NVL72 rack counts as one node):
+    global rank ``r`` is on node ``r // nvlink_domain``. Read by ``moe.dispatcher=hierarchical``,
+    which sends a token across the node boundary once per destination node; every node must hold the
+    same number of ranks of each EP group. null: torchrun's ``LOCAL_WORLD_SIZE``, else the whole
+    world (one node). Tests set it smaller to make one machine several nodes."""
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
 
-    def layout(self, world_size: int, num_experts: Optional[int] = None) -> ParallelLayout:
-        """The validated :class:`ParallelLayout` for ``world_size`` ranks (raises ``LayoutError``)."""
+    def resolved_nvlink_domain(self, world_size: int) -> int:
+        """Ranks per node: ``nvlink_domain``, else torchrun's ``LOCAL_WORLD_SIZE``, else ``world_size``."""
+        if self.nvlink_domain is not None:
+            return self.nvlink_domain
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return int(local) if local else world_size
+
+    def layout(self, world_size: int, num_experts: Optional[int] = None, *, node_split: bool = False) -> ParallelLayout:
+        """The validated :class:`ParallelLayout` for ``world_size`` ranks (raises ``LayoutError``).
+        ``node_split``: the layout splits EP by node (``moe.dispatcher=hierarchical``) with
+        :meth:`resolved_nvlink_domain` ranks per node; otherwise the world counts as one node."""
         return ParallelLayout(
             world_size=world_size,
             tp=self.tp,
@@ -121,6 +136,7 @@ class ParallelConfig:
             etp=self.etp,
             order=self.order,
             num_experts=num_experts,
+            nvlink_domain=self.resolved_nvlink_domain(world_size) if node_split else None,
         )
 
 
@@ -245,7 +261,9 @@ class JobConfig:
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The validated folded layout of this job on ``world_size`` ranks."""
-        return self.parallel.layout(world_size, self.model.moe.num_experts)
+        return self.parallel.layout(
+            world_size, self.model.moe.num_experts, node_split=self.model.moe.dispatcher == "hierarchical"
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain nested dict of every resolved setting, shaped like the Hydra tree (``model`` without

@@ -22,9 +22,11 @@ import dataclasses
 from typing import Dict, List
 
 from ..model.config import ModelConfig
+from ..parallel.rank_math import expert_generator
 from ..planning.flops import flops_per_token
 from ..planning.memory import MemoryEstimate, adamw_share, memory_per_rank, param_counts, state_bytes_per_param
 from ..planning.moe_overlap import memory_with_overlap
+from ..planning.node_dispatch import exchange_rows
 from ..planning.optim_precision import OptimizerPrecision
 from .config import ConfigError, JobConfig
 from .machine import check_experts_here, training_device
@@ -93,6 +95,31 @@ def optimizer_line(job: JobConfig) -> str:
     )
 
 
+def dispatch_line(job: JobConfig, layout, world_size: int) -> str:
+    """The rows a token sends per EP exchange over each link class, expected under uniform routing (the
+    planner's model, :func:`folding.planning.node_dispatch.exchange_rows`), for ``moe.dispatcher`` (the
+    ``allgather`` dispatcher counted as ``alltoall``) and the nodes the first EP group spans
+    (``parallel.nvlink_domain``)."""
+    G = job.parallel.resolved_nvlink_domain(world_size)
+    ep_ranks = expert_generator(layout).get_ranks("ep")[0]
+    nodes = len({r // G for r in ep_ranks})
+    kind = "hierarchical" if job.moe.dispatcher == "hierarchical" else "alltoall"
+    rows = exchange_rows(
+        num_experts=job.moe.num_experts,
+        topk=job.moe.topk,
+        ep=len(ep_ranks),
+        ranks_per_node=len(ep_ranks) // nodes,
+        dispatcher=kind,
+        num_groups=job.moe.num_groups,
+        group_topk=job.moe.group_topk,
+    )
+    return (
+        f"  dispatch    EP{len(ep_ranks)} spans {nodes} node{'' if nodes == 1 else 's'} of {G} ranks "
+        f"(parallel.nvlink_domain); per token and exchange, expected with uniform routing: {rows.nic:.2f} rows "
+        f"across nodes, {rows.nvlink:.2f} inside a node ({kind})"
+    )
+
+
 def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     """Validate ``job`` on ``world_size`` ranks (raises ``ConfigError``) and return the report text."""
     layout = validate_job(job, world_size=world_size)
@@ -107,6 +134,7 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  parameters  total {total / 1e9:.2f} B, active {active / 1e9:.2f} B per token",
         f"  moe         {job.moe.num_experts} experts, top-{job.moe.topk}, dispatcher {job.moe.dispatcher}, "
         f"capacity_factor {job.moe.capacity_factor}",
+        dispatch_line(job, layout, world_size),
         f"  flops       {flops_per_token(m, t.seq_length).model_training / 1e9:.1f} GFLOP per trained token "
         "(model FLOPs: the MFU numerator)",
     ]

@@ -65,6 +65,14 @@ def _check_train(job: JobConfig) -> None:
     for key in ("overlap_moe_comm", "delay_wgrad"):
         if not isinstance(getattr(par, key), bool):
             _fail(f"parallel.{key}", getattr(par, key), "must be true or false", f"set parallel.{key}=true or false")
+    nv = par.nvlink_domain
+    if nv is not None and (isinstance(nv, bool) or not isinstance(nv, int) or nv < 1):
+        _fail(
+            "parallel.nvlink_domain",
+            nv,
+            "must be an integer >= 1 (ranks per node)",
+            "set it to the ranks per node (torchrun's --nproc-per-node) or null",
+        )
     if par.delay_wgrad and not par.overlap_moe_comm:
         _fail(
             "parallel.delay_wgrad",

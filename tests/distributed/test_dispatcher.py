@@ -79,7 +79,10 @@ def _one_case(c, ps, world, rank):
         etp_group=ps.etp_group,
         capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
         pad_to_capacity=mode == "pad",
+        **({"node_group": ps.ep_node_group, "rail_group": ps.ep_rail_group} if c["kind"] == "hierarchical" else {}),
     )
+    if c.get("two_stage") is not None:  # the hierarchical dispatcher is two-stage exactly when EP spans nodes
+        assert (type(d).__name__ == "HierarchicalDispatcher") == c["two_stage"], c
     L, Fs = E // c["ep"], FF // c["etp"]
     off, j = d.local_expert_offset, ps.etp_rank
     A_l = A[off : off + L, :, j * Fs : (j + 1) * Fs].clone().requires_grad_(True)
@@ -107,9 +110,11 @@ def _run_cases(cases):
     states, results = {}, []
     try:
         for c in cases:
-            key = (c["ep"], c["etp"])
+            key = (c["ep"], c["etp"], c.get("nvlink_domain"))
             if key not in states:
-                states[key] = build_parallel_state(ParallelLayout(world_size=world, ep=c["ep"], etp=c["etp"]))
+                states[key] = build_parallel_state(
+                    ParallelLayout(world_size=world, ep=c["ep"], etp=c["etp"], nvlink_domain=key[2])
+                )
             results.append(_one_case(c, states[key], world, rank))
     finally:
         for ps in states.values():
@@ -176,11 +181,48 @@ def test_dispatchers_match_reference(ranks, world):
     _check(world, cases, per_rank)
 
 
+def _hier_cases(world):
+    """Hierarchical dispatch with ``nvlink_domain`` making one machine several nodes: EP spanning
+    nodes (two stages) and inside one (the all-to-all), dropless and dropping, with ETP2."""
+    G = world // 2
+    layouts = {4: [(4, 1, True), (2, 2, True)], 8: [(8, 1, True), (4, 2, True), (2, 2, False)]}[world]
+    out, seed = [], 100
+    for ep, etp, two in layouts:
+        for mode in ("dropless", "drop"):
+            for topk in (2, 5):
+                seed += 1
+                out.append(
+                    dict(
+                        ep=ep,
+                        etp=etp,
+                        kind="hierarchical",
+                        mode=mode,
+                        E=8,
+                        topk=topk,
+                        seed=seed,
+                        cf=1.0,
+                        sbh=seed % 2 == 0,
+                        nvlink_domain=G,
+                        two_stage=two,
+                    )
+                )
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_hierarchical_matches_reference(ranks, world):
+    """Outputs and gradients of tokens, probabilities and expert weights equal the single-process
+    reference (and so the all-to-all's, tested against the same reference), one host read per layer."""
+    cases = _hier_cases(world)
+    per_rank = ranks(world).run(_run_cases, cases)
+    _check(world, cases, per_rank)
+
+
 # ------------------------------------------------------------------------------ quantized wires
 HW, TW, EW, FW = 64, 6, 4, 8
 
 
-def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange=False):
+def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange=False, kind="alltoall"):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(world * TW, HW, generator=g)
     scores = torch.rand(world * TW, EW, generator=g)
@@ -190,8 +232,13 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
     Bw = torch.randn(EW, FW, HW, generator=g) / 3
     gy = torch.randn(world * TW, HW, generator=g)
     sl = slice(rank * TW, (rank + 1) * TW)
+    extra = (
+        dict(node_group=ps.ep_node_group, rail_group=ps.ep_rail_group)
+        if kind == "hierarchical"
+        else dict(megatron_stages=megatron_stages, per_expert_exchange=per_expert_exchange)
+    )
     d = build_dispatcher(
-        "alltoall",
+        kind,
         num_experts=EW,
         topk=2,
         ep_group=ps.ep_group,
@@ -199,8 +246,7 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
         dispatch_wire=wires[0],
         combine_wire=wires[1],
         grad_wire=wires[2],
-        megatron_stages=megatron_stages,
-        per_expert_exchange=per_expert_exchange,
+        **extra,
     )
     Fs, j, off = FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
@@ -273,6 +319,40 @@ def _wire_cases(wire_sets):
     finally:
         ps.destroy()
     return out
+
+
+def _hier_wire_cases(wire_sets):
+    """The hierarchical dispatcher (4 ranks as 2 nodes of 2) under each wire set, against the
+    all-to-all dispatcher under the same wires and against the exact (unquantized) run."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for ep, etp in ((4, 1), (2, 2)):
+        ps = build_parallel_state(ParallelLayout(world_size=world, ep=ep, etp=etp, nvlink_domain=2))
+        try:
+            ref = _wire_run(ps, ("none", "none", "none"), world, rank)
+            for wires in wire_sets:
+                h = _wire_run(ps, wires, world, rank, kind="hierarchical")
+                a = _wire_run(ps, wires, world, rank)
+                if wires[1] == "none":  # the dispatch wire rounds once (stage B forwards the encoded bytes)
+                    torch.testing.assert_close(h["y"], a["y"], rtol=1e-5, atol=1e-6, msg=str(wires))
+                else:  # the combine rounds at both hops: within twice the all-to-all's bound
+                    err = (h["y"] - ref["y"]).abs()
+                    assert (err <= 2 * a["bound"] + 1e-5 * ref["y"].abs() + 1e-7).all(), (wires, ep, etp)
+                    assert err.max() > 0
+                for k in ("gx", "gp"):
+                    rel = (h[k] - ref[k]).norm() / ref[k].norm()
+                    assert h[k].abs().sum() > 0 and rel < 0.15, (wires, k, float(rel))
+                out.append((ep, etp, wires, h["bytes"]["inter_node_dispatch_bytes"], h["bytes"]["remote_rows_sent"]))
+        finally:
+            ps.destroy()
+    return out
+
+
+def test_hierarchical_quantized_wires(ranks):
+    wire_sets = [("mxfp8", "none", "none"), ("fp8", "fp8", "fp8"), ("none", "mxfp8", "mxfp8")]
+    for ep, etp, wires, sent, rows in ranks(4).run(_hier_wire_cases, wire_sets)[0]:
+        per_row = {"mxfp8": HW + HW // 32, "fp8": HW + 4, "none": HW * 4}[wires[0]]
+        assert sent == rows * per_row, (ep, etp, wires)
 
 
 def test_quantized_wires_bounded_error_and_bytes(ranks):

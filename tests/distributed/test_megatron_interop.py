@@ -152,9 +152,11 @@ def test_alltoall_dispatcher_is_bitwise_megatrons(ranks, li):
             assert moved == (lay["etp"] > 1 or (E // lay["ep"] > 1 and mode != "pad")), (lay, mode)
 
 
-def _layer_swap(lay, cases):
+def _layer_swap(lay, cases, nvlink_domain=None):
     """Megatron-Core's MoELayer with its own dispatcher, then with folding's set by replace_dispatcher:
-    output and every gradient, per case ``(mode, kind, shared, overlap)``."""
+    output and every gradient, per case ``(mode, kind, shared, overlap)``. With ``nvlink_domain``,
+    folding's hierarchical dispatcher (the EP group split into nodes of that many ranks) replaces
+    Megatron-Core's all-to-all one."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -163,6 +165,7 @@ def _layer_swap(lay, cases):
 
     init_megatron(**lay)
     out = []
+    split = {}
     try:
         for mode, kind, shared, overlap in cases:
             cfg = _config(lay, mode, dispatcher=kind, shared=shared, overlap=overlap)
@@ -174,7 +177,15 @@ def _layer_swap(lay, cases):
             g = torch.randn(S // lay["tp"], B, H, generator=gen)
             res = []
             for swap in (False, True):
-                if swap:
+                if swap and nvlink_domain:
+                    if not split:  # the node and rail groups, built once for every case
+                        from folding.parallel import build_node_split_groups
+
+                        ep = layer.token_dispatcher.ep_group
+                        split = dict(zip(("node_group", "rail_group"), build_node_split_groups(ep, nvlink_domain)))
+                    d = replace_dispatcher(layer, kind="hierarchical", **split)
+                    assert type(d).__name__ == "HierarchicalDispatcher"
+                elif swap:
                     replace_dispatcher(layer)
                 layer.zero_grad(set_to_none=True)
                 x = x0.clone().requires_grad_()
@@ -183,7 +194,7 @@ def _layer_swap(lay, cases):
                 grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
                 res.append((y.detach(), x.grad, grads))
             (y0, gx0, g0), (y1, gx1, g1) = res
-            if kind == "alltoall":
+            if kind == "alltoall" and not nvlink_domain:
                 same = lambda a, b: torch.equal(a, b)  # noqa: E731
             else:
                 same = lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6)  # noqa: E731
@@ -193,6 +204,10 @@ def _layer_swap(lay, cases):
             scale = float(y0.abs().max())
             out.append(((mode, kind, shared, overlap), diff, sorted(g0) == sorted(g1), scale))
     finally:
+        if split:
+            dist.barrier()
+            for grp in split.values():
+                dist.destroy_process_group(grp)
         destroy_megatron()
     return out
 
@@ -211,6 +226,23 @@ CASES = [
 @pytest.mark.parametrize("li", range(len(LAYOUTS)))
 def test_inside_megatron_moe_layer(ranks, li):
     for rank_result in ranks(4).run(_layer_swap, LAYOUTS[li], CASES):
+        for case, diff, same_params, scale in rank_result:
+            assert same_params and scale > 0, case
+            assert diff == [], f"{LAYOUTS[li]} {case}: differs in {diff}"
+
+
+HIER_CASES = [
+    ("dropless", "alltoall", 0, False),
+    ("drop", "alltoall", 0, False),
+    ("dropless", "alltoall", 32, True),  # shared-expert overlap inside the hierarchical dispatcher's stages
+]
+
+
+@pytest.mark.parametrize("li", [0, 1])
+def test_hierarchical_inside_megatron_moe_layer(ranks, li):
+    """The hierarchical dispatcher (4 ranks as 2 nodes of 2) in place of Megatron-Core's all-to-all
+    one: the same output and gradients within float rounding (it sums each node's rows first)."""
+    for rank_result in ranks(4).run(_layer_swap, LAYOUTS[li], HIER_CASES, 2):
         for case, diff, same_params, scale in rank_result:
             assert same_params and scale > 0, case
             assert diff == [], f"{LAYOUTS[li]} {case}: differs in {diff}"

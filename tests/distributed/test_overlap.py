@@ -12,6 +12,7 @@ Equality of results with overlap on and off is checked by the layout-equivalence
 (``test_pipeline_training.py``), every case with both settings.
 """
 
+import dataclasses
 import os
 import time
 
@@ -25,7 +26,13 @@ from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
 
-LAYOUTS = {"ep4": dict(ep=4, etp=1), "pp2ep2": dict(pp=2, ep=2, etp=1), "ep2etp2": dict(tp=2, ep=2, etp=2)}
+LAYOUTS = {
+    "ep4": dict(ep=4, etp=1),
+    "pp2ep2": dict(pp=2, ep=2, etp=1),
+    "ep2etp2": dict(tp=2, ep=2, etp=2),
+    # the hierarchical dispatcher, the 4 ranks as 2 nodes of 2: its rail and node exchanges both audited
+    "hier_ep4": dict(ep=4, etp=1, nvlink_domain=2),
+}
 
 
 def _sequential(first, second):
@@ -38,6 +45,8 @@ def _audit_step(layout: str, sequential: bool):
         schedules.run_pair = _sequential  # overlap disabled inside the schedule
     try:
         cfg = get_preset("qwen2_moe_tiny" if layout == "ep2etp2" else "mixtral_tiny", num_layers=2)
+        if layout.startswith("hier"):
+            cfg = dataclasses.replace(cfg, moe=cfg.moe.replace(dispatcher="hierarchical"))
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout]))
         try:
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, overlap_moe_comm=True)
@@ -72,6 +81,10 @@ def test_order_audit_every_steady_exchange_hides_behind_compute(ranks, layout):
             f"{layout} rank {r}: {len(bad)} of {len(steady)} steady-state exchanges had no compute: {bad[:4]}"
         )
         assert all(e["paired"] for e in steady if e["what"].endswith("dispatch")), (layout, r)
+        if layout.startswith("hier"):  # both stages ran, each its own overlap point
+            assert {"ep rail dispatch", "ep node dispatch", "ep rail combine", "ep node combine"} <= {
+                e["what"] for e in steady
+            }, (layout, r)
 
 
 def test_order_audit_fails_with_overlap_disabled_inside_the_schedule(ranks):

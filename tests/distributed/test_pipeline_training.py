@@ -418,6 +418,18 @@ REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CA
 # expert with PP2 TP2 EP2 ETP2 and full recompute, which fetches the replicas again)
 REPLICA_OVERLAP_CASES = [CASES[4], CASES[7]]
 
+# the hierarchical dispatcher, dropless with the 8 ranks as 2 nodes of 4 (parallel.nvlink_domain=4): EP8
+# over TP2×DP4 and EP4×ETP2 with TP2, both also with overlap on (the second with delay_wgrad), bitwise
+# equal to off. Dropping needs TP=CP=1 (capacity is decided from local tokens) and so PP2 at this batch
+# size, whose stages of 4 ranks are split as 2 nodes of 2: EP4, and EP2×ETP2
+HIER = dict(dispatcher="hierarchical")
+HIER_CASES = [
+    ("mixtral_tiny", dict(tp=2, ep=8, etp=1, nvlink_domain=4), dict(), True, HIER),
+    ("mixtral_tiny", dict(tp=2, ep=4, etp=2, nvlink_domain=4), dict(), False, HIER),
+    ("mixtral_tiny", dict(pp=2, ep=4, etp=1, nvlink_domain=2), dict(), True, {**HIER, **DROP}),
+    ("mixtral_tiny", dict(pp=2, ep=2, etp=2, nvlink_domain=2), dict(), False, {**HIER, **DROP}),
+]
+
 
 @pytest.mark.parametrize(
     "overlap,moments,replicas",
@@ -428,13 +440,17 @@ REPLICA_OVERLAP_CASES = [CASES[4], CASES[7]]
         (False, "muon", 0),
         (False, "fp32", 1),
         (True, "fp32", 1),
+        (True, "hierarchical", 0),
     ],
-    ids=["overlap_off", "overlap_on", "bf16_moments", "muon", "replicas", "replicas_overlap"],
+    ids=["overlap_off", "overlap_on", "bf16_moments", "muon", "replicas", "replicas_overlap", "hierarchical"],
 )
 def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas):
     if replicas:  # with overlap: also bitwise the run with replicas and without overlap
         cases = REPLICA_OVERLAP_CASES if overlap else REPLICA_CASES
         _check_cases(ranks, tmp_path, cases, overlap=overlap, replicas=replicas)
+    elif moments == "hierarchical":  # every case like one rank, then two with overlap (bitwise as off)
+        _check_cases(ranks, tmp_path, HIER_CASES)
+        _check_cases(ranks, tmp_path, HIER_CASES[:2], overlap=True)
     elif moments == "fp32":
         _check_cases(ranks, tmp_path, CASES, BF16_CASES, overlap=overlap)
     elif moments == "muon":  # ZeRO-1 PP2 TP2; VPP2 TP2 EP4; ETP2 plain; Qwen2-MoE shared expert ETP2

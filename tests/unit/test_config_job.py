@@ -74,7 +74,7 @@ def test_defaults_and_overrides_reach_typed_config():
             256,
             "attention TP4 CP2 DP2 PP16 (first stage 5 layers, last stage 5 layers) | MoE ETP1 EP8 EDP2 PP16",
         ),
-        ("deepseek_v3", 1024, "attention TP2 CP2 DP16 PP16 (last stage 1 layer) | MoE ETP1 EP8 EDP8 PP16"),
+        ("deepseek_v3", 1024, "attention TP2 CP2 DP16 PP16 (last stage 1 layer) | MoE ETP1 EP16 EDP4 PP16"),
     ],
 )
 def test_recipes_dry_run(recipe, world, expect):

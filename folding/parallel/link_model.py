@@ -1,0 +1,187 @@
+"""A two-class CPU model of the links a token exchange uses (benchmarks and tests only).
+
+On a GPU cluster an exchange's rows to ranks of other nodes go over the NIC (about 50 GB/s per GPU per
+direction on H100) and those to ranks of the same node over NVLink (about 450 GB/s): nine times
+faster. On one CPU machine every rank shares the same memory, so nothing shows the difference. Inside
+:func:`link_model`, every EP token exchange completes no earlier than
+
+    start + latency + max over the link classes it uses of (its bytes on that class / that class's bandwidth)
+
+(the two classes are separate links and carry their bytes at the same time; on each, a rank's bytes are
+the larger of what it sends and what it receives there, each direction having its own bandwidth). Its
+wait sleeps for the rest (no CPU used): the exchange's data and order are unchanged. Two ranks are on
+the same node when their *global* ranks agree after integer division by ``nvlink_domain`` (``parallel.
+nvlink_domain``); rows a rank sends to itself are a local copy and cost nothing.
+
+:func:`link_latency` (latency only, every exchange alike) is the one-class model it extends.
+
+:data:`traffic` accumulates the bytes each class carried (sent by this process) while a model is active:
+the counts a benchmark reports.
+
+Usage::
+
+    with link_model(latency_s=1e-3, inter_node_bandwidth=2e8, intra_node_bandwidth=1.8e9, nvlink_domain=4):
+        layer(x).sum().backward()          # every EP exchange waits for its modelled completion
+    traffic.inter_node_bytes, traffic.intra_node_bytes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """The links' settings (a bandwidth of ``None`` is unlimited)."""
+
+    latency_s: float = 0.0
+    """Fixed time of every exchange, seconds."""
+    inter_node_bandwidth: Optional[float] = None
+    """Bytes/s per rank per direction between ranks of different nodes (the NIC)."""
+    intra_node_bandwidth: Optional[float] = None
+    """Bytes/s per rank per direction between ranks of one node (NVLink)."""
+    nvlink_domain: Optional[int] = None
+    """Ranks per node (global rank // this = node); ``None``: every rank on one node."""
+
+    def __post_init__(self):
+        if self.latency_s < 0:
+            raise ValueError(f"link latency must be >= 0 seconds, got {self.latency_s}")
+        for name in ("inter_node_bandwidth", "intra_node_bandwidth"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be > 0 bytes/s (or None: unlimited), got {v}")
+        if self.nvlink_domain is not None and self.nvlink_domain < 1:
+            raise ValueError(f"nvlink_domain must be >= 1, got {self.nvlink_domain}")
+
+    def node(self, global_rank: int) -> int:
+        """The node of a global rank."""
+        return 0 if self.nvlink_domain is None else global_rank // self.nvlink_domain
+
+    def duration(self, inter_bytes: float, intra_bytes: float) -> float:
+        """Seconds an exchange moving ``inter_bytes`` across nodes and ``intra_bytes`` inside a node (per
+        rank, the larger direction) lasts at least: latency + the slower class's bytes over its bandwidth."""
+        t = 0.0
+        for nbytes, bw in ((inter_bytes, self.inter_node_bandwidth), (intra_bytes, self.intra_node_bandwidth)):
+            if nbytes > 0 and bw is not None:
+                t = max(t, nbytes / bw)
+        return self.latency_s + t
+
+    @property
+    def active(self) -> bool:
+        """Whether the model delays anything."""
+        return self.latency_s > 0 or self.inter_node_bandwidth is not None or self.intra_node_bandwidth is not None
+
+
+@dataclasses.dataclass
+class LinkBytes:
+    """One rank's bytes of one exchange per link class: sent and received."""
+
+    inter_sent: float = 0.0
+    """Bytes sent to ranks of other nodes."""
+    inter_recv: float = 0.0
+    """Bytes received from ranks of other nodes."""
+    intra_sent: float = 0.0
+    """Bytes sent to other ranks of this node."""
+    intra_recv: float = 0.0
+    """Bytes received from other ranks of this node."""
+
+    def add(self, model: LinkModel, me: int, peers: Sequence[int], send_bytes, recv_bytes) -> None:
+        """Count one uneven all-to-all: ``send_bytes[i]`` / ``recv_bytes[i]`` to / from the rank of global
+        rank ``peers[i]``; ``me`` is this rank's global rank (its own share is a local copy)."""
+        here = model.node(me)
+        for peer, s, r in zip(peers, send_bytes, recv_bytes):
+            if peer == me:
+                continue
+            if model.node(peer) == here:
+                self.intra_sent += s
+                self.intra_recv += r
+            else:
+                self.inter_sent += s
+                self.inter_recv += r
+
+    def duration(self, model: LinkModel) -> float:
+        """:meth:`LinkModel.duration` of these bytes (each class's larger direction)."""
+        return model.duration(max(self.inter_sent, self.inter_recv), max(self.intra_sent, self.intra_recv))
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes this process sent per link class in modelled exchanges since the last :meth:`reset`."""
+
+    inter_node_bytes: float = 0.0
+    """Sent to ranks of other nodes."""
+    intra_node_bytes: float = 0.0
+    """Sent to other ranks of this node."""
+    exchanges: int = 0
+    """Modelled exchanges."""
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self.inter_node_bytes = self.intra_node_bytes = 0.0
+        self.exchanges = 0
+
+    def record(self, b: LinkBytes) -> None:
+        """Add one exchange's bytes."""
+        self.inter_node_bytes += b.inter_sent
+        self.intra_node_bytes += b.intra_sent
+        self.exchanges += 1
+
+
+traffic = Traffic()
+"""Process-wide counters of the bytes modelled exchanges sent (read by benchmarks)."""
+
+_model = [LinkModel()]
+
+
+def current() -> LinkModel:
+    """The link model in force (inactive outside :func:`link_model` / :func:`link_latency`)."""
+    return _model[0]
+
+
+@contextlib.contextmanager
+def link_model(
+    *,
+    latency_s: float = 0.0,
+    inter_node_bandwidth: Optional[float] = None,
+    intra_node_bandwidth: Optional[float] = None,
+    nvlink_domain: Optional[int] = None,
+) -> Iterator[LinkModel]:
+    """Inside the block, every EP token exchange completes no earlier than its :meth:`LinkModel.duration`
+    after it was issued (see the module docstring); yields the :class:`LinkModel`."""
+    m = LinkModel(
+        latency_s=float(latency_s),
+        inter_node_bandwidth=inter_node_bandwidth,
+        intra_node_bandwidth=intra_node_bandwidth,
+        nvlink_domain=nvlink_domain,
+    )
+    old, _model[0] = _model[0], m
+    try:
+        yield m
+    finally:
+        _model[0] = old
+
+
+@contextlib.contextmanager
+def link_latency(seconds: float) -> Iterator[None]:
+    """Link model for benchmarks and tests: inside the block, every token exchange completes no
+    earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
+    network with that latency. The exchanges' data and order are unchanged."""
+    with link_model(latency_s=seconds):
+        yield
+
+
+def new_link_bytes() -> Optional[LinkBytes]:
+    """An empty :class:`LinkBytes` to count one exchange into, or ``None`` when no model is active or
+    ``torch.distributed`` is not initialized (nothing to count, nothing to delay)."""
+    return LinkBytes() if _model[0].active and dist.is_initialized() else None
+
+
+def count_all_to_all(acc: LinkBytes, group, send_rows: Sequence[int], recv_rows: Sequence[int], row_bytes: int) -> None:
+    """Add to ``acc`` this rank's bytes of an uneven all-to-all over ``group`` (``None``: the world) sending
+    ``send_rows[i]`` rows of ``row_bytes`` to group rank ``i`` and receiving ``recv_rows[i]``."""
+    peers = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    acc.add(_model[0], dist.get_rank(), peers, [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows])

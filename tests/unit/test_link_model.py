@@ -1,0 +1,75 @@
+"""The two-class CPU link model: an exchange completes no earlier than latency + its bytes over the
+bandwidth of each link class it uses (inter-node, intra-node), its wait sleeping for the rest."""
+
+import time
+
+import pytest
+
+from folding.parallel import link_model as lm
+from folding.parallel import overlap
+from folding.parallel.overlap import Exchange
+
+
+def test_duration_is_latency_plus_the_slower_class():
+    m = lm.LinkModel(latency_s=0.001, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=4)
+    # 1 MB across nodes: 1 s; 9 MB inside the node: 1 s; the classes carry their bytes at once
+    assert m.duration(1e6, 9e6) == pytest.approx(1.001)
+    assert m.duration(2e6, 9e6) == pytest.approx(2.001)  # the NIC is the slower class
+    assert m.duration(0, 18e6) == pytest.approx(2.001)  # only NVLink used
+    assert m.duration(0, 0) == pytest.approx(0.001)  # latency alone
+    # an unset bandwidth is unlimited
+    assert lm.LinkModel(latency_s=0.5, intra_node_bandwidth=1e6).duration(1e9, 0) == pytest.approx(0.5)
+
+
+def test_bytes_per_class_from_global_ranks():
+    m = lm.LinkModel(inter_node_bandwidth=1.0, nvlink_domain=4)
+    b = lm.LinkBytes()
+    # global rank 5 sits on node 1 (ranks 4..7); a group of ranks 1, 3, 5, 7
+    b.add(m, 5, [1, 3, 5, 7], send_bytes=[10, 20, 30, 40], recv_bytes=[1, 2, 3, 4])
+    assert (b.inter_sent, b.inter_recv) == (30, 3)  # to / from ranks 1 and 3 (node 0)
+    assert (b.intra_sent, b.intra_recv) == (40, 4)  # rank 7; its own 30 / 3 are a local copy
+    # each class costs its larger direction
+    b.inter_recv = 50
+    assert b.duration(m) == pytest.approx(50.0)
+    # without nvlink_domain every rank shares one node
+    one = lm.LinkBytes()
+    one.add(lm.LinkModel(latency_s=1.0), 0, [0, 1], [5, 6], [7, 8])
+    assert (one.inter_sent, one.intra_sent, one.intra_recv) == (0, 6, 8)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="inter_node_bandwidth"):
+        lm.LinkModel(inter_node_bandwidth=0)
+    with pytest.raises(ValueError, match="latency"):
+        with overlap.link_latency(-1):
+            pass
+
+
+def _timed_wait(ex):
+    t0 = time.perf_counter()
+    ex.wait()
+    return time.perf_counter() - t0
+
+
+def test_exchange_waits_for_its_modelled_completion():
+    lm.traffic.reset()
+    with lm.link_model(latency_s=0.02, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=2):
+        # 60 kB over the NIC (60 ms) beats 90 kB over NVLink (10 ms): at least 20 + 60 ms
+        ex = Exchange([], what="ep dispatch", link_bytes=lm.LinkBytes(inter_sent=60e3, intra_sent=90e3))
+        assert _timed_wait(ex) >= 0.08
+        assert (lm.traffic.inter_node_bytes, lm.traffic.intra_node_bytes, lm.traffic.exchanges) == (60e3, 90e3, 1)
+        # an exchange without bytes pays the latency
+        assert _timed_wait(Exchange([], what="ep combine")) >= 0.02
+    # outside the block nothing is delayed and nothing counted
+    lm.traffic.reset()
+    assert _timed_wait(Exchange([], what="x", link_bytes=lm.LinkBytes(inter_sent=1e9))) < 0.5
+    assert lm.traffic.exchanges == 0
+
+
+def test_link_latency_keeps_its_meaning():
+    with overlap.link_latency(0.05):
+        assert lm.current().latency_s == 0.05
+        assert _timed_wait(Exchange([], what="ep dispatch")) >= 0.05
+        # an exchange that is not an EP one (ETP) is not delayed
+        assert _timed_wait(Exchange([], what="etp", linked=False)) < 0.05
+    assert not lm.current().active
