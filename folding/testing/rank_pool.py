@@ -38,7 +38,21 @@ class RankFailure(RuntimeError):
     """A function raised on one or more ranks; the message holds the first failing rank's traceback."""
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this rank when the process that started it dies, even in the middle
+    of a task (a rank busy in a long run would otherwise only notice between tasks)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the between-tasks check below still applies
+        pass
+
+
 def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_s: float) -> None:
+    _die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
