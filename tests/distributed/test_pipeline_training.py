@@ -104,7 +104,8 @@ DEEPSEEK_CASES = [
     # last_stage_layers both set (the split the planner proposes for lighter first and last stages)
     ("deepseek_v3_tiny", dict(pp=2, first_stage_layers=1, last_stage_layers=3, ep=4, etp=1), dict(PAIRED), False, {}),
 ]
-BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1)), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1))]
+# (model, parallel, train overrides): Qwen2-MoE's DP4 takes a batch of 16, so that it pairs with overlap
+BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1), {}), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1), PAIRED)]
 
 
 def _job(model_name, parallel, train, distributed, moe, steps=STEPS, optim=()):
@@ -278,9 +279,10 @@ def _check_option_active(case, runs, *, overlap, optim, replicas):
             assert dtypes.get("exp_avg") == dtypes.get("exp_avg_sq") == {want}, (case, run["state"])
 
 
-# bf16 layouts against the one-rank bf16 run of the same batches. Measured (Mixtral PP2 TP2 EP2, Qwen2-MoE
-# TP2 EP4; 6 steps): losses within 5.9e-5 relative, gradient norms within 6.1e-3, fp32 master weights
-# within a mean absolute difference of 2.5e-4 per tensor. An element's difference alone says little:
+# bf16 layouts against the one-rank bf16 run of the same batches. Measured (Mixtral PP2 TP2 EP2; Qwen2-MoE
+# TP2 EP4 at a batch of 8 and of 16; 6 steps): losses within 6.6e-5 relative, gradient norms within
+# 6.1e-3, fp32 master weights within a mean absolute difference of 2.5e-4 per tensor. An element's
+# difference alone says little:
 # where a gradient is near zero, bf16 noise flips the sign of Adam's normalized update, so single
 # elements differ by up to a few updates (1.1e-2 measured; at most STEPS * lr). The tolerances leave 4x
 # the measured noise; defects are larger: every expert gradient zeroed moves the loss by ~5e-4, the
@@ -309,7 +311,7 @@ def _check_dropping_experts(case, name, got, want, atol):
 def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(), replicas=0):
     """Train ``cases`` on 8 ranks and their 1-rank references; compare losses, grad norms, parameters
     and the golden curves of the models they train, and check inside each run that the option under
-    test was active (:func:`_check_option_active`). ``bf16_cases`` ``(model, parallel)`` train in
+    test was active (:func:`_check_option_active`). ``bf16_cases`` ``(model, parallel, train)`` train in
     bf16 on 8 ranks and are compared with the one-rank bf16 run (losses, gradient norms, fp32 master
     weights). With ``overlap`` every case runs with ``parallel.overlap_moe_comm=true`` and must also
     equal its run without overlap bit for bit. ``optim``: ``optim.*`` overrides (``(key, value)``
@@ -317,7 +319,7 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
     ``moe.expert_replicas`` slots re-planned every 2 steps (the 1-rank references have none) and must
     have replicated some expert by their end."""
     optim = tuple(sorted(dict(optim).items()))
-    bf16 = [(m, par, dict(precision="bf16"), False, {}) for m, par in bf16_cases]
+    bf16 = [(m, par, dict(precision="bf16", **train), False, {}) for m, par, train in bf16_cases]
     _references(ranks, tmp_path, [_ref_key(m, tr, moe, optim) for m, _, tr, _, moe in [*cases, *bf16]])
     # one call per case, each well inside the pool's timeout on a slow machine
     results = []
@@ -419,13 +421,14 @@ REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CA
 REPLICA_OVERLAP_CASES = [CASES[4], CASES[7]]
 
 # the hierarchical dispatcher, dropless with the 8 ranks as 2 nodes of 4 (parallel.nvlink_domain=4): EP8
-# over TP2×DP4 and EP4×ETP2 with TP2, both also with overlap on (the second with delay_wgrad), bitwise
+# over TP2×DP4 and EP4×ETP2 with TP2 (a batch of 16: two micro-batches per rank), both also with overlap on
+# (the second with delay_wgrad), bitwise
 # equal to off. Dropping needs TP=CP=1 (capacity is decided from local tokens) and so PP2 at this batch
 # size, whose stages of 4 ranks are split as 2 nodes of 2: EP4, and EP2×ETP2
 HIER = dict(dispatcher="hierarchical")
 HIER_CASES = [
-    ("mixtral_tiny", dict(tp=2, ep=8, etp=1, nvlink_domain=4), dict(), True, HIER),
-    ("mixtral_tiny", dict(tp=2, ep=4, etp=2, nvlink_domain=4), dict(), False, HIER),
+    ("mixtral_tiny", dict(tp=2, ep=8, etp=1, nvlink_domain=4), dict(PAIRED), True, HIER),
+    ("mixtral_tiny", dict(tp=2, ep=4, etp=2, nvlink_domain=4), dict(PAIRED), False, HIER),
     ("mixtral_tiny", dict(pp=2, ep=4, etp=1, nvlink_domain=2), dict(), True, {**HIER, **DROP}),
     ("mixtral_tiny", dict(pp=2, ep=2, etp=2, nvlink_domain=2), dict(), False, {**HIER, **DROP}),
 ]
