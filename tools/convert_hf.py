@@ -96,7 +96,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes
         raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
     meta = read_meta(path)
     with single_process_world():
-        model = MoETransformer(ModelConfig.from_dict(meta["model"]), initialize=False)
+        model = MoETransformer(ModelConfig.from_dict(meta["model"]).for_inference(), initialize=False)
         load_full_model(path, model)
         to_hf(model, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return path

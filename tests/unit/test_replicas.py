@@ -1,6 +1,8 @@
 """The replica slot planner, the deterministic token split, the re-plan schedule and the settings'
 errors (``moe.expert_replicas``, ``moe.replica_interval``)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,3 +156,18 @@ def test_validate_job_refuses_replicas_without_ep_and_with_delayed_wgrad():
         validate_job(job(ep=4, overlap_moe_comm=True, delay_wgrad=True), world_size=4)
     validate_job(job(ep=4), world_size=4)
     validate_job(job(ep=4, overlap_moe_comm=True), world_size=4)  # overlap is fine
+
+
+def test_inference_config_drops_only_training_options():
+    from folding.model.presets import get_preset
+    from folding.moe.config import TRAINING_ONLY
+
+    trained = get_preset(
+        "mixtral_tiny", moe={"expert_replicas": 2, "trace_dir": "t", "dispatch_wire": "fp8", "input_jitter_eps": 0.01}
+    )
+    plain = trained.for_inference()
+    assert plain.moe.expert_replicas == 0 and plain.moe.trace_dir is None and plain.moe.dispatch_wire == "none"
+    assert plain.moe.input_jitter_eps is None
+    kept = [f for f in dataclasses.fields(plain.moe) if f.name not in TRAINING_ONLY]
+    assert all(getattr(plain.moe, f.name) == getattr(trained.moe, f.name) for f in kept)
+    assert plain.replace(moe=trained.moe) == trained  # nothing outside the MoE options changed
