@@ -13,7 +13,9 @@ Usage::
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
-memory. The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP group, as in
+memory; the line under it (``run: parallel.tp=... optim.distributed=... train.recompute=...``) holds the
+job overrides that run it (``--json``: ``overrides``, a list of strings).
+The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP group, as in
 Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks too), so that a
 folded and an ``--unfolded`` line with the same sizes read alike only when they are the same layout.
 Layouts that do not fit in the GPU's memory are dropped. With ``--routing-trace`` /
@@ -42,7 +44,7 @@ from folding.planning.imbalance import (
     zipf_loads,
 )
 from folding.planning.optim_precision import OptimizerPrecision
-from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts
+from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts, plan_overrides
 from folding.planning.step_time import Cluster, TrainingShape
 from folding.training.trace_file import read_trace
 
@@ -164,11 +166,12 @@ def parse_args(argv=None):
         ("main-grads-dtype", ("fp32", "bf16"), "main gradients and their reduction (optim.main_grads_dtype)"),
     ):
         p.add_argument(f"--{flag}", choices=choices, default="fp32", help=f"{what}; default fp32")
-    p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
+    p.add_argument("--top", type=int, default=10, help="plans to list, best first (text and --json; default 10)")
     p.add_argument(
         "--json",
         action="store_true",
-        help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)",
+        help="print only a JSON list of the --top fitting layouts, best first (one per mapping unless "
+        "--all-variants), each with its job overrides",
     )
     return p.parse_args(argv)
 
@@ -253,6 +256,14 @@ def _line(i: int, r) -> str:
     )
 
 
+def _overrides_line(plan) -> str:
+    """The overrides that run ``plan`` (add ``parallel.world_size`` and the job's own settings)."""
+    over = plan_overrides(plan)
+    if over is None:
+        return "run: no engine layout places EP this way (carved out of DP with CP > 1); plan without --unfolded"
+    return "run: " + " ".join(over)
+
+
 def main(argv=None) -> int:
     """Run the planner; 0 on success, 2 on bad input, 1 when no layout fits."""
     args = parse_args(argv)
@@ -296,7 +307,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([r.to_dict() for r in results]))
+        print(json.dumps([r.to_dict() for r in results[: args.top]]))
         return 0 if results else 1
     head = (
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
@@ -314,6 +325,7 @@ def main(argv=None) -> int:
         print(EP_LEGEND)
     for i, r in enumerate(shown, 1):
         print(_line(i, r))
+        print("     " + _overrides_line(r.plan))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
     print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.by_part().items()))
