@@ -9,8 +9,9 @@ A resumed run appends to the same file: the records written after each restart r
 ones of the steps it repeats (steps after the checkpoint it resumed from).
 
 The middle panel has one line per MoE layer: max ÷ mean tokens per expert at every step (1 is
-perfect balance, E/k means every token of the layer chose the same k experts). The heatmap shows
-each expert's share of its layer's routed tokens averaged over a window of steps (``--steps A:B``,
+perfect balance, E/k means every token of the layer chose the same k experts); dashed vertical lines
+mark the steps where hot-expert replicas were re-planned (``replan`` records, ``moe.expert_replicas``).
+The heatmap shows each expert's share of its layer's routed tokens averaged over a window of steps (``--steps A:B``,
 both ends included, either may be left out; or the last ``--last`` steps; default the whole run),
 shaded on the imbalance panel; 1/E everywhere is perfect balance. An average hides a router whose
 hot expert changes from step to step: read the imbalance curves first.
@@ -38,13 +39,13 @@ def read_records(path):
 
 
 def latest_attempt(records):
-    """``records`` where each ``run`` record starting at step ``s`` drops the earlier ``train`` and
-    ``eval`` records of steps ``>= s`` (they were redone after a resume)."""
+    """``records`` where each ``run`` record starting at step ``s`` drops the earlier ``train``, ``eval``
+    and ``replan`` records of steps ``>= s`` (they were redone after a resume)."""
     out = []
     for r in records:
         if r.get("kind") == "run" and r.get("start_step") is not None:
             s = r["start_step"]
-            out = [o for o in out if o.get("kind") not in ("train", "eval") or o.get("step", 0) < s]
+            out = [o for o in out if o.get("kind") not in ("train", "eval", "replan") or o.get("step", 0) < s]
         out.append(r)
     return out
 
@@ -83,6 +84,11 @@ def load_matrix(train, last=None, steps=None):
     return share.mean(axis=0)
 
 
+def replan_steps(records):
+    """The steps at which the hot-expert replica slots were re-planned (``replan`` records), ascending."""
+    return sorted({r["step"] for r in records if r.get("kind") == "replan"})
+
+
 def imbalance_curves(train):
     """``(steps, imb_SL)``: the steps with expert counts and, per step and MoE layer, max ÷ mean tokens
     per expert (from ``expert_counts``); ``None`` without counts."""
@@ -94,7 +100,7 @@ def imbalance_curves(train):
     return [s for s, _ in rows], counts.max(axis=2) / mean
 
 
-def _draw_imbalance(ax, train, window):
+def _draw_imbalance(ax, train, window, replans=()):
     curves = imbalance_curves(train)
     if curves is None:
         ax.text(0.5, 0.5, "no expert counts", ha="center")
@@ -103,6 +109,8 @@ def _draw_imbalance(ax, train, window):
     for layer in range(imb.shape[1]):
         ax.plot(steps, imb[:, layer], label=f"MoE layer {layer}", lw=1.2)
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    for i, s in enumerate(replans):
+        ax.axvline(s, color="purple", lw=0.8, ls="--", alpha=0.6, label="replica re-plan" if i == 0 else None)
     if window:
         ax.axvspan(window[0]["step"] - 0.5, window[-1]["step"] + 0.5, color="gray", alpha=0.12, label="heatmap steps")
     ax.set_xlabel("step")
@@ -138,7 +146,7 @@ def plot(records, out, last=None, title=None, steps=None):
     ax1.set_title(title or "loss")
     ax1.grid(alpha=0.3)
     ax1.legend()
-    _draw_imbalance(ax3, train, window)
+    _draw_imbalance(ax3, train, window, replan_steps(records))
     mat = load_matrix(train, last, steps)
     if mat is None:
         ax2.text(0.5, 0.5, "no expert counts", ha="center")

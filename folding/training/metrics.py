@@ -189,6 +189,12 @@ class MetricsSink:
         self.jsonl.write({"kind": "warning", "step": step, "message": message, **fields})
         self.echo(f"warning: {message}", console=self.config.console)
 
+    def event(self, kind: str, step: int, message: str, **fields: Any) -> None:
+        """Write a ``{"kind": kind, "step", "message", **fields}`` record to the JSONL file and the line
+        ``message`` to the console (whatever ``logging.interval`` is) and the run's log."""
+        self.jsonl.write({"kind": kind, "step": step, "message": message, **fields})
+        self.echo(message, console=self.config.console)
+
     def close(self) -> None:
         """Flush and close the outputs (and finish the W&B run)."""
         self.jsonl.close()

@@ -73,6 +73,7 @@ from .init_from_hf import check_init_source, load_initial_weights
 from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
+from .replica_log import replan_message
 from .step_duties import checkpoint_if_due, evaluate_if_due, published, report_stop
 from .throughput import Throughput
 from .trace_record import RoutingTracer, check_trace_dir
@@ -382,20 +383,27 @@ def _train_step(run: _Run, step: int) -> None:
     mbs, n_tokens = _read_batch(run)
     out = _forward_backward(run, mbs, n_tokens)
     losses = _reduce(run, out, n_tokens)
+    replicas, replans = None, []
     if run.replicas:  # the step's world-summed loads, the same on every rank: no collective of its own
         counts = losses.moe["counts_LE"]
-        run.replicas.observe({layer: counts[row] for layer, row in run.stats.row_of.items()})
+        loads = {layer: counts[row] for layer, row in run.stats.row_of.items()}
+        replicas = run.replicas.summary(loads)  # the tables this step ran with
+        replans = run.replicas.observe(loads)
     if run.tracer:
         run.tracer.write(step)
     lr = run.optimizer.lr
     grad_norm, skipped = _clip_and_step(run.optimizer, losses.loss)
     _update_routers(run, skipped=skipped)
     record = _train_record(run, step, losses, grad_norm=grad_norm, lr=lr, skipped=skipped, n_tokens=n_tokens)
+    if replicas is not None:
+        record["replicas"] = replicas
     run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")})
     if run.sink:
         run.sink.log(record)
         for warning in run.collapse.update(step, losses.moe["counts_LE"]):
             run.sink.warn(step, warning.pop("message"), **warning)
+        for rec in replans:
+            run.sink.event("replan", step, replan_message(step, rec), **rec)
     evaluate_if_due(run, step)
     checkpoint_if_due(run, step)
 
