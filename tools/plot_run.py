@@ -13,7 +13,8 @@ perfect balance, E/k means every token of the layer chose the same k experts); d
 mark the steps where hot-expert replicas were re-planned (``replan`` records, ``moe.expert_replicas``).
 The heatmap shows each expert's share of its layer's routed tokens averaged over a window of steps (``--steps A:B``,
 both ends included, either may be left out; or the last ``--last`` steps; default the whole run),
-shaded on the imbalance panel; 1/E everywhere is perfect balance. An average hides a router whose
+shaded on the imbalance panel; 1/E everywhere is perfect balance. Its colour scale starts at 0 (small
+differences stay small) and its title gives the range. An average hides a router whose
 hot expert changes from step to step: read the imbalance curves first.
 """
 
@@ -151,13 +152,17 @@ def plot(records, out, last=None, title=None, steps=None):
     if mat is None:
         ax2.text(0.5, 0.5, "no expert counts", ha="center")
     else:
-        im = ax2.imshow(mat, aspect="auto", cmap="viridis")
+        im = ax2.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(mat.max()), 1e-12))
         ax2.set_xticks(range(mat.shape[1]))
         ax2.set_yticks(range(mat.shape[0]))
         ax2.set_xlabel("expert")
         ax2.set_ylabel("MoE layer")
         span = f"steps {window[0]['step']}-{window[-1]['step']}"
-        ax2.set_title(f"share of routed tokens, mean of {span} (uniform = {1 / mat.shape[1]:.3f})", fontsize=10)
+        ax2.set_title(
+            f"share of routed tokens, mean of {span}\n(uniform {1 / mat.shape[1]:.3f}; "
+            f"range {mat.min():.3f}-{mat.max():.3f}; scale from 0)",
+            fontsize=10,
+        )
         fig.colorbar(im, ax=ax2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -166,7 +171,7 @@ def plot(records, out, last=None, title=None, steps=None):
 
 def main(argv=None):
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("metrics", help="a run directory, or its metrics JSONL file")
     p.add_argument("--out", default="run.png", help="output PNG (default run.png)")
     p.add_argument("--last", type=int, default=None, help="average the heatmap over the last N steps only")
