@@ -44,9 +44,10 @@ from ..parallel.params import require_spec, take_slice
 from .checkpoint import SHAPED_MOE_FIELDS, config_differences
 from .config import ConfigError
 
-FREE_MODEL_FIELDS = ("name", "init_std", "max_position_embeddings", "mtp_loss_scaling_factor")
-"""``model.*`` fields that may differ from the source: they change no weight and no computation
-(``max_position_embeddings`` only bounds ``train.seq_length``)."""
+FREE_MODEL_FIELDS = ("name", "init_std", "mtp_loss_scaling_factor")
+"""``model.*`` fields that may differ from the source: they change no weight and no computation.
+``max_position_embeddings`` is checked although it changes neither: the export of the run writes it
+into ``config.json``, where another value would misstate what the source model was trained for."""
 MOE_FIELDS = SHAPED_MOE_FIELDS + (
     "topk",
     "score_function",
