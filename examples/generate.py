@@ -41,7 +41,7 @@ def load(path: str, tokenizer=None):
         if ckpt is None:
             raise SystemExit(f"error: {path} is neither a Hugging Face directory nor a (directory of) checkpoint(s)")
         meta = read_meta(ckpt)
-        model = MoETransformer(ModelConfig.from_dict(meta["model"]), initialize=False)
+        model = MoETransformer(ModelConfig.from_dict(meta["model"]).for_inference(), initialize=False)
         load_full_model(ckpt, model)
         default = meta.get("tokenizer") or "byte"
     return model.eval(), build_tokenizer(tokenizer or default)

@@ -26,6 +26,7 @@ TRAINABLE_MIXTRAL = dict(
     intermediate_size=16,
     num_local_experts=4,
     num_experts_per_tok=2,
+    max_position_embeddings=512,
 )
 """A transformers ``MixtralConfig`` that the trainer can start from (``checkpoint.init_from_hf``): its
 vocabulary holds the byte tokenizer's 257 ids of the default data."""
@@ -35,6 +36,7 @@ TRAINABLE_MIXTRAL_PRESET = dict(
     num_layers=2,
     num_attention_heads=4,
     num_kv_heads=2,
+    max_position_embeddings=512,
     moe=dict(num_experts=4, ffn_hidden_size=16, topk=2),
 )
 """The same model as overrides of the ``mixtral_tiny`` preset."""

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 import sys
 
@@ -96,10 +97,31 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes
         raise ValueError(f"--checkpoint {checkpoint}: neither a complete checkpoint nor a directory holding one")
     meta = read_meta(path)
     with single_process_world():
-        model = MoETransformer(ModelConfig.from_dict(meta["model"]), initialize=False)
+        model = MoETransformer(ModelConfig.from_dict(meta["model"]).for_inference(), initialize=False)
         load_full_model(path, model)
         to_hf(model, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if meta.get("hf_source_config"):
+        cfg_path = os.path.join(out_dir, "config.json")
+        with open(cfg_path, encoding="utf-8") as f:
+            written = json.load(f)
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump(with_source_fields(written, meta["hf_source_config"]), f, indent=2, sort_keys=True)
     return path
+
+
+SOURCE_WINS = ("initializer_range",)
+"""``config.json`` keys the export writes from a setting the run may change freely (``model.init_std``)
+although the weights came from the source: the source's value is the true one."""
+
+
+def with_source_fields(written: dict, source: dict) -> dict:
+    """The exported ``config.json`` of a run that started from Hugging Face weights: every field of the
+    source's ``config.json`` the engine does not write kept unchanged, the :data:`SOURCE_WINS` fields
+    the source's, every other field as the engine wrote it (the model it trained; the start checked
+    that those the engine models equal the source's)."""
+    out = {**source, **written}
+    out.update({k: source[k] for k in SOURCE_WINS if k in source})
+    return out
 
 
 def cmd_export(args) -> int:

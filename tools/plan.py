@@ -15,10 +15,12 @@ Usage::
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
-memory, and the tokens per second per GPU it predicts. The expert half ends with where EP sits: ``EP in DP``
-(its ranks all in one attention DP group, as in Megatron-Core without folding) or ``EP over TP·CP·DP``
-(folded across attention TP / CP ranks too), so that a folded and an ``--unfolded`` line with the same
-sizes read alike only when they are the same layout.
+memory, and the tokens per second per GPU it predicts; the line under it (``run: parallel.tp=...
+optim.distributed=... train.recompute=...``) holds the job overrides that run it (``--json``: ``overrides``, a
+list of strings). The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP
+group, as in Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks
+too), so that a folded and an ``--unfolded`` line with the same sizes read alike only when they are the same
+layout.
 Layouts that do not fit in the GPU's memory are dropped. With ``--routing-trace`` /
 ``--routing-skew`` the step time is the one at ``--rank-by``'s quantile of the steps (each line also shows
 p50, p99 and the slowest EP rank's tokens over the mean at both, and the drops under a capacity factor;
@@ -45,7 +47,13 @@ from folding.planning.imbalance import (
     zipf_loads,
 )
 from folding.planning.optim_precision import OptimizerPrecision
-from folding.planning.planner import COMPUTE_EFFICIENCY, describe_plan, plan_layouts, planned_dispatcher
+from folding.planning.planner import (
+    COMPUTE_EFFICIENCY,
+    describe_plan,
+    plan_layouts,
+    plan_overrides,
+    planned_dispatcher,
+)
 from folding.planning.step_time import Cluster, TrainingShape
 from folding.training.trace_file import read_trace
 
@@ -188,11 +196,12 @@ def parse_args(argv=None):
         help="with --fp8-recipe: the dense linear layers in FP8 too (Megatron-Core's --fp8-format on every "
         "TransformerEngine linear; folding's dense layers are bf16)",
     )
-    p.add_argument("--top", type=int, default=10, help="lines to print (text mode; default 10)")
+    p.add_argument("--top", type=int, default=10, help="plans to list, best first (text and --json; default 10)")
     p.add_argument(
         "--json",
         action="store_true",
-        help="print only a JSON list of the fitting layouts, best first (one per mapping unless --all-variants)",
+        help="print only a JSON list of the --top fitting layouts, best first (one per mapping unless "
+        "--all-variants), each with its job overrides",
     )
     return p.parse_args(argv)
 
@@ -281,6 +290,32 @@ def _line(i: int, r, tokens: float, gpus: int) -> str:
     )
 
 
+def _model_overrides(args) -> list:
+    """The overrides this invocation's model options ask of every plan's job: each ``--moe KEY=VALUE``
+    as ``moe.KEY=VALUE``, ``--dispatcher`` as ``moe.dispatcher``, ``--fp8-recipe`` as ``moe.fp8_recipe``
+    (with ``train.precision=bf16``, which FP8 experts need)."""
+    out = [f"moe.{item}" for item in args.moe]
+    if args.dispatcher is not None:
+        out.append(f"moe.dispatcher={args.dispatcher}")
+    if args.fp8_recipe is not None:
+        out += [f"moe.fp8_recipe={args.fp8_recipe}", "train.precision=bf16"]
+    return out
+
+
+def _overrides(plan, args):
+    """The overrides that run ``plan`` with this invocation's model options (``None``: no engine layout)."""
+    over = plan_overrides(plan)
+    return None if over is None else over + _model_overrides(args)
+
+
+def _overrides_line(plan, args) -> str:
+    """The overrides that run ``plan`` (add ``parallel.world_size`` and the job's own settings)."""
+    over = _overrides(plan, args)
+    if over is None:
+        return "run: no engine layout places EP this way (carved out of DP with CP > 1); plan without --unfolded"
+    return "run: " + " ".join(over)
+
+
 def main(argv=None) -> int:
     """Run the planner; 0 on success, 2 on bad input, 1 when no layout fits."""
     args = parse_args(argv)
@@ -330,7 +365,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([r.to_dict() for r in results]))
+        print(json.dumps([{**r.to_dict(), "overrides": _overrides(r.plan, args)} for r in results[: args.top]]))
         return 0 if results else 1
     head = (
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
@@ -349,6 +384,7 @@ def main(argv=None) -> int:
         print(EP_LEGEND)
     for i, r in enumerate(shown, 1):
         print(_line(i, r, args.global_batch_size * args.seq_length, args.gpus))
+        print("     " + _overrides_line(r.plan, args))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
     print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.by_part().items()))

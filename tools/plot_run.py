@@ -9,10 +9,12 @@ A resumed run appends to the same file: the records written after each restart r
 ones of the steps it repeats (steps after the checkpoint it resumed from).
 
 The middle panel has one line per MoE layer: max ÷ mean tokens per expert at every step (1 is
-perfect balance, E/k means every token of the layer chose the same k experts). The heatmap shows
-each expert's share of its layer's routed tokens averaged over a window of steps (``--steps A:B``,
+perfect balance, E/k means every token of the layer chose the same k experts); dashed vertical lines
+mark the steps where hot-expert replicas were re-planned (``replan`` records, ``moe.expert_replicas``).
+The heatmap shows each expert's share of its layer's routed tokens averaged over a window of steps (``--steps A:B``,
 both ends included, either may be left out; or the last ``--last`` steps; default the whole run),
-shaded on the imbalance panel; 1/E everywhere is perfect balance. An average hides a router whose
+shaded on the imbalance panel; 1/E everywhere is perfect balance. Its colour scale starts at 0 (small
+differences stay small) and its title gives the range. An average hides a router whose
 hot expert changes from step to step: read the imbalance curves first.
 """
 
@@ -38,13 +40,13 @@ def read_records(path):
 
 
 def latest_attempt(records):
-    """``records`` where each ``run`` record starting at step ``s`` drops the earlier ``train`` and
-    ``eval`` records of steps ``>= s`` (they were redone after a resume)."""
+    """``records`` where each ``run`` record starting at step ``s`` drops the earlier ``train``, ``eval``
+    and ``replan`` records of steps ``>= s`` (they were redone after a resume)."""
     out = []
     for r in records:
         if r.get("kind") == "run" and r.get("start_step") is not None:
             s = r["start_step"]
-            out = [o for o in out if o.get("kind") not in ("train", "eval") or o.get("step", 0) < s]
+            out = [o for o in out if o.get("kind") not in ("train", "eval", "replan") or o.get("step", 0) < s]
         out.append(r)
     return out
 
@@ -83,6 +85,11 @@ def load_matrix(train, last=None, steps=None):
     return share.mean(axis=0)
 
 
+def replan_steps(records):
+    """The steps at which the hot-expert replica slots were re-planned (``replan`` records), ascending."""
+    return sorted({r["step"] for r in records if r.get("kind") == "replan"})
+
+
 def imbalance_curves(train):
     """``(steps, imb_SL)``: the steps with expert counts and, per step and MoE layer, max ÷ mean tokens
     per expert (from ``expert_counts``); ``None`` without counts."""
@@ -94,7 +101,7 @@ def imbalance_curves(train):
     return [s for s, _ in rows], counts.max(axis=2) / mean
 
 
-def _draw_imbalance(ax, train, window):
+def _draw_imbalance(ax, train, window, replans=()):
     curves = imbalance_curves(train)
     if curves is None:
         ax.text(0.5, 0.5, "no expert counts", ha="center")
@@ -103,6 +110,8 @@ def _draw_imbalance(ax, train, window):
     for layer in range(imb.shape[1]):
         ax.plot(steps, imb[:, layer], label=f"MoE layer {layer}", lw=1.2)
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    for i, s in enumerate(replans):
+        ax.axvline(s, color="purple", lw=0.8, ls="--", alpha=0.6, label="replica re-plan" if i == 0 else None)
     if window:
         ax.axvspan(window[0]["step"] - 0.5, window[-1]["step"] + 0.5, color="gray", alpha=0.12, label="heatmap steps")
     ax.set_xlabel("step")
@@ -138,18 +147,22 @@ def plot(records, out, last=None, title=None, steps=None):
     ax1.set_title(title or "loss")
     ax1.grid(alpha=0.3)
     ax1.legend()
-    _draw_imbalance(ax3, train, window)
+    _draw_imbalance(ax3, train, window, replan_steps(records))
     mat = load_matrix(train, last, steps)
     if mat is None:
         ax2.text(0.5, 0.5, "no expert counts", ha="center")
     else:
-        im = ax2.imshow(mat, aspect="auto", cmap="viridis")
+        im = ax2.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(mat.max()), 1e-12))
         ax2.set_xticks(range(mat.shape[1]))
         ax2.set_yticks(range(mat.shape[0]))
         ax2.set_xlabel("expert")
         ax2.set_ylabel("MoE layer")
         span = f"steps {window[0]['step']}-{window[-1]['step']}"
-        ax2.set_title(f"share of routed tokens, mean of {span} (uniform = {1 / mat.shape[1]:.3f})", fontsize=10)
+        ax2.set_title(
+            f"share of routed tokens, mean of {span}\n(uniform {1 / mat.shape[1]:.3f}; "
+            f"range {mat.min():.3f}-{mat.max():.3f}; scale from 0)",
+            fontsize=10,
+        )
         fig.colorbar(im, ax=ax2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -158,7 +171,7 @@ def plot(records, out, last=None, title=None, steps=None):
 
 def main(argv=None):
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("metrics", help="a run directory, or its metrics JSONL file")
     p.add_argument("--out", default="run.png", help="output PNG (default run.png)")
     p.add_argument("--last", type=int, default=None, help="average the heatmap over the last N steps only")

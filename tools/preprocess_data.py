@@ -1,8 +1,9 @@
 """Tokenize a JSON-lines or plain-text file into a Megatron-format indexed dataset (PREFIX.bin + PREFIX.idx).
 
 The output reads unchanged in Megatron-LM, and Megatron-LM's outputs read unchanged here. A ``.txt``
-file is plain text cut into documents at blank lines (``--text-split line`` or ``file`` for one
-document per line or per file).
+file is plain text: one document per line when it has no blank lines between its lines (Megatron's
+JSONL rule, and the common form), else one per blank-line separated paragraph (``--text-split
+paragraph``, ``line`` or ``file`` choose; the summary says which was used).
 
 Usage::
 
@@ -34,9 +35,10 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--text-split",
-        default="paragraph",
+        default="auto",
         choices=TEXT_SPLITS,
-        help="plain text: one document per paragraph (blank-line separated; default), line or file",
+        help="plain text: auto (default: one document per line when the file has no blank lines between "
+        "its lines, else per paragraph), paragraph (blank-line separated), line or file",
     )
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
     p.add_argument(
@@ -66,8 +68,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    split = stats.get("text_split")
+    per = f" (one per {split}{', --text-split auto' if args.text_split == 'auto' else ''})" if split else ""
     print(
-        f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx: {stats['documents']} documents, "
+        f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx: {stats['documents']} documents{per}, "
         f"{stats['tokens']} tokens, dtype {stats['dtype']}, vocab_size {stats['vocab_size']}"
     )
     return 0

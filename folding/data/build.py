@@ -160,7 +160,8 @@ def build_data(
                     raise ValueError(
                         f"dataset {p} has no documents in the {name!r} split of data.split="
                         f"{config.split!r} ({ds.num_documents} documents); give that split more weight, "
-                        f"set it to 0, or use a larger dataset"
+                        f"set it to 0, or use a larger dataset (plain text cut into few documents: "
+                        f"tools/preprocess_data.py --text-split line makes one per line)"
                     )
                 continue
             parts.append(

@@ -4,8 +4,10 @@ Two input formats (``input_format``; ``auto`` picks ``text`` for ``.txt`` / ``.t
 ``jsonl`` otherwise):
 
 - ``jsonl``: each line is one JSON object; the text under ``json_key`` becomes one document;
-- ``text``: plain UTF-8 text cut into documents by ``text_split``: ``paragraph`` (default: blocks
-  separated by one or more blank lines), ``line`` (every non-empty line) or ``file`` (the whole file).
+- ``text``: plain UTF-8 text cut into documents by ``text_split``: ``auto`` (default: ``line`` for a
+  file without blank lines between its lines, the one-document-per-line form of Megatron's JSONL, else
+  ``paragraph``; :func:`detect_text_split`), ``paragraph`` (blocks separated by one or more blank
+  lines), ``line`` (every non-empty line) or ``file`` (the whole file).
 
 Each document becomes one sequence of token ids, optionally followed by the tokenizer's EOD id.
 Documents are tokenized by ``workers`` processes (``multiprocessing``, results kept in input order,
@@ -16,7 +18,8 @@ fits, else ``int32`` (Megatron's choice). ``.gz`` input is read transparently.
 Usage::
 
     stats = preprocess_jsonl("docs.jsonl", "out/docs", tokenizer="byte", append_eod=True, workers=2)
-    stats = preprocess_jsonl("book.txt", "out/book", append_eod=True)           # paragraphs
+    stats = preprocess_jsonl("book.txt", "out/book", append_eod=True)   # paragraphs, or lines without blank ones
+    stats["text_split"]                                                  # what auto chose
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .indexed import IndexedDatasetWriter, optimal_dtype
 from .tokenizer import build_tokenizer
 
 INPUT_FORMATS = ("auto", "jsonl", "text")
-TEXT_SPLITS = ("paragraph", "line", "file")
+TEXT_SPLITS = ("auto", "paragraph", "line", "file")
 
 _TOKENIZER = None
 _KEY = "text"
@@ -82,9 +85,25 @@ def resolve_format(input_path: str, input_format: str) -> str:
     return "text" if input_path.endswith((".txt", ".txt.gz")) else "jsonl"
 
 
+def detect_text_split(path: str) -> str:
+    """``"line"`` when plain-text file ``path`` has no blank line between two non-empty lines (one
+    document per line), else ``"paragraph"``; blank lines at the start or end do not count."""
+    seen_text = gap = False
+    with _open_text(path) as f:
+        for line in f:
+            if line.strip():
+                if gap and seen_text:
+                    return "paragraph"
+                seen_text, gap = True, False
+            else:
+                gap = True
+    return "line"
+
+
 def text_documents(lines: Iterable[str], text_split: str):
-    """``(first line number, document text, bytes read)`` of plain-text ``lines`` cut by ``text_split``."""
-    if text_split not in TEXT_SPLITS:
+    """``(first line number, document text, bytes read)`` of plain-text ``lines`` cut by ``text_split``
+    (``paragraph``, ``line`` or ``file``: ``auto`` is resolved on the file, :func:`detect_text_split`)."""
+    if text_split not in TEXT_SPLITS or text_split == "auto":
         raise ValueError(f"--text-split {text_split!r} is not one of {', '.join(TEXT_SPLITS)}")
     block, start, nbytes = [], 1, 0
     for lineno, line in enumerate(lines, start=1):
@@ -143,10 +162,10 @@ def preprocess_jsonl(
     progress: bool = False,
     dtype=None,
     input_format: str = "auto",
-    text_split: str = "paragraph",
+    text_split: str = "auto",
 ) -> dict:
     """Tokenize ``input_path`` (JSON lines or plain text: see the module) into
-    ``output_prefix.bin/.idx``; returns counts.
+    ``output_prefix.bin/.idx``; returns counts (and, for plain text, the ``text_split`` used).
 
     Empty lines and empty documents are skipped. Raises ``FileNotFoundError`` naming the input when
     it does not exist and ``ValueError`` for a JSON line without ``json_key`` or an input with no
@@ -157,6 +176,8 @@ def preprocess_jsonl(
         raise ValueError(f"--text-split {text_split!r} is not one of {', '.join(TEXT_SPLITS)}")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: no such file")
+    if not is_json and text_split == "auto":
+        text_split = detect_text_split(input_path)
     tok = build_tokenizer(tokenizer)
     dtype = np.dtype(dtype) if dtype is not None else optimal_dtype(tok.vocab_size)
     bar = Progress(os.path.getsize(input_path) if not input_path.endswith(".gz") else None, progress)
@@ -199,4 +220,7 @@ def preprocess_jsonl(
                 os.remove(output_prefix + ext)
         raise
     bar.update(docs, nbytes, final=True)
-    return {"documents": docs, "tokens": tokens, "dtype": dtype.name, "vocab_size": tok.vocab_size}
+    stats = {"documents": docs, "tokens": tokens, "dtype": dtype.name, "vocab_size": tok.vocab_size}
+    if not is_json:
+        stats["text_split"] = text_split
+    return stats

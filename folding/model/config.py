@@ -296,6 +296,11 @@ class ModelConfig:
         values["mlp_only_layers"] = tuple(values.get("mlp_only_layers") or ())
         return cls(**values)
 
+    def for_inference(self) -> "ModelConfig":
+        """This model without the training-only MoE options (:meth:`MoEConfig.for_inference`): what
+        export, generation and conversion build from a checkpoint's config."""
+        return dataclasses.replace(self, moe=self.moe.for_inference())
+
     def replace(self, **changes) -> "ModelConfig":
         """A copy with ``changes`` applied (validated again). ``moe`` may be a :class:`MoEConfig` or a
         mapping of MoE field changes (``cfg.replace(moe={"topk": 4})``); so may ``mla`` and ``yarn``."""

@@ -43,6 +43,21 @@ FP8_ROW_ALIGN = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32, 
 zero-padded to it; MX blocks are 32 rows, the FP8 GEMMs' tiles 16)."""
 
 
+TRAINING_ONLY = (
+    "input_jitter_eps",
+    "dispatch_wire",
+    "combine_wire",
+    "grad_wire",
+    "expert_backend",
+    "fp8_recipe",
+    "trace_dir",
+    "expert_replicas",
+    "replica_interval",
+)
+"""The options that say how a run trains (noise, wire formats, kernels, telemetry, replica slots),
+not what the model is: the weights and the function they compute are the same without them."""
+
+
 def _fail(field: str, value, why: str, fix: str) -> None:
     raise ValueError(f"moe.{field}={value!r}: {why}; {fix}")
 
@@ -161,6 +176,12 @@ class MoEConfig:
         if unknown:
             raise ValueError(f"unknown MoE option(s) {unknown}; options: {', '.join(sorted(names))}")
         return dataclasses.replace(self, **changes)
+
+    def for_inference(self) -> "MoEConfig":
+        """A copy with every :data:`TRAINING_ONLY` option at its default: the MoE of export,
+        generation and conversion, which run on one process whatever the run trained with."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in TRAINING_ONLY}
+        return dataclasses.replace(self, **defaults)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming ``moe.<field>`` and a fix if the configuration is impossible."""

@@ -155,6 +155,32 @@ def projected_rank_loads(
     return out
 
 
+def table_summary(
+    load_E: Sequence[float], table: Sequence[int], *, ep_size: int, num_local_experts: int, num_replicas: int
+) -> Dict:
+    """What slot table ``table`` does to per-expert loads ``load_E``: ``{"table": [EP·R ints],
+    "copies": {"e": [EP ranks holding a replica of expert e]}, "max_over_mean": the EP ranks' busiest
+    load over their mean with the table (each copy an equal share), "max_over_mean_without": the same
+    without replicas}`` (JSON-ready; ratios 1.0 for an all-zero load)."""
+    geo = dict(ep_size=ep_size, num_local_experts=num_local_experts, num_replicas=num_replicas)
+    copies: Dict[str, List[int]] = {}
+    for i, e in enumerate(table):
+        if e != EMPTY:
+            copies.setdefault(str(e), []).append(i // num_replicas)
+
+    def ratio(t) -> float:
+        loads = projected_rank_loads(load_E, t, **geo)
+        mean = sum(loads) / len(loads)
+        return round(max(loads) / mean, 4) if mean > 0 else 1.0
+
+    return {
+        "table": [int(e) for e in table],
+        "copies": {e: sorted(r) for e, r in sorted(copies.items(), key=lambda kv: int(kv[0]))},
+        "max_over_mean": ratio(table),
+        "max_over_mean_without": ratio(empty_table(ep_size, num_replicas)),
+    }
+
+
 def slot_experts(table: Sequence[int], *, ep_size: int, num_local_experts: int, num_replicas: int) -> List[int]:
     """The logical expert of every slot ``[S]`` (``-1`` for an empty replica slot)."""
     L, R = num_local_experts, num_replicas
@@ -230,7 +256,9 @@ class ReplicaSchedule:
     ``observe(counts)`` after each step adds that step's per-expert counts (``{layer_number: [E]}``,
     already summed over every rank, so the same on all of them); every ``interval``-th call plans each
     layer from the counts of the interval (:func:`plan_replicas`), installs the tables with
-    ``layer.set_replica_table`` and starts a new interval. No collective of its own.
+    ``layer.set_replica_table``, starts a new interval and returns one record per layer saying what
+    the re-plan did. ``summary(counts)`` describes the tables in use for one step's counts. No
+    collective of its own.
     """
 
     def __init__(self, layers: Sequence, *, interval: int):
@@ -242,15 +270,32 @@ class ReplicaSchedule:
         self.steps = 0
         self.loads: Dict[int, torch.Tensor] = {}
 
-    def observe(self, counts_by_layer: Dict[int, Sequence[float]]) -> bool:
-        """Add one step's counts; on every ``interval``-th step re-plan. Returns whether it re-planned."""
+    def observe(self, counts_by_layer: Dict[int, Sequence[float]]) -> List[Dict]:
+        """Add one step's counts; on every ``interval``-th step re-plan. Returns the re-plan's records,
+        one per layer (none when it did not re-plan): ``{"layer", "steps": the interval's length,
+        "before": the interval's loads under the old table, "after": under the new one}``, each a
+        :func:`table_summary` (``copies`` / ``max_over_mean``)."""
         for layer in self.layers:
             c = torch.as_tensor(counts_by_layer[layer.layer_number], dtype=torch.float64)
             self.loads[layer.layer_number] = self.loads.get(layer.layer_number, 0) + c
         self.steps += 1
         if self.steps % self.interval:
-            return False
+            return []
+        out = []
         for layer in self.layers:
-            load = self.loads.pop(layer.layer_number).tolist()
-            layer.set_replica_table(plan_replicas(load, **layer.replica_geometry()))
-        return True
+            load, geo = self.loads.pop(layer.layer_number).tolist(), layer.replica_geometry()
+            before = table_summary(load, layer.replica_table, **geo)
+            layer.set_replica_table(plan_replicas(load, **geo))
+            after = table_summary(load, layer.replica_table, **geo)
+            out.append({"layer": layer.layer_number, "steps": self.interval, "before": before, "after": after})
+        return out
+
+    def summary(self, counts_by_layer: Dict[int, Sequence[float]]) -> List[Dict]:
+        """The tables in use, one :func:`table_summary` per layer (with ``"layer"``) for one step's counts."""
+        return [
+            {
+                "layer": layer.layer_number,
+                **table_summary(counts_by_layer[layer.layer_number], layer.replica_table, **layer.replica_geometry()),
+            }
+            for layer in self.layers
+        ]

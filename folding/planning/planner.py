@@ -84,6 +84,28 @@ def describe_plan(plan: Plan) -> str:
     return f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
 
 
+def plan_overrides(plan: Plan) -> Optional[List[str]]:
+    """The job's Hydra overrides that run ``plan``: ``parallel.tp/cp/pp/ep/etp``, ``parallel.vpp`` (when
+    > 1), ``parallel.first/last_stage_layers`` (when set), the overlap knobs (when on),
+    ``optim.distributed`` and ``train.recompute``. ``None`` for a plan of Megatron-Core without folding
+    whose EP groups no engine layout has (EP carved out of DP while CP > 1: the engine's default order
+    folds EP over CP ranks)."""
+    if not plan.folded and plan.ep > 1 and plan.cp > 1:
+        return None
+    out = [f"parallel.{k}={getattr(plan, k)}" for k in ("tp", "cp", "pp", "ep", "etp")]
+    if plan.vpp > 1:
+        out.append(f"parallel.vpp={plan.vpp}")
+    for k in ("first_stage_layers", "last_stage_layers"):
+        if getattr(plan, k) is not None:
+            out.append(f"parallel.{k}={getattr(plan, k)}")
+    for k in ("overlap_moe_comm", "delay_wgrad"):
+        if getattr(plan, k):
+            out.append(f"parallel.{k}=true")
+    out.append(f"optim.distributed={'true' if plan.distributed_optimizer else 'false'}")
+    out.append(f"train.recompute={plan.recompute}")
+    return out
+
+
 # --------------------------------------------------------------------------------------------- memory
 def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> MemoryEstimate:
     """Per-GPU memory of ``plan`` from the one memory model (:func:`folding.planning.memory.memory_per_rank`),
@@ -247,10 +269,13 @@ class PlanResult:
 
     def to_dict(self) -> dict:
         """A JSON-ready record: layout sizes, knobs, ``ep_placement`` (``"in_dp"`` or ``"folded"``, see
-        :func:`ep_in_dp`; ``None`` for EP1), ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
+        :func:`ep_in_dp`; ``None`` for EP1), ``overrides`` (:func:`plan_overrides`, a list of strings),
+        ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
         d = dataclasses.asdict(self.plan)
+        del d["folded"]  # where EP sits is ep_placement's one meaning
         d.update(
             ep_placement=None if self.plan.ep == 1 else "in_dp" if ep_in_dp(self.plan) else "folded",
+            overrides=plan_overrides(self.plan),
             mfu=round(self.mfu, 4),
             memory_gib=round(self.memory_gib, 2),
             step_s=round(self.time.step_s, 4),

@@ -114,7 +114,17 @@ def _host_copy(block: Block) -> Block:
 
 
 def begin_save(
-    ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout, run_dir: Optional[str] = None, copy: bool = False
+    ckpt_dir: str,
+    *,
+    step: int,
+    chunks,
+    optimizer,
+    data,
+    job,
+    layout,
+    run_dir: Optional[str] = None,
+    copy: bool = False,
+    hf_source: Optional[Dict[str, Any]] = None,
 ) -> SaveInProgress:
     """Start saving step ``step`` (collective over the world): agree on the temporary directory, build
     this rank's state dict (copied to host memory when ``copy``, so that training may go on while it
@@ -160,6 +170,7 @@ def begin_save(
             "precision": job.train.precision,
             "master_weights": any(k.endswith("/master") for k in sd),
             "run_dir": os.path.abspath(run_dir) if run_dir else None,
+            "hf_source_config": hf_source,
         }
     return SaveInProgress(
         step=int(step), tmp=tmp, final=final, state_dict=sd, meta=meta, keep_last=job.checkpoint.keep_last
@@ -179,13 +190,32 @@ def publish_save(save: SaveInProgress) -> str:
 
 
 def save_checkpoint(
-    ckpt_dir: str, *, step: int, chunks, optimizer, data, job, layout, run_dir: Optional[str] = None
+    ckpt_dir: str,
+    *,
+    step: int,
+    chunks,
+    optimizer,
+    data,
+    job,
+    layout,
+    run_dir: Optional[str] = None,
+    hf_source: Optional[Dict[str, Any]] = None,
 ) -> str:
     """Save step ``step`` to ``ckpt_dir/step_<N>`` and publish it (collective over the world; returns
     the path). ``run_dir`` (the run directory, recorded in the metadata) is where a resumed run
-    continues. (``checkpoint.async_save``: :mod:`folding.training.checkpoint_async`.)"""
+    continues; ``hf_source`` (the ``config.json`` of the Hugging Face weights the run started from)
+    is recorded as ``hf_source_config`` for the export. (``checkpoint.async_save``:
+    :mod:`folding.training.checkpoint_async`.)"""
     save = begin_save(
-        ckpt_dir, step=step, chunks=chunks, optimizer=optimizer, data=data, job=job, layout=layout, run_dir=run_dir
+        ckpt_dir,
+        step=step,
+        chunks=chunks,
+        optimizer=optimizer,
+        data=data,
+        job=job,
+        layout=layout,
+        run_dir=run_dir,
+        hf_source=hf_source,
     )
     dcp.save(save.state_dict, checkpoint_id=save.tmp, planner=BlockSavePlanner())
     dist.barrier()

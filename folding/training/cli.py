@@ -47,6 +47,7 @@ from .dry_run import dry_run_report
 from .machine import check_experts_here
 from .megatron_args import MegatronArgsError, convert
 from .megatron_flags import leaf_synonyms
+from .model_from_hf import resolve_from_hf
 from .schema import job_schema
 from .validate import validate_job
 
@@ -218,7 +219,7 @@ def check_command_line(
         if message:
             raise ConfigError(message)
         tree = compose_tree(args, config_dir=config_dir, config_name=config_name)
-        job = job_config_from_dict(tree)
+        job = job_config_from_dict(resolve_from_hf(tree))
         world = env_world_size() if world_size is None else world_size
         if job.train.dry_run:
             report = dry_run_report(job, world_size=job.parallel.world_size or world)

@@ -32,8 +32,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -44,9 +45,10 @@ from ..parallel.params import require_spec, take_slice
 from .checkpoint import SHAPED_MOE_FIELDS, config_differences
 from .config import ConfigError
 
-FREE_MODEL_FIELDS = ("name", "init_std", "max_position_embeddings", "mtp_loss_scaling_factor")
-"""``model.*`` fields that may differ from the source: they change no weight and no computation
-(``max_position_embeddings`` only bounds ``train.seq_length``)."""
+FREE_MODEL_FIELDS = ("name", "init_std", "mtp_loss_scaling_factor")
+"""``model.*`` fields that may differ from the source: they change no weight and no computation.
+``max_position_embeddings`` is checked although it changes neither: the export of the run writes it
+into ``config.json``, where another value would misstate what the source model was trained for."""
 MOE_FIELDS = SHAPED_MOE_FIELDS + (
     "topk",
     "score_function",
@@ -89,6 +91,15 @@ def source_model_config(path: str) -> ModelConfig:
         return hf_model_config(path)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.init_from_hf={path!r}: {e}") from None
+
+
+def read_hf_source_config(path: str) -> Optional[Dict[str, Any]]:
+    """The ``config.json`` of the Hugging Face directory ``path`` as a dict; ``None`` for an import file
+    (its own model config is all it holds)."""
+    if _is_engine_file(path):
+        return None
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _override(key: str, value: Any) -> str:

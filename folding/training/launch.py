@@ -41,6 +41,7 @@ from .config import plain_tree as _plain
 from .dry_run import dry_run_report
 from .faults import StopRequest
 from .machine import experts_summary
+from .model_from_hf import resolve_from_hf
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
 from .trainer import prepare, train
@@ -183,7 +184,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
 
 def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]], stop: StopRequest) -> int:
     try:
-        job = job_config_from_dict(tree)
+        job = job_config_from_dict(resolve_from_hf(tree))
         world = env_world_size()
         if job.train.dry_run:
             if env_rank() == 0:

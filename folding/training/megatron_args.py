@@ -132,6 +132,9 @@ def convert(argv: Sequence[str], *, world_size: Optional[int] = None, config_dir
         if not spec.takes_value and vals:
             problems.append(f"{name} takes no value (got {' '.join(vals)})")
             continue
+        if spec.refused:
+            problems.append(f"{name}: {spec.refused}")
+            continue
         if spec.choices and vals[0] not in spec.choices:
             problems.append(f"{name} {vals[0]}: no equivalent here; folding supports {' or '.join(spec.choices)}")
             continue
@@ -145,7 +148,8 @@ def convert(argv: Sequence[str], *, world_size: Optional[int] = None, config_dir
             problems.append(f"{name} {vals[0]!r} is not a valid value")
     _specials(flags, out, notes, problems)
     if problems:
-        raise MegatronArgsError(problems, list(dict.fromkeys(unsupported)))
+        refused = [f for f in order if f in FLAGS and FLAGS[f].refused]
+        raise MegatronArgsError(problems, list(dict.fromkeys(unsupported + refused)))
     if world_size is not None:
         out["parallel.world_size"] = world_size
         if "train.global_batch_size" not in out and "--micro-batch-size" in flags:

@@ -5,8 +5,10 @@ One entry per Megatron-LM flag that has an equivalent here (names as in Megatron
 that sets one key to a fixed value (:func:`switch`), a flag that changes nothing here and is accepted
 with a note saying why (:func:`noop`), or one that :mod:`folding.training.megatron_args` converts
 itself because it reads other flags too (:func:`special`: the virtual pipeline from layers per stage,
-the FFN sizes, GQA, the data blend, the tokenizer, recompute, the LR schedule, checkpoints). A flag
-that is not in :data:`FLAGS` has no equivalent and is refused by name. :data:`MEGATRON_DEFAULTS` are
+the FFN sizes, GQA, the data blend, the tokenizer, recompute, the LR schedule, checkpoints), or one
+refused with its reason (:func:`refuse`). A flag that is not in :data:`FLAGS` has no equivalent and is
+refused by name. The rule: a flag becomes a key, or is refused (exit 2), or is only a note when
+ignoring it cannot change what the job computes. :data:`MEGATRON_DEFAULTS` are
 Megatron-LM's defaults for keys whose default differs here, applied when the command relies on them.
 
 Usage::
@@ -39,6 +41,9 @@ class Flag:
     """Said with the result: why a no-op changes nothing, or a difference worth knowing."""
     special: bool = False
     """Converted by :mod:`folding.training.megatron_args` itself (it reads other flags too)."""
+    refused: str = ""
+    """Why the flag is refused by name although Megatron-LM users often give it: it changes what the
+    job does and this engine has no setting for that (empty: not refused)."""
 
 
 def value(key: str, convert: Callable[[str], Any] = str, choices: Tuple[str, ...] = (), note: str = "") -> Flag:
@@ -54,6 +59,12 @@ def switch(key: str, fixed: Any = True, note: str = "") -> Flag:
 def noop(note: str, takes_value: bool = False) -> Flag:
     """A flag accepted without any key: ``note`` says why nothing needs to change here."""
     return Flag(takes_value, note=note)
+
+
+def refuse(reason: str, takes_value: bool = False) -> Flag:
+    """A flag that changes the job in a way this engine has no setting for: refused, ``reason`` says
+    why and what to do instead."""
+    return Flag(takes_value, refused=reason)
 
 
 def special(takes_value: bool = True) -> Flag:
@@ -228,8 +239,12 @@ FLAGS: Dict[str, Flag] = {
     "--save-interval": value("checkpoint.save_interval", int),
     "--ckpt-format": noop("checkpoints are torch.distributed.checkpoint directories that reshard to any layout", True),
     "--auto-detect-ckpt-format": noop("there is one checkpoint format here"),
-    "--no-load-optim": noop("ignored: resuming from checkpoint.dir restores the optimizer state too"),
-    "--no-load-rng": noop("ignored: resuming restores the data order exactly (there is no dropout RNG)"),
+    "--async-save": switch("checkpoint.async_save"),
+    "--no-load-optim": refuse(
+        "folding always restores the optimizer state with the weights; drop the flag to resume the run "
+        "as it was, or start fresh from exported weights with checkpoint.init_from_hf (fresh optimizer, step 0)"
+    ),
+    "--no-load-rng": special(False),
 }
 """Every Megatron-LM flag with an equivalent here (see the module docstring). ``key=""`` marks a flag
 whose only accepted values (``choices``) are what this engine always does."""

@@ -6,7 +6,8 @@ conversion is refused). The rules follow Megatron-LM's own semantics: VPP is the
 ``pp · num_layers_per_virtual_pipeline_stage``; ``--num-query-groups`` counts only with
 ``--group-query-attention``; the experts' FFN is ``--moe-ffn-hidden-size``, else ``--ffn-hidden-size``;
 embeddings are tied unless ``--untie-embeddings-and-output-weights``; ``--data-path`` is ``p1 p2`` or
-``w1 p1 w2 p2``; the warm-up fraction is of the decay horizon.
+``w1 p1 w2 p2``; the warm-up fraction is of the decay horizon; a ``--tokenizer-model`` becomes ``data.tokenizer`` only
+when it is a local path (a hub name becomes a note saying what to pass).
 
 Usage::
 
@@ -15,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional
 
 Flags = Dict[str, List[str]]
@@ -57,7 +59,7 @@ def specials(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List
         _model(flags, out, notes, problems)
         _schedule(flags, out, notes, problems)
         _recompute(flags, out, notes, problems)
-        _data_and_checkpoints(flags, out, notes)
+        _data_and_checkpoints(flags, out, notes, problems)
     except ValueError as e:  # a value that is not a number where one is expected
         problems.append(f"a flag's value is not a number: {e}")
 
@@ -181,7 +183,7 @@ def _recompute(flags: Flags, out: Dict[str, Any], notes: List[str], problems: Li
         problems.append(f"--recompute-granularity {granularity}: folding has full or selective")
 
 
-def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str]) -> None:
+def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[str]) -> None:
     tokens = [t for v in flags.get("--data-path", []) for t in v.split()]
     if tokens:
         pairs = len(tokens) % 2 == 0 and all(_is_number(t) for t in tokens[::2])
@@ -194,13 +196,26 @@ def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str]) -
     if split is not None:
         out["data.split"] = [_number(x.strip()) for x in split.split(",")]
     kind, model = _one(flags, "--tokenizer-type"), _one(flags, "--tokenizer-model")
-    if kind in HF_TOKENIZERS and model:
+    if kind in HF_TOKENIZERS and model and os.path.exists(os.path.expanduser(model)):
         out["data.tokenizer"] = model
+    elif kind in HF_TOKENIZERS and model:  # a hub name: folding reads tokenizers from disk only
+        notes.append(
+            f"--tokenizer-model {model}: not a local path, and folding loads no tokenizer over the network; "
+            f"download it (huggingface-cli download {model} --local-dir DIR) and pass data.tokenizer=DIR"
+        )
     elif kind or model or "--vocab-file" in flags:
         notes.append(
             f"--tokenizer-type {kind}: set data.tokenizer to a Hugging Face tokenizer (a directory or tokenizer.json) "
             "with the same vocabulary; the tokenized .bin/.idx data are read as they are"
         )
+    if "--no-load-rng" in flags:
+        if float(_one(flags, "--moe-input-jitter-eps") or 0.0) != 0.0:
+            problems.append(
+                "--no-load-rng with --moe-input-jitter-eps: folding restores the RNG on resume and the jitter "
+                "draws from it, so the resumed run would differ; drop --no-load-rng"
+            )
+        else:
+            notes.append("--no-load-rng: ignored; nothing in this job draws random numbers after initialization")
     save, load = _one(flags, "--save"), _one(flags, "--load")
     if save:
         out["checkpoint.dir"] = save

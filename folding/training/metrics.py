@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -131,6 +132,7 @@ class MetricsSink:
         self.jsonl = JsonlWriter(self.path)
         self.stream = stream or sys.stdout
         self.echo = echo or self._print
+        self._own_echo = echo is None
         self._wandb = None
         if config.wandb.mode != "disabled":
             import wandb
@@ -189,12 +191,47 @@ class MetricsSink:
         self.jsonl.write({"kind": "warning", "step": step, "message": message, **fields})
         self.echo(f"warning: {message}", console=self.config.console)
 
+    def event(self, kind: str, step: int, message: str, **fields: Any) -> None:
+        """Write a ``{"kind": kind, "step", "message", **fields}`` record to the JSONL file and the line
+        ``message`` to the console (whatever ``logging.interval`` is) and the run's log."""
+        self.jsonl.write({"kind": kind, "step": step, "message": message, **fields})
+        self.echo(message, console=self.config.console)
+
     def close(self) -> None:
-        """Flush and close the outputs (and finish the W&B run)."""
+        """Flush and close the outputs (and finish the W&B run). With a run log (``echo`` given), W&B's
+        closing summary goes to the log only, with one console line saying so."""
         self.jsonl.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            if self._own_echo:
+                self._wandb.finish()
+            else:
+                text = _captured_fds(self._wandb.finish)
+                for line in text.splitlines():
+                    self.echo(line, console=False)
+                self.echo("W&B run summary and sync command: in train.log", console=self.config.console)
             self._wandb = None
+
+
+def _captured_fds(fn) -> str:
+    """Run ``fn()`` with the process's stdout and stderr file descriptors sent to a temporary file (W&B
+    writes below ``sys.stdout``); return what was written there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            fn()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        tmp.seek(0)
+        return tmp.read().decode("utf-8", errors="replace")
 
 
 class StepTimer:

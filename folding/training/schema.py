@@ -99,12 +99,28 @@ def preset_node(name: str) -> Dict[str, Any]:
     return {"moe": tree.pop("moe"), "model": tree}
 
 
+FROM_HF = "from_hf"
+"""The ``model`` option that takes the architecture from ``checkpoint.init_from_hf``'s ``config.json``."""
+FROM_HF_PLACEHOLDER = "mixtral_tiny"
+"""The preset whose values stand in the ``from_hf`` node: a ``model.*`` / ``moe.*`` value that differs
+from them is one the command line set (:func:`folding.training.model_from_hf.resolve_from_hf`)."""
+
+
+def from_hf_node() -> Dict[str, Any]:
+    """The Hydra node of ``model=from_hf``: the placeholder preset's fields, named ``from_hf``."""
+    node = preset_node(FROM_HF_PLACEHOLDER)
+    node["model"]["name"] = FROM_HF
+    return node
+
+
 def register_schema() -> None:
     """Register, in Hydra's ConfigStore, the structured-config schema ``job_schema`` (listed first in
     ``configs/config.yaml``'s defaults) and every preset of :mod:`folding.model.presets` as an option
-    of the config group ``model`` (``model=mixtral_tiny``; a recipe's ``override /model: ...``). The
-    presets are defined once, in Python; there is no YAML copy of them."""
+    of the config group ``model`` (``model=mixtral_tiny``; a recipe's ``override /model: ...``), and
+    ``model=from_hf`` (:func:`from_hf_node`). The presets are defined once, in Python; there is no YAML
+    copy of them."""
     store = ConfigStore.instance()
     store.store(name="job_schema", node=job_schema())
     for name in list_presets():
         store.store(group="model", name=name, node=preset_node(name), package="_global_")
+    store.store(group="model", name=FROM_HF, node=from_hf_node(), package="_global_")

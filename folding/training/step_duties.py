@@ -57,6 +57,7 @@ def checkpoint_if_due(run, step: int) -> None:
         job=run.job,
         layout=run.prep.layout,
         run_dir=run.run_dir,
+        hf_source=run.prep.hf_source_config,
     )
     if run.saver is None:
         save_checkpoint(ck.dir, **save_args)

@@ -70,10 +70,11 @@ from .collapse import CollapseWatch
 from .config import ConfigError, JobConfig
 from .evaluate import global_token_count
 from .faults import StopRequest
-from .init_from_hf import check_init_source, load_initial_weights
+from .init_from_hf import check_init_source, load_initial_weights, read_hf_source_config
 from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
 from .moe_stats import LOSS_NAMES, MoEStats
+from .replica_log import replan_message
 from .step_duties import checkpoint_if_due, evaluate_if_due, published, report_stop
 from .throughput import Throughput
 from .trace_record import RoutingTracer, check_trace_dir
@@ -99,6 +100,9 @@ class Prepared:
     init_from_hf: Optional[str] = None
     """The weights to start from (``checkpoint.init_from_hf``, checked against the model) when there
     is no checkpoint to resume from; ``None`` otherwise."""
+    hf_source_config: Optional[Dict[str, Any]] = None
+    """The ``config.json`` of the Hugging Face weights this run started from (read at a fresh start,
+    carried in every checkpoint's metadata): the export writes its fields the engine does not model."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -115,7 +119,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
     checks that depend on the expert backend see what it resolves to on :func:`training_device`."""
     layout = validate_job(job, world_size=world_size, device=training_device())
     expert_backend = check_experts_here(job)  # this machine can run the experts' backend and recipe
-    resume = resume_run_dir = None
+    resume = resume_run_dir = hf_source = None
     if job.checkpoint.dir or job.checkpoint.load:
         resume = resolve_resume(job.checkpoint)
         if resume is not None:
@@ -123,10 +127,12 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             meta["path"] = resume
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
+            hf_source = meta.get("hf_source_config")
     init = None
     check_trace_dir(job, layout, world_size=world_size, resuming=resume is not None)
     if job.checkpoint.init_from_hf and resume is None:
         init = check_init_source(job.checkpoint.init_from_hf, job.model)
+        hf_source = read_hf_source_config(init)
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(
         job.data,
@@ -150,6 +156,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         resume_run_dir=resume_run_dir,
         expert_backend=expert_backend,
         init_from_hf=init,
+        hf_source_config=hf_source,
     )
 
 
@@ -389,9 +396,12 @@ def _train_step(run: _Run, step: int) -> None:
         "overlap_hand_overs": overlap_stats.hand_overs - hand_overs0,
     }
     losses = _reduce(run, out, n_tokens)
+    replicas, replans = None, []
     if run.replicas:  # the step's world-summed loads, the same on every rank: no collective of its own
         counts = losses.moe["counts_LE"]
-        run.replicas.observe({layer: counts[row] for layer, row in run.stats.row_of.items()})
+        loads = {layer: counts[row] for layer, row in run.stats.row_of.items()}
+        replicas = run.replicas.summary(loads)  # the tables this step ran with
+        replans = run.replicas.observe(loads)
     if run.tracer:
         run.tracer.write(step)
     lr = run.optimizer.lr
@@ -400,11 +410,15 @@ def _train_step(run: _Run, step: int) -> None:
     record = _train_record(run, step, losses, grad_norm=grad_norm, lr=lr, skipped=skipped, n_tokens=n_tokens)
     if run.job.parallel.overlap_moe_comm:  # this rank's merged forward-backward pairs: overlap is in effect
         record.update(paired)
+    if replicas is not None:
+        record["replicas"] = replicas
     run.history.append({k: record[k] for k in ("step", "loss", "lm_loss", "grad_norm", "lr", "skipped")} | paired)
     if run.sink:
         run.sink.log(record)
         for warning in run.collapse.update(step, losses.moe["counts_LE"]):
             run.sink.warn(step, warning.pop("message"), **warning)
+        for rec in replans:
+            run.sink.event("replan", step, replan_message(step, rec), **rec)
     evaluate_if_due(run, step)
     checkpoint_if_due(run, step)
 

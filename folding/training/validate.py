@@ -160,6 +160,19 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
         _fail("checkpoint.dir", ck.dir, "exists and is not a directory", "choose another checkpoint.dir")
 
 
+def _check_tokenizer(job: JobConfig) -> None:
+    """The tokenizer must be on disk (the real start loads it; the dry run refuses what it would)."""
+    tok = job.data.tokenizer
+    if isinstance(tok, str) and tok != "byte" and not os.path.exists(os.path.expanduser(tok)):
+        _fail(
+            "data.tokenizer",
+            tok,
+            "does not exist (tokenizers load from disk only, never over the network)",
+            "give 'byte' or a local tokenizer directory / tokenizer.json (a Hugging Face hub name: "
+            "download it first, e.g. huggingface-cli download NAME --local-dir DIR, then data.tokenizer=DIR)",
+        )
+
+
 def expert_backend_on(job: JobConfig, device: Optional[torch.device]) -> str:
     """The expert backend the job's experts run on ``device``: ``moe.expert_backend`` itself, or what
     ``auto`` resolves to there (:func:`folding.moe.expert_select.resolve_backend`, TE's own checks;
@@ -298,6 +311,7 @@ def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.devi
     _check_train(job)
     _check_recompute_vs_fp8_region(job, device)
     _check_logging_and_checkpoint(job)
+    _check_tokenizer(job)
     try:
         layout = job.layout(world_size)
     except LayoutError as e:

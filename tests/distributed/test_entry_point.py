@@ -5,7 +5,9 @@
   leaves no run directory; a dry run leaves none either;
 - a 2-step run without ``OMP_NUM_THREADS`` works (the default warm-up is clamped) and its ``train.log``
   holds the step lines, its ``status.json`` says ``completed``;
-- a plain ``.txt`` file is preprocessed and trained on with ``data.split=80,20,0``;
+- a plain ``.txt`` file is preprocessed and trained on with ``data.split=80,20,0``; the README's
+  first-hour commands run on a one-document-per-line file (one document per line by default), and an
+  empty split names ``--text-split``;
 - a resumed run continues in the run directory of the checkpoint, metrics appended;
 - Ctrl-C under ``torchrun`` (SIGINT to torchrun, which forwards it to every worker): every worker saves
   and exits 0 with no traceback, and the run's ``status.json`` says ``stopped``.
@@ -160,6 +162,53 @@ def test_plain_text_preprocessing_and_training_with_split_list(tmp_path):
     recs = _records(run_dir)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
     assert [r["kind"] for r in recs].count("eval") == 1
+
+
+def _readme_first_hour():
+    """The README's first-hour commands that preprocess notes.txt and train on it, as written."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split("### The first hour", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [line.split("#", 1)[0].split() for line in block.splitlines()]
+    prep = next(t for t in lines if t[1:3] == ["-m", "tools.preprocess_data"])
+    train = next(t for t in lines if t[1:2] == ["examples/pretrain_mixtral.py"] and "data.paths=[data/notes]" in t)
+    return prep, train
+
+
+def test_readme_first_hour_on_one_document_per_line_text(tmp_path):
+    # the common plain-text form: one document per line, no blank lines (Megatron's JSONL rule)
+    lines = [f"note {i}: the router sends each token to two of eight experts." for i in range(120)]
+    (tmp_path / "notes.txt").write_text("\n".join(lines) + "\n")
+    prep, train = _readme_first_hour()
+    assert prep[prep.index("--input") + 1] == "notes.txt"
+    p = subprocess.run(
+        [sys.executable, *prep[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "120 documents (one per line, --text-split auto)" in p.stdout
+    # the training command as written; only its length is cut (and W&B off) to keep the test short:
+    # the split that used to be empty is built before the first step, and evaluated at step 3
+    run = _python(tmp_path, [*train[2:], "train.steps=3", "train.eval_interval=3", *TINY[4:]])
+    assert run.returncode == 0, run.stderr[-3000:]
+    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    recs = _records(run_dir)
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3]
+    assert [r["kind"] for r in recs].count("eval") == 1
+
+
+def test_an_empty_split_names_text_split(tmp_path):
+    (tmp_path / "one.txt").write_text("a single paragraph\nof two lines\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "tools.preprocess_data", "--input", "one.txt", "--output-prefix", "d/one"]
+        + ["--text-split", "paragraph"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0 and "1 documents (one per paragraph)" in p.stdout, p.stdout + p.stderr
+    run = _python(tmp_path, ["data.paths=[d/one]", "data.split=80,20,0", "train.steps=1", *TINY])
+    assert run.returncode != 0 and "--text-split line" in run.stderr, run.stderr[-3000:]
 
 
 def test_resume_continues_in_the_checkpoints_run_directory(tmp_path):

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from folding.data.tokenizer import ByteTokenizer
+from folding.training.checkpoint import latest_complete, read_meta
 from tests.distributed.test_checkpoint_reshard import _job, _run
 from tests.optional import require
 
@@ -79,3 +80,39 @@ def test_generate_from_checkpoint_and_hf_directory(ranks, tmp_path, capsys):
         timeout=300,
     )
     assert cli.returncode == 0 and cli.stdout == want, cli.stderr[-2000:]
+
+
+def _train_with_replicas(root):
+    moe = dict(expert_replicas=2, replica_interval=1)  # re-planned every step: the slots are in use
+    _run(_job(dict(ep=4, etp=1), False, steps=2, ckpt_dir=os.path.join(root, "ck"), moe=moe), os.path.join(root, "run"))
+
+
+def test_checkpoint_trained_with_replicas_exports_and_generates(ranks, tmp_path, capsys):
+    """Training-only options (here hot-expert replicas, 4 ranks EP4) stop neither export nor sampling:
+    both build the model without them, and the exported model generates in transformers what
+    ``examples/generate.py`` generates from the checkpoint."""
+    transformers = require("transformers")
+    from tools import convert_hf
+
+    ranks(4).run(_train_with_replicas, str(tmp_path))
+    ck, hf_dir = str(tmp_path / "ck"), str(tmp_path / "hf")
+    saved = read_meta(latest_complete(ck))
+    assert saved["model"]["moe"]["expert_replicas"] == 2  # the checkpoint remembers how it trained
+    assert convert_hf.main(["export", "--checkpoint", ck, "--out", hf_dir]) == 0
+    capsys.readouterr()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode(PROMPT)])
+    out = hf.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=tok.eod,
+        pad_token_id=tok.eod,
+        suppress_tokens=list(range(tok.vocab_size, hf.config.vocab_size)),
+    )[0, ids.shape[1] :].tolist()
+    new = out[: out.index(tok.eod)] if tok.eod in out else out
+    assert new, "transformers generated nothing: the comparison would be empty"
+    assert _generate(capsys, ck) == PROMPT + tok.decode(new) + "\n"
+    sampled = _generate(capsys, ck, "--temperature", "0.8", "--top-k", "20", "--seed", "3")
+    assert sampled.startswith(PROMPT) and len(sampled) > len(PROMPT) + 1

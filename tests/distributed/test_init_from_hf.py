@@ -147,3 +147,36 @@ def test_train_from_transformers_mixtral_in_two_layouts(ranks, tmp_path):
     assert len({r["first"]["local"] for r in folded}) == 1  # TP2 EP2: every rank holds the same share
     runs = [json.loads(line) for line in open(tmp_path / "run4" / "metrics.jsonl") if '"kind": "run"' in line]
     assert [r["init_from_hf"] for r in runs] == [hf_dir, None]
+
+
+def _train_from(source, root):
+    ck = os.path.join(root, "ck")
+    _train(dict(ep=2, etp=1), 1, source, os.path.join(root, "run"), ck)  # fresh from the source
+    _train(dict(ep=2, etp=1), 2, source, os.path.join(root, "run"), ck)  # resumed: the source goes on
+
+
+def test_export_keeps_the_source_config_fields(ranks, tmp_path):
+    """A run started from Hugging Face weights (and resumed once) exports a config.json that keeps every
+    field of the source's the engine does not write, and its initializer_range, unchanged."""
+    transformers = require("transformers")
+    from tools import convert_hf
+
+    hf_dir = str(tmp_path / "src")
+    config = transformers.MixtralConfig(**HF, initializer_range=0.05, bos_token_id=5, note_of_the_source="kept")
+    randomized(transformers.MixtralForCausalLM(config)).save_pretrained(hf_dir)
+    source = json.load(open(os.path.join(hf_dir, "config.json")))
+    ranks(2).run(_train_from, hf_dir, str(tmp_path))
+    out = str(tmp_path / "hf_out")
+    assert convert_hf.main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", out]) == 0
+    exported = json.load(open(os.path.join(out, "config.json")))
+    assert exported["max_position_embeddings"] == source["max_position_embeddings"] == 512
+    assert exported["initializer_range"] == 0.05 and exported["note_of_the_source"] == "kept"
+    assert exported["bos_token_id"] == 5
+    changed = {k for k in source if exported.get(k) != source[k]}
+    diff = {k: (source[k], exported.get(k)) for k in changed}
+    # what may change: the weights' dtype and writer, and the run's own aux loss (moe.aux_loss_coeff,
+    # a training setting the engine models and writes as the run used it)
+    own = {"torch_dtype", "dtype", "transformers_version", "output_router_logits", "router_aux_loss_coef"}
+    assert changed <= own, diff
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)  # and it loads
+    assert model.config.initializer_range == 0.05

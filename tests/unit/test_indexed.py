@@ -375,3 +375,18 @@ def test_preprocess_plain_text_paragraphs_lines_and_file(tmp_path):
         (tmp_path / "notes.jsonl").write_text("just words\n")
         preprocess_jsonl(str(tmp_path / "notes.jsonl"), str(tmp_path / "j"))
     assert preprocess_jsonl(str(tmp_path / "notes.jsonl"), str(tmp_path / "j"), input_format="text")["documents"] == 1
+
+
+def test_plain_text_form_is_detected(tmp_path):
+    from folding.data.preprocess import detect_text_split
+
+    cases = {
+        "per_line.txt": ("\n\none\ntwo\nthree\n\n\n", "line", 3),  # blank lines only at the ends
+        "paragraphs.txt": ("one\nstill one\n\ntwo\n", "paragraph", 2),
+        "spaces.txt": ("one\n   \ntwo\n", "paragraph", 2),  # a whitespace-only line is blank
+    }
+    for name, (text, form, docs) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert detect_text_split(str(tmp_path / name)) == form, name
+        stats = preprocess_jsonl(str(tmp_path / name), str(tmp_path / name[:-4]))  # the default: auto
+        assert (stats["text_split"], stats["documents"]) == (form, docs), name

@@ -50,8 +50,15 @@ def test_another_model_names_every_key_and_the_fix(hf_dir):
     # routing that differs from the source's is refused too; training options are free
     with pytest.raises(ConfigError, match="moe.topk: source 2, this job 3"):
         check_init_source(hf_dir, _job(hf_dir, moe=dict(num_experts=4, ffn_hidden_size=16, topk=3)).model)
-    free = _job(hf_dir, max_position_embeddings=128, moe=dict(num_experts=4, ffn_hidden_size=16, aux_loss_coeff=0.1))
+    free = _job(hf_dir, init_std=0.5, moe=dict(num_experts=4, ffn_hidden_size=16, aux_loss_coeff=0.1))
     assert check_init_source(hf_dir, free.model) == hf_dir
+    # the context length is checked: the run's export writes it into config.json
+    longer = _job(hf_dir, max_position_embeddings=HF["max_position_embeddings"] * 2)
+    with pytest.raises(ConfigError) as e:
+        check_init_source(hf_dir, longer.model)
+    n = HF["max_position_embeddings"]
+    assert f"model.max_position_embeddings: source {n}, this job {2 * n}" in str(e.value)
+    assert f"Set model.max_position_embeddings={n} (the source's values)" in str(e.value)
 
 
 def test_missing_source_and_load_together_are_refused(hf_dir, tmp_path):

@@ -36,7 +36,7 @@ torchrun --nproc_per_node 8 --nnodes 8 --node_rank 0 --master_addr localhost --m
 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1
 --sequence-parallel --use-distributed-optimizer
 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save /ckpt/mixtral
---load /ckpt/mixtral --tensorboard-dir /ckpt/mixtral/tensorboard --no-load-optim --no-load-rng
+--load /ckpt/mixtral --tensorboard-dir /ckpt/mixtral/tensorboard --no-load-rng --async-save
 """.split()
 
 
@@ -66,9 +66,11 @@ def test_mixtral_8x7b_command_gives_overrides_the_dry_run_accepts():
         "data.paths=[/data/mixtral_text_document]",
         "data.split=[99990,8,2]",
         "checkpoint.dir=/ckpt/mixtral",
+        "checkpoint.async_save=true",
     ):
         assert item in overrides, (item, overrides)
     assert not any(o.startswith(("moe.dispatcher=", "model.rope_theta=")) for o in overrides)  # as the preset
+    assert "# --no-load-rng: ignored; nothing in this job draws random numbers" in p.stderr
     assert "# --moe-grouped-gemm:" in p.stderr and "# --tokenizer-type Llama2Tokenizer:" in p.stderr
     dry = _run(*overrides, "train.dry_run=true", script=os.path.join(ROOT, "examples", "pretrain_mixtral.py"))
     assert dry.returncode == 0, dry.stderr
@@ -126,9 +128,9 @@ def test_special_flags_follow_megatron_semantics():
     assert _values("--recompute-activations")["train.recompute"] == "selective"
     assert _values("--recompute-granularity", "selective", "--recompute-modules", "moe")["train.recompute"] == "moe"
     v = _values("--seed", "7", "--distributed-timeout-minutes", "2", "--tokenizer-type", "HuggingFaceTokenizer",
-                "--tokenizer-model", "/tok", "--save", "/a", "--load", "/b")  # fmt: skip
+                "--tokenizer-model", ROOT, "--save", "/a", "--load", "/b")  # fmt: skip
     assert (v["train.seed"], v["data.seed"], v["train.collective_timeout_s"]) == (7, 7, 120.0)
-    assert (v["data.tokenizer"], v["checkpoint.dir"], v["checkpoint.load"]) == ("/tok", "/a", "/b")
+    assert (v["data.tokenizer"], v["checkpoint.dir"], v["checkpoint.load"]) == (ROOT, "/a", "/b")  # a local path
     assert _values("--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "2")["parallel.etp"] == 4
     for argv, needle in [
         (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),

@@ -370,7 +370,7 @@ def test_tool_json_only_on_stdout():
     plan = Plan(
         **{
             k: best[k]
-            for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer", "recompute", "folded")
+            for k in ("tp", "cp", "pp", "vpp", "ep", "etp", "dp", "edp", "distributed_optimizer", "recompute")
         }
     )
     unfused = plan_memory(

@@ -1,6 +1,7 @@
 """The replica slot planner, the deterministic token split, the re-plan schedule and the settings'
 errors (``moe.expert_replicas``, ``moe.replica_interval``)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -125,6 +126,10 @@ class _Layer:
     def replica_geometry(self):
         return GEO
 
+    @property
+    def replica_table(self):  # as MoELayer: the table installed last, empty before the first plan
+        return self.tables[-1] if self.tables else (-1,) * (GEO["ep_size"] * GEO["num_replicas"])
+
     def set_replica_table(self, table):
         self.tables.append(table)
 
@@ -182,3 +187,38 @@ def test_validate_job_refuses_replicas_without_ep_and_with_delayed_wgrad():
         validate_job(job(ep=4, overlap_moe_comm=True, delay_wgrad=True), world_size=4)
     validate_job(job(ep=4), world_size=4)
     validate_job(job(ep=4, overlap_moe_comm=True), world_size=4)  # overlap is fine
+
+
+def test_inference_config_drops_only_training_options():
+    from folding.model.presets import get_preset
+    from folding.moe.config import TRAINING_ONLY
+
+    trained = get_preset(
+        "mixtral_tiny", moe={"expert_replicas": 2, "trace_dir": "t", "dispatch_wire": "fp8", "input_jitter_eps": 0.01}
+    )
+    plain = trained.for_inference()
+    assert plain.moe.expert_replicas == 0 and plain.moe.trace_dir is None and plain.moe.dispatch_wire == "none"
+    assert plain.moe.input_jitter_eps is None
+    kept = [f for f in dataclasses.fields(plain.moe) if f.name not in TRAINING_ONLY]
+    assert all(getattr(plain.moe, f.name) == getattr(trained.moe, f.name) for f in kept)
+    assert plain.replace(moe=trained.moe) == trained  # nothing outside the MoE options changed
+
+
+def test_table_summary_and_replan_message():
+    from folding.moe.replicas import table_summary
+    from folding.training.replica_log import replan_message
+
+    # EP2, 2 experts per rank, 1 replica slot each: expert 0 (rank 0) is hot; its copy goes to rank 1
+    load = [60, 20, 10, 10]  # rank loads without replicas 80 | 20: max/mean 1.6
+    geo = dict(ep_size=2, num_local_experts=2, num_replicas=1)
+    table = [-1, 0]
+    s = table_summary(load, table, **geo)
+    # with the copy expert 0's 60 splits 30 | 30: ranks 50 | 50, max/mean 1.0
+    assert s == {"table": [-1, 0], "copies": {"0": [1]}, "max_over_mean": 1.0, "max_over_mean_without": 1.6}
+    assert table_summary([0, 0, 0, 0], [-1, -1], **geo)["max_over_mean"] == 1.0
+    before = table_summary(load, [-1, -1], **geo)
+    msg = replan_message(7, {"layer": 3, "steps": 5, "before": before, "after": s})
+    assert msg == (
+        "replicas re-planned at step 7, layer 3: expert 0 on EP rank 1; EP-rank max/mean load 1.60 -> 1.00 "
+        "over the last 5 steps (without replicas 1.60)"
+    )

@@ -7,8 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from folding.training.config import LoggingConfig, WandbConfig
 from folding.training.metrics import MetricsSink, expert_load_summary, progress_bar
+from tests.optional import require
 
 
 def test_expert_load_summary():
@@ -120,7 +123,6 @@ def test_console_line_shows_the_mtp_loss_only_with_mtp():
 
 def test_plot_run_imbalance_curves_and_heatmap_window(tmp_path):
     import numpy as np
-    import pytest
 
     from tools import plot_run
 
@@ -164,3 +166,41 @@ def test_sink_warning_goes_to_the_file_and_the_console(tmp_path):
         "layer": 2,
         "experts": [5],
     }
+
+
+def test_plot_run_help_ends_its_sentence():
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.plot_run", "--help"], capture_output=True, text=True, cwd=root, check=True
+    ).stdout
+    text = " ".join(out.split("\n\n")[1].split())  # the description paragraph
+    assert text.endswith("and a layer x expert load heatmap."), text
+
+
+WANDB_SINK = """
+import json, sys
+from folding.training.config import LoggingConfig, WandbConfig
+from folding.training.metrics import MetricsSink
+lines = []
+sink = MetricsSink(LoggingConfig(metrics_file="m.jsonl", wandb=WandbConfig(mode="offline")), run_dir=sys.argv[1],
+                   total_steps=1, echo=lambda line, console=True: lines.append((line, console)))
+sink.log({"kind": "train", "step": 1, "loss": 1.0, "lm_loss": 1.0})
+sink.close()
+print("ECHOED " + json.dumps(lines))
+"""
+
+
+def test_wandb_summary_goes_to_the_log_only(tmp_path):
+    require("wandb")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", WANDB_SINK, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    console, echoed = p.stdout.split("ECHOED ")[0] + p.stderr, json.loads(p.stdout.split("ECHOED ")[1])
+    assert "Run history" not in console and "wandb sync" not in console  # the closing summary is not shown
+    logged = [line for line, shown in echoed if not shown]
+    assert any("Run history" in line for line in logged) and any("wandb sync" in line for line in logged), logged
+    shown = [line for line, shown in echoed if shown]  # the train record's line, then one line for W&B
+    assert len(shown) == 2 and shown[-1] == "W&B run summary and sync command: in train.log", shown
