@@ -51,6 +51,24 @@ def _die_with_parent() -> None:
         pass
 
 
+def _end_task_groups() -> None:
+    """Destroy the process groups a task left alive, once every rank has finished it (a barrier on the
+    default group first, so no rank closes a group another still uses). torch.distributed keeps every
+    group it created until it is destroyed, whoever still refers to it, and each live gloo group keeps
+    threads of its own: left alive, they pile up in a long-lived rank (hundreds of threads after a few
+    dozen tests) and slow every later task."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    left = [pg for pg in list(c10d._world.pg_map) if pg is not default]
+    if not left:
+        return
+    dist.barrier()
+    for pg in left:
+        dist.destroy_process_group(pg)
+
+
 def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_s: float) -> None:
     _die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -81,6 +99,7 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, coll_timeout_
         try:
             value = fn(*args, **kwargs)
             payload = pickle.dumps(value)
+            _end_task_groups()
             results.put((tid, rank, True, payload))
         except BaseException:  # report everything, including assertion errors, to the caller
             results.put((tid, rank, False, traceback.format_exc()))
