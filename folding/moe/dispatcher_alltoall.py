@@ -35,10 +35,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
 
+from ..parallel import link_model, overlap
 from ..parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
 from .dispatcher_base import DispatchRecord, TokenDispatcher
@@ -135,6 +137,7 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
+            call.counts_done = link_model.issue(self.ep_group, 0.0)
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
@@ -147,7 +150,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _read_counts(self, call: "_Call") -> None:
         if call.counts_work is not None:
+            # the host read of the counts blocks until the all-gather completes: under the link model,
+            # after everything issued before it on the EP group (NCCL's order); that time is exposed
+            t0 = time.perf_counter()
             call.counts_work.wait()
+            link_model.complete(call.counts_done)
+            overlap.stats.blocked_s += time.perf_counter() - t0
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:
@@ -305,4 +313,5 @@ class _Call:
     etp_padded: bool = False
     counts_dev: Optional[torch.Tensor] = None
     counts_work: object = None  # the EP count all-gather in flight
+    counts_done: Optional[float] = None  # its modelled completion under a link model (NCCL's order)
     token_idx: Optional[torch.Tensor] = None
