@@ -89,8 +89,15 @@ class AllToAllDispatcher(TokenDispatcher):
             meant for transports on which a copy of the rows costs more than a message.
     """
 
-    def __init__(self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, **kwargs):
+    def __init__(
+        self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, counts_group=None, **kwargs
+    ):
+        """``counts_group``: the group the dropless token counts are all-gathered over, the EP ranks on a
+        communicator of their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator
+        would complete only after the token all-to-alls issued before them there); ``None``: the EP
+        group. Other keywords: :class:`~folding.moe.dispatcher_base.TokenDispatcher`'s."""
         super().__init__(**kwargs)
+        self.counts_group = self.ep_group if counts_group is None else counts_group
         self.megatron_stages = bool(megatron_stages)
         self.per_expert_exchange = bool(per_expert_exchange)
         # per_expert_exchange, without ETP and with several local experts: the EP all-to-all runs as
@@ -136,8 +143,8 @@ class AllToAllDispatcher(TokenDispatcher):
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
-            call.counts_done = link_model.issue(self.ep_group, 0.0)
+            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
+            call.counts_done = link_model.issue(self.counts_group, 0.0)
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
