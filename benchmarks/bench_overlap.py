@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -102,7 +103,12 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     ps = build_parallel_state(job.layout(dist.get_world_size()))
     records = []
     try:
-        chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, init_seed=1, overlap_moe_comm=False)
+        # --no-meta-comm: the dispatcher's counts on the EP communicator, behind its token payloads
+        no_meta = dataclasses.replace(ps.groups, ep_meta=None)
+        model_ps = ps if a["meta_comm"] else dataclasses.replace(ps, groups=no_meta)
+        chunks = build_stage_chunks(
+            model_config=job.model, parallel_state=model_ps, init_seed=1, overlap_moe_comm=False
+        )
         optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=a["steps"])
         t = job.train
         dp = ps.layout.dp
@@ -165,6 +171,7 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         layout=layout,
         link_latency_ms=a["latency_ms"],
         nccl_order=a["nccl_order"],
+        meta_comm=a["meta_comm"],
         step_time_off_s=med("step_time_s", False),
         step_time_on_s=med("step_time_s", True),
         exposed_off_s=med("exposed_s", False),
@@ -210,6 +217,12 @@ def _args(argv=None):
         default=True,
         help="link model: an operation on a process group completes after every one issued before it there",
     )
+    p.add_argument(
+        "--meta-comm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the dispatcher's token counts on their own communicator (ProcessGroups.ep_meta), not on EP's",
+    )
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--out", default=None, help="Markdown report (with --latencies)")
     return p.parse_args(argv)
@@ -229,6 +242,7 @@ def _settings(ns, latency_ms: float) -> dict:
         "threads",
         "delay_wgrad",
         "nccl_order",
+        "meta_comm",
     )
     return dict({k: getattr(ns, k) for k in keys}, latency_ms=latency_ms)
 
@@ -297,7 +311,7 @@ def main(argv=None) -> None:
         keys = ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s", "step_time_ratio")
         keys += ("layer_compute_ms", "layer_forward_ms", "layout", "link_latency_ms")
         summary = {k: top[k] for k in keys} if top else {}
-        summary.update(nccl_order=ns.nccl_order)
+        summary.update(nccl_order=ns.nccl_order, meta_comm=ns.meta_comm)
         summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
         with open(ns.json, "w") as f:
             json.dump(summary, f, indent=1)
