@@ -20,7 +20,8 @@ Reported (JSON top level): ``inter_node_bytes_alltoall``, ``inter_node_bytes_hie
 summed over all ranks, counted by the link model from the all-to-alls' split sizes: hidden rows, their
 probabilities and the hierarchical dispatcher's routing metadata) and ``step_time_alltoall_s``,
 ``step_time_hierarchical_s`` (median wall time of a step, the slowest rank's, after warm-up), with the
-link settings, the host's load (``os.getloadavg`` before and after) and the device. ``--report`` runs the
+link settings (``nccl_order``: the link model keeps NCCL's per-group order), the host's load
+(``os.getloadavg`` before and after) and the device. ``--report`` runs the
 sweep of the committed report (2 and 4 nodes, top-2 and top-8, node-limited off and on) and writes
 Markdown (``--out``) and JSON (``--json``).
 
@@ -164,6 +165,7 @@ def _worker(a: dict):
             inter_node_bandwidth=nic * 1e6,
             intra_node_bandwidth=nvl * 1e6,
             nvlink_domain=G,
+            nccl_order=NCCL_ORDER,
         )
         records = _steps(ds, a, 100, a["warmup"] + a["steps"], model)
     finally:
@@ -196,6 +198,7 @@ def run(a: dict, pool=None) -> dict:
         tokens=a["tokens"],
         node_limited=a["node_limited"],
         latency_ms=a["latency_ms"],
+        nccl_order=NCCL_ORDER,
         nic_mbps=per_rank[0]["nic_mbps"],
         nvlink_mbps=per_rank[0]["nvlink_mbps"],
         load_before=load_before,
@@ -273,6 +276,11 @@ def _settings(ns, **over) -> dict:
     d = {k: getattr(ns, k) for k in keys}
     d.update(over)
     return d
+
+
+NCCL_ORDER = True
+"""The link model keeps NCCL's rule (an operation on a process group completes after every one issued
+before it there); reported at the JSON's top level."""
 
 
 REPORT_CASES = [

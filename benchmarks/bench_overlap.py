@@ -6,8 +6,11 @@ gloo on a small CPU machine has no network worth hiding, so the engine's link mo
 gloo ranks (``folding.testing.RankPool``) train a small Mixtral-shaped MoE model in the chosen layout
 for ``--steps`` optimizer steps, alternating overlap off and on step by step in one process group
 (the same model trains on; the first ``--warmup`` steps of each mode are not counted). Per step it
-records the wall time and the time every rank spent blocked in exchange waits (the *exposed*
-communication, :data:`folding.parallel.overlap.stats`), and reports the medians:
+records the wall time and the time every rank spent blocked in exchange waits and count reads (the
+*exposed* communication, :data:`folding.parallel.overlap.stats`), and reports the medians. The link
+model keeps NCCL's order by default (an operation on a process group completes no earlier than every
+one issued before it there; ``--no-nccl-order`` drops the rule), and the JSON says which at its top
+level (``"nccl_order"``):
 
 - ``step_time_off_s`` / ``step_time_on_s``: the step's wall time (rank 0), and their ratio;
 - ``exposed_off_s`` / ``exposed_on_s``: time blocked in exchange waits (mean over the ranks);
@@ -27,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -99,7 +103,12 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     ps = build_parallel_state(job.layout(dist.get_world_size()))
     records = []
     try:
-        chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, init_seed=1, overlap_moe_comm=False)
+        # --no-meta-comm: the dispatcher's counts on the EP communicator, behind its token payloads
+        no_meta = dataclasses.replace(ps.groups, ep_meta=None)
+        model_ps = ps if a["meta_comm"] else dataclasses.replace(ps, groups=no_meta)
+        chunks = build_stage_chunks(
+            model_config=job.model, parallel_state=model_ps, init_seed=1, overlap_moe_comm=False
+        )
         optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=a["steps"])
         t = job.train
         dp = ps.layout.dp
@@ -111,7 +120,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         t0 = time.perf_counter()
         run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
         forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
-        with overlap.link_latency(a["latency_ms"] / 1e3):
+        with overlap.link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"]):
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
                 set_moe_overlap(chunks, overlap_moe_comm=on, delay_wgrad=on and a["delay_wgrad"])
@@ -161,6 +170,8 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
     out = dict(
         layout=layout,
         link_latency_ms=a["latency_ms"],
+        nccl_order=a["nccl_order"],
+        meta_comm=a["meta_comm"],
         step_time_off_s=med("step_time_s", False),
         step_time_on_s=med("step_time_s", True),
         exposed_off_s=med("exposed_s", False),
@@ -200,6 +211,18 @@ def _args(argv=None):
         default=True,
         help="with overlap on, also parallel.delay_wgrad (expert weight gradients behind the backward dispatch)",
     )
+    p.add_argument(
+        "--nccl-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="link model: an operation on a process group completes after every one issued before it there",
+    )
+    p.add_argument(
+        "--meta-comm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the dispatcher's token counts on their own communicator (ProcessGroups.ep_meta), not on EP's",
+    )
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--out", default=None, help="Markdown report (with --latencies)")
     return p.parse_args(argv)
@@ -218,6 +241,8 @@ def _settings(ns, latency_ms: float) -> dict:
         "layers",
         "threads",
         "delay_wgrad",
+        "nccl_order",
+        "meta_comm",
     )
     return dict({k: getattr(ns, k) for k in keys}, latency_ms=latency_ms)
 
@@ -286,6 +311,7 @@ def main(argv=None) -> None:
         keys = ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s", "step_time_ratio")
         keys += ("layer_compute_ms", "layer_forward_ms", "layout", "link_latency_ms")
         summary = {k: top[k] for k in keys} if top else {}
+        summary.update(nccl_order=ns.nccl_order, meta_comm=ns.meta_comm)
         summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
         with open(ns.json, "w") as f:
             json.dump(summary, f, indent=1)

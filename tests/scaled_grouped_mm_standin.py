@@ -10,9 +10,12 @@ CUDA operator: E4M3 operands, row-major ``mat_a`` and column-major ``mat_b``, st
 bytes, float32 or E8M0 scales that are contiguous and of the documented shapes (MXFP8: the blocked
 layout's size for a 3-D operand, 2-D scales for a 2-D one), int32 1-D offsets, no bias, bf16 output.
 The stand-in adds dimensions multiple of 16 and the group alignment the kernels need (16 rows, 32
-for MXFP8), then computes the reference numerics: dequantize, fp32 matmul per group, cast. MXFP8
+for MXFP8) and, in the 2-D × 2-D (weight-gradient) call, no group of zero rows (the CUTLASS kernel
+asserts "CUTLASS cannot handle delta=0" in some torch builds), then computes the reference numerics:
+dequantize, fp32 matmul per group, cast. MXFP8
 scales are decoded from the blocked layout with the tile formula of cuBLAS's documentation, written
-independently of the engine's permute. Rows and groups the operator leaves undefined come back NaN.
+independently of the engine's permute. Rows the operator leaves undefined (past the last group) come
+back NaN.
 
 Usage (``tests/unit/test_experts_torch_fp8.py``)::
 
@@ -69,7 +72,10 @@ def scaled_grouped_mm(
     operands = [meta_copy(t) for t in (self, mat2, scale_a, scale_b, offs, bias, scale_result)]
     torch.ops.aten._scaled_grouped_mm(*operands, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     a, b = self, mat2
-    CALLS.append(dict(a=tuple(a.shape), b=tuple(b.shape), fast=use_fast_accum, mx=scale_a.dtype == E8M0))
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    sizes = [e - s for s, e in zip(starts, ends)]
+    CALLS.append(dict(a=tuple(a.shape), b=tuple(b.shape), fast=use_fast_accum, mx=scale_a.dtype == E8M0, groups=sizes))
     assert a.dtype == b.dtype == torch.float8_e4m3fn, (a.dtype, b.dtype)
     assert a.dim() == 2 and b.dim() in (2, 3), "the engine uses 2-D x 3-D and 2-D x 2-D"
     assert a.stride(-1) == 1 and a.stride(-2) >= a.shape[-1], "Expected mat1 to not be transposed"
@@ -80,8 +86,6 @@ def scaled_grouped_mm(
     assert out_dtype in (None, torch.bfloat16), "only bf16 output"
     mx = scale_a.dtype == E8M0
     assert (scale_a.dtype, scale_b.dtype) in ((torch.float32, torch.float32), (E8M0, E8M0))
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
     align = 32 if mx else 16  # the per-group row alignment the kernels need (what torchao pads to)
     assert all(e >= s and (e - s) % align == 0 for s, e in zip(starts, ends)), ends
     out_dtype = out_dtype or torch.bfloat16
@@ -109,13 +113,14 @@ def scaled_grouped_mm(
         return out.to(out_dtype)
     m, n = a.shape[0], b.shape[1]  # 2-D x 2-D: groups along the contraction
     assert ends[-1] == a.shape[1] == b.shape[0]
-    out = torch.full((len(ends), m, n), float("nan"))  # an empty group's output is undefined
+    # the CUTLASS kernel of this call asserts on a group without rows in some torch builds (a device
+    # assert, which leaves the CUDA context unusable): the stand-in refuses it the same way
+    assert all(e > s for s, e in zip(starts, ends)), f"CUTLASS cannot handle delta=0 (group ends {ends})"
+    out = torch.empty((len(ends), m, n))
     if not mx:
         assert scale_a.shape == (len(ends) * m,) and scale_b.shape == (len(ends) * n,)
     at_a = at_b = 0
     for g, (s, e) in enumerate(zip(starts, ends)):
-        if e == s:
-            continue
         if mx:
             kb = (e - s) // 32
             size_a, size_b = up(m, 128) * up(kb, 4), up(n, 128) * up(kb, 4)

@@ -35,10 +35,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
 
+from ..parallel import link_model, overlap
 from ..parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
 from .dispatcher_base import DispatchRecord, TokenDispatcher
@@ -87,8 +89,15 @@ class AllToAllDispatcher(TokenDispatcher):
             meant for transports on which a copy of the rows costs more than a message.
     """
 
-    def __init__(self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, **kwargs):
+    def __init__(
+        self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, counts_group=None, **kwargs
+    ):
+        """``counts_group``: the group the dropless token counts are all-gathered over, the EP ranks on a
+        communicator of their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator
+        would complete only after the token all-to-alls issued before them there); ``None``: the EP
+        group. Other keywords: :class:`~folding.moe.dispatcher_base.TokenDispatcher`'s."""
         super().__init__(**kwargs)
+        self.counts_group = self.ep_group if counts_group is None else counts_group
         self.megatron_stages = bool(megatron_stages)
         self.per_expert_exchange = bool(per_expert_exchange)
         # per_expert_exchange, without ETP and with several local experts: the EP all-to-all runs as
@@ -134,7 +143,8 @@ class AllToAllDispatcher(TokenDispatcher):
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.ep_group)
+            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
+            call.counts_done = link_model.issue(self.counts_group, 0.0)
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
@@ -147,7 +157,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _read_counts(self, call: "_Call") -> None:
         if call.counts_work is not None:
+            # the host read of the counts blocks until the all-gather completes: under the link model,
+            # after everything issued before it on the EP group (NCCL's order); that time is exposed
+            t0 = time.perf_counter()
             call.counts_work.wait()
+            link_model.complete(call.counts_done)
+            overlap.stats.blocked_s += time.perf_counter() - t0
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:
@@ -305,4 +320,5 @@ class _Call:
     etp_padded: bool = False
     counts_dev: Optional[torch.Tensor] = None
     counts_work: object = None  # the EP count all-gather in flight
+    counts_done: Optional[float] = None  # its modelled completion under a link model (NCCL's order)
     token_idx: Optional[torch.Tensor] = None

@@ -214,6 +214,7 @@ def grouped_linear(
     delayed=None,
     name: str = "",
     delay_wgrad: bool = False,
+    device_sizes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ``; rows expert-major.
 
@@ -228,7 +229,9 @@ def grouped_linear(
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     ``delay_wgrad`` (``torch`` backend; ``parallel.delay_wgrad``): the weight gradient is computed
     while the next exchange of the backward is in flight (:class:`_GroupedMMDelayedWgrad`), bitwise
-    the same; the other backends ignore it.
+    the same; the other backends ignore it. ``device_sizes`` (``torch`` with an FP8 recipe): the list
+    ``tokens_per_expert`` as an integer tensor on the device, from which the kernels' offsets are built
+    there (see :func:`folding.moe.expert_scaled.scaled_grouped_linear`).
     """
     num_rows, num_experts = x_NI.shape[0], w_LOI.shape[0]
     if num_rows == 0 and num_experts > 0:
@@ -245,7 +248,7 @@ def grouped_linear(
         return _torch_call(x_NI, w_LOI, tokens_per_expert, delay_wgrad)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
     if backend == "torch" and fp8_recipe is not None:
-        return _scaled_calls(x_NI, w_LOI, counts, fp8_recipe, index_limit, delay_wgrad)
+        return _scaled_calls(x_NI, w_LOI, counts, fp8_recipe, index_limit, delay_wgrad, device_sizes)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
         linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
@@ -269,21 +272,30 @@ def grouped_linear(
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad):
-    """FP8 grouped GEMMs in calls of whole aligned row blocks (an expert may span calls)."""
+def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad, device_sizes=None):
+    """FP8 grouped GEMMs in calls of whole aligned row blocks (an expert may span calls); every expert
+    has at least one block (the kernel refuses empty groups). ``device_sizes``: ``counts`` on the
+    device; each call's sizes are cut from it there."""
     align = FP8_ROW_ALIGN.get(recipe, 16)
-    if any(c % align for c in counts):  # standalone use: align once for every call
-        x_NpI, padded = pad_rows_per_expert(x_NI, counts, align)
+    if any(c % align or c == 0 for c in counts):  # standalone use: align once for every call
+        x_NpI, padded = pad_rows_per_expert(x_NI, counts, align, min_rows=align)
         y_NpO = _scaled_calls(x_NpI, w_LOI, padded, recipe, index_limit, delay_wgrad)
         return unpad_rows_per_expert(y_NpO, counts, padded)
     width = max(x_NI.shape[1], w_LOI.shape[1]) + FEATURE_ALIGN.get(recipe, 16)
     rows = max(align, (index_limit // width) // align * align)  # every piece stays aligned
+    calls = plan_chunks(counts, 1, rows)
+    ends_L = None if device_sizes is None or len(calls) == 1 else device_sizes.to(torch.int64).cumsum(0)
     outs, start = [], 0
-    for call in plan_chunks(counts, 1, rows):
+    for call in calls:
         n = sum(c for _, c in call)
         experts = [e for e, _ in call]
         ws = w_LOI.narrow(0, experts[0], len(experts))
-        outs.append(scaled_grouped_linear(x_NI[start : start + n], ws, [c for _, c in call], recipe, delay_wgrad))
+        sizes = device_sizes
+        if ends_L is not None:  # this call's pieces: every expert's end clipped to the call's rows
+            ends = (ends_L[experts[0] : experts[-1] + 1] - start).clamp(0, n)
+            sizes = torch.cat([ends[:1], ends[1:] - ends[:-1]])
+        pieces = [c for _, c in call]
+        outs.append(scaled_grouped_linear(x_NI[start : start + n], ws, pieces, recipe, delay_wgrad, sizes))
         start += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 

@@ -34,6 +34,17 @@ device; float32 scales, 1-D and contiguous for a 2-D operand (``[M]``, or ``[G·
 ``[G, N]`` for a 3-D one; bf16 output only; no bias, no ``scale_result``. Rows per expert are padded
 to 16 (``rowwise``) / 32 (``mxfp8``) and features to 16 / 32 with zeros, which changes no scale.
 
+**No empty group.** The 2-D × 2-D (weight-gradient) CUTLASS kernel asserts on a group of zero rows in
+some torch builds ("CUTLASS cannot handle delta=0"), and a device-side assert leaves the CUDA context
+unusable for the rest of the process. So every expert gets at least one aligned block of rows (zeros
+for an expert without tokens, whose weight gradient is then exactly zero), as torchtitan pads with
+``clamp_min(tokens_per_expert, alignment)``; the start-up probe passes no empty group either.
+
+**No host copy.** ``offs`` must be on the device; a blocking copy from host memory is a stream
+synchronization on CUDA. The MoE layer hands the dispatch record's device counts down, and the padded
+sizes and offsets are computed from them on the device (:func:`aligned_sizes`); the host counts (known
+from the dispatcher's one split-size read) only drive the split/cat padding and the MXFP8 scale layout.
+
 Not run on a GPU yet: on CPU the kernel does not exist, and the tests drive this code through a
 stand-in with the operator's schema (``tests/unit/test_experts_torch_fp8.py``).
 
@@ -137,9 +148,8 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         gx = dgrad(g_NO, w_LOI, ctx.counts, offs_L, x_NI.dtype) if ctx.needs_input_grad[0] else None
 
         def weight_grad():
-            gw = wgrad(g_NO, x_NI, counts_L, offs_L, w_LOI.dtype, ctx.counts)
-            # an expert without rows has no defined output in a 2-D × 2-D grouped GEMM: zero it
-            return gw.masked_fill_((counts_L == 0).view(-1, 1, 1), 0.0)
+            # every group has rows (padded to at least one aligned block): each output is defined
+            return wgrad(g_NO, x_NI, counts_L, offs_L, w_LOI.dtype, ctx.counts)
 
         gw = None
         if ctx.anchor is not None:
@@ -159,15 +169,32 @@ def _pad_features(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, spec)
 
 
+def aligned_sizes(counts_L: torch.Tensor, align: int) -> torch.Tensor:
+    """Rows per expert after padding, on ``counts_L``'s device: each count rounded up to a multiple
+    of ``align`` and at least ``align`` (what :func:`folding.moe.expert_te.pad_rows_per_expert` gives
+    with ``min_rows=align``; torchtitan pads the same way, ``clamp_min(tokens_per_expert, alignment)``).
+    No host copy."""
+    return ((counts_L.to(torch.int64) + (align - 1)) // align * align).clamp_min(align)
+
+
 def scaled_grouped_linear(
-    x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int], recipe: str, delay_wgrad: bool = False
+    x_NI: torch.Tensor,
+    w_LOI: torch.Tensor,
+    counts: list[int],
+    recipe: str,
+    delay_wgrad: bool = False,
+    device_sizes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ`` in FP8 (``recipe``: ``rowwise`` or ``mxfp8``).
 
     ``x_NI`` bfloat16, rows sorted expert-major; ``counts``: host rows per expert (rows are padded
-    per expert to the recipe's alignment here when they are not already, and the padding removed);
-    ``w_LOI`` is cast to ``x_NI``'s dtype by the caller. ``delay_wgrad``: defer the weight gradient
-    (see :class:`_ScaledGroupedLinear`); bitwise the same result.
+    per expert to the recipe's alignment, and every expert to at least one aligned block, here when
+    they are not already, and the padding removed: the kernel's weight-gradient GEMM refuses a group
+    of zero rows); ``w_LOI`` is cast to ``x_NI``'s dtype by the caller. ``device_sizes``: the padded
+    ``counts`` as an integer tensor on the device (the engine derives it from the dispatch record's
+    device counts, :func:`aligned_sizes`); the kernel's offsets are built from it there. Without it
+    the sizes are copied from the host (one blocking copy on a GPU: standalone use only).
+    ``delay_wgrad``: defer the weight gradient (see :class:`_ScaledGroupedLinear`); bitwise the same.
     """
     if recipe not in _OPS:
         raise ValueError(f"fp8_recipe={recipe!r}: the torch backend runs {TORCH_FP8_RECIPES} only")
@@ -178,13 +205,17 @@ def scaled_grouped_linear(
         )
     if len(counts) != w_LOI.shape[0] or sum(counts) != x_NI.shape[0]:
         raise ValueError(f"counts={list(counts)} must have {w_LOI.shape[0]} entries summing to {x_NI.shape[0]}")
-    x_NpI, padded = pad_rows_per_expert(x_NI, list(counts), FP8_ROW_ALIGN[recipe])
+    rows = FP8_ROW_ALIGN[recipe]
+    x_NpI, padded = pad_rows_per_expert(x_NI, list(counts), rows, min_rows=rows)
+    if padded != list(counts):
+        device_sizes = None  # padded here: the caller's sizes describe the unpadded rows
     align, out = FEATURE_ALIGN[recipe], w_LOI.shape[1]
     xp = _pad_features(x_NpI, 1, align)
     wp = _pad_features(_pad_features(w_LOI, 2, align), 1, align)
-    sizes = torch.tensor(padded, dtype=torch.int32)
-    both = torch.stack([sizes, sizes.cumsum(0, dtype=torch.int32)]).to(x_NI.device)  # one host copy
-    counts_L, offs_L = both[0], both[1]
+    if device_sizes is None:  # standalone use: one host copy
+        device_sizes = torch.tensor(padded, dtype=torch.int32).to(x_NI.device)
+    counts_L = device_sizes.to(torch.int32)
+    offs_L = counts_L.cumsum(0, dtype=torch.int32)
     if delay_wgrad and wp.requires_grad and torch.is_grad_enabled():
         # the weight enters detached; its gradient reaches ``wp`` when the deferred work runs
         y = _ScaledGroupedLinear.apply(xp, wp.detach(), counts_L, offs_L, recipe, tuple(padded), [wp])
@@ -244,7 +275,7 @@ def _probe(recipe: str, index: int) -> tuple[bool, str]:
 
 def _run_probe(recipe: str, device: torch.device) -> tuple[bool, str]:
     gen = torch.Generator(device="cpu").manual_seed(0)
-    counts = [32, 0, 64]
+    counts = [32, 8, 56]  # no empty group (the weight-gradient kernel may assert on one), one unaligned
     x = torch.randn(96, 64, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(3, 32, 64, generator=gen).to(device, torch.bfloat16)
     g = torch.randn(96, 32, generator=gen).to(device, torch.bfloat16)

@@ -171,10 +171,12 @@ def fp8_region(recipe_name: Optional[str], *, amax_reduction_group, first_microb
         _REGION.reset(token)
 
 
-def pad_rows_per_expert(x_NI: torch.Tensor, counts: list[int], multiple: int):
-    """Zero-pad each expert's rows to a multiple of ``multiple`` by split/cat with host sizes (no
-    index tensor). Returns ``(x_padded, padded_counts)``; :func:`unpad_rows_per_expert` undoes it."""
-    padded = [-(-c // multiple) * multiple for c in counts]
+def pad_rows_per_expert(x_NI: torch.Tensor, counts: list[int], multiple: int, min_rows: int = 0):
+    """Zero-pad each expert's rows to a multiple of ``multiple``, and to at least ``min_rows`` (an
+    expert without tokens then still has a group of zero rows: the FP8 grouped kernels refuse empty
+    groups), by split/cat with host sizes (no index tensor). Returns ``(x_padded, padded_counts)``;
+    :func:`unpad_rows_per_expert` undoes it."""
+    padded = [max(-(-c // multiple) * multiple, min_rows) for c in counts]
     if padded == list(counts):
         return x_NI, padded
     pieces = []

@@ -41,6 +41,7 @@ import torch
 
 from folding.moe.dispatcher_base import DispatchRecord
 from folding.moe.expert_backends import grouped_linear, host_counts
+from folding.moe.expert_scaled import aligned_sizes
 from folding.moe.expert_select import BACKENDS, check_backend, resolve_backend
 from folding.moe.expert_te import (
     FP8_ROW_ALIGN,
@@ -237,9 +238,11 @@ class GroupedMLP(torch.nn.Module):
         if probs_N.shape != (n,):
             raise ValueError(f"probs_N must be [N={n}] (one probability per row); got {tuple(probs_N.shape)}")
         backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
+        counts_L = None  # the device counts, for the FP8 path's offsets (built there, no host copy)
         if isinstance(tokens_per_expert, DispatchRecord):  # the counts this backend wants, no copy
             rec = tokens_per_expert
             device_counts = backend == "torch" and self.fp8_recipe is None
+            counts_L = rec.tokens_per_expert
             tokens_per_expert = rec.tokens_per_expert if device_counts else list(rec.tokens_per_expert_host)
         w1, w2 = self.fc1_weight, self.fc2_weight
         if replica_weights is not None:
@@ -253,7 +256,7 @@ class GroupedMLP(torch.nn.Module):
         if backend == "te":
             return self._te_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
         if backend == "torch" and self.fp8_recipe is not None:
-            return self._scaled_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2)
+            return self._scaled_forward(tokens_NH, tokens_per_expert, probs_N, w1, w2, counts_L)
         if not isinstance(
             tokens_per_expert, torch.Tensor
         ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
@@ -277,13 +280,20 @@ class GroupedMLP(torch.nn.Module):
             y = runner.linear("fc2", self._activation(h, probs_N), w2, padded)
         return unpad_rows_per_expert(y, counts, padded)
 
-    def _scaled_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2) -> torch.Tensor:
-        """fc1 → SwiGLU·p → fc2 through ``torch._scaled_grouped_mm``, rows aligned once for the recipe."""
+    def _scaled_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2, counts_L=None) -> torch.Tensor:
+        """fc1 → SwiGLU·p → fc2 through ``torch._scaled_grouped_mm``, rows aligned once for the recipe.
+
+        Every expert gets at least one aligned block of rows (zeros for an expert without tokens: the
+        kernel refuses an empty group). ``counts_L``: the same counts on the device (the dispatch
+        record's), from which the kernel's sizes and offsets are built there; without it (host counts
+        given directly) they are copied from the host once per GEMM.
+        """
         counts = host_counts(tokens_per_expert, w1.shape[0], x_NH.shape[0])
         align = FP8_ROW_ALIGN[self.fp8_recipe]
-        x_NpH, padded = pad_rows_per_expert(x_NH, counts, align)
-        probs_Np = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)
-        kw = dict(delay_wgrad=self.delay_wgrad)
+        x_NpH, padded = pad_rows_per_expert(x_NH, counts, align, min_rows=align)
+        probs_Np = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align, min_rows=align)[0].squeeze(1)
+        sizes_L = None if counts_L is None else aligned_sizes(counts_L, align)
+        kw = dict(delay_wgrad=self.delay_wgrad, device_sizes=sizes_L)
         h = grouped_linear(x_NpH, w1, padded, "torch", self.fp8_recipe, **kw)
         y = grouped_linear(self._activation(h, probs_Np), w2, padded, "torch", self.fp8_recipe, **kw)
         return unpad_rows_per_expert(y, counts, padded)

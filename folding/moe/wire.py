@@ -122,17 +122,18 @@ def _a2a_all(
     ``ep``: an EP exchange (the link model delays those)."""
     link = new_link_bytes() if ep else None
     outs, works = _a2a_start(parts, group, recv, send, rows, link=link)
-    _wait(works, what, linked=ep, link_bytes=link)
+    _wait(works, what, linked=ep, link_bytes=link, group=group)
     return outs
 
 
-def _wait(works, what: str, *, linked: bool, link_bytes=None) -> None:
+def _wait(works, what: str, *, linked: bool, link_bytes=None, group=None) -> None:
     """Wait on collectives issued together: the overlap point of every token exchange (deferred work
     and the other lane of a pair run here while they are in flight; see :mod:`folding.parallel.overlap`).
     ``linked``: an EP exchange, which the benchmarks' link model delays; ``link_bytes``: its bytes per link
-    class (:mod:`folding.parallel.link_model`)."""
+    class; ``group``: the process group they run on, whose issue order the link model keeps
+    (:mod:`folding.parallel.link_model`)."""
     if works:
-        Exchange(works, what=what, linked=linked, link_bytes=link_bytes).wait()
+        Exchange(works, what=what, linked=linked, link_bytes=link_bytes, group=group).wait()
 
 
 def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, link=None):
@@ -201,7 +202,7 @@ def _gather_all(
         out = x.new_empty((n * m,) + tuple(x.shape[1:]))
         works.append(all_gather_single(out, x.contiguous(), group=group, async_op=True))
         outs.append(out)
-    _wait(works, "etp all-gather", linked=False)
+    _wait(works, "etp all-gather", linked=False, group=group)
     if keep_padding or all(s == m for s in sizes):
         return outs
     return [torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0) for out in outs]
@@ -286,7 +287,7 @@ def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, ro
     link = new_link_bytes()
     outs, works = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows, link=link)
     p_outs, p_works = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send, link=link)
-    _wait(works + p_works, what, linked=True, link_bytes=link)
+    _wait(works + p_works, what, linked=True, link_bytes=link, group=spec.ep_group)
     return outs + p_outs
 
 

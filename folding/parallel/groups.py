@@ -2,8 +2,9 @@
 
 :class:`ProcessGroups` names each group by its role in the two views of a folded layout: the
 attention view (``tp``, ``cp``, ``dp``, ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``pp``, ``embedding``)
-and the expert view (``ep``, ``etp``, ``edp``, and the EP group split by node, ``ep_node`` and
-``ep_rail``). :func:`folding.parallel.build_parallel_state` builds
+and the expert view (``ep``, ``etp``, ``edp``, the EP group split by node, ``ep_node`` and
+``ep_rail``, and ``ep_meta``, the EP ranks on a communicator of their own for small metadata).
+:func:`folding.parallel.build_parallel_state` builds
 it once (``ps.groups``); the model, the MoE layer, its router and its dispatcher take it as one
 ``groups=`` argument and read the fields they use. A field left ``None`` is the default group: the
 world when ``torch.distributed`` is initialized, no communication otherwise; so
@@ -60,6 +61,11 @@ class ProcessGroups:
     ep_rail: Optional[dist.ProcessGroup] = None
     """The EP group's ranks with this rank's position inside its node, one per node: the
     hierarchical dispatcher's first stage (the one that crosses nodes). ``None``: one node."""
+    ep_meta: Optional[dist.ProcessGroup] = None
+    """The EP group's ranks on a communicator of their own, created at start-up with the others: the
+    dispatcher's token counts travel there, so that they do not wait behind the token all-to-alls
+    issued before them on ``ep`` (NCCL runs one communicator's operations in issue order). Every rank
+    issues its operations in the same order, as on ``ep``. ``None``: the counts use ``ep``."""
 
     @staticmethod
     def single() -> "ProcessGroups":

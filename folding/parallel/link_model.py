@@ -9,7 +9,16 @@ faster. On one CPU machine every rank shares the same memory, so nothing shows t
 
 (the two classes are separate links and carry their bytes at the same time; on each, a rank's bytes are
 the larger of what it sends and what it receives there, each direction having its own bandwidth). Its
-wait sleeps for the rest (no CPU used): the exchange's data and order are unchanged. Two ranks are on
+wait sleeps for the rest (no CPU used): the exchange's data and order are unchanged.
+
+**NCCL's order** (``nccl_order``, on by default): NCCL runs the operations of one communicator one after
+another, whatever stream they are issued on, so an operation on a process group completes no earlier
+than every operation issued before it on that group (a small count all-gather issued after a large
+all-to-all on the same group completes after it). The model keeps, per process group, the modelled
+completion of the last operation issued there (:func:`issue`); an operation's completion is the later
+of its own and that one. gloo does not serialize them, so without this rule no CPU measurement shows
+what sharing a communicator costs. A separate process group over the same ranks is a separate
+communicator and has its own order. Two ranks are on
 the same node when their *global* ranks agree after integer division by ``nvlink_domain`` (``parallel.
 nvlink_domain``); rows a rank sends to itself are a local copy and cost nothing.
 
@@ -29,7 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional, Sequence
+import time
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -46,6 +56,9 @@ class LinkModel:
     """Bytes/s per rank per direction between ranks of one node (NVLink)."""
     nvlink_domain: Optional[int] = None
     """Ranks per node (global rank // this = node); ``None``: every rank on one node."""
+    nccl_order: bool = True
+    """An operation on a process group completes no earlier than every operation issued before it on
+    that group (NCCL's one communicator, one order; see the module docstring)."""
 
     def __post_init__(self):
         if self.latency_s < 0:
@@ -135,6 +148,7 @@ traffic = Traffic()
 """Process-wide counters of the bytes modelled exchanges sent (read by benchmarks)."""
 
 _model = [LinkModel()]
+_tails: Dict[Any, float] = {}  # process group -> modelled completion of the last operation issued on it
 
 
 def current() -> LinkModel:
@@ -149,29 +163,64 @@ def link_model(
     inter_node_bandwidth: Optional[float] = None,
     intra_node_bandwidth: Optional[float] = None,
     nvlink_domain: Optional[int] = None,
+    nccl_order: bool = True,
 ) -> Iterator[LinkModel]:
     """Inside the block, every EP token exchange completes no earlier than its :meth:`LinkModel.duration`
-    after it was issued (see the module docstring); yields the :class:`LinkModel`."""
+    after it was issued and, with ``nccl_order``, no earlier than every operation issued before it on
+    its process group (see the module docstring); yields the :class:`LinkModel`."""
     m = LinkModel(
         latency_s=float(latency_s),
         inter_node_bandwidth=inter_node_bandwidth,
         intra_node_bandwidth=intra_node_bandwidth,
         nvlink_domain=nvlink_domain,
+        nccl_order=nccl_order,
     )
     old, _model[0] = _model[0], m
+    saved = dict(_tails)
+    _tails.clear()
     try:
         yield m
     finally:
         _model[0] = old
+        _tails.clear()
+        _tails.update(saved)
 
 
 @contextlib.contextmanager
-def link_latency(seconds: float) -> Iterator[None]:
+def link_latency(seconds: float, *, nccl_order: bool = True) -> Iterator[None]:
     """Link model for benchmarks and tests: inside the block, every token exchange completes no
     earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
-    network with that latency. The exchanges' data and order are unchanged."""
-    with link_model(latency_s=seconds):
+    network with that latency, and (``nccl_order``) no earlier than the operations issued before it on
+    its process group. The exchanges' data and order are unchanged."""
+    with link_model(latency_s=seconds, nccl_order=nccl_order):
         yield
+
+
+def issue(group, duration: float) -> Optional[float]:
+    """Record an operation issued now on process group ``group`` that lasts at least ``duration``
+    seconds; return the ``time.perf_counter()`` at which it completes in the model: the later of now +
+    ``duration`` and (under ``nccl_order``) the completion of the last operation issued on ``group``
+    before it. ``group=None``: a group the caller does not name (no order kept). ``None`` when no model
+    is active."""
+    m = _model[0]
+    if not m.active:
+        return None
+    done = time.perf_counter() + duration
+    if m.nccl_order and group is not None:
+        done = max(done, _tails.get(group, 0.0))
+        _tails[group] = done
+    return done
+
+
+def complete(done: Optional[float]) -> float:
+    """Sleep (no CPU) until the modelled completion ``done`` of :func:`issue`; return the seconds slept."""
+    if done is None:
+        return 0.0
+    rest = done - time.perf_counter()
+    if rest > 0:
+        time.sleep(rest)
+        return rest
+    return 0.0
 
 
 def new_link_bytes() -> Optional[LinkBytes]:

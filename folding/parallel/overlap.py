@@ -271,12 +271,22 @@ class Exchange:
     other lane of a running pair, then waits for the collectives (and, under a link model, until the
     modelled duration has passed since the start: :mod:`folding.parallel.link_model`). ``what`` names the
     exchange in the audit; ``linked``: an EP exchange (the only kind the link model delays); ``link_bytes``:
-    its bytes per link class (``None``: the latency alone applies).
+    its bytes per link class (``None``: the latency alone applies); ``group``: the process group its
+    collectives run on, whose issue order the link model keeps (NCCL's rule:
+    :func:`folding.parallel.link_model.issue`).
     """
 
-    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady", "link_bytes")
+    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady", "link_bytes", "done_at")
 
-    def __init__(self, works: Sequence[Any], *, what: str, linked: bool = True, link_bytes: Optional[LinkBytes] = None):
+    def __init__(
+        self,
+        works: Sequence[Any],
+        *,
+        what: str,
+        linked: bool = True,
+        link_bytes: Optional[LinkBytes] = None,
+        group: Any = None,
+    ):
         self.works = list(works)
         self.what = what
         self.linked = linked
@@ -285,6 +295,13 @@ class Exchange:
         self.ops = _op_count[0]
         self.steady = _steady[0]
         self.done = False
+        model = _links.current()
+        duration = 0.0
+        if linked and model.active:
+            duration = model.latency_s if link_bytes is None else link_bytes.duration(model)
+            if link_bytes is not None:
+                _links.traffic.record(link_bytes)
+        self.done_at = _links.issue(group, duration)
 
     def wait(self) -> None:
         """Complete the exchange (see the class docstring); a second call does nothing."""
@@ -297,16 +314,7 @@ class Exchange:
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
-        model = _links.current()
-        if self.linked and model.active:
-            if self.link_bytes is None:
-                duration = model.latency_s
-            else:
-                duration = self.link_bytes.duration(model)
-                _links.traffic.record(self.link_bytes)
-            rest = self.start + duration - time.perf_counter()
-            if rest > 0:
-                time.sleep(rest)
+        _links.complete(self.done_at)
         stats.blocked_s += time.perf_counter() - t0
         if _audit_log is not None:
             _audit_log.append(

@@ -43,7 +43,12 @@ ROLES: Tuple[Tuple[str, str, str], ...] = (
     ("edp", "expert", "dp"),
     ("ep_node", "expert", "ep-node"),
     ("ep_rail", "expert", "ep-rail"),
+    ("ep_meta", "expert", "ep"),
 )
+OWN_COMMUNICATOR = ("ep_meta",)
+"""Roles whose groups get a communicator of their own even where another role has the same ranks:
+NCCL runs one communicator's operations in issue order, so small metadata on the EP group's own
+communicator would wait behind the token payloads issued before it there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +268,21 @@ class ParallelState:
         return len(self.ranks["ep_rail"])
 
     @property
+    def ep_meta_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's EP ranks on their own communicator (small metadata: the dispatcher's counts)."""
+        return self.groups.ep_meta
+
+    @property
+    def ep_meta_rank(self) -> int:
+        """This rank's index in its EP metadata group (its EP rank)."""
+        return self.ranks["ep_meta"].index(self.rank)
+
+    @property
+    def ep_meta_size(self) -> int:
+        """Size of this rank's EP metadata group (the EP size)."""
+        return len(self.ranks["ep_meta"])
+
+    @property
     def is_first_stage(self) -> bool:
         """True on the first pipeline stage."""
         return self.pp_rank == 0
@@ -328,12 +348,14 @@ def build_parallel_state(
     for role, view, token in ROLES:
         for grp in table[view][token]:
             key = tuple(grp)
+            if role in OWN_COMMUNICATOR and len(key) > 1:
+                key = (role, *key)  # a new communicator over the same ranks (one rank: nothing to wait on)
             if key not in cache:
-                if len(key) == world:
+                if len(grp) == world and role not in OWN_COMMUNICATOR:
                     handle = dist.group.WORLD
                 else:
-                    handle = dist.new_group(list(key), **kwargs)
-                    if rank in key:
+                    handle = dist.new_group(list(grp), **kwargs)
+                    if rank in grp:
                         created.append(handle)
                 cache[key] = handle
             if rank in grp:

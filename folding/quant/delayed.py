@@ -20,7 +20,10 @@ from folding.quant.formats import cast_to_fp8, fp8_max
 
 
 class DelayedScaling:
-    """Amax histories and current scales per operand key (see the module docstring)."""
+    """Amax histories and current scales per operand key (see the module docstring).
+
+    Histories and scales live on the operands' device as float32 tensors, as TE keeps them: using
+    an operand reads nothing back to the host and copies nothing to the device."""
 
     def __init__(self, history_len: int = 1024, margin: int = 0):
         """``history_len``: steps of amax kept per operand; ``margin``: scale divided by 2^margin."""
@@ -28,23 +31,29 @@ class DelayedScaling:
             raise ValueError(f"history_len={history_len} must be >= 1")
         self.history_len = history_len
         self.margin = margin
-        self._history: dict[tuple, list[float]] = {}
-        self._scale: dict[tuple, float] = {}
+        self._history: dict[tuple, torch.Tensor] = {}
+        self._scale: dict[tuple, torch.Tensor] = {}
 
     def scale(self, key: tuple) -> float:
-        """The scale the next use of operand ``key`` will get (1.0 before its first use)."""
-        return self._scale.get(key, 1.0)
+        """The scale the next use of operand ``key`` will get (1.0 before its first use); a host read,
+        for inspection."""
+        return float(self._scale[key]) if key in self._scale else 1.0
 
     def quant_dequant(self, x: torch.Tensor, key: tuple, fmt: torch.dtype) -> torch.Tensor:
         """Quantize→dequantize ``x`` with the current scale of ``key``, then record its amax."""
-        scale = torch.tensor(self.scale(key), dtype=torch.float32, device=x.device)
+        scale = self._scale.get(key)
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32, device=x.device)
         out = (cast_to_fp8(x.float() * scale, fmt).float() * (1.0 / scale)).to(x.dtype)
-        amax = float(x.detach().abs().amax()) if x.numel() else 0.0
-        hist = self._history.setdefault(key, [])
-        hist.append(amax)
-        del hist[: -self.history_len]
-        top = max(hist)
-        if top > 0 and top != float("inf") and top == top:  # keep the last scale on 0 / Inf / NaN
-            scale = torch.tensor(fp8_max(fmt), dtype=torch.float32) / torch.tensor(top, dtype=torch.float32)
-            self._scale[key] = float(scale / 2.0**self.margin)  # float32 arithmetic, as on the GPU
+        if x.numel():
+            amax = x.detach().abs().amax().float().reshape(1)
+        else:
+            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        old = self._history.get(key)
+        hist = amax if old is None else torch.cat([old, amax])[-self.history_len :]
+        self._history[key] = hist
+        top = hist.max()
+        # keep the last scale on 0 / Inf / NaN; float32 arithmetic, as on the GPU
+        fresh = torch.full((), fp8_max(fmt), dtype=torch.float32, device=x.device) / top / 2.0**self.margin
+        self._scale[key] = torch.where((top > 0) & top.isfinite(), fresh, scale)
         return out

@@ -61,7 +61,8 @@ def mx_shared_exponent(amax: torch.Tensor, scale_mode: str = "floor") -> torch.T
     if scale_mode == "floor":
         exp = floor_log2(safe) - _E4M3_EMAX
     else:
-        ratio = safe * torch.tensor(1.0 / _E4M3_MAX, dtype=torch.float32)
+        # the constant as a float32 tensor built on amax's device (a host tensor would be a copy)
+        ratio = safe * torch.full((), 1.0 / _E4M3_MAX, dtype=torch.float32, device=safe.device)
         ratio = torch.where(ratio > 0, ratio, torch.full_like(ratio, 2.0**-149))
         exp = ceil_log2(ratio)
     byte = (exp + E8M0_BIAS).clamp(0, 254)

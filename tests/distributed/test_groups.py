@@ -73,6 +73,8 @@ def _check_groups(layout_kwargs):
             assert getattr(ps, f"{role}_group") is group
             assert getattr(ps, f"{role}_rank") == expected.index(rank)
             assert getattr(ps, f"{role}_size") == len(expected)
+        # the EP ranks' metadata group: the same ranks on a communicator of its own (NCCL orders each)
+        assert (ps.groups.ep_meta is not ps.groups.ep) == (ps.ep_size > 1)
     finally:
         ps.destroy()
     return seen

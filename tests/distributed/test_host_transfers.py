@@ -10,17 +10,34 @@ the replica weights' fetch add no host transfer once the table is set. The hiera
 with ``nvlink_domain`` making the 4 ranks 2 nodes of 2 (EP4, and EP2 x ETP2 whose EP groups span both
 nodes), reads its one gathered count matrix once per layer, dropless and dropping, and copies nothing
 to the device; it refuses pad-to-capacity when the configuration is built.
+
+Every expert backend × FP8 recipe reachable on CPU (``loop``; ``torch`` plain and with ``rowwise`` /
+``mxfp8`` through the ``_scaled_grouped_mm`` stand-in; ``emulated`` with each of its recipes; ``te``
+plain and with each TE recipe through the TransformerEngine stand-in) keeps the same dropless budget
+on EP2 × ETP2, in bf16 for the FP8 recipes, with experts that receive no token: the FP8 kernels' group
+offsets are built on the device from the dispatch record's counts (a host list copied there would be
+one blocking copy per GEMM), and the delayed recipe's amax histories stay on the device. The stand-ins
+run unaudited: they stand for device kernels, whose reads of their offsets happen on the device.
 """
+
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import folding.moe.expert_select as select_mod
+import folding.moe.expert_te as te_mod
+import folding.moe.experts as experts_mod
 from folding.moe.config import MoEConfig
+from folding.moe.expert_te import fp8_region
 from folding.moe.layer import MoELayer
 from folding.moe.replicas import EMPTY, plan_replicas
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.quant.emulate import RECIPES as EMULATED_RECIPES
 from folding.testing.transfer_audit import TransferAudit
+from tests import te_standin
+from tests.scaled_grouped_mm_standin import recording_stand_in
 
 H, S, B, E = 16, 8, 2, 8
 BUDGET = {"dropless": 1, "pad": 0, "drop": 1}  # D2H per layer forward + backward; H2D is 0 everywhere
@@ -88,6 +105,76 @@ def test_budget_on_one_expert_rank_ep_and_ep_etp(ranks):
     assert sum(len(r) for r in results) == 4 * (3 * 2 * 2 + 2 * 2)  # + replicas on the two EP layouts
     for rank_out in results:
         _check(rank_out)
+
+
+# every expert backend x FP8 recipe the CPU stand-ins reach (te through the TransformerEngine stand-in,
+# torch FP8 through the _scaled_grouped_mm stand-in); FP8 shapes: H and F/etp multiples of 32 (MXFP8)
+FP8_H, FP8_F = 32, 64
+BACKEND_RECIPES = (
+    [("loop", None), ("torch", None), ("torch", "rowwise"), ("torch", "mxfp8"), ("te", None)]
+    + [("emulated", r) for r in EMULATED_RECIPES]
+    + [("te", r) for r in ("delayed", "tensorwise", "blockwise", "mxfp8")]
+)
+
+
+def _stand_ins(mp):
+    """Install the kernels' CPU stand-ins in this rank (they stand for device kernels: their own host
+    reads of sizes happen on the device there, so they run unaudited)."""
+    te_standin.install(mp)
+    mp.setattr(te_mod, "te_available", lambda: (True, ""))
+    mp.setattr(select_mod, "te_available", lambda: (True, ""))
+    mp.setattr(select_mod, "scaled_grouped_mm_support", lambda recipe, device, dtype: (True, ""))
+    mp.setattr(experts_mod, "resolve_backend", lambda backend, recipe, device, dtype: backend)
+
+    def unaudited(fn):
+        def call(*args, **kwargs):
+            with torch._C.DisableTorchFunction():
+                return fn(*args, **kwargs)
+
+        return call
+
+    mp.setattr(torch, "_scaled_grouped_mm", unaudited(recording_stand_in))
+    mp.setattr(te_standin.GroupedLinear, "forward", unaudited(te_standin.GroupedLinear.forward))
+
+
+def _audit_backends(layout_kw):
+    out = []
+    lay = ParallelLayout(world_size=dist.get_world_size(), **layout_kw)
+    with build_parallel_state(lay) as ps, pytest.MonkeyPatch.context() as mp:
+        _stand_ins(mp)
+        for backend, recipe in BACKEND_RECIPES:
+            cfg = MoEConfig(
+                num_experts=E,
+                topk=2,
+                ffn_hidden_size=FP8_F,
+                dispatcher="alltoall",
+                expert_backend=backend,
+                fp8_recipe=recipe,
+                aux_loss_coeff=1e-2,
+            )
+            dtype = torch.bfloat16 if recipe is not None else torch.float32
+            layer = MoELayer(
+                config=cfg, hidden_size=FP8_H, groups=ps.groups, layer_number=1, init_seed=5, params_dtype=dtype
+            )
+            gen = torch.Generator().manual_seed(ps.rank)
+            # 8 tokens a rank over 8 experts, top-2: some experts get none (the FP8 padding is exercised)
+            x = torch.randn(4, 2, FP8_H, generator=gen).to(dtype).requires_grad_()
+            for audited in (False, True):  # warm-up first: first-call work (probes) is not per layer
+                with contextlib.ExitStack() as stack:
+                    audit = stack.enter_context(TransferAudit()) if audited else None
+                    with fp8_region(recipe if backend == "te" else None, amax_reduction_group=ps.groups.dp_cp):
+                        y = layer(x)
+                    y.float().sum().backward()
+            out.append((backend, recipe, audit.h2d, audit.d2h, audit.events))
+    return out
+
+
+def test_budget_every_backend_and_fp8_recipe(ranks):
+    results = ranks(4).run(_audit_backends, dict(ep=2, etp=2))
+    for rank_out in results:
+        assert [(b, r) for b, r, *_ in rank_out] == BACKEND_RECIPES
+        over = [(b, r, events) for b, r, h2d, d2h, events in rank_out if h2d or d2h > BUDGET["dropless"]]
+        assert not over, over
 
 
 def _audit_hierarchical(layouts):

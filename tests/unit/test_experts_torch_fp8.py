@@ -8,7 +8,9 @@ Checked here: the stand-in's signature against the installed torch's schema, and
 rules it enforces refusing a bad call (16-byte strides, contiguous scales, MXFP8 scale shapes);
 ``rowwise`` on the ``emulated`` backend bit for bit against a reference built by hand;
 the ``torch`` FP8 path through the stand-in bit for bit against ``emulated`` (output and every
-gradient, delayed weight gradients too); the MXFP8 scale layout. Backend × recipe selection and the
+gradient, delayed weight gradients too), an expert without tokens padded to one block of rows (the
+stand-in refuses an empty group in the weight-gradient call, as the CUTLASS kernel asserts), the
+kernels' sizes cut from device counts in every chunk; the MXFP8 scale layout. Backend × recipe selection and the
 job's machine check: ``test_expert_choice_fp8.py``. The real kernels are not run here (no GPU).
 """
 
@@ -18,6 +20,7 @@ import torch
 import folding.moe.expert_select as select_mod
 from folding.moe.expert_backends import grouped_linear
 from folding.moe.expert_mxfp8 import to_blocked
+from folding.moe.expert_scaled import aligned_sizes
 from folding.moe.experts import GroupedMLP
 from folding.parallel import overlap
 from tests.scaled_grouped_mm_standin import (
@@ -88,6 +91,17 @@ def test_stand_in_refuses_a_non_contiguous_scale():
         scaled_grouped_mm(a, b, sa, sb_bad, offs=offs, out_dtype=torch.bfloat16)
     y = scaled_grouped_mm(a, b, sa, sb_bad.contiguous(), offs=offs, out_dtype=torch.bfloat16)
     assert y.shape == (2, 16, 16)
+
+
+def test_stand_in_refuses_an_empty_group_in_the_weight_gradient_call():
+    # 2-D x 2-D groups along the contraction: [O, N] x [N, I] with N = 16 + 0 + 16
+    gen = torch.Generator().manual_seed(0)
+    a, b = _fp8(16, 32, gen), _fp8(16, 32, gen).t()  # a [16, 32] row-major, b [32, 16] column-major
+    s_a, s_b = torch.ones(3 * 16), torch.ones(3 * 16)
+    with pytest.raises(AssertionError, match="CUTLASS cannot handle delta=0"):
+        scaled_grouped_mm(a, b, s_a, s_b, offs=torch.tensor([16, 16, 32], dtype=torch.int32))
+    y = scaled_grouped_mm(a, b, s_a[:32], s_b[:32], offs=torch.tensor([16, 32], dtype=torch.int32))
+    assert y.shape == (2, 16, 16) and not y.isnan().any()
 
 
 def test_stand_in_refuses_mxfp8_scales_of_the_wrong_shape():
@@ -183,7 +197,29 @@ def test_torch_fp8_path_matches_emulated_bit_for_bit(stand_in_kernel, recipe, de
     assert [len(c["b"]) for c in CALLS].count(2) == 2  # the two weight gradients are 2-D x 2-D
     assert not any(c["fast"] for c in CALLS)  # float32 accumulation
     align = 16 if recipe == "rowwise" else 32
-    assert {c["a"][0] for c in CALLS if len(c["b"]) == 3} == {sum(up(c, align) for c in counts)}
+    padded = [max(up(c, align), align) for c in counts]  # the empty expert gets one block of zero rows
+    assert {c["a"][0] for c in CALLS if len(c["b"]) == 3} == {sum(padded)}
+    assert all(c["groups"] == padded for c in CALLS)  # no call sees an empty group
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_device_sizes_give_the_host_copy_result_in_every_chunk(stand_in_kernel, recipe):
+    # counts already padded (the MoE layer pads once); a small index limit splits them into calls,
+    # each cutting its sizes from the device tensor; an expert spans two calls
+    align = 16 if recipe == "rowwise" else 32
+    counts = [align, 3 * align, align, 2 * align]
+    assert aligned_sizes(torch.tensor([0, 3 * align - 5, 1, 2 * align]), align).tolist() == counts
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(counts), 32, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4, 32, 32, generator=gen).to(torch.bfloat16)
+    limit = 2 * align * (32 + 32)  # two blocks of rows per call (width 32 plus the feature padding)
+    outs, groups = [], []
+    for sizes in (None, torch.tensor(counts)):
+        CALLS.clear()
+        outs.append(grouped_linear(x, w, counts, "torch", recipe, index_limit=limit, device_sizes=sizes))
+        groups.append([c["groups"] for c in CALLS])
+    assert torch.equal(outs[0], outs[1]) and groups[0] == groups[1]
+    assert groups[1] == [[align, align], [2 * align], [align, align], [align]]  # expert 3 spans calls 3, 4
 
 
 def test_torch_fp8_path_handles_no_rows_and_refuses_fp32(stand_in_kernel):
