@@ -39,15 +39,9 @@ def _generate(capsys, path, *args):
     return capsys.readouterr().out
 
 
-def test_generate_from_checkpoint_and_hf_directory(ranks, tmp_path, capsys):
-    transformers = require("transformers")
-    from tools import convert_hf
-
-    ranks(1).run(_train_tiny, str(tmp_path))
-    ck, hf_dir = str(tmp_path / "ck"), str(tmp_path / "hf")
-    assert convert_hf.main(["export", "--checkpoint", ck, "--out", hf_dir]) == 0
-    capsys.readouterr()
-
+def _hf_greedy(transformers, hf_dir):
+    """What transformers generates greedily from the exported ``hf_dir`` after ``PROMPT``, as
+    ``examples/generate.py`` prints it (prompt, continuation up to the end-of-document token, newline)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     tok = ByteTokenizer()
     ids = torch.tensor([tok.encode(PROMPT)])
@@ -61,7 +55,19 @@ def test_generate_from_checkpoint_and_hf_directory(ranks, tmp_path, capsys):
     )[0, ids.shape[1] :].tolist()
     new = out[: out.index(tok.eod)] if tok.eod in out else out
     assert new, "transformers generated nothing: the comparison would be empty"
-    want = PROMPT + tok.decode(new) + "\n"
+    return PROMPT + tok.decode(new) + "\n"
+
+
+def test_generate_from_checkpoint_and_hf_directory(ranks, tmp_path, capsys):
+    transformers = require("transformers")
+    from tools import convert_hf
+
+    ranks(1).run(_train_tiny, str(tmp_path))
+    ck, hf_dir = str(tmp_path / "ck"), str(tmp_path / "hf")
+    assert convert_hf.main(["export", "--checkpoint", ck, "--out", hf_dir]) == 0
+    capsys.readouterr()
+
+    want = _hf_greedy(transformers, hf_dir)
 
     assert _generate(capsys, ck) == want
     assert _generate(capsys, hf_dir) == want
@@ -100,19 +106,6 @@ def test_checkpoint_trained_with_replicas_exports_and_generates(ranks, tmp_path,
     assert saved["model"]["moe"]["expert_replicas"] == 2  # the checkpoint remembers how it trained
     assert convert_hf.main(["export", "--checkpoint", ck, "--out", hf_dir]) == 0
     capsys.readouterr()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    tok = ByteTokenizer()
-    ids = torch.tensor([tok.encode(PROMPT)])
-    out = hf.generate(
-        ids,
-        max_new_tokens=NEW,
-        do_sample=False,
-        eos_token_id=tok.eod,
-        pad_token_id=tok.eod,
-        suppress_tokens=list(range(tok.vocab_size, hf.config.vocab_size)),
-    )[0, ids.shape[1] :].tolist()
-    new = out[: out.index(tok.eod)] if tok.eod in out else out
-    assert new, "transformers generated nothing: the comparison would be empty"
-    assert _generate(capsys, ck) == PROMPT + tok.decode(new) + "\n"
+    assert _generate(capsys, ck) == _hf_greedy(transformers, hf_dir)
     sampled = _generate(capsys, ck, "--temperature", "0.8", "--top-k", "20", "--seed", "3")
     assert sampled.startswith(PROMPT) and len(sampled) > len(PROMPT) + 1
