@@ -25,7 +25,7 @@ setup(
         "matplotlib",  # tools/plot_run.py, shown in the README right after the install
     ],
     extras_require={
-        # the TE range folding/moe/expert_te.py was written against (TE_VERSION_RANGE there)
+        # the TE range folding/moe/experts/te.py was written against (TE_VERSION_RANGE there)
         "te": ["transformer_engine[pytorch]>=2.10,<3"],
         "hf": ["transformers>=4.46"],
         # megatron-core: an independent oracle for the routing helpers in the tests; ruff: lint and

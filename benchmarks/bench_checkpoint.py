@@ -13,7 +13,7 @@ blocked time from the run's ``checkpoint`` records. Nothing here asserts a timin
 Usage::
 
     python -m benchmarks.bench_checkpoint --world 2 --hidden 256 --ffn 512 --steps 12 --interval 4 \\
-        --out benchmarks/checkpoint_async_cpu.md
+        --out benchmarks/results/checkpoint_async_cpu.md
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
+from folding.job.config import CheckpointConfig, JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.testing import RankPool
 from folding.training import trainer
-from folding.training.config import CheckpointConfig, JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 
 def _job(a, ckpt_dir: str, async_save: bool) -> JobConfig:

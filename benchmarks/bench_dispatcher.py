@@ -8,7 +8,7 @@ identity expert (``out = x · p``, so that only token movement is timed) and com
   activation dtype per remote (token, expert) pair, each way; ``bytes_ratio`` = sent / floor.
 - ``dedup_floor_per_rank``: one row per (token, remote EP rank) instead, each way (a DeepEP-style floor).
 - ``etp_bytes_per_rank``: the ETP all-gather and reduce-scatter, separately.
-- ``host_syncs_per_layer``: device-to-host reads per dispatch+combine (``folding.moe.host_sync``).
+- ``host_syncs_per_layer``: device-to-host reads per dispatch+combine (``folding.moe.dispatch.host_sync``).
 - ``dispatch_combine_ms``: forward dispatch + combine (all six stages), median over iterations, max
   over ranks; ``a2a_only_ms``: two raw ``all_to_all_single`` calls moving exactly the bytes of the
   dispatcher's two EP all-to-alls (same splits), timed the same way; ``tokens_per_s``: global tokens
@@ -36,10 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from folding.moe import host_sync
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.routing import expert_capacity
-from folding.moe.wire import encode, payload_bytes_per_row
+from folding.moe.dispatch import host_sync
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.dispatch.wire import encode, payload_bytes_per_row
+from folding.moe.routing.functions import expert_capacity
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 
@@ -234,7 +234,7 @@ def main(argv=None):
         p.error("--pad-to-capacity needs --capacity-factor")
     out = run(a)
     path = a["report"] or (
-        f"benchmarks/dispatcher_{a['dispatcher']}_r{a['ranks']}_t{a['tokens']}_h{a['hidden']}"
+        f"benchmarks/results/dispatcher_{a['dispatcher']}_r{a['ranks']}_t{a['tokens']}_h{a['hidden']}"
         f"_e{a['experts']}k{a['topk']}_ep{a['ep']}etp{a['etp']}_{a['wire']}"
         f"{'_pad' if a['pad_to_capacity'] else ''}.md"
     )

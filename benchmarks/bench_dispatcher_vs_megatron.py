@@ -53,8 +53,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.dispatch_bounds import bound_variants
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.routing import topk_routing
+from folding.interop.megatron.stages import MegatronDispatcher
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.routing.functions import topk_routing
 from folding.testing.rank_pool import RankPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +80,7 @@ def _timed(fn):
 
 def _run(d, x0, rmap, probs0, g):
     x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+    d = d if isinstance(d, MegatronDispatcher) else MegatronDispatcher(d)
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     rows, _, rp = d.dispatch_postprocess(h, p)
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "dispatcher_vs_megatron_cpu.md"))
+    ap.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "results", "dispatcher_vs_megatron_cpu.md"))
     ap.add_argument("--system-malloc", action="store_true", help="glibc's default trim/mmap thresholds")
     ap.add_argument("--both", action="store_true", help="measure with the cached and the system malloc")
     ap.add_argument(

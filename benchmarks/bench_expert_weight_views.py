@@ -9,7 +9,7 @@ per-expert matmuls; timings alternate in one process, best and median of ``--rep
 Usage::
 
     python -m benchmarks.bench_expert_weight_views [--experts 8,32] [--reps 15] \\
-        [--out benchmarks/expert_weight_views_cpu.md]
+        [--out benchmarks/results/expert_weight_views_cpu.md]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 For each shape ``H,F,E,K,T`` (hidden, expert FFN, experts, top-k, tokens) the layer receives
 ``N = T·K`` rows spread over the E experts (uneven, multinomial), and one forward + backward of
-:class:`folding.moe.experts.GroupedMLP` is timed. FLOPs = 3 GEMM passes × 2·N·H·3F (fc1 is
+:class:`folding.moe.experts.grouped.GroupedMLP` is timed. FLOPs = 3 GEMM passes × 2·N·H·3F (fc1 is
 H→2F, fc2 F→H). The baseline is a dense matmul of the same FLOPs on the same device
 (``[N, H] × [H, 3F]`` forward, input-gradient and weight-gradient products). The report also lists
 the layer error of BF16 and of each emulated FP8 recipe against an fp32 layer.
@@ -11,7 +11,7 @@ Usage::
 
     python -m benchmarks.bench_experts                                   # CPU-sized default shapes
     python -m benchmarks.bench_experts --shapes 4096,14336,8,2,4096       # Mixtral 8x7B-like (GPU)
-    python -m benchmarks.bench_experts --out benchmarks/experts_cpu.md --iters 5
+    python -m benchmarks.bench_experts --out benchmarks/results/experts_cpu.md --iters 5
 
 Backends that cannot run here are listed as skipped with the reason.
 """
@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from folding.moe.expert_select import backend_support
-from folding.moe.expert_te import te_available
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import backend_support
+from folding.moe.experts.te import te_available
 from folding.quant import RECIPES
 
 DEFAULT_SHAPES = "128,256,8,2,256;256,512,8,2,512"

@@ -18,7 +18,7 @@ Usage::
     python -m benchmarks.bench_imbalance --skew zipf:1.2 --replicas 2 --experts 16 --ep 4 --world 4
     python -m benchmarks.bench_imbalance --skew zipf:1.2 --replicas 2 --experts 16 --ep 4,8 --world 8
 
-(``benchmarks/imbalance_cpu.md`` gathers three such runs.)
+(``benchmarks/results/imbalance_cpu.md`` gathers three such runs.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
 from folding.moe.layer import MoELayer
-from folding.moe.replicas import ReplicaSchedule
+from folding.moe.replicas.table import ReplicaSchedule
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 

@@ -35,7 +35,7 @@ allocations alive at the peak, with the function that made them.
 
 Usage::
 
-    python -m benchmarks.bench_memory --out benchmarks/memory_ep_cpu.md
+    python -m benchmarks.bench_memory --out benchmarks/results/memory_ep_cpu.md
     python -m benchmarks.bench_memory --routing balanced --eps 1,8 --explain
 """
 

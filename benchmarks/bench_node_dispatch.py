@@ -28,8 +28,8 @@ Markdown (``--out``) and JSON (``--json``).
 Usage::
 
     python -m benchmarks.bench_node_dispatch --nodes 2 --nvlink-domain 4 --experts 32 --topk 8 --json out.json
-    python -m benchmarks.bench_node_dispatch --report --out benchmarks/node_dispatch_cpu.md \\
-        --json benchmarks/node_dispatch_cpu.json
+    python -m benchmarks.bench_node_dispatch --report --out benchmarks/results/node_dispatch_cpu.md \\
+        --json benchmarks/results/node_dispatch_cpu.json
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from folding.moe.dispatcher import build_dispatcher
+from folding.moe.dispatch.build import build_dispatcher
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import link_model as lm
 from folding.testing import RankPool

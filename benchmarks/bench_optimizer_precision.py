@@ -25,9 +25,9 @@ Writes a markdown report and a PNG of the loss curves (matplotlib) and notes the
 Usage::
 
     python -m benchmarks.bench_optimizer_precision --steps 100 --global-batch-size 4 \\
-        --out benchmarks/optimizer_precision_cpu.md
+        --out benchmarks/results/optimizer_precision_cpu.md
     python -m benchmarks.bench_optimizer_precision --steps 100 --global-batch-size 4 --only muon \\
-        --reuse benchmarks/optimizer_precision_cpu.json --out benchmarks/optimizer_precision_cpu.md
+        --reuse benchmarks/results/optimizer_precision_cpu.json --out benchmarks/results/optimizer_precision_cpu.md
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from folding.job.config import job_config_from_dict
+from folding.job.schema import register_schema
+from folding.launch.cli import compose_tree
 from folding.planning.memory import state_bytes_per_param
 from folding.planning.optim_precision import OptimizerPrecision
 from folding.training import trainer
-from folding.training.cli import compose_tree
-from folding.training.config import job_config_from_dict
-from folding.training.schema import register_schema
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 VARIANTS = [
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300, help="steps per variant (default 300)")
     p.add_argument("--global-batch-size", type=int, default=16, help="samples per step (default 16, the config's)")
-    p.add_argument("--out", default="benchmarks/optimizer_precision_cpu.md", help="markdown report path")
+    p.add_argument("--out", default="benchmarks/results/optimizer_precision_cpu.md", help="markdown report path")
     p.add_argument(
         "--only",
         default=None,

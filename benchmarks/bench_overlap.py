@@ -24,7 +24,7 @@ Usage::
 
     python -m benchmarks.bench_overlap --layout ep4 --link-latency-ms 10 --steps 8 --json out.json
     python -m benchmarks.bench_overlap --latencies 0,2,5,10,20 --layouts ep4,ep2etp2,pp2ep2 \\
-        --out benchmarks/overlap_cpu.md
+        --out benchmarks/results/overlap_cpu.md
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
+from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 from folding.model.chunks import build_stage_chunks, set_moe_overlap
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
@@ -51,7 +52,6 @@ from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import build_parallel_state, overlap
 from folding.pipeline.stage import run_microbatches
 from folding.testing import RankPool
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 LAYOUTS = {
     "ep4": dict(ep=4, etp=1),

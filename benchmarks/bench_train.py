@@ -3,7 +3,7 @@
 Modes (``--mode``):
 
 - ``sidebyside`` (default): a random Mixtral config is built as transformers'
-  ``MixtralForCausalLM``, saved with ``save_pretrained`` and loaded with ``folding.model.hf.from_hf``
+  ``MixtralForCausalLM``, saved with ``save_pretrained`` and loaded with ``folding.model.hf.weights.from_hf``
   (its defaults), so both models hold the same weights. Both are driven the same way, alternating in
   one process: ``logits = model(ids)``; cross-entropy of the shifted logits; ``backward()``;
   ``torch.optim.AdamW.step()``. Same batch, dtype and thread count. Also times the engine's own step
@@ -23,9 +23,9 @@ here asserts a timing.
 Usage::
 
     python -m benchmarks.bench_train --seq 1024 --batch 2 --iters 7 --threads 2 \\
-        --out benchmarks/train_sidebyside_cpu.md
+        --out benchmarks/results/train_sidebyside_cpu.md
     python -m benchmarks.bench_train --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
-        --out benchmarks/train_layouts_cpu.md
+        --out benchmarks/results/train_layouts_cpu.md
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from benchmarks.train_step import (
     profile_step,
 )
 from folding.model.compile import compile_dense
-from folding.model.hf import from_hf
+from folding.model.hf.weights import from_hf
 
 COMPILED = "engine, train.compile=true (common driver)"
 

@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from folding.moe.permute import AllToAllPlan, inverse_order, permute, sort_chunks_by_idxs, unpermute
+from folding.moe.dispatch.permute import AllToAllPlan, inverse_order, permute, sort_chunks_by_idxs, unpermute
 
 
 def _exchange(xs: Sequence[torch.Tensor], group, send: List[int], recv: List[int]) -> List[torch.Tensor]:

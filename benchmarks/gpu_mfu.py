@@ -14,7 +14,7 @@ counts model FLOPs only (``folding.planning.flops``; 3 x forward), never recompu
 
 Usage::
 
-    python -m benchmarks.bench_train --mode gpu --out benchmarks/gpu_mfu_h100.md
+    python -m benchmarks.bench_train --mode gpu --out benchmarks/results/gpu_mfu_h100.md
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from folding.model.block import TransformerLayer
 from folding.model.presets import get_preset
 from folding.model.rope import rope_cos_sin
-from folding.moe.expert_te import fp8_region
+from folding.moe.experts.te import fp8_region
 from folding.moe.layer import MoELayer
 from folding.parallel.groups import ProcessGroups
 from folding.planning.flops import flops_per_token

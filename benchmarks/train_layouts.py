@@ -9,7 +9,7 @@ of the batch.
 Usage::
 
     python -m benchmarks.bench_train --mode layouts --world 4 --seq 256 --batch 4 --iters 3 \\
-        --out benchmarks/train_layouts_cpu.md
+        --out benchmarks/results/train_layouts_cpu.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from benchmarks import train_step
 from benchmarks.breakdown import format_breakdown
-from folding.model.hf import from_hf
+from folding.model.hf.weights import from_hf
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 

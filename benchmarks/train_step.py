@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from benchmarks.breakdown import Labeller, breakdown, op_classes
 from folding.model import fused_cross_entropy
 from folding.model.attention import Attention
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.layer import MoELayer
-from folding.moe.router import Router
+from folding.moe.routing.router import Router
 
 
 def mixtral_config(a):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from folding.moe.config import MoEConfig
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.router import Router
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.routing.router import Router
 from folding.parallel.groups import ProcessGroups
 
 H, F, E, TOPK, T = 32, 16, 4, 2, 10

@@ -21,11 +21,11 @@ import sys
 
 import torch
 
+from folding.checkpoint.load import is_complete, latest_complete, load_full_model, read_meta
 from folding.data.tokenizer import build_tokenizer
 from folding.model.config import ModelConfig
-from folding.model.hf import from_hf
+from folding.model.hf.weights import from_hf
 from folding.model.transformer import MoETransformer
-from folding.training.checkpoint import is_complete, latest_complete, load_full_model, read_meta
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

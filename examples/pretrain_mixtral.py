@@ -6,8 +6,8 @@
     python examples/pretrain_mixtral.py model=qwen3_30b_a3b train.dry_run=true         # a preset's size
     torchrun --nproc-per-node 4 examples/pretrain_mixtral.py -m parallel.ep=1,2,4 parallel.etp=1
 
-Configuration: configs/ (Hydra), typed and validated by folding.training.config; see docs/training.md.
-The command line is checked before Hydra starts (folding.training.cli): an error is one line, printed
+Configuration: configs/ (Hydra), typed and validated by folding.job.config; see docs/training.md.
+The command line is checked before Hydra starts (folding.launch.cli): an error is one line, printed
 once per node, exit status 2, and no run directory is created.
 """
 
@@ -18,10 +18,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from folding.training.cli import check_command_line, normalize_overrides
+from folding.job.schema import register_schema
+from folding.launch.cli import check_command_line, normalize_overrides
+from folding.launch.run import quiet_hydra_argv, run_job
 from folding.training.faults import interrupt_exits_quietly
-from folding.training.launch import quiet_hydra_argv, run_job
-from folding.training.schema import register_schema
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 

@@ -11,7 +11,7 @@ Usage::
 
 import torch
 
-from folding.model.hf_names import hf_components
+from folding.model.hf.names import hf_components
 from folding.parallel.params import require_spec
 
 TINY_HF = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=4)

@@ -27,16 +27,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from folding.job.compose import compose_tree
+from folding.job.schema import register_schema
+from folding.launch.run import run_job
 from folding.model.presets import get_preset
-from folding.moe.expert_select import backend_support
-from folding.moe.expert_te import fp8_region
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import backend_support
+from folding.moe.experts.te import fp8_region
 from folding.moe.layer import MoELayer
 from folding.parallel.groups import ProcessGroups
 from folding.quant.emulate import RECIPES
-from folding.training.compose import compose_tree
-from folding.training.launch import run_job
-from folding.training.schema import register_schema
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     """Run the sections in order within the deadline; write ``--out``/gpu_bringup.md after each."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="benchmarks", help="folder of the report (gpu_bringup.md) and the run")
+    p.add_argument("--out", default="benchmarks/results", help="folder of the report (gpu_bringup.md) and the run")
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: the script's logic, not a measurement")
     p.add_argument("--fp8-recipe", default="rowwise", help="FP8 recipe of the speed cases (torch backend)")
     p.add_argument("--deadline-s", type=float, default=450.0, help="no section starts past its expected time")

@@ -25,16 +25,16 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from folding.launch.run import init_world
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.config import MoEConfig
-from folding.moe.expert_select import backend_support
+from folding.moe.experts.select import backend_support
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.pipeline.p2p import P2P
 from folding.quant.emulate import RECIPES
 from folding.testing.transfer_audit import TransferAudit
-from folding.training.launch import init_world
 
 PASS, FAIL, SKIP, NO = "ok", "FAIL", "SKIPPED", "no"
 

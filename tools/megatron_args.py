@@ -13,7 +13,7 @@ overrides go to stdout one per line (``--one-line``: as one ``examples/pretrain_
 notes on what is accepted but differs or changes nothing go to stderr, each line starting with ``#``.
 A flag without an equivalent here is refused by name: exit status 2 and one ``error:`` line listing
 them. The table of flags and keys is in docs/megatron.md (and
-:data:`folding.training.megatron_flags.FLAGS`).
+:data:`folding.interop.megatron.flags.FLAGS`).
 
 The tool's own options come first: ``--world-size N`` (the ranks, when no launcher is given),
 ``--one-line``, ``--only-given`` (convert only the flags given, without Megatron-LM's defaults for the
@@ -27,7 +27,7 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from folding.training.megatron_args import MegatronArgsError, convert
+from folding.interop.megatron.args import MegatronArgsError, convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

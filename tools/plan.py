@@ -55,7 +55,7 @@ from folding.planning.planner import (
     planned_dispatcher,
 )
 from folding.planning.step_time import Cluster, TrainingShape
-from folding.training.trace_file import read_trace
+from folding.training.telemetry.trace_file import read_trace
 
 
 def moe_overrides(items):

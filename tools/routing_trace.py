@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from folding.training.trace_file import read_trace
+from folding.training.telemetry.trace_file import read_trace
 
 
 def parse_steps(text):
@@ -48,7 +48,7 @@ def max_over_mean(load_SLP):
 
 
 def summarize(trace, *, ep=None, steps=(None, None), top=3):
-    """The summary of ``trace`` (a :class:`folding.training.trace_file.Trace`) for EP size ``ep``
+    """The summary of ``trace`` (a :class:`folding.training.telemetry.trace_file.Trace`) for EP size ``ep``
     (default: the trace's) over the inclusive step window ``steps``, as a JSON-ready dict."""
     h = trace.header
     ep = h["ep"] if ep is None else ep

@@ -4,7 +4,7 @@ TransformerEngine cannot be imported on a machine without CUDA, but its wheel ca
 sources. This tool parses them (``ast``; nothing is imported or executed) and writes one JSON file:
 
 - ``callables``: the signature (parameters, kinds, defaults as source text) of every TE callable the
-  engine (:data:`folding.moe.expert_te.TE_API`) or the tests' CPU stand-in of TE uses; the recipes'
+  engine (:data:`folding.moe.experts.te.TE_API`) or the tests' CPU stand-in of TE uses; the recipes'
   dataclass fields and defaults; whether a callable is deprecated;
 - ``extra_state``: what ``get_extra_state`` returns per recipe and the rule by which
   ``set_extra_state`` accepts a payload (the unsafe-pickle opt-in ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``),

@@ -7,7 +7,7 @@ Usage::
 """
 
 from .config import ModelConfig
-from .hf import from_hf, to_hf
+from .hf.weights import from_hf, to_hf
 from .presets import get_preset, list_presets
 from .transformer import MoETransformer
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe.expert_te import fp8_region
+from ..moe.experts.te import fp8_region
 from ..parallel.collectives import group_rank, group_size
 from ..parallel.groups import ProcessGroups
 from ..parallel.linear import sp_gather

@@ -9,11 +9,11 @@ Usage::
 """
 
 from .config import MoEConfig
-from .dispatcher import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher, dispatcher_for
-from .experts import GroupedMLP
+from .dispatch.build import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher, dispatcher_for
+from .experts.grouped import GroupedMLP
 from .layer import MoELayer, SharedExpert
-from .router import Router
-from .routing import apply_capacity, topk_routing
+from .routing.functions import apply_capacity, topk_routing
+from .routing.router import Router
 
 __all__ = [
     "MoEConfig",

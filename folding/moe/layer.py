@@ -5,14 +5,14 @@ chunk of tokens per attention rank (sequence parallelism is on whenever TP > 1).
 MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across the *expert* view
 (EP × ETP) of the same ranks and brings the results back in the input's shape.
 
-- Router: :class:`folding.moe.router.Router` on this rank's tokens (aux-loss counts over TP×CP).
+- Router: :class:`folding.moe.routing.router.Router` on this rank's tokens (aux-loss counts over TP×CP).
 - Dispatcher: ``config.dispatcher`` (``alltoall`` | ``allgather``) over ``groups.ep`` / ``groups.etp``.
-- Experts: :class:`folding.moe.experts.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
+- Experts: :class:`folding.moe.experts.grouped.GroupedMLP` holding experts ``[ep_rank·L, (ep_rank+1)·L)``
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
 - Hot-expert replicas (``config.expert_replicas``): the routing map is split onto ``EP·(L+R)``
-  slots after the router (:func:`folding.moe.replicas.split_to_slots`), the dispatcher routes by
+  slots after the router (:func:`folding.moe.replicas.table.split_to_slots`), the dispatcher routes by
   slot, and the replica slots' weights are fetched from their owners each forward
-  (:mod:`folding.moe.replica_fetch`); the slot table is set between steps (:meth:`MoELayer.set_replica_table`).
+  (:mod:`folding.moe.replicas.fetch`); the slot table is set between steps (:meth:`MoELayer.set_replica_table`).
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
   optionally scaled by ``sigmoid(x·g)``.
 
@@ -47,11 +47,11 @@ from folding.parallel.params import initialize_parameters, mark_param, set_init_
 from folding.parallel.sequence_parallel import gather_linears
 
 from .config import MoEConfig
-from .dispatcher import dispatcher_for
-from .experts import GroupedMLP
-from .replica_fetch import fetch_replica_weights
-from .replicas import check_replica_layout, check_table, empty_table, split_to_slots
-from .router import Router
+from .dispatch.build import dispatcher_for
+from .experts.grouped import GroupedMLP
+from .replicas.fetch import fetch_replica_weights
+from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
+from .routing.router import Router
 
 
 class SharedExpert(nn.Module):
@@ -155,7 +155,7 @@ class MoELayer(nn.Module):
         d = self.dispatcher
         num_local = d.num_local_experts - self.num_replicas
         self.replica_table = empty_table(ep, self.num_replicas)
-        """The slot table (:mod:`folding.moe.replicas`): the expert each replica slot computes; all
+        """The slot table (:mod:`folding.moe.replicas.table`): the expert each replica slot computes; all
         empty until the first plan (:meth:`set_replica_table`)."""
         if config.ffn_hidden_size % d.etp_size:
             raise ValueError(
@@ -208,7 +208,7 @@ class MoELayer(nn.Module):
 
     def replica_geometry(self) -> dict:
         """``ep_size``, ``num_local_experts`` and ``num_replicas`` of this layer's slots (the keyword
-        arguments of the :mod:`folding.moe.replicas` functions)."""
+        arguments of the :mod:`folding.moe.replicas.table` functions)."""
         return dict(
             ep_size=self.dispatcher.ep_size,
             num_local_experts=self.experts.num_local_experts,
@@ -236,7 +236,7 @@ class MoELayer(nn.Module):
 
     def set_replica_table(self, table) -> None:
         """Install a slot table (every rank of the layer's EP×ETP domain must install the same one,
-        between steps; :class:`folding.moe.replicas.ReplicaSchedule` does)."""
+        between steps; :class:`folding.moe.replicas.table.ReplicaSchedule` does)."""
         if not self.num_replicas:
             raise ValueError("this MoE layer has no replica slots; set moe.expert_replicas > 0")
         check_table(table, **self.replica_geometry())

@@ -1,11 +1,11 @@
 """Aux-loss-free load balancing: every router's expert-bias update in one collective per step.
 
-Each MoE router with ``moe.expert_bias`` (a :class:`~folding.moe.balancing.BalancingRouter` whose
+Each MoE router with ``moe.expert_bias`` (a :class:`~folding.moe.routing.balancing.BalancingRouter` whose
 ``has_expert_bias`` is true) keeps an fp32 ``expert_bias`` buffer (no gradient, no weight decay) used
 for expert *selection* only, and counts the tokens it routed to each expert during the step
 (``expert_demand()``). Once per global batch, after the last micro-batch's backward, the counts are
 summed over the attention ``TP×DP×CP`` group (every rank of a pipeline stage holds distinct tokens)
-and each router moves its bias (``update_expert_bias``: :func:`folding.moe.routing.updated_expert_bias`).
+and each router moves its bias (``update_expert_bias``: :func:`folding.moe.routing.functions.updated_expert_bias`).
 :func:`update_expert_biases` concatenates every layer's counts, so a whole stage needs a single
 all-reduce.
 
@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from folding.moe.balancing import BalancingRouter
+from folding.moe.routing.balancing import BalancingRouter
 
 
 def update_expert_biases(routers: Sequence[BalancingRouter], *, group) -> None:

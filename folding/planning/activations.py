@@ -14,7 +14,7 @@ Kept per layer and micro-batch (``recompute="none"``):
   ``aT(h + nq d + 2 nkv d CP + nq d)``; multi-head latent attention keeps its latents too (the
   TP-gathered ones whole, and the CP-gathered compressed KV), see :func:`_mla_kept_per_token`;
 - MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
-  ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.swiglu`, one
+  ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.experts.swiglu`, one
   autograd node) keeps fc1's output ``[R, 2F_e]`` and the fp32 probabilities ``4R``, and fc2 keeps
   its input ``[R, F_e]``: ``3aRF_e + 4R`` (``fused_swiglu=False`` estimates an engine whose
   activation is plain autograd, which also keeps ``silu(gate)`` and ``silu(gate)*up``: ``5aRF_e + 4R``).

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from .config import LoggingConfig
+from ..job.config import LoggingConfig
 
 
 def expert_load_summary(counts_LE: Sequence[Sequence[float]]) -> Dict[str, List[float]]:
@@ -124,7 +124,7 @@ class MetricsSink:
         """``run_dir``: the run's output directory (relative ``metrics_file`` and W&B files go there);
         ``run_config``: the resolved config given to W&B; ``echo``: prints a console line (default:
         ``print`` to ``stream``), called as ``echo(line, console=logging.console)``, e.g. a
-        :class:`~folding.training.run_dir.RunLog`'s, which also appends the line to the run's log."""
+        :class:`~folding.launch.run_dir.RunLog`'s, which also appends the line to the run's log."""
         self.config = config
         self.total_steps = total_steps
         path = os.path.expanduser(config.metrics_file)

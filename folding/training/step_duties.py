@@ -12,8 +12,8 @@ import os
 import time
 from typing import Optional
 
-from .checkpoint import step_dir_name
-from .checkpoint_save import save_checkpoint
+from ..checkpoint.load import step_dir_name
+from ..checkpoint.save import save_checkpoint
 from .evaluate import evaluate
 
 

@@ -19,9 +19,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..job.config import JobConfig
 from ..planning.flops import flops_per_token
 from ..planning.hardware import get_gpu
-from .config import JobConfig
 
 
 def memory_gib(device: torch.device) -> float:

@@ -2,7 +2,7 @@
 
 :func:`prepare` does everything that can fail on bad input (config checks, the layout, opening the
 data) without any process group; :func:`train` runs the loop on an initialized ``torch.distributed``
-world (:mod:`folding.training.launch` creates it; tests call :func:`train` inside their rank pool).
+world (:mod:`folding.launch.run` creates it; tests call :func:`train` inside their rank pool).
 
 One step (1-based: step k is reported after the k-th optimizer update) runs these phases
 (:func:`_train_step`):
@@ -15,27 +15,27 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 3. reductions (:func:`_reduce`): one world all-reduce of [LM loss sum, expert counts, dropped
    pairs, router losses, stop flag, whether this rank still writes an asynchronous save]; with
    ``moe.trace_dir``, before it, a gather of every rank's per-expert counts and drops on rank 0,
-   which appends them to the routing trace (:mod:`folding.training.trace_record`);
+   which appends them to the routing trace (:mod:`folding.training.telemetry.trace_record`);
 4. clip and step (:func:`_clip_and_step`): if the loss or the gradient norm is NaN/Inf the update is
    skipped (logged ``skipped: true``), the data and the LR schedule still advance;
 5. router updates (:func:`_update_routers`): the expert biases move (not after a skipped update) and
    the ``global_aux_loss`` counts restart, for every router the model holds
-   (:class:`folding.moe.balancing.BalancingRouter`);
+   (:class:`folding.moe.routing.balancing.BalancingRouter`);
 6. metrics (:func:`_train_record`): rank 0 writes the ``train`` record, and a ``warning`` record
    when a layer's router has sent more than 90% of its tokens to one expert for 5 steps running
-   (:mod:`folding.training.collapse`); every ``train.eval_interval`` steps an ``eval`` record
+   (:mod:`folding.training.telemetry.collapse`); every ``train.eval_interval`` steps an ``eval`` record
    (:func:`folding.training.step_duties.evaluate_if_due`);
 7. checkpoint (:func:`folding.training.step_duties.checkpoint_if_due`): with ``checkpoint.dir`` set, every
    ``checkpoint.save_interval`` steps, at the last step, and after a SIGTERM/SIGINT (seen by every
    rank through the step's all-reduce), after which the loop stops. With ``checkpoint.async_save``
-   the write goes on behind the next steps (:mod:`folding.training.checkpoint_async`) and the save
+   the write goes on behind the next steps (:mod:`folding.checkpoint.async_save`) and the save
    is published at the first step boundary where every rank's write has finished.
 
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
 its step to ``train.steps``, in whatever layout this run has. Without one, ``checkpoint.init_from_hf``
 starts the run at step 0 from those weights instead of a random initialization
-(:mod:`folding.training.init_from_hf`).
+(:mod:`folding.checkpoint.from_hf`).
 
 Usage::
 
@@ -53,32 +53,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.async_save import AsyncSaver
+from ..checkpoint.from_hf import check_init_source, load_initial_weights, read_hf_source_config
+from ..checkpoint.load import check_compatible, load_checkpoint, read_meta, resolve_resume
 from ..data.build import build_data
+from ..job.config import ConfigError, JobConfig
+from ..job.machine import check_experts_here, training_device
+from ..job.validate import validate_job
 from ..model.chunks import build_stage_chunks
 from ..model.compile import compile_dense
 from ..moe.layer import MoELayer
-from ..moe.replicas import ReplicaSchedule
+from ..moe.replicas.table import ReplicaSchedule
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
 from ..parallel.overlap import stats as overlap_stats
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
-from .checkpoint import check_compatible, load_checkpoint, read_meta, resolve_resume
-from .checkpoint_async import AsyncSaver
-from .collapse import CollapseWatch
-from .config import ConfigError, JobConfig
 from .evaluate import global_token_count
 from .faults import StopRequest
-from .init_from_hf import check_init_source, load_initial_weights, read_hf_source_config
-from .machine import check_experts_here, training_device
 from .metrics import MetricsSink, StepTimer, expert_load_summary
-from .moe_stats import LOSS_NAMES, MoEStats
-from .replica_log import replan_message
 from .step_duties import checkpoint_if_due, evaluate_if_due, published, report_stop
+from .telemetry.collapse import CollapseWatch
+from .telemetry.moe_stats import LOSS_NAMES, MoEStats
+from .telemetry.replica_log import replan_message
+from .telemetry.trace_record import RoutingTracer, check_trace_dir
 from .throughput import Throughput
-from .trace_record import RoutingTracer, check_trace_dir
-from .validate import validate_job
 
 
 @dataclasses.dataclass
@@ -233,7 +233,7 @@ def train(
 
     ``prepared`` defaults to :func:`prepare` on this world; ``parallel_state`` to the layout's groups
     (built here and destroyed at the end). Only rank 0 writes (metrics under ``run_dir``); its
-    console lines also go to ``run_log`` (a :class:`~folding.training.run_dir.RunLog`) when given.
+    console lines also go to ``run_log`` (a :class:`~folding.launch.run_dir.RunLog`) when given.
     ``stop``: a :class:`~folding.training.faults.StopRequest` the caller installed before (a signal
     that came while the run was being set up then stops it after its first step); default: a request
     installed for the loop only.
@@ -320,7 +320,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
 def _build_chunks(job: JobConfig, ps, device: torch.device, *, init_from: Optional[str] = None) -> List[nn.Module]:
     """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
     ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
-    those weights (:mod:`folding.training.init_from_hf`)."""
+    those weights (:mod:`folding.checkpoint.from_hf`)."""
     t = job.train
     chunks = build_stage_chunks(
         model_config=job.model,

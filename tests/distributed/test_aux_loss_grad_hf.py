@@ -31,11 +31,11 @@ transformers = require("transformers")
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
 from folding.data.config import DataConfig  # noqa: E402
-from folding.model.hf import to_hf  # noqa: E402
+from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig  # noqa: E402
+from folding.model.hf.weights import to_hf  # noqa: E402
 from folding.model.presets import get_preset  # noqa: E402
-from folding.moe.balancing import find_routers  # noqa: E402
+from folding.moe.routing.balancing import find_routers  # noqa: E402
 from folding.optim.config import OptimConfig  # noqa: E402
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig  # noqa: E402
 
 COEFF, GBS, MBS = 0.1, 8, 2
 

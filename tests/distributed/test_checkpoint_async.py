@@ -17,9 +17,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from folding.checkpoint import load as ckpt
+from folding.job.config import CheckpointConfig
 from folding.testing import RankFailure
-from folding.training import checkpoint as ckpt
-from folding.training.config import CheckpointConfig
 from tests.distributed.test_checkpoint_reshard import _job, _run
 
 WORLD = 2

@@ -30,11 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from folding.data.config import DataConfig
-from folding.model.presets import get_preset
-from folding.optim.config import OptimConfig
-from folding.parallel import build_parallel_state
-from folding.parallel.params import require_spec
-from folding.training.config import (
+from folding.job.config import (
     CheckpointConfig,
     JobConfig,
     LoggingConfig,
@@ -42,6 +38,10 @@ from folding.training.config import (
     TrainConfig,
     WandbConfig,
 )
+from folding.model.presets import get_preset
+from folding.optim.config import OptimConfig
+from folding.parallel import build_parallel_state
+from folding.parallel.params import require_spec
 
 WORLD = 4
 # (layout of run A, optim.distributed of A) -> (layout of run B, optim.distributed of B)

@@ -13,7 +13,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from folding.training import checkpoint as ckpt
+from folding.checkpoint import load as ckpt
 from tests.distributed.test_checkpoint_reshard import _assemble, _job, _run
 from tests.optional import require
 

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = textwrap.dedent("""
     import os, time, torch, torch.distributed as dist
     from folding.parallel import ParallelLayout, build_parallel_state
-    from folding.training.launch import init_world
+    from folding.launch.run import init_world
     # both ranks past their imports first: on a loaded machine one may start seconds after the other,
     # and the 3 s timeout also bounds the rendezvous and the group set-up
     here = os.path.dirname(os.path.abspath(__file__))

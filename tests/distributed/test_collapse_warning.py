@@ -20,11 +20,11 @@ import sys
 import torch
 
 from folding.data.config import DataConfig
+from folding.job.config import JobConfig, LoggingConfig, TrainConfig, WandbConfig
 from folding.model.presets import get_preset
-from folding.moe.router import Router
+from folding.moe.routing.router import Router
 from folding.optim.config import OptimConfig
-from folding.training.collapse import COLLAPSE_SHARE, COLLAPSE_STEPS, CollapseWatch
-from folding.training.config import JobConfig, LoggingConfig, TrainConfig, WandbConfig
+from folding.training.telemetry.collapse import COLLAPSE_SHARE, COLLAPSE_STEPS, CollapseWatch
 
 STEPS = 8
 HOT_LAYER, HOT_EXPERTS = 1, [3, 5]
@@ -52,8 +52,8 @@ def _force_hot_expert(router, args):
 
 
 def _train_collapsed(run_dir):
+    from folding.launch.run_dir import RunLog
     from folding.training import trainer
-    from folding.training.run_dir import RunLog
 
     real = trainer._build_chunks
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
-from folding.model.hf import from_hf, to_hf
+from folding.model.hf.weights import from_hf, to_hf
 from folding.model.moe_block import default_moe_factory
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.dispatch_bounds import bound_variants
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.routing import topk_routing
+from folding.interop.megatron.stages import MegatronDispatcher
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.routing.functions import topk_routing
 from folding.parallel import ParallelLayout, build_parallel_state
 
 T, H, E, K = 64, 32, 16, 2
@@ -17,6 +18,7 @@ T, H, E, K = 64, 32, 16, 2
 def _job(d, x0, routing_map, probs0, g):
     """The benchmark's job through a dispatcher; returns the leaves' gradients."""
     x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+    d = d if isinstance(d, MegatronDispatcher) else MegatronDispatcher(d)
     h, p = d.dispatch_preprocess(x, routing_map, probs)
     rows, _, rp = d.dispatch_postprocess(*d.token_dispatch(h, p))
     y = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * 1.5 + rp.unsqueeze(-1))))

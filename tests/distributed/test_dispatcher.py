@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from folding.moe import host_sync
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.permute import padded_rows_per_expert
-from folding.moe.routing import expert_capacity
+from folding.moe.dispatch import host_sync
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.dispatch.permute import padded_rows_per_expert
+from folding.moe.routing.functions import expert_capacity
 from folding.parallel import ParallelLayout, build_parallel_state
 
 H, FF, T = 8, 6, 6

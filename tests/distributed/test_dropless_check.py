@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from folding.moe.dispatcher import build_dispatcher
+from folding.moe.dispatch.build import build_dispatcher
 from folding.parallel import ParallelLayout, build_parallel_state
 
 T, H, E, K = 8, 4, 8, 2

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, shard_index
 from tests.reference_collectives import reduce_from_region

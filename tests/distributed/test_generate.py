@@ -13,8 +13,8 @@ import sys
 
 import torch
 
+from folding.checkpoint.load import latest_complete, read_meta
 from folding.data.tokenizer import ByteTokenizer
-from folding.training.checkpoint import latest_complete, read_meta
 from tests.distributed.test_checkpoint_reshard import _job, _run
 from tests.optional import require
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
-from folding.moe.dispatcher import build_dispatcher
-from folding.moe.routing import topk_routing
+from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.routing.functions import topk_routing
 from folding.parallel import ParallelLayout, build_parallel_state
 
 H, T = 16, 12

@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import folding.moe.expert_select as select_mod
-import folding.moe.expert_te as te_mod
-import folding.moe.experts as experts_mod
+import folding.moe.experts.grouped as experts_mod
+import folding.moe.experts.select as select_mod
+import folding.moe.experts.te as te_mod
 from folding.moe.config import MoEConfig
-from folding.moe.expert_te import fp8_region
+from folding.moe.experts.te import fp8_region
 from folding.moe.layer import MoELayer
-from folding.moe.replicas import EMPTY, plan_replicas
+from folding.moe.replicas.table import EMPTY, plan_replicas
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.quant.emulate import RECIPES as EMULATED_RECIPES
 from folding.testing.transfer_audit import TransferAudit

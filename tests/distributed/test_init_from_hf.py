@@ -22,9 +22,7 @@ import torch.nn.functional as F
 
 from folding.data.build import build_data
 from folding.data.config import DataConfig
-from folding.model.presets import get_preset
-from folding.optim.config import OptimConfig
-from folding.training.config import (
+from folding.job.config import (
     CheckpointConfig,
     JobConfig,
     LoggingConfig,
@@ -32,6 +30,8 @@ from folding.training.config import (
     TrainConfig,
     WandbConfig,
 )
+from folding.model.presets import get_preset
+from folding.optim.config import OptimConfig
 from tests.distributed.test_checkpoint_reshard import _run
 from tests.hf_checks import TRAINABLE_MIXTRAL, TRAINABLE_MIXTRAL_PRESET, randomized
 from tests.optional import require
@@ -55,7 +55,7 @@ def _job(parallel, steps, source, ckpt_dir=None):
 
 def _train(parallel, steps, source, run_dir, ckpt_dir=None):
     """One run through the trainer; the elements this rank read from safetensors, its own and the model's."""
-    from folding.model import hf
+    from folding.model.hf import weights as hf
 
     real, read = hf._Reader.read, [0]
 

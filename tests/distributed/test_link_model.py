@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from folding.moe.wire import _a2a_all
+from folding.moe.dispatch.wire import _a2a_all
 from folding.parallel import link_model as lm
 
 

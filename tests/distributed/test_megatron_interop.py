@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from folding.interop.megatron.stages import MegatronDispatcher
 from tests.optional import require
 
 require("megatron.core")
@@ -52,7 +53,7 @@ def _config(lay, mode, dispatcher="alltoall", shared=0, overlap=False):
 
 
 def _routing(T, mode, gen):
-    from folding.moe.routing import apply_capacity, topk_routing
+    from folding.moe.routing.functions import apply_capacity, topk_routing
 
     logits = torch.randn(T, E, generator=gen)
     probs, rmap = topk_routing(logits, topk=K)
@@ -65,6 +66,7 @@ def _stages(d, x, rmap, probs, w):
     """The six stages with a differentiable stand-in expert: the final results, and what each stage
     hands the next (``token_dispatch``'s rows and probabilities, ``combine_preprocess``'s rows,
     ``token_combine``'s rows)."""
+    d = d if isinstance(d, MegatronDispatcher) else MegatronDispatcher(d)
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     handed = [h.detach().clone(), p.detach().clone()]
@@ -82,7 +84,7 @@ def _dispatchers_alone(lay, modes):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from folding.moe.dispatcher import build_dispatcher
+    from folding.moe.dispatch.build import build_dispatcher
     from tests.megatron_cpu import destroy_megatron, init_megatron
 
     init_megatron(**lay)
@@ -160,7 +162,7 @@ def _layer_swap(lay, cases, nvlink_domain=None):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from folding.moe.megatron import replace_dispatcher
+    from folding.interop.megatron.replace import replace_dispatcher
     from tests.megatron_cpu import destroy_megatron, init_megatron
 
     init_megatron(**lay)
@@ -252,7 +254,7 @@ def _unsupported():
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from folding.moe.megatron import replace_dispatcher
+    from folding.interop.megatron.replace import replace_dispatcher
     from tests.megatron_cpu import destroy_megatron, init_megatron
 
     lay = dict(tp=1, ep=4, etp=1)

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from folding.training.config import ConfigError, job_config_from_dict
-from folding.training.model_from_hf import resolve_from_hf
-from folding.training.schema import from_hf_node
+from folding.job.config import ConfigError, job_config_from_dict
+from folding.job.schema import from_hf_node
+from folding.launch.model_from_hf import resolve_from_hf
 from tests.optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,7 +75,7 @@ def test_overrides_on_top_of_the_source(tmp_path):
     job = job_config_from_dict(resolve_from_hf({**tree, "moe": {**node["moe"], "aux_loss_coeff": 0.123}}))
     assert (job.model.hidden_size, job.model.moe.num_experts, job.model.max_position_embeddings) == (48, 6, 256)
     assert job.model.moe.aux_loss_coeff == 0.123  # a training option given on the command line applies
-    from folding.training.init_from_hf import check_init_source
+    from folding.checkpoint.from_hf import check_init_source
 
     # (an override equal to the placeholder preset's value could not be told from no override: 96 is not)
     wider = job_config_from_dict(resolve_from_hf({**tree, "model": {**node["model"], "hidden_size": 96}}))

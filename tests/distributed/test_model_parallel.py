@@ -117,7 +117,7 @@ HF_LAYOUTS = [dict(tp=2, ep=4, etp=2), dict(tp=2, cp=2, ep=4, etp=1)]
 
 
 def _load_sharded(path, out_root, ids, hf_logits, layouts):
-    from folding.model import hf as hf_mod
+    from folding.model.hf import weights as hf_mod
 
     read_counts = []
     original = hf_mod._Reader.read
@@ -237,7 +237,7 @@ def test_bad_layouts_fail_clearly(ranks):
 
 
 def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
-    from folding.model import hf as hf_mod
+    from folding.model.hf import weights as hf_mod
 
     for i, lkw in enumerate(layouts):
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **lkw))

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from folding.moe import host_sync
 from folding.moe.config import MoEConfig
+from folding.moe.dispatch import host_sync
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, shard_index

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
+from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
 from folding.parallel.params import require_spec, take_slice
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 6  # per equivalence run: 2 warm-up steps and 4 of cosine decay; the 8-rank runs' time is per step
 GOLDEN_STEPS = 10  # the golden curves (one rank, cheap)

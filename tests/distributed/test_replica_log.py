@@ -8,15 +8,15 @@ import os
 
 import torch.distributed as dist
 
-from folding.training.replica_log import replan_message
+from folding.training.telemetry.replica_log import replan_message
 from tests.distributed.test_checkpoint_reshard import _job
 
 STEPS, INTERVAL, R, EP = 5, 2, 2, 4
 
 
 def _train(run_dir):
+    from folding.launch.run_dir import RunLog
     from folding.training import trainer
-    from folding.training.run_dir import RunLog
 
     job = _job(dict(ep=EP, etp=1), False, steps=STEPS, moe=dict(expert_replicas=R, replica_interval=INTERVAL))
     log = RunLog(run_dir) if dist.get_rank() == 0 else None

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
 from folding.moe.layer import MoELayer
-from folding.moe.replica_fetch import fetch_replica_weights
-from folding.moe.replicas import plan_replicas
+from folding.moe.replicas.fetch import fetch_replica_weights
+from folding.moe.replicas.table import plan_replicas
 from folding.parallel import ParallelLayout, build_parallel_state
 
 H, T, E = 16, 24, 8

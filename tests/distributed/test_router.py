@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
-from folding.moe.router import Router
+from folding.moe.routing.router import Router
 from folding.optim.expert_bias import update_expert_biases
 from folding.parallel import ParallelLayout, ProcessGroups, build_parallel_state
 

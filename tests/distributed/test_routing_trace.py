@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from folding.training.trace_file import read_trace
+from folding.training.telemetry.trace_file import read_trace
 from tools.plot_run import read_records
 from tools.routing_trace import main as trace_main
 from tools.routing_trace import summarize
@@ -17,9 +17,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _readme_job(overrides):
-    from folding.training import cli
-    from folding.training.config import job_config_from_dict
-    from folding.training.schema import register_schema
+    from folding.job.config import job_config_from_dict
+    from folding.job.schema import register_schema
+    from folding.launch import cli
 
     register_schema()
     tree = cli.compose_tree(overrides, config_dir=os.path.join(ROOT, "configs"), config_name="config")

@@ -6,9 +6,9 @@ import math
 import os
 
 from folding.data.config import DataConfig
+from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 3
 

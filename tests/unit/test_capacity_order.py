@@ -7,8 +7,8 @@ sort happens to keep small inputs in order, so hand cases with a few tokens cann
 import pytest
 import torch
 
-from folding.moe import permute as permute_mod
-from folding.moe import routing
+from folding.moe.dispatch import permute as permute_mod
+from folding.moe.routing import functions as routing
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from folding.checkpoint import load as ck
+from folding.checkpoint import save as cks
+from folding.checkpoint.blocks import Block, BlockLoadPlanner, BlockSavePlanner
+from folding.job.config import CheckpointConfig, ConfigError, JobConfig
+from folding.job.validate import validate_job
 from folding.model.presets import get_preset
-from folding.training import checkpoint as ck
-from folding.training import checkpoint_save as cks
-from folding.training.checkpoint_blocks import Block, BlockLoadPlanner, BlockSavePlanner
-from folding.training.config import CheckpointConfig, ConfigError, JobConfig
-from folding.training.validate import validate_job
 
 
 def _job(**model_overrides):
@@ -158,7 +158,7 @@ class _Experts(torch.nn.Module):
 
 
 def test_fp8_state_saved_per_rank_and_restored_only_into_the_same_experts(tmp_path):
-    from folding.training.checkpoint import _fp8_states, _load_fp8_states
+    from folding.checkpoint.load import _fp8_states, _load_fp8_states
 
     saved_chunks = [
         torch.nn.ModuleDict({"a": _Experts(0, {"expert_offset": 0, "scale": torch.ones(2)}), "b": _Experts(4)})

@@ -4,7 +4,7 @@ ends the streak. The definition is on the load, so it fires at top-1, top-2 and 
 
 import pytest
 
-from folding.training.collapse import CollapseWatch
+from folding.training.telemetry.collapse import CollapseWatch
 
 # 2 MoE layers (global layer numbers 1 and 3) of 4 experts, top-2: 100 tokens make 200 routed copies
 BALANCED = [50, 50, 50, 50]

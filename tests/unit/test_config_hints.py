@@ -17,15 +17,15 @@ import pytest
 
 from folding.data import DataConfig, build_data
 from folding.data.indexed import IndexedDatasetError
+from folding.launch import cli
 from folding.parallel import LayoutError, ParallelLayout
-from folding.training import cli
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 @pytest.fixture(autouse=True)
 def _schema(monkeypatch):
-    from folding.training.schema import register_schema
+    from folding.job.schema import register_schema
 
     register_schema()
     monkeypatch.setenv("LOCAL_RANK", "0")

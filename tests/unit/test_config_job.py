@@ -7,11 +7,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from folding.job.config import ConfigError, job_config_from_dict
+from folding.job.schema import register_schema
+from folding.job.validate import validate_job
+from folding.launch.dry_run import dry_run_report
 from folding.model.presets import get_preset, list_presets
-from folding.training.config import ConfigError, job_config_from_dict
-from folding.training.dry_run import dry_run_report
-from folding.training.schema import register_schema
-from folding.training.validate import validate_job
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 register_schema()

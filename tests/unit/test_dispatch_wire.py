@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from folding.moe.wire import check_wire, decode, encode, payload_bytes_per_row
+from folding.moe.dispatch.wire import check_wire, decode, encode, payload_bytes_per_row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -66,8 +66,8 @@ def test_check_wire_errors_name_the_setting():
 
 
 def test_padded_chunks_skip_the_etp_padding():
-    from folding.moe.permute import sort_chunks_by_idxs
-    from folding.moe.wire import padded_chunks
+    from folding.moe.dispatch.permute import sort_chunks_by_idxs
+    from folding.moe.dispatch.wire import padded_chunks
 
     # 2 ETP ranks x 2 chunks each: rank 0 holds chunks of 1 and 2 rows (3 rows), rank 1 of 2 and 3
     # (5 rows); gathered in padded blocks of 5 rows, so 2 padding rows follow rank 0's chunks
@@ -80,8 +80,8 @@ def test_padded_chunks_skip_the_etp_padding():
 
 
 def test_to_padded_blocks_inverts_the_padded_sort():
-    from folding.moe.permute import sort_chunks_by_idxs
-    from folding.moe.wire import padded_chunks, to_padded_blocks
+    from folding.moe.dispatch.permute import sort_chunks_by_idxs
+    from folding.moe.dispatch.wire import padded_chunks, to_padded_blocks
 
     # the same 4 chunks as above, now as the experts produced them: expert-major order 0, 2, 1, 3
     x = torch.tensor([0, 2, 2, 1, 1, 3, 3, 3], dtype=torch.float32).unsqueeze(1).requires_grad_()

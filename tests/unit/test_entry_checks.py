@@ -8,17 +8,17 @@ import time
 
 import pytest
 
-from folding.training import cli
-from folding.training.config import ConfigError, job_config_from_dict
-from folding.training.run_dir import RunLog, discard_if_empty, read_status, write_status
-from folding.training.threads import cgroup_cpu_limit, pick_threads, usable_cpus
+from folding.job.config import ConfigError, job_config_from_dict
+from folding.launch import cli
+from folding.launch.run_dir import RunLog, discard_if_empty, read_status, write_status
+from folding.launch.threads import cgroup_cpu_limit, pick_threads, usable_cpus
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
 @pytest.fixture(autouse=True)
 def _schema():
-    from folding.training.schema import register_schema
+    from folding.job.schema import register_schema
 
     register_schema()
 
@@ -75,14 +75,14 @@ def test_split_list_on_the_command_line(capsys, monkeypatch):
 
 
 def test_default_warmup_is_clamped_to_the_run_and_explicit_warmup_is_checked():
-    from folding.training.schema import preset_node
+    from folding.job.schema import preset_node
 
     base = preset_node("mixtral_tiny")  # {"model": ..., "moe": ...}
     job = job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": None}})
     assert job.optim.warmup_steps == 1 and job.notes and "at most half of the 2-step schedule" in job.notes[0]
     job = job_config_from_dict({**base, "train": {"steps": 60}, "optim": {"warmup_steps": None}})
     assert job.optim.warmup_steps == 5 and job.notes == ()
-    from folding.training.validate import validate_job
+    from folding.job.validate import validate_job
 
     with pytest.raises(ConfigError, match="optim.warmup_steps=5: exceeds the decay horizon"):
         validate_job(job_config_from_dict({**base, "train": {"steps": 2}, "optim": {"warmup_steps": 5}}), world_size=1)

@@ -7,9 +7,9 @@ patched): the rules, reasons and fixes are checked on CPU; the kernels themselve
 import pytest
 import torch
 
-import folding.moe.expert_scaled as scaled_mod
-import folding.moe.expert_select as select_mod
-from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
+import folding.moe.experts.scaled as scaled_mod
+import folding.moe.experts.select as select_mod
+from folding.moe.experts.select import BackendError, backend_support, check_backend, resolve_backend
 
 
 # ------------------------------------------------------------------------------- backend selection
@@ -63,8 +63,8 @@ def test_auto_prefers_te_then_the_torch_fp8_path_then_emulated(monkeypatch, recw
 # ----------------------------------------------------------------------- the job, on this machine
 @pytest.fixture
 def entry(monkeypatch, capsys):
-    from folding.training import cli
-    from folding.training.schema import register_schema
+    from folding.job.schema import register_schema
+    from folding.launch import cli
 
     register_schema()
     configs = __file__.rsplit("/tests/", 1)[0] + "/configs"

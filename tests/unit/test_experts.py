@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from folding.moe.expert_backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
-from folding.moe.expert_te import pad_rows_per_expert, te_available, unpad_rows_per_expert
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.te import pad_rows_per_expert, te_available, unpad_rows_per_expert
 from folding.parallel.params import param_spec, shard_index
 
 # many tiny GEMMs, for which OpenMP synchronization dominates
@@ -198,7 +198,7 @@ def test_bad_settings_and_inputs_fail_clearly():
 
 def test_grouped_mm_probe_ignores_the_callers_grad_mode():
     # the first caller may be an evaluation under no_grad / inference_mode: the cached answer must not depend on it
-    from folding.moe.expert_backends import torch_grouped_mm_supported
+    from folding.moe.experts.backends import torch_grouped_mm_supported
 
     torch_grouped_mm_supported.cache_clear()
     with torch.inference_mode():
@@ -212,7 +212,7 @@ def test_first_grouped_mm_probe_inside_a_recomputed_region():
     not count for the checkpoint, whose recomputation (probe cached by then) saves fewer."""
     from torch.utils.checkpoint import checkpoint
 
-    from folding.moe.expert_backends import torch_grouped_mm_supported
+    from folding.moe.experts.backends import torch_grouped_mm_supported
 
     mlp = GroupedMLP(num_experts=2, num_local_experts=2, hidden_size=16, ffn_hidden_size=16, etp_size=1,
                      etp_rank=0, expert_offset=0, backend="auto", init_seed=0)  # fmt: skip

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
 from folding.quant import emulated_linear, fake_quant
 
 # many tiny GEMMs, for which OpenMP synchronization dominates

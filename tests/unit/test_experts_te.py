@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from folding.moe.expert_te import fp8_region, te_available
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.te import fp8_region, te_available
 
 _OK, _WHY = te_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=f"TransformerEngine backend not testable here: {_WHY}")
@@ -63,7 +63,7 @@ def test_every_te_keyword_the_engine_passes_exists_in_the_installed_te():
     import importlib.util
     import inspect
 
-    from folding.moe.expert_te import TE_API
+    from folding.moe.experts.te import TE_API
 
     for path, keywords in TE_API.items():
         parts = path.split(".")

@@ -16,14 +16,14 @@ import warnings
 import pytest
 import torch
 
-import folding.moe.expert_select as select_mod
-import folding.moe.expert_te as te_mod
-import folding.moe.experts as experts_mod
+import folding.moe.experts.grouped as experts_mod
+import folding.moe.experts.select as select_mod
+import folding.moe.experts.te as te_mod
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
-from folding.moe.expert_select import BackendError, backend_support, check_backend, resolve_backend
-from folding.moe.expert_te import fp8_region
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import BackendError, backend_support, check_backend, resolve_backend
+from folding.moe.experts.te import fp8_region
 from tests import te_standin
 from tests.te_standin import CALLS, SUPPORT
 

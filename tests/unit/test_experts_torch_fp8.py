@@ -17,11 +17,11 @@ job's machine check: ``test_expert_choice_fp8.py``. The real kernels are not run
 import pytest
 import torch
 
-import folding.moe.expert_select as select_mod
-from folding.moe.expert_backends import grouped_linear
-from folding.moe.expert_mxfp8 import to_blocked
-from folding.moe.expert_scaled import aligned_sizes
-from folding.moe.experts import GroupedMLP
+import folding.moe.experts.select as select_mod
+from folding.moe.experts.backends import grouped_linear
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.mxfp8 import to_blocked
+from folding.moe.experts.scaled import aligned_sizes
 from folding.parallel import overlap
 from tests.scaled_grouped_mm_standin import (
     CALLS,

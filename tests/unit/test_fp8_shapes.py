@@ -9,12 +9,12 @@ resolves to it on the training device.
 import pytest
 import torch
 
-import folding.moe.expert_select as select_mod
-import folding.moe.expert_te as te_mod
-from folding.moe.fp8_shapes import check_fp8_shapes, fp8_shape_problems
-from folding.training.config import ConfigError
-from folding.training.dry_run import dry_run_report
-from folding.training.validate import expert_backend_on, validate_job
+import folding.moe.experts.select as select_mod
+import folding.moe.experts.te as te_mod
+from folding.job.config import ConfigError
+from folding.job.validate import expert_backend_on, validate_job
+from folding.launch.dry_run import dry_run_report
+from folding.moe.experts.fp8_shapes import check_fp8_shapes, fp8_shape_problems
 from tests import te_standin
 from tests.unit.test_config_job import job
 

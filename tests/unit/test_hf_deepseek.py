@@ -16,8 +16,8 @@ transformers = require("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from folding.model.config import ModelConfig  # noqa: E402
-from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402
-from folding.model.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from folding.model.hf.config import config_from_hf, config_to_hf  # noqa: E402
+from folding.model.hf.weights import CheckpointError, from_hf, to_hf  # noqa: E402
 from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 
 V, S, B = TINY_HF["vocab_size"], 16, 2

@@ -13,7 +13,7 @@ from tests.optional import require
 transformers = require("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from folding.model.hf import CheckpointError, from_hf, to_hf  # noqa: E402
+from folding.model.hf.weights import CheckpointError, from_hf, to_hf  # noqa: E402
 from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 from tests.unit.test_model_reference_moe import reference_moe_factory  # noqa: E402
 
@@ -212,7 +212,7 @@ def test_qwen3_olmoe_unsupported_fields_fail_clearly(tmp_path):
         json.dump(dict(cfg, **change), open(f, "w"))
         with pytest.raises(CheckpointError, match=match):
             from_hf(path, moe_factory=reference_moe_factory)
-    from folding.model.hf_config import config_to_hf
+    from folding.model.hf.config import config_to_hf
     from folding.model.presets import get_preset
 
     with pytest.raises(CheckpointError, match="qk_norm='head', not 'none'"):
@@ -308,7 +308,7 @@ def test_bf16_checkpoint_round_trip(tmp_path):
 def test_exported_weights_are_readable_like_the_config(tmp_path):
     import stat
 
-    from folding.model.hf import to_hf
+    from folding.model.hf.weights import to_hf
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
 

@@ -5,7 +5,7 @@ EP groups (:func:`folding.parallel.rank_math.node_split_groups`)."""
 import pytest
 import torch
 
-from folding.moe.hier_plan import dedup_counts, dedup_rows, plan_hierarchical
+from folding.moe.dispatch.hier_plan import dedup_counts, dedup_rows, plan_hierarchical
 from folding.parallel import ParallelLayout
 from folding.parallel.rank_math import LayoutError, node_split_groups
 
@@ -117,8 +117,8 @@ def test_node_split_refuses_uneven_nodes():
 
 
 def _job(dispatcher, **par):
+    from folding.job.config import JobConfig, ParallelConfig, TrainConfig
     from folding.model.presets import get_preset
-    from folding.training.config import JobConfig, ParallelConfig, TrainConfig
 
     model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16, "dispatcher": dispatcher})
     return JobConfig(
@@ -129,8 +129,8 @@ def _job(dispatcher, **par):
 
 
 def test_nvlink_domain_default_and_refusals(monkeypatch):
-    from folding.training.config import ConfigError
-    from folding.training.validate import validate_job
+    from folding.job.config import ConfigError
+    from folding.job.validate import validate_job
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert validate_job(_job("hierarchical", ep=8), world_size=8).nvlink_domain == 8  # the world: one node

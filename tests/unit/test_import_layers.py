@@ -1,6 +1,7 @@
 """The package imports one way: ``parallel``, ``quant``, ``data`` -> ``moe`` -> ``model`` -> ``pipeline``
--> ``optim`` -> ``training`` (``testing`` on top); ``planning`` imports only ``parallel`` and
-``folding.model.config``, and only ``training`` (and ``testing``) import ``planning``. ``tools`` and
+-> ``optim`` -> ``job`` -> ``checkpoint`` -> ``training`` -> ``interop`` -> ``launch`` (``testing`` on
+top); ``planning`` imports only ``parallel`` and ``folding.model.config``, and only ``training``,
+``launch`` (and ``testing``) import ``planning``. ``tools`` and
 ``benchmarks`` sit on top of the package: they may import any of it, ``folding`` never imports them, and
 their modules import one another without a cycle.
 
@@ -25,8 +26,12 @@ LEVEL = {
     "model": 2,
     "pipeline": 3,
     "optim": 4,
-    "training": 5,
-    "testing": 6,
+    "job": 5,
+    "checkpoint": 6,
+    "training": 7,
+    "interop": 8,
+    "launch": 9,
+    "testing": 10,
 }
 CATCHES_IMPORT_FAILURE = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 IMPORT_CALLS = {"import_module", "__import__"}
@@ -90,7 +95,7 @@ def allowed(src: str, dst: str) -> bool:
     if sp == "planning":
         return dp == "parallel" or dst.startswith("folding.model.config")
     if dp == "planning":
-        return sp in ("training", "testing")
+        return sp in ("training", "launch", "testing")
     return LEVEL[dp] < LEVEL[sp]
 
 
@@ -174,8 +179,14 @@ def test_tools_and_benchmarks_are_covered():
         ("folding.optim.optimizer", "folding.planning.memory", False),
         ("folding.data.build", "folding.parallel", False),
         ("folding.testing.rank_pool", "benchmarks.breakdown", False),
-        ("folding.model.hf", "tools.convert_hf", False),
+        ("folding.model.hf.weights", "tools.convert_hf", False),
         ("tools.plan", "folding.training.trainer", True),
+        ("folding.moe.dispatch.base", "folding.interop.megatron.stages", False),
+        ("folding.checkpoint.load", "folding.training.trainer", False),
+        ("folding.training.trainer", "folding.launch.run", False),
+        ("folding.job.config", "folding.checkpoint.load", False),
+        ("folding.launch.cli", "folding.interop.megatron.args", True),
+        ("folding.interop.megatron.replace", "folding.moe.dispatch.build", True),
         ("benchmarks.bench_train", "tools.memory", True),
     ],
 )
@@ -212,8 +223,13 @@ PLANTED = {
     ),
     "importlib in a function": (
         "folding.training.planted",
-        "import importlib\ndef f():\n    return importlib.import_module('folding.model.hf')\n",
+        "import importlib\ndef f():\n    return importlib.import_module('folding.model.hf.weights')\n",
         "folding.training.planted:3 imports inside f()",
+    ),
+    "engine imports the Megatron adapter": (
+        "folding.moe.planted",
+        "from folding.interop.megatron import replace_dispatcher\n",
+        "folding.moe.planted:1 -> folding.interop.megatron (against the layer order)",
     ),
     "package imports a tool": (
         "folding.testing.planted",
@@ -241,7 +257,7 @@ PLANTED = {
 @pytest.mark.parametrize("hole", sorted(PLANTED))
 def test_each_planted_hole_fails(hole):
     module, text, message = PLANTED[hole]
-    srcs = {"folding.moe.router": ("import torch\n", False), module: (text, False)}
+    srcs = {"folding.moe.routing.router": ("import torch\n", False), module: (text, False)}
     if hole == "benchmark cycle":
         srcs["benchmarks.planted_b"] = ("from benchmarks.planted_a import X\n", False)
     assert problems(srcs) == [message]
@@ -249,7 +265,10 @@ def test_each_planted_hole_fails(hole):
 
 def test_clean_planted_modules_pass():
     srcs = {
-        "folding.training.planted": ("import importlib\nM = importlib.import_module('folding.model.hf')\n", False),
+        "folding.training.planted": (
+            "import importlib\nM = importlib.import_module('folding.model.hf.weights')\n",
+            False,
+        ),
         "folding.model.planted": (
             "try:\n    import transformers\nexcept (ImportError, ModuleNotFoundError):\n    pass\n",
             False,

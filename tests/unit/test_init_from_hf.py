@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from folding.checkpoint.from_hf import check_init_source, load_initial_weights
+from folding.job.config import CheckpointConfig, ConfigError, JobConfig
+from folding.job.validate import validate_job
 from folding.model.presets import get_preset
-from folding.training.config import CheckpointConfig, ConfigError, JobConfig
-from folding.training.init_from_hf import check_init_source, load_initial_weights
 from folding.training.trainer import prepare
-from folding.training.validate import validate_job
 from tests.hf_checks import TRAINABLE_MIXTRAL as HF
 from tests.hf_checks import TRAINABLE_MIXTRAL_PRESET as MODEL
 from tests.hf_checks import randomized
@@ -73,7 +73,7 @@ def test_missing_source_and_load_together_are_refused(hf_dir, tmp_path):
 
 
 def test_import_file_fills_the_model_like_the_directory(hf_dir, tmp_path):
-    from folding.model.hf import from_hf
+    from folding.model.hf.weights import from_hf
     from folding.model.transformer import MoETransformer
     from tools import convert_hf
 

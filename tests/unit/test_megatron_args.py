@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from folding.training import cli
-from folding.training.megatron_args import MegatronArgsError, convert
-from folding.training.megatron_flags import FLAGS, MEGATRON_DEFAULTS, leaf_synonyms
+from folding.interop.megatron.args import MegatronArgsError, convert
+from folding.interop.megatron.flags import FLAGS, MEGATRON_DEFAULTS, leaf_synonyms
+from folding.launch import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -305,10 +305,10 @@ def test_dry_run_uses_the_same_model():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from folding.training.config import job_config_from_dict
-    from folding.training.dry_run import dry_run_report, memory_estimate
-    from folding.training.schema import register_schema
-    from folding.training.validate import validate_job
+    from folding.job.config import job_config_from_dict
+    from folding.job.schema import register_schema
+    from folding.job.validate import validate_job
+    from folding.launch.dry_run import dry_run_report, memory_estimate
 
     register_schema()
     configs = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))

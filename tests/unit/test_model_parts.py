@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from folding.model.context_parallel import check_cp_seq_len, cp_positions, gathered_positions
-from folding.model.hf_config import config_from_hf, config_to_hf
+from folding.model.hf.config import config_from_hf, config_to_hf
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.parallel.params import ParamSpec, local_value, param_seed, shard_index, take_slice
@@ -94,7 +94,7 @@ def test_every_parameter_has_one_record_and_save_refuses_one_without():
 
 
 def test_hf_aux_loss_only_with_router_logits():
-    from folding.model.hf_config import config_from_hf, config_to_hf
+    from folding.model.hf.config import config_from_hf, config_to_hf
 
     base = dict(
         model_type="mixtral",

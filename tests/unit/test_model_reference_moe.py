@@ -5,7 +5,7 @@ out) and the Hugging Face routers (Mixtral: softmax over the top-k logits; Qwen2
 all experts, top-k, optional renormalization, shared expert with a sigmoid gate). Distributed, it
 all-gathers tokens and their routing weights over the ETP x EP group, computes this rank's experts
 (its ETP slice of F) on every gathered token and reduce-scatters the partial outputs back: exact, not
-fast. Parameter names match what ``folding.model.hf`` maps: ``router.weight [E, H]``,
+fast. Parameter names match what ``folding.model.hf.weights`` maps: ``router.weight [E, H]``,
 ``experts.fc1_weight [E/EP, 2*F/ETP, H]`` (rows [gate shard; up shard]),
 ``experts.fc2_weight [E/EP, H, F/ETP]``, ``shared_expert.*``, ``shared_expert_gate.weight [1, H]``.
 

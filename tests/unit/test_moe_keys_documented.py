@@ -8,11 +8,11 @@ import re
 
 import pytest
 
+from folding.job.config import ConfigError, job_config_from_dict
+from folding.job.schema import register_schema
+from folding.launch import cli
 from folding.model.presets import get_preset
 from folding.moe.config import MoEConfig
-from folding.training import cli
-from folding.training.config import ConfigError, job_config_from_dict
-from folding.training.schema import register_schema
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CONFIGS = os.path.join(ROOT, "configs")
@@ -92,9 +92,9 @@ def test_model_section_does_not_take_moe_keys():
 
 def test_moe_topk_reaches_the_model_flops_and_dry_run_memory():
     register_schema()
+    from folding.job.validate import validate_job
+    from folding.launch.dry_run import memory_estimate
     from folding.planning.flops import flops_per_token
-    from folding.training.dry_run import memory_estimate
-    from folding.training.validate import validate_job
 
     jobs = {
         k: job_config_from_dict(
@@ -107,7 +107,7 @@ def test_moe_topk_reaches_the_model_flops_and_dry_run_memory():
     assert flops_per_token(jobs[4].model, 4096).model_training < flops_per_token(jobs[8].model, 4096).model_training
     mem = {k: memory_estimate(j, validate_job(j, world_size=64)).total for k, j in jobs.items()}
     assert mem[4] < mem[8]
-    from folding.training.dry_run import dry_run_report
+    from folding.launch.dry_run import dry_run_report
 
     flops_line = {
         k: next(line for line in dry_run_report(j, world_size=64).splitlines() if "GFLOP" in line)

@@ -136,7 +136,7 @@ def test_without_labels_the_model_returns_the_main_logits():
 
 
 def test_mtp_router_joins_the_moe_statistics():
-    from folding.training.moe_stats import MoEStats
+    from folding.training.telemetry.moe_stats import MoEStats
 
     model = _model(depth=1)
     cfg = model.config

@@ -168,9 +168,9 @@ def test_config_keys_are_validated_with_their_names():
 
 
 def test_bf16_master_needs_bf16_parameters():
+    from folding.job.config import ConfigError, JobConfig
+    from folding.job.validate import validate_job
     from folding.model.presets import get_preset
-    from folding.training.config import ConfigError, JobConfig
-    from folding.training.validate import validate_job
 
     job = JobConfig(model=get_preset("mixtral_tiny"), optim=OptimConfig(main_params_dtype="bf16"))
     with pytest.raises(ConfigError, match=r"optim.main_params_dtype.*train.precision=bf16"):
@@ -214,9 +214,9 @@ def test_memory_model_counts_the_dtypes():
 
 
 def test_dry_run_shows_optimizer_bytes_per_parameter():
+    from folding.job.config import JobConfig, TrainConfig
+    from folding.launch.dry_run import dry_run_report
     from folding.model.presets import get_preset
-    from folding.training.config import JobConfig, TrainConfig
-    from folding.training.dry_run import dry_run_report
 
     job = JobConfig(
         model=get_preset("mixtral_tiny"),

@@ -8,7 +8,7 @@ keeps forwards and backwards in their order; delayed weight gradients are bitwis
 import pytest
 import torch
 
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
 from folding.parallel import overlap
 from folding.pipeline.order import schedule_order
 

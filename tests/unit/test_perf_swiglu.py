@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folding.moe.swiglu import swiglu_prob
+from folding.moe.experts.swiglu import swiglu_prob
 
 
 def unfused(h, p):

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from folding.moe import host_sync
-from folding.moe.permute import (
+from folding.moe.dispatch import host_sync
+from folding.moe.dispatch.permute import (
     chunk_permutation,
     expert_order,
     inverse_order,
@@ -16,7 +16,7 @@ from folding.moe.permute import (
     sort_chunks_by_idxs,
     unpermute,
 )
-from folding.moe.routing import expert_capacity
+from folding.moe.routing.functions import expert_capacity
 
 
 def _tokens(T, H=2):

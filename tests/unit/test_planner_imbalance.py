@@ -165,7 +165,7 @@ def test_cli_balanced_trace_equals_balanced(tmp_path, capsys):
 def test_cli_reads_the_engine_s_own_trace(tmp_path, capsys):
     """A moe.trace_dir recorded by training plans like the same counts as .npy (routed = kept + dropped,
     summed over source ranks)."""
-    from folding.training.trace_file import TraceWriter, make_header, trace_path
+    from folding.training.telemetry.trace_file import TraceWriter, make_header, trace_path
 
     rng = np.random.default_rng(0)
     header = make_header(

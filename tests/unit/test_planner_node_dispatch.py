@@ -189,7 +189,7 @@ def test_tool_refuses_fp8_dense_without_recipe(capsys):
 
 
 def test_dry_run_reads_the_dispatcher():
-    from folding.training.dry_run import dry_run_report
+    from folding.launch.dry_run import dry_run_report
     from tests.unit.test_config_job import job
 
     hier = dry_run_report(job("recipes=deepseek_v3"), world_size=1024)

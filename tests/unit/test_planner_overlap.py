@@ -10,6 +10,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from folding.job.config import job_config_from_dict
+from folding.job.schema import register_schema
+from folding.launch.dry_run import memory_estimate
 from folding.model.presets import get_preset
 from folding.planning.activations import activation_bytes_per_layer, in_flight_chunks
 from folding.planning.hardware import get_gpu
@@ -23,9 +26,6 @@ from folding.planning.moe_overlap import (
 )
 from folding.planning.planner import evaluate, plan_memory
 from folding.planning.step_time import Cluster, Plan, TrainingShape, _layer_times, estimate_step_time
-from folding.training.config import job_config_from_dict
-from folding.training.dry_run import memory_estimate
-from folding.training.schema import register_schema
 
 MIXTRAL = get_preset("mixtral_8x22b")
 SHAPE = TrainingShape(seq_length=4096, global_batch_size=256)

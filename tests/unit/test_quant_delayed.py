@@ -2,7 +2,7 @@
 
 import torch
 
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
 from folding.quant import DelayedScaling, quant_dequant
 
 E4M3 = torch.float8_e4m3fn

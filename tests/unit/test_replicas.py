@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from folding.moe.config import MoEConfig
-from folding.moe.replicas import (
+from folding.moe.replicas.table import (
     EMPTY,
     ReplicaSchedule,
     check_replica_layout,
@@ -169,9 +169,9 @@ def test_layout_checks():
 
 
 def test_validate_job_refuses_replicas_without_ep_and_with_delayed_wgrad():
+    from folding.job.config import ConfigError, JobConfig, ParallelConfig, TrainConfig
+    from folding.job.validate import validate_job
     from folding.model.presets import get_preset
-    from folding.training.config import ConfigError, JobConfig, ParallelConfig, TrainConfig
-    from folding.training.validate import validate_job
 
     def job(**par):
         model = get_preset("mixtral_tiny", hidden_size=32, moe={"ffn_hidden_size": 16, "expert_replicas": 1})
@@ -205,8 +205,8 @@ def test_inference_config_drops_only_training_options():
 
 
 def test_table_summary_and_replan_message():
-    from folding.moe.replicas import table_summary
-    from folding.training.replica_log import replan_message
+    from folding.moe.replicas.table import table_summary
+    from folding.training.telemetry.replica_log import replan_message
 
     # EP2, 2 experts per rank, 1 replica slot each: expert 0 (rank 0) is hot; its copy goes to rank 1
     load = [60, 20, 10, 10]  # rank loads without replicas 80 | 20: max/mean 1.6

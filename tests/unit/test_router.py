@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from folding.moe import routing as R
 from folding.moe.config import MoEConfig
-from folding.moe.router import Router, attach_loss
+from folding.moe.routing import functions as R
+from folding.moe.routing.router import Router, attach_loss
 from folding.optim.expert_bias import update_expert_biases
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import materialize, param_spec
@@ -216,7 +216,7 @@ def test_routers_are_found_by_their_balancing_interface():
 
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
-    from folding.moe.balancing import BalancingRouter, find_routers
+    from folding.moe.routing.balancing import BalancingRouter, find_routers
 
     model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=3, mlp_only_layers=(1,)), init_seed=0)
     lookalike = nn.Linear(2, 2)
@@ -238,7 +238,7 @@ def test_config_mirrors_into_a_hydra_structured_schema():
     from omegaconf import OmegaConf
     from omegaconf.errors import ValidationError
 
-    from folding.training.schema import mirror
+    from folding.job.schema import mirror
 
     schema = OmegaConf.structured(mirror(MoEConfig))  # Literal fields become str for OmegaConf
     over = OmegaConf.from_dotlist(["num_experts=8", "topk=2", "ffn_hidden_size=16", "capacity_factor=1.5"])

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from folding.moe import routing as R
+from folding.moe.routing import functions as R
 
 LN = math.log
 

@@ -9,7 +9,7 @@ compared (ours are deterministic, theirs depend on ``torch.topk`` tie order).
 import pytest
 import torch
 
-from folding.moe import routing as R
+from folding.moe.routing import functions as R
 from tests.optional import require
 
 mu = require("megatron.core.transformer.moe.moe_utils", reason="megatron-core is not installed (optional cross-check)")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from folding.moe.config import MoEConfig
-from folding.training.trace_file import TraceWriter, check_resume, make_header, read_trace, trace_path
+from folding.training.telemetry.trace_file import TraceWriter, check_resume, make_header, read_trace, trace_path
 from tools.routing_trace import main, summarize
 
 E = 8
@@ -105,9 +105,9 @@ def test_trace_dir_setting_is_checked():
 
 
 def test_resume_with_other_geometry_fails_before_anything_starts(tmp_path):
-    from folding.training.config import ConfigError
-    from folding.training.trace_record import check_trace_dir, trace_header
-    from folding.training.validate import validate_job
+    from folding.job.config import ConfigError
+    from folding.job.validate import validate_job
+    from folding.training.telemetry.trace_record import check_trace_dir, trace_header
     from tests.distributed.test_routing_trace import _readme_job
 
     job = _readme_job([f"moe.trace_dir={tmp_path}", "parallel.ep=2", "parallel.etp=1"])

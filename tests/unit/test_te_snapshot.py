@@ -2,7 +2,7 @@
 
 ``tests/data/te_api_2.20.2.json`` was parsed from TE's own sources (``python -m tools.te_api_snapshot``).
 Checked here: every TE call site in ``folding/`` (found with ``ast``) and every entry of
-:data:`folding.moe.expert_te.TE_API` against the recorded signatures; the stand-in's signatures
+:data:`folding.moe.experts.te.TE_API` against the recorded signatures; the stand-in's signatures
 (parsed the same way) equal TE's, and its behaviours follow TE's recorded rules (extra state per
 recipe, the unsafe-pickle loading rule, ``m_splits``, CUDA, ``use_grouped_tensor``); the engine's
 ``delayed`` FP8 state survives a save → load through the checkpoint's FP8 functions without the
@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-import folding.moe.expert_te as te_mod
-from folding.moe.expert_te import DELAYED_STATE, FP8_ROW_ALIGN, TE_API, fp8_region, make_te_recipe
-from folding.moe.experts import GroupedMLP
-from folding.moe.fp8_shapes import FP8_DIM_MULTIPLE
-from folding.training.checkpoint import _fp8_states, _load_fp8_states
+import folding.moe.experts.te as te_mod
+from folding.checkpoint.load import _fp8_states, _load_fp8_states
+from folding.moe.experts.fp8_shapes import FP8_DIM_MULTIPLE
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.te import DELAYED_STATE, FP8_ROW_ALIGN, TE_API, fp8_region, make_te_recipe
 from tests import te_standin, te_standin_recipes
 from tests.te_rules import load_snapshot
 from tests.te_standin import CALLS, RULES, STANDS_IN_FOR
@@ -38,7 +38,7 @@ def stand_in(monkeypatch):
     te_standin.install(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(te_mod, "te_available", lambda: (True, ""))
-    import folding.moe.experts as experts_mod
+    import folding.moe.experts.grouped as experts_mod
 
     monkeypatch.setattr(experts_mod, "resolve_backend", lambda backend, recipe, device, dtype: "te")
     yield

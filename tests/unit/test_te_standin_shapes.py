@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from folding.moe.expert_te import make_te_recipe
+from folding.moe.experts.te import make_te_recipe
 from tests import te_standin
 from tests.te_rules import load_snapshot
 from tests.te_standin import RULES

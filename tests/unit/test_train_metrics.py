@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from folding.training.config import LoggingConfig, WandbConfig
+from folding.job.config import LoggingConfig, WandbConfig
 from folding.training.metrics import MetricsSink, expert_load_summary, progress_bar
 from tests.optional import require
 
@@ -179,7 +179,7 @@ def test_plot_run_help_ends_its_sentence():
 
 WANDB_SINK = """
 import json, sys
-from folding.training.config import LoggingConfig, WandbConfig
+from folding.job.config import LoggingConfig, WandbConfig
 from folding.training.metrics import MetricsSink
 lines = []
 sink = MetricsSink(LoggingConfig(metrics_file="m.jsonl", wandb=WandbConfig(mode="offline")), run_dir=sys.argv[1],

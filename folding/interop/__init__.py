@@ -1,0 +1,1 @@
+"""Adapters to other frameworks. They wrap the engine from above; the engine imports none of them."""

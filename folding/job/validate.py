@@ -1,0 +1,326 @@
+"""Cross-section checks of a job, run before any process group exists.
+
+The typed sections validate their own fields when built; :func:`validate_job` checks what needs
+several sections at once (the layout against the model, the batch sizes against DP, the sequence
+length against TP/CP, ...) for a given world size, and returns the validated layout.
+
+Usage::
+
+    layout = validate_job(job, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    layout = validate_job(job, world_size=8, device=torch.device("cuda", 0))   # also resolves moe.expert_backend=auto
+
+Every failure raises :class:`~folding.job.config.ConfigError` naming the setting and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from ..moe.experts.fp8_shapes import check_fp8_shapes
+from ..moe.experts.select import resolve_backend
+from ..parallel import LayoutError, ParallelLayout
+from ..parallel.partition import partition_layers
+from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
+
+
+def _check_optim_precision(job: JobConfig) -> None:
+    """bf16 master weights need bf16 parameters: under fp32 training every parameter is its own fp32
+    master, and ``optim.main_params_dtype=bf16`` would silently do nothing."""
+    if job.optim.main_params_dtype == "bf16" and job.train.precision != "bf16":
+        _fail(
+            "optim.main_params_dtype",
+            job.optim.main_params_dtype,
+            f"keeps bf16 master weights of bf16 parameters, but train.precision={job.train.precision} "
+            f"trains fp32 parameters (their own fp32 masters)",
+            "set train.precision=bf16, or optim.main_params_dtype=fp32",
+        )
+
+
+def _check_train(job: JobConfig) -> None:
+    t = job.train
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length"):
+        _int_at_least(f"train.{key}", getattr(t, key), 1)
+    _int_at_least("train.eval_interval", t.eval_interval, 0)
+    _int_at_least("train.eval_steps", t.eval_steps, 0)
+    if t.eval_interval > 0 and t.eval_steps < 1:
+        _fail(
+            "train.eval_steps",
+            t.eval_steps,
+            "must be >= 1 when train.eval_interval > 0",
+            "set train.eval_steps >= 1 or train.eval_interval=0",
+        )
+    if isinstance(t.seed, bool) or not isinstance(t.seed, int):
+        _fail("train.seed", t.seed, "must be an integer", "set train.seed to an integer")
+    if t.precision not in PRECISIONS:
+        _fail("train.precision", t.precision, "unknown precision", f"choose one of {', '.join(PRECISIONS)}")
+    if t.recompute not in RECOMPUTE_MODES:
+        _fail("train.recompute", t.recompute, "unknown mode", f"choose one of {', '.join(RECOMPUTE_MODES)}")
+    moe = job.moe
+    par = job.parallel
+    for key in ("overlap_moe_comm", "delay_wgrad"):
+        if not isinstance(getattr(par, key), bool):
+            _fail(f"parallel.{key}", getattr(par, key), "must be true or false", f"set parallel.{key}=true or false")
+    nv = par.nvlink_domain
+    if nv is not None and (isinstance(nv, bool) or not isinstance(nv, int) or nv < 1):
+        _fail(
+            "parallel.nvlink_domain",
+            nv,
+            "must be an integer >= 1 (ranks per node)",
+            "set it to the ranks per node (torchrun's --nproc-per-node) or null",
+        )
+    if par.delay_wgrad and not par.overlap_moe_comm:
+        _fail(
+            "parallel.delay_wgrad",
+            par.delay_wgrad,
+            "delays the experts' weight gradients behind the exchanges that parallel.overlap_moe_comm overlaps",
+            "set parallel.overlap_moe_comm=true as well, or parallel.delay_wgrad=false",
+        )
+    if par.delay_wgrad and moe.expert_backend not in ("torch", "auto"):
+        _fail(
+            "parallel.delay_wgrad",
+            par.delay_wgrad,
+            f"is implemented for the torch grouped-GEMM backend, not moe.expert_backend={moe.expert_backend!r}",
+            "set moe.expert_backend=torch (or auto), or parallel.delay_wgrad=false",
+        )
+    if t.threads is not None:
+        _int_at_least("train.threads", t.threads, 1)
+    tmo = t.collective_timeout_s
+    if isinstance(tmo, bool) or not isinstance(tmo, (int, float)) or not math.isfinite(tmo) or tmo <= 0:
+        _fail(
+            "train.collective_timeout_s",
+            tmo,
+            "must be a positive number of seconds",
+            "set e.g. train.collective_timeout_s=600",
+        )
+    if t.seq_length > job.model.max_position_embeddings:
+        _fail(
+            "train.seq_length",
+            t.seq_length,
+            f"exceeds model.max_position_embeddings={job.model.max_position_embeddings}",
+            "lower train.seq_length or raise model.max_position_embeddings",
+        )
+
+
+def _check_logging_and_checkpoint(job: JobConfig) -> None:
+    lg, ck = job.logging, job.checkpoint
+    _int_at_least("logging.interval", lg.interval, 1)
+    if lg.wandb.mode not in WANDB_MODES:
+        _fail("logging.wandb.mode", lg.wandb.mode, "unknown mode", f"choose one of {', '.join(WANDB_MODES)}")
+    if not lg.metrics_file:
+        _fail("logging.metrics_file", lg.metrics_file, "must name a file", "e.g. logging.metrics_file=metrics.jsonl")
+    if os.path.isdir(os.path.expanduser(lg.metrics_file)):
+        _fail("logging.metrics_file", lg.metrics_file, "is a directory", "give a file path")
+    if lg.peak_tflops is not None and not (isinstance(lg.peak_tflops, (int, float)) and lg.peak_tflops > 0):
+        _fail("logging.peak_tflops", lg.peak_tflops, "must be positive or null", "e.g. logging.peak_tflops=989")
+    if ck.save_interval is not None:
+        _int_at_least("checkpoint.save_interval", ck.save_interval, 1)
+        if not ck.dir:
+            _fail(
+                "checkpoint.save_interval",
+                ck.save_interval,
+                "is set but checkpoint.dir is not",
+                "set checkpoint.dir=<directory> or checkpoint.save_interval=null",
+            )
+    if ck.keep_last is not None:
+        _int_at_least("checkpoint.keep_last", ck.keep_last, 1)
+    if not isinstance(ck.async_save, bool):
+        _fail(
+            "checkpoint.async_save", ck.async_save, "must be true or false", "set checkpoint.async_save=true or false"
+        )
+    if ck.init_from_hf is not None:
+        if not isinstance(ck.init_from_hf, str) or not os.path.exists(os.path.expanduser(ck.init_from_hf)):
+            _fail(
+                "checkpoint.init_from_hf",
+                ck.init_from_hf,
+                "does not exist",
+                "give a Hugging Face checkpoint directory (config.json + safetensors) or a file of "
+                "tools/convert_hf.py import, or checkpoint.init_from_hf=null",
+            )
+        if ck.load is not None:
+            _fail(
+                "checkpoint.init_from_hf",
+                ck.init_from_hf,
+                f"and checkpoint.load={ck.load!r} both choose the starting weights",
+                "keep checkpoint.load to resume a run of this engine, or checkpoint.init_from_hf to "
+                "start one from Hugging Face weights (set the other to null)",
+            )
+    if ck.load is not None and not os.path.exists(os.path.expanduser(ck.load)):
+        _fail(
+            "checkpoint.load",
+            ck.load,
+            "does not exist",
+            "give an existing checkpoint or directory of checkpoints, or checkpoint.load=null",
+        )
+    if ck.dir and os.path.exists(ck.dir) and not os.path.isdir(ck.dir):
+        _fail("checkpoint.dir", ck.dir, "exists and is not a directory", "choose another checkpoint.dir")
+
+
+def _check_tokenizer(job: JobConfig) -> None:
+    """The tokenizer must be on disk (the real start loads it; the dry run refuses what it would)."""
+    tok = job.data.tokenizer
+    if isinstance(tok, str) and tok != "byte" and not os.path.exists(os.path.expanduser(tok)):
+        _fail(
+            "data.tokenizer",
+            tok,
+            "does not exist (tokenizers load from disk only, never over the network)",
+            "give 'byte' or a local tokenizer directory / tokenizer.json (a Hugging Face hub name: "
+            "download it first, e.g. huggingface-cli download NAME --local-dir DIR, then data.tokenizer=DIR)",
+        )
+
+
+def expert_backend_on(job: JobConfig, device: Optional[torch.device]) -> str:
+    """The expert backend the job's experts run on ``device``: ``moe.expert_backend`` itself, or what
+    ``auto`` resolves to there (:func:`folding.moe.experts.select.resolve_backend`, TE's own checks;
+    its fallback warning is left to the run). Without a device, ``auto`` stays ``auto``."""
+    moe = job.moe
+    if moe.expert_backend != "auto" or device is None:
+        return moe.expert_backend
+    dtype = torch.bfloat16 if job.train.precision == "bf16" else torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return resolve_backend("auto", moe.fp8_recipe, torch.device(device), dtype)
+
+
+def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device]) -> None:
+    """``delayed`` on TE needs every expert forward inside the chunk's FP8 region; a recomputed expert
+    forward runs in backward, outside it. Checked on the backend the experts will really run."""
+    t, moe = job.train, job.moe
+    if t.recompute not in ("full", "moe") or moe.fp8_recipe != "delayed":
+        return
+    backend = expert_backend_on(job, device)
+    if backend == "te":
+        how = "moe.expert_backend='te'" if moe.expert_backend == "te" else f"moe.expert_backend='auto' (te on {device})"
+        _fail(
+            "train.recompute",
+            t.recompute,
+            f"recomputes the experts outside the FP8 region that moe.fp8_recipe='delayed' needs with {how}",
+            "use train.recompute=selective or none, or moe.fp8_recipe=tensorwise/blockwise/mxfp8",
+        )
+
+
+def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[torch.device]) -> None:
+    """``moe.expert_replicas`` against the layout, the overlap knobs and the backend the experts run."""
+    moe, par = job.moe, job.parallel
+    R = moe.expert_replicas
+    if not R or not any(job.model.is_moe_layer(i) for i in job.model.layer_numbers()):
+        return
+    if layout.ep < 2:
+        _fail(
+            "moe.expert_replicas",
+            R,
+            f"needs expert parallelism, but parallel.ep={layout.ep} puts every expert on every rank",
+            "set parallel.ep > 1 or moe.expert_replicas=0",
+        )
+    if par.delay_wgrad:
+        _fail(
+            "moe.expert_replicas",
+            R,
+            "is not implemented with parallel.delay_wgrad (the replicas' gradient exchange over EP would "
+            "run inside the deferred weight-gradient work, which is not ordered across the EP ranks)",
+            "set parallel.delay_wgrad=false or moe.expert_replicas=0",
+        )
+    if expert_backend_on(job, device) == "te":
+        _fail(
+            "moe.expert_replicas",
+            R,
+            f"needs a backend with a variable number of experts, and the experts run on te on {device}",
+            "set moe.expert_backend=torch or moe.expert_replicas=0",
+        )
+
+
+def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
+    m, t, tp, cp = job.model, job.train, layout.tp, layout.cp
+    try:
+        m.check_divisible(tp=tp, ep=layout.ep, etp=layout.etp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if any(m.is_moe_layer(i) for i in m.layer_numbers()):
+        try:
+            check_fp8_shapes(
+                job.moe.fp8_recipe,
+                hidden_size=m.hidden_size,
+                ffn_hidden_size=job.moe.ffn_hidden_size,
+                etp=layout.etp,
+                backend=job.moe.expert_backend,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    chunk = 2 * cp if cp > 1 else 1
+    if t.seq_length % (chunk * tp):
+        _fail(
+            "train.seq_length",
+            t.seq_length,
+            f"must be divisible by {chunk * tp} (2*cp*tp with context parallelism, tp with sequence "
+            f"parallelism; parallel.tp={tp}, parallel.cp={cp})",
+            f"use a multiple of {chunk * tp}",
+        )
+    per_step = t.micro_batch_size * layout.dp
+    if t.global_batch_size % per_step:
+        _fail(
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{layout.dp}",
+            f"use a multiple of {per_step} (DP = world/(tp*cp*pp) = {layout.dp})",
+        )
+    num_micro = t.global_batch_size // per_step
+    if layout.pp > 1 and (layout.vpp or 1) > 1 and num_micro % layout.pp:
+        _fail(
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
+            "(interleaved pipelining needs it)",
+            "change the batch sizes or set parallel.vpp=null",
+        )
+    if layout.pp > 1:
+        try:
+            partition_layers(
+                num_layers=m.num_layers,
+                pp=layout.pp,
+                vpp=layout.vpp,
+                last_stage_layers=layout.last_stage_layers,
+                first_stage_layers=layout.first_stage_layers,
+            )
+        except ValueError as e:
+            raise ConfigError(f"parallel.pp={layout.pp}/parallel.vpp={layout.vpp}: {e}") from None
+
+
+def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.device] = None) -> ParallelLayout:
+    """Check every cross-section constraint of ``job`` on ``world_size`` ranks; return the layout.
+
+    ``device``: where this process's experts will run (the training device); with it, the checks that
+    depend on the expert backend see what ``moe.expert_backend=auto`` resolves to there (the dry run,
+    which may run elsewhere, passes none and checks the backend as written).
+    Pure: no process group, no file written. Raises :class:`ConfigError`.
+    """
+    ws = job.parallel.world_size
+    if ws is not None:
+        _int_at_least("parallel.world_size", ws, 1)
+        if ws != world_size:
+            _fail(
+                "parallel.world_size",
+                ws,
+                f"but the job was launched on {world_size} rank{'' if world_size == 1 else 's'}",
+                f"launch {ws} rank{'' if ws == 1 else 's'} (torchrun --nproc-per-node ...) "
+                "or set parallel.world_size=null",
+            )
+    _check_train(job)
+    _check_recompute_vs_fp8_region(job, device)
+    _check_logging_and_checkpoint(job)
+    _check_tokenizer(job)
+    try:
+        layout = job.layout(world_size)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    _check_layout_vs_model(job, layout)
+    _check_replicas(job, layout, device)
+    try:
+        job.optim.validate(train_steps=job.train.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_optim_precision(job)
+    return layout

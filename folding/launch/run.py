@@ -1,0 +1,259 @@
+"""From a composed config to a finished run: checks, process group, run directory, training.
+
+:func:`run_job` is what ``examples/pretrain_mixtral.py`` calls with Hydra's composed config (as a
+plain dict) and Hydra's output directory. Order matters:
+
+1. build the typed config and check it (and open the data) -- no process group yet, so a bad config
+   fails at once on every rank with a message naming the setting, printed once per node (exit status
+   2); the entry point has usually caught it already (:mod:`folding.launch.cli`);
+2. ``train.dry_run``: print the report and stop;
+3. create the world process group from torchrun's environment (a 1-process world when launched with
+   plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``; a worker restarted by
+   ``torchrun --max-restarts`` keys its rendezvous under its attempt number);
+4. rank 0's output directory (or, when resuming, the directory of the run that wrote the
+   checkpoint) is broadcast so that every rank agrees; only rank 0 writes there (the resolved config,
+   the metrics, ``train.log``, ``status.json``: :mod:`folding.launch.run_dir`);
+5. pick the CPU thread count (:mod:`folding.launch.threads`), train, then destroy the process group
+   (so that Hydra multirun can start the next job).
+
+Usage::
+
+    sys.argv = quiet_hydra_argv(sys.argv)        # before @hydra.main: ranks > 0 write nothing
+    status = run_job(OmegaConf.to_container(cfg, resolve=True), run_dir=HydraConfig.get().runtime.output_dir)
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.load import step_dir_name
+from ..job.config import ConfigError, env_world_size, job_config_from_dict
+from ..job.config import plain_tree as _plain
+from ..job.machine import experts_summary
+from ..training.faults import StopRequest
+from ..training.trainer import prepare, train
+from .cli import report_error
+from .dry_run import dry_run_report
+from .model_from_hf import resolve_from_hf
+from .run_dir import RunLog, discard_if_empty, write_status
+from .threads import configure_threads
+
+
+def env_rank() -> int:
+    """torchrun's ``RANK`` (0 when launched with plain python)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def quiet_hydra_argv(argv: List[str]) -> List[str]:
+    """``argv`` plus, on ranks other than 0, overrides that keep Hydra from creating or writing any
+    directory: its run directory becomes the working directory (which exists), with no ``.hydra``
+    subdirectory and no log files. Only rank 0 has a run directory."""
+    if env_rank() == 0:
+        return argv
+    quiet = [
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+    if "-m" in argv or "--multirun" in argv:  # a sweep writes multirun.yaml into its sweep directory
+        scratch = os.path.join(tempfile.gettempdir(), f"folding-hydra-sweep-{os.getuid()}")
+        quiet += [f"hydra.sweep.dir={scratch}", "hydra.sweep.subdir=."]
+    return argv + quiet
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_INITS = [0]  # process groups this process has initialized (one per job of a Hydra multirun)
+
+
+def init_world(timeout_s: float) -> None:
+    """Initialize the default process group from the environment (torchrun's, or a local 1-rank one)."""
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    bind = {}
+    if backend == "nccl":  # bound to its GPU: one communicator per group, created eagerly
+        bind["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(bind["device_id"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job = _INITS[0]
+    _INITS[0] += 1
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if attempt == 0 and (job == 0 or not under_torchrun):
+        dist.init_process_group(backend, timeout=timeout, **bind)
+        return
+    # A worker restarted by torchrun (--max-restarts), or the next job of a Hydra multirun in the same
+    # workers, shares the rendezvous store with the earlier process group: keep this one's keys apart,
+    # so that no rank reads a stale peer address.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = (
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timeout,
+            use_libuv=True,
+        )
+        if _agent_store()
+        else dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0, timeout=timeout
+        )
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt_{attempt}/job_{job}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **bind,
+    )
+
+
+def _agent_store() -> bool:
+    """Whether torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (its default)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def agree_on_run_dir(run_dir: str) -> str:
+    """Collective over the world (broadcast from rank 0, no backward): rank 0's ``run_dir``."""
+    box = [os.path.abspath(run_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = None) -> str:
+    """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites), headed
+    by the command-line ``overrides`` as a comment."""
+    import yaml
+
+    os.makedirs(run_dir, exist_ok=True)
+    base, n = os.path.join(run_dir, "resolved_config"), 0
+    while True:
+        path = f"{base}.yaml" if n == 0 else f"{base}.{n}.yaml"
+        try:
+            with open(path, "x", encoding="utf-8") as f:
+                if overrides is not None:
+                    f.write(f"# overrides: {' '.join(overrides)}\n")
+                yaml.safe_dump(_plain(job.to_dict()), f, sort_keys=False)
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def choose_run_dir(run_dir: str, prepared) -> str:
+    """Rank 0's run directory: the one that wrote the checkpoint being resumed, when it still exists
+    (Hydra's fresh ``run_dir`` is then removed if empty), else ``run_dir``."""
+    previous = getattr(prepared, "resume_run_dir", None)
+    if previous and os.path.isdir(previous) and os.path.abspath(previous) != os.path.abspath(run_dir):
+        discard_if_empty(run_dir)
+        return os.path.abspath(previous)
+    return run_dir
+
+
+def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]] = None) -> int:
+    """Run the job described by the plain dict ``tree``; return the process exit status.
+
+    0 after training (to the end, or stopped by SIGINT/SIGTERM with a checkpoint) and after a dry run;
+    2 for a bad configuration or unreadable data, reported as one ``error:`` line by the node's lead
+    process before any process group exists. In both early exits rank 0 removes ``run_dir`` if it is
+    still empty. ``status.json`` in the run directory says how the run ended (see
+    :mod:`folding.launch.run_dir`); ``overrides`` (the command line) head ``resolved_config.yaml``.
+    SIGINT / SIGTERM stop the run at a step boundary from the moment this is called until it returns
+    (:class:`~folding.training.faults.StopRequest`): one that comes while the job is being set up stops
+    it after its first step; once a stop was requested, further signals are ignored.
+    """
+    stop = StopRequest()
+    with stop.installed():
+        return _run_job(tree, run_dir=run_dir, overrides=overrides, stop=stop)
+
+
+def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]], stop: StopRequest) -> int:
+    try:
+        job = job_config_from_dict(resolve_from_hf(tree))
+        world = env_world_size()
+        if job.train.dry_run:
+            if env_rank() == 0:
+                print(dry_run_report(job, world_size=job.parallel.world_size or world), flush=True)
+                discard_if_empty(run_dir)
+            return 0
+        prepared = prepare(job, world_size=world, rank=env_rank())
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        report_error(str(e))
+        if env_rank() == 0:
+            discard_if_empty(run_dir)
+        return 2
+    threads, why = configure_threads(job.train.threads)
+    init_world(job.train.collective_timeout_s)
+    log, status, state = None, "failed", {}
+    try:
+        run_dir = agree_on_run_dir(choose_run_dir(run_dir, prepared) if dist.get_rank() == 0 else run_dir)
+        if dist.get_rank() == 0:
+            log = RunLog(run_dir)
+            log.capture_records()
+            save_resolved_config(job, run_dir, overrides)
+            write_status(run_dir, "running", step=None, checkpoint=None)
+            log.echo(
+                f"run directory: {run_dir}"
+                + (" (resumed run: log and metrics appended)" if prepared.resume_run_dir == run_dir else "")
+            )
+            log.echo(f"layout: {prepared.layout.describe()}")
+            log.echo(experts_summary(job, prepared.expert_backend))
+            if prepared.init_from_hf:
+                log.echo(f"weights: {prepared.init_from_hf} (checkpoint.init_from_hf; fresh optimizer, step 0)")
+            elif job.checkpoint.init_from_hf and prepared.resume:
+                log.echo(f"checkpoint.init_from_hf ignored: resuming from {prepared.resume}")
+            log.echo(f"threads: {threads} per process ({why})")
+            for note in job.notes:
+                log.echo(note)
+        result = train(
+            job, run_dir=run_dir, prepared=prepared, run_log=log, stop=stop
+        )  # its groups' destroy() is the last barrier
+        status = "stopped" if result["stopped"] else "completed"
+        last = result["history"][-1]["step"] if result["history"] else None
+        ck = result["last_checkpoint_step"]
+        state = {
+            "step": last,
+            "checkpoint": os.path.join(os.path.abspath(job.checkpoint.dir), step_dir_name(ck))
+            if ck is not None and job.checkpoint.dir
+            else None,
+        }
+        result = None
+    finally:
+        if log is not None:
+            write_status(run_dir, status, **(state or {"step": None, "checkpoint": None}))
+            log.close()
+        release_process_groups()
+    return 0
+
+
+def release_process_groups() -> None:
+    """Destroy the world process group and free every group object while the interpreter is alive.
+
+    Each gloo process group owns native worker threads until its C++ object is freed, and the object
+    lives as long as a Python reference does (a model's modules, the optimizer, reference cycles
+    among them). A group still alive when the interpreter finalizes keeps those threads running into
+    the shutdown; a thread that then releases a tensor needs the GIL, which a finalizing interpreter
+    answers by ending the thread, and a C++ thread ended that way aborts the process ("terminate
+    called without an active exception", SIGABRT). So: collect the cycles the caller dropped,
+    destroy the groups, and collect again so that the group objects go (and their threads are
+    joined) now. The caller drops its own references (the model) first.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

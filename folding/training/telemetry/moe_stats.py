@@ -1,0 +1,114 @@
+"""Per-step MoE statistics gathered from the routers: expert load, dropped tokens, aux/z losses.
+
+A forward hook on every router (:class:`folding.moe.routing.balancing.BalancingRouter`) accumulates, for
+each forward of the step (whatever order a pipeline schedule runs the micro-batches in), the routed
+rows per expert, the dropped (token, expert) pairs and this rank's share of each router loss.
+:meth:`MoEStats.vector` packs them into one flat tensor that the trainer sums over the world in its
+single per-step all-reduce; :meth:`MoEStats.summarize` unpacks the sum.
+
+Shape names: L MoE layers of the whole model (by global layer number; multi-token-prediction layers
+last), E experts.
+
+- Rows per expert: every rank routes distinct tokens (attention ranks hold distinct token chunks), so
+  the world sum is the global count per expert and layer.
+- Loss shares: a micro-batch's loss is the sum of its TP×CP ranks' shares, so the world sum is the
+  sum of every micro-batch's loss over all layers; dividing by the number of micro-batches of the global
+  batch gives the per-micro-batch mean, which is what the objective adds (``aux_loss_scale``).
+  ``global_aux_loss`` shares are already whole over TP×DP×CP, so its sum is further divided by DP.
+
+Usage::
+
+    stats = MoEStats(chunks, model_config=job.model, loss_names=("aux_loss", "z_loss"))
+    stats.reset(); ...forward/backward...; v = stats.vector()   # then all-reduce(sum)
+    stats.summarize(v, num_microbatches=M_global, dp=layout.dp)
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+from torch import nn
+
+from ...model.config import ModelConfig
+from ...moe.routing.balancing import BalancingRouter, find_routers
+
+LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
+
+
+class MoEStats:
+    """Accumulates router statistics over the forwards of one step (see the module docstring)."""
+
+    def __init__(self, chunks: Sequence[nn.Module], *, model_config: ModelConfig):
+        """Hook every router of ``chunks``; ``model_config`` gives the MoE layer numbering and E."""
+        self.moe_layers = [i for i in model_config.layer_numbers() if model_config.is_moe_layer(i)]
+        self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
+        self.E = model_config.moe.num_experts
+        self.routers: List[BalancingRouter] = find_routers(chunks)
+        device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
+        self.counts_LE = torch.zeros(len(self.moe_layers), self.E, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=device)
+        self.dropped_LE = torch.zeros_like(self.counts_LE)
+        """This rank's dropped pairs per layer and expert (for the routing trace; not in :meth:`vector`)."""
+        self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def _hook(self, router: BalancingRouter, inputs, output) -> None:
+        with torch.no_grad():
+            counts = router.last_tokens_per_expert
+            if counts is not None:
+                self.counts_LE[self.row_of[router.layer_number]] += counts.to(self.counts_LE)
+            if router.last_dropped is not None:
+                self.dropped += router.last_dropped.to(self.dropped)
+            per_expert = getattr(router, "last_dropped_per_expert", None)
+            if per_expert is not None:
+                self.dropped_LE[self.row_of[router.layer_number]] += per_expert.to(self.dropped_LE)
+            for name, value in router.last_losses.items():
+                if name in LOSS_NAMES:
+                    self.losses[LOSS_NAMES.index(name)] += value.detach().to(self.losses).sum()
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Give every router's losses the gradient weight ``scale`` (1 / micro-batches per global batch)."""
+        for r in self.routers:
+            r.aux_loss_scale = scale
+
+    def reset(self) -> None:
+        """Forget the previous step."""
+        self.counts_LE.zero_()
+        self.dropped.zero_()
+        self.dropped_LE.zero_()
+        self.losses.zero_()
+
+    def vector(self) -> torch.Tensor:
+        """This rank's statistics as one flat float64 tensor (sum it over the world)."""
+        return torch.cat([self.counts_LE.flatten(), self.dropped.view(1), self.losses])
+
+    @property
+    def size(self) -> int:
+        """Length of :meth:`vector`."""
+        return self.counts_LE.numel() + 1 + len(LOSS_NAMES)
+
+    def summarize(self, summed: torch.Tensor, *, num_microbatches: int, dp: int, topk: int) -> Dict:
+        """Unpack a world-summed :meth:`vector`: ``counts_LE`` (list of lists), ``dropped_fraction``
+        (dropped ÷ routed (token, expert) pairs) and each loss's per-micro-batch mean (summed over layers)."""
+        n = self.counts_LE.numel()
+        counts = summed[:n].view(len(self.moe_layers), self.E)
+        dropped = float(summed[n])
+        kept = float(counts.sum())
+        losses = summed[n + 1 :]
+        out = {
+            "counts_LE": counts.tolist(),
+            "dropped_fraction": dropped / (kept + dropped) if kept + dropped > 0 else 0.0,
+        }
+        for i, name in enumerate(LOSS_NAMES):
+            v = float(losses[i]) / num_microbatches
+            if name == "global_aux_loss":
+                v /= dp
+            out[name] = v
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
