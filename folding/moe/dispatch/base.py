@@ -149,7 +149,7 @@ class TokenDispatcher:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None for dropless")
         if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError("pad_to_capacity (drop_and_pad) needs a capacity_factor; set one (e.g. 1.0)")
+            raise ValueError("pad_to_capacity needs a capacity_factor; set one (e.g. 1.0)")
 
     @property
     def dropless(self) -> bool:

@@ -91,7 +91,7 @@ class HierarchicalDispatcher(TokenDispatcher):
     def _check_capacity(self) -> None:
         super()._check_capacity()
         if self.pad_to_capacity:  # an adapter may have toggled it
-            raise ValueError("moe.dispatcher=hierarchical does not pad to capacity; turn drop_and_pad off")
+            raise ValueError("moe.dispatcher=hierarchical does not pad to capacity; turn pad_to_capacity off")
 
     # ------------------------------------------------------------------------------- dispatch
     def _preprocess(self, hidden, routing_map, probs):
