@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from benchmarks.dispatch_bounds import bound_variants
 from folding.interop.megatron.stages import MegatronDispatcher
+from folding.moe.dispatch.base import TokenDispatcher
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.routing.functions import topk_routing
 from folding.testing.rank_pool import RankPool
@@ -80,7 +81,7 @@ def _timed(fn):
 
 def _run(d, x0, rmap, probs0, g):
     x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-    d = d if isinstance(d, MegatronDispatcher) else MegatronDispatcher(d)
+    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # the engine's, behind the six stages
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     rows, _, rp = d.dispatch_postprocess(h, p)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from benchmarks.dispatch_bounds import bound_variants
 from folding.interop.megatron.stages import MegatronDispatcher
+from folding.moe.dispatch.base import TokenDispatcher
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.routing.functions import topk_routing
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -18,7 +19,7 @@ T, H, E, K = 64, 32, 16, 2
 def _job(d, x0, routing_map, probs0, g):
     """The benchmark's job through a dispatcher; returns the leaves' gradients."""
     x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-    d = d if isinstance(d, MegatronDispatcher) else MegatronDispatcher(d)
+    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # the engine's, behind the six stages
     h, p = d.dispatch_preprocess(x, routing_map, probs)
     rows, _, rp = d.dispatch_postprocess(*d.token_dispatch(h, p))
     y = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * 1.5 + rp.unsqueeze(-1))))

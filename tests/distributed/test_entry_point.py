@@ -284,7 +284,7 @@ PROBE = """
 import os, sys, threading
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from folding.training import launch
+from folding.launch import run as launch
 from folding.job.schema import register_schema
 register_schema()
 with initialize_config_dir(config_dir=os.path.join(sys.argv[1], "configs"), version_base="1.3"):
@@ -325,7 +325,7 @@ INTERRUPTED = """
 import os, signal, sys
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from folding.training import launch
+from folding.launch import run as launch
 from folding.job.schema import register_schema
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever launched this test
 register_schema()

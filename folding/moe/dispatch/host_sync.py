@@ -8,7 +8,7 @@ pad-to-capacity. The counter lets tests and benchmarks check that promise.
 
 Usage::
 
-    from folding.moe import host_sync
+    from folding.moe.dispatch import host_sync
     before = host_sync.count()
     splits = host_sync.to_host(counts_RE, reason="alltoall splits")   # nested Python lists
     assert host_sync.count() - before == 1
