@@ -7,7 +7,8 @@ interface; see :func:`~folding.moe.dispatch.build.build_dispatcher`).
 A dispatcher holds configuration and groups only. Each call's state (plan, token indices, shapes,
 per-expert counts on the host and the device, byte counts) is a :class:`DispatchRecord` that
 ``dispatch`` returns and that the experts and ``combine`` take back, so any number of micro-batches
-can be in flight through one dispatcher.
+can be in flight through one dispatcher. Between the stages of one call, a :class:`DispatchCall`
+carries the record built so far and what lives only until it is complete (counts in flight).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _group_ranks(group, name: str):
 class DispatchRecord:
     """One dispatch call's state, returned by ``dispatch`` and handed to the experts and ``combine``.
 
+    The stages build it as they learn its fields (:class:`DispatchCall` holds the record so far and
+    replaces it); the one handed out by ``dispatch`` has every field its dispatcher fills.
+
     Shape-suffix legend: ``L`` local experts (see docs/shapes.md).
     """
 
@@ -54,17 +58,18 @@ class DispatchRecord:
     """Activation dtype of the rows."""
     num_tokens: int
     """T, this rank's tokens."""
-    token_idx: torch.Tensor
+    token_idx: Optional[torch.Tensor] = None
     """Source token of every permuted row (what the combine's unpermute sums into)."""
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: Optional[torch.Tensor] = None
     """Rows per local expert ``[L]`` (int64, on the rows' device; derived there, no host copy)."""
-    tokens_per_expert_host: Tuple[int, ...]
+    tokens_per_expert_host: Tuple[int, ...] = ()
     """The same counts as Python ints, known on the host from the split sizes (for backends that
     need host sizes, such as TransformerEngine's ``m_splits``)."""
-    stats: Dict[str, Any]
+    stats: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Byte and row counts of this call (host numbers, no sync needed)."""
     plan: Any = None
-    """All-to-all: the call's :class:`~folding.moe.dispatch.permute.AllToAllPlan` (host split sizes)."""
+    """The call's route: all-to-all, its :class:`~folding.moe.dispatch.permute.AllToAllPlan` (host
+    split sizes); hierarchical, its :class:`~folding.moe.dispatch.hier_exchange.HierRoute`."""
     sliced: bool = False
     """All-to-all: rows exchanged one call per local expert (``per_expert_exchange``)."""
     chunks_sorted: bool = False
@@ -73,6 +78,33 @@ class DispatchRecord:
     """All-to-all: the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes)."""
     num_gathered: int = 0
     """All-gather: G, the rows after the gather (every rank's tokens)."""
+
+
+@dataclasses.dataclass
+class DispatchCall:
+    """One dispatch call in progress, between ``_preprocess`` and ``_postprocess``: the record so far
+    and the fields that live only until the record is complete (never kept by a dispatcher; the
+    six-stage adapter holds one between its stages).
+
+    Shape-suffix legend: ``T`` local tokens, ``Tg`` gathered tokens, ``E`` experts (docs/shapes.md).
+    """
+
+    record: DispatchRecord
+    """What the call knows so far (frozen: :meth:`learn` replaces it)."""
+    routing_map_TE: Optional[torch.Tensor] = None
+    """All-gather, hierarchical: the routing map the exchange moves or reads."""
+    map_TgE: Optional[torch.Tensor] = None
+    """All-gather: the routing map gathered over ETP×EP."""
+    counts_dev: Optional[torch.Tensor] = None
+    """All-to-all, hierarchical: the gathered per-expert counts ``[EP, ETP, *]`` on the device."""
+    counts_work: Any = None
+    """The EP count all-gather in flight (its work handle), ``None`` once waited for."""
+    counts_done: Optional[float] = None
+    """Its modelled completion under a link model (NCCL's order on the counts group)."""
+
+    def learn(self, **fields) -> None:
+        """Replace the record by one with ``fields`` set (names of :class:`DispatchRecord` only)."""
+        self.record = dataclasses.replace(self.record, **fields)
 
 
 class TokenDispatcher:
@@ -177,14 +209,14 @@ class TokenDispatcher:
     # ------------------------------------------------------- per-call stages (subclasses)
     def _preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
         """Local work before the dispatch communication: ``(rows, probs, call)``, ``call`` the
-        in-progress state of this call (plan, counts, pending count gather)."""
+        :class:`DispatchCall` of this call (its record so far, pending count gather)."""
         raise NotImplementedError
 
-    def _exchange(self, rows, probs, call):  # pragma: no cover - interface
+    def _exchange(self, rows, probs, call: DispatchCall):  # pragma: no cover - interface
         """The dispatch communication: ``(rows, probs)``."""
         raise NotImplementedError
 
-    def _postprocess(self, rows, probs, call):  # pragma: no cover - interface
+    def _postprocess(self, rows, probs, call: DispatchCall):  # pragma: no cover - interface
         """Local work after it: ``(tokens_NH, record, probs_N)``, expert-major."""
         raise NotImplementedError
 
