@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ...parallel.collectives import all_gather_single, group_rank, group_size
 from ...parallel.link_model import count_all_to_all, new_link_bytes
 from ...parallel.overlap import Exchange
-from ...quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
+from ...quant import dequantize, quantize_fp8_rowwise, quantize_mxfp8
 from .permute import inverse_order
 
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
@@ -103,8 +103,8 @@ def decode(parts: Sequence[torch.Tensor], fmt: str, hidden_size: int, dtype: tor
         return parts[0].view(dtype).reshape(n, H)
     data = parts[0].view(torch.float8_e4m3fn)
     if fmt == "fp8":
-        return dequantize_fp8_rowwise(data, parts[1].view(torch.float32).reshape(n, 1), dtype)
-    return dequantize_mxfp8(data, parts[1], dtype)
+        return dequantize(data, parts[1].view(torch.float32).reshape(n, 1), dtype)
+    return dequantize(data, parts[1], dtype, block=(1, MX_BLOCK))
 
 
 # ------------------------------------------------------------------------------- raw byte moves
