@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.collectives import group_rank
-from .wire import WIRE_FORMATS, check_wire
+from .wire import check_wire, check_wire_format
 
 
 def _group_ranks(group, name: str):
@@ -162,26 +162,23 @@ class TokenDispatcher:
                 f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
                 f"{self.ep_size} = {self.num_local_experts}"
             )
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
-        if pad_to_capacity and capacity_factor is None:
-            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
+        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
+        self._check_capacity()
         for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire), ("grad_wire", grad_wire)):
-            if fmt not in WIRE_FORMATS:
-                raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+            check_wire_format(f"moe.{name}", fmt)
         self.num_experts, self.topk = num_experts, topk
         self.ep_group, self.etp_group = ep_group, etp_group
         self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
-        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
         self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
         self.local_expert_offset = self.ep_rank * self.num_local_experts
 
     def _check_capacity(self) -> None:
-        """The capacity settings as they are now (an adapter that toggles them calls this)."""
+        """The capacity settings as they are now: checked when built, and again by an adapter that
+        changes them between calls (never per call)."""
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None for dropless")
         if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError("pad_to_capacity (drop_and_pad) needs a capacity_factor; set one (e.g. 1.0)")
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
 
     @property
     def dropless(self) -> bool:
@@ -189,8 +186,9 @@ class TokenDispatcher:
         return self.capacity_factor is None
 
     def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
-        """Check capacity settings, shapes and wire formats (before any collective); return H."""
-        self._check_capacity()
+        """Check the call's shapes and the wire formats against its dtype and H (before any collective;
+        the settings themselves were checked when built); return H."""
+        assert not self.pad_to_capacity or self.capacity_factor is not None, "checked by _check_capacity"
         if hidden.dim() not in (2, 3):
             raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
         H = hidden.shape[-1]

@@ -49,6 +49,16 @@ from .permute import check_dropless
 from .wire import payload_bytes_per_row
 
 
+def refuse_padding(pad_to_capacity: bool) -> None:
+    """Raise if ``pad_to_capacity``: the de-duplicated row counts are not static (the one wording of this
+    rule, for this dispatcher and for :func:`~folding.moe.dispatch.build.build_dispatcher`'s one-node case)."""
+    if pad_to_capacity:
+        raise ValueError(
+            "moe.dispatcher=hierarchical does not pad to capacity (its de-duplicated row counts "
+            "are not static); set moe.pad_to_capacity=false or moe.dispatcher=alltoall"
+        )
+
+
 class HierarchicalDispatcher(TokenDispatcher):
     """Hierarchical dispatcher (see the module docstring); arguments as :class:`TokenDispatcher`, plus:
 
@@ -60,12 +70,7 @@ class HierarchicalDispatcher(TokenDispatcher):
     """
 
     def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, **kwargs):
-        super().__init__(**kwargs)
-        if self.pad_to_capacity:
-            raise ValueError(
-                "moe.dispatcher=hierarchical does not pad to capacity (its de-duplicated row counts "
-                "are not static); set moe.pad_to_capacity=false or moe.dispatcher=alltoall"
-            )
+        super().__init__(**kwargs)  # refuses pad_to_capacity (:meth:`_check_capacity`)
         ep = _group_ranks(self.ep_group, "ep_group")
         node = _group_ranks(node_group, "node_group")
         rail = _group_ranks(rail_group, "rail_group")
@@ -88,9 +93,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         self.ranks_per_node, self.num_nodes = g, nd
 
     def _check_capacity(self) -> None:
+        """The base's capacity checks, and no padding to capacity (see :func:`refuse_padding`)."""
         super()._check_capacity()
-        if self.pad_to_capacity:  # an adapter may have toggled it
-            raise ValueError("moe.dispatcher=hierarchical does not pad to capacity; turn drop_and_pad off")
+        refuse_padding(self.pad_to_capacity)
 
     # ------------------------------------------------------------------------------- dispatch
     def _preprocess(self, hidden, routing_map, probs):

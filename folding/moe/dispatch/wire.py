@@ -48,10 +48,17 @@ MX_BLOCK = 32
 _QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_wire(setting: str, fmt: str, dtype: torch.dtype, hidden_size: int) -> None:
-    """Raise ``ValueError`` naming ``setting`` if format ``fmt`` cannot carry ``dtype`` rows of ``hidden_size``."""
+def check_wire_format(setting: str, fmt: str) -> None:
+    """Raise ``ValueError`` naming ``setting`` unless ``fmt`` is one of :data:`WIRE_FORMATS` (checked
+    once, when a dispatcher is built)."""
     if fmt not in WIRE_FORMATS:
         raise ValueError(f"{setting}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+
+
+def check_wire(setting: str, fmt: str, dtype: torch.dtype, hidden_size: int) -> None:
+    """Raise ``ValueError`` naming ``setting`` if format ``fmt`` (a wire format,
+    :func:`check_wire_format`) cannot carry ``dtype`` rows of ``hidden_size`` (known per call)."""
+    assert fmt in WIRE_FORMATS, "checked by check_wire_format when the dispatcher was built"
     if fmt == "none":
         return
     if dtype not in _QUANT_DTYPES:
