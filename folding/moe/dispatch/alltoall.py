@@ -34,12 +34,10 @@ Usage::
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ...parallel import link_model, overlap
 from ...parallel.collectives import all_gather_nograd, all_gather_start
+from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher
 from .permute import (
@@ -144,8 +142,12 @@ class AllToAllDispatcher(TokenDispatcher):
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
-            call.counts_done = link_model.issue(self.counts_group, 0.0)
+            call.counts_dev, work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
+            # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+            # an instrument's link model keeps its place in the counts group's order (NCCL's)
+            call.counts_work = Exchange(
+                [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
+            )
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
@@ -159,12 +161,9 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _read_counts(self, call: DispatchCall) -> None:
         if call.counts_work is not None:
-            # the host read of the counts blocks until the all-gather completes: under the link model,
+            # the host read of the counts blocks until the all-gather completes: under a link model,
             # after everything issued before it on the EP group (NCCL's order); that time is exposed
-            t0 = time.perf_counter()
             call.counts_work.wait()
-            link_model.complete(call.counts_done)
-            overlap.stats.blocked_s += time.perf_counter() - t0
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:

@@ -98,9 +98,8 @@ class DispatchCall:
     counts_dev: Optional[torch.Tensor] = None
     """All-to-all, hierarchical: the gathered per-expert counts ``[EP, ETP, *]`` on the device."""
     counts_work: Any = None
-    """The EP count all-gather in flight (its work handle), ``None`` once waited for."""
-    counts_done: Optional[float] = None
-    """Its modelled completion under a link model (NCCL's order on the counts group)."""
+    """The EP count all-gather in flight (all-to-all: its :class:`~folding.parallel.overlap.Exchange`;
+    hierarchical: its work handle), ``None`` once waited for."""
 
     def learn(self, **fields) -> None:
         """Replace the record by one with ``fields`` set (names of :class:`DispatchRecord` only)."""
