@@ -54,8 +54,7 @@ import torch.distributed as dist
 
 from benchmarks.dispatch_bounds import bound_variants
 from folding.interop.megatron.stages import MegatronDispatcher
-from folding.moe.dispatch.base import TokenDispatcher
-from folding.moe.dispatch.build import build_dispatcher
+from folding.moe.dispatch.build import TokenDispatcher, build_dispatcher
 from folding.moe.routing.functions import topk_routing
 from folding.testing.rank_pool import RankPool
 
@@ -81,7 +80,7 @@ def _timed(fn):
 
 def _run(d, x0, rmap, probs0, g):
     x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # the engine's, behind the six stages
+    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # Megatron-Core's own: as it is
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     rows, _, rp = d.dispatch_postprocess(h, p)
@@ -138,7 +137,8 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
         g = torch.randn(tokens, hidden, generator=gen)
         # the raw floor: this rank's real split sizes over EP, four all-to-alls of hidden rows
         _run(fd, x, rmap, probs, g)
-        send, recv = list(fd._stage_record.plan.input_splits), list(fd._stage_record.plan.output_splits)
+        plan = fd.dispatch(x, rmap, probs)[1].plan  # this rank's split sizes (the record of one call)
+        send, recv = list(plan.input_splits), list(plan.output_splits)
         a = torch.randn(sum(send), hidden)
         b = torch.empty(sum(recv), hidden)
 
@@ -153,7 +153,7 @@ def on_rank(layout, tokens, hidden, experts, topk, iters, warmup, threads, prefa
             ("raw", raw),
         ]
         if bounds and layout["etp"] == 1:
-            variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=fd._stage_record.plan)
+            variants += bound_variants(x, rmap, probs, g, group=md.ep_group, plan=plan)
         times = {name: [] for name, _ in variants}
         cpu = {name: [] for name, _ in variants}
         for i in range(warmup + iters):

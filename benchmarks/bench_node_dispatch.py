@@ -9,7 +9,7 @@ group per node) and runs one MoE layer's forward and backward: dispatch, a SwiGL
 same routing, alternating step by step in one process group.
 
 gloo on one machine has no slow link, so the two-class link model
-(:func:`folding.parallel.link_model.link_model`) makes every EP exchange complete no earlier than its
+(:func:`folding.testing.link_model.link_model`) makes every EP exchange complete no earlier than its
 latency plus its bytes over each link class's bandwidth: inter-node (global rank // G differs) and
 intra-node. The NIC : NVLink ratio is an H100 node's, 50 : 450 GB/s (1 : 9); by default both are scaled so
 that one ``alltoall`` exchange's inter-node bytes take about one layer's compute (forward + backward) on
@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 from folding.moe.dispatch.build import build_dispatcher
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel import link_model as lm
 from folding.testing import RankPool
+from folding.testing import link_model as lm
 
 NIC_TO_NVLINK = 9.0
 """An H100 node's NVLink bandwidth over its NIC's per GPU: 450 / 50 GB/s per direction."""

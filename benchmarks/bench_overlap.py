@@ -1,13 +1,13 @@
 """Overlap benchmark: how much MoE communication ``parallel.overlap_moe_comm`` hides, on CPU ranks.
 
 gloo on a small CPU machine has no network worth hiding, so the engine's link model
-(:func:`folding.parallel.overlap.link_latency`) makes every EP token exchange complete no earlier than
+(:func:`folding.testing.link_model.link_latency`) makes every EP token exchange complete no earlier than
 ``--link-latency-ms`` after it was issued, by sleeping (no CPU used), as a slow network would. Four
 gloo ranks (``folding.testing.RankPool``) train a small Mixtral-shaped MoE model in the chosen layout
 for ``--steps`` optimizer steps, alternating overlap off and on step by step in one process group
 (the same model trains on; the first ``--warmup`` steps of each mode are not counted). Per step it
 records the wall time and the time every rank spent blocked in exchange waits and count reads (the
-*exposed* communication, :data:`folding.parallel.overlap.stats`), and reports the medians. The link
+*exposed* communication, :func:`folding.testing.overlap_audit.wait_stats`), and reports the medians. The link
 model keeps NCCL's order by default (an operation on a process group completes no earlier than every
 one issued before it there; ``--no-nccl-order`` drops the rule), and the JSON says which at its top
 level (``"nccl_order"``):
@@ -49,9 +49,11 @@ from folding.model.chunks import build_stage_chunks, set_moe_overlap
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
-from folding.parallel import build_parallel_state, overlap
+from folding.parallel import build_parallel_state
 from folding.pipeline.stage import run_microbatches
 from folding.testing import RankPool
+from folding.testing.link_model import link_latency
+from folding.testing.overlap_audit import wait_stats
 
 LAYOUTS = {
     "ep4": dict(ep=4, etp=1),
@@ -120,13 +122,13 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         t0 = time.perf_counter()
         run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
         forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
-        with overlap.link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"]):
+        with link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"]), wait_stats() as waits:
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
                 set_moe_overlap(chunks, overlap_moe_comm=on, delay_wgrad=on and a["delay_wgrad"])
                 mbs = _batch(job, M, gen)
                 dist.barrier()
-                overlap.stats.reset()
+                waits.reset()
                 t0 = time.perf_counter()
                 optimizer.zero_grad()
                 run_microbatches(
@@ -137,7 +139,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                     no_sync=optimizer.no_sync,
                     overlap=on,
                 )
-                blocked = overlap.stats.blocked_s
+                blocked = waits.blocked_s
                 optimizer.clip_and_step()
                 seconds = time.perf_counter() - t0
                 records.append(

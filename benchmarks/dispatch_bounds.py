@@ -23,7 +23,8 @@ bookkeeping: no checks, statistics, wire formats or overlap. Every message is on
 
 Usage (inside a rank of the benchmark)::
 
-    for name, fn in bound_variants(x, routing_map, probs, grad, group=ep_group, plan=dispatcher._stage_record.plan):
+    plan = dispatcher.dispatch(x, routing_map, probs)[1].plan   # the split sizes of one call's record
+    for name, fn in bound_variants(x, routing_map, probs, grad, group=ep_group, plan=plan):
         fn()
 """
 

@@ -234,6 +234,7 @@ class MoEConfig:
             _choice(f, getattr(self, f), WIRE_FORMATS)
         _choice("expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        self._validate_backend_recipe()
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
             fix = "set moe.trace_dir=PATH, or null for no trace"
             _fail("trace_dir", self.trace_dir, "must be a directory path", fix)
@@ -246,6 +247,24 @@ class MoEConfig:
                 True,
                 "there is no shared expert",
                 "set moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate=false",
+            )
+
+    def _validate_backend_recipe(self) -> None:
+        """The expert backend × FP8 recipe pairs no machine runs (what a given machine runs is
+        :func:`folding.moe.experts.select.check_backend`'s, with the device)."""
+        if self.expert_backend == "emulated" and self.fp8_recipe is None:
+            _fail(
+                "expert_backend",
+                "emulated",
+                "emulates an FP8 recipe and moe.fp8_recipe is null",
+                "set moe.fp8_recipe (e.g. mxfp8), or moe.expert_backend=loop",
+            )
+        if self.expert_backend == "loop" and self.fp8_recipe is not None:
+            _fail(
+                "expert_backend",
+                "loop",
+                f"computes in high precision, not moe.fp8_recipe={self.fp8_recipe!r}",
+                "use moe.expert_backend='emulated', 'torch' or 'te' (or auto), or moe.fp8_recipe=null",
             )
 
     def _validate_replicas(self) -> None:

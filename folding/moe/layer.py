@@ -157,11 +157,6 @@ class MoELayer(nn.Module):
         self.replica_table = empty_table(ep, self.num_replicas)
         """The slot table (:mod:`folding.moe.replicas.table`): the expert each replica slot computes; all
         empty until the first plan (:meth:`set_replica_table`)."""
-        if config.ffn_hidden_size % d.etp_size:
-            raise ValueError(
-                f"config.ffn_hidden_size={config.ffn_hidden_size} is not divisible by the size {d.etp_size} "
-                "of etp_group; use an ETP group whose size divides it"
-            )
         self.router = Router(
             hidden_size=hidden_size,
             config=config,
@@ -250,8 +245,7 @@ class MoELayer(nn.Module):
         ``num_sequences`` and ``padding_mask`` are passed to the router (see ``Router.forward``):
         padding tokens are routed and computed like others but count in no loss.
         """
-        if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.hidden_size:
-            raise ValueError(f"MoELayer expects [S, B, H={self.hidden_size}] or [T, H], got {tuple(hidden.shape)}")
+        # hidden's shape: checked by the router, the first to read it (before any collective)
         probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
         shared = None
         if self.shared_expert is not None:

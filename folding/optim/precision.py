@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..quant import dequantize
+
 STATE_DTYPES = ("fp32", "bf16", "fp8")
 """Names accepted by ``optim.exp_avg_dtype`` and ``optim.exp_avg_sq_dtype``."""
 MASTER_DTYPES = ("fp32", "bf16")
@@ -104,7 +106,7 @@ class StateShard:
             return self.data
         if self.dtype == "bf16":
             return self.data.float()
-        x = (self.data.float().view(-1, FP8_BLOCK) * self.scale[:, None]).view(-1)[: self.n]
+        x = dequantize(self.data, self.scale, block=(1, FP8_BLOCK))[: self.n]
         return x.square() if self.sqrt_domain else x
 
     def write(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:

@@ -15,14 +15,14 @@ other.
   right after issuing ``async_op=True`` collectives, ``.wait()`` before reading their outputs. Between
   the two it runs the work deferred with :func:`defer` (the shared expert during its own dispatch),
   then hands the baton to the other lane of the pair, if any.
-- :func:`link_latency` (benchmarks and tests only): a link model under which every token exchange
-  completes no earlier than a set time after it was issued, by sleeping (no CPU used), as a slow
-  network would; :func:`folding.parallel.link_model.link_model` extends it to two link classes
-  (inter-node and intra-node, each with its bandwidth), the exchange's bytes on each counted.
-- :func:`audit` records, for each exchange, the compute operations issued between its start and its
-  wait (the order audit of the overlap tests).
-- :data:`stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed time) and
-  counts the pairs run and the hand-overs between their lanes (the trainer reports both per step).
+- :data:`stats` counts the pairs run and the hand-overs between their lanes (the trainer reports both
+  per step).
+- :func:`observe` is the neutral hook of test and benchmark instruments, which live in
+  :mod:`folding.testing` and which the engine never imports: the link model
+  (:mod:`folding.testing.link_model`, every EP exchange completes no earlier than a modelled time),
+  the order audit and the wait statistics (:mod:`folding.testing.overlap_audit`). While one watches,
+  the wire counts each exchange's bytes into an :class:`ExchangeBytes` (:func:`exchange_bytes`);
+  :func:`steady_state` marks where a schedule runs its pairs, for the audit.
 
 The baton is held by lanes, not threads: a lane may be served by another thread (the autograd engine
 runs CUDA backward on its own device thread), so the state is module-level and guarded by one
@@ -44,9 +44,6 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-
-from . import link_model as _links
-from .link_model import LinkBytes, link_latency  # noqa: F401  (link_latency: this module's name for it)
 
 # ------------------------------------------------------------------------------------ the baton
 
@@ -186,15 +183,13 @@ def defer(fn: Callable[[], Any]) -> Deferred:
     return d
 
 
-# ------------------------------------------------------------------------------ link model & stats
+# --------------------------------------------------------------------------------- the baton's counts
 
 
 @dataclasses.dataclass
 class Stats:
-    """Time blocked in exchange waits since the last :meth:`reset` (seconds)."""
+    """The pairs run and the hand-overs between their lanes since the last :meth:`reset`."""
 
-    blocked_s: float = 0.0
-    """Wall time spent waiting for exchanges to complete (what the exchanges cost the critical path)."""
     pairs: int = 0
     """Pairs run as two lanes (:func:`run_pair` outside another pair): proof that overlap was on."""
     hand_overs: int = 0
@@ -202,17 +197,15 @@ class Stats:
 
     def reset(self) -> None:
         """Zero the counters."""
-        self.blocked_s = 0.0
         self.pairs = 0
         self.hand_overs = 0
 
 
 stats = Stats()
-"""Process-wide exchange-wait counters (read by benchmarks)."""
+"""Process-wide counters of the baton (the trainer reports them per step)."""
 
-# ------------------------------------------------------------------------------------- the audit
+# ------------------------------------------------------------------------------------ instruments
 
-_audit_log: Optional[List[Dict[str, Any]]] = None
 _steady = [False]
 
 
@@ -229,36 +222,61 @@ def steady_state() -> Iterator[None]:
 
 
 _audit_mode: Optional[Callable[[], Any]] = None
-_op_count = [0]
+"""A context factory the helper lane of a pair enters (an instrument's: the order audit's operation
+counter, :mod:`folding.testing.overlap_audit`); ``None`` in the engine."""
 
 
-def _counting_mode():
-    """A dispatch mode that counts the compute operations (every aten op but views and metadata)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class ExchangeObserver:
+    """What an instrument installed with :func:`observe` is told about every exchange (no-ops here).
 
-    class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func._schema.is_mutable and "view" not in func.__name__:
-                _op_count[0] += 1
-            return func(*args, **(kwargs or {}))
+    Test and benchmark instruments (:mod:`folding.testing.link_model`,
+    :mod:`folding.testing.overlap_audit`) watch the exchanges this way; the engine knows none of them."""
 
-    return _Count()
+    def issued(self, ex: "Exchange") -> None:
+        """``ex`` was created, right after its collectives were issued."""
+
+    def settle(self, ex: "Exchange") -> None:
+        """``ex``'s collectives completed; an instrument may block here (a link model sleeps until the
+        modelled completion)."""
+
+    def finished(self, ex: "Exchange", waited_s: float) -> None:
+        """``ex``'s wait is over; ``waited_s``: the seconds it blocked (every settle included)."""
+
+
+_observers: List[ExchangeObserver] = []
 
 
 @contextlib.contextmanager
-def audit() -> Iterator[List[Dict[str, Any]]]:
-    """Record every exchange inside the block: a list of ``{"what", "steady", "paired", "ops"}``,
-    where ``ops`` counts the compute operations this process issued between the exchange's start and
-    its wait (in either lane), ``steady`` says whether it started inside :func:`steady_state` and
-    ``paired`` whether a pair was running with its other lane alive when it was waited on."""
-    global _audit_log, _audit_mode
-    log: List[Dict[str, Any]] = []
-    _audit_log, _audit_mode = log, _counting_mode
+def observe(observer: ExchangeObserver) -> Iterator[ExchangeObserver]:
+    """Tell ``observer`` about every exchange inside the block (observers are told in the order they
+    were installed); yields it."""
+    _observers.append(observer)
     try:
-        with _counting_mode():
-            yield log
+        yield observer
     finally:
-        _audit_log, _audit_mode = None, None
+        _observers.remove(observer)
+
+
+class ExchangeBytes:
+    """The messages of one exchange, for an instrument that prices them (a link model): per message its
+    process group and the bytes sent to / received from each rank of it. Collected only while an
+    instrument watches (:func:`exchange_bytes`)."""
+
+    __slots__ = ("messages",)
+
+    def __init__(self) -> None:
+        self.messages: List[Tuple[Any, List[int], List[int]]] = []
+
+    def add(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> None:
+        """One message over ``group`` (``None``: the world): ``send_bytes[i]`` / ``recv_bytes[i]`` to /
+        from its rank ``i``."""
+        self.messages.append((group, list(send_bytes), list(recv_bytes)))
+
+
+def exchange_bytes() -> Optional[ExchangeBytes]:
+    """An empty :class:`ExchangeBytes` to count one exchange's messages into while an instrument
+    watches (:func:`observe`); ``None`` otherwise (nothing to count)."""
+    return ExchangeBytes() if _observers else None
 
 
 # ---------------------------------------------------------------------------------- the exchange
@@ -268,15 +286,28 @@ class Exchange:
     """Collectives issued together (``async_op=True``) for one token exchange, waited on once.
 
     Create it right after issuing them; :meth:`wait` runs the deferred work, hands the baton to the
-    other lane of a running pair, then waits for the collectives (and, under a link model, until the
-    modelled duration has passed since the start: :mod:`folding.parallel.link_model`). ``what`` names the
-    exchange in the audit; ``linked``: an EP exchange (the only kind the link model delays); ``link_bytes``:
-    its bytes per link class (``None``: the latency alone applies); ``group``: the process group its
-    collectives run on, whose issue order the link model keeps (NCCL's rule:
-    :func:`folding.parallel.link_model.issue`).
+    other lane of a running pair, then waits for the collectives. ``what`` names the exchange (in the
+    order audit); ``linked``: an EP exchange (the only kind a link model delays); ``link_bytes``: its
+    messages' bytes (:func:`exchange_bytes`; ``None``: not counted); ``group``: the process group its
+    collectives run on (whose issue order a link model keeps, as NCCL does); ``overlap_point``:
+    ``False`` for a wait that only reads a result (the token counts), which runs no deferred work and
+    hands nothing over. Instruments installed with :func:`observe` are told of its issue and its wait
+    (:class:`ExchangeObserver`).
     """
 
-    __slots__ = ("works", "what", "start", "ops", "linked", "done", "steady", "link_bytes", "done_at")
+    __slots__ = (
+        "works",
+        "what",
+        "start",
+        "linked",
+        "done",
+        "steady",
+        "link_bytes",
+        "group",
+        "overlap_point",
+        "paired",
+        "marks",
+    )
 
     def __init__(
         self,
@@ -284,39 +315,40 @@ class Exchange:
         *,
         what: str,
         linked: bool = True,
-        link_bytes: Optional[LinkBytes] = None,
+        link_bytes: Optional[ExchangeBytes] = None,
         group: Any = None,
+        overlap_point: bool = True,
     ):
         self.works = list(works)
         self.what = what
         self.linked = linked
         self.link_bytes = link_bytes
+        self.group = group
+        self.overlap_point = overlap_point
         self.start = time.perf_counter()
-        self.ops = _op_count[0]
         self.steady = _steady[0]
+        self.paired = False
+        """Whether a pair was running with its other lane alive when this was waited on."""
         self.done = False
-        model = _links.current()
-        duration = 0.0
-        if linked and model.active:
-            duration = model.latency_s if link_bytes is None else link_bytes.duration(model)
-            if link_bytes is not None:
-                _links.traffic.record(link_bytes)
-        self.done_at = _links.issue(group, duration)
+        self.marks: Dict[str, Any] = {}
+        """Notes of the instruments watching (:class:`ExchangeObserver`), by their own keys."""
+        for o in _observers:
+            o.issued(self)
 
     def wait(self) -> None:
         """Complete the exchange (see the class docstring); a second call does nothing."""
         if self.done:
             return
         self.done = True
-        flush_deferred()
-        paired = in_pair()
-        _hand_over()
+        if self.overlap_point:
+            flush_deferred()
+            self.paired = in_pair()
+            _hand_over()
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
-        _links.complete(self.done_at)
-        stats.blocked_s += time.perf_counter() - t0
-        if _audit_log is not None:
-            _audit_log.append(
-                {"what": self.what, "steady": self.steady, "paired": paired, "ops": _op_count[0] - self.ops}
-            )
+        for o in _observers:
+            o.settle(self)
+        waited = time.perf_counter() - t0
+        for o in _observers:
+            o.finished(self, waited)

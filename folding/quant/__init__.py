@@ -5,35 +5,29 @@ them to emulate FP8 GEMMs on CPU and the token dispatcher uses them as wire form
 
 Usage::
 
-    from folding.quant import quantize_mxfp8, dequantize_mxfp8, fake_quant
+    from folding.quant import quantize_mxfp8, dequantize, fake_quant
     data, scales = quantize_mxfp8(x, scale_mode="rceil")
-    x_hat = dequantize_mxfp8(data, scales, torch.bfloat16)
+    x_hat = dequantize(data, scales, torch.bfloat16, block=(1, 32))   # the one decode of every format
 
 See docs/precision.md for the formats, the recipes and the measured errors.
 """
 
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES, emulated_linear, fake_quant, quant_dequant
-from folding.quant.formats import cast_to_fp8, e8m0_to_float, fp8_max
+from folding.quant.formats import cast_to_fp8, dequantize, e8m0_to_float, fp8_max
 from folding.quant.fp8 import (
-    dequantize_fp8_blockwise,
-    dequantize_fp8_rowwise,
-    dequantize_fp8_tensorwise,
     quantize_fp8_blockwise,
     quantize_fp8_rowwise,
     quantize_fp8_tensorwise,
 )
-from folding.quant.mx import SCALE_MODES, dequantize_mxfp8, quantize_mxfp8
+from folding.quant.mx import SCALE_MODES, quantize_mxfp8
 
 __all__ = [
     "DelayedScaling",
     "RECIPES",
     "SCALE_MODES",
     "cast_to_fp8",
-    "dequantize_fp8_blockwise",
-    "dequantize_fp8_rowwise",
-    "dequantize_fp8_tensorwise",
-    "dequantize_mxfp8",
+    "dequantize",
     "e8m0_to_float",
     "emulated_linear",
     "fake_quant",

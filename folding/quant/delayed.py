@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from folding.quant.formats import cast_to_fp8, fp8_max
+from folding.quant.formats import cast_to_fp8, dequantize, fp8_max
 
 
 class DelayedScaling:
@@ -44,7 +44,7 @@ class DelayedScaling:
         scale = self._scale.get(key)
         if scale is None:
             scale = torch.ones((), dtype=torch.float32, device=x.device)
-        out = (cast_to_fp8(x.float() * scale, fmt).float() * (1.0 / scale)).to(x.dtype)
+        out = dequantize(cast_to_fp8(x.float() * scale, fmt), 1.0 / scale, x.dtype)
         if x.numel():
             amax = x.detach().abs().amax().float().reshape(1)
         else:

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from folding.quant.formats import dequantize
 from folding.quant.fp8 import (
-    dequantize_fp8_blockwise,
-    dequantize_fp8_rowwise,
-    dequantize_fp8_tensorwise,
     quantize_fp8_blockwise,
     quantize_fp8_rowwise,
     quantize_fp8_tensorwise,
@@ -74,17 +72,17 @@ def quant_dequant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = 
     if recipe in ("delayed", "tensorwise"):
         fmt = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
         data, s_inv = quantize_fp8_tensorwise(x, fmt)
-        return dequantize_fp8_tensorwise(data, s_inv, x.dtype)
+        return dequantize(data, s_inv, x.dtype)
     if recipe == "blockwise":
         if role == "weight":
             data, s_inv = quantize_fp8_blockwise(x, (128, 128))
-            return dequantize_fp8_blockwise(data, s_inv, (128, 128), x.dtype)
+            return dequantize(data, s_inv, x.dtype, block=(128, 128))
         xt = x.movedim(dim, -1)
         data, s_inv = quantize_fp8_blockwise(xt, (1, 128))
-        return dequantize_fp8_blockwise(data, s_inv, (1, 128), x.dtype).movedim(-1, dim)
+        return dequantize(data, s_inv, x.dtype, block=(1, 128)).movedim(-1, dim)
     if recipe == "rowwise":
         data, s_inv = quantize_fp8_rowwise(x.movedim(dim, -1), torch.float8_e4m3fn, power_2_scale=True)
-        return dequantize_fp8_rowwise(data, s_inv, x.dtype).movedim(-1, dim)
+        return dequantize(data, s_inv, x.dtype).movedim(-1, dim)
     return fake_quant_mxfp8(x, dim=dim, block_size=32, scale_mode="rceil")
 
 

@@ -6,14 +6,20 @@ Plain PyTorch, no kernels: everything here runs on CPU and GPU alike.
   round-to-nearest-even, NaN kept NaN. OCP e4m3 (``torch.float8_e4m3fn``) has no infinity, so an
   infinite input becomes NaN there; e5m2 keeps infinities.
 - E8M0 scale bytes: ``byte = X + 127`` encodes 2^X for X in [-127, 127]; byte 255 is NaN.
+- :func:`dequantize` is the one decode of every scaled format (per tensor, per row, per block,
+  MXFP8): each code times the inverse scale of its group, in float32, cast to the wanted dtype.
 
 Usage::
 
     data = cast_to_fp8(x_f32 * scale, torch.float8_e4m3fn)
     s = e8m0_to_float(scale_bytes)            # float32 powers of two (NaN for byte 255)
+    x_hat = dequantize(data, scale_inv, torch.bfloat16)                 # per tensor / per row
+    x_hat = dequantize(data, scale_bytes, block=(1, 32))                # MXFP8 (E8M0 scales)
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -59,6 +65,58 @@ def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
     b = scale_bytes.to(torch.int32)
     val = torch.exp2((b - E8M0_BIAS).float())
     return torch.where(b == E8M0_NAN, torch.full_like(val, float("nan")), val)
+
+
+def blocked(x: torch.Tensor, block: tuple[int, int]):
+    """View ``x`` (``[..., M, K]`` in float32, zero-padded to whole blocks) as ``[..., Mb, bm, Kb, bk]``;
+    returns the view and ``(M, K)``."""
+    bm, bk = block
+    m, k = x.shape[-2], x.shape[-1]
+    pm, pk = (-m) % bm, (-k) % bk
+    xp = torch.nn.functional.pad(x.float(), (0, pk, 0, pm)) if (pm or pk) else x.float()
+    lead = xp.shape[:-2]
+    return xp.reshape(*lead, (m + pm) // bm, bm, (k + pk) // bk, bk), (m, k)
+
+
+def dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    block: Optional[tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Decode scaled low-precision codes: ``data.float()`` times the inverse scale of each element's
+    group, cast to ``dtype`` (the inverse of every quantizer of :mod:`folding.quant`).
+
+    - ``block=None``: ``scale_inv`` broadcasts against ``data``: a 0-dim tensor (one scale per
+      tensor) or ``data.shape[:-1] + (1,)`` (one per row).
+    - ``block=(bm, bk)``: one scale per ``bm×bk`` block of the last two dimensions (partial edge
+      blocks allowed; 1-D ``data`` is one row): ``scale_inv`` of shape
+      ``data.shape[:-2] + (ceil(M/bm), ceil(K/bk))``. MXFP8 is ``block=(1, 32)``.
+
+    ``scale_inv`` is float32, or uint8 E8M0 bytes (MXFP8: ``2^(byte-127)``, byte 255 makes its
+    whole block NaN).
+    """
+    if scale_inv.dtype == torch.uint8:
+        scale_inv = e8m0_to_float(scale_inv)
+    if block is None:
+        return (data.float() * scale_inv).to(dtype)
+    if data.dim() == 0 or len(block) != 2 or min(block) <= 0:
+        raise ValueError(f"block={block} dequantizes blocks of the last two dimensions of a tensor; got a 0-dim one")
+    one_d = data.dim() == 1
+    d2 = data.unsqueeze(0) if one_d else data
+    s2 = scale_inv.unsqueeze(0) if one_d else scale_inv
+    db, (m, k) = blocked(d2, block)
+    want = tuple(db.shape[:-4]) + (db.shape[-4], db.shape[-2])
+    if tuple(s2.shape) != want:
+        raise ValueError(
+            f"scales shape {tuple(scale_inv.shape)} does not match data shape {tuple(data.shape)} with "
+            f"block={tuple(block)}; expected {want[1:] if one_d else want}"
+        )
+    out = db * s2.unsqueeze(-1).unsqueeze(-3)
+    out = out.reshape(*db.shape[:-4], db.shape[-4] * block[0], db.shape[-2] * block[1])[..., :m, :k]
+    out = out.squeeze(0) if one_d else out
+    return out.to(dtype)
 
 
 def floor_log2(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """FP8 with float32 amax scaling: per tensor, per row, and 1×128 / 128×128 blocks.
 
 The scale of a group of values (a tensor, a row, a block) maps its amax onto the format's max:
-``scale = fp8_max / amax`` and ``data = cast_to_fp8(x * scale)``; dequantization multiplies by
+``scale = fp8_max / amax`` and ``data = cast_to_fp8(x * scale)``; dequantization
+(:func:`folding.quant.formats.dequantize`, the one decode of every format) multiplies by
 ``scale_inv = 1 / scale``. A group whose amax is 0 gets scale 1 (zeros stay exactly zero); a group
 holding a NaN or an Inf dequantizes to NaN. With ``power_2_scale=True`` the scale is rounded down
 to a power of two (so that ``x * scale`` is exact and nothing saturates), as the Hopper blockwise
@@ -17,15 +18,16 @@ recipe does.
 Usage::
 
     data, scale_inv = quantize_fp8_rowwise(x)            # scale_inv: float32 x.shape[:-1] + (1,)
-    x_hat = dequantize_fp8_rowwise(data, scale_inv)       # = data.float() * scale_inv
+    x_hat = dequantize(data, scale_inv)                   # = data.float() * scale_inv
     data, s_inv = quantize_fp8_blockwise(w_NK, block=(128, 128))
+    w_hat = dequantize(data, s_inv, block=(128, 128))
 """
 
 from __future__ import annotations
 
 import torch
 
-from folding.quant.formats import cast_to_fp8, floor_log2, fp8_max
+from folding.quant.formats import blocked, cast_to_fp8, floor_log2, fp8_max
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
@@ -53,13 +55,6 @@ def quantize_fp8_tensorwise(
     return _quantize(x, scale, dtype), 1.0 / scale
 
 
-def dequantize_fp8_tensorwise(
-    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``data.float() * scale_inv`` cast to ``dtype``."""
-    return (data.float() * scale_inv).to(dtype)
-
-
 def quantize_fp8_rowwise(
     x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +72,6 @@ def quantize_fp8_rowwise(
         amax = xf.abs().amax(-1, keepdim=True)
     scale = _scale_from_amax(amax, dtype, power_2_scale)
     return _quantize(xf, scale, dtype), 1.0 / scale
-
-
-def dequantize_fp8_rowwise(
-    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``data.float() * scale_inv`` cast to ``dtype`` (inverse of :func:`quantize_fp8_rowwise`)."""
-    return (data.float() * scale_inv).to(dtype)
 
 
 def quantize_fp8_group_columns(
@@ -112,16 +100,6 @@ def quantize_fp8_group_columns(
     return _quantize(xf, scale_GC[group_N], dtype), 1.0 / scale_GC
 
 
-def _blocked(x: torch.Tensor, block: tuple[int, int]):
-    """View ``x`` (``[..., M, K]``, zero-padded to whole blocks) as ``[..., Mb, bm, Kb, bk]``."""
-    bm, bk = block
-    m, k = x.shape[-2], x.shape[-1]
-    pm, pk = (-m) % bm, (-k) % bk
-    xp = torch.nn.functional.pad(x.float(), (0, pk, 0, pm)) if (pm or pk) else x.float()
-    lead = xp.shape[:-2]
-    return xp.reshape(*lead, (m + pm) // bm, bm, (k + pk) // bk, bk), (m, k)
-
-
 def quantize_fp8_blockwise(
     x: torch.Tensor,
     block: tuple[int, int] = (1, 128),
@@ -136,7 +114,7 @@ def quantize_fp8_blockwise(
     if len(block) != 2 or min(block) <= 0:
         raise ValueError(f"block={block} must be two positive sizes such as (1, 128) or (128, 128)")
     x2 = x.unsqueeze(0) if x.dim() == 1 else x
-    xb, (m, k) = _blocked(x2, block)
+    xb, (m, k) = blocked(x2, block)
     amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
     scale = _scale_from_amax(amax, dtype, power_2_scale)
     data = cast_to_fp8(xb * scale, dtype)
@@ -145,20 +123,3 @@ def quantize_fp8_blockwise(
     if x.dim() == 1:
         data, scale_inv = data.squeeze(0), scale_inv.squeeze(0)
     return data.contiguous(), scale_inv
-
-
-def dequantize_fp8_blockwise(
-    data: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: tuple[int, int] = (1, 128),
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_blockwise` (same ``block``)."""
-    one_d = data.dim() == 1
-    d2 = data.unsqueeze(0) if one_d else data
-    s2 = scale_inv.unsqueeze(0) if one_d else scale_inv
-    db, (m, k) = _blocked(d2.float(), block)
-    out = db * s2.unsqueeze(-1).unsqueeze(-3)
-    out = out.reshape(*db.shape[:-4], db.shape[-4] * block[0], db.shape[-2] * block[1])[..., :m, :k]
-    out = out.squeeze(0) if one_d else out
-    return out.to(dtype)

@@ -16,7 +16,7 @@ its finite elements are still encoded against the block's finite amax. Elements 
 Usage::
 
     data, scales = quantize_mxfp8(x_MK)                 # float8_e4m3fn [M, K], uint8 [M, K/32]
-    x_hat = dequantize_mxfp8(data, scales, torch.bfloat16)
+    x_hat = dequantize(data, scales, torch.bfloat16, block=(1, 32))   # folding.quant.formats
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from folding.quant.formats import (
     E8M0_NAN,
     cast_to_fp8,
     ceil_log2,
-    e8m0_to_float,
+    dequantize,
     floor_log2,
 )
 
@@ -94,25 +94,6 @@ def quantize_mxfp8(
     return data, byte
 
 
-def dequantize_mxfp8(
-    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, block_size: int = 32
-) -> torch.Tensor:
-    """Decode MXFP8 ``(data, scales)`` from :func:`quantize_mxfp8` to ``dtype``.
-
-    Scale byte 255 (NaN) makes its whole block NaN.
-    """
-    _check_blocks(data, block_size)
-    lead, k = data.shape[:-1], data.shape[-1]
-    if tuple(scales.shape) != tuple(lead) + (k // block_size,):
-        raise ValueError(
-            f"scales shape {tuple(scales.shape)} does not match data shape {tuple(data.shape)} with "
-            f"block_size={block_size}; expected {tuple(lead) + (k // block_size,)}"
-        )
-    s = e8m0_to_float(scales).unsqueeze(-1)
-    out = data.float().reshape(*lead, k // block_size, block_size) * s
-    return out.reshape(data.shape).to(dtype)
-
-
 def fake_quant_mxfp8(x: torch.Tensor, dim: int = -1, block_size: int = 32, scale_mode: str = "rceil") -> torch.Tensor:
     """Quantize→dequantize ``x`` in MXFP8 with blocks along ``dim`` (zero-padded to a whole block).
 
@@ -124,5 +105,5 @@ def fake_quant_mxfp8(x: torch.Tensor, dim: int = -1, block_size: int = 32, scale
     if pad:
         xt = torch.nn.functional.pad(xt, (0, pad))
     data, scales = quantize_mxfp8(xt, block_size, scale_mode)
-    out = dequantize_mxfp8(data, scales, x.dtype, block_size)[..., :k]
+    out = dequantize(data, scales, x.dtype, block=(1, block_size))[..., :k]
     return out.movedim(-1, dim)

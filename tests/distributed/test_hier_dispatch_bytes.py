@@ -179,11 +179,11 @@ def _node_limited_run(M):
         per_token = torch.bincount(rec.plan.token_Ra, minlength=T)
         y = d.combine(rows * pn.unsqueeze(1), rec)
         # the six stages, one call at a time, give the same rows and output
-        st = MegatronDispatcher(d)
-        h, p = st.dispatch_preprocess(x, rmap, probs)
-        h, p = st.token_dispatch(h, p)
-        rows6, tpe6, pn6 = st.dispatch_postprocess(h, p)
-        out6 = st.combine_postprocess(st.token_combine(st.combine_preprocess(rows6 * pn6.unsqueeze(1))))
+        s6 = MegatronDispatcher(d)
+        h, p = s6.dispatch_preprocess(x, rmap, probs)
+        h, p = s6.token_dispatch(h, p)
+        rows6, tpe6, pn6 = s6.dispatch_postprocess(h, p)
+        out6 = s6.combine_postprocess(s6.token_combine(s6.combine_preprocess(rows6 * pn6.unsqueeze(1))))
         same = torch.equal(rows6, rows) and torch.equal(pn6, pn) and torch.equal(out6, y)
         # given nvlink_domain alone, build_dispatcher creates the same two groups (collectively)
         d2 = build_dispatcher(

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.dispatch.wire import _a2a_all
-from folding.parallel import link_model as lm
+from folding.testing import link_model as lm
 
 
 def _exchange(latency_s: float, inter_bw: float, intra_bw: float):

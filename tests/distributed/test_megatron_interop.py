@@ -67,7 +67,7 @@ def _stages(d, x, rmap, probs, w):
     """The six stages with a differentiable stand-in expert: the final results, and what each stage
     hands the next (``token_dispatch``'s rows and probabilities, ``combine_preprocess``'s rows,
     ``token_combine``'s rows)."""
-    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # the engine's, behind the six stages
+    d = MegatronDispatcher(d) if isinstance(d, TokenDispatcher) else d  # Megatron-Core's own: as it is
     h, p = d.dispatch_preprocess(x, rmap, probs)
     h, p = d.token_dispatch(h, p)
     handed = [h.detach().clone(), p.detach().clone()]
@@ -187,7 +187,7 @@ def _layer_swap(lay, cases, nvlink_domain=None):
                         ep = layer.token_dispatcher.ep_group
                         split = dict(zip(("node_group", "rail_group"), build_node_split_groups(ep, nvlink_domain)))
                     d = replace_dispatcher(layer, kind="hierarchical", **split)
-                    assert type(d.dispatcher).__name__ == "HierarchicalDispatcher"  # behind the six stages
+                    assert type(d.dispatcher).__name__ == "HierarchicalDispatcher"  # inside the adapter
                 elif swap:
                     replace_dispatcher(layer)
                 layer.zero_grad(set_to_none=True)

@@ -2,7 +2,7 @@
 
 The order audit trains one step of a small MoE model on 4 gloo ranks with overlap on, recording for
 every EP exchange the compute operations issued between its start and its wait
-(:func:`folding.parallel.overlap.audit`). In the steady state of the schedule (its forward-backward
+(:func:`folding.testing.overlap_audit.audit`). In the steady state of the schedule (its forward-backward
 pairs) every exchange must have some: the other micro-batch's compute ran while it was in flight.
 The same audit run with the pairs executed one lane after the other (overlap disabled inside the
 schedule) finds exchanges with none, which shows the audit can fail. Setting
@@ -25,6 +25,8 @@ from folding.model.presets import get_preset
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
+from folding.testing import overlap_audit
+from folding.testing.link_model import link_latency
 
 LAYOUTS = {
     "ep4": dict(ep=4, etp=1),
@@ -55,7 +57,7 @@ def _audit_step(layout: str, sequential: bool):
             for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
                 mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(1, 16)))
-            with overlap.audit() as log:
+            with overlap_audit.audit() as log:
                 run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-3, overlap=True)
         finally:
             ps.destroy()
@@ -97,7 +99,7 @@ def _timed_exchange(latency_s: float):
     x = torch.ones(4, 8)
     out = torch.empty_like(x)
     t0 = time.perf_counter()
-    with overlap.link_latency(latency_s):
+    with link_latency(latency_s):
         w = dist.all_to_all_single(out, x, group=None, async_op=True)
         overlap.Exchange([w], what="ep test").wait()
     return time.perf_counter() - t0

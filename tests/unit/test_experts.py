@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from folding.moe.config import MoEConfig
 from folding.moe.experts.backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.te import pad_rows_per_expert, te_available, unpad_rows_per_expert
@@ -170,14 +171,20 @@ def test_pad_rows_per_expert_hand_worked():
 def test_bad_settings_and_inputs_fail_clearly():
     with pytest.raises(ValueError, match="etp_size"):
         GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=10, etp_size=4)
+    # the backend and recipe names and their pairing are checked once, at the config boundary (MoEConfig);
+    # below it, the experts assert them
+    moe = dict(num_experts=4, topk=2, ffn_hidden_size=8)
     with pytest.raises(ValueError, match="backend"):
-        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="cutlass")
+        MoEConfig(**moe, expert_backend="cutlass")
     with pytest.raises(ValueError, match="fp8_recipe"):
-        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="emulated")
+        MoEConfig(**moe, expert_backend="emulated")
     with pytest.raises(ValueError, match="'emulated'"):
-        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="loop", fp8_recipe="mxfp8")
+        MoEConfig(**moe, expert_backend="loop", fp8_recipe="mxfp8")
     with pytest.raises(ValueError, match="fp8_recipe"):
-        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, fp8_recipe="int8")
+        MoEConfig(**moe, fp8_recipe="int8")
+    for backend, recipe in (("cutlass", None), ("emulated", None), ("loop", "mxfp8"), ("auto", "int8")):
+        with pytest.raises(AssertionError):
+            GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend=backend, fp8_recipe=recipe)
     mod = _make("loop", torch.float32)
     x, p = torch.randn(5, 16), torch.rand(5)
     with pytest.raises(ValueError, match="sum to the number of token rows"):

@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from folding.parallel import link_model as lm
-from folding.parallel import overlap
 from folding.parallel.overlap import Exchange
+from folding.testing import link_model as lm
 
 
 def test_duration_is_latency_plus_the_slower_class():
@@ -41,7 +40,7 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="inter_node_bandwidth"):
         lm.LinkModel(inter_node_bandwidth=0)
     with pytest.raises(ValueError, match="latency"):
-        with overlap.link_latency(-1):
+        with lm.link_latency(-1):
             pass
 
 
@@ -67,7 +66,7 @@ def test_exchange_waits_for_its_modelled_completion():
 
 
 def test_link_latency_keeps_its_meaning():
-    with overlap.link_latency(0.05):
+    with lm.link_latency(0.05):
         assert lm.current().latency_s == 0.05
         assert _timed_wait(Exchange([], what="ep dispatch")) >= 0.05
         # an exchange that is not an EP one (ETP) is not delayed

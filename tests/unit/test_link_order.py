@@ -1,11 +1,12 @@
 """NCCL's order in the CPU link model: an operation on a process group completes no earlier than every
 operation issued before it on that group (one communicator, one order), a separate group has its own
-order, and the rule is on by default (``folding.parallel.link_model``)."""
+order, and the rule is on by default (``folding.testing.link_model``)."""
 
 import time
 
-from folding.parallel import link_model as lm
-from folding.parallel.overlap import Exchange, link_latency
+from folding.parallel.overlap import Exchange
+from folding.testing import link_model as lm
+from folding.testing.link_model import link_latency
 
 EP, COUNTS = object(), object()  # stand-ins for two process groups over the same ranks
 
@@ -17,10 +18,10 @@ def test_an_operation_completes_after_those_issued_before_it_on_its_group():
         tokens = Exchange([], what="ep dispatch", group=EP)  # 200 ms in flight on EP
         counts = lm.issue(EP, 0.0)  # a count all-gather issued behind it on the same group
         own = lm.issue(COUNTS, 0.0)  # the same on a group of its own
-        assert counts >= tokens.done_at >= t0 + 0.2
+        assert counts >= lm.completion(tokens) >= t0 + 0.2
         assert own < t0 + 0.1  # its own communicator: not behind the tokens
         slept = lm.complete(counts)
-        assert slept > 0.1 and time.perf_counter() >= tokens.done_at
+        assert slept > 0.1 and time.perf_counter() >= lm.completion(tokens)
         tokens.wait()  # already complete: no further wait
         assert time.perf_counter() - t0 < 0.2 + 0.1
 

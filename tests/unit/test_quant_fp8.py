@@ -6,10 +6,7 @@ import torch
 from folding.quant import (
     RECIPES,
     cast_to_fp8,
-    dequantize_fp8_blockwise,
-    dequantize_fp8_rowwise,
-    dequantize_fp8_tensorwise,
-    dequantize_mxfp8,
+    dequantize,
     emulated_linear,
     fake_quant,
     quant_dequant,
@@ -48,7 +45,7 @@ def test_rowwise_round_trip_and_zero_rows(dtype):
     data, s_inv = quantize_fp8_rowwise(x, dtype)
     assert data.dtype == dtype and data.shape == x.shape
     assert s_inv.dtype == torch.float32 and s_inv.shape == (5, 3, 1)
-    y = dequantize_fp8_rowwise(data, s_inv)
+    y = dequantize(data, s_inv)
     assert torch.equal(y, data.float() * s_inv)
     amax = x.abs().amax(-1, keepdim=True)
     assert torch.allclose(data.float().abs().amax(-1, keepdim=True)[amax > 0], torch.tensor(MAX[dtype]))
@@ -61,7 +58,7 @@ def test_tensorwise_one_scale_and_power_of_two_option():
     x = _wide((7, 33), 1)
     data, s_inv = quantize_fp8_tensorwise(x)
     assert s_inv.dim() == 0 and data.float().abs().max().item() == 448.0
-    y = dequantize_fp8_tensorwise(data, s_inv)
+    y = dequantize(data, s_inv)
     assert bool(((y - x).abs() <= x.abs() * 2.0**-4 + 2.0**-10 * s_inv).all())
     d2, s2 = quantize_fp8_tensorwise(x, power_2_scale=True)
     assert torch.log2(s2).frac().item() == 0.0
@@ -77,7 +74,7 @@ def test_blockwise_partial_blocks(block):
     data, s_inv = quantize_fp8_blockwise(x, block)
     nb = (-(-200 // block[0]), -(-300 // block[1]))
     assert data.shape == x.shape and s_inv.shape == nb
-    y = dequantize_fp8_blockwise(data, s_inv, block)
+    y = dequantize(data, s_inv, block=block)
     s_full = s_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:200, :300]
     assert bool(((y - x).abs() <= x.abs() * 2.0**-4 + 2.0**-10 * s_full).all())
     assert bool((torch.log2(s_inv).frac() == 0).all())  # power-of-two scales by default
@@ -91,7 +88,7 @@ def test_non_finite_groups_decode_to_nan():
     x = torch.ones(3, 8)
     x[1, 2] = float("inf")
     data, s_inv = quantize_fp8_rowwise(x)
-    y = dequantize_fp8_rowwise(data, s_inv)
+    y = dequantize(data, s_inv)
     assert bool(y[1].isnan().all()) and torch.equal(y[0], x[0]) and torch.equal(y[2], x[2])
 
 
@@ -105,10 +102,10 @@ def test_fake_quant_is_straight_through_and_matches_its_format(recipe):
     assert torch.equal(x.grad, g)
     if recipe == "mxfp8":
         d, s = quantize_mxfp8(x.detach(), scale_mode="rceil")
-        assert torch.equal(y.detach(), dequantize_mxfp8(d, s))
+        assert torch.equal(y.detach(), dequantize(d, s, block=(1, 32)))
     if recipe == "blockwise":
         d, s = quantize_fp8_blockwise(x.detach(), (1, 128))
-        assert torch.equal(y.detach(), dequantize_fp8_blockwise(d, s, (1, 128)))
+        assert torch.equal(y.detach(), dequantize(d, s, block=(1, 128)))
     with pytest.raises(ValueError, match="fp8 recipe"):
         fake_quant(x, "fp4")
 
@@ -137,7 +134,7 @@ def test_subnormal_amax_gives_finite_scales():
     x = torch.tensor([[1e-45, 0.0], [1e-40, -1e-41]])
     for pow2 in (False, True):
         d, s = quantize_fp8_rowwise(x, power_2_scale=pow2)
-        y = dequantize_fp8_rowwise(d, s)
+        y = dequantize(d, s)
         assert bool(torch.isfinite(y).all()) and bool(((y - x).abs() <= x.abs()).all())
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from folding.quant import dequantize_mxfp8, quantize_mxfp8
+from folding.quant import dequantize, quantize_mxfp8
 
 # ---- independent reference, from the spec --------------------------------------------------------
 # e4m3 (OCP "E4M3FN"): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
@@ -97,7 +97,7 @@ def test_bf16_input_matches_its_float32_value():
 def test_round_trip_error_bound_per_block(mode):
     x = _random_blocks(5)
     data, scales = quantize_mxfp8(x, scale_mode=mode)
-    y = dequantize_mxfp8(data, scales)
+    y = dequantize(data, scales, block=(1, 32))
     scale = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
     scaled = x / scale
     in_range = scaled.abs() <= 448
@@ -127,7 +127,7 @@ def test_zero_block_gets_scale_byte_zero_and_decodes_to_zero():
     x[1, 32:] = 1.0
     data, scales = quantize_mxfp8(x)
     assert scales.tolist() == [[0, 0], [0, 127 - 8]]
-    assert torch.equal(dequantize_mxfp8(data, scales), x)
+    assert torch.equal(dequantize(data, scales, block=(1, 32)), x)
 
 
 def test_nan_and_inf_poison_only_their_block():
@@ -137,7 +137,7 @@ def test_nan_and_inf_poison_only_their_block():
     for mode in ("floor", "rceil"):
         data, scales = quantize_mxfp8(x, scale_mode=mode)
         assert scales[0, :2].tolist() == [255, 255]
-        y = dequantize_mxfp8(data, scales)
+        y = dequantize(data, scales, block=(1, 32))
         assert bool(y[0, :64].isnan().all())
         assert torch.equal(y[0, 64:], x[0, 64:])
 
@@ -147,12 +147,26 @@ def test_shapes_dtypes_and_errors():
     data, scales = quantize_mxfp8(x)
     assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
     assert scales.dtype == torch.uint8 and scales.shape == (2, 3, 2)
-    assert dequantize_mxfp8(data, scales, torch.bfloat16).dtype == torch.bfloat16
+    assert dequantize(data, scales, torch.bfloat16, block=(1, 32)).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="block_size=32"):
         quantize_mxfp8(torch.randn(4, 40))
     with pytest.raises(ValueError, match="scale_mode"):
         quantize_mxfp8(x, scale_mode="ceil")
     with pytest.raises(ValueError, match="scales shape"):
-        dequantize_mxfp8(data, scales[..., :1])
+        dequantize(data, scales[..., :1], block=(1, 32))
     d16, s16 = quantize_mxfp8(torch.randn(4, 48), block_size=16)
     assert s16.shape == (4, 3)
+
+
+def test_the_one_dequantize_is_the_block_formula_bit_for_bit():
+    # MXFP8 decode: every code times 2^(byte - 127) of its block of 32, in float32, then the cast;
+    # 1-D data is one row (the optimizer's fp8 moments: float32 scales per block of a flat vector)
+    x = _random_blocks(4).reshape(6, 4 * 32)
+    data, scales = quantize_mxfp8(x, scale_mode="rceil")
+    want = (data.float().reshape(6, 4, 32) * torch.exp2(scales.float() - 127).unsqueeze(-1)).reshape(x.shape)
+    assert torch.equal(dequantize(data, scales, block=(1, 32)), want)
+    assert torch.equal(dequantize(data, scales, torch.bfloat16, block=(1, 32)), want.to(torch.bfloat16))
+    flat, s = data.reshape(-1), torch.rand(data.numel() // 32) + 0.5
+    assert torch.equal(dequantize(flat, s, block=(1, 32)), (flat.float().view(-1, 32) * s[:, None]).view(-1))
+    with pytest.raises(ValueError, match=r"scales shape \(3,\)"):
+        dequantize(flat, s[:3], block=(1, 32))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from ...moe.dispatch.base import DispatchRecord, TokenDispatcher
+from ...moe.dispatch.base import DispatchCall, DispatchRecord, TokenDispatcher
 
 SHARED_EXPERT_HOOKS = ("pre_forward_comm", "linear_fc1_forward_and_act", "linear_fc2_forward", "post_forward_comm")
 """What Megatron-Core's ``SharedExpertMLP`` offers when built with ``moe_shared_expert_overlap``."""
@@ -49,7 +49,7 @@ class MegatronDispatcher:
             raise TypeError(f"MegatronDispatcher wraps an engine TokenDispatcher, got {type(dispatcher).__name__}")
         self.dispatcher = dispatcher
         """The engine dispatcher doing the work."""
-        self._call: Any = None  # the call between its dispatch stages
+        self._call: Optional[DispatchCall] = None  # the call between its dispatch stages
         self._record: Optional[DispatchRecord] = None  # ... and its record until its combine
         self.shared_experts = None
         """A Megatron-Core ``SharedExpertMLP`` run inside the stages (:meth:`set_shared_experts`), or ``None``."""

@@ -22,9 +22,6 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import torch
 
 from folding.parallel.collectives import (
@@ -34,7 +31,7 @@ from folding.parallel.collectives import (
 )
 
 from . import host_sync
-from .base import DispatchRecord, TokenDispatcher
+from .base import DispatchCall, DispatchRecord, TokenDispatcher
 from .permute import padded_rows_per_expert, permute, unpermute
 
 
@@ -54,14 +51,16 @@ class AllGatherDispatcher(TokenDispatcher):
         """Validate and flatten to ``[T, H]``: ``(tokens_TH, probs_TE, call)``."""
         H = self._validate(hidden, routing_map, probs)
         tokens_TH = hidden.reshape(-1, H)
-        call = _Call(hidden_shape=tuple(hidden.shape), routing_map=routing_map, num_tokens=tokens_TH.shape[0])
-        return tokens_TH, probs, call
+        record = DispatchRecord(
+            hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, num_tokens=tokens_TH.shape[0]
+        )
+        return tokens_TH, probs, DispatchCall(record=record, routing_map_TE=routing_map)
 
     def _exchange(self, hidden, probs, call):
         """All-gather tokens and probabilities over ETP then EP (backward: reduce-scatter of the
         gradients); the routing map is gathered alongside without gradient. Returns ``(tokens_GH, probs_GE)``."""
         x, p = hidden, probs
-        m = call.routing_map.to(torch.uint8)
+        m = call.routing_map_TE.to(torch.uint8)
         for group in (self.etp_group, self.ep_group):
             x = gather_from_sequence_region(x, group, grad_reduce=True)
             p = gather_from_sequence_region(p, group, grad_reduce=True)
@@ -74,7 +73,7 @@ class AllGatherDispatcher(TokenDispatcher):
         with pad-to-capacity). Returns ``(tokens_NH, record, probs_N)``."""
         lo, hi = self.local_expert_offset, self.local_expert_offset + self.num_local_experts
         map_TgL, probs_TgL = call.map_TgE[:, lo:hi], probs[:, lo:hi]
-        R, L, T = self.ep_size * self.etp_size, self.num_local_experts, call.num_tokens
+        R, L, T = self.ep_size * self.etp_size, self.num_local_experts, call.record.num_tokens
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, self.num_experts, self.capacity_factor)
             out, p, token_idx = permute(hidden, map_TgL, probs_TgL, rows_per_expert=rows, num_chunks=R)
@@ -97,18 +96,14 @@ class AllGatherDispatcher(TokenDispatcher):
                 )
             out, p, token_idx = permute(hidden, map_TgL, probs_TgL, num_out_tokens=sum(host))
         H, elem = hidden.shape[-1], hidden.element_size()
-        record = DispatchRecord(
-            hidden_shape=call.hidden_shape,
-            hidden_size=H,
-            dtype=hidden.dtype,
-            num_tokens=T,
+        call.learn(
             token_idx=token_idx,
             tokens_per_expert=tpe,
             tokens_per_expert_host=tuple(host),
             stats={"ep_dispatch_bytes": (R - 1) * T * H * elem, "ep_combine_bytes": (R - 1) * T * H * elem},
             num_gathered=hidden.shape[0],
         )
-        return out, record, p
+        return out, call.record, p
 
     def _combine_pre(self, out, record: DispatchRecord):
         """Sum each gathered token's expert rows (unweighted): ``[G, H]``."""
@@ -123,13 +118,3 @@ class AllGatherDispatcher(TokenDispatcher):
     def _combine_post(self, out, record: DispatchRecord):
         """Restore the input shape."""
         return out.reshape(record.hidden_shape)
-
-
-@dataclasses.dataclass
-class _Call:
-    """One dispatch call in progress, between its preprocess and its record."""
-
-    hidden_shape: tuple
-    routing_map: torch.Tensor
-    num_tokens: int
-    map_TgE: Optional[torch.Tensor] = None

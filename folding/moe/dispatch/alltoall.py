@@ -34,18 +34,13 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from typing import Optional
-
 import torch
 
-from ...parallel import link_model, overlap
 from ...parallel.collectives import all_gather_nograd, all_gather_start
+from ...parallel.overlap import Exchange
 from . import host_sync
-from .base import DispatchRecord, TokenDispatcher
+from .base import DispatchCall, DispatchRecord, TokenDispatcher
 from .permute import (
-    AllToAllPlan,
     check_dropless,
     expert_order,
     inverse_order,
@@ -126,50 +121,56 @@ class AllToAllDispatcher(TokenDispatcher):
         H = self._validate(hidden, routing_map, probs)
         tokens_TH = hidden.reshape(-1, H)
         T = tokens_TH.shape[0]
-        call = _Call(hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, num_tokens=T)
+        sliced = self._slice_ok and not self.pad_to_capacity
+        record = DispatchRecord(
+            hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, num_tokens=T, sliced=sliced
+        )
+        call = DispatchCall(record=record)
         E = self.num_experts
-        call.sliced = self._slice_ok and not self.pad_to_capacity
-        if call.sliced:  # rows grouped (local expert, destination): see _slice_ok
+        if sliced:  # rows grouped (local expert, destination): see _slice_ok
             cols = expert_order(E, self.ep_size, device=routing_map.device)
             routing_map = routing_map.index_select(1, cols)
             probs = None if probs is None else probs.index_select(1, cols)
         if self.pad_to_capacity:
             rows = padded_rows_per_expert(T, self.topk, E, self.capacity_factor)
             self._set_plan(call, [[[rows] * E for _ in range(self.etp_size)] for _ in range(self.ep_size)])
-            out, probs_N, call.token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
+            out, probs_N, token_idx = permute(tokens_TH, routing_map, probs, rows_per_expert=rows)
+            call.learn(token_idx=token_idx)
             return out, probs_N, call
         counts_E = routing_map.sum(0)
-        if call.sliced:  # the counts travel in global expert order (the inverse of cols)
+        if sliced:  # the counts travel in global expert order (the inverse of cols)
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            call.counts_dev, call.counts_work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
-            call.counts_done = link_model.issue(self.counts_group, 0.0)
+            call.counts_dev, work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
+            # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+            # an instrument's link model keeps its place in the counts group's order (NCCL's)
+            call.counts_work = Exchange(
+                [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
+            )
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:
             num_out = T * self.topk  # static: the sync is deferred to the exchange
         else:
             self._read_counts(call)  # dropping: the row count is needed now
-            num_out = call.plan.num_out_tokens
-        out, probs_N, call.token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
+            num_out = call.record.plan.num_out_tokens
+        out, probs_N, token_idx = permute(tokens_TH, routing_map, probs, num_out_tokens=num_out)
+        call.learn(token_idx=token_idx)
         return out, probs_N, call
 
-    def _read_counts(self, call: "_Call") -> None:
+    def _read_counts(self, call: DispatchCall) -> None:
         if call.counts_work is not None:
-            # the host read of the counts blocks until the all-gather completes: under the link model,
+            # the host read of the counts blocks until the all-gather completes: under a link model,
             # after everything issued before it on the EP group (NCCL's order); that time is exposed
-            t0 = time.perf_counter()
             call.counts_work.wait()
-            link_model.complete(call.counts_done)
-            overlap.stats.blocked_s += time.perf_counter() - t0
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:
-            check_dropless(counts, call.num_tokens, self.topk)
+            check_dropless(counts, call.record.num_tokens, self.topk)
         self._set_plan(call, counts)
 
-    def _set_plan(self, call: "_Call", counts) -> None:
+    def _set_plan(self, call: DispatchCall, counts) -> None:
         plan = plan_alltoall(
             counts,
             ep_size=self.ep_size,
@@ -178,17 +179,19 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_rank=self.etp_rank,
             num_local_experts=self.num_local_experts,
         )
-        call.plan = plan
-        # chunk reordering by split/cat with the host sizes: no index tensor crosses to the device
-        call.chunks_sorted = plan.sort_idxs == sorted(plan.sort_idxs)  # e.g. one local expert and ETP=1
-        # the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes, ETP exchanged
-        # in the exchange itself): the expert-major sort drops the padding and the combine's unsort
-        # writes it, each in the copy it makes anyway
-        call.etp_padded = not self.megatron_stages and len(set(plan.etp_sizes)) > 1
+        call.learn(
+            plan=plan,
+            # chunk reordering by split/cat with the host sizes: no index tensor crosses to the device
+            chunks_sorted=plan.sort_idxs == sorted(plan.sort_idxs),  # e.g. one local expert and ETP=1
+            # the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes, ETP
+            # exchanged in the exchange itself): the expert-major sort drops the padding and the
+            # combine's unsort writes it, each in the copy it makes anyway
+            etp_padded=not self.megatron_stages and len(set(plan.etp_sizes)) > 1,
+        )
 
-    def _spec(self, call, wire: str) -> ExchangeSpec:
-        p = call.plan
-        sliced = call.sliced
+    def _spec(self, record: DispatchRecord, wire: str) -> ExchangeSpec:
+        p = record.plan
+        sliced = record.sliced
         return ExchangeSpec(
             ep_group=self.ep_group,
             etp_group=self.etp_group,
@@ -199,58 +202,51 @@ class AllToAllDispatcher(TokenDispatcher):
             etp_sizes=[p.etp_sizes[self.etp_rank]] if self.megatron_stages else p.etp_sizes,
             wire=wire,
             grad_wire=self.grad_wire,
-            hidden_size=call.hidden_size,
-            dtype=call.dtype,
-            etp_padded=call.etp_padded,
+            hidden_size=record.hidden_size,
+            dtype=record.dtype,
+            etp_padded=record.etp_padded,
         )
 
     def _exchange(self, rows, probs, call):
         """EP all-to-all then ETP all-gather of rows and probabilities (the host sync happens here when
         dropless; the all-gather waits for the postprocess with ``megatron_stages``). Returns
         rank-major ``(rows, probs)``."""
-        if call.plan is None:
+        if call.record.plan is None:
             self._read_counts(call)
-        if call.sliced and probs is not None:
+        record = call.record
+        if record.sliced and probs is not None:
             # the rows go as one all-to-all per local expert; the probabilities as one, so reorder them
             # from (local expert l, destination d) to (d, l) chunks, rank-major like the default's
-            sizes = [n for send, _ in call.plan.expert_slices for n in send]
+            sizes = [n for send, _ in record.plan.expert_slices for n in send]
             probs = sort_chunks_by_idxs(probs, sizes, self._probs_rank_major)
-        return dispatch_exchange(rows, probs, self._spec(call, self.dispatch_wire))
+        return dispatch_exchange(rows, probs, self._spec(record, self.dispatch_wire))
 
     def _postprocess(self, rows, probs, call):
         """(ETP all-gather with ``megatron_stages``, then) sort rank-major chunks expert-major. Returns
         ``(tokens_NH, record, probs_N)``."""
-        p = call.plan
+        record = call.record
+        p = record.plan
         if self.megatron_stages:
             rows, probs = etp_gather(rows, probs, self.etp_group, p.etp_sizes)
-        sizes, order, padded = p.chunk_sizes, p.sort_idxs, call.etp_padded
+        sizes, order, padded = p.chunk_sizes, p.sort_idxs, record.etp_padded
         if padded:  # one copy both drops the ETP padding and sorts
             sizes, order = padded_chunks(sizes, order, p.etp_sizes)
-        if padded or not (call.chunks_sorted or call.sliced):
+        if padded or not (record.chunks_sorted or record.sliced):
             rows = sort_chunks_by_idxs(rows, sizes, order)
-        if padded or not call.chunks_sorted:  # sliced: the probabilities came rank-major in one all-to-all
+        if padded or not record.chunks_sorted:  # sliced: the probabilities came rank-major in one all-to-all
             probs = None if probs is None else sort_chunks_by_idxs(probs, sizes, order)
-        record = DispatchRecord(
-            hidden_shape=call.hidden_shape,
-            hidden_size=call.hidden_size,
-            dtype=call.dtype,
-            num_tokens=call.num_tokens,
-            token_idx=call.token_idx,
+        call.learn(
             tokens_per_expert=self._device_tokens_per_expert(call, rows.device),
             tokens_per_expert_host=tuple(p.tokens_per_expert),
-            stats=self._stats(call),
-            plan=p,
-            sliced=call.sliced,
-            chunks_sorted=call.chunks_sorted,
-            etp_padded=padded,
+            stats=self._stats(record),
         )
-        return rows, record, probs
+        return rows, call.record, probs
 
-    def _device_tokens_per_expert(self, call, device) -> torch.Tensor:
+    def _device_tokens_per_expert(self, call: DispatchCall, device) -> torch.Tensor:
         """Rows per local expert as a device tensor, from the gathered device counts (no host copy)."""
         L, lo = self.num_local_experts, self.local_expert_offset
         if call.counts_dev is None:  # pad-to-capacity: static
-            return torch.full((L,), call.plan.tokens_per_expert[0], dtype=torch.long, device=device)
+            return torch.full((L,), call.record.plan.tokens_per_expert[0], dtype=torch.long, device=device)
         return call.counts_dev[:, :, lo : lo + L].sum((0, 1)).to(torch.long)
 
     # -------------------------------------------------------------------------------- combine
@@ -277,8 +273,8 @@ class AllToAllDispatcher(TokenDispatcher):
         return y.reshape(record.hidden_shape)
 
     # ---------------------------------------------------------------------------------- stats
-    def _stats(self, call: "_Call") -> dict:
-        p, H, dt = call.plan, call.hidden_size, call.dtype
+    def _stats(self, record: DispatchRecord) -> dict:
+        p, H, dt = record.plan, record.hidden_size, record.dtype
         remote_recv = sum(p.output_splits) - p.output_splits[self.ep_rank]
         disp = payload_bytes_per_row(self.dispatch_wire, H, dt)
         comb = payload_bytes_per_row(self.combine_wire, H, dt)
@@ -297,28 +293,9 @@ class AllToAllDispatcher(TokenDispatcher):
             "etp_allgather_bytes": p.etp_sizes[me] * (H * elem if self.megatron_stages else disp) * (self.etp_size - 1),
             # the partial outputs of the other ETP ranks' rows (padded to the largest block when uneven)
             "etp_reduce_scatter_bytes": (
-                (max(p.etp_sizes) * (self.etp_size - 1)) if call.etp_padded else (sum(p.etp_sizes) - p.etp_sizes[me])
+                (max(p.etp_sizes) * (self.etp_size - 1)) if record.etp_padded else (sum(p.etp_sizes) - p.etp_sizes[me])
             )
             * H
             * elem,
             "tokens_per_expert": list(p.tokens_per_expert),
         }
-
-
-@dataclasses.dataclass
-class _Call:
-    """One dispatch call in progress, between its preprocess and its record (never kept by the
-    dispatcher itself except by the six-stage adapter, one call at a time)."""
-
-    hidden_shape: tuple
-    hidden_size: int
-    dtype: torch.dtype
-    num_tokens: int
-    sliced: bool = False
-    plan: Optional[AllToAllPlan] = None
-    chunks_sorted: bool = False
-    etp_padded: bool = False
-    counts_dev: Optional[torch.Tensor] = None
-    counts_work: object = None  # the EP count all-gather in flight
-    counts_done: Optional[float] = None  # its modelled completion under a link model (NCCL's order)
-    token_idx: Optional[torch.Tensor] = None

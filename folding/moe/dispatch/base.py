@@ -7,7 +7,8 @@ interface; see :func:`~folding.moe.dispatch.build.build_dispatcher`).
 A dispatcher holds configuration and groups only. Each call's state (plan, token indices, shapes,
 per-expert counts on the host and the device, byte counts) is a :class:`DispatchRecord` that
 ``dispatch`` returns and that the experts and ``combine`` take back, so any number of micro-batches
-can be in flight through one dispatcher.
+can be in flight through one dispatcher. Between the stages of one call, a :class:`DispatchCall`
+carries the record built so far and what lives only until it is complete (counts in flight).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.collectives import group_rank
-from .wire import WIRE_FORMATS, check_wire
+from .wire import check_wire, check_wire_format
 
 
 def _group_ranks(group, name: str):
@@ -43,6 +44,9 @@ def _group_ranks(group, name: str):
 class DispatchRecord:
     """One dispatch call's state, returned by ``dispatch`` and handed to the experts and ``combine``.
 
+    The stages build it as they learn its fields (:class:`DispatchCall` holds the record so far and
+    replaces it); the one handed out by ``dispatch`` has every field its dispatcher fills.
+
     Shape-suffix legend: ``L`` local experts (see docs/shapes.md).
     """
 
@@ -54,17 +58,18 @@ class DispatchRecord:
     """Activation dtype of the rows."""
     num_tokens: int
     """T, this rank's tokens."""
-    token_idx: torch.Tensor
+    token_idx: Optional[torch.Tensor] = None
     """Source token of every permuted row (what the combine's unpermute sums into)."""
-    tokens_per_expert: torch.Tensor
+    tokens_per_expert: Optional[torch.Tensor] = None
     """Rows per local expert ``[L]`` (int64, on the rows' device; derived there, no host copy)."""
-    tokens_per_expert_host: Tuple[int, ...]
+    tokens_per_expert_host: Tuple[int, ...] = ()
     """The same counts as Python ints, known on the host from the split sizes (for backends that
     need host sizes, such as TransformerEngine's ``m_splits``)."""
-    stats: Dict[str, Any]
+    stats: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Byte and row counts of this call (host numbers, no sync needed)."""
     plan: Any = None
-    """All-to-all: the call's :class:`~folding.moe.dispatch.permute.AllToAllPlan` (host split sizes)."""
+    """The call's route: all-to-all, its :class:`~folding.moe.dispatch.permute.AllToAllPlan` (host
+    split sizes); hierarchical, its :class:`~folding.moe.dispatch.hier_exchange.HierRoute`."""
     sliced: bool = False
     """All-to-all: rows exchanged one call per local expert (``per_expert_exchange``)."""
     chunks_sorted: bool = False
@@ -73,6 +78,32 @@ class DispatchRecord:
     """All-to-all: the expert side holds its ETP-exchanged rows in padded blocks (uneven ETP sizes)."""
     num_gathered: int = 0
     """All-gather: G, the rows after the gather (every rank's tokens)."""
+
+
+@dataclasses.dataclass
+class DispatchCall:
+    """One dispatch call in progress, between ``_preprocess`` and ``_postprocess``: the record so far
+    and the fields that live only until the record is complete (never kept by a dispatcher; the
+    six-stage adapter holds one between its stages).
+
+    Shape-suffix legend: ``T`` local tokens, ``Tg`` gathered tokens, ``E`` experts (docs/shapes.md).
+    """
+
+    record: DispatchRecord
+    """What the call knows so far (frozen: :meth:`learn` replaces it)."""
+    routing_map_TE: Optional[torch.Tensor] = None
+    """All-gather, hierarchical: the routing map the exchange moves or reads."""
+    map_TgE: Optional[torch.Tensor] = None
+    """All-gather: the routing map gathered over ETP×EP."""
+    counts_dev: Optional[torch.Tensor] = None
+    """All-to-all, hierarchical: the gathered per-expert counts ``[EP, ETP, *]`` on the device."""
+    counts_work: Any = None
+    """The EP count all-gather in flight (all-to-all: its :class:`~folding.parallel.overlap.Exchange`;
+    hierarchical: its work handle), ``None`` once waited for."""
+
+    def learn(self, **fields) -> None:
+        """Replace the record by one with ``fields`` set (names of :class:`DispatchRecord` only)."""
+        self.record = dataclasses.replace(self.record, **fields)
 
 
 class TokenDispatcher:
@@ -130,26 +161,23 @@ class TokenDispatcher:
                 f"num_local_experts={num_local_experts} but num_experts/EP = {num_experts}/"
                 f"{self.ep_size} = {self.num_local_experts}"
             )
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None for dropless")
-        if pad_to_capacity and capacity_factor is None:
-            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
+        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
+        self._check_capacity()
         for name, fmt in (("dispatch_wire", dispatch_wire), ("combine_wire", combine_wire), ("grad_wire", grad_wire)):
-            if fmt not in WIRE_FORMATS:
-                raise ValueError(f"moe.{name}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+            check_wire_format(f"moe.{name}", fmt)
         self.num_experts, self.topk = num_experts, topk
         self.ep_group, self.etp_group = ep_group, etp_group
         self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
-        self.capacity_factor, self.pad_to_capacity = capacity_factor, pad_to_capacity
         self.dispatch_wire, self.combine_wire, self.grad_wire = dispatch_wire, combine_wire, grad_wire
         self.local_expert_offset = self.ep_rank * self.num_local_experts
 
     def _check_capacity(self) -> None:
-        """The capacity settings as they are now (an adapter that toggles them calls this)."""
+        """The capacity settings as they are now: checked when built, and again by an adapter that
+        changes them between calls (never per call)."""
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor!r} must be > 0, or None for dropless")
         if self.pad_to_capacity and self.capacity_factor is None:
-            raise ValueError("pad_to_capacity needs a capacity_factor; set one (e.g. 1.0)")
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (set moe.capacity_factor, e.g. 1.0)")
 
     @property
     def dropless(self) -> bool:
@@ -157,8 +185,9 @@ class TokenDispatcher:
         return self.capacity_factor is None
 
     def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
-        """Check capacity settings, shapes and wire formats (before any collective); return H."""
-        self._check_capacity()
+        """Check the call's shapes and the wire formats against its dtype and H (before any collective;
+        the settings themselves were checked when built); return H."""
+        assert not self.pad_to_capacity or self.capacity_factor is not None, "checked by _check_capacity"
         if hidden.dim() not in (2, 3):
             raise ValueError(f"hidden must be [S, B, H] or [T, H], got shape {tuple(hidden.shape)}")
         H = hidden.shape[-1]
@@ -177,14 +206,14 @@ class TokenDispatcher:
     # ------------------------------------------------------- per-call stages (subclasses)
     def _preprocess(self, hidden, routing_map, probs):  # pragma: no cover - interface
         """Local work before the dispatch communication: ``(rows, probs, call)``, ``call`` the
-        in-progress state of this call (plan, counts, pending count gather)."""
+        :class:`DispatchCall` of this call (its record so far, pending count gather)."""
         raise NotImplementedError
 
-    def _exchange(self, rows, probs, call):  # pragma: no cover - interface
+    def _exchange(self, rows, probs, call: DispatchCall):  # pragma: no cover - interface
         """The dispatch communication: ``(rows, probs)``."""
         raise NotImplementedError
 
-    def _postprocess(self, rows, probs, call):  # pragma: no cover - interface
+    def _postprocess(self, rows, probs, call: DispatchCall):  # pragma: no cover - interface
         """Local work after it: ``(tokens_NH, record, probs_N)``, expert-major."""
         raise NotImplementedError
 

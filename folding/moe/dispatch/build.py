@@ -48,7 +48,7 @@ from ..config import DISPATCHERS, MoEConfig
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
 from .base import DispatchRecord, TokenDispatcher, _group_ranks
-from .hierarchical import HierarchicalDispatcher
+from .hierarchical import HierarchicalDispatcher, refuse_padding
 
 __all__ = [
     "DISPATCHERS",
@@ -83,11 +83,7 @@ def build_dispatcher(
         if node_group is None and rail_group is None and nvlink_domain is not None and group_size(None) > 1:
             node_group, rail_group = build_node_split_groups(kwargs["ep_group"], nvlink_domain)
         if rail_group is None or len(_group_ranks(rail_group, "rail_group")) == 1:
-            if kwargs.get("pad_to_capacity"):  # the same refusal whether the domain spans nodes or not
-                raise ValueError(
-                    "moe.dispatcher=hierarchical does not pad to capacity; set moe.pad_to_capacity=false "
-                    "or moe.dispatcher=alltoall"
-                )
+            refuse_padding(kwargs.get("pad_to_capacity", False))  # whether the domain spans nodes or not
             return AllToAllDispatcher(**kwargs)
         return HierarchicalDispatcher(
             node_group=node_group, rail_group=rail_group, nvlink_domain=nvlink_domain, **kwargs

@@ -36,18 +36,27 @@ Usage::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 
 from ...parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
-from .base import DispatchRecord, TokenDispatcher, _group_ranks
+from .base import DispatchCall, DispatchRecord, TokenDispatcher, _group_ranks
 from .hier_exchange import HierRoute, hier_combine, hier_dispatch
 from .hier_plan import dedup_counts, dedup_rows, plan_hierarchical
 from .permute import check_dropless
 from .wire import payload_bytes_per_row
+
+
+def refuse_padding(pad_to_capacity: bool) -> None:
+    """Raise if ``pad_to_capacity``: the de-duplicated row counts are not static (the one wording of this
+    rule, for this dispatcher and for :func:`~folding.moe.dispatch.build.build_dispatcher`'s one-node case)."""
+    if pad_to_capacity:
+        raise ValueError(
+            "moe.dispatcher=hierarchical does not pad to capacity (its de-duplicated row counts "
+            "are not static); set moe.pad_to_capacity=false or moe.dispatcher=alltoall"
+        )
 
 
 class HierarchicalDispatcher(TokenDispatcher):
@@ -61,12 +70,7 @@ class HierarchicalDispatcher(TokenDispatcher):
     """
 
     def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, **kwargs):
-        super().__init__(**kwargs)
-        if self.pad_to_capacity:
-            raise ValueError(
-                "moe.dispatcher=hierarchical does not pad to capacity (its de-duplicated row counts "
-                "are not static); set moe.pad_to_capacity=false or moe.dispatcher=alltoall"
-            )
+        super().__init__(**kwargs)  # refuses pad_to_capacity (:meth:`_check_capacity`)
         ep = _group_ranks(self.ep_group, "ep_group")
         node = _group_ranks(node_group, "node_group")
         rail = _group_ranks(rail_group, "rail_group")
@@ -89,9 +93,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         self.ranks_per_node, self.num_nodes = g, nd
 
     def _check_capacity(self) -> None:
+        """The base's capacity checks, and no padding to capacity (see :func:`refuse_padding`)."""
         super()._check_capacity()
-        if self.pad_to_capacity:  # an adapter may have toggled it
-            raise ValueError("moe.dispatcher=hierarchical does not pad to capacity; turn pad_to_capacity off")
+        refuse_padding(self.pad_to_capacity)
 
     # ------------------------------------------------------------------------------- dispatch
     def _preprocess(self, hidden, routing_map, probs):
@@ -99,7 +103,10 @@ class HierarchicalDispatcher(TokenDispatcher):
         ``(tokens_TH, probs_TE, call)``; the tokens move in :meth:`_exchange`."""
         H = self._validate(hidden, routing_map, probs)
         tokens_TH = hidden.reshape(-1, H)
-        call = _Call(hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, map_TE=routing_map)
+        record = DispatchRecord(
+            hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, num_tokens=tokens_TH.shape[0]
+        )
+        call = DispatchCall(record=record, routing_map_TE=routing_map)
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_group, stack=True)
         call.counts_dev, call.counts_work = all_gather_start(gathered.unsqueeze(0), self.ep_group)
@@ -122,41 +129,36 @@ class HierarchicalDispatcher(TokenDispatcher):
             etp_rank=self.etp_rank,
             num_local_experts=self.num_local_experts,
         )
-        token_Ra, node_Ra = dedup_rows(call.map_TE.view(T, self.num_nodes, -1), sum(plan.rail_send))
+        token_Ra, node_Ra = dedup_rows(call.routing_map_TE.view(T, self.num_nodes, -1), sum(plan.rail_send))
         route = HierRoute(
             plan=plan,
             rail_group=self.rail_group,
             node_group=self.node_group,
             etp_group=self.etp_group,
             num_tokens=T,
-            hidden_size=call.hidden_size,
-            dtype=call.dtype,
+            hidden_size=call.record.hidden_size,
+            dtype=call.record.dtype,
             ranks_per_node=self.ranks_per_node,
             num_local_experts=self.num_local_experts,
             token_Ra=token_Ra,
             node_Ra=node_Ra,
         )
-        rows_NH, probs_N, call.route = hier_dispatch(
-            rows, probs, call.map_TE, route, self.dispatch_wire, self.grad_wire
+        rows_NH, probs_N, route = hier_dispatch(
+            rows, probs, call.routing_map_TE, route, self.dispatch_wire, self.grad_wire
         )
+        call.learn(plan=route, token_idx=route.row_N)
         return rows_NH, probs_N
 
     def _postprocess(self, rows, probs, call):
         """The record of the call: ``(tokens_NH, record, probs_N)`` (the rows are expert-major)."""
-        route = call.route
+        route = call.record.plan
         L, lo = self.num_local_experts, self.local_expert_offset
-        record = DispatchRecord(
-            hidden_shape=call.hidden_shape,
-            hidden_size=call.hidden_size,
-            dtype=call.dtype,
-            num_tokens=route.num_tokens,
-            token_idx=route.row_N,
+        call.learn(
             tokens_per_expert=call.counts_dev[:, :, lo : lo + L].sum((0, 1)).to(torch.long),
             tokens_per_expert_host=tuple(route.plan.tokens_per_expert),
             stats=self._stats(route),
-            plan=route,
         )
-        return rows, record, probs
+        return rows, call.record, probs
 
     # -------------------------------------------------------------------------------- combine
     def _combine_pre(self, out, record: DispatchRecord):
@@ -189,16 +191,3 @@ class HierarchicalDispatcher(TokenDispatcher):
             "intra_node_combine_bytes": (sum(p.node_recv) - p.node_recv[me]) * comb,
             "tokens_per_expert": list(p.tokens_per_expert),
         }
-
-
-@dataclasses.dataclass
-class _Call:
-    """One dispatch call in progress, between its preprocess and its record."""
-
-    hidden_shape: tuple
-    hidden_size: int
-    dtype: torch.dtype
-    map_TE: torch.Tensor
-    counts_dev: Optional[torch.Tensor] = None
-    counts_work: object = None
-    route: Optional[HierRoute] = None

@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.collectives import all_gather_single, group_rank, group_size
-from ...parallel.link_model import count_all_to_all, new_link_bytes
-from ...parallel.overlap import Exchange
-from ...quant import dequantize_fp8_rowwise, dequantize_mxfp8, quantize_fp8_rowwise, quantize_mxfp8
+from ...parallel.overlap import Exchange, exchange_bytes
+from ...quant import dequantize, quantize_fp8_rowwise, quantize_mxfp8
 from .permute import inverse_order
 
 WIRE_FORMATS = ("none", "fp8", "mxfp8")
@@ -48,10 +47,17 @@ MX_BLOCK = 32
 _QUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_wire(setting: str, fmt: str, dtype: torch.dtype, hidden_size: int) -> None:
-    """Raise ``ValueError`` naming ``setting`` if format ``fmt`` cannot carry ``dtype`` rows of ``hidden_size``."""
+def check_wire_format(setting: str, fmt: str) -> None:
+    """Raise ``ValueError`` naming ``setting`` unless ``fmt`` is one of :data:`WIRE_FORMATS` (checked
+    once, when a dispatcher is built)."""
     if fmt not in WIRE_FORMATS:
         raise ValueError(f"{setting}={fmt!r} is not a wire format; choose one of {WIRE_FORMATS}")
+
+
+def check_wire(setting: str, fmt: str, dtype: torch.dtype, hidden_size: int) -> None:
+    """Raise ``ValueError`` naming ``setting`` if format ``fmt`` (a wire format,
+    :func:`check_wire_format`) cannot carry ``dtype`` rows of ``hidden_size`` (known per call)."""
+    assert fmt in WIRE_FORMATS, "checked by check_wire_format when the dispatcher was built"
     if fmt == "none":
         return
     if dtype not in _QUANT_DTYPES:
@@ -103,8 +109,8 @@ def decode(parts: Sequence[torch.Tensor], fmt: str, hidden_size: int, dtype: tor
         return parts[0].view(dtype).reshape(n, H)
     data = parts[0].view(torch.float8_e4m3fn)
     if fmt == "fp8":
-        return dequantize_fp8_rowwise(data, parts[1].view(torch.float32).reshape(n, 1), dtype)
-    return dequantize_mxfp8(data, parts[1], dtype)
+        return dequantize(data, parts[1].view(torch.float32).reshape(n, 1), dtype)
+    return dequantize(data, parts[1], dtype, block=(1, MX_BLOCK))
 
 
 # ------------------------------------------------------------------------------- raw byte moves
@@ -120,7 +126,7 @@ def _a2a_all(
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
     waited on as one :class:`~folding.parallel.overlap.Exchange` named ``what`` (see :func:`_a2a_start`);
     ``ep``: an EP exchange (the link model delays those)."""
-    link = new_link_bytes() if ep else None
+    link = exchange_bytes() if ep else None
     outs, works = _a2a_start(parts, group, recv, send, rows, link=link)
     _wait(works, what, linked=ep, link_bytes=link, group=group)
     return outs
@@ -131,7 +137,7 @@ def _wait(works, what: str, *, linked: bool, link_bytes=None, group=None) -> Non
     and the other lane of a pair run here while they are in flight; see :mod:`folding.parallel.overlap`).
     ``linked``: an EP exchange, which the benchmarks' link model delays; ``link_bytes``: its bytes per link
     class; ``group``: the process group they run on, whose issue order the link model keeps
-    (:mod:`folding.parallel.link_model`)."""
+    (:mod:`folding.testing.link_model`)."""
     if works:
         Exchange(works, what=what, linked=linked, link_bytes=link_bytes, group=group).wait()
 
@@ -146,8 +152,9 @@ def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[
     ``recv`` / ``send`` are the split sizes per rank, or lists of them (*slices*): then slice ``i``
     is its own all-to-all of the ``i``-th contiguous block of the input (``sum(send[i])`` rows) into
     the ``i``-th block of the output (``sum(recv[i])`` rows), all issued together: the received rows
-    come out grouped by slice, then by source rank. ``link``: a
-    :class:`~folding.parallel.link_model.LinkBytes` to count the bytes per link class into (the link model's)."""
+    come out grouped by slice, then by source rank. ``link``: an
+    :class:`~folding.parallel.overlap.ExchangeBytes` to count the messages' bytes into (while an instrument
+    watches: :func:`~folding.parallel.overlap.exchange_bytes`)."""
     sliced = len(recv) > 0 and isinstance(recv[0], (list, tuple))
     recv_s, send_s = (list(recv), list(send)) if sliced else ([recv], [send])
     if _size(group) == 1 and rows is None:
@@ -165,7 +172,7 @@ def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[
             else:
                 if link is not None:
                     row_bytes = math.prod(x.shape[1:]) * x.element_size()
-                    count_all_to_all(link, group, sd, r, row_bytes)
+                    link.add(group, [n * row_bytes for n in sd], [n * row_bytes for n in r])
                 works.append(
                     dist.all_to_all_single(
                         out[o0 : o0 + no],
@@ -284,7 +291,7 @@ def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, ro
     if spec.probs_send is None:
         return _a2a_all(list(rows_parts) + list(probs_parts), spec.ep_group, recv, send, rows=rows, what=what)
     p_send, p_recv = (spec.probs_recv, spec.probs_send) if backward else (spec.probs_send, spec.probs_recv)
-    link = new_link_bytes()
+    link = exchange_bytes()
     outs, works = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows, link=link)
     p_outs, p_works = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send, link=link)
     _wait(works + p_works, what, linked=True, link_bytes=link, group=spec.ep_group)

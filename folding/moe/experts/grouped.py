@@ -106,17 +106,10 @@ class GroupedMLP(torch.nn.Module):
             raise ValueError(
                 f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        if fp8_recipe is not None and fp8_recipe not in RECIPES:
-            raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {RECIPES} or None")
-        if backend == "emulated" and fp8_recipe is None:
-            raise ValueError("backend='emulated' emulates an FP8 recipe: set fp8_recipe (e.g. 'mxfp8'), or use 'loop'")
-        if backend == "loop" and fp8_recipe is not None:
-            raise ValueError(
-                f"backend='loop' computes in high precision; for fp8_recipe={fp8_recipe!r} use 'emulated', "
-                "'torch' or 'te'"
-            )
+        # the names and their pairing are checked once, in MoEConfig (moe.expert_backend, moe.fp8_recipe)
+        assert backend in BACKENDS and (fp8_recipe is None or fp8_recipe in RECIPES), (backend, fp8_recipe)
+        assert (backend == "emulated") <= (fp8_recipe is not None), "MoEConfig: emulated needs an fp8_recipe"
+        assert (backend == "loop") <= (fp8_recipe is None), "MoEConfig: loop runs no fp8_recipe"
         if device is not None and torch.device(device).type != "meta":
             check_backend(backend, fp8_recipe, torch.device(device), params_dtype)  # before any step
         self.num_local_experts = num_local_experts

@@ -1,5 +1,8 @@
 """A two-class CPU model of the links a token exchange uses (benchmarks and tests only).
 
+It watches the engine's exchanges through the overlap module's neutral hook
+(:func:`folding.parallel.overlap.observe`): the engine imports nothing from here.
+
 On a GPU cluster an exchange's rows to ranks of other nodes go over the NIC (about 50 GB/s per GPU per
 direction on H100) and those to ranks of the same node over NVLink (about 450 GB/s): nine times
 faster. On one CPU machine every rank shares the same memory, so nothing shows the difference. Inside
@@ -42,6 +45,8 @@ import time
 from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch.distributed as dist
+
+from folding.parallel import overlap
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,7 +184,8 @@ def link_model(
     saved = dict(_tails)
     _tails.clear()
     try:
-        yield m
+        with overlap.observe(_Links(m)):
+            yield m
     finally:
         _model[0] = old
         _tails.clear()
@@ -223,14 +229,41 @@ def complete(done: Optional[float]) -> float:
     return 0.0
 
 
-def new_link_bytes() -> Optional[LinkBytes]:
-    """An empty :class:`LinkBytes` to count one exchange into, or ``None`` when no model is active or
-    ``torch.distributed`` is not initialized (nothing to count, nothing to delay)."""
-    return LinkBytes() if _model[0].active and dist.is_initialized() else None
+class _Links(overlap.ExchangeObserver):
+    """The model's hold on every exchange: its modelled completion when issued (with its bytes per
+    link class, for an EP exchange), a sleep until then when its collectives have completed."""
+
+    def __init__(self, model: LinkModel):
+        self.model = model
+
+    def issued(self, ex: overlap.Exchange) -> None:
+        duration = 0.0
+        if ex.linked and self.model.active:
+            link_bytes = priced(ex.link_bytes)
+            duration = self.model.latency_s if link_bytes is None else link_bytes.duration(self.model)
+            if link_bytes is not None:
+                traffic.record(link_bytes)
+        ex.marks["link_done"] = issue(ex.group, duration)
+
+    def settle(self, ex: overlap.Exchange) -> None:
+        complete(completion(ex))
 
 
-def count_all_to_all(acc: LinkBytes, group, send_rows: Sequence[int], recv_rows: Sequence[int], row_bytes: int) -> None:
-    """Add to ``acc`` this rank's bytes of an uneven all-to-all over ``group`` (``None``: the world) sending
-    ``send_rows[i]`` rows of ``row_bytes`` to group rank ``i`` and receiving ``recv_rows[i]``."""
-    peers = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    acc.add(_model[0], dist.get_rank(), peers, [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows])
+def completion(ex: overlap.Exchange) -> Optional[float]:
+    """The modelled completion of exchange ``ex`` (:func:`issue`'s), ``None`` when none was modelled."""
+    return ex.marks.get("link_done")
+
+
+def priced(link_bytes) -> Optional[LinkBytes]:
+    """An exchange's bytes per link class: ``link_bytes`` itself when a :class:`LinkBytes`, or its
+    :class:`~folding.parallel.overlap.ExchangeBytes` messages sorted by the node of each peer; ``None``
+    when nothing was counted or ``torch.distributed`` is not initialized (the latency alone applies)."""
+    if link_bytes is None or isinstance(link_bytes, LinkBytes):
+        return link_bytes
+    if not dist.is_initialized():
+        return None
+    acc, me = LinkBytes(), dist.get_rank()
+    for group, send_bytes, recv_bytes in link_bytes.messages:
+        peers = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        acc.add(_model[0], me, peers, send_bytes, recv_bytes)
+    return acc
