@@ -50,7 +50,7 @@ def _config(c):
 def _record_routing_maps(layer):
     """A list that receives the routing map (after capacity) of each forward of ``layer``'s router."""
     seen = []
-    layer.router.register_forward_hook(lambda module, args, out: seen.append(out[1].detach()))
+    layer.router.register_forward_hook(lambda module, args, out: seen.append(out.routing_map_TE.detach()))
     return seen
 
 

@@ -63,9 +63,10 @@ def _run(router, batches, rows, padding):
     """Forward+backward over micro-batches; per micro-batch: losses (shares), probs, map."""
     out = []
     for x, g, pad in batches:
-        probs, rmap = router(x[rows], aux_loss_scale=SCALE, padding_mask=pad[rows] if padding else None)
+        routed = router(x[rows], aux_loss_scale=SCALE, padding_mask=pad[rows] if padding else None)
+        probs, rmap = routed.probs_TE, routed.routing_map_TE
         (probs * g[rows].reshape(-1, E).to(probs.dtype)).sum().backward()
-        out.append(({k: float(v) for k, v in router.last_losses.items()}, probs.detach(), rmap))
+        out.append(({k: float(v) for k, v in routed.stats.losses.items()}, probs.detach(), rmap))
     return out
 
 
@@ -186,7 +187,8 @@ def _bias_fn(rate):
         for mb in range(3):  # one global batch
             x = torch.randn(5, H, generator=torch.Generator().manual_seed(10 * dist.get_rank() + mb))
             x[:, 0] += 2.0  # skew the load
-            probs, rmap = r(x)
+            routed = r(x)
+            probs, rmap = routed.probs_TE, routed.routing_map_TE
             counts += rmap.sum(0)
             raw = torch.softmax(torch.where(rmap, x @ r.weight.detach().T, float("-inf")), -1)
             probs_ok &= torch.allclose(probs, raw, atol=1e-6)  # selection only: probs unbiased
