@@ -60,8 +60,10 @@ def _check_groups(layout_kwargs):
         for role, view, token in ROLES:
             expected = [g for g in table[view][token] if rank in g]
             group = getattr(ps.groups, role)
+            coord = getattr(ps.coords, role)
             if not expected:
                 assert group is None and role == "embedding"
+                assert coord.ranks == () and coord.rank is None and coord.size == 0
                 continue
             expected = expected[0]
             # A real all-gather of the global ranks inside the group must give the math's list.
@@ -70,11 +72,11 @@ def _check_groups(layout_kwargs):
             dist.all_gather_into_tensor(out, t, group=group)
             seen[role] = out.tolist()
             assert out.tolist() == expected, (role, out.tolist(), expected)
-            assert getattr(ps, f"{role}_group") is group
-            assert getattr(ps, f"{role}_rank") == expected.index(rank)
-            assert getattr(ps, f"{role}_size") == len(expected)
+            assert coord.ranks == tuple(expected)
+            assert coord.rank == expected.index(rank)
+            assert coord.size == len(expected)
         # the EP ranks' metadata group: the same ranks on a communicator of its own (NCCL orders each)
-        assert (ps.groups.ep_meta is not ps.groups.ep) == (ps.ep_size > 1)
+        assert (ps.groups.ep_meta is not ps.groups.ep) == (ps.coords.ep.size > 1)
     finally:
         ps.destroy()
     return seen
