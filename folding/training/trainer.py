@@ -427,7 +427,7 @@ def _read_batch(run: _Run) -> Tuple[List[Dict[str, torch.Tensor]], torch.Tensor]
     """This DP rank's micro-batches of the step and the global count N of unmasked tokens (an
     all-reduce over DP, known before any backward)."""
     mbs = [next(run.prep.data.train) for _ in range(run.num_microbatches)]
-    return mbs, global_token_count(mbs, dp_group=run.ps.dp_group, device=run.device)
+    return mbs, global_token_count(mbs, dp_group=run.ps.groups.dp, device=run.device)
 
 
 def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -497,7 +497,7 @@ def _update_routers(run: _Run, *, skipped: bool) -> None:
     routers = run.stats.routers
     biased = [r for r in routers if r.has_expert_bias]
     if biased and not skipped:
-        update_expert_biases(biased, group=run.ps.tp_dp_cp_group)
+        update_expert_biases(biased, group=run.ps.groups.tp_dp_cp)
     for r in routers:
         if r.accumulates_global_aux_loss:
             r.reset_global_aux_loss()

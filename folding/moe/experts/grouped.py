@@ -29,7 +29,7 @@ inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`), ``auto`
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
-                     etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="auto")
+                     etp_rank=ps.coords.etp.rank, expert_offset=ps.coords.ep.rank * 4, backend="auto")
     out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
 """
 

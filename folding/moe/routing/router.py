@@ -16,12 +16,12 @@ micro-batch, S sequence positions.
 Usage::
 
     router = Router(hidden_size=H, config=moe_cfg, groups=ps.groups, init_seed=seed, layer_number=i)
-    router.aux_loss_scale = 1.0 / (num_microbatches * ps.dp_size)     # once per step
+    router.aux_loss_scale = 1.0 / (num_microbatches * ps.coords.dp.size)     # once per step
     out = router(hidden_SBH)                                          # or hidden_TH, num_sequences=B
     out.probs_TE, out.routing_map_TE                                  # after capacity
     out.stats.losses["aux_loss"], out.stats.tokens_per_expert_E       # this rank's share (detached), loads
     ...                                                               # after the global batch:
-    update_expert_biases(routers, group=ps.tp_dp_cp_group)           # folding.optim, if moe.expert_bias
+    update_expert_biases(routers, group=ps.groups.tp_dp_cp)           # folding.optim, if moe.expert_bias
     router.reset_global_aux_loss()
 """
 
