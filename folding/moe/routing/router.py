@@ -118,7 +118,8 @@ class Router(BalancingRouter):
         self.config = config
         self.hidden_size = hidden_size
         self.layer_number = layer_number
-        self.tp_cp_group, self.tp_dp_cp_group = groups.tp_cp, groups.tp_dp_cp
+        self.groups = groups
+        """The process groups; the router reads ``groups.tp_cp`` and ``groups.tp_dp_cp``."""
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
         self.weight = mark_param(
@@ -225,9 +226,9 @@ class Router(BalancingRouter):
         if losses is None or not cfg.z_loss_coeff > 0:
             return logits_TE
         if padding_mask_T is None:
-            total = logits_TE.shape[0] * C.group_size(self.tp_cp_group)
+            total = logits_TE.shape[0] * C.group_size(self.groups.tp_cp)
         else:
-            total = self._sum((~padding_mask_T).sum(), self.tp_cp_group)
+            total = self._sum((~padding_mask_T).sum(), self.groups.tp_cp)
         losses["z_loss"] = R.z_loss(
             logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask_T, total_num_tokens=total
         )
@@ -305,19 +306,19 @@ class Router(BalancingRouter):
         )
         padded = padding_mask_T is not None
         if cfg.aux_loss_type == "aux_loss":
-            counts_E = self._sum(map_TE.sum(dim=0), self.tp_cp_group)
-            total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_cp_group)
+            counts_E = self._sum(map_TE.sum(dim=0), self.groups.tp_cp)
+            total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.groups.tp_cp)
             return R.switch_aux_loss(scores_TE, counts_E, total_num_tokens=total, **kw)
         if cfg.aux_loss_type == "seq_aux_loss":
-            counts_BE = self._sum(R.tokens_per_sequence_expert(map_TE, num_sequences=num_sequences), self.tp_cp_group)
-            seq_length = counts_BE.sum(dim=1) / k if padded else T // num_sequences * C.group_size(self.tp_cp_group)
+            counts_BE = self._sum(R.tokens_per_sequence_expert(map_TE, num_sequences=num_sequences), self.groups.tp_cp)
+            seq_length = counts_BE.sum(dim=1) / k if padded else T // num_sequences * C.group_size(self.groups.tp_cp)
             return R.seq_aux_loss(scores_TE, counts_BE, num_sequences=num_sequences, seq_length=seq_length, **kw)
-        counts_E = self._sum(map_TE.sum(dim=0), self.tp_dp_cp_group)
+        counts_E = self._sum(map_TE.sum(dim=0), self.groups.tp_dp_cp)
         with torch.no_grad():
             self.global_tokens_per_expert += counts_E.to(self.global_tokens_per_expert.dtype)
         self.global_aux_steps += 1
         mean_counts_E = self.global_tokens_per_expert / self.global_aux_steps
-        total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_dp_cp_group)
+        total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.groups.tp_dp_cp)
         return R.switch_aux_loss(scores_TE, mean_counts_E, total_num_tokens=total, **kw)
 
     def _sum(self, counts: torch.Tensor, group) -> torch.Tensor:
