@@ -7,14 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.parallel.groups import Coordinates, GroupCoord, ProcessGroups
+from folding.parallel.groups import GroupCoord
 from folding.parallel.state import ROLES, ParallelState
-
-
-def test_groups_coords_and_the_build_table_have_the_same_roles_in_order():
-    roles = [role for role, _, _ in ROLES]
-    assert [f.name for f in dataclasses.fields(ProcessGroups)] == roles
-    assert [f.name for f in dataclasses.fields(Coordinates)] == roles
 
 
 def test_the_state_has_no_per_role_accessors():
