@@ -53,10 +53,8 @@ class RoutingStats:
         """The statistics of both (the same layer): counts added, losses added as float64."""
         if other.layer_number != self.layer_number:
             raise ValueError(f"cannot add the routing of layer {other.layer_number} to layer {self.layer_number}'s")
-        f64 = torch.float64
-        losses = {k: self.losses[k].to(f64) + other.losses[k].to(f64) for k in self.losses if k in other.losses}
-        losses.update({k: v.to(f64) for k, v in self.losses.items() if k not in other.losses})
-        losses.update({k: v.to(f64) for k, v in other.losses.items() if k not in self.losses})
+        names = list(self.losses) + [k for k in other.losses if k not in self.losses]
+        losses = {k: sum(s.losses[k].to(torch.float64) for s in (self, other) if k in s.losses) for k in names}
         return RoutingStats(
             layer_number=self.layer_number,
             tokens_per_expert_E=self.tokens_per_expert_E + other.tokens_per_expert_E,
