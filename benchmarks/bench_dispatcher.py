@@ -88,8 +88,8 @@ def _worker(a):
                 a["dispatcher"],
                 num_experts=E,
                 topk=k,
-                ep_group=ps.ep_group,
-                etp_group=ps.etp_group,
+                ep_group=ps.groups.ep,
+                etp_group=ps.groups.etp,
                 capacity_factor=cf,
                 pad_to_capacity=pad,
                 dispatch_wire=wire,
@@ -122,14 +122,14 @@ def _worker(a):
             r2 = torch.empty(plan.num_out_tokens, rowc, dtype=torch.uint8)
 
             def raw():
-                dist.all_to_all_single(r1, s1, plan.output_splits, plan.input_splits, group=ps.ep_group)
-                dist.all_to_all_single(r2, s2, plan.input_splits, plan.output_splits, group=ps.ep_group)
+                dist.all_to_all_single(r1, s1, plan.output_splits, plan.input_splits, group=ps.groups.ep)
+                dist.all_to_all_single(r2, s2, plan.input_splits, plan.output_splits, group=ps.groups.ep)
 
             res["a2a_ms"] = _time(raw, a["warmup"], a["iters"])
         # dedup floor: one row per (token, remote EP rank), each way
         L = E // a["ep"]
         dest = rmap.view(T, a["ep"], L).any(2)
-        dest[:, ps.ep_rank] = False
+        dest[:, ps.coords.ep.rank] = False
         res["dedup_rows"] = int(dest.sum())
         if a["wire"] != "none":
             ref = make("none")

@@ -150,7 +150,7 @@ def worker(args, ep: int):
                 dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 if sched is not None:  # the step's loads over all ranks: untimed, as the trainer reuses the
                     # world all-reduce of its step statistics for them
-                    counts = torch.stack([layer.router.last_tokens_per_expert.double() for layer in layers])
+                    counts = torch.stack([layer.take_routing_stats().tokens_per_expert_E.double() for layer in layers])
                     dist.all_reduce(counts)
                     sched.observe({layer.layer_number: counts[i] for i, layer in enumerate(layers)})
                 bwd = clocks["bwd"]

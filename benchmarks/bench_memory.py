@@ -97,7 +97,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
         opt = FoldedOptimizer(
             model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed), parallel_state=ps
         )
-        gen = torch.Generator().manual_seed(seed + ps.dp_rank)
+        gen = torch.Generator().manual_seed(seed + ps.coords.dp.rank)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
         labels = torch.roll(ids, -1, 1)
         global_tokens = batch * seq * layout.dp * layout.cp

@@ -134,11 +134,11 @@ def _worker(a: dict):
         ParallelLayout(world_size=world, ep=world, etp=1, num_experts=a["experts"], nvlink_domain=G)
     )
     try:
-        common = dict(num_experts=a["experts"], topk=a["topk"], ep_group=ps.ep_group, etp_group=ps.etp_group)
+        common = dict(num_experts=a["experts"], topk=a["topk"], ep_group=ps.groups.ep, etp_group=ps.groups.etp)
         ds = {
             "alltoall": build_dispatcher("alltoall", **common),
             "hierarchical": build_dispatcher(
-                "hierarchical", node_group=ps.ep_node_group, rail_group=ps.ep_rail_group, nvlink_domain=G, **common
+                "hierarchical", node_group=ps.groups.ep_node, rail_group=ps.groups.ep_rail, nvlink_domain=G, **common
             ),
         }
         assert type(ds["hierarchical"]).__name__ == "HierarchicalDispatcher", "EP must span nodes"

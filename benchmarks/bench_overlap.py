@@ -115,7 +115,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         t = job.train
         dp = ps.layout.dp
         M = t.global_batch_size // (t.micro_batch_size * dp)
-        gen = torch.Generator().manual_seed(1000 + ps.dp_rank)
+        gen = torch.Generator().manual_seed(1000 + ps.coords.dp.rank)
         mbs = _batch(job, M, gen)
         run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)  # warm-up
         dist.barrier()

@@ -36,8 +36,10 @@ def layout_worker(path, layout_kw, ids, iters, threads):
     ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw))
     try:
         model = from_hf(path, parallel_state=ps)
-        b = ids.shape[0] // ps.dp_size  # each data-parallel replica its slice of the batch
-        step = train_step.make_step(model, train_step.engine_loss, ids[ps.dp_rank * b : (ps.dp_rank + 1) * b])
+        b = ids.shape[0] // ps.coords.dp.size  # each data-parallel replica its slice of the batch
+        step = train_step.make_step(
+            model, train_step.engine_loss, ids[ps.coords.dp.rank * b : (ps.coords.dp.rank + 1) * b]
+        )
         first = step()
         ts = []
         for _ in range(iters):

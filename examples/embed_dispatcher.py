@@ -48,7 +48,8 @@ def main(device=torch.device("cpu")):
     off = dispatcher.local_expert_offset
 
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + rank)).to(device)
-    probs_TE, routing_map_TE = router(x)
+    routed = router(x)  # a RouterOutput: probabilities, map, statistics
+    probs_TE, routing_map_TE = routed.probs_TE, routed.routing_map_TE
     tokens, record, probs = dispatcher.dispatch(x, routing_map_TE, probs_TE)
     outs, start = [], 0
     for l, n in enumerate(record.tokens_per_expert_host):  # the host codebase's experts go here

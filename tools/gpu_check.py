@@ -55,7 +55,7 @@ def check_p2p(ps, dev):
     world = dist.get_world_size()
     if world < 2:
         return SKIP, "needs 2 or more ranks"
-    p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
+    p2p = P2P(pp_group=ps.groups.pp, pp_ranks=ps.coords.pp.ranks, pp_rank=ps.coords.pp.rank)
     me = torch.full((4,), float(ps.rank), device=dev)
     got = p2p.exchange(sends=[(1, me), (-1, me + 0.5)], recvs=[(-1, (4,), me.dtype, dev), (1, (4,), me.dtype, dev)])
     want_prev, want_next = float(p2p.peer(-1)), float(p2p.peer(1)) + 0.5

@@ -56,9 +56,14 @@ def measure_on_rank(
             layout,
             param_bytes=torch.tensor([], dtype=tdtype).element_size(),
             distributed=distributed,
-            stage=ps.pp_rank,
+            stage=ps.coords.pp.rank,
         )
         model_bytes = {k: v for k, v in dataclasses.asdict(est).items() if k not in ("activations", "stage")}
-        return {"rank": dist.get_rank(), "stage": ps.pp_rank, "measured": opt.memory_bytes(), "model": model_bytes}
+        return {
+            "rank": dist.get_rank(),
+            "stage": ps.coords.pp.rank,
+            "measured": opt.memory_bytes(),
+            "model": model_bytes,
+        }
     finally:
         ps.destroy()

@@ -4,7 +4,7 @@ Usage::
 
     from folding.data import DataConfig, build_data
     data = build_data(DataConfig(paths=["/data/web_text_document"]), seq_length=4096,
-                      global_batch_size=256, micro_batch_size=1, dp_rank=ps.dp_rank, dp_size=layout.dp)
+                      global_batch_size=256, micro_batch_size=1, dp_rank=ps.coords.dp.rank, dp_size=layout.dp)
     mb = next(data.train)     # {"tokens", "labels", "loss_mask", "sample_index", ...}
 
 See docs/data.md for the user guide.

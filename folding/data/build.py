@@ -9,7 +9,7 @@ before any collective. The result depends only on the config, the sequence lengt
 Usage::
 
     data = build_data(cfg.data, seq_length=4096, global_batch_size=256, micro_batch_size=1,
-                      dp_rank=ps.dp_rank, dp_size=layout.dp)
+                      dp_rank=ps.coords.dp.rank, dp_size=layout.dp)
     mb = next(data.train)                         # tokens, labels, loss_mask, ...
     state = data.state_dict()                     # save with the checkpoint
     data.load_state_dict(state)                   # exact resume

@@ -23,7 +23,7 @@ Each micro-batch is a dict of CPU tensors, ``[MBS, seq_length]`` unless noted:
 
 Usage::
 
-    it = MicroBatchIterator(blend, global_batch_size=8, micro_batch_size=2, dp_rank=ps.dp_rank,
+    it = MicroBatchIterator(blend, global_batch_size=8, micro_batch_size=2, dp_rank=ps.coords.dp.rank,
                             dp_size=layout.dp, seq_length=128, eod=tok.eod)
     for _ in range(it.num_micro_batches):
         mb = next(it)

@@ -13,7 +13,7 @@ sequence shard. Names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, `
 
 Usage::
 
-    attn = Attention(config, tp_group=ps.tp_group, cp_group=ps.cp_group)
+    attn = Attention(config, tp_group=ps.groups.tp, cp_group=ps.groups.cp)
     y = attn(x_SBH, cos_SD, sin_SD, kv_order, chunk_starts)   # from MoETransformer.rope()
 """
 

@@ -65,7 +65,7 @@ def build_stage_chunks(
             moe_factory=moe_factory,
             device=device,
             dtype=params_dtype,
-            layer_range=stages[c * pp + parallel_state.pp_rank],
+            layer_range=stages[c * pp + parallel_state.coords.pp.rank],
         )
         for layer in chunk.transformer_layers():
             layer.recompute = recompute

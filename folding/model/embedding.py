@@ -7,7 +7,7 @@ which both sums the partial lookups and produces the sequence-parallel shard ``[
 
 Usage::
 
-    emb = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=ps.tp_group)
+    emb = VocabParallelEmbedding(vocab_size, hidden_size, tp_group=ps.groups.tp)
     x_SBH = emb(input_ids_BS)         # [S/TP, B, H]
 """
 

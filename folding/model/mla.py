@@ -27,7 +27,7 @@ Parameter names follow Hugging Face (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj
 
 Usage::
 
-    attn = MLAttention(config, tp_group=ps.tp_group, cp_group=ps.cp_group, output_init_std=std)
+    attn = MLAttention(config, tp_group=ps.groups.tp, cp_group=ps.groups.cp, output_init_std=std)
     y_SBH = attn(x_SBH, cos_SD, sin_SD, kv_order, chunk_starts)   # from MoETransformer.rope()
 """
 

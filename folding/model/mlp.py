@@ -6,7 +6,7 @@ output are sequence-parallel shards ``[S/TP, B, H]``. Used for dense layers (Qwe
 
 Usage::
 
-    mlp = DenseMLP(hidden_size, ffn_hidden_size, tp_group=ps.tp_group, init_std=0.02, output_init_std=0.005)
+    mlp = DenseMLP(hidden_size, ffn_hidden_size, tp_group=ps.groups.tp, init_std=0.02, output_init_std=0.005)
     y_SBH = mlp(x_SBH)
 """
 

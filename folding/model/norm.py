@@ -15,7 +15,7 @@ Usage::
 
     norm = RMSNorm(hidden_size, eps=1e-5)
     y_SBH = norm(x_SBH)
-    q_norm = ShardedRMSNorm(heads * head_dim, eps=1e-5, tp_group=ps.tp_group)
+    q_norm = ShardedRMSNorm(heads * head_dim, eps=1e-5, tp_group=ps.groups.tp)
     q_SBF = q_norm(q_SBF)          # [S, B, heads*head_dim/TP]
 """
 

@@ -187,6 +187,15 @@ class MoEConfig:
         """Raise ``ValueError`` naming ``moe.<field>`` and a fix if the configuration is impossible."""
         for f in ("num_experts", "topk", "ffn_hidden_size"):
             _positive_int(f, getattr(self, f))
+        self._validate_routing()
+        self._validate_capacity()
+        self._validate_losses()
+        self._validate_execution()
+        self._validate_replicas()
+        self._validate_shared_expert()
+
+    def _validate_routing(self) -> None:
+        """Top-k, the score function and its options, expert groups, scaling, router dtype, jitter."""
         E, k = self.num_experts, self.topk
         if k > E:
             _fail("topk", k, f"exceeds moe.num_experts={E}", f"set moe.topk <= {E}")
@@ -211,6 +220,9 @@ class MoEConfig:
         _choice("router_dtype", self.router_dtype, ROUTER_DTYPES)
         if self.input_jitter_eps is not None and not 0 <= self.input_jitter_eps < 1:
             _fail("input_jitter_eps", self.input_jitter_eps, "must be in [0, 1)", "use e.g. 0.01 or null")
+
+    def _validate_capacity(self) -> None:
+        """The capacity factor, the drop policy and padding to capacity."""
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             _fail("capacity_factor", self.capacity_factor, "must be > 0", "use e.g. 1.0, or null for dropless routing")
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
@@ -223,12 +235,18 @@ class MoEConfig:
                 "the hierarchical dispatcher's de-duplicated row counts are not static",
                 "set moe.pad_to_capacity=false or moe.dispatcher=alltoall",
             )
+
+    def _validate_losses(self) -> None:
+        """The load-balancing loss, the loss weights and the expert-bias rate."""
         _choice("aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
         for f in ("aux_loss_coeff", "z_loss_coeff"):
             if not getattr(self, f) >= 0:
                 _fail(f, getattr(self, f), "must be >= 0", f"set moe.{f} to 0 (off) or a positive weight")
         if not self.expert_bias_update_rate > 0:
             _fail("expert_bias_update_rate", self.expert_bias_update_rate, "must be > 0", "use e.g. 1e-3")
+
+    def _validate_execution(self) -> None:
+        """The dispatcher and its wires, the expert backend and FP8 recipe, the routing trace."""
         _choice("dispatcher", self.dispatcher, DISPATCHERS)
         for f in ("dispatch_wire", "combine_wire", "grad_wire"):
             _choice(f, getattr(self, f), WIRE_FORMATS)
@@ -238,7 +256,9 @@ class MoEConfig:
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.strip()):
             fix = "set moe.trace_dir=PATH, or null for no trace"
             _fail("trace_dir", self.trace_dir, "must be a directory path", fix)
-        self._validate_replicas()
+
+    def _validate_shared_expert(self) -> None:
+        """The shared expert's width and gate."""
         if self.shared_expert_ffn_hidden_size is not None:
             _positive_int("shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         elif self.shared_expert_gate:

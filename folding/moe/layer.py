@@ -51,6 +51,7 @@ from .dispatch.build import dispatcher_for
 from .experts.grouped import GroupedMLP
 from .replicas.fetch import fetch_replica_weights
 from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
+from .routing.balancing import RoutedBlock, RoutingStats
 from .routing.router import Router
 
 
@@ -107,8 +108,11 @@ class SharedExpert(nn.Module):
         return y
 
 
-class MoELayer(nn.Module):
+class MoELayer(nn.Module, RoutedBlock):
     """One MoE layer under parallel folding (see the module docstring).
+
+    Each training-mode forward adds its router's :class:`~folding.moe.routing.balancing.RoutingStats`
+    to the layer's sum, which the training step takes once per step (:meth:`take_routing_stats`).
 
     Args:
         config: the MoE settings (experts, top-k, capacity, dispatcher, wires, shared expert...).
@@ -201,6 +205,15 @@ class MoELayer(nn.Module):
         if init_seed is not None and not self.router.weight.is_meta:
             initialize_parameters(self, init_seed)
 
+    _routing_stats: Optional[RoutingStats] = None
+    """The sum of the routing statistics of the training forwards since the last :meth:`take_routing_stats`."""
+
+    def take_routing_stats(self) -> Optional[RoutingStats]:
+        """The sum of the routing statistics of the training forwards since the last call (``None``
+        if there were none), and forget them."""
+        taken, self._routing_stats = self._routing_stats, None
+        return taken
+
     def replica_geometry(self) -> dict:
         """``ep_size``, ``num_local_experts`` and ``num_replicas`` of this layer's slots (the keyword
         arguments of the :mod:`folding.moe.replicas.table` functions)."""
@@ -246,7 +259,11 @@ class MoELayer(nn.Module):
         padding tokens are routed and computed like others but count in no loss.
         """
         # hidden's shape: checked by the router, the first to read it (before any collective)
-        probs_TE, routing_map_TE = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
+        routed = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
+        if self.training:
+            kept = self._routing_stats
+            self._routing_stats = routed.stats if kept is None else kept + routed.stats
+        probs_TE, routing_map_TE = routed.probs_TE, routed.routing_map_TE
         shared = None
         if self.shared_expert is not None:
             tokens_TH = hidden.reshape(-1, self.hidden_size)

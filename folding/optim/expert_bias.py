@@ -11,7 +11,7 @@ all-reduce.
 
 Usage::
 
-    update_expert_biases(routers, group=ps.tp_dp_cp_group)    # once per step, every rank of the stage
+    update_expert_biases(routers, group=ps.groups.tp_dp_cp)    # once per step, every rank of the stage
 """
 
 from __future__ import annotations

@@ -59,19 +59,19 @@ class BufferGroups:
         """Groups of ``cls`` from a :class:`~folding.parallel.state.ParallelState` ``ps``."""
         pre = []
         if cls.sequence_parallel:
-            g, n = (ps.etp_group, ps.etp_size) if cls.expert else (ps.tp_group, ps.tp_size)
+            g, n = (ps.groups.etp, ps.coords.etp.size) if cls.expert else (ps.groups.tp, ps.coords.tp.size)
             if n > 1:
                 pre.append(g)
-        if cls.embedding_tied and ps.embedding_group is not None and ps.embedding_size > 1:
-            pre.append(ps.embedding_group)
+        if cls.embedding_tied and ps.groups.embedding is not None and ps.coords.embedding.size > 1:
+            pre.append(ps.groups.embedding)
         if cls.expert:
-            dp, size, rank = ps.edp_group, ps.edp_size, ps.edp_rank
-            tp_rank = ps.etp_rank
+            dp, size, rank = ps.groups.edp, ps.coords.edp.size, ps.coords.edp.rank
+            tp_rank = ps.coords.etp.rank
         else:
-            dp, size, rank = ps.dp_cp_group, ps.dp_cp_size, ps.dp_cp_rank
-            tp_rank = ps.tp_rank
+            dp, size, rank = ps.groups.dp_cp, ps.coords.dp_cp.size, ps.coords.dp_cp.rank
+            tp_rank = ps.coords.tp.rank
         counts = (cls.tp_sharded or tp_rank == 0) and (not cls.embedding_tied or ps.is_first_stage)
-        tp_group, tp_size = (ps.etp_group, ps.etp_size) if cls.expert else (ps.tp_group, ps.tp_size)
+        tp_group, tp_size = (ps.groups.etp, ps.coords.etp.size) if cls.expert else (ps.groups.tp, ps.coords.tp.size)
         return BufferGroups(
             pre_groups=pre,
             dp_group=dp,

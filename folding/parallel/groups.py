@@ -11,9 +11,15 @@ world when ``torch.distributed`` is initialized, no communication otherwise; so
 ``ProcessGroups.single()`` (every field ``None``) is the 1-rank record, which needs no process group.
 Code embedding the engine's modules in another codebase fills in its own groups by role.
 
+:class:`Coordinates` is the companion record with the same field names: this rank's place in each of
+those groups (:class:`GroupCoord`: the group's global ranks, this rank's index, the size), built with
+the groups (``ps.coords``). A role has one name on both sides: ``ps.groups.ep`` is the group,
+``ps.coords.ep.rank`` and ``ps.coords.ep.size`` this rank's index in it and its size.
+
 Usage::
 
     groups = ps.groups                                   # from build_parallel_state(layout)
+    ps.coords.ep.rank, ps.coords.edp.size, ps.coords.pp.ranks
     groups = ProcessGroups.single()                      # 1 rank, torch.distributed not needed
     groups = ProcessGroups(ep=my_ep_group, etp=my_etp_group, tp_cp=..., tp_dp_cp=..., tp=...)
     groups.tp, groups.tp_size, groups.cp_rank
@@ -22,11 +28,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
 from .collectives import group_rank, group_size
+from .rank_math import node_split_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +98,78 @@ class ProcessGroups:
     def cp_rank(self) -> int:
         """This rank's index in the CP group."""
         return group_rank(self.cp)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCoord:
+    """This rank's place in its group of one role."""
+
+    ranks: Tuple[int, ...]
+    """Global ranks of the group, in group order (empty where this rank is in no group of the role,
+    which only happens for ``embedding``)."""
+    rank: Optional[int]
+    """This rank's index in :attr:`ranks` (``None`` where :attr:`ranks` is empty)."""
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coordinates:
+    """This rank's :class:`GroupCoord` for every role, named as the fields of :class:`ProcessGroups`."""
+
+    tp: GroupCoord
+    """In the attention tensor-parallel group."""
+    cp: GroupCoord
+    """In the context-parallel group."""
+    dp: GroupCoord
+    """In the attention data-parallel group."""
+    dp_cp: GroupCoord
+    """In the DP x CP group."""
+    tp_cp: GroupCoord
+    """In the TP x CP group."""
+    tp_dp_cp: GroupCoord
+    """In the TP x DP x CP group."""
+    pp: GroupCoord
+    """In the pipeline-parallel group (``rank``: the pipeline stage)."""
+    embedding: GroupCoord
+    """In the first-and-last-stage group (empty on the stages between)."""
+    ep: GroupCoord
+    """In the expert-parallel group."""
+    etp: GroupCoord
+    """In the expert tensor-parallel group."""
+    edp: GroupCoord
+    """In the expert data-parallel group."""
+    ep_node: GroupCoord
+    """In the EP group's ranks on this rank's node."""
+    ep_rail: GroupCoord
+    """In the EP group's ranks at this rank's position on every node."""
+    ep_meta: GroupCoord
+    """In the EP metadata group (the EP group's ranks: ``rank`` is the EP rank)."""
+
+
+def build_node_split_groups(ep_group, nvlink_domain: int):
+    """Split every rank's EP group by node and return this rank's ``(node_group, rail_group)``, for
+    code that holds an EP group but no :class:`ParallelState` (a Megatron-Core layer, a benchmark).
+
+    Collective over the world: every rank calls it with its own EP group and the same
+    ``nvlink_domain``; the EP groups are gathered (one small object all-gather), split by
+    :func:`~folding.parallel.rank_math.node_split_groups` (which refuses uneven nodes naming
+    ``parallel.nvlink_domain``) and every split group is created in the same order on every rank.
+    Call it once per EP group, at start-up; the engine's own layers get the same groups from
+    :func:`~folding.parallel.state.build_parallel_state` (``ps.groups.ep_node``, ``ps.groups.ep_rail``)."""
+    mine = dist.get_process_group_ranks(ep_group)
+    every: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    ep_groups = [list(g) for g in dict.fromkeys(tuple(g) for g in every)]
+    node, rail = node_split_groups(ep_groups, nvlink_domain)
+    me = dist.get_rank()
+    out = {}
+    for role, table in (("node", node), ("rail", rail)):
+        for ranks in table:
+            handle = dist.new_group(ranks)
+            if me in ranks:
+                out[role] = handle
+    return out["node"], out["rail"]

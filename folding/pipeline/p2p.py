@@ -8,7 +8,7 @@ on both ends. The previous rank is offset −1 and the next offset +1 in the pip
 
 Usage::
 
-    p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
+    p2p = P2P(pp_group=ps.groups.pp, pp_ranks=ps.coords.pp.ranks, pp_rank=ps.coords.pp.rank)
     got = p2p.exchange(sends=[(+1, activation)], recvs=[(-1, shape, dtype, device)])
 """
 

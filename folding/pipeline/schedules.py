@@ -21,7 +21,7 @@ the other, and the losses and gradients are bitwise those without overlap.
 Usage::
 
     losses = forward_backward(forward_step=step, num_microbatches=8, pp_size=ps.layout.pp,
-                              pp_rank=ps.pp_rank, vpp=2, p2p=p2p, tensor_shape=(S, B, H),
+                              pp_rank=ps.coords.pp.rank, vpp=2, p2p=p2p, tensor_shape=(S, B, H),
                               dtype=torch.float32, device=dev)
 """
 

@@ -90,7 +90,11 @@ def run_microbatches(
 
     p2p = None
     if pp > 1:
-        p2p = P2P(pp_group=parallel_state.pp_group, pp_ranks=parallel_state.ranks["pp"], pp_rank=parallel_state.pp_rank)
+        p2p = P2P(
+            pp_group=parallel_state.groups.pp,
+            pp_ranks=parallel_state.coords.pp.ranks,
+            pp_rank=parallel_state.coords.pp.rank,
+        )
     last = len(microbatches) - 1
 
     def grad_sync(chunk: int, m: int):
@@ -100,7 +104,7 @@ def run_microbatches(
         forward_step=step,
         num_microbatches=len(microbatches),
         pp_size=pp,
-        pp_rank=parallel_state.pp_rank,
+        pp_rank=parallel_state.coords.pp.rank,
         vpp=vpp,
         p2p=p2p,
         tensor_shape=shape,

@@ -49,7 +49,7 @@ def evaluate(
     try:
         for _ in range(eval_steps):
             mbs = [next(valid_iter) for _ in range(num_microbatches)]
-            tokens += global_token_count(mbs, dp_group=ps.dp_group, device=device)
+            tokens += global_token_count(mbs, dp_group=ps.groups.dp, device=device)
             out = run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
             part = out["lm_loss_sum"].to(device=device, dtype=torch.float64).view(1)
             # Per-token losses are identical on the TP ranks of the last stage: count them once.

@@ -276,7 +276,7 @@ def train(
 
 # ----------------------------------------------------------------------------- setting up a run
 def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, run_log) -> _Run:
-    """Build the model chunks and the optimizer, load the checkpoint to resume from, hook the routers
+    """Build the model chunks and the optimizer, load the checkpoint to resume from, find the routers
     and open rank 0's metrics sink."""
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
@@ -427,15 +427,16 @@ def _read_batch(run: _Run) -> Tuple[List[Dict[str, torch.Tensor]], torch.Tensor]
     """This DP rank's micro-batches of the step and the global count N of unmasked tokens (an
     all-reduce over DP, known before any backward)."""
     mbs = [next(run.prep.data.train) for _ in range(run.num_microbatches)]
-    return mbs, global_token_count(mbs, dp_group=run.ps.dp_group, device=run.device)
+    return mbs, global_token_count(mbs, dp_group=run.ps.groups.dp, device=run.device)
 
 
 def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Zero the gradients and the router statistics, then run the pipeline schedule over ``mbs``
-    with loss ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer)."""
+    """Zero the gradients and the router statistics, run the pipeline schedule over ``mbs`` with
+    loss ``masked_sum / N`` (gradients then *sum* over DP×CP and EDP in the optimizer), then collect
+    the routing statistics the MoE layers kept."""
     run.optimizer.zero_grad()
     run.stats.reset()
-    return run_microbatches(
+    out = run_microbatches(
         run.chunks,
         mbs,
         parallel_state=run.ps,
@@ -443,6 +444,8 @@ def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch
         no_sync=run.optimizer.no_sync,
         overlap=run.job.parallel.overlap_moe_comm,
     )
+    run.stats.collect()
+    return out
 
 
 def _reduce(run: _Run, out: Dict[str, torch.Tensor], n_tokens: torch.Tensor) -> _StepLosses:
@@ -494,7 +497,7 @@ def _update_routers(run: _Run, *, skipped: bool) -> None:
     routers = run.stats.routers
     biased = [r for r in routers if r.has_expert_bias]
     if biased and not skipped:
-        update_expert_biases(biased, group=run.ps.tp_dp_cp_group)
+        update_expert_biases(biased, group=run.ps.groups.tp_dp_cp)
     for r in routers:
         if r.accumulates_global_aux_loss:
             r.reset_global_aux_loss()

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     if dist.get_rank() == 0:                         # rank 1 never joins this all-reduce
         t0 = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(1), group=ps.tp_group)
+            dist.all_reduce(torch.ones(1), group=ps.groups.tp)
         except RuntimeError as e:
             print(f"FAILED_AFTER {time.monotonic() - t0:.1f} s: {e}", flush=True)
     else:

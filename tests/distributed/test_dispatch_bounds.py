@@ -29,7 +29,7 @@ def _job(d, x0, routing_map, probs0, g):
 
 def _compare_bounds():
     with build_parallel_state(ParallelLayout(world_size=4, ep=4, etp=1)) as ps:
-        d = build_dispatcher("alltoall", num_experts=E, topk=K, ep_group=ps.ep_group, etp_group=ps.etp_group)
+        d = build_dispatcher("alltoall", num_experts=E, topk=K, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
         gen = torch.Generator().manual_seed(ps.rank)
         x = torch.randn(T, H, generator=gen)
         probs, routing_map = topk_routing(torch.randn(T, E, generator=gen), topk=K)
@@ -38,7 +38,7 @@ def _compare_bounds():
         want = _job(stages, x, routing_map, probs, g)
         leaves = []
         for _, run in bound_variants(
-            x, routing_map, probs, g, group=ps.ep_group, plan=stages._record.plan, leaves=leaves
+            x, routing_map, probs, g, group=ps.groups.ep, plan=stages._record.plan, leaves=leaves
         ):
             run()
         out = {}

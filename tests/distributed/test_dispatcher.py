@@ -75,16 +75,16 @@ def _one_case(c, ps, world, rank):
         c["kind"],
         num_experts=E,
         topk=k,
-        ep_group=ps.ep_group,
-        etp_group=ps.etp_group,
+        ep_group=ps.groups.ep,
+        etp_group=ps.groups.etp,
         capacity_factor=None if mode == "dropless" else c.get("cf", 1.0),
         pad_to_capacity=mode == "pad",
-        **({"node_group": ps.ep_node_group, "rail_group": ps.ep_rail_group} if c["kind"] == "hierarchical" else {}),
+        **({"node_group": ps.groups.ep_node, "rail_group": ps.groups.ep_rail} if c["kind"] == "hierarchical" else {}),
     )
     if c.get("two_stage") is not None:  # the hierarchical dispatcher is two-stage exactly when EP spans nodes
         assert (type(d).__name__ == "HierarchicalDispatcher") == c["two_stage"], c
     L, Fs = E // c["ep"], FF // c["etp"]
-    off, j = d.local_expert_offset, ps.etp_rank
+    off, j = d.local_expert_offset, ps.coords.etp.rank
     A_l = A[off : off + L, :, j * Fs : (j + 1) * Fs].clone().requires_grad_(True)
     B_l = B[off : off + L, j * Fs : (j + 1) * Fs, :].clone().requires_grad_(True)
     xl = x[sl].clone().requires_grad_(True)
@@ -233,7 +233,7 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
     gy = torch.randn(world * TW, HW, generator=g)
     sl = slice(rank * TW, (rank + 1) * TW)
     extra = (
-        dict(node_group=ps.ep_node_group, rail_group=ps.ep_rail_group)
+        dict(node_group=ps.groups.ep_node, rail_group=ps.groups.ep_rail)
         if kind == "hierarchical"
         else dict(megatron_stages=megatron_stages, per_expert_exchange=per_expert_exchange)
     )
@@ -241,14 +241,14 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
         kind,
         num_experts=EW,
         topk=2,
-        ep_group=ps.ep_group,
-        etp_group=ps.etp_group,
+        ep_group=ps.groups.ep,
+        etp_group=ps.groups.etp,
         dispatch_wire=wires[0],
         combine_wire=wires[1],
         grad_wire=wires[2],
         **extra,
     )
-    Fs, j, off = FW // ps.etp_size, ps.etp_rank, d.local_expert_offset
+    Fs, j, off = FW // ps.coords.etp.size, ps.coords.etp.rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
     tok, rec, pn = d.dispatch(xl, rmap[sl], pl)
     outs, start = [], 0
@@ -380,14 +380,14 @@ def _bad_inputs():
                 fn()
             errors.append(match)
 
-        kw = dict(topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+        kw = dict(topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
         expect(
             r"num_experts=3 is not divisible by the EP group size 2",
             lambda: build_dispatcher("alltoall", num_experts=3, **kw),
         )
         expect(
             r"must meet only at this rank",
-            lambda: build_dispatcher("alltoall", num_experts=4, topk=2, ep_group=ps.ep_group, etp_group=ps.ep_group),
+            lambda: build_dispatcher("alltoall", num_experts=4, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.ep),
         )
         expect(
             r"num_local_experts=4 but num_experts/EP",

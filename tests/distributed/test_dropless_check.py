@@ -18,7 +18,7 @@ def _dispatch_short_on_rank2(cases):
     out = []
     for kind, layout_kw in cases:
         with build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **layout_kw)) as ps:
-            d = build_dispatcher(kind, num_experts=E, topk=K, ep_group=ps.ep_group, etp_group=ps.etp_group)
+            d = build_dispatcher(kind, num_experts=E, topk=K, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
             g = torch.Generator().manual_seed(ps.rank)
             idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
             routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)

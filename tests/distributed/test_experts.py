@@ -26,8 +26,8 @@ def _run_layouts(backend):
     for kw in LAYOUTS:
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **kw))
         try:
-            e_local = E // ps.ep_size
-            first = ps.ep_rank * e_local
+            e_local = E // ps.coords.ep.size
+            first = ps.coords.ep.rank * e_local
             start = sum(COUNTS[:first])
             rows = slice(start, start + sum(COUNTS[first : first + e_local]))
             mod = GroupedMLP(
@@ -35,15 +35,15 @@ def _run_layouts(backend):
                 num_local_experts=e_local,
                 hidden_size=H,
                 ffn_hidden_size=F,
-                etp_size=ps.etp_size,
-                etp_rank=ps.etp_rank,
+                etp_size=ps.coords.etp.size,
+                etp_rank=ps.coords.etp.rank,
                 expert_offset=first,
                 backend=backend,
                 init_std=0.3,
             )
             xl = x[rows].clone().requires_grad_()
             partial = mod(xl, COUNTS[first : first + e_local], p[rows])
-            out = reduce_from_region(partial, ps.etp_group)  # what the dispatcher's reduce-scatter sums
+            out = reduce_from_region(partial, ps.groups.etp)  # what the dispatcher's reduce-scatter sums
             (out * dy[rows]).sum().backward()
             results.append(
                 dict(
@@ -52,7 +52,7 @@ def _run_layouts(backend):
                     gx_partial=xl.grad,
                     g1=mod.fc1_weight.grad,
                     g2=mod.fc2_weight.grad,
-                    ep_rank=ps.ep_rank,
+                    ep_rank=ps.coords.ep.rank,
                     specs={k: param_spec(getattr(mod, k)) for k in ("fc1_weight", "fc2_weight")},
                 )
             )

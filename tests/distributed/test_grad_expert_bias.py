@@ -37,14 +37,14 @@ def _update(layout_kwargs):
             return rs
 
         routers, own = make(), make()
-        update_expert_biases(routers, group=ps.tp_dp_cp_group)
+        update_expert_biases(routers, group=ps.groups.tp_dp_cp)
         for r in own:  # one all-reduce per router
-            update_expert_biases([r], group=ps.tp_dp_cp_group)
+            update_expert_biases([r], group=ps.groups.tp_dp_cp)
         return (
             [r.expert_bias.tolist() for r in routers],
             [r.expert_bias.tolist() for r in own],
             [r.local_tokens_per_expert.sum().item() for r in routers],
-            ps.ranks["tp_dp_cp"],
+            ps.coords.tp_dp_cp.ranks,
         )
     finally:
         ps.destroy()

@@ -32,7 +32,7 @@ def _reduced_grads(layout_kw, overlap_in_schedule: bool):
             parallel_state=ps,
             train_steps=1,
         )
-        g = torch.Generator().manual_seed(11 + ps.dp_rank)  # one batch per data-parallel replica
+        g = torch.Generator().manual_seed(11 + ps.coords.dp.rank)  # one batch per data-parallel replica
         mbs = [
             dict(tokens=t, labels=torch.roll(t, -1, 1), loss_mask=torch.ones(1, S))
             for t in (torch.randint(0, cfg.vocab_size, (1, S), generator=g) for _ in range(M))

@@ -87,9 +87,9 @@ class Coords:
         else:
             L = ps.layout
             self.tp, self.cp, self.dp, self.ep, self.etp = L.tp, L.cp, L.dp, L.ep, L.etp
-            self.tp_rank, self.cp_rank, self.dp_rank = ps.tp_rank, ps.cp_rank, ps.dp_rank
-            self.ep_rank, self.etp_rank = ps.ep_rank, ps.etp_rank
-            self.tp_group, self.ep_group, self.etp_group = ps.tp_group, ps.ep_group, ps.etp_group
+            self.tp_rank, self.cp_rank, self.dp_rank = ps.coords.tp.rank, ps.coords.cp.rank, ps.coords.dp.rank
+            self.ep_rank, self.etp_rank = ps.coords.ep.rank, ps.coords.etp.rank
+            self.tp_group, self.ep_group, self.etp_group = ps.groups.tp, ps.groups.ep, ps.groups.etp
 
     def coll(self, fn, x, group, *a, **k):
         return x if self.ps is None else fn(x, group, *a, **k)
@@ -306,11 +306,11 @@ def _tied_pipeline(distributed):
             "grads": grads,
             "norm": norm,
             "late_error": late_error,
-            "dp_cp": ps.ranks["dp_cp"],
-            "edp": ps.ranks["edp"],
-            "emb": ps.ranks["embedding"],
-            "stage": ps.pp_rank,
-            "ep_rank": ps.ep_rank,
+            "dp_cp": ps.coords.dp_cp.ranks,
+            "edp": ps.coords.edp.ranks,
+            "emb": ps.coords.embedding.ranks,
+            "stage": ps.coords.pp.rank,
+            "ep_rank": ps.coords.ep.rank,
             "distributed": distributed,
         }
     finally:

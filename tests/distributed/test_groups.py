@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel import collectives as C
-from folding.parallel.groups import ProcessGroups
+from folding.parallel.groups import Coordinates, GroupCoord, ProcessGroups
 from folding.parallel.state import ROLES, ParallelState
 from tests import reference_collectives as R
 
@@ -25,15 +25,19 @@ LAYOUTS = [
 ]
 
 
-def test_every_role_is_a_declared_field_and_property():
-    """The group record has one field per role, and the state one property per role and attribute:
-    declared on the class (visible to IDEs and type checkers), none synthesized on lookup."""
+def test_every_role_is_a_declared_field_of_both_records():
+    """The group record and the coordinates record have one field per role, and the state one field
+    for each record: declared on the classes (visible to IDEs and type checkers), none synthesized on
+    lookup."""
     roles = [role for role, _, _ in ROLES]
     assert [f.name for f in dataclasses.fields(ProcessGroups)] == roles
-    assert "__getattr__" not in vars(ParallelState)
-    for role in roles:
-        for suffix in ("_group", "_rank", "_size"):
-            assert isinstance(vars(ParallelState).get(role + suffix), property), role + suffix
+    assert [f.name for f in dataclasses.fields(Coordinates)] == roles
+    assert all(f.type in (GroupCoord, "GroupCoord") for f in dataclasses.fields(Coordinates))
+    state_fields = {f.name: f.type for f in dataclasses.fields(ParallelState)}
+    assert state_fields["groups"] in (ProcessGroups, "ProcessGroups")
+    assert state_fields["coords"] in (Coordinates, "Coordinates")
+    for cls in (ParallelState, ProcessGroups, Coordinates):
+        assert "__getattr__" not in vars(cls), cls
     assert ProcessGroups.single() == ProcessGroups()  # no torch.distributed job here: every group None
 
 
@@ -60,8 +64,10 @@ def _check_groups(layout_kwargs):
         for role, view, token in ROLES:
             expected = [g for g in table[view][token] if rank in g]
             group = getattr(ps.groups, role)
+            coord = getattr(ps.coords, role)
             if not expected:
                 assert group is None and role == "embedding"
+                assert coord.ranks == () and coord.rank is None and coord.size == 0
                 continue
             expected = expected[0]
             # A real all-gather of the global ranks inside the group must give the math's list.
@@ -70,11 +76,11 @@ def _check_groups(layout_kwargs):
             dist.all_gather_into_tensor(out, t, group=group)
             seen[role] = out.tolist()
             assert out.tolist() == expected, (role, out.tolist(), expected)
-            assert getattr(ps, f"{role}_group") is group
-            assert getattr(ps, f"{role}_rank") == expected.index(rank)
-            assert getattr(ps, f"{role}_size") == len(expected)
+            assert coord.ranks == tuple(expected)
+            assert coord.rank == expected.index(rank)
+            assert coord.size == len(expected)
         # the EP ranks' metadata group: the same ranks on a communicator of its own (NCCL orders each)
-        assert (ps.groups.ep_meta is not ps.groups.ep) == (ps.ep_size > 1)
+        assert (ps.groups.ep_meta is not ps.groups.ep) == (ps.coords.ep.size > 1)
     finally:
         ps.destroy()
     return seen

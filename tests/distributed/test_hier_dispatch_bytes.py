@@ -71,9 +71,11 @@ def _bytes_run(case):
                 kind,
                 num_experts=E,
                 topk=k,
-                ep_group=ps.ep_group,
-                etp_group=ps.etp_group,
-                **({"node_group": ps.ep_node_group, "rail_group": ps.ep_rail_group} if kind == "hierarchical" else {}),
+                ep_group=ps.groups.ep,
+                etp_group=ps.groups.etp,
+                **(
+                    {"node_group": ps.groups.ep_node, "rail_group": ps.groups.ep_rail} if kind == "hierarchical" else {}
+                ),
             )
             xl = x[sl].clone().requires_grad_(True)
             pl = probs[sl].clone().requires_grad_(True)
@@ -169,10 +171,10 @@ def _node_limited_run(M):
             "hierarchical",
             num_experts=E,
             topk=k,
-            ep_group=ps.ep_group,
-            etp_group=ps.etp_group,
-            node_group=ps.ep_node_group,
-            rail_group=ps.ep_rail_group,
+            ep_group=ps.groups.ep,
+            etp_group=ps.groups.etp,
+            node_group=ps.groups.ep_node,
+            rail_group=ps.groups.ep_rail,
             nvlink_domain=world // 2,
         )
         rows, rec, pn = d.dispatch(x, rmap, probs)
@@ -190,16 +192,16 @@ def _node_limited_run(M):
             "hierarchical",
             num_experts=E,
             topk=k,
-            ep_group=ps.ep_group,
-            etp_group=ps.etp_group,
+            ep_group=ps.groups.ep,
+            etp_group=ps.groups.etp,
             nvlink_domain=world // 2,
         )
         try:
             rows2, rec2, pn2 = d2.dispatch(x, rmap, probs)
             same = same and torch.equal(d2.combine(rows2 * pn2.unsqueeze(1), rec2), y)
             same = same and [dist.get_process_group_ranks(g) for g in (d2.node_group, d2.rail_group)] == [
-                ps.ranks["ep_node"],
-                ps.ranks["ep_rail"],
+                list(ps.coords.ep_node.ranks),
+                list(ps.coords.ep_rail.ranks),
             ]
         finally:
             dist.barrier()

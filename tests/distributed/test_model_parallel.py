@@ -50,18 +50,18 @@ def _compare_layouts(configs, layouts, engine_moe=False):
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
                 model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=factory)
-                dp, r = ps.dp_size, ps.dp_rank
+                dp, r = ps.coords.dp.size, ps.coords.dp.rank
                 sl = slice(r * B // dp, (r + 1) * B // dp)
                 pos = model.local_positions(S)
                 logits = model(ids[sl]).detach()
-                tp, tr = ps.tp_size, ps.tp_rank
+                tp, tr = ps.coords.tp.size, ps.coords.tp.rank
                 V = cfg.vocab_size
                 want = ref_logits[sl][:, pos, tr * V // tp : (tr + 1) * V // tp]
                 torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
                 loss = model(ids[sl], labels=labels[sl], loss_mask=mask[sl]).sum() / count
                 loss.backward()
                 total = loss.detach().clone()
-                dist.all_reduce(total, group=ps.dp_cp_group)
+                dist.all_reduce(total, group=ps.groups.dp_cp)
                 torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=0)
                 worst = 0.0
                 for name, p in model.named_parameters():
@@ -70,9 +70,9 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                     assert torch.equal(p.detach(), take_slice(full_p, spec.shards).reshape(p.shape)), name
                     g = p.grad.clone()
                     tags = param_spec(p)
-                    dist.all_reduce(g, group=ps.edp_group if tags.expert else ps.dp_cp_group)
+                    dist.all_reduce(g, group=ps.groups.edp if tags.expert else ps.groups.dp_cp)
                     if tags.sequence_parallel:
-                        dist.all_reduce(g, group=ps.tp_group)
+                        dist.all_reduce(g, group=ps.groups.tp)
                     want_g = take_slice(ref_grads[name].reshape(spec.full_shape), spec.shards).reshape(p.shape)
                     torch.testing.assert_close(g, want_g, rtol=1e-4, atol=1e-6, msg=f"{lkw} {name}")
                     worst = max(worst, (g - want_g).abs().max().item() / max(want_g.abs().max().item(), 1e-30))
@@ -134,7 +134,7 @@ def _load_sharded(path, out_root, ids, hf_logits, layouts):
             try:
                 read_counts.append(0)
                 model = hf_mod.from_hf(path, parallel_state=ps, moe_factory=reference_moe_factory)
-                dp, r = ps.dp_size, ps.dp_rank
+                dp, r = ps.coords.dp.size, ps.coords.dp.rank
                 b = ids.shape[0]
                 assert b % dp == 0, "every DP rank needs samples"
                 sl = slice(r * b // dp, (r + 1) * b // dp)
@@ -142,7 +142,7 @@ def _load_sharded(path, out_root, ids, hf_logits, layouts):
                 want = hf_logits[sl][
                     :,
                     model.local_positions(ids.shape[1]),
-                    ps.tp_rank * V // ps.tp_size : (ps.tp_rank + 1) * V // ps.tp_size,
+                    ps.coords.tp.rank * V // ps.coords.tp.size : (ps.coords.tp.rank + 1) * V // ps.coords.tp.size,
                 ]
                 torch.testing.assert_close(model(ids[sl]).detach(), want, rtol=1e-5, atol=1e-5)
                 hf_mod.to_hf(model, f"{out_root}/layout{i}")
@@ -244,7 +244,7 @@ def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
         try:
             model = hf_mod.from_hf(path, parallel_state=ps)  # the default factory: folding.moe MoELayer
             assert any(type(layer.mlp).__name__ == "MoELayer" for layer in model.layers.values())
-            dp, r = ps.dp_size, ps.dp_rank
+            dp, r = ps.coords.dp.size, ps.coords.dp.rank
             b = ids.shape[0]
             assert b % dp == 0, "every DP rank needs samples"
             sl = slice(r * b // dp, (r + 1) * b // dp)
@@ -252,7 +252,7 @@ def _engine_moe_parity(path, out_root, ids, hf_logits, layouts):
             want = hf_logits[sl][
                 :,
                 model.local_positions(ids.shape[1]),
-                ps.tp_rank * V // ps.tp_size : (ps.tp_rank + 1) * V // ps.tp_size,
+                ps.coords.tp.rank * V // ps.coords.tp.size : (ps.coords.tp.rank + 1) * V // ps.coords.tp.size,
             ]
             got = model(ids[sl]).detach()
             rel = ((got - want).abs().max() / want.abs().max()).item()

@@ -50,7 +50,7 @@ def _config(c):
 def _record_routing_maps(layer):
     """A list that receives the routing map (after capacity) of each forward of ``layer``'s router."""
     seen = []
-    layer.router.register_forward_hook(lambda module, args, out: seen.append(out[1].detach()))
+    layer.router.register_forward_hook(lambda module, args, out: seen.append(out.routing_map_TE.detach()))
     return seen
 
 
@@ -132,29 +132,29 @@ def _distributed(cases, refs):
             seen = _record_routing_maps(layer)
             X, G = _inputs(c, c["dp"])
             sl_len = S // (c["tp"] * c["cp"])
-            sl = slice(ps.tp_cp_rank * sl_len, (ps.tp_cp_rank + 1) * sl_len)
-            x = X[ps.dp_rank, sl].clone().requires_grad_(True)
+            sl = slice(ps.coords.tp_cp.rank * sl_len, (ps.coords.tp_cp.rank + 1) * sl_len)
+            x = X[ps.coords.dp.rank, sl].clone().requires_grad_(True)
             before = host_sync.count()
             y = layer(x)
-            (y * G[ps.dp_rank, sl]).sum().backward()
+            (y * G[ps.coords.dp.rank, sl]).sum().backward()
             tag = f"{c} rank {dist.get_rank()}"
             # the whole layer, forward and backward: one device-to-host read, none when padded
             assert host_sync.count() - before == (0 if c["mode"] == "pad" else 1), tag
-            torch.testing.assert_close(y, ref["y"][ps.dp_rank, sl], msg=tag)
-            torch.testing.assert_close(x.grad, ref["gx"][ps.dp_rank, sl], msg=tag)
+            torch.testing.assert_close(y, ref["y"][ps.coords.dp.rank, sl], msg=tag)
+            torch.testing.assert_close(x.grad, ref["gx"][ps.coords.dp.rank, sl], msg=tag)
             kept = seen.pop().view(sl_len, B, E)
-            assert torch.equal(kept, ref["maps"][ps.dp_rank, sl]), f"kept pairs differ: {tag}"
+            assert torch.equal(kept, ref["maps"][ps.coords.dp.rank, sl]), f"kept pairs differ: {tag}"
             for name, p in layer.named_parameters():
                 full = ref["grads"][name]
                 if name.startswith("experts."):
                     spec = param_spec(p)
                     want = full.reshape(spec.full_shape)[shard_index(spec.full_shape, spec.shards)].reshape(p.shape)
-                    got = _summed(p.grad, ps.edp_group)
+                    got = _summed(p.grad, ps.groups.edp)
                 elif name.startswith("shared_expert.") and not name.endswith("gate_weight"):
-                    want = _shared_shard(name, full, ps.tp_rank, c["tp"])
-                    got = _summed(p.grad, ps.dp_cp_group)
+                    want = _shared_shard(name, full, ps.coords.tp.rank, c["tp"])
+                    got = _summed(p.grad, ps.groups.dp_cp)
                 else:  # router weight, shared gate: replicated over TP with sequence-parallel partial grads
-                    want, got = full, _summed(p.grad, ps.tp_dp_cp_group)
+                    want, got = full, _summed(p.grad, ps.groups.tp_dp_cp)
                 torch.testing.assert_close(got, want, msg=f"{name}: {tag}")
             checked += 1
     finally:

@@ -45,7 +45,7 @@ def _measure(cases):
                 model, OptimConfig(distributed=distributed, decay_style="constant"), parallel_state=ps
             )
             m = opt.memory_bytes()
-            m["stage"] = ps.pp_rank
+            m["stage"] = ps.coords.pp.rank
             m["model_params_dense"], m["model_params_expert"] = params["dense"], params["expert"]
             m["buckets_dense"] = sum(len(b.buckets) for b in opt.buffers if not b.cls.expert)
             m["buckets_expert"] = sum(len(b.buckets) for b in opt.buffers if b.cls.expert)

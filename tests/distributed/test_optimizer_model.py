@@ -101,8 +101,8 @@ def _step_models(models, layouts):
                     for n, p in model.named_parameters():
                         assert torch.equal(p, _slice(start[n], specs[n], p)), n
                 opt = FoldedOptimizer(model, OptimConfig(distributed=distributed, **CFG), parallel_state=ps)
-                per = B // ps.dp_size
-                mine = range(ps.dp_rank * per, (ps.dp_rank + 1) * per)
+                per = B // ps.coords.dp.size
+                mine = range(ps.coords.dp.rank * per, (ps.coords.dp.rank + 1) * per)
                 opt.zero_grad()
                 for i, m in enumerate(mine):
                     ctx = opt.no_sync() if i < per - 1 else torch.enable_grad()

@@ -44,7 +44,7 @@ def _run(cases):
             full = _weights()
             mine = {}  # chunk -> list of (layer index, param)
             for c in range(vpp):
-                v = c * pp + ps.pp_rank
+                v = c * pp + ps.coords.pp.rank
                 mine[c] = [(i, full[i].clone().requires_grad_(True)) for i in range(v * per, (v + 1) * per)]
             batches = _batches(M)
 
@@ -52,15 +52,15 @@ def _run(cases):
                 x = batches[m] if inp is None else inp
                 for _, w in mine[chunk]:
                     x = torch.tanh(x @ w)
-                v = chunk * pp + ps.pp_rank
+                v = chunk * pp + ps.coords.pp.rank
                 return (x**2).sum() / M if v == V - 1 else x
 
-            p2p = P2P(pp_group=ps.pp_group, pp_ranks=ps.ranks["pp"], pp_rank=ps.pp_rank)
+            p2p = P2P(pp_group=ps.groups.pp, pp_ranks=ps.coords.pp.ranks, pp_rank=ps.coords.pp.rank)
             losses = forward_backward(
                 forward_step=step,
                 num_microbatches=M,
                 pp_size=pp,
-                pp_rank=ps.pp_rank,
+                pp_rank=ps.coords.pp.rank,
                 vpp=vpp,
                 p2p=p2p,
                 tensor_shape=(S, B, H),

@@ -58,14 +58,14 @@ def _run(cases):
         ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
         try:
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=5, recompute=recompute)
-            dp, r = ps.dp_size, ps.dp_rank
+            dp, r = ps.coords.dp.size, ps.coords.dp.rank
             rows = range(r * B // dp, (r + 1) * B // dp)
             res = run_microbatches(
                 chunks, _microbatches(ids, labels, mask, rows), parallel_state=ps, loss_scale=1.0 / count
             )
             total = res["lm_loss_sum"].clone()
             dist.all_reduce(total)  # every token's loss is counted on exactly one rank per TP group
-            total = total.item() / ps.tp_size
+            total = total.item() / ps.coords.tp.size
             worst, seen = 0.0, 0
             for model in chunks:
                 for name, p in model.named_parameters():
@@ -76,11 +76,11 @@ def _run(cases):
                     ), name
                     g = p.grad.clone()
                     tags = param_spec(p)
-                    dist.all_reduce(g, group=ps.edp_group if tags.expert else ps.dp_cp_group)
+                    dist.all_reduce(g, group=ps.groups.edp if tags.expert else ps.groups.dp_cp)
                     if tags.sequence_parallel:
-                        dist.all_reduce(g, group=ps.tp_group)
-                    if tags.embedding_tied and ps.embedding_group is not None:
-                        dist.all_reduce(g, group=ps.embedding_group)
+                        dist.all_reduce(g, group=ps.groups.tp)
+                    if tags.embedding_tied and ps.groups.embedding is not None:
+                        dist.all_reduce(g, group=ps.groups.embedding)
                     want = take_slice(full_g.reshape(spec.full_shape), spec.shards).reshape(p.shape)
                     torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"{cname} {lkw} {name}")
                     worst = max(worst, (g - want).abs().max().item() / max(want.abs().max().item(), 1e-30))

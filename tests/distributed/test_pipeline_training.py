@@ -182,7 +182,7 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
                     tables=tables,
                     pairs=sum(h["overlap_pairs"] for h in hist),
                     hand_overs=sum(h["overlap_hand_overs"] for h in hist),
-                    pp_rank=ps.pp_rank,
+                    pp_rank=ps.coords.pp.rank,
                     dp=ps.layout.dp,
                     state=kinds if optim else None,
                 )

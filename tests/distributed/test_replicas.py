@@ -97,10 +97,10 @@ def _check(cases):
             table, R = layer.replica_table, layer.num_replicas
             r = layer.dispatcher.ep_rank
             got = fetch_replica_weights(
-                layer.experts.fc1_weight, table, ep_group=ps.ep_group, ep_size=case[0], ep_rank=r, num_replicas=R
+                layer.experts.fc1_weight, table, ep_group=ps.groups.ep, ep_size=case[0], ep_rank=r, num_replicas=R
             ).detach()
             full = [torch.empty_like(layer.experts.fc1_weight) for _ in range(case[0])]
-            dist.all_gather(full, layer.experts.fc1_weight.detach().contiguous(), group=ps.ep_group)
+            dist.all_gather(full, layer.experts.fc1_weight.detach().contiguous(), group=ps.groups.ep)
             full = torch.cat(full)
             for j, e in enumerate(table[r * R : (r + 1) * R]):
                 assert torch.equal(got[j], full[e] if e >= 0 else torch.zeros_like(got[j])), (case, j, e)

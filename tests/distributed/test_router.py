@@ -63,9 +63,10 @@ def _run(router, batches, rows, padding):
     """Forward+backward over micro-batches; per micro-batch: losses (shares), probs, map."""
     out = []
     for x, g, pad in batches:
-        probs, rmap = router(x[rows], aux_loss_scale=SCALE, padding_mask=pad[rows] if padding else None)
+        routed = router(x[rows], aux_loss_scale=SCALE, padding_mask=pad[rows] if padding else None)
+        probs, rmap = routed.probs_TE, routed.routing_map_TE
         (probs * g[rows].reshape(-1, E).to(probs.dtype)).sum().backward()
-        out.append(({k: float(v) for k, v in router.last_losses.items()}, probs.detach(), rmap))
+        out.append(({k: float(v) for k, v in routed.stats.losses.items()}, probs.detach(), rmap))
     return out
 
 
@@ -76,8 +77,8 @@ def _rank_fn(layout_kws, cfg_kws):
             ParallelLayout(world_size=dist.get_world_size(), **{k: v for k, v in lkw.items() if k != "dp"})
         )
         try:
-            assert ps.dp_size == lkw.get("dp", 1)
-            rows = _positions(ps.tp_size, ps.cp_size, ps.tp_rank, ps.cp_rank)
+            assert ps.coords.dp.size == lkw.get("dp", 1)
+            rows = _positions(ps.coords.tp.size, ps.coords.cp.size, ps.coords.tp.rank, ps.coords.cp.rank)
             for ckw in cfg_kws:
                 r = Router(
                     hidden_size=H,
@@ -86,17 +87,17 @@ def _rank_fn(layout_kws, cfg_kws):
                     init_seed=5,
                     layer_number=2,
                 )
-                batches = [_inputs(ps.dp_rank, mb) for mb in range(MICRO_BATCHES)]
+                batches = [_inputs(ps.coords.dp.rank, mb) for mb in range(MICRO_BATCHES)]
                 runs = _run(r, batches, rows, ckw.get("padding", False))
                 grad = r.weight.grad.clone()
-                group = ps.tp_dp_cp_group if ckw["aux_loss_type"] == "global_aux_loss" else ps.tp_cp_group
+                group = ps.groups.tp_dp_cp if ckw["aux_loss_type"] == "global_aux_loss" else ps.groups.tp_cp
                 dist.all_reduce(grad, group=group)  # sum the sequence-parallel partial gradients
                 shares = [run[0] for run in runs]
                 totals = []
                 for mb_losses in shares:
                     t = {}
                     for name, v in mb_losses.items():
-                        grp = ps.tp_dp_cp_group if name == "global_aux_loss" else ps.tp_cp_group
+                        grp = ps.groups.tp_dp_cp if name == "global_aux_loss" else ps.groups.tp_cp
                         s = torch.tensor(v, dtype=torch.float64)
                         dist.all_reduce(s, group=grp)
                         t[name] = s.item()
@@ -105,7 +106,7 @@ def _rank_fn(layout_kws, cfg_kws):
                     dict(
                         layout=lkw,
                         cfg=ckw,
-                        dp_rank=ps.dp_rank,
+                        dp_rank=ps.coords.dp.rank,
                         rows=rows.tolist(),
                         totals=totals,
                         grad=grad,
@@ -186,11 +187,12 @@ def _bias_fn(rate):
         for mb in range(3):  # one global batch
             x = torch.randn(5, H, generator=torch.Generator().manual_seed(10 * dist.get_rank() + mb))
             x[:, 0] += 2.0  # skew the load
-            probs, rmap = r(x)
+            routed = r(x)
+            probs, rmap = routed.probs_TE, routed.routing_map_TE
             counts += rmap.sum(0)
             raw = torch.softmax(torch.where(rmap, x @ r.weight.detach().T, float("-inf")), -1)
             probs_ok &= torch.allclose(probs, raw, atol=1e-6)  # selection only: probs unbiased
-        update_expert_biases([r], group=ps.tp_dp_cp_group)
+        update_expert_biases([r], group=ps.groups.tp_dp_cp)
         return dict(
             start=start,
             bias=r.expert_bias.clone(),

@@ -41,7 +41,9 @@ def _epoch_and_resume(cfg_kwargs, steps, resume_after):
     ps = build_parallel_state(layout)
     try:
         assert layout.dp == 2 and layout.edp == 1
-        kw = dict(seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=ps.dp_rank, dp_size=layout.dp)
+        kw = dict(
+            seq_length=SEQ, global_batch_size=GBS, micro_batch_size=MBS, dp_rank=ps.coords.dp.rank, dp_size=layout.dp
+        )
         data = build_data(DataConfig(**cfg_kwargs), **kw)
         n_micro = data.train.num_micro_batches
         full = _take(data.train, steps * n_micro)
@@ -53,9 +55,9 @@ def _epoch_and_resume(cfg_kwargs, steps, resume_after):
         second.load_state_dict(state)
         rest = _take(second.train, steps * n_micro - resume_after)
         return {
-            "dp_rank": ps.dp_rank,
-            "tp_rank": ps.tp_rank,
-            "ep_rank": ps.ep_rank,
+            "dp_rank": ps.coords.dp.rank,
+            "tp_rank": ps.coords.tp.rank,
+            "ep_rank": ps.coords.ep.rank,
             "full": full,
             "resumed": part + rest,
             "n_epoch": data.train.dataset.samples_per_epoch,
@@ -140,13 +142,19 @@ def _global_batches_for_layouts(cfg_kwargs, steps):
                 seq_length=SEQ,
                 global_batch_size=GBS,
                 micro_batch_size=1,
-                dp_rank=ps.dp_rank,
+                dp_rank=ps.coords.dp.rank,
                 dp_size=layout.dp,
             )
             n_micro = data.train.num_micro_batches
             full = _take(data.train, steps * n_micro)
             out.append(
-                {"dp": layout.dp, "dp_rank": ps.dp_rank, "full": full, "n_micro": n_micro, "state": data.state_dict()}
+                {
+                    "dp": layout.dp,
+                    "dp_rank": ps.coords.dp.rank,
+                    "full": full,
+                    "n_micro": n_micro,
+                    "state": data.state_dict(),
+                }
             )
         finally:
             ps.destroy()

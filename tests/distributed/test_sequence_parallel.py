@@ -41,7 +41,7 @@ def _case(tp: int):
     ((r1 * cot1).sum() + (r2 * cot2).sum()).backward()
 
     with build_parallel_state(ParallelLayout(world_size=4, tp=tp)) as ps:
-        grp = ps.tp_group
+        grp = ps.groups.tp
         n, r = group_size(grp), group_rank(grp)
         rows = lambda t: t.chunk(n, dim=0)[r].clone().requires_grad_()  # noqa: E731
         x, lw1, lb1, lw2 = rows(x_full), rows(w1), rows(b1), rows(w2)

@@ -144,6 +144,8 @@ def test_mtp_router_joins_the_moe_statistics():
     assert stats.moe_layers == [1, 2, 3, 4]  # layer 0 is dense; 4 is the MTP layer
     ids, labels, mask = _batch(cfg)
     model(ids, labels=labels, loss_mask=mask)
+    assert not stats.counts_LE.any()  # nothing until the step collects the layers' records
+    stats.collect()
     counts = stats.counts_LE.sum(-1)
     assert torch.equal(counts, torch.full((4,), float(B * S * cfg.moe.topk), dtype=counts.dtype))
     stats.close()

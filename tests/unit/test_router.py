@@ -91,7 +91,8 @@ def test_init_is_seeded_and_recorded():
 def test_forward_matches_pure_functions(dtype):
     r = router(router_dtype=dtype, num_experts=8, topk=4, num_groups=4, group_topk=2, topk_scaling_factor=1.5)
     x = torch.randn(3, 2, H)
-    probs, rmap = r(x)
+    out = r(x)
+    probs, rmap = out.probs_TE, out.routing_map_TE
     want = torch.float32 if dtype == "fp32" else torch.float64
     logits = x.reshape(-1, H).to(want) @ r.weight.detach().to(want).T
     ref_p, ref_m = R.topk_routing(logits, topk=4, num_groups=4, group_topk=2, scaling_factor=1.5)
@@ -107,8 +108,9 @@ def test_losses_do_not_change_output_and_add_scaled_gradient(aux_type):
     G = torch.randn(8, 4, dtype=torch.float64)
     plain = router(router_dtype="fp64")
     lossy = router(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05)
-    p0, _ = plain(x)
-    p1, _ = lossy(x, aux_loss_scale=0.7)
+    p0 = plain(x).probs_TE
+    out = lossy(x, aux_loss_scale=0.7)
+    p1 = out.probs_TE
     assert torch.equal(p0, p1)
     (p0 * G).sum().backward()
     (p1 * G).sum().backward()
@@ -131,19 +133,18 @@ def test_losses_do_not_change_output_and_add_scaled_gradient(aux_type):
     z = R.z_loss(logits, coeff=0.05)
     (0.7 * (aux + z)).backward()
     torch.testing.assert_close(lossy.weight.grad - plain.weight.grad, W.grad)
-    torch.testing.assert_close(lossy.last_losses[aux_type], aux.detach())
-    torch.testing.assert_close(lossy.last_losses["z_loss"], z.detach())
+    torch.testing.assert_close(out.stats.losses[aux_type], aux.detach())
+    torch.testing.assert_close(out.stats.losses["z_loss"], z.detach())
+    assert not any(v.requires_grad for v in out.stats.losses.values())
 
 
 def test_losses_off_in_eval_and_seq_aux_needs_sequences():
     r = router(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1)
     with pytest.raises(ValueError, match="num_sequences"):
         r(torch.randn(8, H))
-    r(torch.randn(8, H), num_sequences=2)
-    assert set(r.last_losses) == {"seq_aux_loss"}
+    assert set(r(torch.randn(8, H), num_sequences=2).stats.losses) == {"seq_aux_loss"}
     r.eval()
-    r(torch.randn(8, H))
-    assert r.last_losses == {}
+    assert r(torch.randn(8, H)).stats.losses == {}
     with pytest.raises(ValueError, match="hidden_size=6"):
         r(torch.randn(8, H + 1))
 
@@ -152,13 +153,13 @@ def test_global_aux_loss_accumulates_until_reset():
     r = router(aux_loss_type="global_aux_loss", aux_loss_coeff=1.0)
     x1, x2 = torch.randn(5, H), torch.randn(5, H)
     r(x1)
-    r(x2)
+    out = r(x2)
     counts = sum(R.aux_loss_scores(x @ r.weight.detach().T, topk=2)[1].sum(0).double() for x in (x1, x2))
     assert r.global_aux_steps == 2 and torch.equal(r.global_tokens_per_expert, counts)
     # the second loss uses the running mean of the counts
     scores, _ = R.aux_loss_scores(x2 @ r.weight.detach().T, topk=2)
     ref = R.switch_aux_loss(scores, counts / 2, total_num_tokens=5, topk=2, num_experts=4, coeff=1.0)
-    torch.testing.assert_close(r.last_losses["global_aux_loss"], ref)
+    torch.testing.assert_close(out.stats.losses["global_aux_loss"], ref)
     r.reset_global_aux_loss()
     assert r.global_aux_steps == 0 and not r.global_tokens_per_expert.any()
 
@@ -174,12 +175,16 @@ def test_attach_loss_identity():
 
 def test_capacity_stats_and_force_balance():
     r = router(num_experts=4, topk=2, capacity_factor=0.5, drop_policy="position")
-    p, m = r(torch.randn(8, H))
+    out = r(torch.randn(8, H))
+    m, stats = out.routing_map_TE, out.stats
     cap = R.expert_capacity(8, topk=2, num_experts=4, capacity_factor=0.5)  # = 2
-    assert (m.sum(0) <= cap).all() and int(r.last_dropped) == 16 - int(m.sum())
-    assert torch.equal(r.last_tokens_per_expert, m.sum(0))
+    assert (m.sum(0) <= cap).all() and int(stats.dropped) == 16 - int(m.sum())
+    assert torch.equal(stats.tokens_per_expert_E, m.sum(0))
+    # every routed pair is kept or dropped at its expert: top-2 of 8 tokens is 16 pairs
+    assert int((stats.tokens_per_expert_E + stats.dropped_per_expert_E).sum()) == 16
     fb = router(num_experts=4, topk=2, force_balance=True)
-    p, m = fb(torch.randn(8, H) * 10)
+    out = fb(torch.randn(8, H) * 10)
+    p, m = out.probs_TE, out.routing_map_TE
     assert m.sum(0).tolist() == [4, 4, 4, 4]
     torch.testing.assert_close(p.sum(1), torch.ones(8))
 
@@ -193,7 +198,7 @@ def test_expert_bias_balances_a_skewed_router():
     x[:, :] = x.abs()
     loads = []
     for _ in range(40):
-        _, m = r(x)
+        m = r(x).routing_map_TE
         loads.append(m.sum(0))
         before = r.expert_bias.clone()
         counts = r.local_tokens_per_expert.clone()
@@ -204,7 +209,8 @@ def test_expert_bias_balances_a_skewed_router():
         assert not r.local_tokens_per_expert.any()
     assert loads[0].max() > 40 and loads[-1].max() < loads[0].max() - 15
     # the bias never enters the probabilities: probs of the chosen expert = plain softmax score
-    p, m = r(x)
+    out = r(x)
+    p, m = out.probs_TE, out.routing_map_TE
     soft = torch.softmax(x @ r.weight.detach().T, -1)
     torch.testing.assert_close(p[m], soft[m])
 
@@ -220,7 +226,7 @@ def test_routers_are_found_by_their_balancing_interface():
 
     model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=3, mlp_only_layers=(1,)), init_seed=0)
     lookalike = nn.Linear(2, 2)
-    lookalike.layer_number, lookalike.last_tokens_per_expert = 9, None
+    lookalike.layer_number, lookalike.has_expert_bias = 9, False
     found = find_routers([model, lookalike])
     assert [r.layer_number for r in found] == [0, 2]
     assert all(isinstance(r, BalancingRouter) for r in found)
@@ -265,8 +271,7 @@ def test_cuda_router_matches_cpu():
     )
     cpu, gpu = router(**kw), router(**kw).cuda()
     x = torch.randn(4, 2, H, dtype=torch.float64)
-    p0, m0 = cpu(x)
-    p1, m1 = gpu(x.cuda())
+    (p0, m0), (p1, m1) = ((o.probs_TE, o.routing_map_TE) for o in (cpu(x), gpu(x.cuda())))
     torch.testing.assert_close(p1.cpu(), p0)
     assert torch.equal(m1.cpu(), m0)
     p0.sum().backward()
@@ -285,7 +290,8 @@ def test_padding_tokens_count_nowhere(aux_type):
     pad[3, 0] = pad[2, 1] = pad[3, 1] = True  # sequence 0 has 3 tokens, sequence 1 has 2
     kw = dict(router_dtype="fp64", aux_loss_type=aux_type, aux_loss_coeff=0.3, z_loss_coeff=0.05, expert_bias=True)
     padded = router(**kw)
-    p, m = padded(x, padding_mask=pad)
+    out = padded(x, padding_mask=pad)
+    p, m = out.probs_TE, out.routing_map_TE
     assert m.sum(1).eq(2).all()  # padding tokens are still routed
     (p * G.reshape(-1, 4).masked_fill(pad.reshape(-1, 1), 0)).sum().backward()
     # reference: the valid tokens alone, with the losses written out per definition
@@ -309,8 +315,8 @@ def test_padding_tokens_count_nowhere(aux_type):
         aux = R.switch_aux_loss(scores, amap.sum(0), total_num_tokens=5, topk=2, num_experts=4, coeff=0.3)
     z = R.z_loss(logits, coeff=0.05)
     ((probs * G.reshape(-1, 4)[valid]).sum() + aux + z).backward()
-    torch.testing.assert_close(padded.last_losses[aux_type], aux.detach())
-    torch.testing.assert_close(padded.last_losses["z_loss"], z.detach())
+    torch.testing.assert_close(out.stats.losses[aux_type], aux.detach())
+    torch.testing.assert_close(out.stats.losses["z_loss"], z.detach())
     torch.testing.assert_close(padded.weight.grad, W.grad)
     assert padded.local_tokens_per_expert.sum() == 5 * 2  # expert-bias demand: valid tokens only
     with pytest.raises(ValueError, match="padding_mask"):

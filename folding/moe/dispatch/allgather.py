@@ -15,7 +15,7 @@ hidden, ``E`` global experts, ``L`` local experts, ``N`` permuted rows.
 
 Usage::
 
-    d = AllGatherDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    d = AllGatherDispatcher(num_experts=8, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
     tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     out_SBH = d.combine(expert_out_NH, record)
 """

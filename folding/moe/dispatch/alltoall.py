@@ -27,7 +27,7 @@ rows (permuted pairs), ``R`` ranks.
 
 Usage::
 
-    d = AllToAllDispatcher(num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    d = AllToAllDispatcher(num_experts=8, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
     tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     y_SBH = d.combine(experts(tokens_NH, record, probs_N), record)   # record: this call's state
 """

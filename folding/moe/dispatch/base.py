@@ -153,7 +153,7 @@ class TokenDispatcher:
             raise ValueError(
                 f"ep_group {ep_ranks} and etp_group {etp_ranks} must meet only at this rank "
                 f"({me}); they look like the same or mismatched groups: pass "
-                f"ParallelState.ep_group and ParallelState.etp_group of the same layout"
+                f"ParallelState.groups.ep and ParallelState.groups.etp of the same layout"
             )
         self.num_local_experts = num_experts // self.ep_size
         if num_local_experts is not None and num_local_experts != self.num_local_experts:

@@ -30,7 +30,7 @@ dropping modes need the map already capacity-limited by the router (decided from
 
 Usage::
 
-    d = build_dispatcher("alltoall", num_experts=8, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+    d = build_dispatcher("alltoall", num_experts=8, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
     d = dispatcher_for(moe_cfg, ps.groups)          # the MoE layer's: every setting from its MoEConfig
     tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     out_SBH = d.combine(experts(tokens_NH, record, probs_N), record)
@@ -69,7 +69,7 @@ def build_dispatcher(
     ``kwargs`` (:class:`~folding.moe.dispatch.base.TokenDispatcher`'s keywords).
 
     ``hierarchical`` also takes the EP group split by node: ``node_group`` and ``rail_group``
-    (``ParallelState.ep_node_group`` / ``ep_rail_group``, built with the layout's groups from
+    (``ParallelState.groups.ep_node`` / ``ep_rail``, built with the layout's groups from
     ``parallel.nvlink_domain``), and ``nvlink_domain`` (ranks per node) to check them against; given
     ``nvlink_domain`` alone, the two groups are created here
     (:func:`folding.parallel.build_node_split_groups`: collective over the world, so every rank builds

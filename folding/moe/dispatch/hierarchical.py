@@ -28,8 +28,8 @@ Shape suffixes (docs/shapes.md): ``T`` tokens, ``H`` hidden, ``E`` experts, ``L`
 
 Usage::
 
-    d = HierarchicalDispatcher(num_experts=32, topk=8, ep_group=ps.ep_group, etp_group=ps.etp_group,
-                               node_group=ps.ep_node_group, rail_group=ps.ep_rail_group)
+    d = HierarchicalDispatcher(num_experts=32, topk=8, ep_group=ps.groups.ep, etp_group=ps.groups.etp,
+                               node_group=ps.groups.ep_node, rail_group=ps.groups.ep_rail)
     tokens_NH, record, probs_N = d.dispatch(hidden_SBH, routing_map_TE, probs_TE)
     y_SBH = d.combine(experts(tokens_NH, record, probs_N), record)
 """
@@ -80,7 +80,7 @@ class HierarchicalDispatcher(TokenDispatcher):
             raise ValueError(
                 f"node_group {node} and rail_group {rail} do not split the EP group {ep} node-major "
                 "(node group: the EP ranks of this node; rail group: those at this rank's position on "
-                "every node); pass ParallelState.ep_node_group and ParallelState.ep_rail_group"
+                "every node); pass ParallelState.groups.ep_node and ParallelState.groups.ep_rail"
             )
         if nvlink_domain is not None and (
             len({r // nvlink_domain for r in node}) != 1 or len({r // nvlink_domain for r in rail}) != nd

@@ -254,6 +254,12 @@ def grouped_linear(
         linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
     else:
         linear = _plain_one
+    return _chunked_calls(x_NI, w_LOI, calls, backend, linear, delay_wgrad)
+
+
+def _chunked_calls(x_NI, w_LOI, calls, backend: str, linear, delay_wgrad: bool) -> torch.Tensor:
+    """Run ``backend`` once per call of :func:`plan_chunks` (``calls``: lists of ``(expert, rows)``)
+    over consecutive row ranges of ``x_NI``; the outputs concatenated."""
     outs, start = [], 0
     for call in calls:
         rows = sum(c for _, c in call)

@@ -29,7 +29,7 @@ inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`), ``auto`
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
-                     etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="auto")
+                     etp_rank=ps.coords.etp.rank, expert_offset=ps.coords.ep.rank * 4, backend="auto")
     out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
 """
 
@@ -59,6 +59,38 @@ logger = logging.getLogger(__name__)
 _LOGGED_CHOICES: set = set()
 
 
+def _check_settings(
+    num_experts, num_local_experts, hidden_size, ffn_hidden_size, etp_size, etp_rank, expert_offset, backend, fp8_recipe
+) -> None:
+    """Raise ``ValueError`` naming the argument and a fix if :class:`GroupedMLP`'s sizes are impossible
+    (the backend and recipe names were checked by ``MoEConfig``: asserted here)."""
+    if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
+        raise ValueError(
+            f"num_local_experts={num_local_experts}, hidden_size={hidden_size} and "
+            f"ffn_hidden_size={ffn_hidden_size} must all be positive"
+        )
+    if etp_size <= 0 or ffn_hidden_size % etp_size != 0:
+        raise ValueError(
+            f"ffn_hidden_size={ffn_hidden_size} must be divisible by etp_size={etp_size}; pick an ETP "
+            "that divides the expert FFN size"
+        )
+    if not 0 <= etp_rank < etp_size:
+        raise ValueError(f"etp_rank={etp_rank} must be in [0, etp_size={etp_size})")
+    if num_experts % num_local_experts or expert_offset % num_local_experts or expert_offset < 0:
+        raise ValueError(
+            f"expert_offset={expert_offset} and num_experts={num_experts} must be multiples of "
+            f"num_local_experts={num_local_experts} (expert_offset = ep_rank * num_local_experts)"
+        )
+    if expert_offset + num_local_experts > num_experts:
+        raise ValueError(
+            f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
+        )
+    # the names and their pairing are checked once, in MoEConfig (moe.expert_backend, moe.fp8_recipe)
+    assert backend in BACKENDS and (fp8_recipe is None or fp8_recipe in RECIPES), (backend, fp8_recipe)
+    assert (backend == "emulated") <= (fp8_recipe is not None), "MoEConfig: emulated needs an fp8_recipe"
+    assert (backend == "loop") <= (fp8_recipe is None), "MoEConfig: loop runs no fp8_recipe"
+
+
 class GroupedMLP(torch.nn.Module):
     """The local experts of one MoE layer (SwiGLU), sharded over ETP along F. See the module docstring."""
 
@@ -84,32 +116,18 @@ class GroupedMLP(torch.nn.Module):
         (``num_experts``: the global E, default ``num_local_experts``; ``init_seed=None`` leaves the
         initialization to the owner, which fills every parameter from its record)."""
         super().__init__()
-        if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
-            raise ValueError(
-                f"num_local_experts={num_local_experts}, hidden_size={hidden_size} and "
-                f"ffn_hidden_size={ffn_hidden_size} must all be positive"
-            )
-        if etp_size <= 0 or ffn_hidden_size % etp_size != 0:
-            raise ValueError(
-                f"ffn_hidden_size={ffn_hidden_size} must be divisible by etp_size={etp_size}; pick an ETP "
-                "that divides the expert FFN size"
-            )
-        if not 0 <= etp_rank < etp_size:
-            raise ValueError(f"etp_rank={etp_rank} must be in [0, etp_size={etp_size})")
         num_experts = num_local_experts if num_experts is None else num_experts
-        if num_experts % num_local_experts or expert_offset % num_local_experts or expert_offset < 0:
-            raise ValueError(
-                f"expert_offset={expert_offset} and num_experts={num_experts} must be multiples of "
-                f"num_local_experts={num_local_experts} (expert_offset = ep_rank * num_local_experts)"
-            )
-        if expert_offset + num_local_experts > num_experts:
-            raise ValueError(
-                f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
-            )
-        # the names and their pairing are checked once, in MoEConfig (moe.expert_backend, moe.fp8_recipe)
-        assert backend in BACKENDS and (fp8_recipe is None or fp8_recipe in RECIPES), (backend, fp8_recipe)
-        assert (backend == "emulated") <= (fp8_recipe is not None), "MoEConfig: emulated needs an fp8_recipe"
-        assert (backend == "loop") <= (fp8_recipe is None), "MoEConfig: loop runs no fp8_recipe"
+        _check_settings(
+            num_experts,
+            num_local_experts,
+            hidden_size,
+            ffn_hidden_size,
+            etp_size,
+            etp_rank,
+            expert_offset,
+            backend,
+            fp8_recipe,
+        )
         if device is not None and torch.device(device).type != "meta":
             check_backend(backend, fp8_recipe, torch.device(device), params_dtype)  # before any step
         self.num_local_experts = num_local_experts
@@ -121,25 +139,7 @@ class GroupedMLP(torch.nn.Module):
         self.backend = backend
         self.fp8_recipe = fp8_recipe
         self.num_experts = num_experts
-        E, fl, h, f = num_local_experts, self.ffn_local, hidden_size, ffn_hidden_size
-        kw = dict(dtype=params_dtype, device=device)
-        ep_cut = (0, expert_offset // E, num_experts // E)
-        self.fc1_weight = mark_param(torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True)
-        set_init_spec(
-            self.fc1_weight,
-            full_shape=(num_experts, 2, f, h),
-            shards=(ep_cut, (2, etp_rank, etp_size)),
-            std=init_std,
-            chunk_dim=0,
-        )
-        self.fc2_weight = mark_param(torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True)
-        set_init_spec(
-            self.fc2_weight,
-            full_shape=(num_experts, h, f),
-            shards=(ep_cut, (2, etp_rank, etp_size)),
-            std=init_std if output_init_std is None else output_init_std,
-            chunk_dim=0,
-        )
+        self._create_weights(params_dtype, device, init_std, init_std if output_init_std is None else output_init_std)
         self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
@@ -149,6 +149,30 @@ class GroupedMLP(torch.nn.Module):
         flight (``parallel.delay_wgrad``; bitwise the same gradients)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
+
+    def _create_weights(self, params_dtype, device, init_std: float, output_init_std: float) -> None:
+        """``fc1_weight [L, 2·Fl, H]`` and ``fc2_weight [L, H, Fl]``: this rank's experts and ETP shard,
+        each with its record of the full tensor it is a slice of (the layout-independent initialization)."""
+        E, fl, h, f = self.num_local_experts, self.ffn_local, self.hidden_size, self.ffn_hidden_size
+        kw = dict(dtype=params_dtype, device=device)
+        ep_cut = (0, self.expert_offset // E, self.num_experts // E)
+        etp_cut = (2, self.etp_rank, self.etp_size)
+        self.fc1_weight = mark_param(torch.nn.Parameter(torch.empty(E, 2 * fl, h, **kw)), expert=True, tp_sharded=True)
+        set_init_spec(
+            self.fc1_weight,
+            full_shape=(self.num_experts, 2, f, h),
+            shards=(ep_cut, etp_cut),
+            std=init_std,
+            chunk_dim=0,
+        )
+        self.fc2_weight = mark_param(torch.nn.Parameter(torch.empty(E, h, fl, **kw)), expert=True, tp_sharded=True)
+        set_init_spec(
+            self.fc2_weight,
+            full_shape=(self.num_experts, h, f),
+            shards=(ep_cut, etp_cut),
+            std=output_init_std,
+            chunk_dim=0,
+        )
 
     def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         """The backend that runs on ``device`` / ``dtype`` (:func:`folding.moe.experts.select.resolve_backend`:

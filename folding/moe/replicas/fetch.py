@@ -22,7 +22,9 @@ Shape suffixes (docs/shapes.md): ``L`` local experts, ``Lr`` this rank's replica
 
 Usage::
 
-    w1_Lr = fetch_replica_weights(experts.fc1_weight, table, ep_group=ps.ep_group, ep_size=4, ep_rank=r, num_replicas=2)
+    w1_Lr = fetch_replica_weights(
+        experts.fc1_weight, table, ep_group=ps.groups.ep, ep_size=4, ep_rank=r, num_replicas=2
+    )
 """
 
 from __future__ import annotations

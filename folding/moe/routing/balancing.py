@@ -23,10 +23,58 @@ Usage::
 from __future__ import annotations
 
 import abc
-from typing import Dict, Iterable, List, Optional, Union
+import dataclasses
+from typing import Iterable, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingStats:
+    """Routing statistics of one router forward, or the sum of several forwards of one layer (detached)."""
+
+    layer_number: int
+    """Global number of the MoE layer that routed."""
+    tokens_per_expert_E: torch.Tensor
+    """Rows per expert ``[E]`` after capacity (this rank's tokens)."""
+    dropped_per_expert_E: torch.Tensor
+    """``[E]``: routed (token, expert) pairs dropped by capacity, by the expert they were routed to."""
+    losses: Mapping[str, torch.Tensor]
+    """This rank's share of each router loss, by loss type (detached; summed over the loss's group it
+    is the loss of the micro-batch). A sum of forwards holds float64 sums."""
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        """Dropped (token, expert) pairs of every expert (a scalar)."""
+        return self.dropped_per_expert_E.sum()
+
+    def __add__(self, other: "RoutingStats") -> "RoutingStats":
+        """The statistics of both (the same layer): counts added, losses added as float64."""
+        if other.layer_number != self.layer_number:
+            raise ValueError(f"cannot add the routing of layer {other.layer_number} to layer {self.layer_number}'s")
+        names = list(self.losses) + [k for k in other.losses if k not in self.losses]
+        losses = {k: sum(s.losses[k].to(torch.float64) for s in (self, other) if k in s.losses) for k in names}
+        return RoutingStats(
+            layer_number=self.layer_number,
+            tokens_per_expert_E=self.tokens_per_expert_E + other.tokens_per_expert_E,
+            dropped_per_expert_E=self.dropped_per_expert_E + other.dropped_per_expert_E,
+            losses=losses,
+        )
+
+
+class RoutedBlock(abc.ABC):
+    """A module whose forwards route tokens and keep their :class:`RoutingStats` for the step."""
+
+    @abc.abstractmethod
+    def take_routing_stats(self) -> Optional[RoutingStats]:
+        """The sum of the routing statistics of the training forwards since the last call (``None``
+        if there were none), and forget them."""
+
+
+def find_routed_blocks(modules: Iterable[nn.Module]) -> List[RoutedBlock]:
+    """Every :class:`RoutedBlock` inside ``modules`` (models or pipeline chunks), in module order."""
+    return [m for module in modules for m in module.modules() if isinstance(m, RoutedBlock)]
 
 
 class BalancingRouter(nn.Module, abc.ABC):
@@ -36,14 +84,6 @@ class BalancingRouter(nn.Module, abc.ABC):
     """Global number of the MoE layer the router belongs to."""
     aux_loss_scale: Union[float, torch.Tensor]
     """Gradient given to each router loss: the objective gains ``aux_loss_scale · loss`` per forward."""
-    last_tokens_per_expert: Optional[torch.Tensor]
-    """Rows per expert ``[E]`` after capacity (this rank's tokens) of the last forward."""
-    last_dropped: Optional[torch.Tensor]
-    """Routed (token, expert) pairs dropped by capacity in the last forward (this rank, a scalar)."""
-    last_dropped_per_expert: Optional[torch.Tensor]
-    """``[E]``: the pairs of :attr:`last_dropped` by the expert they were routed to."""
-    last_losses: Dict[str, torch.Tensor]
-    """This rank's share of each router loss of the last forward, by loss type (detached)."""
 
     @property
     @abc.abstractmethod

@@ -16,16 +16,18 @@ micro-batch, S sequence positions.
 Usage::
 
     router = Router(hidden_size=H, config=moe_cfg, groups=ps.groups, init_seed=seed, layer_number=i)
-    router.aux_loss_scale = 1.0 / (num_microbatches * ps.dp_size)     # once per step
-    probs_TE, routing_map_TE = router(hidden_SBH)                     # or hidden_TH, num_sequences=B
-    router.last_losses["aux_loss"]                                    # this rank's share, detached
+    router.aux_loss_scale = 1.0 / (num_microbatches * ps.coords.dp.size)     # once per step
+    out = router(hidden_SBH)                                          # or hidden_TH, num_sequences=B
+    out.probs_TE, out.routing_map_TE                                  # after capacity
+    out.stats.losses["aux_loss"], out.stats.tokens_per_expert_E       # this rank's share (detached), loads
     ...                                                               # after the global batch:
-    update_expert_biases(routers, group=ps.tp_dp_cp_group)           # folding.optim, if moe.expert_bias
+    update_expert_biases(routers, group=ps.groups.tp_dp_cp)           # folding.optim, if moe.expert_bias
     router.reset_global_aux_loss()
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Union
 
 import torch
@@ -34,7 +36,7 @@ from torch import nn
 
 from folding.moe.config import MoEConfig
 from folding.moe.routing import functions as R
-from folding.moe.routing.balancing import BalancingRouter
+from folding.moe.routing.balancing import BalancingRouter, RoutingStats
 from folding.parallel import collectives as C
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
@@ -61,6 +63,19 @@ class _AttachLossGrad(torch.autograd.Function):
 def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
     """Return ``x`` unchanged, wired so that back-propagating through it adds ``scale·∇loss``."""
     return _AttachLossGrad.apply(x, loss, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterOutput:
+    """What one :meth:`Router.forward` returns: the routing of this rank's tokens and its statistics."""
+
+    probs_TE: torch.Tensor
+    """Dense probabilities ``[T, E]`` in the router dtype, zero off the chosen experts (after
+    capacity); the router losses are attached to them for the backward."""
+    routing_map_TE: torch.Tensor
+    """Bool ``[T, E]``: token t goes to expert e (after capacity)."""
+    stats: RoutingStats
+    """Loads, dropped pairs and this rank's share of each loss of the call (detached)."""
 
 
 class Router(BalancingRouter):
@@ -103,7 +118,8 @@ class Router(BalancingRouter):
         self.config = config
         self.hidden_size = hidden_size
         self.layer_number = layer_number
-        self.tp_cp_group, self.tp_dp_cp_group = groups.tp_cp, groups.tp_dp_cp
+        self.groups = groups
+        """The process groups; the router reads ``groups.tp_cp`` and ``groups.tp_dp_cp``."""
         self.dtype = _DTYPES[config.router_dtype]
         E = config.num_experts
         self.weight = mark_param(
@@ -124,14 +140,6 @@ class Router(BalancingRouter):
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
         self.aux_loss_scale: Union[float, torch.Tensor] = 1.0
         """Gradient given to each loss: the objective gains ``aux_loss_scale · loss`` per forward."""
-        self.last_losses: Dict[str, torch.Tensor] = {}
-        """This rank's share of each loss of the last forward (detached; sum over its group)."""
-        self.last_tokens_per_expert: Optional[torch.Tensor] = None
-        """Rows per expert after capacity (this rank's tokens) of the last forward, for load metrics."""
-        self.last_dropped: Optional[torch.Tensor] = None
-        """Routed (token, expert) pairs dropped by capacity in the last forward (this rank)."""
-        self.last_dropped_per_expert: Optional[torch.Tensor] = None
-        """``[E]``: the pairs of :attr:`last_dropped` by the expert they were routed to."""
 
         if init_seed is not None and not self.weight.is_meta:
             initialize_parameters(self, init_seed)
@@ -144,8 +152,8 @@ class Router(BalancingRouter):
         num_sequences: Optional[int] = None,
         padding_mask: Optional[torch.Tensor] = None,
         aux_loss_scale: Union[float, torch.Tensor, None] = None,
-    ):
-        """Route this rank's tokens.
+    ) -> RouterOutput:
+        """Route this rank's tokens: scores → selection → capacity → losses → the record.
 
         Args:
             hidden: ``[S_local, B, H]`` (attention layout) or ``[T, H]`` with tokens ordered
@@ -155,10 +163,29 @@ class Router(BalancingRouter):
                 dim. Padding tokens are still routed but count in no loss and no expert-bias count.
             aux_loss_scale: overrides ``self.aux_loss_scale`` for this call.
 
-        Returns ``(probs_TE, routing_map_TE)``: dense probabilities in the router dtype (zero off
-        the chosen experts) and the bool routing map, after capacity.
+        Returns a :class:`RouterOutput`: the dense probabilities in the router dtype (zero off the
+        chosen experts) and the bool routing map, both after capacity, with the call's
+        :class:`~folding.moe.routing.balancing.RoutingStats`.
         """
         cfg = self.config
+        losses_on = self.training and torch.is_grad_enabled()
+        aux_on = losses_on and cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0
+        hidden_TH, num_sequences, padding_mask_T = self._check_input(hidden, num_sequences, padding_mask, aux_on)
+        scale = self.aux_loss_scale if aux_loss_scale is None else aux_loss_scale
+        losses: Dict[str, torch.Tensor] = {}
+        logits_TE = self._scores(hidden_TH, padding_mask_T, losses if losses_on else None, scale)
+        probs_TE, routed_TE = self._route(logits_TE)
+        if cfg.expert_bias and losses_on:
+            self._count_demand(routed_TE, padding_mask_T)
+        probs_TE, routing_map_TE = self._capacity(probs_TE, routed_TE)
+        if aux_on:
+            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences, padding_mask_T)
+            probs_TE = attach_loss(probs_TE, losses[cfg.aux_loss_type], scale)
+        return self._record(probs_TE, routed_TE, routing_map_TE, losses)
+
+    def _check_input(self, hidden, num_sequences, padding_mask, aux_on: bool):
+        """``(hidden_TH, num_sequences, padding_mask_T)`` from :meth:`forward`'s arguments, after
+        checking their shapes (and, for ``seq_aux_loss``, that the tokens form the sequences)."""
         if hidden.dim() == 3:
             if num_sequences is not None and num_sequences != hidden.shape[1]:
                 raise ValueError(f"num_sequences={num_sequences} but hidden has B={hidden.shape[1]}")
@@ -170,9 +197,7 @@ class Router(BalancingRouter):
                 f"hidden has size {hidden.shape[-1]} in its last dim, the router expects hidden_size={self.hidden_size}"
             )
         hidden_TH = hidden.reshape(-1, self.hidden_size)
-        losses_on = self.training and torch.is_grad_enabled()
-        aux_on = losses_on and cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0
-        if aux_on and cfg.aux_loss_type == "seq_aux_loss":
+        if aux_on and self.config.aux_loss_type == "seq_aux_loss":
             if num_sequences is None:
                 raise ValueError(
                     "moe.aux_loss_type=seq_aux_loss needs the sequences: pass hidden as "
@@ -187,52 +212,63 @@ class Router(BalancingRouter):
                     f"{tuple(hidden.shape[:-1])} (hidden without its last dim)"
                 )
             padding_mask = padding_mask.reshape(-1).bool()
-        scale = self.aux_loss_scale if aux_loss_scale is None else aux_loss_scale
+        return hidden_TH, num_sequences, padding_mask
 
+    def _scores(self, hidden_TH, padding_mask_T, losses: Optional[Dict[str, torch.Tensor]], scale) -> torch.Tensor:
+        """The gate's logits ``[T, E]`` in the router dtype (input jitter first, when training); with
+        ``losses`` (a dict, when the losses are on) and ``z_loss_coeff``, the z-loss is added to it and
+        attached to the returned logits."""
+        cfg = self.config
         if self.training and cfg.input_jitter_eps:
             eps = cfg.input_jitter_eps
             hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
         logits_TE = F.linear(hidden_TH.to(self.dtype), self.weight.to(self.dtype))
-
-        losses: Dict[str, torch.Tensor] = {}
-        if losses_on and cfg.z_loss_coeff > 0:
-            if padding_mask is None:
-                total = logits_TE.shape[0] * C.group_size(self.tp_cp_group)
-            else:
-                total = self._sum((~padding_mask).sum(), self.tp_cp_group)
-            losses["z_loss"] = R.z_loss(
-                logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask, total_num_tokens=total
-            )
-            logits_TE = attach_loss(logits_TE, losses["z_loss"], scale)
-
-        probs_TE, routing_map_TE = self._route(logits_TE)
-        if cfg.expert_bias and losses_on:
-            with torch.no_grad():  # demand before dropping: saturated post-drop counts hide imbalance
-                demand_TE = routing_map_TE if padding_mask is None else routing_map_TE & ~padding_mask[:, None]
-                self.local_tokens_per_expert += demand_TE.sum(dim=0).to(torch.float32)
-        if cfg.capacity_factor is not None:
-            routed_TE = routing_map_TE
-            probs_TE, routing_map_TE = R.apply_capacity(
-                probs_TE,
-                routing_map_TE,
-                topk=cfg.topk,
-                capacity_factor=cfg.capacity_factor,
-                drop_policy=cfg.drop_policy,
-                pad_to_capacity=cfg.pad_to_capacity,
-            )
-            self.last_dropped_per_expert = (routed_TE & ~routing_map_TE).sum(dim=0)
+        if losses is None or not cfg.z_loss_coeff > 0:
+            return logits_TE
+        if padding_mask_T is None:
+            total = logits_TE.shape[0] * C.group_size(self.groups.tp_cp)
         else:
-            self.last_dropped_per_expert = torch.zeros(
-                routing_map_TE.shape[1], dtype=torch.int64, device=logits_TE.device
-            )
-        self.last_dropped = self.last_dropped_per_expert.sum()
-        self.last_tokens_per_expert = routing_map_TE.sum(dim=0)
+            total = self._sum((~padding_mask_T).sum(), self.groups.tp_cp)
+        losses["z_loss"] = R.z_loss(
+            logits_TE, coeff=cfg.z_loss_coeff, padding_mask_T=padding_mask_T, total_num_tokens=total
+        )
+        return attach_loss(logits_TE, losses["z_loss"], scale)
 
-        if aux_on:
-            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences, padding_mask)
-            probs_TE = attach_loss(probs_TE, losses[cfg.aux_loss_type], scale)
-        self.last_losses = {k: v.detach() for k, v in losses.items()}
-        return probs_TE, routing_map_TE
+    def _count_demand(self, routed_TE: torch.Tensor, padding_mask_T: Optional[torch.Tensor]) -> None:
+        """Add the routed tokens per expert (valid tokens, before capacity) to ``local_tokens_per_expert``:
+        demand before dropping, since saturated post-drop counts hide imbalance."""
+        with torch.no_grad():
+            demand_TE = routed_TE if padding_mask_T is None else routed_TE & ~padding_mask_T[:, None]
+            self.local_tokens_per_expert += demand_TE.sum(dim=0).to(torch.float32)
+
+    def _capacity(self, probs_TE: torch.Tensor, routed_TE: torch.Tensor):
+        """``(probs_TE, routing_map_TE)`` after ``config.capacity_factor`` (unchanged without one)."""
+        cfg = self.config
+        if cfg.capacity_factor is None:
+            return probs_TE, routed_TE
+        return R.apply_capacity(
+            probs_TE,
+            routed_TE,
+            topk=cfg.topk,
+            capacity_factor=cfg.capacity_factor,
+            drop_policy=cfg.drop_policy,
+            pad_to_capacity=cfg.pad_to_capacity,
+        )
+
+    def _record(self, probs_TE, routed_TE, routing_map_TE, losses: Dict[str, torch.Tensor]) -> RouterOutput:
+        """The call's :class:`RouterOutput`: loads after capacity, the pairs capacity dropped, and the
+        losses' shares detached."""
+        if self.config.capacity_factor is not None:
+            dropped_E = (routed_TE & ~routing_map_TE).sum(dim=0)
+        else:
+            dropped_E = torch.zeros(routing_map_TE.shape[1], dtype=torch.int64, device=routing_map_TE.device)
+        stats = RoutingStats(
+            layer_number=self.layer_number,
+            tokens_per_expert_E=routing_map_TE.sum(dim=0),
+            dropped_per_expert_E=dropped_E,
+            losses={k: v.detach() for k, v in losses.items()},
+        )
+        return RouterOutput(probs_TE=probs_TE, routing_map_TE=routing_map_TE, stats=stats)
 
     def _route(self, logits_TE: torch.Tensor):
         cfg = self.config
@@ -270,19 +306,19 @@ class Router(BalancingRouter):
         )
         padded = padding_mask_T is not None
         if cfg.aux_loss_type == "aux_loss":
-            counts_E = self._sum(map_TE.sum(dim=0), self.tp_cp_group)
-            total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_cp_group)
+            counts_E = self._sum(map_TE.sum(dim=0), self.groups.tp_cp)
+            total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.groups.tp_cp)
             return R.switch_aux_loss(scores_TE, counts_E, total_num_tokens=total, **kw)
         if cfg.aux_loss_type == "seq_aux_loss":
-            counts_BE = self._sum(R.tokens_per_sequence_expert(map_TE, num_sequences=num_sequences), self.tp_cp_group)
-            seq_length = counts_BE.sum(dim=1) / k if padded else T // num_sequences * C.group_size(self.tp_cp_group)
+            counts_BE = self._sum(R.tokens_per_sequence_expert(map_TE, num_sequences=num_sequences), self.groups.tp_cp)
+            seq_length = counts_BE.sum(dim=1) / k if padded else T // num_sequences * C.group_size(self.groups.tp_cp)
             return R.seq_aux_loss(scores_TE, counts_BE, num_sequences=num_sequences, seq_length=seq_length, **kw)
-        counts_E = self._sum(map_TE.sum(dim=0), self.tp_dp_cp_group)
+        counts_E = self._sum(map_TE.sum(dim=0), self.groups.tp_dp_cp)
         with torch.no_grad():
             self.global_tokens_per_expert += counts_E.to(self.global_tokens_per_expert.dtype)
         self.global_aux_steps += 1
         mean_counts_E = self.global_tokens_per_expert / self.global_aux_steps
-        total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.tp_dp_cp_group)
+        total = (counts_E.sum() / k).clamp_min(1) if padded else T * C.group_size(self.groups.tp_dp_cp)
         return R.switch_aux_loss(scores_TE, mean_counts_E, total_num_tokens=total, **kw)
 
     def _sum(self, counts: torch.Tensor, group) -> torch.Tensor:

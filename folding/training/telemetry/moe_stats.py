@@ -1,8 +1,10 @@
-"""Per-step MoE statistics gathered from the routers: expert load, dropped tokens, aux/z losses.
+"""Per-step MoE statistics gathered from the MoE layers: expert load, dropped tokens, aux/z losses.
 
-A forward hook on every router (:class:`folding.moe.routing.balancing.BalancingRouter`) accumulates, for
-each forward of the step (whatever order a pipeline schedule runs the micro-batches in), the routed
-rows per expert, the dropped (token, expert) pairs and this rank's share of each router loss.
+Every MoE layer (:class:`folding.moe.routing.balancing.RoutedBlock`) sums the routing statistics its
+router returns for each training forward of the step (whatever order a pipeline schedule runs the
+micro-batches in): the routed rows per expert, the dropped (token, expert) pairs and this rank's share
+of each router loss. :meth:`MoEStats.collect` takes those sums from every layer once the step's
+forwards and backwards are done.
 :meth:`MoEStats.vector` packs them into one flat tensor that the trainer sums over the world in its
 single per-step all-reduce; :meth:`MoEStats.summarize` unpacks the sum.
 
@@ -18,8 +20,8 @@ last), E experts.
 
 Usage::
 
-    stats = MoEStats(chunks, model_config=job.model, loss_names=("aux_loss", "z_loss"))
-    stats.reset(); ...forward/backward...; v = stats.vector()   # then all-reduce(sum)
+    stats = MoEStats(chunks, model_config=job.model)
+    stats.reset(); ...forward/backward...; stats.collect(); v = stats.vector()   # then all-reduce(sum)
     stats.summarize(v, num_microbatches=M_global, dp=layout.dp)
 """
 
@@ -31,16 +33,17 @@ import torch
 from torch import nn
 
 from ...model.config import ModelConfig
-from ...moe.routing.balancing import BalancingRouter, find_routers
+from ...moe.routing.balancing import BalancingRouter, RoutedBlock, RoutingStats, find_routed_blocks, find_routers
 
 LOSS_NAMES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "z_loss")
 
 
 class MoEStats:
-    """Accumulates router statistics over the forwards of one step (see the module docstring)."""
+    """Router statistics of the forwards of one step, collected from the MoE layers (see the module docstring)."""
 
     def __init__(self, chunks: Sequence[nn.Module], *, model_config: ModelConfig):
-        """Hook every router of ``chunks``; ``model_config`` gives the MoE layer numbering and E."""
+        """Find the routers and the MoE layers of ``chunks``; ``model_config`` gives the MoE layer
+        numbering and E."""
         self.moe_layers = [i for i in model_config.layer_numbers() if model_config.is_moe_layer(i)]
         self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
         self.E = model_config.moe.num_experts
@@ -51,19 +54,23 @@ class MoEStats:
         self.dropped_LE = torch.zeros_like(self.counts_LE)
         """This rank's dropped pairs per layer and expert (for the routing trace; not in :meth:`vector`)."""
         self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
-        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        self.blocks: List[RoutedBlock] = find_routed_blocks(chunks)
 
-    def _hook(self, router: BalancingRouter, inputs, output) -> None:
+    def collect(self) -> None:
+        """Take the routing statistics every MoE layer summed since the last :meth:`collect` or
+        :meth:`reset` and add them to the step's (call it after the step's last backward)."""
+        for block in self.blocks:
+            stats = block.take_routing_stats()
+            if stats is not None:
+                self._add(stats)
+
+    def _add(self, stats: RoutingStats) -> None:
         with torch.no_grad():
-            counts = router.last_tokens_per_expert
-            if counts is not None:
-                self.counts_LE[self.row_of[router.layer_number]] += counts.to(self.counts_LE)
-            if router.last_dropped is not None:
-                self.dropped += router.last_dropped.to(self.dropped)
-            per_expert = getattr(router, "last_dropped_per_expert", None)
-            if per_expert is not None:
-                self.dropped_LE[self.row_of[router.layer_number]] += per_expert.to(self.dropped_LE)
-            for name, value in router.last_losses.items():
+            row = self.row_of[stats.layer_number]
+            self.counts_LE[row] += stats.tokens_per_expert_E.to(self.counts_LE)
+            self.dropped += stats.dropped.to(self.dropped)
+            self.dropped_LE[row] += stats.dropped_per_expert_E.to(self.dropped_LE)
+            for name, value in stats.losses.items():
                 if name in LOSS_NAMES:
                     self.losses[LOSS_NAMES.index(name)] += value.detach().to(self.losses).sum()
 
@@ -73,7 +80,9 @@ class MoEStats:
             r.aux_loss_scale = scale
 
     def reset(self) -> None:
-        """Forget the previous step."""
+        """Forget the previous step (and whatever the layers kept of forwards since)."""
+        for block in self.blocks:
+            block.take_routing_stats()
         self.counts_LE.zero_()
         self.dropped.zero_()
         self.dropped_LE.zero_()
@@ -108,7 +117,6 @@ class MoEStats:
         return out
 
     def close(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Forget the MoE layers (they keep nothing once taken)."""
+        self.reset()
+        self.blocks = []
