@@ -265,8 +265,9 @@ class ReplicaWeights:
         self.in_step, self._kept = True, None
 
     def end_step(self, owners: Sequence[torch.nn.Parameter]) -> None:
-        """End a step: return the gathered gradients to ``owners`` (fc1, fc2: one exchange when any
-        was gathered) and drop the weights. Every rank of the EP group must call it."""
+        """End a step: return the gathered gradients to ``owners`` (fc1, fc2: one exchange when the
+        step fetched, zeros for a weight no backward reached) and drop the weights. Every rank of
+        the EP group must call it (they all fetched, or none did: the table is the same on all)."""
         kept, self.in_step, self._kept = self._kept, False, None
         if kept is None:  # nothing fetched this step (an empty table): nothing to return
             self._sums = None
