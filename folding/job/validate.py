@@ -204,8 +204,8 @@ def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device
 
 
 def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[torch.device]) -> None:
-    """``moe.expert_replicas`` against the layout, the overlap knobs and the backend the experts run."""
-    moe, par = job.moe, job.parallel
+    """``moe.expert_replicas`` against the layout and the backend the experts run."""
+    moe = job.moe
     R = moe.expert_replicas
     if not R or not any(job.model.is_moe_layer(i) for i in job.model.layer_numbers()):
         return
@@ -215,14 +215,6 @@ def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[tor
             R,
             f"needs expert parallelism, but parallel.ep={layout.ep} puts every expert on every rank",
             "set parallel.ep > 1 or moe.expert_replicas=0",
-        )
-    if par.delay_wgrad:
-        _fail(
-            "moe.expert_replicas",
-            R,
-            "is not implemented with parallel.delay_wgrad (the replicas' gradient exchange over EP would "
-            "run inside the deferred weight-gradient work, which is not ordered across the EP ranks)",
-            "set parallel.delay_wgrad=false or moe.expert_replicas=0",
         )
     if expert_backend_on(job, device) == "te":
         _fail(

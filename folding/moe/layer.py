@@ -11,8 +11,9 @@ MoE layer is a reshape to ``[T, H]``; the dispatcher then moves tokens across th
   with this ETP rank's slice of F; its output under ETP is a partial sum the dispatcher reduces.
 - Hot-expert replicas (``config.expert_replicas``): the routing map is split onto ``EP·(L+R)``
   slots after the router (:func:`folding.moe.replicas.table.split_to_slots`), the dispatcher routes by
-  slot, and the replica slots' weights are fetched from their owners each forward
-  (:mod:`folding.moe.replicas.fetch`); the slot table is set between steps (:meth:`MoELayer.set_replica_table`).
+  slot, and the replica slots' weights are fetched from their owners once per step, their gradients
+  returned once per step (:mod:`folding.moe.replicas.fetch`); the slot table is set between steps
+  (:meth:`MoELayer.set_replica_table`).
 - Shared expert (Qwen2-MoE): a dense SwiGLU on the *attention* TP group (:class:`SharedExpert`),
   optionally scaled by ``sigmoid(x·g)``.
 
@@ -49,7 +50,7 @@ from folding.parallel.sequence_parallel import gather_linears
 from .config import MoEConfig
 from .dispatch.build import dispatcher_for
 from .experts.grouped import GroupedMLP
-from .replicas.fetch import fetch_replica_weights
+from .replicas.fetch import ReplicaWeights, completes_after_backward
 from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
 from .routing.balancing import RoutedBlock, RoutingStats
 from .routing.router import Router
@@ -186,6 +187,11 @@ class MoELayer(nn.Module, RoutedBlock):
             init_seed=None,
             device=device,
         )
+        self.replica_weights = ReplicaWeights()
+        """The replica slots' weights of the current step and their gathered gradients."""
+        if self.num_replicas:  # the replicas' gradients reach these after the backward (replica_step)
+            completes_after_backward(self.experts.fc1_weight)
+            completes_after_backward(self.experts.fc2_weight)
         self.shared_expert: Optional[SharedExpert] = None
         if config.shared_expert_ffn_hidden_size is not None:
             self.shared_expert = SharedExpert(
@@ -224,23 +230,21 @@ class MoELayer(nn.Module, RoutedBlock):
         )
 
     def _replica_weights(self, geo: dict):
-        """``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of the replica slots, fetched from their owners in
-        one exchange (both weights flattened side by side per expert)."""
-        w1, w2 = self.experts.fc1_weight, self.experts.fc2_weight
-        L, R = geo["num_local_experts"], self.num_replicas
-        if all(e < 0 for e in self.replica_table):  # nothing to fetch (before the first plan)
-            return w1.new_zeros((R,) + tuple(w1.shape[1:])), w2.new_zeros((R,) + tuple(w2.shape[1:]))
-        both = torch.cat([w1.reshape(L, -1), w2.reshape(L, -1)], dim=1)
-        got = fetch_replica_weights(
-            both,
+        """``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of the replica slots: inside a step
+        (:func:`folding.moe.replica_fetch.replica_step`) fetched from their owners by the step's first
+        forward and kept; otherwise fetched now (one exchange, only the experts sent)."""
+        return self.replica_weights.weights(
+            self.experts.fc1_weight,
+            self.experts.fc2_weight,
             self.replica_table,
             ep_group=self.dispatcher.ep_group,
             ep_size=geo["ep_size"],
             ep_rank=self.dispatcher.ep_rank,
-            num_replicas=R,
         )
-        r1, r2 = got.split([w1[0].numel(), w2[0].numel()], dim=1)
-        return r1.reshape((R,) + tuple(w1.shape[1:])), r2.reshape((R,) + tuple(w2.shape[1:]))
+
+    def replica_owners(self):
+        """``(fc1, fc2)``: the parameters the replicas' gradients are returned to."""
+        return self.experts.fc1_weight, self.experts.fc2_weight
 
     def set_replica_table(self, table) -> None:
         """Install a slot table (every rank of the layer's EP×ETP domain must install the same one,
@@ -248,6 +252,8 @@ class MoELayer(nn.Module, RoutedBlock):
         if not self.num_replicas:
             raise ValueError("this MoE layer has no replica slots; set moe.expert_replicas > 0")
         check_table(table, **self.replica_geometry())
+        if self.replica_weights.in_step:
+            raise RuntimeError("set_replica_table inside a step; install slot tables between steps")
         self.replica_table = tuple(int(e) for e in table)
 
     def forward(

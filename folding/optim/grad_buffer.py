@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..moe.replica_fetch import gets_grad_after_backward
 from .param_groups import ParamClass
 
 
@@ -98,7 +99,8 @@ class Bucket:
     order_key: int
     """Launch order across all buckets of all buffers (smaller launches first)."""
     deferred: bool = False
-    """Reduced only at the end of backward (tied embeddings: their group spans pipeline stages)."""
+    """Reduced only at the end of backward (tied embeddings: their group spans pipeline stages; the
+    experts of MoE layers with replicas, whose replicas' gradients arrive after the schedule)."""
     ready: set = dataclasses.field(default_factory=set)
     """ids of parameters whose last-micro-batch gradient has arrived."""
     launched: bool = False
@@ -164,7 +166,7 @@ class GradBuffer:
         self.main_grad = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.bucket_of = {}
         for b in self.buckets:
-            b.deferred = cls.embedding_tied
+            b.deferred = cls.embedding_tied or any(gets_grad_after_backward(p) for p in b.params)
             for p in b.params:
                 self.bucket_of[id(p)] = b
         for p, off in zip(self.params, self.offsets):

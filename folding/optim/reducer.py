@@ -6,7 +6,8 @@ gradient sync is enabled (the last micro-batch of a step: see :meth:`GradReducer
 whose parameters have all arrived is *launched*: its first reduction op starts asynchronously while
 backward goes on. Buckets launch in one fixed order (the same on every rank of a group), so ranks can
 never pair different buckets' collectives. :meth:`GradReducer.finish` waits for the launched ops, runs
-the remaining ops of every bucket, and reduces deferred buckets (tied embeddings) last.
+the remaining ops of every bucket, and reduces deferred buckets (tied embeddings, the experts of MoE
+layers with replicas) last.
 
 Collectives (all sums): ``all_reduce`` over each pre-group, then over the data-parallel group
 ``all_reduce`` (forward only: no autograd involved) or, under ZeRO-1, ``reduce_scatter_tensor`` into

@@ -22,8 +22,16 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..moe.layer import MoELayer
+from ..moe.replica_fetch import replica_step
 from .p2p import P2P
 from .schedules import forward_backward
+
+
+def _replica_layers(chunks: Sequence[nn.Module]) -> List[MoELayer]:
+    """The MoE layers with replica slots of ``chunks``, in chunk and module order (the same on every
+    rank of a pipeline stage, so their EP exchanges are issued in one order)."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.num_replicas]
 
 
 def run_microbatches(
@@ -43,7 +51,9 @@ def run_microbatches(
     entered around every backward but each chunk's last micro-batch: during that last backward the
     optimizer's buckets start reducing as their gradients complete (Megatron-Core's
     ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
-    optimizer step completes the reduction.
+    optimizer step completes the reduction. MoE layers with replica slots fetch their replicas'
+    weights once for the step and return the replicas' gradients to the owners when the schedule
+    ends (:func:`folding.moe.replica_fetch.replica_step`: one EP exchange each way per layer).
     With multi-token prediction the objective adds ``mtp_loss_scaling_factor`` times the MTP loss
     sum (:class:`~folding.model.transformer.MoETransformer`).
     Returns ``{"lm_loss_sum": float64 tensor, "mtp_loss_sum": float64 tensor}``: the detached masked LM
@@ -100,20 +110,23 @@ def run_microbatches(
     def grad_sync(chunk: int, m: int):
         return contextlib.nullcontext() if m == last else no_sync()
 
-    forward_backward(
-        forward_step=step,
-        num_microbatches=len(microbatches),
-        pp_size=pp,
-        pp_rank=parallel_state.coords.pp.rank,
-        vpp=vpp,
-        p2p=p2p,
-        tensor_shape=shape,
-        dtype=dtype,
-        device=device,
-        forward_only=forward_only,
-        backward_context=grad_sync if no_sync is not None else None,
-        overlap=overlap,
-    )
+    # replica weights fetched once for the step, their gradients returned to the owners when it ends
+    replicas = [] if forward_only else [(m.replica_weights, m.replica_owners()) for m in _replica_layers(chunks)]
+    with replica_step(replicas):
+        forward_backward(
+            forward_step=step,
+            num_microbatches=len(microbatches),
+            pp_size=pp,
+            pp_rank=parallel_state.coords.pp.rank,
+            vpp=vpp,
+            p2p=p2p,
+            tensor_shape=shape,
+            dtype=dtype,
+            device=device,
+            forward_only=forward_only,
+            backward_context=grad_sync if no_sync is not None else None,
+            overlap=overlap,
+        )
 
     def total(parts):
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)

@@ -21,7 +21,7 @@ With hot-expert replicas (the ``replicas`` case: ``moe.expert_replicas=1``, re-p
 so replicas are in use from step 3 on) four cases (EP4 dropless, PP2 EP4 dropping, EP2×ETP2, PP2×EP2)
 train like one rank without replicas under the same tolerances; with ``parallel.overlap_moe_comm`` too
 (``replicas_overlap``) two cases whose ranks run merged pairs train like one rank and bitwise like
-their runs with replicas and without overlap.
+their runs with replicas and without overlap, the second one also with ``parallel.delay_wgrad``.
 
 With Muon (``optim.name=muon``, the ``muon`` case) four cases of the matrix train like one rank with
 Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and dense matrices, each
@@ -335,9 +335,9 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
             _NO_OVERLAP[_key(case) + repr(optim)] = results[-1]
             continue
         model_name, parallel, train, distributed, moe = case
-        # every other case also delays the experts' weight gradients (parallel.delay_wgrad)
-        # (not with replicas: moe.expert_replicas refuses parallel.delay_wgrad)
-        knobs = {"overlap_moe_comm": True, "delay_wgrad": not replicas and len(results) % 2 == 1}
+        # every other case also delays the experts' weight gradients (parallel.delay_wgrad), with
+        # replicas too (the second replicas_overlap case: the replicas' gradients reach the deferred work)
+        knobs = {"overlap_moe_comm": True, "delay_wgrad": len(results) % 2 == 1}
         on = ranks(8).run(
             _train, [(model_name, {**parallel, **knobs}, train, distributed, moe)], str(tmp_path), True, STEPS, optim
         )
@@ -421,7 +421,9 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
 REPLICA_CASES = [("mixtral_tiny", dict(tp=2, ep=4, etp=1), dict(), True, {}), CASES[6], CASES[5], CASES[0]]
 # replicas with parallel.overlap_moe_comm: layouts with several micro-batches per rank, so that merged
 # forward-backward pairs do run (on every rank: TP2 CP2 EP8; on the last stage: Qwen2-MoE's shared
-# expert with PP2 TP2 EP2 ETP2 and full recompute, which fetches the replicas again)
+# expert with PP2 TP2 EP2 ETP2 and full recompute, whose recomputed forwards use the step's fetched
+# replicas, and with parallel.delay_wgrad: the replicas' weight gradients arrive in deferred work, on
+# the first stage from the end-of-backward flush, on the last inside merged pairs' exchange waits)
 REPLICA_OVERLAP_CASES = [CASES[4], CASES[7]]
 
 # the hierarchical dispatcher, dropless with the 8 ranks as 2 nodes of 4 (parallel.nvlink_domain=4): EP8
