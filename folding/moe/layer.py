@@ -231,7 +231,7 @@ class MoELayer(nn.Module, RoutedBlock):
 
     def _replica_weights(self, geo: dict):
         """``(fc1 [R, 2·Fl, H], fc2 [R, H, Fl])`` of the replica slots: inside a step
-        (:func:`folding.moe.replica_fetch.replica_step`) fetched from their owners by the step's first
+        (:func:`folding.moe.replicas.fetch.replica_step`) fetched from their owners by the step's first
         forward and kept; otherwise fetched now (one exchange, only the experts sent)."""
         return self.replica_weights.weights(
             self.experts.fc1_weight,

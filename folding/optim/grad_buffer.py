@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..moe.replica_fetch import gets_grad_after_backward
+from ..moe.replicas.fetch import gets_grad_after_backward
 from .param_groups import ParamClass
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..moe.layer import MoELayer
-from ..moe.replica_fetch import replica_step
+from ..moe.replicas.fetch import replica_step
 from .p2p import P2P
 from .schedules import forward_backward
 
@@ -53,7 +53,7 @@ def run_microbatches(
     ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
     optimizer step completes the reduction. MoE layers with replica slots fetch their replicas'
     weights once for the step and return the replicas' gradients to the owners when the schedule
-    ends (:func:`folding.moe.replica_fetch.replica_step`: one EP exchange each way per layer).
+    ends (:func:`folding.moe.replicas.fetch.replica_step`: one EP exchange each way per layer).
     With multi-token prediction the objective adds ``mtp_loss_scaling_factor`` times the MTP loss
     sum (:class:`~folding.model.transformer.MoETransformer`).
     Returns ``{"lm_loss_sum": float64 tensor, "mtp_loss_sum": float64 tensor}``: the detached masked LM

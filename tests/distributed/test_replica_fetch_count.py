@@ -21,10 +21,10 @@ import pytest
 import torch.distributed as dist
 
 from folding.data.config import DataConfig
+from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 from folding.model.presets import get_preset
 from folding.optim.config import OptimConfig
 from folding.parallel import build_parallel_state
-from folding.training.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
 
 STEPS = 2
 
@@ -47,8 +47,8 @@ def _job(parallel, train):
 
 def _count(parallel, train, run_dir):
     """Train; per step ``{layer: [fetches, exchanges]}`` of the layers that ran with a slot table."""
-    from folding.moe import replica_fetch
     from folding.moe.layer import MoELayer
+    from folding.moe.replicas import fetch as replica_fetch
     from folding.training import trainer
 
     step = [0]

@@ -17,7 +17,7 @@ rank's replica-slot weights and the replicas' weight gradients gathered so far.
   the backward returns the gradients through autograd as soon as both weights' have arrived, before
   the owners' ``AccumulateGrad``: the layer's backward alone gives the owners' full gradients.
 
-The slot table changes only between steps (:class:`folding.moe.replicas.ReplicaSchedule`); parameters
+The slot table changes only between steps (:class:`folding.moe.replicas.table.ReplicaSchedule`); parameters
 change only between steps (optimizer, checkpoint load), and the step's end drops the weights.
 
 Collectives (each one ``all_to_all_single`` over ``ep_group``, sizes from the slot table that every
