@@ -148,6 +148,10 @@ class GroupedMLP(torch.nn.Module):
             chunk_dim=0,
         )
         self._resolved: dict[tuple, str] = {}
+        if not self.fc1_weight.is_meta:
+            # the first-use probes (a grouped GEMM forward and backward) run now, at model build, never
+            # inside an overlap pair (whose second lane may not start a backward)
+            self.resolve_backend(self.fc1_weight.device, params_dtype)
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from folding.moe import expert_backends
+from folding.moe.experts import GroupedMLP
 from folding.parallel import overlap
 from folding.parallel.overlap import LaneError
 
@@ -70,6 +72,48 @@ def test_a_the_lanes_may_run_forwards_and_the_first_lane_backwards():
     # outside a pair the helper thread's flag is down: a backward after the pair is fine
     b.backward()
     assert torch.equal(w.grad, torch.full((3,), 8.0))
+
+
+# ------------------------------------------------------------------ b. first-use probes before pairs
+@pytest.fixture
+def probe_calls(monkeypatch):
+    """Every run of the grouped-GEMM probe (the lane holding the baton, None outside a pair), from an
+    empty probe cache."""
+    calls = []
+    probe = expert_backends._probe_grouped_mm
+
+    def counting(*args):
+        calls.append(overlap.running_lane())
+        return probe(*args)
+
+    expert_backends.torch_grouped_mm_supported.cache_clear()
+    monkeypatch.setattr(expert_backends, "_probe_grouped_mm", counting)
+    yield calls
+    expert_backends.torch_grouped_mm_supported.cache_clear()
+
+
+def _experts(**kw):
+    return GroupedMLP(num_experts=4, num_local_experts=4, hidden_size=16, ffn_hidden_size=16, backend="auto", **kw)
+
+
+def test_b_the_backend_probe_runs_when_the_experts_are_built(probe_calls):
+    m = _experts()
+    assert probe_calls == [None]  # at build, outside any pair
+    x = torch.randn(8, 16)
+    overlap.run_pair(_exchange, lambda: m(x, [2, 2, 2, 2], torch.ones(8)))
+    assert probe_calls == [None]  # the forward in the second lane probed nothing
+
+
+def test_b_a_probe_in_the_second_lane_raises_and_leaves_no_verdict(probe_calls):
+    m = _experts(device="meta")  # nothing resolved on meta: the first forward would probe
+    assert probe_calls == []
+    with pytest.raises(LaneError):
+        overlap.run_pair(_exchange, lambda: expert_backends.torch_grouped_mm_supported("cpu", torch.float32))
+    assert probe_calls == [1]
+    # the failed probe is not cached as "unsupported": the next call, outside a pair, probes again
+    expert_backends.torch_grouped_mm_supported("cpu", torch.float32)
+    assert probe_calls == [1, None]
+    assert m.fc1_weight.is_meta
 
 
 # ------------------------------------------------------------------ c. one persistent helper thread
