@@ -27,24 +27,43 @@ def _exchange():
     overlap.Exchange([_Done()], what="ep test").wait()
 
 
-def _graph():
-    w = torch.ones(3, requires_grad=True)
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+
+
+def _graph(device="cpu"):
+    w = torch.ones(3, requires_grad=True, device=device)
     return w, (w * 2).sum()
 
 
+class _WaitInBackward(torch.autograd.Function):
+    """Identity whose backward waits on an exchange: on CUDA it parks the engine's device thread."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _exchange()
+        return g
+
+
 # ------------------------------------------------------------------ a. no graph task in the 2nd lane
-def test_a_backward_in_the_second_lane_raises_lane_error():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_in_the_second_lane_raises_lane_error(device):
     trace = []
 
-    def first():
-        w, loss = _graph()
-        _exchange()  # hands over: the second lane runs while this one is parked
-        loss.backward()  # the first lane may run backward (the schedule's backward lane)
+    def first():  # the schedule's backward lane: hands over from inside its backward
+        w = torch.ones(3, requires_grad=True, device=device)
+        _WaitInBackward.apply(w * 2).sum().backward()
         trace.append("first done")
         return w.grad
 
-    def second():
-        _, loss = _graph()
+    def second():  # on CUDA this backward would queue behind the parked one for ever
+        _, loss = _graph(device)
         loss.backward()
         trace.append("second went on")
 
@@ -146,12 +165,12 @@ def _jittered(x):
     return (h * h).sum()
 
 
-def _recompute_pair(paired: bool):
+def _recompute_pair(paired: bool, device: str):
     torch.manual_seed(5)
-    x0 = torch.randn(6, requires_grad=True)
-    x1 = torch.randn(6, requires_grad=True)
+    x0 = torch.randn(6, device=device, requires_grad=True)
+    x1 = torch.randn(6, device=device, requires_grad=True)
     loss0 = checkpoint(_jittered, x0, use_reentrant=False)  # the earlier micro-batch's forward
-    torch.rand(5)  # draws between the two (another micro-batch in flight)
+    torch.rand(5, device=device)  # draws between the two (another micro-batch in flight)
     forward = lambda: checkpoint(_jittered, x1, use_reentrant=False)  # noqa: E731
     if paired:  # its backward (recompute forks the generator, sets the saved state, hands over)
         _, loss1 = overlap.run_pair(loss0.backward, forward)
@@ -159,11 +178,13 @@ def _recompute_pair(paired: bool):
         loss1 = forward()
         loss0.backward()
     loss1.backward()
-    return loss0.detach(), loss1.detach(), x0.grad, x1.grad, torch.get_rng_state()
+    rng = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+    return loss0.detach(), loss1.detach(), x0.grad, x1.grad, rng
 
 
-def test_e_recompute_across_a_hand_over_draws_as_without_overlap():
-    for a, b in zip(_recompute_pair(True), _recompute_pair(False)):
+@pytest.mark.parametrize("device", DEVICES)
+def test_e_recompute_across_a_hand_over_draws_as_without_overlap(device):
+    for a, b in zip(_recompute_pair(True, device), _recompute_pair(False, device)):
         assert torch.equal(a, b)
 
 
