@@ -52,7 +52,7 @@ def run_microbatches(
     (the mean over the depths, per token; 0 without MTP), both 0 on other stages.
     ``overlap`` (``parallel.overlap_moe_comm``): the steady state runs each forward merged with a
     backward, their MoE exchanges hidden behind each other's compute (bitwise the same results); the
-    experts resolve their backends (and run its first-use probes) before the schedule starts.
+    experts resolve their backends (and run their first-use probes) before the schedule starts.
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
