@@ -15,7 +15,9 @@ snapshot records and refuses what TE's FP8 kernels cannot take: each split's row
 passing ``fp8_gemm_dims``, and under MXFP8 ``mxfp8_is_quantizable``. ``delayed`` keeps
 ``fp8_meta["scaling_fwd"/"scaling_bwd"]`` with ``scale`` / ``amax_history`` of TE's shapes;
 forwards write amaxes into the history, and leaving the outermost ``autocast`` updates every
-module registered under the recipe and group. It computes in high precision and records every call
+module registered under the recipe and group. The autocast state is process-wide, shared by every
+thread (:data:`_REGION`), as TE's ``FP8GlobalStateManager`` is: a region one thread opens is the region
+of any other thread's modules until it closes. It computes in high precision and records every call
 in :data:`CALLS`.
 
 Usage (a pytest fixture installs it)::
@@ -53,7 +55,11 @@ SUPPORT: dict = {}
 """``is_*_available`` name -> ``(ok, reason)`` a test wants TE to answer (default: supported)."""
 ALLOW_CPU = False
 """Explicit test flag: accept CPU (TE itself raises "TransformerEngine needs CUDA.")."""
-_REGION = {"depth": 0, "recipe": None, "group": None, "registered": {}}
+_REGION = {"depth": 0, "recipe": None, "group": None, "first_module": False, "registered": {}}
+"""TE's FP8 autocast state (its ``FP8GlobalStateManager``): one per process, shared by every thread, as
+TE's is: the region's recipe and amax-reduction group, its depth, whether the region's first FP8 module
+is still to run (that module's backward reduces the backward amaxes), and the amax buffers of every
+module registered under a (recipe, group)."""
 STANDS_IN_FOR = {
     "transformer_engine.pytorch.GroupedLinear": "GroupedLinear",
     "transformer_engine.pytorch.GroupedLinear.forward": "GroupedLinear.forward",
@@ -94,8 +100,11 @@ def is_mxfp8_available(return_reason: bool = False):
 
 
 class autocast:  # noqa: N801 - TE's name
-    """TE's FP8 region: records entry and exit; on leaving the outermost one, updates every module
-    registered (on its first ``delayed`` forward) under any recipe and group, as TE's global buffer does."""
+    """TE's FP8 region over the process-wide :data:`_REGION`: entering saves the state and sets the
+    recipe and group (the outermost entry also marks the region's first FP8 module as still to run);
+    leaving restores the saved state, and leaving the outermost one updates every module registered (on
+    its first ``delayed`` forward) under any recipe and group, as TE's global buffer does. Records
+    entry and exit in :data:`CALLS`."""
 
     def __init__(
         self,
@@ -109,14 +118,16 @@ class autocast:  # noqa: N801 - TE's name
 
     def __enter__(self):
         CALLS.append(("enter", type(self._recipe).__name__, self._group))
-        self._saved = (_REGION["recipe"], _REGION["group"])
+        self._saved = (_REGION["recipe"], _REGION["group"], _REGION["first_module"])
         _REGION.update(recipe=self._recipe if self._enabled else None, group=self._group)
+        if _REGION["depth"] == 0:
+            _REGION["first_module"] = self._enabled
         _REGION["depth"] += 1
         return self
 
     def __exit__(self, *exc):
+        _REGION["recipe"], _REGION["group"], _REGION["first_module"] = self._saved
         _REGION["depth"] -= 1
-        _REGION["recipe"], _REGION["group"] = self._saved
         CALLS.append(("exit",))
         if self._enabled and _REGION["depth"] == 0 and torch.is_grad_enabled():
             for modules in _REGION["registered"].values():
@@ -173,6 +184,7 @@ class GroupedLinear(torch.nn.Module):
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_grouped_tensor = RULES.use_grouped_tensor(use_grouped_tensor)
         self.fp8, self.fp8_calibration, self.fp8_meta_tensors_initialized = False, False, False
+        self.first_fp8_module = False  # the region's first FP8 module on its last forward (reduces bwd amax)
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
         dtype = params_dtype or torch.get_default_dtype()
         for i in range(num_gemms):
@@ -202,6 +214,8 @@ class GroupedLinear(torch.nn.Module):
             return
         self.fp8_meta["recipe"], self.fp8_meta["num_gemms"] = recipe, self.num_gemms
         self.fp8_meta["fp8_group"] = _REGION["group"]
+        # TE's is_first_fp8_module(): read and cleared, process-wide
+        self.first_fp8_module, _REGION["first_module"] = _REGION["first_module"], False
         self.init_fp8_meta_tensors(recipe)
         if recipe.delayed():
             key = (type(recipe).__name__, id(_REGION["group"]))
@@ -285,6 +299,7 @@ def install(monkeypatch) -> None:
                       ("transformer_engine.common", common), (RECIPE_MODULE, recipe)]:  # fmt: skip
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(me, "ALLOW_CPU", True)
-    monkeypatch.setitem(_REGION, "registered", {})
+    for key, value in {"depth": 0, "recipe": None, "group": None, "first_module": False, "registered": {}}.items():
+        monkeypatch.setitem(_REGION, key, value)
     CALLS.clear()
     SUPPORT.clear()

@@ -203,6 +203,27 @@ def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device
         )
 
 
+def _check_overlap_vs_te_fp8(job: JobConfig, device: Optional[torch.device]) -> None:
+    """TransformerEngine's FP8 autocast state is process-global, not per thread (region depth, the
+    region's first FP8 module, the amax-reduction buffers), and the chunk's FP8 region stays open
+    across the MoE exchanges, where the two lanes of an overlap pair hand over: the other lane would
+    run inside it. Checked on the backend the experts will really run (BF16 on te opens no region)."""
+    par, moe = job.parallel, job.moe
+    if not par.overlap_moe_comm or moe.fp8_recipe is None or expert_backend_on(job, device) != "te":
+        return
+    how = "moe.expert_backend='te'" if moe.expert_backend == "te" else f"moe.expert_backend='auto' (te on {device})"
+    _fail(
+        "parallel.overlap_moe_comm",
+        par.overlap_moe_comm,
+        f"cannot run with {how} and moe.fp8_recipe={moe.fp8_recipe!r}: TransformerEngine keeps its FP8 "
+        "autocast state (region depth, first FP8 module, amax-reduction buffers) per process, not per thread, "
+        "and a model chunk's FP8 region stays open across the MoE exchanges where the two micro-batches of an "
+        "overlap pair hand over, so the other one would run inside it",
+        "set parallel.overlap_moe_comm=false, or moe.expert_backend=torch (the rowwise and mxfp8 recipes through "
+        "torch._scaled_grouped_mm) or emulated",
+    )
+
+
 def _check_replicas(job: JobConfig, layout: ParallelLayout, device: Optional[torch.device]) -> None:
     """``moe.expert_replicas`` against the layout and the backend the experts run."""
     moe = job.moe
@@ -302,6 +323,7 @@ def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.devi
             )
     _check_train(job)
     _check_recompute_vs_fp8_region(job, device)
+    _check_overlap_vs_te_fp8(job, device)
     _check_logging_and_checkpoint(job)
     _check_tokenizer(job)
     try:

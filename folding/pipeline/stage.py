@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from ..moe.experts.grouped import GroupedMLP
 from ..moe.layer import MoELayer
 from ..moe.replicas.fetch import replica_step
 from .p2p import P2P
@@ -60,7 +61,8 @@ def run_microbatches(
     loss sum of this rank's micro-batches on the last pipeline stage, and the sum of their MTP losses
     (the mean over the depths, per token; 0 without MTP), both 0 on other stages.
     ``overlap`` (``parallel.overlap_moe_comm``): the steady state runs each forward merged with a
-    backward, their MoE exchanges hidden behind each other's compute (bitwise the same results).
+    backward, their MoE exchanges hidden behind each other's compute (bitwise the same results); the
+    experts resolve their backends (and run their first-use probes) before the schedule starts.
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
@@ -98,6 +100,11 @@ def run_microbatches(
             loss_sum = loss_sum + cfg.mtp_loss_scaling_factor * mtp_sum
         return loss_sum * loss_scale
 
+    if overlap:  # first-use probes before any pair, whose second lane may not run them
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, GroupedMLP):
+                    module.resolve_backend(module.fc1_weight.device, dtype)
     p2p = None
     if pp > 1:
         p2p = P2P(

@@ -103,7 +103,9 @@ def _grouped_mm_fn():
 
 @functools.lru_cache(maxsize=None)
 def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once)."""
+    """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once,
+    when the experts are built: the probe runs a backward, which the second lane of an overlap pair may
+    not start, :class:`folding.parallel.overlap.LaneError`)."""
     fn = _grouped_mm_fn()
     if fn is None:
         return False
@@ -117,6 +119,8 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
             return _probe_grouped_mm(fn, device_type, dtype)
+    except overlap.LaneError:  # run inside an overlap lane: not an answer about the build
+        raise
     except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
         return False
 

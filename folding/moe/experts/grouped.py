@@ -141,6 +141,10 @@ class GroupedMLP(torch.nn.Module):
         self.num_experts = num_experts
         self._create_weights(params_dtype, device, init_std, init_std if output_init_std is None else output_init_std)
         self._resolved: dict[tuple, str] = {}
+        if not self.fc1_weight.is_meta:
+            # the first-use probes (a grouped GEMM forward and backward) run now, at model build, never
+            # inside an overlap pair (whose second lane may not start a backward)
+            self.resolve_backend(self.fc1_weight.device, params_dtype)
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None

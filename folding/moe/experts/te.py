@@ -26,7 +26,10 @@ does; the experts never open a region of their own for ``delayed`` (that would r
 and over the world group by default: a hang with pipelining) and raise instead. Other recipes
 reduce nothing on exit, so a standalone :class:`GroupedMLP` opens a local region for them. The
 region also carries ``is_first_microbatch``, so TE quantizes the weights once per optimizer step and
-reuses them for later micro-batches.
+reuses them for later micro-batches. TE keeps the region's state per process, not per thread (its
+depth, the region's first FP8 module, the amax-reduction buffers), and the chunk's region spans the MoE
+exchanges: it cannot open inside a pair of ``parallel.overlap_moe_comm``, whose other micro-batch would
+run inside it (refused at validation; :func:`fp8_region` raises if reached).
 
 **Weights.** The experts own ``fc1_weight [L, 2·Fl, H]`` / ``fc2_weight [L, H, Fl]``, stored alike for
 every backend. The ``GroupedLinear`` modules are built on ``meta`` (TE allocates and initializes no
@@ -58,6 +61,7 @@ from typing import Optional
 
 import torch
 
+from ...parallel import overlap
 from ..config import FP8_ROW_ALIGN  # noqa: F401 - re-exported: the recipes' row alignment
 
 TE_VERSION_RANGE = ">=2.10,<3"
@@ -160,6 +164,12 @@ def fp8_region(recipe_name: Optional[str], *, amax_reduction_group, first_microb
     if recipe_name is None:
         yield
         return
+    if overlap.in_pair():
+        raise RuntimeError(
+            "a TransformerEngine FP8 region cannot open inside an overlap pair: TE keeps its FP8 autocast "
+            "state per process, not per thread, and the other micro-batch of the pair would run inside it; "
+            "set parallel.overlap_moe_comm=false, or moe.expert_backend=torch or emulated"
+        )
     import transformer_engine.pytorch as te
 
     ctx = te.autocast(enabled=True, recipe=make_te_recipe(recipe_name), amax_reduction_group=amax_reduction_group)
