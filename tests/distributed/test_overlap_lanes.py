@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
-from folding.moe import expert_backends
+from folding.moe.experts import backends as expert_backends
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.parallel.params import materialize

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from folding.moe import expert_backends
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts import backends as expert_backends
+from folding.moe.experts.grouped import GroupedMLP
 from folding.parallel import overlap
 from folding.parallel.overlap import LaneError
 

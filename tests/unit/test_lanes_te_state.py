@@ -6,16 +6,16 @@ A model chunk's FP8 region stays open across the MoE exchanges, where the lanes 
 so the other lane runs inside it: a module that runs without FP8 when the two lanes run one after the
 other runs FP8 in the pair, and takes the region's first-module role from the lane that opened it.
 The engine therefore refuses TE with an FP8 recipe and ``parallel.overlap_moe_comm`` at validation,
-and :func:`folding.moe.expert_te.fp8_region` refuses to open inside a pair.
+and :func:`folding.moe.experts.te.fp8_region` refuses to open inside a pair.
 """
 
 import pytest
 import torch
 
-from folding.moe.expert_te import fp8_region, make_te_recipe
+from folding.job.config import ConfigError
+from folding.job.validate import validate_job
+from folding.moe.experts.te import fp8_region, make_te_recipe
 from folding.parallel import overlap
-from folding.training.config import ConfigError
-from folding.training.validate import validate_job
 from tests import te_standin
 from tests.unit.test_config_job import job
 
@@ -84,7 +84,7 @@ def test_te_fp8_with_overlap_is_refused_naming_both_keys(recipe):
 
 
 def test_auto_resolving_to_te_on_the_device_is_refused_too(monkeypatch):
-    import folding.training.validate as validate
+    import folding.job.validate as validate
 
     monkeypatch.setattr(validate, "resolve_backend", lambda *a: "te")  # a GPU where TE runs the recipe
     j = job("moe.fp8_recipe=tensorwise", "parallel.overlap_moe_comm=true")
