@@ -6,7 +6,8 @@ every node. Two groups split it, built once with the layout's groups (``ProcessG
 the *node* group, the EP ranks on this rank's node. Dispatch, on every rank:
 
 1. count, per token, its experts, its distinct destination ranks and its distinct destination nodes
-   (:func:`~folding.moe.hier_plan.dedup_counts`); gather the counts over ETP, then over EP;
+   (:func:`~folding.moe.hier_plan.dedup_counts`); gather the counts over ETP, then over the EP ranks
+   (on their metadata communicator, ``ProcessGroups.ep_meta``, when given: see ``counts_group``);
 2. read the gathered counts on the host (the one device-to-host read of the layer), which gives
    every split of both stages (:func:`~folding.moe.hier_plan.plan_hierarchical`);
 3. stage A over the rail group: one row per token and distinct destination node, carrying that
@@ -37,10 +38,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import torch
 
+from ..parallel import link_model, overlap
 from ..parallel.collectives import all_gather_nograd, all_gather_start
 from . import host_sync
 from .dispatcher_base import DispatchRecord, TokenDispatcher, _group_ranks
@@ -60,8 +63,13 @@ class HierarchicalDispatcher(TokenDispatcher):
             groups must agree with it.
     """
 
-    def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, **kwargs):
+    def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, counts_group=None, **kwargs):
+        """``counts_group``: the group the counts are all-gathered over, the EP ranks on a communicator
+        of their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator complete only
+        after everything issued before them there, e.g. the replicas' weight fetch or, where the EP
+        ranks are also another role's, that role's collectives); ``None``: the EP group."""
         super().__init__(**kwargs)
+        self.counts_group = self.ep_group if counts_group is None else counts_group
         if self.pad_to_capacity:
             raise ValueError(
                 "moe.dispatcher=hierarchical does not pad to capacity (its de-duplicated row counts "
@@ -102,13 +110,19 @@ class HierarchicalDispatcher(TokenDispatcher):
         call = _Call(hidden_shape=tuple(hidden.shape), hidden_size=H, dtype=hidden.dtype, map_TE=routing_map)
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_group, stack=True)
-        call.counts_dev, call.counts_work = all_gather_start(gathered.unsqueeze(0), self.ep_group)
+        call.counts_dev, call.counts_work = all_gather_start(gathered.unsqueeze(0), self.counts_group)
+        call.counts_done = link_model.issue(self.counts_group, 0.0)
         return tokens_TH, probs, call
 
     def _exchange(self, rows, probs, call):
         """Read the counts (the layer's one host read), plan both stages, run the two-stage
         exchange: ``(rows_NH, probs_N)`` expert-major."""
+        # the host read blocks until the all-gather completes: under the link model, after everything
+        # issued before it on its group (NCCL's order); that time is exposed
+        t0 = time.perf_counter()
         call.counts_work.wait()
+        link_model.complete(call.counts_done)
+        overlap.stats.blocked_s += time.perf_counter() - t0
         counts = host_sync.to_host(call.counts_dev, reason="hierarchical splits")
         E, T = self.num_experts, rows.shape[0]
         if self.dropless:
@@ -201,4 +215,5 @@ class _Call:
     map_TE: torch.Tensor
     counts_dev: Optional[torch.Tensor] = None
     counts_work: object = None
+    counts_done: Optional[float] = None  # the count all-gather's modelled completion (link model)
     route: Optional[HierRoute] = None
