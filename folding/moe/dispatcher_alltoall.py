@@ -162,7 +162,7 @@ class AllToAllDispatcher(TokenDispatcher):
             t0 = time.perf_counter()
             call.counts_work.wait()
             link_model.complete(call.counts_done)
-            overlap.stats.blocked_s += time.perf_counter() - t0
+            overlap.stats.add_blocked("ep counts", time.perf_counter() - t0)
             call.counts_work = None
         counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
         if self.dropless:

@@ -122,7 +122,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         t0 = time.perf_counter()
         call.counts_work.wait()
         link_model.complete(call.counts_done)
-        overlap.stats.blocked_s += time.perf_counter() - t0
+        overlap.stats.add_blocked("ep counts", time.perf_counter() - t0)
         counts = host_sync.to_host(call.counts_dev, reason="hierarchical splits")
         E, T = self.num_experts, rows.shape[0]
         if self.dropless:

@@ -199,12 +199,21 @@ class Stats:
     """Pairs run as two lanes (:func:`run_pair` outside another pair): proof that overlap was on."""
     hand_overs: int = 0
     """Hand-overs that switched lanes at an exchange (each one hides an exchange behind the other lane)."""
+    blocked_by: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """``blocked_s`` split by what was waited on (an exchange's ``what``, ``"ep counts"`` for the
+    dispatchers' host reads of their count all-gathers)."""
+
+    def add_blocked(self, what: str, seconds: float) -> None:
+        """Count ``seconds`` blocked waiting on ``what``."""
+        self.blocked_s += seconds
+        self.blocked_by[what] = self.blocked_by.get(what, 0.0) + seconds
 
     def reset(self) -> None:
         """Zero the counters."""
         self.blocked_s = 0.0
         self.pairs = 0
         self.hand_overs = 0
+        self.blocked_by = {}
 
 
 stats = Stats()
@@ -315,7 +324,7 @@ class Exchange:
         for w in self.works:
             w.wait()
         _links.complete(self.done_at)
-        stats.blocked_s += time.perf_counter() - t0
+        stats.add_blocked(self.what, time.perf_counter() - t0)
         if _audit_log is not None:
             _audit_log.append(
                 {"what": self.what, "steady": self.steady, "paired": paired, "ops": _op_count[0] - self.ops}
