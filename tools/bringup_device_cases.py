@@ -13,7 +13,7 @@ What NCCL and CUDA do that the CPU test doubles only model:
   every synchronization CUDA reports counted by its call site in the engine (the warning's Python
   stack), then with each exchange's exposed time measured by CUDA events on the compute stream around
   its wait (on NCCL, ``Work.wait()`` makes the stream wait and returns at once: a host timer sees
-  nothing), overlap off and on.
+  nothing), overlap off and on (:mod:`tools.bringup_overlap_step`).
 
 Every case runs as ``python -m tools.bringup_device_cases CASE`` and prints one line ``RESULT {json}``;
 without CUDA it reports ``{"skipped": ...}`` and exits 0. :func:`run_case` runs one in a subprocess and
@@ -24,21 +24,21 @@ results into the report's lines.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import traceback
-import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
+from folding.moe.expert_scaled import TORCH_FP8_RECIPES
+from folding.moe.expert_select import backend_support
+from folding.moe.experts import GroupedMLP
+from tools.bringup_overlap_step import NO_CUDA, overlap_step
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 CASES = ("fp8-zero-engine", "fp8-zero-raw", "overlap-step")
-NO_CUDA = "no CUDA device visible (a GPU-only case)"
 ASSERT_MARKS = ("cannot handle delta=0", "device-side assert", "CUDA error: an illegal", "Assertion")
 """Text by which a failed raw call is recognised as the kernel's assert."""
 
@@ -48,10 +48,6 @@ ASSERT_MARKS = ("cannot handle delta=0", "device-side assert", "CUDA error: an i
 
 def fp8_zero_engine(counts=(128, 0, 64, 0), hidden: int = 256, ffn: int = 512) -> Dict[str, Any]:
     """Forward + backward of the ``torch`` backend's FP8 experts with zero-row experts, per recipe."""
-    from folding.moe.expert_scaled import TORCH_FP8_RECIPES
-    from folding.moe.expert_select import backend_support
-    from folding.moe.experts import GroupedMLP
-
     if not torch.cuda.is_available():
         return {"skipped": NO_CUDA}
     dev = torch.device("cuda", 0)
@@ -116,115 +112,6 @@ def classify_raw(returncode: int, result: Optional[dict], output: str) -> str:
     if any(mark in output for mark in ASSERT_MARKS):
         return "ASSERTS: this torch build's kernel fails on a zero group (the engine's padding is needed)"
     return f"failed otherwise (exit status {returncode}): see the output"
-
-
-# ------------------------------------------------------------------------- syncs by call site
-
-
-@contextlib.contextmanager
-def captured_warnings() -> Any:
-    """Record every warning raised inside the block with the Python stack that raised it: a list of
-    ``(message, [FrameSummary, ...])`` (innermost last)."""
-    records: List[tuple] = []
-    old = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        records.append((str(message), traceback.extract_stack()[:-1]))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        try:
-            yield records
-        finally:
-            warnings.showwarning = old
-
-
-def call_site(stack, root: str = ROOT) -> str:
-    """The engine line a warning came from: the innermost frame under ``root/folding``, else the
-    innermost under ``root`` outside this module, as ``path:line (function)``; ``"?"`` if none."""
-    here = os.path.abspath(__file__)
-    inside = [f for f in stack if os.path.abspath(f.filename).startswith(root + os.sep)]
-    inside = [f for f in inside if os.path.abspath(f.filename) != here]
-    engine = [f for f in inside if os.path.relpath(os.path.abspath(f.filename), root).startswith("folding" + os.sep)]
-    pick = (engine or inside or [None])[-1]
-    if pick is None:
-        return "?"
-    return f"{os.path.relpath(os.path.abspath(pick.filename), root)}:{pick.lineno} ({pick.name})"
-
-
-def sync_sites(records, root: str = ROOT) -> Dict[str, int]:
-    """Count the synchronization warnings of :func:`captured_warnings` by :func:`call_site`."""
-    by = collections.Counter()
-    for message, stack in records:
-        if "synchroniz" in message.lower():
-            by[call_site(stack, root)] += 1
-    return dict(by.most_common())
-
-
-# --------------------------------------------------------------------- exchanges by CUDA events
-
-
-class _TimedWork:
-    """A collective's work whose wait is bracketed by events on the current stream (see below)."""
-
-    def __init__(self, work, before=None, after=None):
-        self.work, self.before, self.after = work, before, after
-
-    def wait(self):
-        if self.before is not None:
-            self.before.record()
-        out = self.work.wait()
-        if self.after is not None:
-            self.after.record()
-        return out
-
-
-@contextlib.contextmanager
-def exchange_events(event_factory: Optional[Callable[[], Any]] = None) -> Any:
-    """Inside the block, every :class:`folding.parallel.overlap.Exchange` records an event on the
-    current stream just before its first collective's wait (after any hand-over to the other lane)
-    and one just after its last: the time between them on the device is how long the compute stream
-    stood waiting for the exchange, its exposed time. Yields a list of ``(what, before, after)``;
-    read them with ``before.elapsed_time(after)`` once the device is synchronized."""
-    from folding.parallel import overlap
-
-    if event_factory is None:
-
-        def event_factory():
-            return torch.cuda.Event(enable_timing=True)
-
-    log: List[tuple] = []
-    init = overlap.Exchange.__init__
-
-    def timed_init(self, works, *args, **kwargs):
-        init(self, works, *args, **kwargs)
-        if self.works:
-            before, after = event_factory(), event_factory()
-            last = len(self.works) - 1
-            self.works = [
-                _TimedWork(w, before if i == 0 else None, after if i == last else None)
-                for i, w in enumerate(self.works)
-            ]
-            log.append((self.what, before, after))
-
-    overlap.Exchange.__init__ = timed_init
-    try:
-        yield log
-    finally:
-        overlap.Exchange.__init__ = init
-
-
-def exposed_by_exchange(log) -> Dict[str, Dict[str, float]]:
-    """Per exchange name: count, total and largest exposed milliseconds of :func:`exchange_events`."""
-    out: Dict[str, Dict[str, float]] = {}
-    for what, before, after in log:
-        ms = float(before.elapsed_time(after))
-        row = out.setdefault(what, {"count": 0, "total_ms": 0.0, "max_ms": 0.0})
-        row["count"] += 1
-        row["total_ms"] += ms
-        row["max_ms"] = max(row["max_ms"], ms)
-    return out
 
 
 # ------------------------------------------------------------------------------- subprocess glue
@@ -334,8 +221,6 @@ def main(argv=None) -> int:
     elif args.case == "fp8-zero-raw":
         result = fp8_zero_raw()
     else:
-        from tools.bringup_overlap_step import overlap_step
-
         result = overlap_step(args.world, cpu=args.cpu)
     print("RESULT " + json.dumps(result), flush=True)
     return 0

@@ -1,7 +1,8 @@
 """The CPU-side logic of the bring-up's GPU-only cases (``tools.bringup_device_cases``, section 5 of
-``tools.gpu_bringup``): the command lines, the result line, the raw call's verdict, the sync call sites,
-the exchange timing (with stand-in events and works), the report's lines, and a clean skip naming the
-reason when CUDA is absent (the cases run with CUDA hidden, so this holds on a GPU host too)."""
+``tools.gpu_bringup``): the command lines, the result line, the raw call's verdict, the sync call
+sites, the exchange timing (``tools.bringup_overlap_step``, with stand-in events and works), the
+report's lines, and a clean skip naming the reason when CUDA is absent (the cases run with CUDA
+hidden, so this holds on a GPU host too)."""
 
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from folding.parallel import overlap
 from tools import bringup_device_cases as dc
+from tools import bringup_overlap_step as ovs
 from tools import gpu_bringup
 
 ROOT = dc.ROOT
@@ -26,7 +28,7 @@ def _no_cuda_env():
 def test_every_case_skips_cleanly_without_cuda(case):
     rc, res, out = dc.run_case(case, env={"CUDA_VISIBLE_DEVICES": ""}, timeout_s=120)
     assert rc == 0, out[-2000:]
-    assert res == {"skipped": dc.NO_CUDA}
+    assert res == {"skipped": ovs.NO_CUDA}
     assert "CUDA" in res["skipped"]
 
 
@@ -69,11 +71,11 @@ def _warn_here():
 
 
 def test_syncs_are_counted_by_the_line_that_raised_them():
-    with dc.captured_warnings() as records:
+    with ovs.captured_warnings() as records:
         lines = [_warn_here() for _ in range(3)]
         warnings.warn("an unrelated warning")
     assert len(records) == 4
-    sites = dc.sync_sites(records)
+    sites = ovs.sync_sites(records)
     here = os.path.relpath(__file__, ROOT)
     assert sites == {f"{here}:{lines[0]} (_warn_here)": 3}
     # the innermost engine frame wins over outer frames of the repository and over torch's own
@@ -83,8 +85,8 @@ def test_syncs_are_counted_by_the_line_that_raised_them():
         traceback.FrameSummary(os.path.join(ROOT, "folding", "moe", "host_sync.py"), 20, "to_host"),
         traceback.FrameSummary("/usr/lib/python3/site-packages/torch/_tensor.py", 30, "tolist"),
     ]
-    assert dc.call_site(stack) == os.path.join("folding", "moe", "host_sync.py") + ":20 (to_host)"
-    assert dc.call_site(stack[3:]) == "?"
+    assert ovs.call_site(stack) == os.path.join("folding", "moe", "host_sync.py") + ":20 (to_host)"
+    assert ovs.call_site(stack[3:]) == "?"
 
 
 class _Work:
@@ -112,13 +114,13 @@ class _Event:
 
 def test_exchange_events_bracket_the_waits():
     trail = []
-    with dc.exchange_events(lambda: _Event(trail)) as log:
+    with ovs.exchange_events(lambda: _Event(trail)) as log:
         overlap.Exchange([_Work("a", trail), _Work("b", trail)], what="ep dispatch", linked=False).wait()
         overlap.Exchange([_Work("c", trail)], what="ep combine", linked=False).wait()
         overlap.Exchange([], what="empty", linked=False).wait()  # nothing issued: nothing timed
     assert trail == ["event", "a", "b", "event", "event", "c", "event"]
     assert [w for w, *_ in log] == ["ep dispatch", "ep combine"]
-    by = dc.exposed_by_exchange(log)
+    by = ovs.exposed_by_exchange(log)
     assert by == {
         "ep dispatch": {"count": 1, "total_ms": 1.5, "max_ms": 1.5},
         "ep combine": {"count": 1, "total_ms": 1.5, "max_ms": 1.5},
@@ -156,8 +158,8 @@ def test_section_lines():
     assert "| rowwise | yes | True | True |" in text and "ASSERTS" in text
     assert "| folding/moe/host_sync.py:20 (to_host) | 4 |" in text and "outside Python (stderr" in text
     assert "| ep dispatch | 4 / 4 | 8.00 / 2.00 | 3.00 / 1.00 |" in text
-    ok, lines = dc.section_lines(engine_no, (0, {"skipped": "x"}, ""), (0, {"skipped": dc.NO_CUDA}, ""))
-    assert ok and "| mxfp8 | no: needs sm_100 | | |" in lines and lines[-1] == f"Not run: {dc.NO_CUDA}."
+    ok, lines = dc.section_lines(engine_no, (0, {"skipped": "x"}, ""), (0, {"skipped": ovs.NO_CUDA}, ""))
+    assert ok and "| mxfp8 | no: needs sm_100 | | |" in lines and lines[-1] == f"Not run: {ovs.NO_CUDA}."
     bad = _engine("rowwise", run=True, finite=False, empty_experts_zero_grad=True)
     assert not dc.section_lines(bad, raw, step)[0]
     ok, lines = dc.section_lines(engine, raw, (1, None, "Traceback\nRuntimeError: boom"))
