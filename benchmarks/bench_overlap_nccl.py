@@ -97,7 +97,8 @@ def summarize(runs: List[dict]) -> List[dict]:
             hid = [r["hidden"] for r in mine if r["hidden"] is not None]
             rat = [r["step_time_ratio"] for r in mine]
             row = dict(setting=name, layout=layout, repeats=len(mine))
-            row.update(hidden_median=statistics.median(hid) if hid else None, hidden_range=[min(hid), max(hid)])
+            row.update(hidden_median=statistics.median(hid) if hid else None)
+            row["hidden_range"] = [min(hid), max(hid)] if hid else None
             row.update(ratio_median=statistics.median(rat), ratio_range=[min(rat), max(rat)])
             row["meets_targets"] = (
                 bool(hid) and row["hidden_median"] >= TARGET_HIDDEN and row["ratio_median"] <= (TARGET_RATIO)
@@ -124,9 +125,11 @@ def report(summary: List[dict], runs: List[dict], ns, command: str) -> str:
         "|---|---|---|---|---|",
     ]
     for s in summary:
-        h = "n/a" if s["hidden_median"] is None else f"{s['hidden_median']:.2f}"
+        h = "n/a"
+        if s["hidden_median"] is not None:
+            h = f"{s['hidden_median']:.2f} [{s['hidden_range'][0]:.2f}, {s['hidden_range'][1]:.2f}]"
         lines.append(
-            f"| {s['setting']} | {s['layout']} | {h} [{s['hidden_range'][0]:.2f}, {s['hidden_range'][1]:.2f}] "
+            f"| {s['setting']} | {s['layout']} | {h} "
             f"| {s['ratio_median']:.2f} [{s['ratio_range'][0]:.2f}, {s['ratio_range'][1]:.2f}] "
             f"| {'yes' if s['meets_targets'] else 'no'} |"
         )
