@@ -14,7 +14,10 @@ level (``"nccl_order"``):
 
 - ``step_time_off_s`` / ``step_time_on_s``: the step's wall time (rank 0), and their ratio;
 - ``exposed_off_s`` / ``exposed_on_s``: time blocked in exchange waits (mean over the ranks);
-- ``hidden = 1 − exposed_on / exposed_off``: the share of the exposed communication that overlap hides.
+- ``hidden = 1 − exposed_on / exposed_off``: the share of the exposed communication that overlap hides;
+- ``exposed_by_off_s`` / ``exposed_by_on_s``: the exposed time split by what was waited on (each
+  exchange's name, ``ep counts`` for the dispatcher's count reads), and ``load_before`` / ``load_after``
+  the host's load average around the run.
 
 Layouts (4 ranks): ``ep4`` (EP4, DP4, no pipelining: 16 micro-batches per step), ``ep2etp2`` (EP2 ×
 ETP2), ``pp2ep2`` (PP2 with 1F1B, EP2). With ``--latencies`` it sweeps several latencies and writes a
@@ -139,11 +142,18 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                     no_sync=optimizer.no_sync,
                     overlap=on,
                 )
-                blocked = waits.blocked_s
+                blocked, by = waits.blocked_s, dict(waits.blocked_by)
                 optimizer.clip_and_step()
                 seconds = time.perf_counter() - t0
                 records.append(
-                    dict(step=step // 2, overlap=on, step_time_s=seconds, exposed_s=blocked, forward_s=forward_s)
+                    dict(
+                        step=step // 2,
+                        overlap=on,
+                        step_time_s=seconds,
+                        exposed_s=blocked,
+                        exposed_by=by,
+                        forward_s=forward_s,
+                    )
                 )
     finally:
         ps.destroy()
@@ -155,19 +165,27 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
 
     own = pool is None
     pool = pool or RankPool(4)
+    load_before = _load()
     try:
         per_rank = pool.run(_rank_main, layout, a, timeout_s=3600)
     finally:
         if own:
             pool.shutdown()
+    load_after = _load()
     steps = []
     for i, rec in enumerate(per_rank[0]):
         exposed = statistics.fmean(r[i]["exposed_s"] for r in per_rank)
-        steps.append(dict(rec, exposed_s=exposed))
+        whats = sorted({w for r in per_rank for w in r[i]["exposed_by"]})
+        by = {w: statistics.fmean(r[i]["exposed_by"].get(w, 0.0) for r in per_rank) for w in whats}
+        steps.append(dict(rec, exposed_s=exposed, exposed_by=by))
     kept = [s for s in steps if s["step"] >= a["warmup"]]
 
     def med(key, on):
         return statistics.median(s[key] for s in kept if s["overlap"] == on)
+
+    def med_by(on):
+        whats = sorted({w for s in kept for w in s["exposed_by"]})
+        return {w: statistics.median(s["exposed_by"].get(w, 0.0) for s in kept if s["overlap"] == on) for w in whats}
 
     out = dict(
         layout=layout,
@@ -178,6 +196,10 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         step_time_on_s=med("step_time_s", True),
         exposed_off_s=med("exposed_s", False),
         exposed_on_s=med("exposed_s", True),
+        exposed_by_off_s=med_by(False),
+        exposed_by_on_s=med_by(True),
+        load_before=load_before,
+        load_after=load_after,
         steps=steps,
     )
     out["step_time_ratio"] = out["step_time_on_s"] / out["step_time_off_s"]
@@ -189,6 +211,11 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
     out["layer_forward_ms"] = 1e3 * per_rank[0][0]["forward_s"] / layers_per_step
     out["hidden"] = 1 - out["exposed_on_s"] / out["exposed_off_s"] if out["exposed_off_s"] > 0 else None
     return out
+
+
+def _load() -> tuple:
+    """The host's load average (1, 5, 15 minutes), rounded."""
+    return tuple(round(x, 2) for x in os.getloadavg())
 
 
 def _args(argv=None):
@@ -289,7 +316,7 @@ def main(argv=None) -> None:
     for name in layouts:
         if name not in LAYOUTS:
             raise SystemExit(f"error: --layouts: unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
-    load_before = tuple(round(x, 2) for x in os.getloadavg())
+    load_before = _load()
     results = []
     pool = RankPool(4)
     try:
@@ -307,7 +334,7 @@ def main(argv=None) -> None:
                 )
     finally:
         pool.shutdown()
-    load_after = tuple(round(x, 2) for x in os.getloadavg())
+    load_after = _load()
     if ns.json:
         top = results[0] if len(results) == 1 else {}
         keys = ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s", "step_time_ratio")

@@ -17,7 +17,13 @@ after every section, so that a section that fails or runs out of time leaves the
 3. MoE layer forward + backward at H 4096, E 8 and 64, top-2 and top-8, BF16 vs FP8 ``--fp8-recipe``
    on the ``torch`` backend, and transformers' ``MixtralSparseMoeBlock`` on the same shapes;
 4. 20 steps of the training job (2 Mixtral-8x7B layers, sequence 4096, BF16) with tokens/s, MFU, peak
-   memory and the host synchronizations CUDA reports.
+   memory and the host synchronizations CUDA reports;
+5. what only a GPU confirms (:mod:`tools.bringup_device_cases`, each case in a subprocess): the FP8
+   grouped GEMM with experts of zero rows under ``CUDA_LAUNCH_BLOCKING=1`` (the engine's padded path,
+   and the raw ``torch._scaled_grouped_mm`` 2-D × 2-D call: does this torch build assert?), the
+   synchronizations of a training step with overlap on by call site, and each exchange's exposed
+   time measured with CUDA events (on NCCL ``wait()`` does not block the host). Run it alone with
+   ``--only 5`` when the earlier sections leave it too little time.
 
 A section whose turn comes with less than its expected time left before ``--deadline-s`` is reported
 as not run. Exit status 0 when every section that ran passed, 1 otherwise.
@@ -37,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from tools import bringup_cases as cases
+from tools import bringup_device_cases as device_cases
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -69,6 +76,15 @@ def _speed(dev, sizes, dtype, args):
         dist.destroy_process_group()
 
 
+def _device_cases(dev, sizes, dtype, args):
+    """The cases only a GPU confirms, each in a subprocess (:mod:`tools.bringup_device_cases`)."""
+    timeout = args.check_timeout_s
+    engine = device_cases.run_case("fp8-zero-engine", timeout_s=timeout)
+    raw = device_cases.run_case("fp8-zero-raw", timeout_s=timeout)
+    step = device_cases.run_case("overlap-step", timeout_s=2 * timeout, extra=["--cpu"] if args.cpu_smoke else [])
+    return device_cases.section_lines(engine, raw, step)
+
+
 def _training(dev, sizes, dtype, args):
     lines = cases.training_run(dev, sizes, os.path.join(args.out, "train_run"))
     return lines[0].split("exit status ")[1].startswith("0,"), lines
@@ -79,6 +95,7 @@ SECTIONS = (
     ("Expert numerics per backend × recipe", _numerics, 30),
     ("MoE layer speed", _speed, 90),
     ("Training run", _training, 150),
+    ("What only a GPU confirms: empty FP8 experts, syncs and exposed exchanges with overlap", _device_cases, 120),
 )
 """``(title, function, expected seconds on the GPU box)`` in run order."""
 
@@ -97,8 +114,9 @@ def _header(dev: torch.device, args, started: str) -> list[str]:
     ]
 
 
-def main(argv=None) -> int:
-    """Run the sections in order within the deadline; write ``--out``/gpu_bringup.md after each."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``only`` becomes a set of section numbers (``None``: every section), and
+    ``argv`` the arguments as given (for the report's header)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmarks/results", help="folder of the report (gpu_bringup.md) and the run")
@@ -106,9 +124,23 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-recipe", default="rowwise", help="FP8 recipe of the speed cases (torch backend)")
     p.add_argument("--deadline-s", type=float, default=450.0, help="no section starts past its expected time")
     p.add_argument("--check-timeout-s", type=float, default=150.0)
-    p.add_argument("--only", default=None, help="comma-separated section numbers (1-4) to run")
+    p.add_argument("--only", default=None, help=f"comma-separated section numbers (1-{len(SECTIONS)}) to run")
     args = p.parse_args(argv)
     args.argv = argv
+    if args.only is not None:
+        try:
+            only = {int(x) for x in args.only.split(",")}
+        except ValueError:
+            only = {0}
+        if not only <= set(range(1, len(SECTIONS) + 1)):
+            p.error(f"--only {args.only}: give section numbers from 1 to {len(SECTIONS)}, comma-separated")
+        args.only = only
+    return args
+
+
+def main(argv=None) -> int:
+    """Run the sections in order within the deadline; write ``--out``/gpu_bringup.md after each."""
+    args = parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("error: no CUDA device visible; run with --cpu-smoke to check the script on CPU", file=sys.stderr)
         return 2
@@ -121,7 +153,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "gpu_bringup.md")
     t0 = time.monotonic()
     report = _header(dev, args, f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}")
-    only = None if args.only is None else {int(s) for s in args.only.split(",")}
+    only = args.only
     failed = False
     for i, (title, fn, expected_s) in enumerate(SECTIONS, 1):
         if only is not None and i not in only:

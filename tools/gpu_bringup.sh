@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU bring-up: the pre-flight check, expert numerics, MoE-layer speed and a short training
-# run, in one report (tools/gpu_bringup.py says what each section measures).
+# One-shot GPU bring-up: the pre-flight check, expert numerics, MoE-layer speed, a short training
+# run and what only a GPU confirms (empty FP8 experts under CUDA_LAUNCH_BLOCKING=1, the syncs and the
+# exposed exchanges of a step with overlap on), in one report (tools/gpu_bringup.py says what each
+# section measures; --only 5 runs the last alone).
 #
 #   bash tools/gpu_bringup.sh --prepare              # with network: wheels a bare GPU box lacks -> .whl/
 #   bash tools/gpu_bringup.sh [--out DIR] [ARGS...]  # on the GPU box (no network needed): DIR/gpu_bringup.md

@@ -85,14 +85,19 @@ class WaitStats(overlap.ExchangeObserver):
 
     blocked_s: float = 0.0
     """Wall time spent waiting for exchanges to complete (what the exchanges cost the critical path)."""
+    blocked_by: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """``blocked_s`` split by what was waited on (each exchange's ``what``: ``"ep counts"`` for the
+    dispatchers' count all-gathers read on the host)."""
 
     def reset(self) -> None:
-        """Zero the counter."""
+        """Zero the counters."""
         self.blocked_s = 0.0
+        self.blocked_by = {}
 
     def finished(self, ex: overlap.Exchange, waited_s: float) -> None:
         """Add one exchange's time blocked (a link model's modelled completion included)."""
         self.blocked_s += waited_s
+        self.blocked_by[ex.what] = self.blocked_by.get(ex.what, 0.0) + waited_s
 
 
 @contextlib.contextmanager

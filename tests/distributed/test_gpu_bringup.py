@@ -31,7 +31,7 @@ def test_cpu_smoke_writes_every_section(tmp_path):
     proc = _run(["--cpu-smoke", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "gpu_bringup.md").read_text()
-    for i in range(1, 5):
+    for i in range(1, 6):
         assert "(passed in" in _section(report, i), _section(report, i)
     assert "all checks that ran passed" in _section(report, 1)
     numerics = _section(report, 2)
@@ -45,6 +45,10 @@ def test_cpu_smoke_writes_every_section(tmp_path):
     losses = [float(m) for m in re.findall(r"^\| \d+ \| ([0-9.]+) \|", train, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0], train
     assert (out / "train_run" / "metrics.jsonl").exists()
+    gpu_only = _section(report, 5)  # CUDA hidden: the GPU-only cases say so; the overlap step runs on gloo
+    assert "(passed in" in gpu_only and gpu_only.count("Not run: no CUDA device visible") == 1, gpu_only
+    assert "not run: no CUDA device visible" in gpu_only, gpu_only  # the raw call's verdict
+    assert re.search(r"^\| ep dispatch \| 16 / 16 \|", gpu_only, re.M), gpu_only
 
 
 def test_without_a_gpu_the_real_run_refuses_with_the_fix(tmp_path):

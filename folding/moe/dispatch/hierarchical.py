@@ -6,7 +6,8 @@ every node. Two groups split it, built once with the layout's groups (``ProcessG
 the *node* group, the EP ranks on this rank's node. Dispatch, on every rank:
 
 1. count, per token, its experts, its distinct destination ranks and its distinct destination nodes
-   (:func:`~folding.moe.dispatch.hier_plan.dedup_counts`); gather the counts over ETP, then over EP;
+   (:func:`~folding.moe.dispatch.hier_plan.dedup_counts`); gather the counts over ETP, then over the EP
+   ranks (on their metadata communicator, ``ProcessGroups.ep_meta``, when given: see ``counts_group``);
 2. read the gathered counts on the host (the one device-to-host read of the layer), which gives
    every split of both stages (:func:`~folding.moe.dispatch.hier_plan.plan_hierarchical`);
 3. stage A over the rail group: one row per token and distinct destination node, carrying that
@@ -41,6 +42,7 @@ from typing import Optional
 import torch
 
 from ...parallel.collectives import all_gather_nograd, all_gather_start
+from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher, _group_ranks
 from .hier_exchange import HierRoute, hier_combine, hier_dispatch
@@ -67,10 +69,17 @@ class HierarchicalDispatcher(TokenDispatcher):
         rail_group: the EP group's ranks at this rank's position on every node, in node order.
         nvlink_domain: optional check: ranks per node (global rank ``r`` on node ``r // G``); the two
             groups must agree with it.
+        counts_group: the group the counts are all-gathered over: the EP ranks on a communicator of
+            their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator complete only
+            after everything issued before them there, such as the replicas' weight fetch); ``None``:
+            the EP group.
     """
 
-    def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, **kwargs):
+    def __init__(
+        self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, counts_group=None, **kwargs
+    ):
         super().__init__(**kwargs)  # refuses pad_to_capacity (:meth:`_check_capacity`)
+        self.counts_group = self.ep_group if counts_group is None else counts_group
         ep = _group_ranks(self.ep_group, "ep_group")
         node = _group_ranks(node_group, "node_group")
         rail = _group_ranks(rail_group, "rail_group")
@@ -109,12 +118,17 @@ class HierarchicalDispatcher(TokenDispatcher):
         call = DispatchCall(record=record, routing_map_TE=routing_map)
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_group, stack=True)
-        call.counts_dev, call.counts_work = all_gather_start(gathered.unsqueeze(0), self.ep_group)
+        call.counts_dev, work = all_gather_start(gathered.unsqueeze(0), self.counts_group)
+        # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+        # an instrument's link model keeps its place in the counts group's order (NCCL's)
+        call.counts_work = Exchange([work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False)
         return tokens_TH, probs, call
 
     def _exchange(self, rows, probs, call):
         """Read the counts (the layer's one host read), plan both stages, run the two-stage
         exchange: ``(rows_NH, probs_N)`` expert-major."""
+        # the host read blocks until the all-gather completes: under a link model, after everything
+        # issued before it on its group (NCCL's order); that time is exposed
         call.counts_work.wait()
         counts = host_sync.to_host(call.counts_dev, reason="hierarchical splits")
         E, T = self.num_experts, rows.shape[0]

@@ -1,0 +1,92 @@
+"""The dispatchers' token counts travel on the EP ranks' metadata communicator (``ProcessGroups.ep_meta``),
+not on the EP communicator that carries the token payloads, for both dispatchers that gather counts
+(``alltoall`` and ``hierarchical``, the latter with the 4 ranks as 2 nodes of 2). Under the link model
+with NCCL's order, a count read behind a token exchange still in flight on EP therefore does not wait
+for it; with the counts on EP (``counts_group=None``) it does: the cost ``ep_meta`` removes.
+
+The count all-gather is recognised by its group: every all-gather a layer forward starts
+(``all_gather_start``) is recorded with the group it ran on."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import folding.moe.dispatcher_alltoall as a2a_mod
+import folding.moe.dispatcher_hierarchical as hier_mod
+from folding.moe.config import MoEConfig
+from folding.moe.dispatcher import build_dispatcher
+from folding.moe.layer import MoELayer
+from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.parallel.overlap import Exchange
+
+H, S, B, E = 16, 8, 2, 8
+LATENCY_S = 0.3
+
+
+def _cfg(dispatcher):
+    return MoEConfig(num_experts=E, topk=2, ffn_hidden_size=8, dispatcher=dispatcher, aux_loss_coeff=0.0)
+
+
+def _recording(mod, seen):
+    real = mod.all_gather_start
+
+    def start(t, group):
+        seen.append(group)
+        return real(t, group)
+
+    return real, start
+
+
+def _counts_groups():
+    """Per dispatcher: whether every count all-gather of a forward ran on ep_meta (and none on ep),
+    and the seconds a count read waited behind a token exchange in flight on EP, with the counts on
+    ep_meta and on EP."""
+    out = {}
+    lay = ParallelLayout(world_size=dist.get_world_size(), ep=4, etp=1, nvlink_domain=2)
+    with build_parallel_state(lay) as ps:
+        assert ps.groups.ep_meta is not None and ps.groups.ep_meta is not ps.groups.ep
+        for kind, mod in (("alltoall", a2a_mod), ("hierarchical", hier_mod)):
+            layer = MoELayer(config=_cfg(kind), hidden_size=H, groups=ps.groups, layer_number=1, init_seed=5)
+            seen = []
+            real, spy = _recording(mod, seen)
+            mod.all_gather_start = spy
+            try:
+                x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank))
+                layer(x)
+            finally:
+                mod.all_gather_start = real
+            waited = {}
+            for name, counts_group in (("ep_meta", ps.groups.ep_meta), ("ep", None)):
+                kw = dict(num_experts=E, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+                if kind == "hierarchical":
+                    kw.update(node_group=ps.ep_node_group, rail_group=ps.ep_rail_group)
+                d = build_dispatcher(kind, counts_group=counts_group, **kw)
+                hidden = torch.randn(S * B, H, generator=torch.Generator().manual_seed(ps.rank))
+                logits = torch.randn(S * B, E, generator=torch.Generator().manual_seed(ps.rank + 9))
+                top = logits.topk(2, dim=-1).indices
+                routing = torch.zeros(S * B, E, dtype=torch.bool).scatter_(1, top, True)
+                probs = torch.where(routing, logits.softmax(-1), 0.0)
+                dist.barrier()
+                with overlap.link_latency(LATENCY_S):
+                    tokens = Exchange([], what="ep dispatch", group=ps.ep_group)  # in flight on EP
+                    overlap.stats.reset()
+                    d.dispatch(hidden, routing, probs)  # its count read comes first, then its own exchanges
+                    waited[name] = overlap.stats.blocked_s
+                    tokens.wait()
+            out[kind] = dict(
+                on_meta=sum(g is ps.groups.ep_meta for g in seen),
+                on_ep=sum(g is ps.groups.ep for g in seen),
+                waited=waited,
+            )
+    return out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_counts_on_their_own_communicator(ranks):
+    for per_rank in ranks(4).run(_counts_groups):
+        for kind, r in per_rank.items():
+            assert r["on_meta"] == 1 and r["on_ep"] == 0, (kind, r)  # one count gather per forward, on ep_meta
+            # on EP the count read waits behind the token exchange issued before it (one latency more in
+            # all); on ep_meta it does not, and the dispatch's own exchanges take the same time in both
+            extra = r["waited"]["ep"] - r["waited"]["ep_meta"]
+            assert extra > 0.7 * LATENCY_S, (kind, r)
