@@ -32,9 +32,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from folding.moe.expert_scaled import TORCH_FP8_RECIPES
-from folding.moe.expert_select import backend_support
-from folding.moe.experts import GroupedMLP
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.scaled import TORCH_FP8_RECIPES
+from folding.moe.experts.select import backend_support
 from tools.bringup_overlap_step import NO_CUDA, overlap_step
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

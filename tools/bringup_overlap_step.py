@@ -207,7 +207,7 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
             tok = torch.randint(0, cfg.vocab_size, (1, size["seq"] + 1), generator=gen)
             mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(tok[:, 1:].shape)))
         _step(chunks, optimizer, ps, mbs, on=True)  # warm-up
-        result = {"world": world, "ep": ps.ep_size, "device": str(dev)}
+        result = {"world": world, "ep": ps.coords.ep.size, "device": str(dev)}
         with captured_warnings() as records:
             if not cpu:
                 torch.cuda.synchronize(dev)

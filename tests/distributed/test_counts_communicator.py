@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import folding.moe.dispatcher_alltoall as a2a_mod
-import folding.moe.dispatcher_hierarchical as hier_mod
+import folding.moe.dispatch.alltoall as a2a_mod
+import folding.moe.dispatch.hierarchical as hier_mod
 from folding.moe.config import MoEConfig
-from folding.moe.dispatcher import build_dispatcher
+from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.layer import MoELayer
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.parallel.overlap import Exchange
@@ -57,9 +57,9 @@ def _counts_groups():
                 mod.all_gather_start = real
             waited = {}
             for name, counts_group in (("ep_meta", ps.groups.ep_meta), ("ep", None)):
-                kw = dict(num_experts=E, topk=2, ep_group=ps.ep_group, etp_group=ps.etp_group)
+                kw = dict(num_experts=E, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
                 if kind == "hierarchical":
-                    kw.update(node_group=ps.ep_node_group, rail_group=ps.ep_rail_group)
+                    kw.update(node_group=ps.groups.ep_node, rail_group=ps.groups.ep_rail)
                 d = build_dispatcher(kind, counts_group=counts_group, **kw)
                 hidden = torch.randn(S * B, H, generator=torch.Generator().manual_seed(ps.rank))
                 logits = torch.randn(S * B, E, generator=torch.Generator().manual_seed(ps.rank + 9))
@@ -68,7 +68,7 @@ def _counts_groups():
                 probs = torch.where(routing, logits.softmax(-1), 0.0)
                 dist.barrier()
                 with overlap.link_latency(LATENCY_S):
-                    tokens = Exchange([], what="ep dispatch", group=ps.ep_group)  # in flight on EP
+                    tokens = Exchange([], what="ep dispatch", group=ps.groups.ep)  # in flight on EP
                     overlap.stats.reset()
                     d.dispatch(hidden, routing, probs)  # its count read comes first, then its own exchanges
                     waited[name] = overlap.stats.blocked_s

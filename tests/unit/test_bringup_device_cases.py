@@ -152,7 +152,7 @@ def test_section_lines():
             "world": 2,
             "device": "cuda:0",
             "ep": 2,
-            "syncs_by_site": {"folding/moe/host_sync.py:20 (to_host)": 4},
+            "syncs_by_site": {"folding/moe/dispatch/host_sync.py:20 (to_host)": 4},
             "exposed_off": {"ep dispatch": {"count": 4, "total_ms": 8.0, "max_ms": 3.0}},
             "exposed_on": {"ep dispatch": {"count": 4, "total_ms": 2.0, "max_ms": 1.0}},
             "exposed_total_ms_by_rank": {"off": [8.0, 7.0], "on": [2.0, 2.5]},
@@ -163,7 +163,7 @@ def test_section_lines():
     text = "\n".join(lines)
     assert ok
     assert "| rowwise | yes | True | True |" in text and "ASSERTS" in text
-    assert "| folding/moe/host_sync.py:20 (to_host) | 4 |" in text and "outside Python (stderr" in text
+    assert "| folding/moe/dispatch/host_sync.py:20 (to_host) | 4 |" in text and "outside Python (stderr" in text
     assert "| ep dispatch | 4 / 4 | 8.00 / 2.00 | 3.00 / 1.00 |" in text
     ok, lines = dc.section_lines(engine_no, (0, {"skipped": "x"}, ""), (0, {"skipped": ovs.NO_CUDA}, ""))
     assert ok and "| mxfp8 | no: needs sm_100 | | |" in lines and lines[-1] == f"Not run: {ovs.NO_CUDA}."

@@ -75,9 +75,7 @@ class HierarchicalDispatcher(TokenDispatcher):
             the EP group.
     """
 
-    def __init__(
-        self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, counts_group=None, **kwargs
-    ):
+    def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, counts_group=None, **kwargs):
         super().__init__(**kwargs)  # refuses pad_to_capacity (:meth:`_check_capacity`)
         self.counts_group = self.ep_group if counts_group is None else counts_group
         ep = _group_ranks(self.ep_group, "ep_group")
@@ -121,7 +119,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         call.counts_dev, work = all_gather_start(gathered.unsqueeze(0), self.counts_group)
         # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
         # an instrument's link model keeps its place in the counts group's order (NCCL's)
-        call.counts_work = Exchange([work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False)
+        call.counts_work = Exchange(
+            [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
+        )
         return tokens_TH, probs, call
 
     def _exchange(self, rows, probs, call):
