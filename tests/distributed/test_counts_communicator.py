@@ -16,8 +16,10 @@ import folding.moe.dispatch.hierarchical as hier_mod
 from folding.moe.config import MoEConfig
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.layer import MoELayer
-from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.overlap import Exchange
+from folding.testing.link_model import link_latency
+from folding.testing.overlap_audit import wait_stats
 
 H, S, B, E = 16, 8, 2, 8
 LATENCY_S = 0.3
@@ -67,11 +69,11 @@ def _counts_groups():
                 routing = torch.zeros(S * B, E, dtype=torch.bool).scatter_(1, top, True)
                 probs = torch.where(routing, logits.softmax(-1), 0.0)
                 dist.barrier()
-                with overlap.link_latency(LATENCY_S):
+                with link_latency(LATENCY_S), wait_stats() as waits:
                     tokens = Exchange([], what="ep dispatch", group=ps.groups.ep)  # in flight on EP
-                    overlap.stats.reset()
+                    waits.reset()
                     d.dispatch(hidden, routing, probs)  # its count read comes first, then its own exchanges
-                    waited[name] = overlap.stats.blocked_s
+                    waited[name] = waits.blocked_s
                     tokens.wait()
             out[kind] = dict(
                 on_meta=sum(g is ps.groups.ep_meta for g in seen),

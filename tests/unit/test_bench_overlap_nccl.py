@@ -2,11 +2,13 @@
 model: the interleaved run order, the summary over repeats and its targets, the report's tables, the
 command line; and ``bench_overlap``'s defaults (NCCL's order and the metadata communicator on)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from benchmarks import bench_overlap as bo
 from benchmarks import bench_overlap_nccl as bn
-from folding.parallel import overlap
+from folding.testing.overlap_audit import WaitStats
 
 
 def _run(setting, layout, hidden, ratio, counts_on=0.1):
@@ -76,11 +78,10 @@ def test_command_lines():
 
 
 def test_exposed_time_is_split_by_what_was_waited_on():
-    overlap.stats.reset()
-    overlap.stats.add_blocked("ep counts", 0.25)
-    overlap.stats.add_blocked("ep dispatch", 0.5)
-    overlap.stats.add_blocked("ep counts", 0.25)
-    assert overlap.stats.blocked_s == 1.0
-    assert overlap.stats.blocked_by == {"ep counts": 0.5, "ep dispatch": 0.5}
-    overlap.stats.reset()
-    assert overlap.stats.blocked_by == {} and overlap.stats.blocked_s == 0.0
+    waits = WaitStats()
+    for what, seconds in (("ep counts", 0.25), ("ep dispatch", 0.5), ("ep counts", 0.25)):
+        waits.finished(SimpleNamespace(what=what), seconds)
+    assert waits.blocked_s == 1.0
+    assert waits.blocked_by == {"ep counts": 0.5, "ep dispatch": 0.5}
+    waits.reset()
+    assert waits.blocked_by == {} and waits.blocked_s == 0.0
