@@ -174,12 +174,13 @@ def test_section_lines():
 
 
 def test_overlap_step_on_cpu_ranks():
-    """The overlap step's plumbing on 2 gloo ranks (host-clock events): every exchange of the 8
+    """The overlap step's plumbing on 2 gloo ranks (host-clock events): every exchange (and count read) of the 8
     micro-batches × 2 layers timed, off and on, and the report's lines from it."""
     rc, res, out = dc.run_case("overlap-step", env={"CUDA_VISIBLE_DEVICES": ""}, extra=["--cpu"], timeout_s=300)
     assert rc == 0, out[-3000:]
     assert res["world"] == 2 and res["ep"] == 2 and res["syncs_by_site"] is None
-    names = {"ep dispatch", "ep combine", "ep dispatch backward", "ep combine backward"}
+    # the token exchanges, and the dropless count all-gather read on the host before each dispatch
+    names = {"ep counts", "ep dispatch", "ep combine", "ep dispatch backward", "ep combine backward"}
     for mode in ("off", "on"):
         assert set(res[f"exposed_{mode}"]) == names, res
         assert all(r["count"] == 16 and r["total_ms"] >= r["max_ms"] >= 0 for r in res[f"exposed_{mode}"].values())
