@@ -23,26 +23,25 @@ Backends: ``loop`` (reference), ``torch`` (grouped_mm; with ``fp8_recipe`` ``row
 ``torch._scaled_grouped_mm``, rows padded per expert once around fc1→fc2, see
 :mod:`folding.moe.experts.scaled`), ``emulated`` (loop on FP8/MXFP8-quantized
 operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
-inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`), ``auto`` (chosen by
-:mod:`folding.moe.experts.select` with TransformerEngine's own checks).
+inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`). ``moe.expert_backend=auto``
+is resolved before the experts are built, once (:mod:`folding.moe.experts.select`, with
+TransformerEngine's own checks); the experts receive the backend that runs.
 
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
-                     etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="auto")
+                     etp_rank=ps.etp_rank, expert_offset=ps.ep_rank * 4, backend="torch")
     out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from folding.moe.dispatch.base import DispatchRecord
 from folding.moe.experts.backends import grouped_linear, host_counts
 from folding.moe.experts.scaled import aligned_sizes
-from folding.moe.experts.select import BACKENDS, check_backend, resolve_backend
+from folding.moe.experts.select import BACKENDS, check_backend
 from folding.moe.experts.swiglu import swiglu_prob
 from folding.moe.experts.te import (
     FP8_ROW_ALIGN,
@@ -54,9 +53,6 @@ from folding.moe.experts.te import (
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
-
-logger = logging.getLogger(__name__)
-_LOGGED_CHOICES: set = set()
 
 
 class GroupedMLP(torch.nn.Module):
@@ -72,17 +68,21 @@ class GroupedMLP(torch.nn.Module):
         etp_size: int = 1,
         etp_rank: int = 0,
         expert_offset: int = 0,
-        backend: str = "auto",
+        backend: str,
         fp8_recipe: str | None = None,
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
         output_init_std: float | None = None,
         init_seed: int | None = 0,
         device=None,
+        delay_wgrad: bool = False,
     ):
         """Validate the settings and create this rank's shards of the layout-independent initial weights
         (``num_experts``: the global E, default ``num_local_experts``; ``init_seed=None`` leaves the
-        initialization to the owner, which fills every parameter from its record)."""
+        initialization to the owner, which fills every parameter from its record). ``backend``: the
+        backend that runs, decided before (``auto`` resolved by
+        :func:`folding.moe.experts.select.resolve_backend`, once, at the job or model build);
+        ``delay_wgrad``: see :attr:`delay_wgrad`."""
         super().__init__()
         if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(
@@ -106,8 +106,11 @@ class GroupedMLP(torch.nn.Module):
             raise ValueError(
                 f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if backend not in BACKENDS[1:]:
+            raise ValueError(
+                f"backend={backend!r}: give the backend that runs, one of {BACKENDS[1:]} (moe.expert_backend=auto "
+                "is resolved once, before the experts are built: folding.moe.experts.select.resolve_backend)"
+            )
         if fp8_recipe is not None and fp8_recipe not in RECIPES:
             raise ValueError(f"fp8_recipe={fp8_recipe!r} is not one of {RECIPES} or None")
         if backend == "emulated" and fp8_recipe is None:
@@ -147,34 +150,19 @@ class GroupedMLP(torch.nn.Module):
             std=init_std if output_init_std is None else output_init_std,
             chunk_dim=0,
         )
-        self._resolved: dict[tuple, str] = {}
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
-        self.delay_wgrad = False
+        self.delay_wgrad = delay_wgrad
         """``torch`` backend: compute the weight gradients while the backward's next exchange is in
         flight (``parallel.delay_wgrad``; bitwise the same gradients)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        """The backend that runs on ``device`` / ``dtype`` (:func:`folding.moe.experts.select.resolve_backend`:
-        ``auto`` picks with TransformerEngine's checks, a named one must be able to run)."""
-        key = (device.type, dtype)
-        if key not in self._resolved:
-            name = resolve_backend(self.backend, self.fp8_recipe, device, dtype)
-            choice = (self.backend, name, device.type, dtype, self.fp8_recipe)
-            if choice not in _LOGGED_CHOICES:  # once per process, not once per layer
-                _LOGGED_CHOICES.add(choice)
-                logger.info("GroupedMLP backend %s -> %s (device=%s, dtype=%s, fp8_recipe=%s)", *choice)
-            self._resolved[key] = name
-        return self._resolved[key]
-
     def fp8_region_recipe(self) -> str | None:
         """The FP8 recipe of the model chunk's TransformerEngine region when these experts run on
-        ``te`` with a recipe (resolved for their weights' device and dtype), else None."""
-        w = self.fc1_weight
-        if self.fp8_recipe is None or w.is_meta or self.resolve_backend(w.device, w.dtype) != "te":
+        ``te`` with a recipe, else None."""
+        if self.fp8_recipe is None or self.backend != "te":
             return None
         return self.fp8_recipe
 
@@ -237,7 +225,7 @@ class GroupedMLP(torch.nn.Module):
         n = tokens_NH.shape[0]
         if probs_N.shape != (n,):
             raise ValueError(f"probs_N must be [N={n}] (one probability per row); got {tuple(probs_N.shape)}")
-        backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
+        backend = self.backend
         counts_L = None  # the device counts, for the FP8 path's offsets (built there, no host copy)
         if isinstance(tokens_per_expert, DispatchRecord):  # the counts this backend wants, no copy
             rec = tokens_per_expert
