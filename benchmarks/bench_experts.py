@@ -28,7 +28,7 @@ import time
 import torch
 
 from folding.moe.experts.grouped import GroupedMLP
-from folding.moe.experts.select import backend_support
+from folding.moe.experts.select import backend_support, resolve_backend
 from folding.moe.experts.te import te_available
 from folding.quant import RECIPES
 
@@ -92,6 +92,7 @@ def bench_layer(shape, backend, dtype, recipe, iters, device):
     """Seconds per forward+backward of one GroupedMLP, or raises with the reason it cannot run."""
     h, f, e, k, t = shape
     n = t * k
+    backend = resolve_backend(backend, recipe, device, dtype)  # decided once, before the experts are built
     mod = GroupedMLP(
         num_local_experts=e, hidden_size=h, ffn_hidden_size=f, backend=backend, fp8_recipe=recipe, params_dtype=dtype
     ).to(device)
@@ -99,7 +100,6 @@ def bench_layer(shape, backend, dtype, recipe, iters, device):
     x = torch.randn(n, h, dtype=dtype, device=device, requires_grad=True)
     p = torch.rand(n, device=device)
     dy = torch.randn(n, h, dtype=dtype, device=device)
-    mod.resolve_backend(device, dtype)
 
     def step():
         mod(x, counts, p).backward(dy)

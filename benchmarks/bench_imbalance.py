@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
 from folding.moe.replicas.table import ReplicaSchedule
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 
@@ -101,8 +102,13 @@ def _build(args, ps, replicas: int, bias_E):
         replica_interval=args.interval,
     )
     layers = torch.nn.ModuleList(
-        MoELayer(
-            config=cfg, hidden_size=args.hidden, groups=ps.groups, layer_number=i, init_seed=3, init_std=args.init_std
+        build_moe_layer(
+            config=cfg,
+            hidden_size=args.hidden,
+            groups=ps.groups,
+            layer_number=i,
+            settings=LayerSettings(init_seed=3),
+            init_std=args.init_std,
         )
         for i in range(args.layers)
     )

@@ -54,6 +54,7 @@ import torch
 from benchmarks.memory_probe import PeakProbe, storage_bytes
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.planning.memory import memory_per_rank
@@ -93,7 +94,7 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     ps = build_parallel_state(layout)
     try:
         cfg = cfg.replace(moe={"force_balance": routing == "balanced"})
-        model = MoETransformer(cfg, parallel_state=ps, init_seed=seed)
+        model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(init_seed=seed))
         opt = FoldedOptimizer(
             model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed), parallel_state=ps
         )

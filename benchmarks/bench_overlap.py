@@ -5,7 +5,8 @@ gloo on a small CPU machine has no network worth hiding, so the engine's link mo
 ``--link-latency-ms`` after it was issued, by sleeping (no CPU used), as a slow network would. Four
 gloo ranks (``folding.testing.RankPool``) train a small Mixtral-shaped MoE model in the chosen layout
 for ``--steps`` optimizer steps, alternating overlap off and on step by step in one process group
-(the same model trains on; the first ``--warmup`` steps of each mode are not counted). Per step it
+(two models built alike from one seed, one per mode, each with its optimizer, since overlap is set
+when a layer is built; the first ``--warmup`` steps of each mode are not counted). Per step it
 records the wall time and the time every rank spent blocked in exchange waits and count reads (the
 *exposed* communication, :func:`folding.testing.overlap_audit.wait_stats`), and reports the medians. The link
 model keeps NCCL's order by default (an operation on a process group completes no earlier than every
@@ -48,8 +49,9 @@ import torch.distributed as dist
 
 from folding.data.config import DataConfig
 from folding.job.config import JobConfig, LoggingConfig, ParallelConfig, TrainConfig, WandbConfig
-from folding.model.chunks import build_stage_chunks, set_moe_overlap
+from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import build_parallel_state
@@ -102,7 +104,7 @@ def _batch(job, M: int, gen: torch.Generator) -> List[Dict[str, torch.Tensor]]:
 
 
 def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
-    """One rank: build the model once, then alternate overlap off / on per step; per-step records."""
+    """One rank: build a model per mode (alike), then alternate overlap off / on per step; per-step records."""
     torch.set_num_threads(a["threads"])
     job = _job(layout, a)
     ps = build_parallel_state(job.layout(dist.get_world_size()))
@@ -111,24 +113,28 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         # --no-meta-comm: the dispatcher's counts on the EP communicator, behind its token payloads
         no_meta = dataclasses.replace(ps.groups, ep_meta=None)
         model_ps = ps if a["meta_comm"] else dataclasses.replace(ps, groups=no_meta)
-        chunks = build_stage_chunks(
-            model_config=job.model, parallel_state=model_ps, init_seed=1, overlap_moe_comm=False
-        )
-        optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=a["steps"])
+        # one model per mode, both from the same seed (the overlap settings are construction settings)
+        models, optimizers = {}, {}
+        for on in (False, True):
+            settings = LayerSettings(init_seed=1, overlap_comm=on, delay_wgrad=on and a["delay_wgrad"])
+            models[on] = build_stage_chunks(model_config=job.model, parallel_state=model_ps, settings=settings)
+            optimizers[on] = FoldedOptimizer(
+                torch.nn.ModuleList(models[on]), job.optim, parallel_state=ps, train_steps=a["steps"]
+            )
         t = job.train
         dp = ps.layout.dp
         M = t.global_batch_size // (t.micro_batch_size * dp)
         gen = torch.Generator().manual_seed(1000 + ps.coords.dp.rank)
         mbs = _batch(job, M, gen)
-        run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)  # warm-up
+        run_microbatches(models[False], mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)  # warm-up
         dist.barrier()
         t0 = time.perf_counter()
-        run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
+        run_microbatches(models[False], mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
         forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
         with link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"]), wait_stats() as waits:
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
-                set_moe_overlap(chunks, overlap_moe_comm=on, delay_wgrad=on and a["delay_wgrad"])
+                chunks, optimizer = models[on], optimizers[on]
                 mbs = _batch(job, M, gen)
                 dist.barrier()
                 waits.reset()

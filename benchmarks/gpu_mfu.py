@@ -26,10 +26,12 @@ import sys
 import torch
 
 from folding.model.block import TransformerLayer
+from folding.model.moe_block import default_moe_factory
 from folding.model.presets import get_preset
 from folding.model.rope import rope_cos_sin
 from folding.moe.experts.te import fp8_region
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
+from folding.moe.settings import LayerSettings
 from folding.parallel.groups import ProcessGroups
 from folding.planning.flops import flops_per_token
 
@@ -76,12 +78,11 @@ def moe_layer_case(a, fp8_recipe):
     cfg = get_preset("mixtral_8x7b")
     world = dist.group.WORLD
     moe_cfg = cfg.moe.replace(aux_loss_coeff=0.0, fp8_recipe=fp8_recipe, expert_backend="te" if fp8_recipe else "auto")
-    layer = MoELayer(
+    layer = build_moe_layer(
         config=moe_cfg,
         hidden_size=cfg.hidden_size,
         groups=ProcessGroups(tp=world, tp_cp=world, tp_dp_cp=world, ep=world, etp=world),
-        params_dtype=torch.bfloat16,
-        device="cuda",
+        settings=LayerSettings(params_dtype=torch.bfloat16, device="cuda"),
     )
     x = torch.randn(a.tokens, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
@@ -104,7 +105,13 @@ def layers_case(a, fp8_recipe):
     groups = ProcessGroups.single()
 
     blocks = torch.nn.ModuleList(
-        TransformerLayer(cfg, layer_number=i, groups=groups, dtype=torch.bfloat16, device="cuda")
+        TransformerLayer(
+            cfg,
+            layer_number=i,
+            groups=groups,
+            moe_factory=default_moe_factory,
+            settings=LayerSettings(params_dtype=torch.bfloat16, device="cuda"),
+        )
         for i in range(a.layers)
     )
     pos = torch.arange(a.seq, device="cuda")

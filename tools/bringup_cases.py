@@ -34,7 +34,8 @@ from folding.model.presets import get_preset
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.select import backend_support
 from folding.moe.experts.te import fp8_region
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
+from folding.moe.settings import LayerSettings
 from folding.parallel.groups import ProcessGroups
 from folding.quant.emulate import RECIPES
 
@@ -202,7 +203,9 @@ def _layer(dev, dtype, H, E, k, F, recipe, backend):
         num_experts=E, topk=k, ffn_hidden_size=F, aux_loss_coeff=0.0, fp8_recipe=recipe, expert_backend=backend
     )
     groups = ProcessGroups(tp=w, tp_cp=w, tp_dp_cp=w, ep=w, etp=w)
-    return MoELayer(config=cfg, hidden_size=H, groups=groups, params_dtype=dtype, device=dev)
+    return build_moe_layer(
+        config=cfg, hidden_size=H, groups=groups, settings=LayerSettings(params_dtype=dtype, device=dev)
+    )
 
 
 def _hf_block(dev, dtype, H, E, k, F):

@@ -30,7 +30,8 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.config import MoEConfig
 from folding.moe.experts.select import backend_support
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.pipeline.p2p import P2P
 from folding.quant.emulate import RECIPES
@@ -90,7 +91,7 @@ def backend_rows(dev):
 def _tiny_step(ps, dev, backend, recipe, dtype):
     cfg = get_preset("mixtral_tiny").replace(num_layers=2)
     cfg = cfg.replace(moe={"expert_backend": backend, "fp8_recipe": recipe})
-    model = MoETransformer(cfg, parallel_state=ps, device=dev, dtype=dtype, init_seed=3)
+    model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(device=dev, params_dtype=dtype, init_seed=3))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g).to(dev)
     loss = model(ids, labels=ids).float().mean()
@@ -128,11 +129,11 @@ def check_transfers(ps, dev):
     if not backend_support("torch", None, dev, torch.float32)[0]:
         return SKIP, "no torch grouped_mm on this device"
     cfg = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32, expert_backend="torch")
-    layer = MoELayer(
+    layer = build_moe_layer(
         config=cfg,
         hidden_size=64,
         groups=ps.groups,
-        device=dev,
+        settings=LayerSettings(device=dev),
     )
     x = torch.randn(16, 2, 64, device=dev, requires_grad=True)
     layer(x).sum().backward()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.config import ModelConfig
+from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -44,7 +45,9 @@ def measure_on_rank(
     try:
         tdtype = getattr(torch, dtype)
         model = torch.nn.ModuleList(
-            build_stage_chunks(model_config=model_config, parallel_state=ps, params_dtype=tdtype)
+            build_stage_chunks(
+                model_config=model_config, parallel_state=ps, settings=LayerSettings(params_dtype=tdtype)
+            )
         )
         opt = FoldedOptimizer(
             model,

@@ -33,13 +33,13 @@ from typing import Any, Dict, Mapping, Optional
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
 from ..model.mla_config import MLAConfig
+from ..model.recompute import RECOMPUTE_MODES  # noqa: F401 - the names train.recompute accepts
 from ..model.rope_yarn import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
 
 PRECISIONS = ("fp32", "bf16")
-RECOMPUTE_MODES = ("none", "full", "selective", "moe")
 WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_WARMUP_STEPS = 5
 """``optim.warmup_steps`` when the job leaves it null, clamped by :func:`default_warmup_steps`."""

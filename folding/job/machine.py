@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -38,6 +39,20 @@ def compute_dtype(job: JobConfig) -> torch.dtype:
     return torch.bfloat16 if job.train.precision == "bf16" else torch.float32
 
 
+def resolve_expert_backend(job: JobConfig, device: torch.device, *, quiet: bool = False) -> str:
+    """The one decision of the backend the job's experts run on ``device`` at the job's precision:
+    ``moe.expert_backend`` checked, or what ``auto`` picks there
+    (:func:`folding.moe.experts.select.resolve_backend`, TransformerEngine's own checks). ``quiet``
+    leaves ``auto``'s fallback warning to the run (validation asks before the run says it). Raises
+    :class:`~folding.moe.experts.select.BackendError` when a named backend cannot run here. The
+    name is handed to the model build (:class:`folding.moe.settings.LayerSettings`), which does not
+    decide again."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        return resolve_backend(job.moe.expert_backend, job.moe.fp8_recipe, torch.device(device), compute_dtype(job))
+
+
 def check_experts_here(job: JobConfig, device: Optional[torch.device] = None) -> str:
     """The expert backend that runs ``job`` on ``device`` (default: this process's training device).
 
@@ -47,7 +62,7 @@ def check_experts_here(job: JobConfig, device: Optional[torch.device] = None) ->
     """
     device = training_device() if device is None else torch.device(device)
     try:
-        return resolve_backend(job.moe.expert_backend, job.moe.fp8_recipe, device, compute_dtype(job))
+        return resolve_expert_backend(job, device)
     except BackendError as e:
         raise ConfigError(f"{e} (train.precision={job.train.precision})") from None
 

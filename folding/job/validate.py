@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Optional
 
 import torch
 
 from ..moe.experts.fp8_shapes import check_fp8_shapes
-from ..moe.experts.select import resolve_backend
 from ..parallel import LayoutError, ParallelLayout
 from ..parallel.partition import partition_layers
 from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
+from .machine import resolve_expert_backend
 
 
 def _check_optim_precision(job: JobConfig) -> None:
@@ -175,15 +174,12 @@ def _check_tokenizer(job: JobConfig) -> None:
 
 def expert_backend_on(job: JobConfig, device: Optional[torch.device]) -> str:
     """The expert backend the job's experts run on ``device``: ``moe.expert_backend`` itself, or what
-    ``auto`` resolves to there (:func:`folding.moe.experts.select.resolve_backend`, TE's own checks;
+    ``auto`` resolves to there (:func:`folding.job.machine.resolve_expert_backend`, the one decision;
     its fallback warning is left to the run). Without a device, ``auto`` stays ``auto``."""
     moe = job.moe
     if moe.expert_backend != "auto" or device is None:
         return moe.expert_backend
-    dtype = torch.bfloat16 if job.train.precision == "bf16" else torch.float32
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return resolve_backend("auto", moe.fp8_recipe, torch.device(device), dtype)
+    return resolve_expert_backend(job, device, quiet=True)
 
 
 def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device]) -> None:

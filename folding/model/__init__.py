@@ -3,7 +3,7 @@
 Usage::
 
     from folding.model import MoETransformer, get_preset, from_hf
-    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, init_seed=0)
+    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, settings=LayerSettings(init_seed=0))
 """
 
 from .config import ModelConfig

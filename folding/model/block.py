@@ -2,22 +2,27 @@
 
 ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` on sequence-parallel shards ``[S_cp/TP, B, H]``.
 The MoE block is built by a *factory* so that the layer does not depend on one MoE
-implementation: ``moe_factory(config=..., layer_number=..., groups=..., init_seed=..., device=...,
-dtype=...)`` must return a module mapping ``[S_cp/TP, B, H]`` to the same shape (the local tokens of
-this attention rank). :func:`folding.model.moe_block.default_moe_factory` builds
-:class:`folding.moe.layer.MoELayer`.
+implementation: ``moe_factory(config=..., layer_number=..., groups=..., settings=...)`` must return a
+module mapping ``[S_cp/TP, B, H]`` to the same shape (the local tokens of this attention rank);
+:mod:`folding.model.moe_block` documents the contract, and its
+:func:`~folding.model.moe_block.default_moe_factory` builds :class:`folding.moe.layer.MoELayer`.
 
-Activation recompute (``recompute``): ``none``; ``full`` keeps only the layer input and recomputes
-the whole layer in backward; ``selective`` recomputes the attention block (projections, core and
-its TP/CP communication); ``moe`` recomputes the MoE block (router, dispatch, experts, combine).
-Recompute uses non-reentrant ``torch.utils.checkpoint``; every rank recomputes in the same order, so
-the collectives inside a recomputed region match. A recomputed router runs its statistics twice
-(expert-bias counts double, which leaves the sign-based bias update unchanged).
+Everything about how the layer is built and run comes at construction in one
+:class:`~folding.moe.settings.LayerSettings` (dtype, device, init seed, recompute, the MoE block's
+overlap settings and expert backend); nothing is set on a built layer.
+
+Activation recompute (``settings.recompute``, ``train.recompute``): what each mode recomputes is the
+table of :mod:`folding.model.recompute` (``full``: only the layer input is kept and the whole layer
+recomputed in backward; ``selective``: the attention block with its TP/CP communication; ``moe``:
+the MoE block: router, dispatch, experts, combine). Recompute uses non-reentrant
+``torch.utils.checkpoint``; every rank recomputes in the same order, so the collectives inside a
+recomputed region match. A recomputed router runs its statistics twice (expert-bias counts double,
+which leaves the sign-based bias update unchanged).
 
 Usage::
 
-    layer = TransformerLayer(config, layer_number=3, groups=groups, moe_factory=default_moe_factory)
-    layer.recompute = "full"
+    layer = TransformerLayer(config, layer_number=3, groups=groups, moe_factory=default_moe_factory,
+                             settings=LayerSettings(recompute="full"))
     x_SBH = layer(x_SBH, rope)
 """
 
@@ -29,15 +34,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from .attention import Attention
 from .config import ModelConfig
 from .mla import MLAttention
 from .mlp import DenseMLP
 from .norm import RMSNorm
+from .recompute import RECOMPUTE, recompute_mode
 
 MoEFactory = Callable[..., nn.Module]
-RECOMPUTE_MODES = ("none", "full", "selective", "moe")
 
 
 class TransformerLayer(nn.Module):
@@ -50,16 +56,14 @@ class TransformerLayer(nn.Module):
         layer_number: int,
         groups: ProcessGroups,
         moe_factory: MoEFactory,
-        init_seed: int = 0,
-        device=None,
-        dtype=torch.float32,
+        settings: LayerSettings = LayerSettings(),
     ):
         super().__init__()
         self.layer_number = layer_number
-        self.recompute = "none"
-        """Activation recompute mode, one of :data:`RECOMPUTE_MODES` (see the module docstring)."""
+        self.recompute = recompute_mode(settings.recompute)
+        """What this layer recomputes in backward (:mod:`folding.model.recompute`)."""
         self.is_moe = config.is_moe_layer(layer_number)
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(device=settings.device, dtype=settings.params_dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         attention_cls = Attention if config.mla is None else MLAttention  # MLA: DeepSeek-V3
         self.attention = attention_cls(
@@ -67,7 +71,7 @@ class TransformerLayer(nn.Module):
         )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         if self.is_moe:
-            self.mlp = moe_factory(config=config, layer_number=layer_number, groups=groups, init_seed=init_seed, **kw)
+            self.mlp = moe_factory(config=config, layer_number=layer_number, groups=groups, settings=settings)
         else:
             self.mlp = DenseMLP(
                 config.hidden_size,
@@ -81,11 +85,9 @@ class TransformerLayer(nn.Module):
     def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
         """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from
         :meth:`MoETransformer.rope`."""
-        mode = self.recompute if torch.is_grad_enabled() else "none"
-        if mode not in RECOMPUTE_MODES:
-            raise ValueError(f"train.recompute={mode!r}: choose one of {RECOMPUTE_MODES}")
-        if mode == "full":
-            return checkpoint(self._forward, x_SBH, rope, "none", use_reentrant=False)
+        mode = self.recompute if torch.is_grad_enabled() else RECOMPUTE["none"]
+        if mode.whole_layer:
+            return checkpoint(self._forward, x_SBH, rope, RECOMPUTE["none"], use_reentrant=False)
         return self._forward(x_SBH, rope, mode)
 
     def _attention(self, x_SBH, rope):
@@ -95,10 +97,10 @@ class TransformerLayer(nn.Module):
         return self.mlp(self.post_attention_norm(h_SBH))
 
     def _forward(self, x_SBH, rope, mode):
-        if mode == "selective":
+        if mode.attention:
             h = x_SBH + checkpoint(self._attention, x_SBH, rope, use_reentrant=False)
         else:
             h = x_SBH + self._attention(x_SBH, rope)
-        if mode == "moe" and self.is_moe:
+        if mode.mlp(moe_layer=self.is_moe):
             return h + checkpoint(self._mlp, h, use_reentrant=False)
         return h + self._mlp(h)

@@ -10,20 +10,20 @@ embedding group; with multi-token prediction, also the MTP modules and a copy of
 
 Usage::
 
-    chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, recompute="none")
+    settings = LayerSettings(init_seed=job.train.seed, recompute=job.train.recompute)
+    chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-import torch
 from torch import nn
 
-from ..moe.layer import MoELayer
+from ..moe.settings import LayerSettings
 from ..parallel.partition import partition_layers
-from .block import RECOMPUTE_MODES
 from .config import ModelConfig
+from .recompute import recompute_mode
 from .transformer import MoETransformer
 
 
@@ -31,22 +31,18 @@ def build_stage_chunks(
     *,
     model_config: ModelConfig,
     parallel_state,
-    recompute: str = "none",
-    overlap_moe_comm: bool = False,
-    delay_wgrad: bool = False,
-    params_dtype: torch.dtype = torch.float32,
-    init_seed: int = 0,
-    device=None,
+    settings: LayerSettings = LayerSettings(),
     moe_factory: Optional[Callable[..., nn.Module]] = None,
 ) -> List[nn.Module]:
     """The chunks (one per virtual stage this rank holds, in chunk order), initialized identically
-    whatever the layout. The MoE blocks follow ``model_config.moe``; ``moe_factory`` (default:
-    :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely.
-    ``overlap_moe_comm`` (``parallel.overlap_moe_comm``) has every MoE layer compute its shared expert
-    while its own dispatch is in flight, ``delay_wgrad`` (``parallel.delay_wgrad``) its experts compute
-    their weight gradients behind the backward dispatch (a layer from another factory may ignore them)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"train.recompute={recompute!r}: choose one of {RECOMPUTE_MODES}")
+    whatever the layout. Every chunk is built with ``settings``
+    (:class:`~folding.moe.settings.LayerSettings`: dtype, device, init seed, ``recompute``, the MoE
+    layers' ``overlap_comm`` and ``delay_wgrad``, the expert backend, resolved once for all chunks when
+    not given). The MoE blocks follow ``model_config.moe``; ``moe_factory`` (default:
+    :func:`folding.model.moe_block.default_moe_factory`) replaces the MoE block entirely and receives
+    the same settings (:mod:`folding.model.moe_block`)."""
+    recompute_mode(settings.recompute)  # a bad mode fails here, before any chunk is built
+    settings = settings.with_expert_backend(model_config.moe)
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
     stages = partition_layers(
@@ -56,30 +52,13 @@ def build_stage_chunks(
         last_stage_layers=layout.last_stage_layers,
         first_stage_layers=layout.first_stage_layers,
     )
-    chunks = []
-    for c in range(vpp):
-        chunk = MoETransformer(
+    return [
+        MoETransformer(
             model_config,
             parallel_state=parallel_state,
-            init_seed=init_seed,
+            settings=settings,
             moe_factory=moe_factory,
-            device=device,
-            dtype=params_dtype,
             layer_range=stages[c * pp + parallel_state.coords.pp.rank],
         )
-        for layer in chunk.transformer_layers():
-            layer.recompute = recompute
-        chunks.append(chunk)
-    set_moe_overlap(chunks, overlap_moe_comm=overlap_moe_comm, delay_wgrad=delay_wgrad)
-    return chunks
-
-
-def set_moe_overlap(chunks: List[nn.Module], *, overlap_moe_comm: bool, delay_wgrad: bool) -> None:
-    """Set every MoE layer of ``chunks`` to compute its shared expert during its own dispatch
-    (``overlap_moe_comm``) and its experts' weight gradients behind the backward dispatch
-    (``delay_wgrad``); the numbers do not change, only when the work runs."""
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                module.overlap_comm = overlap_moe_comm
-                module.experts.delay_wgrad = delay_wgrad
+        for c in range(vpp)
+    ]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from ..parallel.params import mark_param, set_init_spec
 from .block import MoEFactory, TransformerLayer
@@ -62,14 +63,12 @@ class MTPModule(nn.Module):
         depth: int,
         groups: ProcessGroups,
         moe_factory: MoEFactory,
-        init_seed: int = 0,
-        device=None,
-        dtype=torch.float32,
+        settings: LayerSettings = LayerSettings(),
     ):
         super().__init__()
         if not 1 <= depth <= config.mtp_num_layers:
             raise ValueError(f"MTP depth {depth} is outside 1..model.mtp_num_layers={config.mtp_num_layers}")
-        H, kw = config.hidden_size, dict(device=device, dtype=dtype)
+        H, kw = config.hidden_size, dict(device=settings.device, dtype=settings.params_dtype)
         self.depth = depth
         self.enorm = RMSNorm(H, eps=config.norm_eps, **kw)
         self.hnorm = RMSNorm(H, eps=config.norm_eps, **kw)
@@ -82,8 +81,7 @@ class MTPModule(nn.Module):
             layer_number=config.num_layers + depth - 1,
             groups=groups,
             moe_factory=moe_factory,
-            init_seed=init_seed,
-            **kw,
+            settings=settings,
         )
         self.head_norm = RMSNorm(H, eps=config.norm_eps, **kw)
 

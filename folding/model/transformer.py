@@ -25,7 +25,7 @@ Pipeline stages cut the model at ``embedding`` / ``layers[i:j]`` / ``final_norm`
 
 Usage::
 
-    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, init_seed=1)
+    model = MoETransformer(get_preset("mixtral_tiny"), parallel_state=ps, settings=LayerSettings(init_seed=1))
     loss_BS = model(ids_BS, labels=labels_BS, loss_mask=mask_BS)
     (loss_BS.sum() / global_tokens).backward()
 """
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe.experts.te import fp8_region
+from ..moe.settings import LayerSettings
 from ..parallel.collectives import group_rank, group_size
 from ..parallel.groups import ProcessGroups
 from ..parallel.linear import sp_gather
@@ -48,7 +49,7 @@ from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
 from .embedding import VocabParallelEmbedding
 from .fused_cross_entropy import fused_linear_cross_entropy
-from .moe_block import default_moe_factory
+from .moe_block import check_moe_factory, default_moe_factory
 from .mtp import MTPModule, shift_left
 from .norm import RMSNorm
 from .rope_yarn import model_rope_cos_sin
@@ -60,9 +61,13 @@ class MoETransformer(nn.Module):
     Args:
         config: the architecture.
         parallel_state: a :class:`~folding.parallel.ParallelState`, or ``None`` for 1 rank.
-        init_seed: seed of the layout-independent initialization.
-        moe_factory: builds MoE blocks (default: :func:`folding.model.moe_block.default_moe_factory`).
-        device, dtype: where and in which dtype parameters are created (``meta`` skips init).
+        settings: how every layer is built and run (:class:`~folding.moe.settings.LayerSettings`):
+            ``init_seed`` (the layout-independent initialization), ``device`` and ``params_dtype``
+            (``meta`` skips init), ``recompute``, the MoE layers' ``overlap_comm`` and
+            ``delay_wgrad``, and ``expert_backend`` (resolved here, once, from ``config.moe`` when
+            not given). Handed whole to every layer and MoE block factory at construction.
+        moe_factory: builds MoE blocks (default: :func:`folding.model.moe_block.default_moe_factory`;
+            its contract: :mod:`folding.model.moe_block`).
         initialize: fill parameters now (set False when weights are loaded right after).
         loss_chunk_tokens: with labels, the output layer and the cross-entropy run fused, this many
             tokens at a time (:mod:`folding.model.fused_cross_entropy`): fp32 logits of the whole
@@ -74,10 +79,8 @@ class MoETransformer(nn.Module):
         config: ModelConfig,
         *,
         parallel_state=None,
-        init_seed: int = 0,
+        settings: LayerSettings = LayerSettings(),
         moe_factory: Optional[MoEFactory] = None,
-        device=None,
-        dtype=torch.float32,
         initialize: bool = True,
         layer_range: Optional[Tuple[int, int]] = None,
         loss_chunk_tokens: int = 2048,
@@ -103,8 +106,13 @@ class MoETransformer(nn.Module):
         self.groups = parallel_state.groups if parallel_state is not None else ProcessGroups.single()
         if moe_factory is None:
             moe_factory = default_moe_factory
+        check_moe_factory(moe_factory)
         self.check_layout()
-        kw = dict(device=device, dtype=dtype)
+        settings = settings.with_expert_backend(config.moe)  # decided once, for every MoE layer
+        self.settings = settings
+        """The :class:`~folding.moe.settings.LayerSettings` every layer was built with."""
+        device, init_seed = settings.device, settings.init_seed
+        kw = dict(device=device, dtype=settings.params_dtype)
         g = self.groups
         # The last stage of a pipeline with tied embeddings, or with multi-token prediction (which
         # embeds the tokens ahead), holds its own copy of the table (the same init seed gives the same
@@ -124,9 +132,7 @@ class MoETransformer(nn.Module):
         # keyed by the global layer index, so parameter names do not depend on the pipeline cut
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerLayer(
-                    config, layer_number=i, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw
-                )
+                str(i): TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory, settings=settings)
                 for i in range(start, end)
             }
         )
@@ -134,7 +140,7 @@ class MoETransformer(nn.Module):
         # multi-token prediction: on the last stage, after the final norm (folding.model.mtp)
         self.mtp = (
             nn.ModuleList(
-                MTPModule(config, depth=k, groups=g, moe_factory=moe_factory, init_seed=init_seed, **kw)
+                MTPModule(config, depth=k, groups=g, moe_factory=moe_factory, settings=settings)
                 for k in range(1, config.mtp_num_layers + 1)
             )
             if self.post_process and config.mtp_num_layers
@@ -152,7 +158,7 @@ class MoETransformer(nn.Module):
                 shards=((0, r, tp),),
                 std=config.init_std,
             )
-        if initialize and torch.device(device or "cpu").type != "meta":
+        if initialize and init_seed is not None and torch.device(device or "cpu").type != "meta":
             initialize_parameters(self, init_seed)
 
     # ------------------------------------------------------------------------------ checks

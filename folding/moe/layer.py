@@ -27,7 +27,8 @@ shard.
 
 Usage::
 
-    layer = MoELayer(config=moe_cfg, hidden_size=1024, groups=ps.groups, layer_number=3)
+    layer = build_moe_layer(moe_cfg, hidden_size=1024, groups=ps.groups, layer_number=3,
+                            settings=LayerSettings(init_seed=1, overlap_comm=True))
     out_SBH = layer(hidden_SBH)
 """
 
@@ -54,6 +55,7 @@ from .replicas.fetch import ReplicaWeights, completes_after_backward
 from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
 from .routing.balancing import RoutedBlock, RoutingStats
 from .routing.router import Router
+from .settings import LayerSettings
 
 
 class SharedExpert(nn.Module):
@@ -68,7 +70,8 @@ class SharedExpert(nn.Module):
 
     Parameters: ``fc1_weight [2·Fl, H]`` (rows ``[0:Fl]`` gate shard, ``[Fl:]`` up shard of the full
     ``[gate; up]`` of shape ``[2, F, H]``; ``tp_sharded``), ``fc2_weight [H, Fl]`` (``tp_sharded``),
-    ``gate_weight [1, H]`` (replicated, ``sequence_parallel``).
+    ``gate_weight [1, H]`` (replicated, ``sequence_parallel``). ``settings``: their dtype, device and
+    initialization seed (:class:`~folding.moe.settings.LayerSettings`).
     """
 
     def __init__(
@@ -78,26 +81,25 @@ class SharedExpert(nn.Module):
         ffn_hidden_size: int,
         tp_group: Optional[dist.ProcessGroup],
         gate: bool,
-        init_seed: Optional[int] = 0,
         init_std: float = 0.02,
         output_init_std: Optional[float] = None,
-        params_dtype: torch.dtype = torch.float32,
-        device=None,
+        settings: LayerSettings = LayerSettings(),
     ):
         super().__init__()
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
         self.ffn_local = ffn_hidden_size // group_size(tp_group)
-        kw = dict(tp_group=tp_group, name="moe.shared_expert_ffn_hidden_size", dtype=params_dtype, device=device)
+        dtype, device = settings.params_dtype, settings.device
+        kw = dict(tp_group=tp_group, name="moe.shared_expert_ffn_hidden_size", dtype=dtype, device=device)
         out_std = init_std if output_init_std is None else output_init_std
         self.fc1_weight = column_parallel_weight(hidden_size, ffn_hidden_size, parts=2, init_std=init_std, **kw)
         self.fc2_weight = row_parallel_weight(ffn_hidden_size, hidden_size, init_std=out_std, **kw)
         self.gate_weight = None
         if gate:
-            w = torch.empty(1, hidden_size, dtype=params_dtype, device=device)
+            w = torch.empty(1, hidden_size, dtype=dtype, device=device)
             self.gate_weight = mark_param(nn.Parameter(w), sequence_parallel=True)
             set_init_spec(self.gate_weight, full_shape=(1, hidden_size), std=init_std)
-        if init_seed is not None and not self.fc1_weight.is_meta:
-            initialize_parameters(self, init_seed)
+        if settings.init_seed is not None and not self.fc1_weight.is_meta:
+            initialize_parameters(self, settings.init_seed)
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
@@ -109,28 +111,119 @@ class SharedExpert(nn.Module):
         return y
 
 
+def build_moe_layer(
+    config: MoEConfig,
+    *,
+    hidden_size: int,
+    groups: ProcessGroups,
+    layer_number: int = 0,
+    init_std: float = 0.02,
+    output_init_std: Optional[float] = None,
+    settings: LayerSettings = LayerSettings(),
+) -> "MoELayer":
+    """An :class:`MoELayer` and its parts made from ``config``: router, dispatcher, this rank's experts
+    (and replica slots), shared expert. ``groups``: the expert view's ``ep``/``etp`` (token exchange,
+    ETP shards F), the attention view's ``tp_cp``/``tp_dp_cp`` (router counts) and ``tp`` (shared
+    expert). ``init_std``: router, fc1 and gate weights; ``output_init_std``: the fc2s, which write
+    into the residual stream (default ``init_std``). ``settings``
+    (:class:`~folding.moe.settings.LayerSettings`): dtype (the router keeps fp32), device (``meta``
+    allocates nothing), ``init_seed`` (each weight drawn from its name in the layer; ``None``: left to
+    the owner), ``overlap_comm``, ``delay_wgrad``, ``expert_backend`` (resolved here when absent)."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
+    settings = settings.with_expert_backend(config)
+    ep = group_size(groups.ep)
+    slots = None
+    if config.expert_replicas:
+        check_replica_layout(config, ep)
+        slots = ep * (config.num_experts // ep + config.expert_replicas)
+    d = dispatcher_for(config, groups, num_slots=slots)
+    if config.ffn_hidden_size % d.etp_size:
+        raise ValueError(
+            f"config.ffn_hidden_size={config.ffn_hidden_size} is not divisible by the size {d.etp_size} "
+            "of etp_group; use an ETP group whose size divides it"
+        )
+    std = dict(init_std=init_std, output_init_std=output_init_std)
+    router = Router(
+        hidden_size=hidden_size,
+        config=config,
+        groups=groups,
+        init_std=init_std,
+        init_seed=None,
+        layer_number=layer_number,
+        device=settings.device,
+    )
+    layer = MoELayer(
+        config=config,
+        hidden_size=hidden_size,
+        layer_number=layer_number,
+        router=router,
+        dispatcher=d,
+        experts=_experts(config, d, hidden_size, settings, **std),
+        shared_expert=_shared_expert(config, groups, hidden_size, settings, **std),
+        overlap_comm=settings.overlap_comm,
+    )
+    if settings.init_seed is not None and not router.weight.is_meta:
+        initialize_parameters(layer, settings.init_seed)
+    return layer
+
+
+def _shared_expert(
+    config: MoEConfig, groups: ProcessGroups, hidden_size: int, settings: LayerSettings, **std
+) -> Optional[SharedExpert]:
+    """The shared expert on the attention TP group (``config.shared_expert_ffn_hidden_size``), or None."""
+    if config.shared_expert_ffn_hidden_size is None:
+        return None
+    return SharedExpert(
+        hidden_size=hidden_size,
+        ffn_hidden_size=config.shared_expert_ffn_hidden_size,
+        tp_group=groups.tp,
+        gate=config.shared_expert_gate,
+        settings=settings.replace(init_seed=None),
+        **std,
+    )
+
+
+def _experts(config: MoEConfig, d, hidden_size: int, settings: LayerSettings, **std) -> GroupedMLP:
+    """This rank's experts behind dispatcher ``d`` (its local experts, after them the replica slots'
+    counts), on the backend ``settings`` carries."""
+    num_local = d.num_local_experts - config.expert_replicas
+    return GroupedMLP(
+        num_experts=config.num_experts,
+        num_local_experts=num_local,
+        hidden_size=hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        etp_size=d.etp_size,
+        etp_rank=d.etp_rank,
+        expert_offset=d.ep_rank * num_local,
+        backend=settings.expert_backend,
+        fp8_recipe=config.fp8_recipe,
+        params_dtype=settings.params_dtype,
+        init_seed=None,
+        device=settings.device,
+        delay_wgrad=settings.delay_wgrad,
+        **std,
+    )
+
+
 class MoELayer(nn.Module, RoutedBlock):
-    """One MoE layer under parallel folding (see the module docstring).
+    """One MoE layer under parallel folding (see the module docstring), built from its parts
+    (:func:`build_moe_layer` makes them from the config).
 
     Each training-mode forward adds its router's :class:`~folding.moe.routing.balancing.RoutingStats`
     to the layer's sum, which the training step takes once per step (:meth:`take_routing_stats`).
 
     Args:
-        config: the MoE settings (experts, top-k, capacity, dispatcher, wires, shared expert...).
+        config: the MoE settings the parts were made from (replica slots, the layer's record).
         hidden_size: H.
-        groups: the rank's process groups: the expert view's ``ep`` and ``etp`` (token exchange;
-            ETP shards expert F), the attention view's ``tp_cp`` and ``tp_dp_cp`` (the router's
-            counts) and ``tp`` (shared expert).
         layer_number: index of the layer (names it in errors).
-        init_seed: seed of the initialization of every weight of the layer, each drawn from its record
-            and its name in the layer (:mod:`folding.parallel.params`); ``None`` leaves them to the
-            owner (a model initializes all its parameters, named in the model, at once).
-        init_std: std of the initial weights (router, fc1, shared-expert gate).
-        output_init_std: std of the expert and shared-expert fc2 (which write into the residual
-            stream); default ``init_std``. A model passes ``ModelConfig.output_init_std``.
-        params_dtype: dtype of the expert and shared-expert parameters (the router keeps fp32).
-        device: where every parameter and buffer is created (``meta``: nothing is allocated or
-            initialized; :func:`folding.parallel.params.materialize` allocates and fills them).
+        router: the :class:`~folding.moe.routing.router.Router` of this layer's tokens.
+        dispatcher: the token dispatcher on the expert groups (``config.dispatcher``).
+        experts: this rank's :class:`~folding.moe.experts.grouped.GroupedMLP` (local experts, then
+            ``config.expert_replicas`` replica slots' worth of counts).
+        shared_expert: the :class:`SharedExpert`, or ``None``.
+        overlap_comm: compute the shared expert while this micro-batch's dispatch is in flight
+            (``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work).
     """
 
     def __init__(
@@ -138,78 +231,31 @@ class MoELayer(nn.Module, RoutedBlock):
         *,
         config: MoEConfig,
         hidden_size: int,
-        groups: ProcessGroups,
         layer_number: int = 0,
-        init_seed: Optional[int] = 0,
-        init_std: float = 0.02,
-        output_init_std: Optional[float] = None,
-        params_dtype: torch.dtype = torch.float32,
-        device=None,
+        router: nn.Module,
+        dispatcher,
+        experts: GroupedMLP,
+        shared_expert: Optional[SharedExpert] = None,
+        overlap_comm: bool = False,
     ):
         super().__init__()
-        if not isinstance(config, MoEConfig):
-            raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
         self.config, self.hidden_size, self.layer_number = config, hidden_size, layer_number
         self.num_replicas = config.expert_replicas
-        ep = group_size(groups.ep)
-        slots = None
-        if self.num_replicas:
-            check_replica_layout(config, ep)
-            slots = ep * (config.num_experts // ep + self.num_replicas)
-        self.dispatcher = dispatcher_for(config, groups, num_slots=slots)
-        d = self.dispatcher
-        num_local = d.num_local_experts - self.num_replicas
-        self.replica_table = empty_table(ep, self.num_replicas)
+        self.dispatcher = dispatcher
+        self.replica_table = empty_table(dispatcher.ep_size, self.num_replicas)
         """The slot table (:mod:`folding.moe.replicas.table`): the expert each replica slot computes; all
         empty until the first plan (:meth:`set_replica_table`)."""
-        self.router = Router(
-            hidden_size=hidden_size,
-            config=config,
-            groups=groups,
-            init_std=init_std,
-            init_seed=None,
-            layer_number=layer_number,
-            device=device,
-        )
-        self.experts = GroupedMLP(
-            num_experts=config.num_experts,
-            num_local_experts=num_local,
-            hidden_size=hidden_size,
-            ffn_hidden_size=config.ffn_hidden_size,
-            etp_size=d.etp_size,
-            etp_rank=d.etp_rank,
-            expert_offset=d.ep_rank * num_local,
-            backend=config.expert_backend,
-            fp8_recipe=config.fp8_recipe,
-            params_dtype=params_dtype,
-            init_std=init_std,
-            output_init_std=output_init_std,
-            init_seed=None,
-            device=device,
-        )
+        self.router = router
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.overlap_comm = overlap_comm
+        """Compute the shared expert while this micro-batch's dispatch is in flight (a construction
+        setting, :class:`~folding.moe.settings.LayerSettings`)."""
         self.replica_weights = ReplicaWeights()
         """The replica slots' weights of the current step and their gathered gradients."""
         if self.num_replicas:  # the replicas' gradients reach these after the backward (replica_step)
             completes_after_backward(self.experts.fc1_weight)
             completes_after_backward(self.experts.fc2_weight)
-        self.shared_expert: Optional[SharedExpert] = None
-        if config.shared_expert_ffn_hidden_size is not None:
-            self.shared_expert = SharedExpert(
-                hidden_size=hidden_size,
-                ffn_hidden_size=config.shared_expert_ffn_hidden_size,
-                tp_group=groups.tp,
-                gate=config.shared_expert_gate,
-                init_seed=None,
-                init_std=init_std,
-                output_init_std=output_init_std,
-                params_dtype=params_dtype,
-                device=device,
-            )
-        self.overlap_comm = False
-        """Compute the shared expert while this micro-batch's dispatch is in flight (set by the model
-        from ``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work)."""
-        if init_seed is not None and not self.router.weight.is_meta:
-            initialize_parameters(self, init_seed)
 
     _routing_stats: Optional[RoutingStats] = None
     """The sum of the routing statistics of the training forwards since the last :meth:`take_routing_stats`."""

@@ -22,7 +22,7 @@ Kept per layer and micro-batch (``recompute="none"``):
   so the permuted copies are transient. A shared expert or dense MLP adds its input and
   ``width + 2F`` per token.
 
-Recompute modes follow :class:`folding.model.block.TransformerLayer` exactly:
+Recompute modes are those of :mod:`folding.model.recompute` (the table the model reads too):
 
 - ``selective``: the attention sublayer (input norm + attention) is checkpointed: its tensors are
   dropped (its input is the layer input, kept by the norms term);
@@ -51,14 +51,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from folding.model.config import ModelConfig
-
-RECOMPUTE_MODES = ("none", "selective", "moe", "full")
-
-
-def _check_mode(recompute: str) -> None:
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
+from folding.model.config import RECOMPUTE_MODES, ModelConfig, recompute_mode  # noqa: F401 - RECOMPUTE_MODES re-exported
 
 
 def _parts(
@@ -154,7 +147,7 @@ def activation_bytes_per_layer(
     the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row; ``False``: plain
     autograd, 5F). See the module docstring for the terms and the recompute modes.
     """
-    _check_mode(recompute)
+    mode = recompute_mode(recompute)
     p = _parts(
         cfg,
         layout,
@@ -164,14 +157,18 @@ def activation_bytes_per_layer(
         moe_layer=moe_layer,
         fused_swiglu=fused_swiglu,
     )
-    if recompute == "full":
+    if mode.whole_layer:
         return p["input"]
-    total = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
-    if recompute == "selective":
-        total -= p["attention"]
-    elif recompute == "moe" and moe_layer:
-        total -= p["router"] + p["experts"] + p["mlp"]
-    return total
+    return p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"] - _recomputed(p, mode, moe_layer)
+
+
+def _recomputed(p: dict, mode, moe_layer: bool) -> int:
+    """Bytes of the sublayers ``mode`` recomputes (:mod:`folding.model.recompute`), of the parts ``p``
+    of a layer (the whole layer's kept tensors under ``whole_layer``)."""
+    if mode.whole_layer:
+        return p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
+    attention = p["attention"] if mode.attention else 0
+    return attention + (p["router"] + p["experts"] + p["mlp"] if mode.mlp(moe_layer=moe_layer) else 0)
 
 
 def transient_bytes(
@@ -191,7 +188,7 @@ def transient_bytes(
     together, plus, under recompute, the largest region re-materialized in backward. With
     ``per_expert_exchange`` (no ETP) the all-to-all dispatcher receives expert-major and makes no sorted
     copy: there this counts ``aRh`` too many (a conservative estimate)."""
-    _check_mode(recompute)
+    mode = recompute_mode(recompute)
     p = _parts(
         cfg,
         layout,
@@ -205,15 +202,7 @@ def transient_bytes(
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     dispatch = a * t * cfg.moe.topk * h * (1 + 2 * layout.etp)
     experts_backward = 5 * a * (t * cfg.moe.topk * layout.etp) * (cfg.moe.ffn_hidden_size // layout.etp)
-    if recompute == "full":
-        working = p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
-    elif recompute == "selective":
-        working = p["attention"]
-    elif recompute == "moe":
-        working = p["router"] + p["experts"] + p["mlp"]
-    else:
-        working = 0
-    return max(dispatch, experts_backward) + working
+    return max(dispatch, experts_backward) + _recomputed(p, mode, moe_layer=True)
 
 
 def logits_bytes(
@@ -248,7 +237,7 @@ def mtp_activation_bytes(
     ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token (its fp32 logits chunks are transient and run
     after the model's, so :func:`logits_bytes` counts the one chunk alive).
     """
-    _check_mode(recompute)
+    recompute_mode(recompute)
     a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     tokens = seq_length * micro_batch_size // layout.cp

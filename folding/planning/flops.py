@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from folding.model.config import ModelConfig
-
-from .activations import RECOMPUTE_MODES
+from folding.model.config import ModelConfig, recompute_mode
 
 
 def attention_linear_flops(cfg: ModelConfig) -> float:
@@ -155,15 +153,17 @@ class FlopsPerToken:
 
     def recompute_extra(self, recompute: str) -> float:
         """FLOPs per token that activation recomputation adds (``none``, ``selective``, ``moe`` or ``full``)."""
-        if recompute == "none":
-            return 0.0
-        if recompute == "selective":
-            return self.attention_linear + self.attention_core
-        if recompute == "moe":
-            return self.router + self.routed_experts + self.shared_experts
-        if recompute == "full":
+        mode = recompute_mode(recompute)  # the one table: folding.model.recompute
+        if mode.whole_layer:
             return self.forward - self.output_layer - self.mtp_projection - self.mtp_output_layer
-        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+        extra = 0.0
+        if mode.attention:
+            extra += self.attention_linear + self.attention_core
+        if mode.moe_block:
+            extra += self.router + self.routed_experts + self.shared_experts
+        if mode.dense_mlp:
+            extra += self.dense_mlp
+        return extra
 
     def hardware_training(self, recompute: str = "none") -> float:
         """FLOPs per trained token that the GPUs execute: model FLOPs plus the recompute extra."""

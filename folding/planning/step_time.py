@@ -62,7 +62,7 @@ import functools
 import math
 from typing import Dict, Optional, Tuple
 
-from folding.model.config import ModelConfig
+from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel.partition import partition_layers
 
 from . import flops as F
@@ -280,10 +280,10 @@ def _layer_times(
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     tok = S * b / (plan.tp * plan.cp)  # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
-    # Forwards executed per training pass, per sublayer (the recompute modes of train.recompute): the
-    # attention sublayer runs twice under selective / full, the MoE (or dense MLP) sublayer under moe / full.
-    attn_fwd = 2 if plan.recompute in ("selective", "full") else 1
-    mlp_fwd = 2 if plan.recompute == "full" or (plan.recompute == "moe" and moe) else 1
+    # Forwards executed per training pass, per sublayer: twice where train.recompute recomputes it
+    mode = recompute_mode(plan.recompute)  # the one table: folding.model.recompute
+    attn_fwd = 2 if mode.attention else 1
+    mlp_fwd = 2 if mode.mlp(moe_layer=moe) else 1
 
     def train(times, fwd):  # (forward, dgrad, wgrad) -> seconds for `fwd` forwards and one backward
         return fwd * times[0] + times[1] + times[2]

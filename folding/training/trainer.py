@@ -58,12 +58,13 @@ from ..checkpoint.from_hf import check_init_source, load_initial_weights, read_h
 from ..checkpoint.load import check_compatible, load_checkpoint, read_meta, resolve_resume
 from ..data.build import build_data
 from ..job.config import ConfigError, JobConfig
-from ..job.machine import check_experts_here, training_device
+from ..job.machine import check_experts_here, compute_dtype, training_device
 from ..job.validate import validate_job
 from ..model.chunks import build_stage_chunks
 from ..model.compile import compile_dense
 from ..moe.layer import MoELayer
 from ..moe.replicas.table import ReplicaSchedule
+from ..moe.settings import LayerSettings
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
 from ..parallel import ParallelLayout, build_parallel_state
@@ -281,7 +282,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
     resumed_from, init_from = _starting_point(job, prep)
-    chunks = _build_chunks(job, ps, device, init_from=init_from)
+    chunks = _build_chunks(job, ps, device, expert_backend=prep.expert_backend or None, init_from=init_from)
     optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
     if resumed_from:
         load_checkpoint(resumed_from, chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
@@ -317,21 +318,24 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     )
 
 
-def _build_chunks(job: JobConfig, ps, device: torch.device, *, init_from: Optional[str] = None) -> List[nn.Module]:
+def _build_chunks(
+    job: JobConfig, ps, device: torch.device, *, expert_backend: Optional[str], init_from: Optional[str] = None
+) -> List[nn.Module]:
     """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
     ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
-    those weights (:mod:`folding.checkpoint.from_hf`)."""
+    those weights (:mod:`folding.checkpoint.from_hf`). ``expert_backend``: the backend
+    :func:`prepare` resolved for this machine (``None``: resolved at the build)."""
     t = job.train
-    chunks = build_stage_chunks(
-        model_config=job.model,
-        parallel_state=ps,
-        recompute=t.recompute,
-        overlap_moe_comm=job.parallel.overlap_moe_comm,
-        delay_wgrad=job.parallel.delay_wgrad,
-        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+    settings = LayerSettings(
         init_seed=t.seed,
+        params_dtype=compute_dtype(job),
         device="meta" if init_from else device,
+        recompute=t.recompute,
+        overlap_comm=job.parallel.overlap_moe_comm,
+        delay_wgrad=job.parallel.delay_wgrad,
+        expert_backend=expert_backend,
     )
+    chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
     if init_from:
         for c in chunks:
             materialize(c, device=device, init_seed=None)

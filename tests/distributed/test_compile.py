@@ -12,6 +12,7 @@ import torch.distributed as dist
 from folding.model.compile import compile_dense
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 
 CASES = [(dict(tp=2, ep=2, etp=1), "none"), (dict(cp=2, ep=2, etp=1), "none"), (dict(tp=2, ep=2, etp=1), "selective")]
@@ -33,9 +34,7 @@ def _eager_and_compiled(cases):
         try:
             results = []
             for compiled in (False, True):
-                model = MoETransformer(cfg, parallel_state=ps, init_seed=7)
-                for layer in model.layers.values():
-                    layer.recompute = recompute
+                model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(init_seed=7, recompute=recompute))
                 if compiled:
                     assert compile_dense(model) == cfg.num_layers
                     assert compile_dense(model) == 0  # already compiled: a no-op

@@ -16,6 +16,7 @@ from folding.model.hf.weights import from_hf, to_hf
 from folding.model.moe_block import default_moe_factory
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import materialize
 
@@ -38,17 +39,24 @@ def _builders(preset, ps, hf_dir):
     cfg = get_preset(preset)
     builders = {
         "build_stage_chunks": lambda dev: build_stage_chunks(
-            model_config=cfg, parallel_state=ps, device=dev, init_seed=7
+            model_config=cfg, parallel_state=ps, settings=LayerSettings(device=dev, init_seed=7)
         ),
         "build_stage_chunks+default_moe_factory": lambda dev: build_stage_chunks(
-            model_config=cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory
+            model_config=cfg,
+            parallel_state=ps,
+            settings=LayerSettings(device=dev, init_seed=7),
+            moe_factory=default_moe_factory,
         ),
     }
     if ps is None or ps.layout.pp == 1:  # whole models; a pipelined one is built in chunks
         builders["from_hf"] = lambda dev: [from_hf(hf_dir, parallel_state=ps, device=dev)]
-        builders["MoETransformer"] = lambda dev: [MoETransformer(cfg, parallel_state=ps, device=dev, init_seed=7)]
+        builders["MoETransformer"] = lambda dev: [
+            MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(device=dev, init_seed=7))
+        ]
         builders["MoETransformer+default_moe_factory"] = lambda dev: [
-            MoETransformer(cfg, parallel_state=ps, device=dev, init_seed=7, moe_factory=default_moe_factory)
+            MoETransformer(
+                cfg, parallel_state=ps, settings=LayerSettings(device=dev, init_seed=7), moe_factory=default_moe_factory
+            )
         ]
     if ps is None:
         del builders["build_stage_chunks"], builders["build_stage_chunks+default_moe_factory"]
@@ -80,7 +88,7 @@ def _hf_dirs(root):
     out = {}
     for preset in PRESETS:
         out[preset] = os.path.join(root, preset)
-        to_hf(MoETransformer(get_preset(preset), init_seed=3), out[preset])
+        to_hf(MoETransformer(get_preset(preset), settings=LayerSettings(init_seed=3)), out[preset])
     return out
 
 

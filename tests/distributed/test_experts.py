@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import resolve_backend
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, shard_index
 from tests.reference_collectives import reduce_from_region
@@ -38,7 +39,7 @@ def _run_layouts(backend):
                 etp_size=ps.coords.etp.size,
                 etp_rank=ps.coords.etp.rank,
                 expert_offset=first,
-                backend=backend,
+                backend=resolve_backend(backend, None, torch.device("cpu"), torch.float32),  # auto: decided first
                 init_std=0.3,
             )
             xl = x[rows].clone().requires_grad_()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
@@ -25,7 +26,7 @@ def _reduced_grads(layout_kw, overlap_in_schedule: bool):
     with build_parallel_state(
         ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.moe.num_experts, **layout_kw)
     ) as ps:
-        chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=3)
+        chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, settings=LayerSettings(init_seed=3))
         opt = FoldedOptimizer(
             torch.nn.ModuleList(chunks),
             OptimConfig(lr=1e-3, bucket_size=2000, distributed=True),

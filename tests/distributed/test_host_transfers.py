@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import folding.moe.experts.grouped as experts_mod
 import folding.moe.experts.select as select_mod
 import folding.moe.experts.te as te_mod
 from folding.moe.config import MoEConfig
 from folding.moe.experts.te import fp8_region
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
 from folding.moe.replicas.table import EMPTY, plan_replicas
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.quant.emulate import RECIPES as EMULATED_RECIPES
 from folding.testing.transfer_audit import TransferAudit
@@ -56,12 +56,12 @@ def _layer(ps, dispatcher, mode, replicas=0):
         aux_loss_coeff=1e-2,
         z_loss_coeff=1e-3,
     )
-    return MoELayer(
+    return build_moe_layer(
         config=cfg,
         hidden_size=H,
         groups=ps.groups,
         layer_number=1,
-        init_seed=5,
+        settings=LayerSettings(init_seed=5),
     )
 
 
@@ -124,7 +124,6 @@ def _stand_ins(mp):
     mp.setattr(te_mod, "te_available", lambda: (True, ""))
     mp.setattr(select_mod, "te_available", lambda: (True, ""))
     mp.setattr(select_mod, "scaled_grouped_mm_support", lambda recipe, device, dtype: (True, ""))
-    mp.setattr(experts_mod, "resolve_backend", lambda backend, recipe, device, dtype: backend)
 
     def unaudited(fn):
         def call(*args, **kwargs):
@@ -153,8 +152,12 @@ def _audit_backends(layout_kw):
                 aux_loss_coeff=1e-2,
             )
             dtype = torch.bfloat16 if recipe is not None else torch.float32
-            layer = MoELayer(
-                config=cfg, hidden_size=FP8_H, groups=ps.groups, layer_number=1, init_seed=5, params_dtype=dtype
+            layer = build_moe_layer(
+                config=cfg,
+                hidden_size=FP8_H,
+                groups=ps.groups,
+                layer_number=1,
+                settings=LayerSettings(init_seed=5, params_dtype=dtype, expert_backend=backend),
             )
             gen = torch.Generator().manual_seed(ps.rank)
             # 8 tokens a rank over 8 experts, top-2: some experts get none (the FP8 padding is exercised)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.training import trainer
 from tests.distributed.test_train_e2e import tiny_job
@@ -61,7 +62,7 @@ def _reference(run_dir):
     """One rank, plain autograd: masked loss sum over the whole global batch / its token count."""
     job = _job({}, GB, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(job.model, parallel_state=ps, init_seed=job.train.seed)
+        model = MoETransformer(job.model, parallel_state=ps, settings=LayerSettings(init_seed=job.train.seed))
         ids, labels, mask = _global_batch(job.model.vocab_size)
         loss = (model(ids, labels=labels) * mask).sum() / mask.sum()
         loss.backward()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, require_spec, take_slice
 from tests.presets import MIXTRAL, OLMOE, QWEN2_TIED, QWEN3, build, random_batch, variant
@@ -38,7 +39,7 @@ def _compare_layouts(configs, layouts, engine_moe=False):
         factory = None if engine_moe else reference_moe_factory
         ps1 = build_parallel_state(ParallelLayout(world_size=world))
         try:
-            ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=factory)
+            ref = MoETransformer(cfg, parallel_state=ps1, settings=LayerSettings(init_seed=11), moe_factory=factory)
             ref_logits = ref(ids).detach()
             ref_loss = ref(ids, labels=labels, loss_mask=mask).sum() / count
             ref_loss.backward()
@@ -49,8 +50,10 @@ def _compare_layouts(configs, layouts, engine_moe=False):
         for lkw in layouts:
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
-                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=factory)
-                dp, r = ps.coords.dp.size, ps.coords.dp.rank
+                model = MoETransformer(
+                    cfg, parallel_state=ps, settings=LayerSettings(init_seed=11), moe_factory=factory
+                )
+                dp, r = ps.dp_size, ps.dp_rank
                 sl = slice(r * B // dp, (r + 1) * B // dp)
                 pos = model.local_positions(S)
                 logits = model(ids[sl]).detach()

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
 from folding.moe.dispatch import host_sync
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, shard_index
 
@@ -55,14 +56,13 @@ def _record_routing_maps(layer):
 
 
 def _layer(c, ps):
-    return MoELayer(
+    return build_moe_layer(
         config=_config(c),
         hidden_size=H,
         groups=ps.groups,
         layer_number=3,
-        init_seed=11,
+        settings=LayerSettings(init_seed=11, params_dtype=torch.float64),
         init_std=0.3,
-        params_dtype=torch.float64,
     )
 
 
@@ -209,12 +209,12 @@ def _bf16_wires():
                 grad_wire=wire,
                 shared_expert_ffn_hidden_size=32,
             )
-            layer = MoELayer(
+            layer = build_moe_layer(
                 config=cfg,
                 hidden_size=64,
                 groups=ps.groups,
                 init_std=0.2,
-                params_dtype=torch.bfloat16,
+                settings=LayerSettings(params_dtype=torch.bfloat16),
             )
             g = torch.Generator().manual_seed(dist.get_rank())
             x = torch.randn(4, 2, 64, generator=g).to(torch.bfloat16).requires_grad_(True)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec
@@ -37,7 +38,9 @@ def _measure(cases):
         lay = ParallelLayout(world_size=dist.get_world_size(), num_experts=cfg.moe.num_experts, **layout_kwargs)
         ps = build_parallel_state(lay)
         try:
-            model = torch.nn.ModuleList(build_stage_chunks(model_config=cfg, parallel_state=ps, params_dtype=dtype))
+            model = torch.nn.ModuleList(
+                build_stage_chunks(model_config=cfg, parallel_state=ps, settings=LayerSettings(params_dtype=dtype))
+            )
             params = {"dense": 0, "expert": 0}
             for p in model.parameters():
                 params["expert" if param_spec(p).expert else "dense"] += p.numel() * p.element_size()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.optim import FoldedOptimizer, OptimConfig
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import require_spec, take_slice
@@ -61,7 +62,7 @@ def _decays(name, p):
 def _reference(cfg, world):
     ps1 = build_parallel_state(ParallelLayout(world_size=world))  # every group a singleton but DP
     try:
-        ref = MoETransformer(cfg, parallel_state=ps1, init_seed=11, moe_factory=None)
+        ref = MoETransformer(cfg, parallel_state=ps1, settings=LayerSettings(init_seed=11), moe_factory=None)
         start = {n: p.detach().clone() for n, p in ref.named_parameters()}
         ids, labels, mask = _data()
         count = mask.sum()
@@ -95,7 +96,7 @@ def _step_models(models, layouts):
         for lkw, distributed in layouts:
             ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
             try:
-                model = MoETransformer(cfg, parallel_state=ps, init_seed=11, moe_factory=None)
+                model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(init_seed=11), moe_factory=None)
                 specs = {n: require_spec(p, n) for n, p in model.named_parameters()}
                 with torch.no_grad():  # layout-independent init: each rank holds its slice of the start
                     for n, p in model.named_parameters():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
@@ -51,8 +52,8 @@ def _audit_step(layout: str, sequential: bool):
             cfg = dataclasses.replace(cfg, moe=cfg.moe.replace(dispatcher="hierarchical"))
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout]))
         try:
-            chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, overlap_moe_comm=True)
-            gen = torch.Generator().manual_seed(ps.rank // (ps.coords.tp.size * ps.coords.pp.size))
+            chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, settings=LayerSettings(overlap_comm=True))
+            gen = torch.Generator().manual_seed(ps.rank // (ps.tp_size * ps.pp_size))
             mbs = []
             for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)

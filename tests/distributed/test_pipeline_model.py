@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import param_spec, require_spec, take_slice
 from folding.pipeline.stage import run_microbatches
@@ -44,7 +45,7 @@ def _run(cases):
         if cname not in refs:
             ps1 = build_parallel_state(ParallelLayout(world_size=world))
             try:
-                (ref,) = build_stage_chunks(model_config=cfg, parallel_state=ps1, init_seed=5)
+                (ref,) = build_stage_chunks(model_config=cfg, parallel_state=ps1, settings=LayerSettings(init_seed=5))
                 r = run_microbatches(
                     [ref], _microbatches(ids, labels, mask, range(B)), parallel_state=ps1, loss_scale=1.0 / count
                 )
@@ -57,8 +58,10 @@ def _run(cases):
         ref_loss, ref_params = refs[cname]
         ps = build_parallel_state(ParallelLayout(world_size=world, **lkw))
         try:
-            chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=5, recompute=recompute)
-            dp, r = ps.coords.dp.size, ps.coords.dp.rank
+            chunks = build_stage_chunks(
+                model_config=cfg, parallel_state=ps, settings=LayerSettings(init_seed=5, recompute=recompute)
+            )
+            dp, r = ps.dp_size, ps.dp_rank
             rows = range(r * B // dp, (r + 1) * B // dp)
             res = run_microbatches(
                 chunks, _microbatches(ids, labels, mask, rows), parallel_state=ps, loss_scale=1.0 / count

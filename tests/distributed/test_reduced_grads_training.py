@@ -13,6 +13,7 @@ import dataclasses
 import torch.distributed as dist
 
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import require_spec, take_slice
@@ -71,7 +72,7 @@ def _reduced(cases, run_dir):
 def _reference(run_dir):
     job = _job({}, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(job.model, parallel_state=ps, init_seed=job.train.seed)
+        model = MoETransformer(job.model, parallel_state=ps, settings=LayerSettings(init_seed=job.train.seed))
         for m in model.modules():
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = 1.0 / (GB // MBS)  # each micro-batch's aux loss, averaged

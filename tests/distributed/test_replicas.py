@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.config import MoEConfig
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
 from folding.moe.replicas.fetch import fetch_replica_weights
 from folding.moe.replicas.table import plan_replicas
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 
 H, T, E = 16, 24, 8
@@ -48,14 +49,13 @@ def _layer(case, ps, replicas):
         dispatch_wire=wire,
         expert_replicas=replicas,
     )
-    return MoELayer(
+    return build_moe_layer(
         config=cfg,
         hidden_size=H,
         groups=ps.groups,
         layer_number=1,
-        init_seed=5,
+        settings=LayerSettings(init_seed=5, params_dtype=torch.float64 if _fp64(case) else torch.float32),
         init_std=0.3,
-        params_dtype=torch.float64 if _fp64(case) else torch.float32,
     )
 
 

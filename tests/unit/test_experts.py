@@ -6,6 +6,7 @@ import torch
 from folding.moe.config import MoEConfig
 from folding.moe.experts.backends import grouped_linear, plan_chunks, torch_grouped_mm_supported
 from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import resolve_backend
 from folding.moe.experts.te import pad_rows_per_expert, te_available, unpad_rows_per_expert
 from folding.parallel.params import param_spec, shard_index
 
@@ -18,11 +19,13 @@ CPU_BACKENDS = ["torch", "auto"]
 
 
 def _make(backend, dtype, h=16, f=24, e=4, **kw):
+    """Experts on CPU with the backend decided first, as a model build does (``auto`` picked, a named one
+    checked for this CPU: :func:`resolve_backend`); the experts receive the backend that runs."""
     return GroupedMLP(
         num_local_experts=e,
         hidden_size=h,
         ffn_hidden_size=f,
-        backend=backend,
+        backend=resolve_backend(backend, kw.get("fp8_recipe"), torch.device("cpu"), dtype),
         params_dtype=dtype,
         init_std=0.2,
         init_seed=3,
@@ -95,11 +98,8 @@ def test_counts_as_list_cpu_tensor_and_int32():
 def test_auto_picks_grouped_mm_on_this_build():
     mod = _make("auto", torch.float32)
     expected = "torch" if torch_grouped_mm_supported("cpu", torch.float32) else "loop"
-    assert mod.resolve_backend(torch.device("cpu"), torch.float32) == expected
-    assert (
-        _make("auto", torch.float32, fp8_recipe="mxfp8").resolve_backend(torch.device("cpu"), torch.float32)
-        == "emulated"
-    )
+    assert mod.backend == expected
+    assert _make("auto", torch.float32, fp8_recipe="mxfp8").backend == "emulated"
 
 
 def test_etp_shards_sum_to_the_unsharded_layer_and_ep_offsets_select_experts():
@@ -170,7 +170,7 @@ def test_pad_rows_per_expert_hand_worked():
 
 def test_bad_settings_and_inputs_fail_clearly():
     with pytest.raises(ValueError, match="etp_size"):
-        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=10, etp_size=4)
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=10, etp_size=4, backend="loop")
     # the backend and recipe names and their pairing are checked once, at the config boundary (MoEConfig);
     # below it, the experts assert them
     moe = dict(num_experts=4, topk=2, ffn_hidden_size=8)
@@ -182,9 +182,12 @@ def test_bad_settings_and_inputs_fail_clearly():
         MoEConfig(**moe, expert_backend="loop", fp8_recipe="mxfp8")
     with pytest.raises(ValueError, match="fp8_recipe"):
         MoEConfig(**moe, fp8_recipe="int8")
-    for backend, recipe in (("cutlass", None), ("emulated", None), ("loop", "mxfp8"), ("auto", "int8")):
+    for backend, recipe in (("emulated", None), ("loop", "mxfp8"), ("emulated", "int8")):
         with pytest.raises(AssertionError):
             GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend=backend, fp8_recipe=recipe)
+    for backend in ("cutlass", "auto"):  # the experts take the backend that runs, resolved before
+        with pytest.raises(ValueError, match="backend"):
+            GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend=backend)
     mod = _make("loop", torch.float32)
     x, p = torch.randn(5, 16), torch.rand(5)
     with pytest.raises(ValueError, match="sum to the number of token rows"):
@@ -215,16 +218,18 @@ def test_grouped_mm_probe_ignores_the_callers_grad_mode():
 
 
 def test_first_grouped_mm_probe_inside_a_recomputed_region():
-    """The backend probe of the first call may run inside activation recompute; its saved tensors must
-    not count for the checkpoint, whose recomputation (probe cached by then) saves fewer."""
+    """The backend probe runs where ``auto`` is resolved, before the experts are built, never inside
+    their forward: a forward under activation recompute probes nothing and recomputes cleanly."""
     from torch.utils.checkpoint import checkpoint
 
     from folding.moe.experts.backends import torch_grouped_mm_supported
 
     mlp = GroupedMLP(num_experts=2, num_local_experts=2, hidden_size=16, ffn_hidden_size=16, etp_size=1,
-                     etp_rank=0, expert_offset=0, backend="auto", init_seed=0)  # fmt: skip
+                     etp_rank=0, expert_offset=0, backend=resolve_backend("auto", None, torch.device("cpu"),
+                     torch.float32), init_seed=0)  # fmt: skip
     torch_grouped_mm_supported.cache_clear()
     x = torch.randn(6, 16, requires_grad=True)
     y = checkpoint(lambda a: mlp(a, [2, 4], torch.ones(6)), x, use_reentrant=False)
     y.sum().backward()
     assert x.grad is not None and mlp.fc1_weight.grad is not None
+    assert torch_grouped_mm_supported.cache_info().currsize == 0  # no probe in the forward

@@ -16,7 +16,6 @@ import warnings
 import pytest
 import torch
 
-import folding.moe.experts.grouped as experts_mod
 import folding.moe.experts.select as select_mod
 import folding.moe.experts.te as te_mod
 from folding.model.presets import get_preset
@@ -24,6 +23,7 @@ from folding.model.transformer import MoETransformer
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.select import BackendError, backend_support, check_backend, resolve_backend
 from folding.moe.experts.te import fp8_region
+from folding.moe.settings import LayerSettings
 from tests import te_standin
 from tests.te_standin import CALLS, SUPPORT
 
@@ -37,13 +37,9 @@ def stand_in_te(monkeypatch):
 
 
 @pytest.fixture
-def te_on_cpu(stand_in_te, monkeypatch):
-    """Let the experts resolve ``te`` on this CPU (the device check is tested separately)."""
-    monkeypatch.setattr(
-        experts_mod,
-        "resolve_backend",
-        lambda backend, recipe, device, dtype: "te" if backend in ("te", "auto") else backend,
-    )
+def te_on_cpu(stand_in_te):
+    """The experts run ``te`` on this CPU through the stand-in: the backend is given to them, not
+    resolved for the device (the device check is tested separately)."""
     yield
 
 
@@ -103,7 +99,10 @@ def test_delayed_outside_a_region_is_refused(te_on_cpu):
 
 def test_one_region_per_chunk_forward_with_the_dp_cp_group(te_on_cpu):
     cfg = get_preset("mixtral_tiny")
-    model = MoETransformer(cfg.replace(moe={"expert_backend": "te", "fp8_recipe": "delayed"}), init_seed=1)
+    model = MoETransformer(
+        cfg.replace(moe={"expert_backend": "te", "fp8_recipe": "delayed"}),
+        settings=LayerSettings(init_seed=1, expert_backend="te"),
+    )
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     for m in range(3):  # three micro-batches of one step
         CALLS.clear()

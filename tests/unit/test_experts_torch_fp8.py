@@ -186,8 +186,7 @@ def test_torch_fp8_path_matches_emulated_bit_for_bit(stand_in_kernel, recipe, de
     n = sum(counts)
     x = torch.randn(n, 24, generator=gen).to(torch.bfloat16)
     probs, dy = torch.rand(n, generator=gen), torch.randn(n, 24, generator=gen).to(torch.bfloat16)
-    fast = GroupedMLP(backend="torch", fp8_recipe=recipe, params_dtype=torch.bfloat16, **KW)
-    fast.delay_wgrad = delay_wgrad
+    fast = GroupedMLP(backend="torch", fp8_recipe=recipe, params_dtype=torch.bfloat16, delay_wgrad=delay_wgrad, **KW)
     emu = GroupedMLP(backend="emulated", fp8_recipe=recipe, params_dtype=torch.bfloat16, **KW)
     got, want = _run(fast, x, counts, probs, dy), _run(emu, x, counts, probs, dy)
     for name, a, b in zip(("y", "dx", "dprobs", "dW1", "dW2"), got, want):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from folding.model.config import ModelConfig  # noqa: E402
 from folding.model.hf.config import config_from_hf, config_to_hf  # noqa: E402
 from folding.model.hf.weights import CheckpointError, from_hf, to_hf  # noqa: E402
+from folding.moe.settings import LayerSettings  # noqa: E402
 from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 
 V, S, B = TINY_HF["vocab_size"], 16, 2
@@ -137,7 +138,7 @@ def test_generated_config_loads_in_transformers(tmp_path):
     assert config_from_hf(config_to_hf(cfg), name=cfg.name) == cfg.replace(
         moe={"aux_loss_type": "aux_loss", "aux_loss_coeff": 0.0}
     )
-    model = MoETransformer(cfg, init_seed=3)
+    model = MoETransformer(cfg, settings=LayerSettings(init_seed=3))
     with torch.no_grad():
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
@@ -270,7 +271,7 @@ def _mtp_model(depth=2):
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
 
-    model = MoETransformer(get_preset("deepseek_v3_tiny", mtp_num_layers=depth), init_seed=5)
+    model = MoETransformer(get_preset("deepseek_v3_tiny", mtp_num_layers=depth), settings=LayerSettings(init_seed=5))
     with torch.no_grad():
         for i, (name, buf) in enumerate(model.named_buffers()):
             if name.endswith("expert_bias"):
@@ -322,7 +323,7 @@ def test_mtp_checkpoint_errors(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.layers.4.hnorm.weight"):
         from_hf(path)
-    qwen = MoETransformer(get_preset("qwen3_moe_tiny", mtp_num_layers=1), init_seed=0)
+    qwen = MoETransformer(get_preset("qwen3_moe_tiny", mtp_num_layers=1), settings=LayerSettings(init_seed=0))
     with pytest.raises(CheckpointError, match="mtp_num_layers=0"):
         to_hf(qwen, str(tmp_path / "q"))
 

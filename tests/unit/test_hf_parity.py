@@ -14,6 +14,7 @@ transformers = require("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from folding.model.hf.weights import CheckpointError, from_hf, to_hf  # noqa: E402
+from folding.moe.settings import LayerSettings  # noqa: E402
 from tests.hf_checks import TINY_HF, assert_matches_hf, randomized  # noqa: E402
 from tests.unit.test_model_reference_moe import reference_moe_factory  # noqa: E402
 
@@ -187,7 +188,9 @@ def test_generated_config_round_trip(tmp_path, family):
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
 
-    model = MoETransformer(get_preset(f"{family}_tiny"), init_seed=3, moe_factory=reference_moe_factory)
+    model = MoETransformer(
+        get_preset(f"{family}_tiny"), settings=LayerSettings(init_seed=3), moe_factory=reference_moe_factory
+    )
     to_hf(model, str(tmp_path / "g"))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "g")).eval()
     assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
@@ -312,6 +315,6 @@ def test_exported_weights_are_readable_like_the_config(tmp_path):
     from folding.model.presets import get_preset
     from folding.model.transformer import MoETransformer
 
-    to_hf(MoETransformer(get_preset("mixtral_tiny"), init_seed=1), str(tmp_path))
+    to_hf(MoETransformer(get_preset("mixtral_tiny"), settings=LayerSettings(init_seed=1)), str(tmp_path))
     modes = {n: stat.S_IMODE(os.stat(tmp_path / n).st_mode) for n in ("model.safetensors", "config.json")}
     assert modes["model.safetensors"] == modes["config.json"], modes

@@ -12,6 +12,7 @@ from folding.checkpoint.from_hf import check_init_source, load_initial_weights
 from folding.job.config import CheckpointConfig, ConfigError, JobConfig
 from folding.job.validate import validate_job
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.training.trainer import prepare
 from tests.hf_checks import TRAINABLE_MIXTRAL as HF
 from tests.hf_checks import TRAINABLE_MIXTRAL_PRESET as MODEL
@@ -81,7 +82,7 @@ def test_import_file_fills_the_model_like_the_directory(hf_dir, tmp_path):
     assert convert_hf.main(["import", hf_dir, pt]) == 0
     job = _job(pt)
     assert prepare(job, world_size=1, rank=0).init_from_hf == pt
-    model = MoETransformer(job.model, init_seed=5)
+    model = MoETransformer(job.model, settings=LayerSettings(init_seed=5))
     load_initial_weights([model], pt)
     want = dict(from_hf(hf_dir).named_parameters())
     for name, p in model.named_parameters():

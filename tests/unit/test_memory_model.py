@@ -6,6 +6,7 @@ import torch
 from folding.model.config import ModelConfig
 from folding.model.presets import get_preset
 from folding.moe.config import MoEConfig
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout
 from folding.planning.memory import (
     activation_bytes_per_layer,
@@ -133,7 +134,9 @@ def test_pipeline_stage_counts_match_the_model_with_mtp():
 
     def built(c, layer_range):  # bf16 parameters: what stays fp32 is counted apart too
         counts = {"dense": 0, "expert": 0, "fp32": 0, "adamw": 0}
-        model = MoETransformer(c, device="meta", dtype=torch.bfloat16, layer_range=layer_range)
+        model = MoETransformer(
+            c, settings=LayerSettings(device="meta", params_dtype=torch.bfloat16), layer_range=layer_range
+        )
         for name, p in model.named_parameters():
             counts["expert" if param_spec(p).expert else "dense"] += p.numel()
             counts["fp32"] += p.numel() if p.dtype == torch.float32 else 0

@@ -10,6 +10,7 @@ from folding.model.context_parallel import check_cp_seq_len, cp_positions, gathe
 from folding.model.hf.config import config_from_hf, config_to_hf
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel.params import ParamSpec, local_value, param_seed, shard_index, take_slice
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
@@ -44,9 +45,9 @@ def test_init_slices_are_those_of_the_full_tensor():
     # same seed, same model; another seed, another model (the engine's MoE layer and the reference one)
     cfg = get_preset("mixtral_tiny", num_layers=1)
     for factory in (None, reference_moe_factory):
-        a = MoETransformer(cfg, init_seed=1, moe_factory=factory)
-        b = MoETransformer(cfg, init_seed=1, moe_factory=factory)
-        c = MoETransformer(cfg, init_seed=2, moe_factory=factory)
+        a = MoETransformer(cfg, settings=LayerSettings(init_seed=1), moe_factory=factory)
+        b = MoETransformer(cfg, settings=LayerSettings(init_seed=1), moe_factory=factory)
+        c = MoETransformer(cfg, settings=LayerSettings(init_seed=2), moe_factory=factory)
         for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
             assert torch.equal(p, q), n
             if "norm" not in n:
@@ -123,11 +124,12 @@ def test_one_rank_model_needs_no_process_group():
 import torch, torch.distributed as dist
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 cfg = get_preset("mixtral_tiny")
 ids = torch.randint(0, cfg.vocab_size, (2, 16))
 outs = []
 for kind in ("alltoall", "allgather"):
-    m = MoETransformer(cfg.replace(moe={"dispatcher": kind}), init_seed=3)
+    m = MoETransformer(cfg.replace(moe={"dispatcher": kind}), settings=LayerSettings(init_seed=3))
     y = m(ids)
     y.float().square().mean().backward()
     outs.append(y)

@@ -18,6 +18,7 @@ from torch import nn
 
 from folding.model.config import ModelConfig
 from folding.model.mlp import DenseMLP
+from folding.moe.settings import LayerSettings
 from folding.parallel.collectives import group_rank, group_size
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import mark_param, set_init_spec
@@ -25,10 +26,11 @@ from tests.reference_collectives import domain_gather_v, domain_reduce_scatter_v
 
 
 class ReferenceMoE(nn.Module):
-    def __init__(
-        self, *, config: ModelConfig, layer_number: int, groups, init_seed: int = 0, device=None, dtype=torch.float32
-    ):
+    def __init__(self, *, config: ModelConfig, layer_number: int, groups, settings: LayerSettings = LayerSettings()):
         super().__init__()
+        if settings.overlap_comm or settings.delay_wgrad:
+            raise ValueError("ReferenceMoE has no communication overlap: build it with overlap_comm=delay_wgrad=False")
+        device, dtype = settings.device, settings.params_dtype
         c = config
         E, Fe, H = c.moe.num_experts, c.moe.ffn_hidden_size, c.hidden_size
         ep, etp = group_size(groups.ep), group_size(groups.etp)

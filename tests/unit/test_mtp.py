@@ -11,13 +11,14 @@ import torch.nn.functional as F
 from folding.model.mtp import shift_left
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 
 S, B = 12, 2
 
 
 def _model(depth=2, **kw):
     cfg = get_preset("deepseek_v3_tiny", mtp_num_layers=depth, mtp_loss_scaling_factor=0.3, **kw)
-    return MoETransformer(cfg, init_seed=11).double()
+    return MoETransformer(cfg, settings=LayerSettings(init_seed=11, expert_backend="loop")).double()  # fp64: loop
 
 
 def _batch(cfg, seed=0):
@@ -130,7 +131,9 @@ def test_shift_left():
 def test_without_labels_the_model_returns_the_main_logits():
     model = _model()
     ids, _, _ = _batch(model.config)
-    base = MoETransformer(model.config.replace(mtp_num_layers=0), init_seed=11).double()
+    base = MoETransformer(
+        model.config.replace(mtp_num_layers=0), settings=LayerSettings(init_seed=11, expert_backend="loop")
+    ).double()
     with torch.no_grad():
         torch.testing.assert_close(model(ids), base(ids), rtol=0, atol=0)
 

@@ -80,8 +80,7 @@ def test_paired_schedule_keeps_the_order_of_forwards_and_backwards():
 def test_delayed_weight_gradients_are_bitwise_the_plain_ones(hidden, ffn, etp):
     def run(delay):
         m = GroupedMLP(num_experts=4, num_local_experts=4, hidden_size=hidden, ffn_hidden_size=ffn, etp_size=etp,
-                       etp_rank=0, expert_offset=0, backend="torch", init_seed=3)  # fmt: skip
-        m.delay_wgrad = delay
+                       etp_rank=0, expert_offset=0, backend="torch", init_seed=3, delay_wgrad=delay)  # fmt: skip
         x = torch.randn(20, hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
         p = torch.rand(20, generator=torch.Generator().manual_seed(2))
         for _ in range(2):  # the second accumulates onto the first

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.parallel import LayoutError, ParallelLayout
 from folding.planning.costs import (
     _a2a_time,
@@ -432,7 +433,7 @@ def test_deepseek_v3_mla_memory_and_uneven_pipeline():
     # the rank's attention parameters under TP2 (less the layer's input norm): replicated + its half of the heads'
     rep = cfg.mla.replicated_params(hidden_size=cfg.hidden_size)
     sharded = cfg.attention_params(tp=2) - cfg.hidden_size - rep
-    model = MoETransformer(cfg, device="meta")
+    model = MoETransformer(cfg, settings=LayerSettings(device="meta"))
     attn = model.layers["0"].attention
     want_rep = sum(
         p.numel()

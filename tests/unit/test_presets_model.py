@@ -7,6 +7,7 @@ import torch
 
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
 from folding.parallel.params import param_spec
 from tests.unit.test_model_reference_moe import reference_moe_factory
 
@@ -37,7 +38,7 @@ def module_counts(model):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_presets_count(name):
     cfg = get_preset(name)
-    model = MoETransformer(cfg, device="meta", moe_factory=reference_moe_factory)
+    model = MoETransformer(cfg, settings=LayerSettings(device="meta"), moe_factory=reference_moe_factory)
     assert all(p.is_meta for p in model.parameters())
     total, active = module_counts(model)
     assert (total, active) == cfg.num_parameters()
@@ -53,7 +54,7 @@ def test_tiny_presets_run(name):
     cfg = get_preset(name)
     assert cfg.moe.num_experts == 8 and cfg.num_layers == 4 and (cfg.num_attention_heads, cfg.num_kv_heads) == (8, 4)
     assert cfg.vocab_size % 128 == 0 and cfg.hidden_size % 8 == 0 and cfg.moe.ffn_hidden_size % 8 == 0
-    model = MoETransformer(cfg, init_seed=0, moe_factory=reference_moe_factory)
+    model = MoETransformer(cfg, settings=LayerSettings(init_seed=0), moe_factory=reference_moe_factory)
     assert module_counts(model) == cfg.num_parameters()
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     loss = model(ids, labels=ids).mean()

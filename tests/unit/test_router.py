@@ -8,6 +8,7 @@ import torch
 from folding.moe.config import MoEConfig
 from folding.moe.routing import functions as R
 from folding.moe.routing.router import Router, attach_loss
+from folding.moe.settings import LayerSettings
 from folding.optim.expert_bias import update_expert_biases
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.params import materialize, param_spec
@@ -224,7 +225,9 @@ def test_routers_are_found_by_their_balancing_interface():
     from folding.model.transformer import MoETransformer
     from folding.moe.routing.balancing import BalancingRouter, find_routers
 
-    model = MoETransformer(get_preset("qwen2_moe_tiny", num_layers=3, mlp_only_layers=(1,)), init_seed=0)
+    model = MoETransformer(
+        get_preset("qwen2_moe_tiny", num_layers=3, mlp_only_layers=(1,)), settings=LayerSettings(init_seed=0)
+    )
     lookalike = nn.Linear(2, 2)
     lookalike.layer_number, lookalike.has_expert_bias = 9, False
     found = find_routers([model, lookalike])

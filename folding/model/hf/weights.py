@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ...moe.settings import LayerSettings
 from ...parallel.params import materialize, require_spec, shard_index
 from ..config import ModelConfig
 from ..transformer import MoETransformer
@@ -183,7 +184,11 @@ def from_hf(
     cfg = hf_model_config(path)
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
-    model = MoETransformer(cfg, parallel_state=parallel_state, moe_factory=moe_factory, dtype=dtype, device="meta")
+    # the experts' backend is the one that runs where the weights go; the structure is built on meta
+    settings = LayerSettings(params_dtype=dtype, device=device).with_expert_backend(cfg.moe)
+    model = MoETransformer(
+        cfg, parallel_state=parallel_state, moe_factory=moe_factory, settings=settings.replace(device="meta")
+    )
     if torch.device(device or "cpu").type != "meta":  # meta: the structure only, nothing is read
         materialize(model, device=device or "cpu", init_seed=None)
         load_hf_weights(model, path)

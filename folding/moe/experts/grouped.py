@@ -23,26 +23,25 @@ Backends: ``loop`` (reference), ``torch`` (grouped_mm; with ``fp8_recipe`` ``row
 ``torch._scaled_grouped_mm``, rows padded per expert once around fc1→fc2, see
 :mod:`folding.moe.experts.scaled`), ``emulated`` (loop on FP8/MXFP8-quantized
 operands: CPU runs see the GPU recipe's precision), ``te`` (TransformerEngine ``GroupedLinear``
-inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`), ``auto`` (chosen by
-:mod:`folding.moe.experts.select` with TransformerEngine's own checks).
+inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`). ``moe.expert_backend=auto``
+is resolved before the experts are built, once (:mod:`folding.moe.experts.select`, with
+TransformerEngine's own checks); the experts receive the backend that runs.
 
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
-                     etp_rank=ps.coords.etp.rank, expert_offset=ps.coords.ep.rank * 4, backend="auto")
+                     etp_rank=ps.coords.etp.rank, expert_offset=ps.coords.ep.rank * 4, backend="torch")
     out_NH = mlp(tokens_NH, tokens_per_expert, probs_N)
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from folding.moe.dispatch.base import DispatchRecord
 from folding.moe.experts.backends import grouped_linear, host_counts
 from folding.moe.experts.scaled import aligned_sizes
-from folding.moe.experts.select import BACKENDS, check_backend, resolve_backend
+from folding.moe.experts.select import BACKENDS, check_backend
 from folding.moe.experts.swiglu import swiglu_prob
 from folding.moe.experts.te import (
     FP8_ROW_ALIGN,
@@ -54,9 +53,6 @@ from folding.moe.experts.te import (
 from folding.parallel.params import initialize_parameters, mark_param, set_init_spec
 from folding.quant.delayed import DelayedScaling
 from folding.quant.emulate import RECIPES
-
-logger = logging.getLogger(__name__)
-_LOGGED_CHOICES: set = set()
 
 
 def _check_settings(
@@ -85,6 +81,11 @@ def _check_settings(
         raise ValueError(
             f"local experts [{expert_offset}, {expert_offset + num_local_experts}) exceed num_experts={num_experts}"
         )
+    if backend not in BACKENDS[1:]:
+        raise ValueError(
+            f"backend={backend!r}: give the backend that runs, one of {BACKENDS[1:]} (moe.expert_backend=auto "
+            "is resolved once, before the experts are built: folding.moe.experts.select.resolve_backend)"
+        )
     # the names and their pairing are checked once, in MoEConfig (moe.expert_backend, moe.fp8_recipe)
     assert backend in BACKENDS and (fp8_recipe is None or fp8_recipe in RECIPES), (backend, fp8_recipe)
     assert (backend == "emulated") <= (fp8_recipe is not None), "MoEConfig: emulated needs an fp8_recipe"
@@ -104,17 +105,21 @@ class GroupedMLP(torch.nn.Module):
         etp_size: int = 1,
         etp_rank: int = 0,
         expert_offset: int = 0,
-        backend: str = "auto",
+        backend: str,
         fp8_recipe: str | None = None,
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
         output_init_std: float | None = None,
         init_seed: int | None = 0,
         device=None,
+        delay_wgrad: bool = False,
     ):
         """Validate the settings and create this rank's shards of the layout-independent initial weights
         (``num_experts``: the global E, default ``num_local_experts``; ``init_seed=None`` leaves the
-        initialization to the owner, which fills every parameter from its record)."""
+        initialization to the owner, which fills every parameter from its record). ``backend``: the
+        backend that runs, decided before (``auto`` resolved by
+        :func:`folding.moe.experts.select.resolve_backend`, once, at the job or model build);
+        ``delay_wgrad``: see :attr:`delay_wgrad`."""
         super().__init__()
         num_experts = num_local_experts if num_experts is None else num_experts
         _check_settings(
@@ -148,7 +153,7 @@ class GroupedMLP(torch.nn.Module):
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
-        self.delay_wgrad = False
+        self.delay_wgrad = delay_wgrad
         """``torch`` backend: compute the weight gradients while the backward's next exchange is in
         flight (``parallel.delay_wgrad``; bitwise the same gradients)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
@@ -193,9 +198,8 @@ class GroupedMLP(torch.nn.Module):
 
     def fp8_region_recipe(self) -> str | None:
         """The FP8 recipe of the model chunk's TransformerEngine region when these experts run on
-        ``te`` with a recipe (resolved for their weights' device and dtype), else None."""
-        w = self.fc1_weight
-        if self.fp8_recipe is None or w.is_meta or self.resolve_backend(w.device, w.dtype) != "te":
+        ``te`` with a recipe, else None."""
+        if self.fp8_recipe is None or self.backend != "te":
             return None
         return self.fp8_recipe
 
@@ -258,7 +262,7 @@ class GroupedMLP(torch.nn.Module):
         n = tokens_NH.shape[0]
         if probs_N.shape != (n,):
             raise ValueError(f"probs_N must be [N={n}] (one probability per row); got {tuple(probs_N.shape)}")
-        backend = self.resolve_backend(tokens_NH.device, tokens_NH.dtype)
+        backend = self.backend
         counts_L = None  # the device counts, for the FP8 path's offsets (built there, no host copy)
         if isinstance(tokens_per_expert, DispatchRecord):  # the counts this backend wants, no copy
             rec = tokens_per_expert

@@ -1,0 +1,105 @@
+"""Construction settings reach every layer at construction: LayerSettings, the MoE block factory's
+contract, the expert backend decided once, and the model checkpointing what the recompute table says."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import folding.model.block as block_mod
+from folding.model.chunks import build_stage_chunks
+from folding.model.moe_block import check_moe_factory, default_moe_factory
+from folding.model.presets import get_preset
+from folding.model.recompute import RECOMPUTE, RECOMPUTE_MODES, recompute_mode
+from folding.model.transformer import MoETransformer
+from folding.moe.experts.grouped import GroupedMLP
+from folding.moe.experts.select import resolve_backend
+from folding.moe.layer import MoELayer
+from folding.moe.settings import LayerSettings
+from folding.parallel import ParallelLayout
+from folding.parallel.groups import ProcessGroups
+
+
+def _cfg():
+    return get_preset("qwen2_moe_tiny", num_layers=2, mlp_only_layers=(1,))  # layer 0 MoE, layer 1 dense
+
+
+def test_settings_reach_every_moe_layer_and_its_experts():
+    s = LayerSettings(init_seed=4, overlap_comm=True, delay_wgrad=True, recompute="moe", expert_backend="loop")
+    model = MoETransformer(_cfg(), settings=s)
+    moe = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(moe) == 1 and moe[0].overlap_comm and moe[0].experts.delay_wgrad
+    assert moe[0].experts.backend == "loop"
+    assert all(layer.recompute is RECOMPUTE["moe"] for layer in model.transformer_layers())
+    assert model.settings == s
+
+
+def test_build_stage_chunks_hands_the_same_settings_to_every_chunk():
+    # one rank without a process group: the layout, its pipeline rank and the single-rank groups
+    ps = types.SimpleNamespace(layout=ParallelLayout(world_size=1), pp_rank=0, groups=ProcessGroups.single())
+    s = LayerSettings(init_seed=1, overlap_comm=True, recompute="full")
+    chunks = build_stage_chunks(model_config=_cfg(), parallel_state=ps, settings=s)
+    want = s.replace(expert_backend=resolve_backend("auto", None, torch.device("cpu"), torch.float32))
+    assert [c.settings for c in chunks] == [want]  # the backend decided once, for the build
+    assert all(m.overlap_comm for c in chunks for m in c.modules() if isinstance(m, MoELayer))
+    with pytest.raises(ValueError, match="train.recompute='sometimes'"):
+        build_stage_chunks(model_config=_cfg(), parallel_state=None, settings=s.replace(recompute="sometimes"))
+
+
+def test_a_factory_receives_the_settings_and_one_without_them_is_refused():
+    seen = []
+
+    def factory(*, config, layer_number, groups, settings):
+        seen.append(settings)
+        return default_moe_factory(config=config, layer_number=layer_number, groups=groups, settings=settings)
+
+    s = LayerSettings(overlap_comm=True, delay_wgrad=True, expert_backend="loop")
+    MoETransformer(_cfg(), settings=s, moe_factory=factory)
+    assert seen == [s]
+
+    def old_factory(*, config, layer_number, groups, init_seed=0, device=None, dtype=torch.float32):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="does not take the keyword.*settings"):
+        MoETransformer(_cfg(), moe_factory=old_factory)
+    check_moe_factory(lambda **kw: None)  # **kwargs takes every keyword
+
+
+def test_the_experts_receive_the_backend_that_runs():
+    with pytest.raises(ValueError, match="backend='auto'.*resolved once"):
+        GroupedMLP(num_local_experts=2, hidden_size=8, ffn_hidden_size=8, backend="auto")
+    with pytest.raises(ValueError, match="expert_backend='auto'"):
+        LayerSettings(expert_backend="auto")
+    s = LayerSettings(params_dtype=torch.float64, device="meta")
+    assert s.with_expert_backend(_cfg().moe).expert_backend == "loop"  # fp64 on CPU: no grouped_mm
+    assert s.replace(expert_backend="torch").with_expert_backend(_cfg().moe).expert_backend == "torch"  # kept
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+def test_the_model_checkpoints_what_the_recompute_table_says(monkeypatch, mode):
+    """Each layer checkpoints the whole layer, or the attention and / or MLP sublayers, exactly as
+    :mod:`folding.model.recompute` says for an MoE layer (0) and a dense one (1)."""
+    calls = []
+    real = block_mod.checkpoint
+
+    def recording(fn, *args, **kwargs):
+        calls.append((fn.__self__.layer_number, fn.__name__))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(block_mod, "checkpoint", recording)
+    model = MoETransformer(_cfg(), settings=LayerSettings(init_seed=2, recompute=mode))
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).sum().backward()
+    m = recompute_mode(mode)
+    want = []
+    for layer, moe in ((0, True), (1, False)):
+        if m.whole_layer:
+            want.append((layer, "_forward"))
+            continue
+        if m.attention:
+            want.append((layer, "_attention"))
+        if m.mlp(moe_layer=moe):
+            want.append((layer, "_mlp"))
+    assert calls == want
+    assert dataclasses.astuple(m)[0] == mode
