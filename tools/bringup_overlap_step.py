@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from folding.model.chunks import build_stage_chunks, set_moe_overlap
+from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
@@ -173,8 +174,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _step(chunks, optimizer, ps, mbs, on: bool):
-    set_moe_overlap(chunks, overlap_moe_comm=on, delay_wgrad=on)
+def _model(cfg, ps, dev, on: bool):
+    """The chunks and their optimizer, built with overlap and delayed weight gradients ``on`` (a
+    construction setting: one model per mode, from the same seed)."""
+    settings = LayerSettings(init_seed=1, device=dev, overlap_comm=on, delay_wgrad=on)
+    chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, settings=settings)
+    optimizer = FoldedOptimizer(
+        torch.nn.ModuleList(chunks), OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"), parallel_state=ps
+    )
+    return chunks, optimizer
+
+
+def _step(models, ps, mbs, on: bool):
+    chunks, optimizer = models[on]
     optimizer.zero_grad()
     run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-4, no_sync=optimizer.no_sync, overlap=on)
     optimizer.clip_and_step()
@@ -197,30 +209,28 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
             num_layers=LAYERS,
             moe=dict(ffn_hidden_size=size["ffn"], num_experts=EXPERTS, topk=2, aux_loss_coeff=0.0),
         )
-        chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, init_seed=1, device=dev)
-        optimizer = FoldedOptimizer(
-            torch.nn.ModuleList(chunks), OptimConfig(lr=1e-4, warmup_steps=0, decay_style="constant"), parallel_state=ps
-        )
+        models = {on: _model(cfg, ps, dev, on) for on in (False, True)}
         gen = torch.Generator().manual_seed(1000 + rank)
         mbs = []
         for _ in range(MICROBATCHES):
             tok = torch.randint(0, cfg.vocab_size, (1, size["seq"] + 1), generator=gen)
             mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(tok[:, 1:].shape)))
-        _step(chunks, optimizer, ps, mbs, on=True)  # warm-up
+        for on in (False, True):  # warm-up
+            _step(models, ps, mbs, on=on)
         result = {"world": world, "ep": ps.coords.ep.size, "device": str(dev)}
         with captured_warnings() as records:
             if not cpu:
                 torch.cuda.synchronize(dev)
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                _step(chunks, optimizer, ps, mbs, on=True)
+                _step(models, ps, mbs, on=True)
             finally:
                 if not cpu:
                     torch.cuda.set_sync_debug_mode("default")
         result["syncs_by_site"] = sync_sites(records) if not cpu else None
         for name, on in (("off", False), ("on", True)):
             with exchange_events(HostEvent if cpu else None) as log:
-                _step(chunks, optimizer, ps, mbs, on=on)
+                _step(models, ps, mbs, on=on)
             if not cpu:
                 torch.cuda.synchronize(dev)
             result[f"exposed_{name}"] = exposed_by_exchange(log)

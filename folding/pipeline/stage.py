@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..moe.experts.grouped import GroupedMLP
 from ..moe.layer import MoELayer
 from ..moe.replicas.fetch import replica_step
 from .p2p import P2P
@@ -100,11 +99,6 @@ def run_microbatches(
             loss_sum = loss_sum + cfg.mtp_loss_scaling_factor * mtp_sum
         return loss_sum * loss_scale
 
-    if overlap:  # first-use probes before any pair, whose second lane may not run them
-        for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, GroupedMLP):
-                    module.resolve_backend(module.fc1_weight.device, dtype)
     p2p = None
     if pp > 1:
         p2p = P2P(

@@ -53,7 +53,7 @@ def _compare_layouts(configs, layouts, engine_moe=False):
                 model = MoETransformer(
                     cfg, parallel_state=ps, settings=LayerSettings(init_seed=11), moe_factory=factory
                 )
-                dp, r = ps.dp_size, ps.dp_rank
+                dp, r = ps.coords.dp.size, ps.coords.dp.rank
                 sl = slice(r * B // dp, (r + 1) * B // dp)
                 pos = model.local_positions(S)
                 logits = model(ids[sl]).detach()

@@ -53,7 +53,7 @@ def _audit_step(layout: str, sequential: bool):
         ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout]))
         try:
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, settings=LayerSettings(overlap_comm=True))
-            gen = torch.Generator().manual_seed(ps.rank // (ps.tp_size * ps.pp_size))
+            gen = torch.Generator().manual_seed(ps.rank // (ps.coords.tp.size * ps.coords.pp.size))
             mbs = []
             for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)

@@ -61,7 +61,7 @@ def _run(cases):
             chunks = build_stage_chunks(
                 model_config=cfg, parallel_state=ps, settings=LayerSettings(init_seed=5, recompute=recompute)
             )
-            dp, r = ps.dp_size, ps.dp_rank
+            dp, r = ps.coords.dp.size, ps.coords.dp.rank
             rows = range(r * B // dp, (r + 1) * B // dp)
             res = run_microbatches(
                 chunks, _microbatches(ids, labels, mask, rows), parallel_state=ps, loss_scale=1.0 / count

@@ -111,8 +111,10 @@ def probe_calls(monkeypatch):
     expert_backends.torch_grouped_mm_supported.cache_clear()
 
 
-def _experts(**kw):
-    return GroupedMLP(num_experts=4, num_local_experts=4, hidden_size=16, ffn_hidden_size=16, backend="auto", **kw)
+def _experts(device="cpu"):
+    return GroupedMLP(
+        num_experts=4, num_local_experts=4, hidden_size=16, ffn_hidden_size=16, backend="torch", device=device
+    )
 
 
 def test_b_the_backend_probe_runs_when_the_experts_are_built(probe_calls):
@@ -124,7 +126,7 @@ def test_b_the_backend_probe_runs_when_the_experts_are_built(probe_calls):
 
 
 def test_b_a_probe_in_the_second_lane_raises_and_leaves_no_verdict(probe_calls):
-    m = _experts(device="meta")  # nothing resolved on meta: the first forward would probe
+    m = _experts(device="meta")  # nothing is probed for a model built on meta
     assert probe_calls == []
     with pytest.raises(LaneError):
         overlap.run_pair(_exchange, lambda: expert_backends.torch_grouped_mm_supported("cpu", torch.float32))

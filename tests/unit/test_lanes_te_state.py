@@ -86,9 +86,9 @@ def test_te_fp8_with_overlap_is_refused_naming_both_keys(recipe):
 def test_auto_resolving_to_te_on_the_device_is_refused_too(monkeypatch):
     import folding.job.validate as validate
 
-    monkeypatch.setattr(validate, "resolve_backend", lambda *a: "te")  # a GPU where TE runs the recipe
+    monkeypatch.setattr(validate, "resolve_expert_backend", lambda *a, **k: "te")  # a GPU where TE runs the recipe
     j = job("moe.fp8_recipe=tensorwise", "parallel.overlap_moe_comm=true")
     with pytest.raises(ConfigError, match=r"moe.expert_backend='auto' \(te on cuda:0\)"):
         validate_job(j, world_size=1, device=torch.device("cuda", 0))
-    monkeypatch.setattr(validate, "resolve_backend", lambda *a: "torch")
+    monkeypatch.setattr(validate, "resolve_expert_backend", lambda *a, **k: "torch")
     validate_job(j, world_size=1, device=torch.device("cuda", 0))

@@ -37,7 +37,11 @@ def test_settings_reach_every_moe_layer_and_its_experts():
 
 def test_build_stage_chunks_hands_the_same_settings_to_every_chunk():
     # one rank without a process group: the layout, its pipeline rank and the single-rank groups
-    ps = types.SimpleNamespace(layout=ParallelLayout(world_size=1), pp_rank=0, groups=ProcessGroups.single())
+    ps = types.SimpleNamespace(
+        layout=ParallelLayout(world_size=1),
+        coords=types.SimpleNamespace(pp=types.SimpleNamespace(rank=0)),
+        groups=ProcessGroups.single(),
+    )
     s = LayerSettings(init_seed=1, overlap_comm=True, recompute="full")
     chunks = build_stage_chunks(model_config=_cfg(), parallel_state=ps, settings=s)
     want = s.replace(expert_backend=resolve_backend("auto", None, torch.device("cpu"), torch.float32))

@@ -134,7 +134,9 @@ class GroupedMLP(torch.nn.Module):
             fp8_recipe,
         )
         if device is not None and torch.device(device).type != "meta":
-            check_backend(backend, fp8_recipe, torch.device(device), params_dtype)  # before any step
+            # the backend's first-use probes (a grouped GEMM forward and backward) run now, at build,
+            # never inside an overlap pair (whose second lane may not start a backward)
+            check_backend(backend, fp8_recipe, torch.device(device), params_dtype)
         self.num_local_experts = num_local_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
@@ -145,11 +147,6 @@ class GroupedMLP(torch.nn.Module):
         self.fp8_recipe = fp8_recipe
         self.num_experts = num_experts
         self._create_weights(params_dtype, device, init_std, init_std if output_init_std is None else output_init_std)
-        self._resolved: dict[tuple, str] = {}
-        if not self.fc1_weight.is_meta:
-            # the first-use probes (a grouped GEMM forward and backward) run now, at model build, never
-            # inside an overlap pair (whose second lane may not start a backward)
-            self.resolve_backend(self.fc1_weight.device, params_dtype)
         self._te: TEGroupedRunner | None = None
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
@@ -182,19 +179,6 @@ class GroupedMLP(torch.nn.Module):
             std=output_init_std,
             chunk_dim=0,
         )
-
-    def resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        """The backend that runs on ``device`` / ``dtype`` (:func:`folding.moe.experts.select.resolve_backend`:
-        ``auto`` picks with TransformerEngine's checks, a named one must be able to run)."""
-        key = (device.type, dtype)
-        if key not in self._resolved:
-            name = resolve_backend(self.backend, self.fp8_recipe, device, dtype)
-            choice = (self.backend, name, device.type, dtype, self.fp8_recipe)
-            if choice not in _LOGGED_CHOICES:  # once per process, not once per layer
-                _LOGGED_CHOICES.add(choice)
-                logger.info("GroupedMLP backend %s -> %s (device=%s, dtype=%s, fp8_recipe=%s)", *choice)
-            self._resolved[key] = name
-        return self._resolved[key]
 
     def fp8_region_recipe(self) -> str | None:
         """The FP8 recipe of the model chunk's TransformerEngine region when these experts run on
