@@ -15,7 +15,8 @@ import folding.moe.dispatch.alltoall as a2a_mod
 import folding.moe.dispatch.hierarchical as hier_mod
 from folding.moe.config import MoEConfig
 from folding.moe.dispatch.build import build_dispatcher
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
+from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.overlap import Exchange
 from folding.testing.link_model import link_latency
@@ -48,7 +49,9 @@ def _counts_groups():
     with build_parallel_state(lay) as ps:
         assert ps.groups.ep_meta is not None and ps.groups.ep_meta is not ps.groups.ep
         for kind, mod in (("alltoall", a2a_mod), ("hierarchical", hier_mod)):
-            layer = MoELayer(config=_cfg(kind), hidden_size=H, groups=ps.groups, layer_number=1, init_seed=5)
+            layer = build_moe_layer(
+                _cfg(kind), hidden_size=H, groups=ps.groups, layer_number=1, settings=LayerSettings(init_seed=5)
+            )
             seen = []
             real, spy = _recording(mod, seen)
             mod.all_gather_start = spy

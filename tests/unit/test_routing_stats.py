@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from folding.moe.config import MoEConfig
-from folding.moe.layer import MoELayer
+from folding.moe.layer import build_moe_layer
 from folding.moe.routing.balancing import RoutingStats, find_routed_blocks
+from folding.moe.settings import LayerSettings
 from folding.parallel.groups import ProcessGroups
 
 H = 6
@@ -18,7 +19,10 @@ def _layer(**kw):
     cfg = MoEConfig(
         num_experts=4, topk=2, ffn_hidden_size=8, aux_loss_coeff=0.1, z_loss_coeff=0.01, router_dtype="fp64", **kw
     )
-    return MoELayer(config=cfg, hidden_size=H, groups=ProcessGroups.single(), layer_number=3).double()
+    settings = LayerSettings(expert_backend="loop")  # runs in fp64 after .double()
+    return build_moe_layer(
+        cfg, hidden_size=H, groups=ProcessGroups.single(), layer_number=3, settings=settings
+    ).double()
 
 
 def _stats(layer_number, tokens, dropped, **losses):
