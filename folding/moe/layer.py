@@ -152,6 +152,7 @@ def build_moe_layer(
         init_seed=None,
         layer_number=layer_number,
         device=settings.device,
+        aux_loss_scale=settings.aux_loss_scale,
     )
     layer = MoELayer(
         config=config,

@@ -50,6 +50,9 @@ class LayerSettings:
     delay_wgrad: bool = False
     """The experts compute their weight gradients behind the backward's next exchange
     (``parallel.delay_wgrad``, ``torch`` backend; bitwise the same gradients)."""
+    aux_loss_scale: float = 1.0
+    """Gradient weight of every router loss per forward: the objective gains ``aux_loss_scale · loss``
+    (training: 1 / (micro-batches per global batch · DP), each rank's per-micro-batch loss averaged)."""
     expert_backend: Optional[str] = None
     """The expert backend that runs (``te``, ``torch``, ``loop`` or ``emulated``): ``moe.expert_backend``
     resolved for the training device; ``None`` until the model build resolves it."""

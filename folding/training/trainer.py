@@ -282,13 +282,19 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
     resumed_from, init_from = _starting_point(job, prep)
-    chunks = _build_chunks(job, ps, device, expert_backend=prep.expert_backend or None, init_from=init_from)
+    chunks = _build_chunks(
+        job,
+        ps,
+        device,
+        expert_backend=prep.expert_backend or None,
+        aux_loss_scale=1.0 / (M * prep.layout.dp),
+        init_from=init_from,
+    )
     optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
     if resumed_from:
         load_checkpoint(resumed_from, chunks=chunks, optimizer=optimizer, data=prep.data, job=job)
     stats = MoEStats(chunks, model_config=job.model)
     replica_layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.num_replicas]
-    stats.set_aux_loss_scale(1.0 / (M * prep.layout.dp))
     rank, world = dist.get_rank(), dist.get_world_size()
     return _Run(
         job=job,
@@ -319,12 +325,19 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
 
 
 def _build_chunks(
-    job: JobConfig, ps, device: torch.device, *, expert_backend: Optional[str], init_from: Optional[str] = None
+    job: JobConfig,
+    ps,
+    device: torch.device,
+    *,
+    expert_backend: Optional[str],
+    aux_loss_scale: float = 1.0,
+    init_from: Optional[str] = None,
 ) -> List[nn.Module]:
     """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
     ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
     those weights (:mod:`folding.checkpoint.from_hf`). ``expert_backend``: the backend
-    :func:`prepare` resolved for this machine (``None``: resolved at the build)."""
+    :func:`prepare` resolved for this machine (``None``: resolved at the build); ``aux_loss_scale``: the
+    routers' loss weight, 1 / (micro-batches · DP)."""
     t = job.train
     settings = LayerSettings(
         init_seed=t.seed,
@@ -334,6 +347,7 @@ def _build_chunks(
         overlap_comm=job.parallel.overlap_moe_comm,
         delay_wgrad=job.parallel.delay_wgrad,
         expert_backend=expert_backend,
+        aux_loss_scale=aux_loss_scale,
     )
     chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
     if init_from:

@@ -72,10 +72,9 @@ def _reduced(cases, run_dir):
 def _reference(run_dir):
     job = _job({}, run_dir)
     with build_parallel_state(ParallelLayout(world_size=1)) as ps:
-        model = MoETransformer(job.model, parallel_state=ps, settings=LayerSettings(init_seed=job.train.seed))
-        for m in model.modules():
-            if hasattr(m, "aux_loss_scale"):
-                m.aux_loss_scale = 1.0 / (GB // MBS)  # each micro-batch's aux loss, averaged
+        # each micro-batch's aux loss, averaged
+        settings = LayerSettings(init_seed=job.train.seed, aux_loss_scale=1.0 / (GB // MBS))
+        model = MoETransformer(job.model, parallel_state=ps, settings=settings)
         ids, labels, mask = _global_batch(job.model.vocab_size)
         n = mask.sum()
         for i in range(0, GB, MBS):

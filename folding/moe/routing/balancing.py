@@ -10,9 +10,7 @@ Shape legend: E (global) experts.
 
 Usage::
 
-    routers = find_routers(chunks)
-    for r in routers:
-        r.aux_loss_scale = 1.0 / num_microbatches
+    routers = find_routers(chunks)                         # built with their aux_loss_scale
     ...                                                    # after the global batch's last backward
     update_expert_biases([r for r in routers if r.has_expert_bias], group=...)   # folding.optim
     for r in routers:

@@ -15,8 +15,8 @@ micro-batch, S sequence positions.
 
 Usage::
 
-    router = Router(hidden_size=H, config=moe_cfg, groups=ps.groups, init_seed=seed, layer_number=i)
-    router.aux_loss_scale = 1.0 / (num_microbatches * ps.coords.dp.size)     # once per step
+    router = Router(hidden_size=H, config=moe_cfg, groups=ps.groups, init_seed=seed, layer_number=i,
+                    aux_loss_scale=1.0 / (num_microbatches * ps.coords.dp.size))
     out = router(hidden_SBH)                                          # or hidden_TH, num_sequences=B
     out.probs_TE, out.routing_map_TE                                  # after capacity
     out.stats.losses["aux_loss"], out.stats.tokens_per_expert_E       # this rank's share (detached), loads
@@ -109,6 +109,7 @@ class Router(BalancingRouter):
         init_seed: Optional[int] = 0,
         layer_number: int = 0,
         device=None,
+        aux_loss_scale: float = 1.0,
     ):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
@@ -138,8 +139,10 @@ class Router(BalancingRouter):
         )
         self.global_aux_steps = 0
         """Micro-batches accumulated into ``global_tokens_per_expert`` since the last reset."""
-        self.aux_loss_scale: Union[float, torch.Tensor] = 1.0
-        """Gradient given to each loss: the objective gains ``aux_loss_scale · loss`` per forward."""
+        self.aux_loss_scale: Union[float, torch.Tensor] = aux_loss_scale
+        """Gradient given to each loss: the objective gains ``aux_loss_scale · loss`` per forward
+        (a construction setting: 1 / (micro-batches · DP) in training,
+        :attr:`folding.moe.settings.LayerSettings.aux_loss_scale`)."""
 
         if init_seed is not None and not self.weight.is_meta:
             initialize_parameters(self, init_seed)

@@ -74,11 +74,6 @@ class MoEStats:
                 if name in LOSS_NAMES:
                     self.losses[LOSS_NAMES.index(name)] += value.detach().to(self.losses).sum()
 
-    def set_aux_loss_scale(self, scale: float) -> None:
-        """Give every router's losses the gradient weight ``scale`` (1 / micro-batches per global batch)."""
-        for r in self.routers:
-            r.aux_loss_scale = scale
-
     def reset(self) -> None:
         """Forget the previous step (and whatever the layers kept of forwards since)."""
         for block in self.blocks:
