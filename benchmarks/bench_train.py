@@ -53,7 +53,6 @@ from benchmarks.train_step import (
     mixtral_config,
     profile_step,
 )
-from folding.model.compile import compile_dense
 from folding.model.hf.weights import from_hf
 
 COMPILED = "engine, train.compile=true (common driver)"
@@ -76,8 +75,7 @@ def sidebyside(a):
         "engine (own step, fused loss)": make_step(eng_own, engine_loss, ids),
     }
     if a.compile:
-        eng_c = from_hf(tmp)
-        compile_dense(eng_c)
+        eng_c = from_hf(tmp, compile_dense=True)
         steps[COMPILED] = make_step(eng_c, hf_loss, ids)
     first = {k: s() for k, s in steps.items()}  # warm-up (and compile), not timed
     times = {k: [] for k in steps}
@@ -172,7 +170,8 @@ def report_sidebyside(a, argv, first, times, parts, kinds, floors) -> str:
             "of the shifted logits, `backward()`, `AdamW.step()`); the third row is the engine's own step "
             "(`model(ids, labels=)`, fused vocab-parallel loss, same mean over the same tokens); the last row, when "
             "present, is the common driver on the engine with `train.compile` on "
-            "(`folding.model.compile.compile_dense`: each layer's norm + attention sublayer through "
+            "(`from_hf(..., compile_dense=True)`, `folding.model.compile`: each layer's norm + attention "
+            "sublayer through "
             "`torch.compile`; compile time in the untimed warm-up step), "
             "which is not `from_hf`'s default.",
             "",

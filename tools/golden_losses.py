@@ -19,8 +19,8 @@ def main() -> None:
     with RankPool(1) as pool:
         for name in MODELS:
             case = (name, {}, {}, False, {})
-            ((losses, _, _),) = pool.run(_train, [case], tempfile.mkdtemp(), False, GOLDEN_STEPS)[0]
-            out[name] = losses
+            (result,) = pool.run(_train, [case], tempfile.mkdtemp(), False, GOLDEN_STEPS)[0]  # rank 0's one case
+            out[name] = result["losses"]
     with open(GOLDEN, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))

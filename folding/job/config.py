@@ -160,8 +160,8 @@ class TrainConfig:
     """Activation recomputation: ``none``, ``full``, ``selective`` (attention core) or ``moe``."""
     compile: bool = False
     """``torch.compile`` each layer's dense part (input norm + attention sublayer,
-    :func:`folding.model.compile.compile_dense`); the MoE block stays eager. Off by default: turn it on
-    where the benchmark shows it pays (compile time is paid once per process and shape)."""
+    :mod:`folding.model.compile`, ``LayerSettings.compile_dense``); the MoE block stays eager. Off by
+    default: turn it on where the benchmark shows it pays (compile time is paid once per process and shape)."""
     eval_interval: int = 20
     """Evaluate on the held-out split every this many steps (and after the last step); 0 disables."""
     eval_steps: int = 2

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from .attention import Attention
+from .compile import dense_sublayer
 from .config import ModelConfig
 from .mla import MLAttention
 from .mlp import DenseMLP
@@ -61,6 +62,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.recompute = recompute_mode(settings.recompute)
+        self.dense_compiled = settings.compile_dense
+        """Whether the input norm and attention sublayer run through ``torch.compile`` (a construction
+        setting, ``train.compile``)."""
+        self._dense = dense_sublayer(self._attention, compiled=settings.compile_dense)
         """What this layer recomputes in backward (:mod:`folding.model.recompute`)."""
         self.is_moe = config.is_moe_layer(layer_number)
         kw = dict(device=settings.device, dtype=settings.params_dtype)
@@ -98,9 +103,9 @@ class TransformerLayer(nn.Module):
 
     def _forward(self, x_SBH, rope, mode):
         if mode.attention:
-            h = x_SBH + checkpoint(self._attention, x_SBH, rope, use_reentrant=False)
+            h = x_SBH + checkpoint(self._dense, x_SBH, rope, use_reentrant=False)
         else:
-            h = x_SBH + self._attention(x_SBH, rope)
+            h = x_SBH + self._dense(x_SBH, rope)
         if mode.mlp(moe_layer=self.is_moe):
             return h + checkpoint(self._mlp, h, use_reentrant=False)
         return h + self._mlp(h)

@@ -14,36 +14,22 @@ a visible share of the step and the compile time (seconds per distinct shape, on
 amortized: ``benchmarks/bench_train.py`` reports the side-by-side step with and without it. On CPU,
 Inductor needs a C++ compiler.
 
+A construction setting, like every other: the layer is built compiled, nothing is swapped on a built
+model.
+
 Usage::
 
-    model = MoETransformer(cfg, parallel_state=ps)
-    compile_dense(model)                 # before the first forward; gradients unchanged (to round-off)
+    model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(compile_dense=True))
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from typing import Callable
 
 import torch
-from torch import nn
-
-from .block import TransformerLayer
 
 
-def compile_dense(models: Union[nn.Module, Iterable[nn.Module]], **compile_kwargs) -> int:
-    """Compile the dense sublayer of every :class:`TransformerLayer` inside ``models`` (a model, a
-    pipeline chunk, or a list of them) in place; return how many layers were compiled.
-
-    ``compile_kwargs`` go to :func:`torch.compile` (e.g. ``mode="max-autotune"``). Calling it twice on
-    the same layer is a no-op for that layer.
-    """
-    if isinstance(models, nn.Module):
-        models = [models]
-    count = 0
-    for model in models:
-        for layer in model.modules():
-            if isinstance(layer, TransformerLayer) and not getattr(layer, "_dense_compiled", False):
-                layer._attention = torch.compile(layer._attention, **compile_kwargs)
-                layer._dense_compiled = True
-                count += 1
-    return count
+def dense_sublayer(fn: Callable, *, compiled: bool) -> Callable:
+    """The dense sublayer ``fn`` (a layer's input norm + attention) a :class:`TransformerLayer` runs:
+    through ``torch.compile`` when ``compiled`` (``LayerSettings.compile_dense``), else as it is."""
+    return torch.compile(fn) if compiled else fn

@@ -50,6 +50,9 @@ class LayerSettings:
     delay_wgrad: bool = False
     """The experts compute their weight gradients behind the backward's next exchange
     (``parallel.delay_wgrad``, ``torch`` backend; bitwise the same gradients)."""
+    compile_dense: bool = False
+    """Every transformer layer runs its input norm and attention sublayer through ``torch.compile``
+    (``train.compile``; :mod:`folding.model.compile` says what is compiled and why the MoE block is not)."""
     aux_loss_scale: float = 1.0
     """Gradient weight of every router loss per forward: the objective gains ``aux_loss_scale · loss``
     (training: 1 / (micro-batches per global batch · DP), each rank's per-micro-batch loss averaged)."""

@@ -61,7 +61,6 @@ from ..job.config import ConfigError, JobConfig
 from ..job.machine import check_experts_here, compute_dtype, training_device
 from ..job.validate import validate_job
 from ..model.chunks import build_stage_chunks
-from ..model.compile import compile_dense
 from ..moe.layer import MoELayer
 from ..moe.replicas.table import ReplicaSchedule
 from ..moe.settings import LayerSettings
@@ -348,6 +347,7 @@ def _build_chunks(
         delay_wgrad=job.parallel.delay_wgrad,
         expert_backend=expert_backend,
         aux_loss_scale=aux_loss_scale,
+        compile_dense=t.compile,
     )
     chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
     if init_from:
@@ -356,8 +356,6 @@ def _build_chunks(
         load_initial_weights(chunks, init_from)
     for c in chunks:
         c.train()
-    if t.compile:
-        compile_dense(chunks)
     return chunks
 
 

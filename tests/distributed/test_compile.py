@@ -1,4 +1,4 @@
-"""``train.compile`` (:func:`folding.model.compile.compile_dense`) changes no loss and no gradient.
+"""``train.compile`` (``LayerSettings.compile_dense``, :mod:`folding.model.compile`) changes no loss and no gradient.
 
 On 2 gloo ranks, for TP2 (sequence parallel), CP2 and TP2 with selective recompute (the compiled
 sublayer checkpointed), the same model is built twice from the same seed, one eager and one with
@@ -9,7 +9,7 @@ every gradient must agree to fp32 round-off.
 import torch
 import torch.distributed as dist
 
-from folding.model.compile import compile_dense
+from folding.model.block import TransformerLayer
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.settings import LayerSettings
@@ -34,10 +34,10 @@ def _eager_and_compiled(cases):
         try:
             results = []
             for compiled in (False, True):
-                model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(init_seed=7, recompute=recompute))
-                if compiled:
-                    assert compile_dense(model) == cfg.num_layers
-                    assert compile_dense(model) == 0  # already compiled: a no-op
+                settings = LayerSettings(init_seed=7, recompute=recompute, compile_dense=compiled)
+                model = MoETransformer(cfg, parallel_state=ps, settings=settings)
+                layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+                assert len(layers) == cfg.num_layers and all(m.dense_compiled == compiled for m in layers)
                 results.append(_run(model, ids))
             out.append(results)
         finally:

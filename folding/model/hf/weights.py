@@ -170,6 +170,7 @@ def from_hf(
     dtype=torch.float32,
     device=None,
     config_overrides: Optional[dict] = None,
+    compile_dense: bool = False,
 ) -> MoETransformer:
     """Build the engine model (1 rank, or this rank's shard under ``parallel_state``) from a HF checkpoint.
 
@@ -179,13 +180,15 @@ def from_hf(
     (e.g. ``{"moe": {"aux_loss_coeff": 0.01}}`` for training). The model is built on ``meta`` and its tensors
     allocated directly on ``device`` (default CPU) before the weights are read into them, so nothing
     is initialized only to be overwritten; ``device="meta"`` returns the structure without reading.
+    ``compile_dense``: build the layers with their dense sublayers compiled (:mod:`folding.model.compile`).
     """
     hf = read_hf_config(path)
     cfg = hf_model_config(path)
     if config_overrides:
         cfg = cfg.replace(**config_overrides)
     # the experts' backend is the one that runs where the weights go; the structure is built on meta
-    settings = LayerSettings(params_dtype=dtype, device=device).with_expert_backend(cfg.moe)
+    settings = LayerSettings(params_dtype=dtype, device=device, compile_dense=compile_dense)
+    settings = settings.with_expert_backend(cfg.moe)
     model = MoETransformer(
         cfg, parallel_state=parallel_state, moe_factory=moe_factory, settings=settings.replace(device="meta")
     )
