@@ -10,8 +10,9 @@ when a layer is built; the first ``--warmup`` steps of each mode are not counted
 records the wall time and the time every rank spent blocked in exchange waits and count reads (the
 *exposed* communication, :func:`folding.testing.overlap_audit.wait_stats`), and reports the medians. The link
 model keeps NCCL's order by default (an operation on a process group completes no earlier than every
-one issued before it there; ``--no-nccl-order`` drops the rule), and the JSON says which at its top
-level (``"nccl_order"``):
+one issued before it there; ``--no-nccl-order`` drops the rule) and completes each exchange its latency
+after the *last* of its ranks issued it (``--no-peer-issue``: after this rank did), and the JSON says
+which at its top level (``"nccl_order"``, ``"peer_issue"``):
 
 - ``step_time_off_s`` / ``step_time_on_s``: the step's wall time (rank 0), and their ratio;
 - ``exposed_off_s`` / ``exposed_on_s``: time blocked in exchange waits (mean over the ranks);
@@ -131,7 +132,8 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         t0 = time.perf_counter()
         run_microbatches(models[False], mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
         forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
-        with link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"]), wait_stats() as waits:
+        link = link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"], peer_issue=a["peer_issue"])
+        with link, wait_stats() as waits:
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
                 chunks, optimizer = models[on], optimizers[on]
@@ -197,6 +199,7 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         layout=layout,
         link_latency_ms=a["latency_ms"],
         nccl_order=a["nccl_order"],
+        peer_issue=a["peer_issue"],
         meta_comm=a["meta_comm"],
         step_time_off_s=med("step_time_s", False),
         step_time_on_s=med("step_time_s", True),
@@ -253,6 +256,12 @@ def _args(argv=None):
         help="link model: an operation on a process group completes after every one issued before it there",
     )
     p.add_argument(
+        "--peer-issue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="link model: an exchange completes its latency after the last of its ranks issued it",
+    )
+    p.add_argument(
         "--meta-comm",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -277,6 +286,7 @@ def _settings(ns, latency_ms: float) -> dict:
         "threads",
         "delay_wgrad",
         "nccl_order",
+        "peer_issue",
         "meta_comm",
     )
     return dict({k: getattr(ns, k) for k in keys}, latency_ms=latency_ms)
@@ -346,7 +356,7 @@ def main(argv=None) -> None:
         keys = ("hidden", "step_time_on_s", "step_time_off_s", "exposed_on_s", "exposed_off_s", "step_time_ratio")
         keys += ("layer_compute_ms", "layer_forward_ms", "layout", "link_latency_ms")
         summary = {k: top[k] for k in keys} if top else {}
-        summary.update(nccl_order=ns.nccl_order, meta_comm=ns.meta_comm)
+        summary.update(nccl_order=ns.nccl_order, peer_issue=ns.peer_issue, meta_comm=ns.meta_comm)
         summary.update(runs=results, command=command, load_before=load_before, load_after=load_after)
         with open(ns.json, "w") as f:
             json.dump(summary, f, indent=1)

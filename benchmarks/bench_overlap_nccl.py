@@ -1,20 +1,24 @@
 """What NCCL's per-communicator order costs overlap, and what the metadata communicator gives back.
 
 Runs :func:`benchmarks.bench_overlap.run_layout` (overlap off and on alternating step by step, under the
-link model at ``--latency-ms``) in three settings, for every layout of ``--layouts``:
+link model at ``--latency-ms``) in four settings, for every layout of ``--layouts``:
 
-- ``no rule``: the link model without NCCL's order (``nccl_order=False``, as gloo behaves);
+- ``no rule``: the link model without NCCL's order (``nccl_order=False``, as gloo behaves), each
+  exchange complete its latency after this rank issued it (``peer_issue=False``);
 - ``rule, counts on EP``: with the order, the dispatcher's count all-gathers on the EP communicator
   behind the token all-to-alls issued before them there (``meta_comm=False``);
-- ``rule, ep_meta``: with the order, the counts on their own communicator (``ProcessGroups.ep_meta``):
-  the engine's default.
+- ``rule, ep_meta, own issue``: with the order, the counts on their own communicator
+  (``ProcessGroups.ep_meta``), each exchange complete its latency after this rank issued it;
+- ``rule, ep_meta``: the same, each exchange complete its latency after the *last* of its ranks issued
+  it (``peer_issue``, as a network delivers a late peer's bytes): the engine's default and the link
+  model's.
 
 The host is shared and its speed changes from minute to minute, so the settings run interleaved, in a
 rotated order, ``--repeats`` times, all in one pool of 4 gloo ranks; each run's own ratios (step on/off,
 hidden) are what is compared, and the host's load average before and after every run is kept. The JSON
-(``--json``) carries ``"nccl_order": true`` at its top level (the engine's default: the last setting),
-every run with its settings, load and exposed time by exchange, and per setting × layout the medians
-and ranges over the repeats; ``--out`` writes the Markdown report.
+(``--json``) carries ``"nccl_order": true`` and ``"peer_issue": true`` at its top level (the engine's
+default: the last setting), every run with its settings, load and exposed time by exchange, and per
+setting × layout the medians and ranges over the repeats; ``--out`` writes the Markdown report.
 
 Usage::
 
@@ -39,9 +43,10 @@ from benchmarks import bench_overlap as bo
 from folding.testing import RankPool
 
 SETTINGS = (
-    ("no rule", dict(nccl_order=False, meta_comm=True)),
-    ("rule, counts on EP", dict(nccl_order=True, meta_comm=False)),
-    ("rule, ep_meta", dict(nccl_order=True, meta_comm=True)),
+    ("no rule", dict(nccl_order=False, peer_issue=False, meta_comm=True)),
+    ("rule, counts on EP", dict(nccl_order=True, peer_issue=True, meta_comm=False)),
+    ("rule, ep_meta, own issue", dict(nccl_order=True, peer_issue=False, meta_comm=True)),
+    ("rule, ep_meta", dict(nccl_order=True, peer_issue=True, meta_comm=True)),
 )
 """``(name, link-model settings)`` compared; the last is the engine's default."""
 
@@ -177,7 +182,7 @@ def main(argv=None) -> None:
             runs.append(r)
             h = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
             print(
-                f"[{rep}] {name:20s} {layout:8s} on/off {r['step_time_ratio']:.2f} hidden {h} "
+                f"[{rep}] {name:26s} {layout:8s} on/off {r['step_time_ratio']:.2f} hidden {h} "
                 f"(step off {r['step_time_off_s']:.3f} s; load {r['load_before']} -> {r['load_after']})",
                 flush=True,
             )
@@ -185,7 +190,7 @@ def main(argv=None) -> None:
         pool.shutdown()
     summary = summarize(runs)
     if ns.json:
-        out = dict(nccl_order=True, meta_comm=True, latency_ms=ns.latency_ms, command=command)
+        out = dict(nccl_order=True, peer_issue=True, meta_comm=True, latency_ms=ns.latency_ms, command=command)
         out.update(settings=[dict(name=n, **s) for n, s in SETTINGS], summary=summary, runs=runs)
         with open(ns.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -194,7 +199,7 @@ def main(argv=None) -> None:
             f.write(report(summary, runs, ns, command))
     for s in summary:
         h = "n/a" if s["hidden_median"] is None else f"{s['hidden_median']:.2f}"
-        print(f"{s['setting']:20s} {s['layout']:8s} hidden {h} on/off {s['ratio_median']:.2f}")
+        print(f"{s['setting']:26s} {s['layout']:8s} hidden {h} on/off {s['ratio_median']:.2f}")
 
 
 if __name__ == "__main__":

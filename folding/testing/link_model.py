@@ -21,7 +21,20 @@ all-to-all on the same group completes after it). The model keeps, per process g
 completion of the last operation issued there (:func:`issue`); an operation's completion is the later
 of its own and that one. gloo does not serialize them, so without this rule no CPU measurement shows
 what sharing a communicator costs. A separate process group over the same ranks is a separate
-communicator and has its own order. Two ranks are on
+communicator and has its own order.
+
+**The last sender** (``peer_issue``, on by default): a rank receives a peer's bytes only after that peer
+sent them, so an exchange completes no earlier than its duration after the *last* of its group's ranks
+issued it, not after this rank did. Each rank publishes the time it issued every modelled exchange in
+the process group's key-value store (``dist.distributed_c10d._get_default_store``), keyed by the group's
+name and the exchange's index on that group (every rank issues a group's exchanges in the same order),
+and the wait reads its peers' times. The ranks share one clock (``time.perf_counter``, the host's
+monotonic clock: the model is for ranks on one machine). Without the rule a rank that issued early
+would see its exchange complete before a late peer had sent anything, and the ranks' skew would
+surface at the next collective the model does not delay (the token counts' all-gather) instead of in
+the exchange where a network would absorb it. A peer's time not published within
+``PEER_TIMEOUT_S`` (an exchange only some ranks observe) falls back to this rank's own, counted in
+:data:`traffic`. Two ranks are on
 the same node when their *global* ranks agree after integer division by ``nvlink_domain`` (``parallel.
 nvlink_domain``); rows a rank sends to itself are a local copy and cost nothing.
 
@@ -41,8 +54,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import time
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -64,6 +78,9 @@ class LinkModel:
     nccl_order: bool = True
     """An operation on a process group completes no earlier than every operation issued before it on
     that group (NCCL's one communicator, one order; see the module docstring)."""
+    peer_issue: bool = True
+    """An exchange completes no earlier than its duration after the last of its group's ranks issued it
+    (see the module docstring); ``False``: after this rank issued it."""
 
     def __post_init__(self):
         if self.latency_s < 0:
@@ -136,11 +153,13 @@ class Traffic:
     """Sent to other ranks of this node."""
     exchanges: int = 0
     """Modelled exchanges."""
+    peer_fallbacks: int = 0
+    """Peers' issue times not published within ``PEER_TIMEOUT_S`` (this rank's own time used instead)."""
 
     def reset(self) -> None:
         """Zero the counters."""
         self.inter_node_bytes = self.intra_node_bytes = 0.0
-        self.exchanges = 0
+        self.exchanges = self.peer_fallbacks = 0
 
     def record(self, b: LinkBytes) -> None:
         """Add one exchange's bytes."""
@@ -154,6 +173,12 @@ traffic = Traffic()
 
 _model = [LinkModel()]
 _tails: Dict[Any, float] = {}  # process group -> modelled completion of the last operation issued on it
+_pending: Dict[Any, List[overlap.Exchange]] = {}  # process group -> exchanges issued there, not yet settled
+_settled: Dict[Any, float] = {}  # process group -> final modelled completion of its last settled exchange
+_seq: Dict[str, int] = {}  # process group name -> modelled exchanges issued there by this process
+
+PEER_TIMEOUT_S = 5.0
+"""How long a wait looks for a peer's published issue time before it uses this rank's own."""
 
 
 def current() -> LinkModel:
@@ -169,36 +194,42 @@ def link_model(
     intra_node_bandwidth: Optional[float] = None,
     nvlink_domain: Optional[int] = None,
     nccl_order: bool = True,
+    peer_issue: bool = True,
 ) -> Iterator[LinkModel]:
     """Inside the block, every EP token exchange completes no earlier than its :meth:`LinkModel.duration`
     after it was issued and, with ``nccl_order``, no earlier than every operation issued before it on
-    its process group (see the module docstring); yields the :class:`LinkModel`."""
+    its process group and, with ``peer_issue``, no earlier than its duration after the last of its ranks
+    issued it (see the module docstring); yields the :class:`LinkModel`."""
     m = LinkModel(
         latency_s=float(latency_s),
         inter_node_bandwidth=inter_node_bandwidth,
         intra_node_bandwidth=intra_node_bandwidth,
         nvlink_domain=nvlink_domain,
         nccl_order=nccl_order,
+        peer_issue=peer_issue,
     )
     old, _model[0] = _model[0], m
-    saved = dict(_tails)
-    _tails.clear()
+    saved = (dict(_tails), dict(_pending), dict(_settled))
+    for d in (_tails, _pending, _settled):
+        d.clear()
     try:
         with overlap.observe(_Links(m)):
             yield m
     finally:
         _model[0] = old
-        _tails.clear()
-        _tails.update(saved)
+        for d, was in zip((_tails, _pending, _settled), saved):
+            d.clear()
+            d.update(was)
 
 
 @contextlib.contextmanager
-def link_latency(seconds: float, *, nccl_order: bool = True) -> Iterator[None]:
+def link_latency(seconds: float, *, nccl_order: bool = True, peer_issue: bool = True) -> Iterator[None]:
     """Link model for benchmarks and tests: inside the block, every token exchange completes no
     earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
-    network with that latency, and (``nccl_order``) no earlier than the operations issued before it on
-    its process group. The exchanges' data and order are unchanged."""
-    with link_model(latency_s=seconds, nccl_order=nccl_order):
+    network with that latency after the last of its ranks issued it (``peer_issue``), and
+    (``nccl_order``) no earlier than the operations issued before it on its process group. The
+    exchanges' data and order are unchanged."""
+    with link_model(latency_s=seconds, nccl_order=nccl_order, peer_issue=peer_issue):
         yield
 
 
@@ -231,7 +262,9 @@ def complete(done: Optional[float]) -> float:
 
 class _Links(overlap.ExchangeObserver):
     """The model's hold on every exchange: its modelled completion when issued (with its bytes per
-    link class, for an EP exchange), a sleep until then when its collectives have completed."""
+    link class, for an EP exchange; its issue time published for its peers), then, when its collectives
+    have completed, the completion corrected by the peers' issue times and the group's order, and a
+    sleep until then."""
 
     def __init__(self, model: LinkModel):
         self.model = model
@@ -244,9 +277,83 @@ class _Links(overlap.ExchangeObserver):
             if link_bytes is not None:
                 traffic.record(link_bytes)
         ex.marks["link_done"] = issue(ex.group, duration)
+        if ex.marks["link_done"] is None:
+            return
+        if self.model.peer_issue and duration > 0:
+            _publish(ex, duration)
+        if self.model.nccl_order and ex.group is not None:
+            _pending.setdefault(ex.group, []).append(ex)
 
     def settle(self, ex: overlap.Exchange) -> None:
+        _resolve(ex, self.model.nccl_order)
         complete(completion(ex))
+
+
+def _group_of(group):
+    """``(store, group name, this rank's index in it, its size)`` of ``group`` (``None``: the world), or
+    ``None`` when ``torch.distributed`` is not initialized."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = group if group is not None else c10d._get_default_group()
+    return c10d._get_default_store(), pg.group_name, dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def _key(name: str, seq: int, index: int) -> str:
+    return f"folding/link/{name}/{seq}/{index}"
+
+
+def _publish(ex: overlap.Exchange, duration: float) -> None:
+    """Publish when this rank issued ``ex`` (in the group's store) and note what its peers will publish."""
+    g = _group_of(ex.group)
+    if g is None or g[3] == 1:
+        return
+    store, name, me, size = g
+    seq = _seq.get(name, 0)
+    _seq[name] = seq + 1
+    store.set(_key(name, seq, me), repr(ex.start))
+    ex.marks["link_peers"] = (store, name, seq, me, size, duration)
+
+
+def _last_issue(store, name: str, seq: int, me: int, size: int, own: float) -> float:
+    """The latest time any rank of the group issued its exchange number ``seq`` (``own``: this rank's)."""
+    latest = own
+    for i in range(size):
+        if i == me:
+            continue
+        key = _key(name, seq, i)
+        try:
+            store.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT_S))
+        except RuntimeError:  # not published: an exchange this peer does not observe
+            traffic.peer_fallbacks += 1
+            continue
+        latest = max(latest, float(store.get(key)))
+    return latest
+
+
+def _resolve(ex: overlap.Exchange, nccl_order: bool) -> None:
+    """Final modelled completions of ``ex`` and of the exchanges issued before it on its group: each no
+    earlier than its duration after the last rank issued it and than the one before it there."""
+    pending = _pending.get(ex.group, []) if nccl_order and ex.group is not None else []
+    if ex in pending:
+        n = pending.index(ex) + 1
+        upto, pending[:n] = pending[:n], []
+    else:
+        upto = [ex]
+    for e in upto:
+        done = e.marks.get("link_done")
+        if done is None or e.marks.get("link_final"):
+            continue
+        peers = e.marks.pop("link_peers", None)
+        if peers is not None:
+            store, name, seq, me, size, duration = peers
+            done = max(done, _last_issue(store, name, seq, me, size, e.start) + duration)
+        if nccl_order and e.group is not None:
+            done = max(done, _settled.get(e.group, 0.0))
+            _settled[e.group] = done
+        e.marks["link_done"] = done
+        e.marks["link_final"] = True
 
 
 def completion(ex: overlap.Exchange) -> Optional[float]:

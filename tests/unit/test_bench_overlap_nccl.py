@@ -29,16 +29,18 @@ def _run(setting, layout, hidden, ratio, counts_on=0.1):
 
 
 def test_schedule_interleaves_and_rotates():
-    order = bn.schedule(["ep4", "pp2ep2"], 3)
     names = [n for n, _ in bn.SETTINGS]
-    assert len(order) == 3 * 2 * 3
-    for rep in range(3):
+    reps = len(names)
+    order = bn.schedule(["ep4", "pp2ep2"], reps)
+    assert len(order) == reps * 2 * len(names)
+    for rep in range(reps):
         for layout in ("ep4", "pp2ep2"):
             got = [n for r, lay, n in order if r == rep and lay == layout]
             assert sorted(got) == sorted(names)  # each setting once per repeat and layout
-    firsts = {order[6 * rep][2] for rep in range(3)}
+    firsts = {order[2 * len(names) * rep][2] for rep in range(reps)}
     assert firsts == set(names)  # no setting always runs first
-    assert bn.SETTINGS[-1][1] == dict(nccl_order=True, meta_comm=True)  # the default comes last in the list
+    default = dict(nccl_order=True, peer_issue=True, meta_comm=True)
+    assert bn.SETTINGS[-1][1] == default  # the default comes last in the list
 
 
 def test_summary_medians_ranges_and_targets():
