@@ -23,7 +23,7 @@ setting × layout the medians and ranges over the repeats; ``--out`` writes the 
 Usage::
 
     python -m benchmarks.bench_overlap_nccl --layouts ep4,pp2ep2 --latency-ms 10 --repeats 3 \\
-        --json benchmarks/overlap_nccl_order_cpu.json --out benchmarks/overlap_nccl_order_cpu.md
+        --json benchmarks/results/overlap_nccl_order_cpu.json --out benchmarks/results/overlap_nccl_order_cpu.md
 """
 
 from __future__ import annotations

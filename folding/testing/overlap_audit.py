@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 from typing import Any, Dict, Iterator, List
 
-from folding.parallel import overlap
+from folding.parallel import lanes, overlap
 
 # ------------------------------------------------------------------------------------- the audit
 
@@ -68,12 +68,12 @@ def audit() -> Iterator[List[Dict[str, Any]]]:
     :func:`folding.parallel.overlap.steady_state` and ``paired`` whether a pair was running with its
     other lane alive when it was waited on."""
     log: List[Dict[str, Any]] = []
-    overlap._audit_mode = _counting_mode  # the helper lane of a pair counts too
+    lanes.set_helper_context(_counting_mode)  # the helper lane of a pair counts too
     try:
         with overlap.observe(_Audit(log)), _counting_mode():
             yield log
     finally:
-        overlap._audit_mode = None
+        lanes.set_helper_context(None)
 
 
 # ----------------------------------------------------------------------------- the wait statistics
