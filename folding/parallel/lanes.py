@@ -17,11 +17,12 @@ condition variable. A pair is confined to the process that runs it.
 
 **Lanes and the autograd engine.** On CUDA the first lane's backward runs on the engine's one device
 thread, which a hand-over parks; a graph task started by the second lane would queue behind it and
-both would wait for ever. So the second lane never starts one: :func:`run_pair` puts a guard in front
-of the engine (every ``backward`` and ``autograd.grad`` passes it) that raises :class:`LaneError` when
-the helper lane tries, and the pair raises it even if the lane's code swallowed it. The second lane
-always runs on the same persistent thread (:func:`lane_thread`, created on the first pair), so
-per-thread state (CUDA-graph trees, thread-local caches) is built once, not per pair.
+both would wait for ever. So the second lane never starts one: while a pair runs, :func:`run_pair`
+puts a guard in front of the engine (every ``backward`` and ``autograd.grad`` passes it; the engine is
+the process's own again when the pair ends) that raises :class:`LaneError` when the helper lane tries,
+and the pair raises it even if the lane's code swallowed it. The second lane always runs on the same
+persistent thread (:func:`lane_thread`, created on the first pair), so per-thread state (CUDA-graph
+trees, thread-local caches) is built once, not per pair.
 
 **Randomness across a hand-over.** The default generators (CPU, and the current CUDA device's) are
 process-global, and non-reentrant activation recompute forks them (sets the forward's saved state,
@@ -45,7 +46,7 @@ import dataclasses
 import os
 import queue
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -168,12 +169,21 @@ class _EngineGuard:
         return getattr(self.engine, name)
 
 
-def _guard_autograd_engine() -> None:
-    """Put :class:`_EngineGuard` in front of the autograd engine (once per process)."""
+@contextlib.contextmanager
+def _engine_guarded() -> Iterator[None]:
+    """Put :class:`_EngineGuard` in front of the autograd engine for the block (a pair's lifetime);
+    the engine is the process's own again after it."""
     from torch.autograd.variable import Variable
 
-    if not isinstance(Variable._execution_engine, _EngineGuard):
-        Variable._execution_engine = _EngineGuard(Variable._execution_engine)
+    engine = Variable._execution_engine
+    if isinstance(engine, _EngineGuard):  # a guard is already in front (not ours to remove)
+        yield
+        return
+    Variable._execution_engine = _EngineGuard(engine)
+    try:
+        yield
+    finally:
+        Variable._execution_engine = engine
 
 
 class _LaneThread:
@@ -221,7 +231,6 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> Tuple[Any, 
     global _pair
     if _pair is not None:  # already inside a pair: run one after the other
         return first(), second()
-    _guard_autograd_engine()
     grad = torch.is_grad_enabled()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     device = torch.cuda.current_device() if cuda else None
@@ -259,10 +268,11 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> Tuple[Any, 
     _pair = p
     stats.pairs += 1
     try:
-        _lane_server().jobs.put(lambda: lane(1, second, True))
-        lane(0, first, False)
-        with p.cond:
-            p.cond.wait_for(lambda: p.done[1])
+        with _engine_guarded():
+            _lane_server().jobs.put(lambda: lane(1, second, True))
+            lane(0, first, False)
+            with p.cond:
+                p.cond.wait_for(lambda: p.done[1])
     finally:
         _pair = None
     moved = [not _rng_same(p.rng[i], p.rng_start) for i in (0, 1)]

@@ -93,6 +93,17 @@ def test_a_the_lanes_may_run_forwards_and_the_first_lane_backwards():
     assert torch.equal(w.grad, torch.full((3,), 8.0))
 
 
+
+def test_a_the_engine_is_guarded_only_while_a_pair_runs():
+    from torch.autograd.variable import Variable
+
+    engine = Variable._execution_engine
+    seen = []
+    overlap.run_pair(lambda: seen.append(Variable._execution_engine), lambda: None)
+    assert seen[0] is not engine and seen[0].engine is engine  # the guard, in front of the engine
+    assert Variable._execution_engine is engine  # the process's own engine again
+
+
 # ------------------------------------------------------------------ b. first-use probes before pairs
 @pytest.fixture
 def probe_calls(monkeypatch):
