@@ -15,8 +15,9 @@ other.
   persistent helper thread) are :mod:`folding.parallel.lanes`; this module re-exports its public names.
 - :class:`Exchange` is the one way the engine waits on a token exchange: ``Exchange(works, what=...)``
   right after issuing ``async_op=True`` collectives, ``.wait()`` before reading their outputs. Between
-  the two it runs the work deferred with :func:`defer` (the shared expert during its own dispatch),
-  then hands the baton to the other lane of the pair, if any.
+  the two it hands the baton to the other lane of the pair, if any, and when it is back runs the work
+  this lane deferred with :func:`defer` (the shared expert during its own dispatch, the experts' weight
+  gradients during the backward's dispatch).
 - :data:`stats` counts the pairs run and the hand-overs between their lanes (the trainer reports both
   per step).
 - :func:`observe` is the neutral hook of test and benchmark instruments, which live in
@@ -62,7 +63,8 @@ __all__ = [
     "steady_state",
 ]
 
-_deferred: List["Deferred"] = []
+_deferred: Dict[Optional[int], List["Deferred"]] = {}
+"""Deferred work not yet run, per lane of the running pair that deferred it (``None``: outside a pair)."""
 
 # ------------------------------------------------------------------------------- deferred work
 
@@ -74,14 +76,15 @@ class Deferred:
         self._fn: Optional[Callable[[], Any]] = fn
         self._value: Any = None
         self._grad = torch.is_grad_enabled()
+        self._queue: List["Deferred"] = _lane_queue()
 
     def run(self) -> None:
         """Run the work now if it has not run yet, in the grad mode it was deferred in (an exchange
         may wait inside an autograd function's forward, where grad mode is off)."""
         if self._fn is not None:
             fn, self._fn = self._fn, None
-            if self in _deferred:
-                _deferred.remove(self)
+            if self in self._queue:
+                self._queue.remove(self)
             with torch.set_grad_enabled(self._grad):
                 self._value = fn()
 
@@ -91,18 +94,28 @@ class Deferred:
         return self._value
 
 
+def _lane_queue() -> List[Deferred]:
+    """The deferred work of the lane that runs now (each lane runs only its own: a lane's work may
+    start autograd graph tasks, which only the first lane may)."""
+    return _deferred.setdefault(running_lane(), [])
+
+
 def flush_deferred() -> None:
-    """Run every deferred piece of work now (a backward's weight gradients that no exchange ran)."""
-    while _deferred:
-        _deferred[0].run()
+    """Run the deferred work of the running lane now (outside a pair: all of it), e.g. a backward's
+    weight gradients that no exchange ran."""
+    queues = [_lane_queue()] if running_lane() is not None else list(_deferred.values())
+    for q in queues:
+        while q:
+            q[0].run()
 
 
 def defer(fn: Callable[[], Any]) -> Deferred:
-    """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, after the
-    exchange's collectives are issued and before any hand-over; :meth:`Deferred.result` runs it
-    at the latest. Used for the shared expert during its own micro-batch's dispatch."""
+    """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, while that
+    exchange is in flight (in a pair: once the other lane has run its piece and handed the baton back);
+    :meth:`Deferred.result` runs it at the latest. Used for the shared expert during its own
+    micro-batch's dispatch and for the experts' weight gradients (``parallel.delay_wgrad``)."""
     d = Deferred(fn)
-    _deferred.append(d)
+    d._queue.append(d)
     return d
 
 
@@ -182,8 +195,10 @@ def exchange_bytes() -> Optional[ExchangeBytes]:
 class Exchange:
     """Collectives issued together (``async_op=True``) for one token exchange, waited on once.
 
-    Create it right after issuing them; :meth:`wait` runs the deferred work, hands the baton to the
-    other lane of a running pair, then waits for the collectives. ``what`` names the exchange (in the
+    Create it right after issuing them; :meth:`wait` hands the baton to the other lane of a running
+    pair, runs this lane's deferred work when the baton is back, then waits for the collectives (the
+    other lane's piece first, then the deferred work: the work that can go anywhere fills what the
+    other lane's piece leaves of the exchange's flight). ``what`` names the exchange (in the
     order audit); ``linked``: an EP exchange (the only kind a link model delays); ``link_bytes``: its
     messages' bytes (:func:`exchange_bytes`; ``None``: not counted); ``group``: the process group its
     collectives run on (whose issue order a link model keeps, as NCCL does); ``overlap_point``:
@@ -238,9 +253,9 @@ class Exchange:
             return
         self.done = True
         if self.overlap_point:
-            flush_deferred()
             self.paired = in_pair()
             hand_over()
+            flush_deferred()
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
