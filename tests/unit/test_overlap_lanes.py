@@ -57,6 +57,25 @@ def test_deferred_work_runs_in_the_next_wait_with_its_grad_mode():
     assert d.result().requires_grad
 
 
+def test_a_lanes_deferred_work_runs_in_that_lane_once_the_baton_is_back():
+    trace = []
+
+    def first():
+        overlap.defer(lambda: trace.append(("a work", overlap.running_lane())))
+        trace.append("a issues")
+        overlap.Exchange([_Done()], what="ep test").wait()
+        trace.append("a waited")
+
+    def second():
+        trace.append("b runs")
+        overlap.Exchange([_Done()], what="ep test").wait()  # must not run the first lane's work
+        trace.append("b waited")
+
+    overlap.run_pair(first, second)
+    # the other lane's piece first, then the first lane's own work, inside its own wait
+    assert trace == ["a issues", "b runs", ("a work", 0), "a waited", "b waited"]
+
+
 def test_paired_schedule_keeps_the_order_of_forwards_and_backwards():
     for pp, vpp, M in [(1, 1, 4), (2, 1, 6), (4, 2, 8)]:
         for r in range(pp):
