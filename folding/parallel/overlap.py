@@ -15,9 +15,9 @@ other.
   persistent helper thread) are :mod:`folding.parallel.lanes`; this module re-exports its public names.
 - :class:`Exchange` is the one way the engine waits on a token exchange: ``Exchange(works, what=...)``
   right after issuing ``async_op=True`` collectives, ``.wait()`` before reading their outputs. Between
-  the two it hands the baton to the other lane of the pair, if any, and when it is back runs the work
-  this lane deferred with :func:`defer` (the shared expert during its own dispatch, the experts' weight
-  gradients during the backward's dispatch).
+  the two it runs the work this lane deferred with :func:`defer` (the shared expert during its own
+  dispatch, the experts' weight gradients during the backward's dispatch) and hands the baton to the
+  other lane of the pair, if any: half of the work before the hand-over, the rest after it.
 - :data:`stats` counts the pairs run and the hand-overs between their lanes (the trainer reports both
   per step).
 - :func:`observe` is the neutral hook of test and benchmark instruments, which live in
@@ -111,7 +111,7 @@ def flush_deferred() -> None:
 
 def defer(fn: Callable[[], Any]) -> Deferred:
     """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, while that
-    exchange is in flight (in a pair: once the other lane has run its piece and handed the baton back);
+    exchange is in flight (in a pair: before or after the other lane's piece, :class:`Exchange`);
     :meth:`Deferred.result` runs it at the latest. Used for the shared expert during its own
     micro-batch's dispatch and for the experts' weight gradients (``parallel.delay_wgrad``)."""
     d = Deferred(fn)
@@ -195,10 +195,12 @@ def exchange_bytes() -> Optional[ExchangeBytes]:
 class Exchange:
     """Collectives issued together (``async_op=True``) for one token exchange, waited on once.
 
-    Create it right after issuing them; :meth:`wait` hands the baton to the other lane of a running
-    pair, runs this lane's deferred work when the baton is back, then waits for the collectives (the
-    other lane's piece first, then the deferred work: the work that can go anywhere fills what the
-    other lane's piece leaves of the exchange's flight). ``what`` names the exchange (in the
+    Create it right after issuing them; :meth:`wait` runs this lane's deferred work and hands the baton
+    to the other lane of a running pair, then waits for the collectives. In a pair the deferred work is
+    split around the other lane's piece: the first half of it (rounded up: the shared expert, or the
+    experts' fc2 weight gradient) before the hand-over, the rest when the baton is back. The work that
+    can go anywhere thus covers both exchanges in flight at the hand-over, this lane's and the other
+    lane's, instead of padding one and leaving the other to wait. ``what`` names the exchange (in the
     order audit); ``linked``: an EP exchange (the only kind a link model delays); ``link_bytes``: its
     messages' bytes (:func:`exchange_bytes`; ``None``: not counted); ``group``: the process group its
     collectives run on (whose issue order a link model keeps, as NCCL does); ``overlap_point``:
@@ -254,6 +256,10 @@ class Exchange:
         self.done = True
         if self.overlap_point:
             self.paired = in_pair()
+            if self.paired:  # half of this lane's deferred work before the other lane's piece, half after
+                q = _lane_queue()
+                for d in q[: (len(q) + 1) // 2]:
+                    d.run()
             hand_over()
             flush_deferred()
         t0 = time.perf_counter()

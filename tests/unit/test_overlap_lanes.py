@@ -57,11 +57,12 @@ def test_deferred_work_runs_in_the_next_wait_with_its_grad_mode():
     assert d.result().requires_grad
 
 
-def test_a_lanes_deferred_work_runs_in_that_lane_once_the_baton_is_back():
+def test_a_lanes_deferred_work_runs_in_that_lane_around_the_other_lanes_piece():
     trace = []
 
     def first():
-        overlap.defer(lambda: trace.append(("a work", overlap.running_lane())))
+        for name in ("fc2 wgrad", "fc1 wgrad"):
+            overlap.defer(lambda name=name: trace.append((name, overlap.running_lane())))
         trace.append("a issues")
         overlap.Exchange([_Done()], what="ep test").wait()
         trace.append("a waited")
@@ -72,8 +73,8 @@ def test_a_lanes_deferred_work_runs_in_that_lane_once_the_baton_is_back():
         trace.append("b waited")
 
     overlap.run_pair(first, second)
-    # the other lane's piece first, then the first lane's own work, inside its own wait
-    assert trace == ["a issues", "b runs", ("a work", 0), "a waited", "b waited"]
+    # half of the work before the hand-over, the rest once the baton is back, each in the first lane
+    assert trace == ["a issues", ("fc2 wgrad", 0), "b runs", ("fc1 wgrad", 0), "a waited", "b waited"]
 
 
 def test_paired_schedule_keeps_the_order_of_forwards_and_backwards():
