@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from folding.launch.run import release_process_groups
 from folding.moe.config import MoEConfig
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.routing.router import Router
@@ -73,7 +74,7 @@ def _spawned(rank, world, init_file):
     try:
         main()
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
 
 
 if __name__ == "__main__":
@@ -86,7 +87,7 @@ if __name__ == "__main__":
             device = torch.device("cpu")
             dist.init_process_group("gloo")
         main(device)
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
     else:
         import tempfile
 

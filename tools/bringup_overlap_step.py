@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from folding.launch.run import release_process_groups
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
@@ -237,7 +238,7 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
             json.dump(result, f)
     finally:
         ps.destroy()
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
 
 
 def overlap_step(world: Optional[int] = None, *, cpu: bool = False) -> dict:

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from folding.checkpoint.load import is_complete, latest_complete, load_full_model, read_meta
+from folding.launch.run import release_process_groups
 from folding.model.config import ModelConfig
 from folding.model.hf.config import CheckpointError
 from folding.model.hf.weights import _Reader, from_hf, to_hf
@@ -85,7 +86,7 @@ def single_process_world():
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes: int = 5 * 2**30) -> str:

@@ -42,6 +42,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from folding.launch.run import release_process_groups
 from tools import bringup_cases as cases
 from tools import bringup_device_cases as device_cases
 
@@ -73,7 +74,7 @@ def _speed(dev, sizes, dtype, args):
     try:
         return True, cases.moe_layer_speed(dev, sizes, dtype, args.fp8_recipe)
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
 
 
 def _device_cases(dev, sizes, dtype, args):

@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from folding.launch.run import init_world
+from folding.launch.run import init_world, release_process_groups
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.config import MoEConfig
@@ -199,7 +199,7 @@ def main() -> int:
             print("FAILED" if failed else "all checks that ran passed")
         return 1 if failed else 0
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # frees the groups' native threads before exit
 
 
 if __name__ == "__main__":

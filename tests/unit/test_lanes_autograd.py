@@ -93,7 +93,6 @@ def test_a_the_lanes_may_run_forwards_and_the_first_lane_backwards():
     assert torch.equal(w.grad, torch.full((3,), 8.0))
 
 
-
 def test_a_the_engine_is_guarded_only_while_a_pair_runs():
     from torch.autograd.variable import Variable
 
