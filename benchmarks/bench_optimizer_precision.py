@@ -45,7 +45,7 @@ import torch.distributed as dist
 from folding.job.config import job_config_from_dict
 from folding.job.schema import register_schema
 from folding.launch.cli import compose_tree
-from folding.launch.run import release_process_groups
+from folding.parallel.groups import release_process_groups
 from folding.planning.memory import state_bytes_per_param
 from folding.planning.optim_precision import OptimizerPrecision
 from folding.training import trainer

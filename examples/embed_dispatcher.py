@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from folding.launch.run import release_process_groups
 from folding.moe.config import MoEConfig
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.routing.router import Router
-from folding.parallel.groups import ProcessGroups
+from folding.parallel.groups import ProcessGroups, release_process_groups
 
 H, F, E, TOPK, T = 32, 16, 4, 2, 10
 

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from folding.launch.run import release_process_groups
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.parallel.groups import release_process_groups
 from folding.pipeline.stage import run_microbatches
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -31,12 +31,12 @@ import sys
 import torch
 
 from folding.checkpoint.load import is_complete, latest_complete, load_full_model, read_meta
-from folding.launch.run import release_process_groups
 from folding.model.config import ModelConfig
 from folding.model.hf.config import CheckpointError
 from folding.model.hf.weights import _Reader, from_hf, to_hf
 from folding.model.transformer import MoETransformer
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.groups import release_process_groups
 
 
 def _factory(spec):

@@ -42,7 +42,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from folding.launch.run import release_process_groups
+from folding.parallel.groups import release_process_groups
 from tools import bringup_cases as cases
 from tools import bringup_device_cases as device_cases
 

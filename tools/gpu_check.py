@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from folding.launch.run import init_world, release_process_groups
+from folding.launch.run import init_world
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.config import MoEConfig
@@ -33,6 +33,7 @@ from folding.moe.experts.select import backend_support
 from folding.moe.layer import build_moe_layer
 from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.groups import release_process_groups
 from folding.pipeline.p2p import P2P
 from folding.quant.emulate import RECIPES
 from folding.testing.transfer_audit import TransferAudit

@@ -25,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import socket
 import tempfile
@@ -38,6 +37,7 @@ from ..checkpoint.load import step_dir_name
 from ..job.config import ConfigError, env_world_size, job_config_from_dict
 from ..job.config import plain_tree as _plain
 from ..job.machine import experts_summary
+from ..parallel.groups import release_process_groups
 from ..training.faults import StopRequest
 from ..training.trainer import prepare, train
 from .cli import report_error
@@ -239,21 +239,3 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
             log.close()
         release_process_groups()
     return 0
-
-
-def release_process_groups() -> None:
-    """Destroy the world process group and free every group object while the interpreter is alive.
-
-    Each gloo process group owns native worker threads until its C++ object is freed, and the object
-    lives as long as a Python reference does (a model's modules, the optimizer, reference cycles
-    among them). A group still alive when the interpreter finalizes keeps those threads running into
-    the shutdown; a thread that then releases a tensor needs the GIL, which a finalizing interpreter
-    answers by ending the thread, and a C++ thread ended that way aborts the process ("terminate
-    called without an active exception", SIGABRT). So: collect the cycles the caller dropped,
-    destroy the groups, and collect again so that the group objects go (and their threads are
-    joined) now. The caller drops its own references (the model) first.
-    """
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()

@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import List, Optional, Tuple
 
 import torch.distributed as dist
@@ -173,3 +174,21 @@ def build_node_split_groups(ep_group, nvlink_domain: int):
             if me in ranks:
                 out[role] = handle
     return out["node"], out["rail"]
+
+
+def release_process_groups() -> None:
+    """Destroy the world process group and free every group object while the interpreter is alive.
+
+    Each gloo process group owns native worker threads until its C++ object is freed, and the object
+    lives as long as a Python reference does (a model's modules, the optimizer, reference cycles
+    among them). A group still alive when the interpreter finalizes keeps those threads running into
+    the shutdown; a thread that then releases a tensor needs the GIL, which a finalizing interpreter
+    answers by ending the thread, and a C++ thread ended that way aborts the process ("terminate
+    called without an active exception", SIGABRT). So: collect the cycles the caller dropped,
+    destroy the groups, and collect again so that the group objects go (and their threads are
+    joined) now. The caller drops its own references (the model) first.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
