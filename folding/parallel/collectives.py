@@ -60,6 +60,24 @@ def all_gather_start(x: torch.Tensor, group: Group):
     return out, all_gather_single(out, x, group=group, async_op=True)
 
 
+def gather_counts_start(x: torch.Tensor, group: Group):
+    """Start an all-gather of a small tensor ``x`` (token counts) along dim 0 over ``group``; return
+    ``(out, work)`` like :func:`all_gather_start` (same ``out``, rank order).
+
+    On gloo it travels as one all-to-all of ``x`` repeated once per rank: gloo's all-gather is a ring
+    (group size − 1 hops one after the other, each waiting for the next rank's progress thread to be
+    scheduled), its all-to-all one round of direct messages, so on a host that time-slices its ranks
+    the counts arrive after one scheduling delay instead of several (``docs/dispatcher.md`` has the
+    measurement). Elsewhere (NCCL) it is the all-gather. Not autograd-aware.
+    """
+    n = group_size(group)
+    if n == 1 or dist.get_backend(group) != "gloo":
+        return all_gather_start(x, group)
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, dist.all_to_all_single(out, x.repeat((n,) + (1,) * (x.dim() - 1)), group=group, async_op=True)
+
+
 def reduce_scatter_start(x: torch.Tensor, group: Group):
     """Start a reduce-scatter (sum) of ``x`` along dim 0 over ``group``; return ``(out, work)``.
 

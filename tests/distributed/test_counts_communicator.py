@@ -4,8 +4,10 @@ not on the EP communicator that carries the token payloads, for both dispatchers
 with NCCL's order, a count read behind a token exchange still in flight on EP therefore does not wait
 for it; with the counts on EP (``counts_group=None``) it does: the cost ``ep_meta`` removes.
 
-The count all-gather is recognised by its group: every all-gather a layer forward starts
-(``all_gather_start``) is recorded with the group it ran on."""
+The count all-gather is recognised by its group: every count gather a layer forward starts
+(``gather_counts_start``) is recorded with the group it ran on. On gloo that gather travels as one
+all-to-all (one round of direct messages, not gloo's ring): the last test checks it gives the
+all-gather's result, on the world and on subgroups."""
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.layer import build_moe_layer
 from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
+from folding.parallel.collectives import all_gather_start, gather_counts_start
 from folding.parallel.overlap import Exchange
 from folding.testing.link_model import link_latency
 from folding.testing.overlap_audit import wait_stats
@@ -31,7 +34,7 @@ def _cfg(dispatcher):
 
 
 def _recording(mod, seen):
-    real = mod.all_gather_start
+    real = mod.gather_counts_start
 
     def start(t, group):
         seen.append(group)
@@ -54,12 +57,12 @@ def _counts_groups():
             )
             seen = []
             real, spy = _recording(mod, seen)
-            mod.all_gather_start = spy
+            mod.gather_counts_start = spy
             try:
                 x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank))
                 layer(x)
             finally:
-                mod.all_gather_start = real
+                mod.gather_counts_start = real
             waited = {}
             for name, counts_group in (("ep_meta", ps.groups.ep_meta), ("ep", None)):
                 kw = dict(num_experts=E, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
@@ -95,3 +98,37 @@ def test_counts_on_their_own_communicator(ranks):
             # all); on ep_meta it does not, and the dispatch's own exchanges take the same time in both
             extra = r["waited"]["ep"] - r["waited"]["ep_meta"]
             assert extra > 0.7 * LATENCY_S, (kind, r)
+
+
+def _gathers():
+    """Per shape and group: the count gather's output, the all-gather's, and which collectives the count
+    gather called (it is an all-to-all on gloo)."""
+    world = dist.get_world_size()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[dist.get_rank() // 2]
+    calls, real_a2a, real_ag = [], dist.all_to_all_single, dist.all_gather_into_tensor
+    out = []
+    try:
+        dist.all_to_all_single = lambda *a, **k: calls.append("all_to_all") or real_a2a(*a, **k)
+        for group, n in ((None, world), (pair, 2)):
+            for shape in ((1, 8), (1, 2, 8), (3, 5)):
+                g = torch.Generator().manual_seed(10 * dist.get_rank() + len(shape))
+                x = torch.randint(0, 1000, shape, generator=g)
+                mine, work = gather_counts_start(x, group)
+                work.wait()
+                ref, work = all_gather_start(x, group)
+                work.wait()
+                out.append((n, x.shape[0], mine.shape[0], torch.equal(mine, ref)))
+    finally:
+        dist.all_to_all_single, dist.all_gather_into_tensor = real_a2a, real_ag
+        for p in pairs:
+            dist.destroy_process_group(p)
+    return out, calls
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_count_gather_equals_the_all_gather_in_one_round_on_gloo(ranks):
+    for out, calls in ranks(4).run(_gathers):
+        assert calls == ["all_to_all"] * 6  # every count gather one all-to-all (gloo's all-gather is a ring)
+        for n, rows, gathered, equal in out:
+            assert equal and gathered == n * rows, (n, rows, gathered)

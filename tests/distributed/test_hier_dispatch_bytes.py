@@ -31,11 +31,14 @@ H, T = 16, 12
 
 @contextlib.contextmanager
 def _count_bytes(G):
-    """Record ``{dest node: bytes}`` of every all_to_all_single this rank issues (self excluded)."""
+    """Record ``{dest node: bytes}`` of every all_to_all_single of token rows this rank issues (self
+    excluded; the token exchanges always give their split sizes, the count gather none)."""
     sent = {}
     real = dist.all_to_all_single
 
     def wrapped(out, x, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if input_split_sizes is None:  # equal splits: the token counts (on gloo an all-to-all), not rows
+            return real(out, x, group=group, async_op=async_op)
         ranks = dist.get_process_group_ranks(group)
         row = (x.numel() // x.shape[0]) * x.element_size() if x.shape[0] else 0
         for peer, n in zip(ranks, input_split_sizes):

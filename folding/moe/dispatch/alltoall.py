@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ...parallel.collectives import all_gather_nograd, all_gather_start
+from ...parallel.collectives import all_gather_nograd, gather_counts_start
 from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher
@@ -142,7 +142,7 @@ class AllToAllDispatcher(TokenDispatcher):
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
-            call.counts_dev, work = all_gather_start(counts_ETP_E.unsqueeze(0), self.counts_group)
+            call.counts_dev, work = gather_counts_start(counts_ETP_E.unsqueeze(0), self.counts_group)
             # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
             # an instrument's link model keeps its place in the counts group's order (NCCL's)
             call.counts_work = Exchange(

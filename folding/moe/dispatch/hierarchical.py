@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ...parallel.collectives import all_gather_nograd, all_gather_start
+from ...parallel.collectives import all_gather_nograd, gather_counts_start
 from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher, _group_ranks
@@ -116,7 +116,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         call = DispatchCall(record=record, routing_map_TE=routing_map)
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_group, stack=True)
-        call.counts_dev, work = all_gather_start(gathered.unsqueeze(0), self.counts_group)
+        call.counts_dev, work = gather_counts_start(gathered.unsqueeze(0), self.counts_group)
         # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
         # an instrument's link model keeps its place in the counts group's order (NCCL's)
         call.counts_work = Exchange(
