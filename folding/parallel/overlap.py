@@ -113,10 +113,38 @@ def defer(fn: Callable[[], Any]) -> Deferred:
     """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, while that
     exchange is in flight (in a pair: before or after the other lane's piece, :class:`Exchange`);
     :meth:`Deferred.result` runs it at the latest. Used for the shared expert during its own
-    micro-batch's dispatch and for the experts' weight gradients (``parallel.delay_wgrad``)."""
+    micro-batch's dispatch and for the experts' weight gradients (``parallel.delay_wgrad``).
+
+    Work deferred during a backward runs by the end of that backward at the latest: the first
+    deferral of a backward queues an end-of-backward callback on the autograd engine that runs what no
+    exchange ran (:func:`flush_deferred`). A layer used outside the engine's schedules (embedded in
+    another training loop, or a backward with no exchange after its experts) thus has every gradient
+    when ``backward`` returns, as without deferral."""
     d = Deferred(fn)
     d._queue.append(d)
+    if torch._C._current_graph_task_id() != -1:
+        _flush_at_backward_end()
     return d
+
+
+_flush_queued: set = set()
+"""The backwards (autograd graph task ids) whose end-of-backward flush is queued."""
+
+
+def _flush_at_backward_end() -> None:
+    """Queue :func:`flush_deferred` at the end of the running backward (once per backward)."""
+    task = torch._C._current_graph_task_id()
+    if task in _flush_queued:
+        return
+    _flush_queued.add(task)
+
+    def flush() -> None:
+        _flush_queued.discard(task)
+        flush_deferred()
+
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(flush)
 
 
 # ------------------------------------------------------------------------------------ instruments
