@@ -45,3 +45,36 @@ def test_hang_times_out(ranks):
         pool.run(_hang_on_rank_zero, timeout_s=5)
     assert not pool.alive
     assert ranks(2).run(_sum_of_ranks) == [1.0, 1.0]  # a fresh pool replaces it
+
+
+class _Cyclic:
+    """An object in a reference cycle (freed only by the cyclic collector), as a model holding groups is."""
+
+    def __init__(self):
+        self.me = self
+
+
+_left = []  # weak references to what a call left in cycles, per rank process
+
+
+def _leave_a_cycle():
+    import weakref
+
+    _left.append(weakref.ref(_Cyclic()))
+    return len(_left)
+
+
+def _cycle_freed_and_frozen():
+    import gc
+
+    return _left[-1]() is None, gc.get_freeze_count()
+
+
+def test_what_a_call_leaves_in_cycles_is_freed_and_what_survives_is_frozen(ranks):
+    # each call ends with a collection (a task's cycles, e.g. models holding process groups, go at once)
+    # and then freezes what survived, so later collections do not walk the rank's long-lived objects
+    pool = ranks(2)
+    pool.run(_leave_a_cycle)
+    for freed, frozen in pool.run(_cycle_freed_and_frozen):
+        assert freed
+        assert frozen > 10_000  # torch's and the modules' objects
