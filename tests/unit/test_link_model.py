@@ -74,3 +74,42 @@ def test_link_latency_keeps_its_meaning():
         # an exchange that is not an EP one (ETP) is not delayed
         assert _timed_wait(lambda: Exchange([], what="etp", linked=False)) < 0.05
     assert not lm.current().active
+
+
+def test_a_peer_published_a_moment_late_costs_about_that_moment(tmp_path):
+    # the last-sender lookup reads the peers' issue times from the ranks' store; the test ranks' store is
+    # a file store, whose own wait polls every 10 ms: a peer 1 ms late must not cost this rank 10 ms more
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("g", dist.FileStore(str(tmp_path / "store"), 1))
+    store.set(lm._key("ep", 0, 1), repr(1.0))
+    lags = []  # from the late peer's publish to the lookup's return
+    for seq in range(1, 8):
+        published = []
+
+        def publish(seq=seq, published=published):
+            store.set(lm._key("ep", seq, 2), repr(2.0 + seq))
+            published.append(time.perf_counter())
+
+        peer = threading.Timer(0.001, publish)
+        store.set(lm._key("ep", seq, 1), repr(1.0))
+        peer.start()
+        latest = lm._last_issue(store, "ep", seq, 0, 3, 0.5)
+        lags.append(time.perf_counter() - published[0])
+        peer.join()
+        assert latest == 2.0 + seq  # the late peer's time, read once it is there
+    # median: the poll's pause (at most 1 ms), not the rest of a 10 ms period (about 9 ms here)
+    assert sorted(lags)[3] < 0.005, lags
+    # a peer that never publishes falls back to this rank's own time (counted) after the timeout
+    saved, lm.PEER_TIMEOUT_S = lm.PEER_TIMEOUT_S, 0.05
+    try:
+        lm.traffic.reset()
+        assert lm._last_issue(store, "ep", 99, 0, 3, 0.5) == 0.5
+        assert lm.traffic.peer_fallbacks == 2
+        store.set(lm._key("ep", 100, 1), repr(7.0))
+        assert lm._last_issue(store, "ep", 100, 0, 3, 0.5) == 7.0  # the one that did publish counts
+        assert lm.traffic.peer_fallbacks == 3
+    finally:
+        lm.PEER_TIMEOUT_S = saved
