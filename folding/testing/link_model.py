@@ -28,7 +28,8 @@ sent them, so an exchange completes no earlier than its duration after the *last
 issued it, not after this rank did. Each rank publishes the time it issued every modelled exchange in
 the process group's key-value store (``dist.distributed_c10d._get_default_store``), keyed by the group's
 name and the exchange's index on that group (every rank issues a group's exchanges in the same order),
-and the wait reads its peers' times. The ranks share one clock (``time.perf_counter``, the host's
+and the wait reads its peers' times (:func:`_await`: a peer that publishes a moment late costs about that
+moment). The ranks share one clock (``time.perf_counter``, the host's
 monotonic clock: the model is for ranks on one machine). Without the rule a rank that issued early
 would see its exchange complete before a late peer had sent anything, and the ranks' skew would
 surface at the next collective the model does not delay (the token counts' all-gather) instead of in
