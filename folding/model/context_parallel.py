@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..parallel.collectives import gather_from_sequence_region, group_size
 
@@ -82,6 +81,10 @@ def causal_sdpa(
     """
     if len(chunk_starts) == 1 and k_BASD.shape[2] == q_BASD.shape[2]:
         return F.scaled_dot_product_attention(q_BASD, k_BASD, v_BASD, is_causal=True, scale=scale, **kw)
+    # imported here, not with the module: it imports torch._dynamo (about 1 s of CPU in every process
+    # that imports the model, which only context parallelism's chunked causal attention needs)
+    from torch.nn.attention.bias import causal_lower_right
+
     c = q_BASD.shape[2] // len(chunk_starts)
     outs = []
     for j, start in enumerate(chunk_starts):
