@@ -100,8 +100,9 @@ def test_a_peer_published_a_moment_late_costs_about_that_moment(tmp_path):
         lags.append(time.perf_counter() - published[0])
         peer.join()
         assert latest == 2.0 + seq  # the late peer's time, read once it is there
-    # median: the poll's pause (at most 1 ms), not the rest of a 10 ms period (about 9 ms here)
-    assert sorted(lags)[3] < 0.005, lags
+    # median: the poll's pause (at most 1 ms, plus a loaded host's wake-up), not the rest of a 10 ms
+    # period (never under 9 ms here: the first check fails, the next comes 10 ms after it)
+    assert sorted(lags)[3] < 0.008, lags
     # a peer that never publishes falls back to this rank's own time (counted) after the timeout
     saved, lm.PEER_TIMEOUT_S = lm.PEER_TIMEOUT_S, 0.05
     try:
