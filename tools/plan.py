@@ -119,7 +119,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--delay-wgrad",
         action="store_true",
-        help="with --overlap-moe-comm: the experts' weight-gradient GEMMs run behind the backward dispatch "
+        help="with --overlap-moe-comm: the weight-gradient GEMMs run behind the backward's exchanges, the "
+        "experts' behind the dispatch, attention's behind the combine of the layer below "
         "(parallel.delay_wgrad=true)",
     )
     p.add_argument(

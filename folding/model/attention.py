@@ -37,8 +37,18 @@ class Attention(nn.Module):
     """GQA causal self-attention; heads split over TP, sequence over CP (all-gather K/V)."""
 
     def __init__(
-        self, config: ModelConfig, *, tp_group, cp_group, output_init_std: float, device=None, dtype=torch.float32
+        self,
+        config: ModelConfig,
+        *,
+        tp_group,
+        cp_group,
+        output_init_std: float,
+        device=None,
+        dtype=torch.float32,
+        delay_wgrad: bool = False,
     ):
+        """``delay_wgrad`` (``parallel.delay_wgrad``): the projections' weight (and bias) gradients are
+        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
         super().__init__()
         tp = group_size(tp_group)
         for what, n in (
@@ -54,22 +64,23 @@ class Attention(nn.Module):
         self.heads = config.num_attention_heads // tp
         self.kv_heads = config.num_kv_heads // tp
         H, kw = config.hidden_size, dict(tp_group=tp_group, device=device, dtype=dtype)
+        lin = dict(delay_wgrad=delay_wgrad, **kw)
         self.q_proj = ColumnParallelLinear(
             H,
             config.num_attention_heads * d,
             bias=config.qkv_bias,
             init_std=config.init_std,
             name="query features",
-            **kw,
+            **lin,
         )
         self.k_proj = ColumnParallelLinear(
-            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="key features", **kw
+            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="key features", **lin
         )
         self.v_proj = ColumnParallelLinear(
-            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="value features", **kw
+            H, config.num_kv_heads * d, bias=config.qkv_bias, init_std=config.init_std, name="value features", **lin
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * d, H, init_std=output_init_std, name="attention output features", **kw
+            config.num_attention_heads * d, H, init_std=output_init_std, name="attention output features", **lin
         )
         self.qk_norm = config.qk_norm
         if config.qk_norm == "head":  # Qwen3-MoE: one [head_dim] weight each, shared by all heads

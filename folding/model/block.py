@@ -71,8 +71,16 @@ class TransformerLayer(nn.Module):
         kw = dict(device=settings.device, dtype=settings.params_dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         attention_cls = Attention if config.mla is None else MLAttention  # MLA: DeepSeek-V3
+        # the compiled attention sublayer keeps autograd's own linear backward (a deferral inside a
+        # compiled graph would break it)
+        delay = settings.delay_wgrad and not settings.compile_dense
         self.attention = attention_cls(
-            config, tp_group=groups.tp, cp_group=groups.cp, output_init_std=config.output_init_std, **kw
+            config,
+            tp_group=groups.tp,
+            cp_group=groups.cp,
+            output_init_std=config.output_init_std,
+            delay_wgrad=delay,
+            **kw,
         )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
         if self.is_moe:
@@ -84,6 +92,7 @@ class TransformerLayer(nn.Module):
                 tp_group=groups.tp,
                 init_std=config.init_std,
                 output_init_std=config.output_init_std,
+                delay_wgrad=settings.delay_wgrad,
                 **kw,
             )
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import wgrad
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from ..parallel.params import mark_param, set_init_spec
@@ -52,17 +53,29 @@ from .rope_yarn import yarn_softmax_scale
 
 class ReplicatedLinear(nn.Module):
     """``y = x W^T`` with ``W [out, in]`` replicated over TP and applied to this rank's sequence shard;
-    the weight is tagged ``sequence_parallel`` (TP-partial gradients, summed over TP)."""
+    the weight is tagged ``sequence_parallel`` (TP-partial gradients, summed over TP). ``delay_wgrad``:
+    its gradient is computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
 
-    def __init__(self, in_features: int, out_features: int, *, init_std: float, device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        init_std: float,
+        device=None,
+        dtype=torch.float32,
+        delay_wgrad: bool = False,
+    ):
         super().__init__()
+        self.delay_wgrad = delay_wgrad
+        """Weight gradient deferred behind the backward's next exchange."""
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         mark_param(self.weight, sequence_parallel=True)
         set_init_spec(self.weight, full_shape=(out_features, in_features), std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in] -> [..., out]``."""
-        return F.linear(x, self.weight)
+        return (wgrad.linear if self.delay_wgrad else F.linear)(x, self.weight)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +88,18 @@ class MLAttention(nn.Module):
     """Multi-head latent attention; heads split over TP, sequence over CP (see the module docstring)."""
 
     def __init__(
-        self, config: ModelConfig, *, tp_group, cp_group, output_init_std: float, device=None, dtype=torch.float32
+        self,
+        config: ModelConfig,
+        *,
+        tp_group,
+        cp_group,
+        output_init_std: float,
+        device=None,
+        dtype=torch.float32,
+        delay_wgrad: bool = False,
     ):
+        """``delay_wgrad`` (``parallel.delay_wgrad``): every projection's weight gradient is computed
+        behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
         super().__init__()
         m = config.mla
         if m is None:
@@ -93,14 +116,16 @@ class MLAttention(nn.Module):
         self.scale = yarn_softmax_scale(1.0 / math.sqrt(m.qk_head_dim), config.yarn)
         H, std = config.hidden_size, config.init_std
         kw = dict(device=device, dtype=dtype)
-        col = dict(tp_group=tp_group, init_std=std, **kw)
+        col = dict(tp_group=tp_group, init_std=std, delay_wgrad=delay_wgrad, **kw)
         if m.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(H, N * m.qk_head_dim, name="query features", **col)
         else:
-            self.q_a_proj = ReplicatedLinear(H, m.q_lora_rank, init_std=std, **kw)
+            self.q_a_proj = ReplicatedLinear(H, m.q_lora_rank, init_std=std, delay_wgrad=delay_wgrad, **kw)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=m.latent_norm_eps, **kw)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, N * m.qk_head_dim, name="query features", **col)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(H, m.kv_lora_rank + m.qk_rope_head_dim, init_std=std, **kw)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            H, m.kv_lora_rank + m.qk_rope_head_dim, init_std=std, delay_wgrad=delay_wgrad, **kw
+        )
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=m.latent_norm_eps, **kw)
         self.kv_b_proj = ColumnParallelLinear(
             m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim), name="key/value features", **col
@@ -111,6 +136,7 @@ class MLAttention(nn.Module):
             tp_group=tp_group,
             init_std=output_init_std,
             name="attention output features",
+            delay_wgrad=delay_wgrad,
             **kw,
         )
 

@@ -33,10 +33,13 @@ class DenseMLP(nn.Module):
         name: str = "model.ffn_hidden_size",
         device=None,
         dtype=torch.float32,
+        delay_wgrad: bool = False,
     ):
+        """``delay_wgrad`` (``parallel.delay_wgrad``): the three projections' weight gradients are
+        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
         super().__init__()
         self.tp_group = tp_group
-        kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name)
+        kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name, delay_wgrad=delay_wgrad)
         self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, init_std=init_std, **kw)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, init_std=output_init_std, **kw)

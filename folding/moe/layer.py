@@ -98,14 +98,18 @@ class SharedExpert(nn.Module):
             w = torch.empty(1, hidden_size, dtype=dtype, device=device)
             self.gate_weight = mark_param(nn.Parameter(w), sequence_parallel=True)
             set_init_spec(self.gate_weight, full_shape=(1, hidden_size), std=init_std)
+        self.delay_wgrad = settings.delay_wgrad
+        """fc1's and fc2's weight gradients are computed behind the backward's next exchange
+        (``parallel.delay_wgrad``, :mod:`folding.parallel.wgrad`)."""
         if settings.init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, settings.init_seed)
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
-        (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group)
+        delay = self.delay_wgrad
+        (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group, delay_wgrad=delay)
         gate, up = h.split(self.ffn_local, dim=-1)
-        y = row_parallel_linear(F.silu(gate) * up, self.fc2_weight, self.tp_group)
+        y = row_parallel_linear(F.silu(gate) * up, self.fc2_weight, self.tp_group, delay_wgrad=delay)
         if self.gate_weight is not None:
             y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))
         return y

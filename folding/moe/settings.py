@@ -48,7 +48,8 @@ class LayerSettings:
     """An MoE layer computes its shared expert while its own dispatch is in flight
     (``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work)."""
     delay_wgrad: bool = False
-    """The experts compute their weight gradients behind the backward's next exchange
+    """The experts, and the dense projections of every layer (attention, shared expert, dense MLP; not
+    a compiled attention), compute their weight gradients behind the backward's next exchange
     (``parallel.delay_wgrad``, ``torch`` backend; bitwise the same gradients)."""
     compile_dense: bool = False
     """Every transformer layer runs its input norm and attention sublayer through ``torch.compile``

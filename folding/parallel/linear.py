@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import wgrad
 from .collectives import (
     Group,
     gather_from_sequence_region,
@@ -49,8 +50,16 @@ def sp_column_linears(x_SBH: torch.Tensor, linears, tp_group: Group):
     Forward: all-gather of ``x [S/TP, B, H]`` over TP along the sequence, then each linear (a tuple of
     ``[S, B, out_i/TP]``). Backward: the shard is all-gathered again for the weight gradients, and
     the input gradient is reduce-scattered (sum) over TP; only the shard is kept between the two.
+    The linears' weight gradients are deferred when they were built with ``delay_wgrad`` (all alike).
     """
-    return gather_linears(x_SBH, [m.weight for m in linears], [m.bias for m in linears], tp_group)
+    delay = {m.delay_wgrad for m in linears}
+    if len(delay) != 1:
+        raise ValueError(
+            "sp_column_linears: the linears fused on one input must all be built with the same delay_wgrad"
+        )
+    return gather_linears(
+        x_SBH, [m.weight for m in linears], [m.bias for m in linears], tp_group, delay_wgrad=delay.pop()
+    )
 
 
 def _check_divisible(what: str, n: int, tp: int) -> None:
@@ -107,11 +116,15 @@ def row_parallel_weight(
     return set_init_spec(w, full_shape=(out_features, in_features), shards=((1, r, tp),), std=init_std)
 
 
-def row_parallel_linear(x_SBI: torch.Tensor, weight: torch.Tensor, tp_group: Group) -> torch.Tensor:
+def row_parallel_linear(
+    x_SBI: torch.Tensor, weight: torch.Tensor, tp_group: Group, *, delay_wgrad: bool = False
+) -> torch.Tensor:
     """``x W^T`` with ``W`` a :func:`row_parallel_weight` (cast to ``x``'s dtype), its partial sums
     reduce-scattered over TP along dim 0: ``[S, B, in/TP] -> [S/TP, B, out]``. Forward: reduce-scatter
-    (sum); backward: all-gather of the gradient."""
-    return reduce_scatter_to_sequence_region(F.linear(x_SBI, weight.to(x_SBI.dtype)), tp_group)
+    (sum); backward: all-gather of the gradient. ``delay_wgrad``: the weight gradient is computed behind
+    the backward's next exchange (:func:`folding.parallel.wgrad.linear`)."""
+    linear = wgrad.linear if delay_wgrad else F.linear
+    return reduce_scatter_to_sequence_region(linear(x_SBI, weight.to(x_SBI.dtype)), tp_group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -119,7 +132,8 @@ class ColumnParallelLinear(nn.Module):
 
     Input: the full (gathered) activation ``[..., in]``; output ``[..., out/TP]``. No communication
     here: the caller's :func:`sp_gather` handles it. Weight (and bias) are tagged ``tp_sharded``
-    (:func:`column_parallel_weight`).
+    (:func:`column_parallel_weight`). ``delay_wgrad`` (``parallel.delay_wgrad``): their gradients are
+    computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`).
     """
 
     def __init__(
@@ -133,8 +147,11 @@ class ColumnParallelLinear(nn.Module):
         name: str = "features",
         device=None,
         dtype=torch.float32,
+        delay_wgrad: bool = False,
     ):
         super().__init__()
+        self.delay_wgrad = delay_wgrad
+        """Weight (and bias) gradients deferred behind the backward's next exchange."""
         kw = dict(tp_group=tp_group, name=name, device=device, dtype=dtype)
         self.weight = column_parallel_weight(in_features, out_features, init_std=init_std, **kw)
         if bias:
@@ -147,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in] -> [..., out/TP]``."""
-        return F.linear(x, self.weight, self.bias)
+        return (wgrad.linear if self.delay_wgrad else F.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -155,7 +172,8 @@ class RowParallelLinear(nn.Module):
 
     Input ``[S, B, in/TP]`` (full sequence); output ``[S/TP, B, out]``: forward reduce-scatter over
     TP along the sequence, backward all-gather of the gradient (:func:`row_parallel_linear`). Weight
-    tagged ``tp_sharded`` (:func:`row_parallel_weight`).
+    tagged ``tp_sharded`` (:func:`row_parallel_weight`). ``delay_wgrad``: as for
+    :class:`ColumnParallelLinear`.
     """
 
     def __init__(
@@ -168,12 +186,15 @@ class RowParallelLinear(nn.Module):
         name: str = "features",
         device=None,
         dtype=torch.float32,
+        delay_wgrad: bool = False,
     ):
         super().__init__()
         self.tp_group = tp_group
+        self.delay_wgrad = delay_wgrad
+        """Weight gradient deferred behind the backward's next exchange."""
         kw = dict(tp_group=tp_group, name=name, device=device, dtype=dtype)
         self.weight = row_parallel_weight(in_features, out_features, init_std=init_std, **kw)
 
     def forward(self, x_SBI: torch.Tensor) -> torch.Tensor:
         """``[S, B, in/TP] -> [S/TP, B, out]``."""
-        return row_parallel_linear(x_SBI, self.weight, self.tp_group)
+        return row_parallel_linear(x_SBI, self.weight, self.tp_group, delay_wgrad=self.delay_wgrad)

@@ -26,17 +26,20 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import wgrad
 from .collectives import Group, all_gather_start, group_size, reduce_scatter_start
+from .wgrad import defer_weight_grads, folded_mm
 
 
 class _GatherLinears(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, n_weights, *weights_and_biases):
+    def forward(ctx, x, group, n_weights, anchors, *weights_and_biases):
         weights, biases = weights_and_biases[:n_weights], weights_and_biases[n_weights:]
         full, work = all_gather_start(x, group)
         work.wait()
         ctx.group = group
         ctx.has_bias = tuple(b is not None for b in biases)
+        ctx.anchors = anchors  # delay_wgrad: (weights, biases) as the caller holds them, else None
         ctx.save_for_backward(x, *weights)
         return tuple(
             F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype)) for w, b in zip(weights, biases)
@@ -48,18 +51,25 @@ class _GatherLinears(torch.autograd.Function):
         full, gather = all_gather_start(x, ctx.group)  # re-gather, overlapped with dgrad
         dx = None
         for g, w in zip(grads, weights):
-            d = g.matmul(w.to(g.dtype))
+            d = folded_mm(g, w.to(g.dtype))  # as matmul for a weight that needs a gradient, detached or not
             dx = d if dx is None else dx.add_(d)
         gather.wait()
         dx_local, scatter = reduce_scatter_start(dx, ctx.group)  # overlapped with wgrad
         full_2d = full.reshape(-1, full.shape[-1])
+        if ctx.anchors is not None:  # behind the backward's next exchange (parallel.delay_wgrad)
+            aw, ab = ctx.anchors
+            g_2d = [g.reshape(-1, g.shape[-1]) for g in grads]
+            ready = [(b, g.sum(0).to(w.dtype)) for b, g, w in zip(ab, g_2d, weights) if b is not None]
+            defer_weight_grads(full_2d, list(zip(aw, g_2d)), ready)
+            scatter.wait()
+            return (dx_local, None, None, None, *([None] * (2 * len(weights))))
         wgrads, bgrads = [], []
         for g, w, has_b in zip(grads, weights, ctx.has_bias):
             g_2d = g.reshape(-1, g.shape[-1])
             wgrads.append(g_2d.t().matmul(full_2d).to(w.dtype))
             bgrads.append(g_2d.sum(0).to(w.dtype) if has_b else None)
         scatter.wait()
-        return (dx_local, None, None, *wgrads, *bgrads)
+        return (dx_local, None, None, None, *wgrads, *bgrads)
 
 
 def gather_linears(
@@ -67,6 +77,8 @@ def gather_linears(
     weights: Sequence[torch.Tensor],
     biases: Optional[Sequence[Optional[torch.Tensor]]],
     group: Group,
+    *,
+    delay_wgrad: bool = False,
 ) -> Tuple[torch.Tensor, ...]:
     """``F.linear(all_gather(x), W_i, b_i)`` for every weight, keeping only the shard ``x`` for backward.
 
@@ -74,13 +86,21 @@ def gather_linears(
     ``W_i [out_i, H]`` (cast to ``x``'s dtype) giving ``[S, B, out_i]``. Backward: all-gather of ``x``
     again (overlapped with the input-gradient GEMMs), reduce-scatter (sum) of the input gradient over
     ``group`` (overlapped with the weight-gradient GEMMs). ``biases``: one per weight or ``None``.
+    ``delay_wgrad`` (``parallel.delay_wgrad``): the weight and bias gradients are computed behind the
+    backward's next exchange instead (:mod:`folding.parallel.wgrad`; the gathered input is kept until
+    then), bitwise the same.
     """
     biases: List[Optional[torch.Tensor]] = list(biases) if biases is not None else [None] * len(weights)
     if len(biases) != len(weights):
         raise ValueError(f"gather_linears: {len(weights)} weights but {len(biases)} biases")
     if group_size(group) == 1:
+        linear = wgrad.linear if delay_wgrad else F.linear
         return tuple(
-            F.linear(x_SBH, w.to(x_SBH.dtype), None if b is None else b.to(x_SBH.dtype))
-            for w, b in zip(weights, biases)
+            linear(x_SBH, w.to(x_SBH.dtype), None if b is None else b.to(x_SBH.dtype)) for w, b in zip(weights, biases)
         )
-    return _GatherLinears.apply(x_SBH, group, len(weights), *weights, *biases)
+    needs = any(t is not None and t.requires_grad for t in (*weights, *biases))
+    if delay_wgrad and torch.is_grad_enabled() and needs and x_SBH.requires_grad:
+        # the weights enter detached; their gradients reach the caller's tensors when the deferred work runs
+        detached = [None if t is None else t.detach() for t in (*weights, *biases)]
+        return _GatherLinears.apply(x_SBH, group, len(weights), (tuple(weights), tuple(biases)), *detached)
+    return _GatherLinears.apply(x_SBH, group, len(weights), None, *weights, *biases)

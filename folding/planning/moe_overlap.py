@@ -11,8 +11,9 @@ exchange in flight                               compute it hides behind
 ===============================================  =====================================================
 A's forward dispatch                             B's experts backward (dgrad, + wgrad unless delayed) and
                                                  shared-expert backward, and A's own shared-expert forward
-A's forward combine                              B's attention backward
-B's backward combine (+ recomputed combine)      A's attention + router forward
+A's forward combine                              B's attention backward (its wgrad unless delayed)
+B's backward combine (+ recomputed combine)      A's attention + router forward (+ B's attention wgrad
+                                                 with ``delay_wgrad``)
 B's backward dispatch (+ recomputed dispatch)    A's experts forward (+ B's expert wgrad with
                                                  ``delay_wgrad``: Megatron-Core's ``--delay-wgrad-compute``)
 ===============================================  =====================================================
@@ -60,6 +61,9 @@ class MoEPieces:
     """The routed experts' data-gradient GEMMs (with their recomputed forward under recompute)."""
     experts_wgrad: float
     """The routed experts' weight-gradient GEMMs."""
+    attention_wgrad: float = 0.0
+    """The attention projections' weight-gradient GEMMs (part of ``attention_bwd``): with ``delay_wgrad``
+    they run behind the backward's next exchange, the combine of the layer below."""
     shared_fwd: float = 0.0
     """The shared expert's forward (0 without one): it runs during its own micro-batch's dispatch."""
     shared_bwd: float = 0.0
@@ -81,10 +85,11 @@ def exposed_exchanges(
     total = 2 * (forwards + 1) * exchange_s
     unpaired = total - exchange_s + hidden_behind(exchange_s, pieces.shared_fwd, contention)
     kept_wgrad = 0.0 if delay_wgrad else pieces.experts_wgrad
+    moved_attn = pieces.attention_wgrad if delay_wgrad else 0.0
     slots = (
         (exchange_s, pieces.experts_dgrad + kept_wgrad + pieces.shared_bwd + pieces.shared_fwd),
-        (exchange_s, pieces.attention_bwd),
-        (forwards * exchange_s, pieces.attention_fwd),
+        (exchange_s, pieces.attention_bwd - moved_attn),
+        (forwards * exchange_s, pieces.attention_fwd + moved_attn),
         (forwards * exchange_s, pieces.experts_fwd + pieces.experts_wgrad - kept_wgrad),
     )
     paired = sum(hidden_behind(comm, compute, contention) for comm, compute in slots)

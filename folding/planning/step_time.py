@@ -231,7 +231,8 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, li
     the whole sequence (``full_tok``: each CP rank expands the gathered compressed KV). ``col`` / ``row``
     stand for the TP block's column- and row-parallel GEMMs in :func:`_tp_block`; ``tp_width`` is the
     average width of its two sequence-parallel collectives (the latents gathered, the hidden state
-    reduce-scattered); ``forward_seconds``: the four GEMMs' forward once."""
+    reduce-scattered); ``forward_seconds``: the four GEMMs' forward once; ``wgrad_seconds``: their
+    weight gradients."""
     m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
     heads = N / plan.tp
     q_in = m.q_lora_rank or H
@@ -242,7 +243,8 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, li
     seconds = train(down, attn_fwd) + train(q_up, attn_fwd) + train(kv_up, attn_fwd) + train(proj, attn_fwd)
     latents = (m.q_lora_rank or H) + m.kv_lora_rank + m.qk_rope_head_dim
     fwd = down[0] + q_up[0] + kv_up[0] + proj[0]
-    return q_up, proj, seconds, (latents + H) / 2, fwd
+    wgrad = down[2] + q_up[2] + kv_up[2] + proj[2]
+    return q_up, proj, seconds, (latents + H) / 2, fwd, wgrad
 
 
 def _loaded_train_times(
@@ -305,8 +307,11 @@ def _layer_times(
         attn_t = train(qkv, attn_fwd) + train(proj, attn_fwd)
         tp_width = H  # the sequence-parallel all-gather moves the hidden state
         attn_fwd_s = qkv[0] + proj[0]
+        attn_wgrad = qkv[2] + proj[2]
     else:
-        qkv, proj, attn_t, tp_width, attn_fwd_s = _mla_times(cfg, plan, seq_tok, S * b, lin, train, attn_fwd)
+        qkv, proj, attn_t, tp_width, attn_fwd_s, attn_wgrad = _mla_times(
+            cfg, plan, seq_tok, S * b, lin, train, attn_fwd
+        )
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
         local = cfg.moe.num_experts // plan.ep
@@ -407,6 +412,7 @@ def _layer_times(
                 experts_fwd=fc1[0] + fc2[0],
                 experts_dgrad=(mlp_fwd - 1) * (fc1[0] + fc2[0]) + fc1[1] + fc2[1],
                 experts_wgrad=fc1[2] + fc2[2],
+                attention_wgrad=attn_wgrad,
                 shared_fwd=shared_fwd,
                 shared_bwd=shared_bwd,
             )

@@ -4,7 +4,8 @@ Every rank holds one sequence shard of the same full input ``x [S, B, H]`` and o
 weights (one with a bias). Outputs and the gradients of ``x``, the weights and the bias must equal the
 slices of plain autograd on the full tensors, computed in each rank. The fused op must keep only the
 shard for backward; the unfused path (all-gather, then ``F.linear``) keeps the gathered input, which
-shows that the check can fail.
+shows that the check can fail. With ``delay_wgrad`` (``parallel.delay_wgrad``) the weight and bias
+gradients come later (none yet when the input's gradient is ready) and bitwise equal.
 """
 
 import torch
@@ -51,6 +52,17 @@ def _case(tp: int):
         _, saved_unfused = _saved_shapes(
             lambda: F.linear(gather_from_sequence_region(x.detach(), grp), lw1.detach().requires_grad_())
         )
+        # the same with the weight gradients deferred: delivered by the end of the backward, bitwise
+        dx, dw1, db1, dw2 = (t.detach().clone().requires_grad_() for t in (x, lw1, lb1, lw2))
+        d1, d2 = gather_linears(dx, [dw1, dw2], [db1, None], grp, delay_wgrad=True)
+        pending = []
+        dx.register_hook(lambda g: pending.append((dw1.grad, db1.grad, dw2.grad)))
+        ((d1 * cols(cot1)).sum() + (d2 * cols(cot2)).sum()).backward()
+        deferred = dict(
+            out=torch.equal(d1, y1) and torch.equal(d2, y2),
+            grads=[torch.equal(a.grad, b.grad) for a, b in ((dx, x), (dw1, lw1), (db1, lb1), (dw2, lw2))],
+            pending=pending,
+        )
     return dict(
         out=(y1.detach(), cols(r1.detach()), y2.detach(), cols(r2.detach())),
         grads=[
@@ -63,6 +75,7 @@ def _case(tp: int):
         saved_unfused=saved_unfused,
         shard=tuple(x.shape),
         shard_numel=x.numel(),
+        deferred=deferred,
     )
 
 
@@ -78,3 +91,6 @@ def test_gather_linears_match_one_rank_and_keep_only_the_shard(ranks):
             assert res["shard_numel"] in res["saved"], res["saved"]
             assert S * B * H not in res["saved"], f"fused op kept the gathered input: {res['saved']}"
             assert S * B * H in res["saved_unfused"], res["saved_unfused"]
+            d = res["deferred"]
+            assert d["out"] and d["grads"] == [True] * 4, (tp, d)
+            assert d["pending"] == [(None, None, None)], "the weight gradients were not deferred"

@@ -33,6 +33,22 @@ def test_settings_reach_every_moe_layer_and_its_experts():
     assert moe[0].experts.backend == "loop"
     assert all(layer.recompute is RECOMPUTE["moe"] for layer in model.transformer_layers())
     assert model.settings == s
+    # parallel.delay_wgrad reaches every dense projection too (Megatron-Core's --delay-wgrad-compute:
+    # attention, the shared expert, the dense MLP), except the LM head and the router
+    flags = {n: m.delay_wgrad for n, m in model.named_modules() if hasattr(m, "delay_wgrad")}
+    for part in ("attention.q_proj", "attention.o_proj", "mlp.shared_expert", "mlp.down_proj"):
+        assert any(part in n for n in flags), (part, sorted(flags))
+    assert all(flags.values()), flags
+    plain = MoETransformer(_cfg(), settings=s.replace(delay_wgrad=False))
+    assert not any(getattr(m, "delay_wgrad", False) for m in plain.modules())
+
+
+def test_a_compiled_attention_keeps_autograd_s_own_weight_gradients():
+    s = LayerSettings(overlap_comm=True, delay_wgrad=True, compile_dense=True, expert_backend="loop")
+    model = MoETransformer(_cfg(), settings=s)
+    for layer in model.transformer_layers():
+        assert not any(getattr(m, "delay_wgrad", False) for m in layer.attention.modules())
+    assert all(m.experts.delay_wgrad for m in model.modules() if isinstance(m, MoELayer))
 
 
 def test_build_stage_chunks_hands_the_same_settings_to_every_chunk():

@@ -61,6 +61,13 @@ def test_exposed_exchanges_by_hand():
     delayed = exposed_exchanges(3.0, p, forwards=1, contention=c, delay_wgrad=True)[1]
     assert kept == pytest.approx(3 * c * 3 + (2.5 + c * 0.5))
     assert delayed == pytest.approx(3 * c * 3 + (0.5 + c * 2.5))
+    # ... and the attention's wgrad from behind A's combine to behind B's backward combine (the deferred
+    # work runs at B's next exchange): A's attention forward (1) alone left B's combine 2 exposed
+    q = MoEPieces(attention_fwd=1, attention_bwd=5, experts_fwd=5, experts_dgrad=5, experts_wgrad=0, attention_wgrad=2)
+    kept = exposed_exchanges(3.0, q, forwards=1, contention=c)[1]
+    delayed = exposed_exchanges(3.0, q, forwards=1, contention=c, delay_wgrad=True)[1]
+    assert kept == pytest.approx(3 * c * 3 + (2 + c * 1))
+    assert delayed == pytest.approx(c * 3 + c * 3 + (0 + c * 3) + c * 3)
 
 
 def test_paired_share_by_schedule():
