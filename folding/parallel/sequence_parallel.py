@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from . import wgrad
 from .collectives import Group, all_gather_start, group_size, reduce_scatter_start
-from .wgrad import defer_weight_grads, folded_mm
 
 
 class _GatherLinears(torch.autograd.Function):
@@ -51,7 +50,7 @@ class _GatherLinears(torch.autograd.Function):
         full, gather = all_gather_start(x, ctx.group)  # re-gather, overlapped with dgrad
         dx = None
         for g, w in zip(grads, weights):
-            d = folded_mm(g, w.to(g.dtype))  # as matmul for a weight that needs a gradient, detached or not
+            d = wgrad.folded_mm(g, w.to(g.dtype))  # as matmul for a weight that needs a gradient, detached or not
             dx = d if dx is None else dx.add_(d)
         gather.wait()
         dx_local, scatter = reduce_scatter_start(dx, ctx.group)  # overlapped with wgrad
@@ -60,7 +59,7 @@ class _GatherLinears(torch.autograd.Function):
             aw, ab = ctx.anchors
             g_2d = [g.reshape(-1, g.shape[-1]) for g in grads]
             ready = [(b, g.sum(0).to(w.dtype)) for b, g, w in zip(ab, g_2d, weights) if b is not None]
-            defer_weight_grads(full_2d, list(zip(aw, g_2d)), ready)
+            wgrad.defer_weight_grads(full_2d, list(zip(aw, g_2d)), ready)
             scatter.wait()
             return (dx_local, None, None, None, *([None] * (2 * len(weights))))
         wgrads, bgrads = [], []
