@@ -65,7 +65,7 @@ class _GatherLinears(torch.autograd.Function):
         wgrads, bgrads = [], []
         for g, w, has_b in zip(grads, weights, ctx.has_bias):
             g_2d = g.reshape(-1, g.shape[-1])
-            wgrads.append(g_2d.t().matmul(full_2d).to(w.dtype))
+            wgrads.append(wgrad.weight_grad(g_2d, full_2d, w.dtype))
             bgrads.append(g_2d.sum(0).to(w.dtype) if has_b else None)
         scatter.wait()
         return (dx_local, None, None, None, *wgrads, *bgrads)

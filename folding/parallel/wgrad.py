@@ -21,7 +21,8 @@ the weights as the forward used them (the *anchors*), so gradient hooks (the red
 - :func:`defer_weight_grads`: defer the weight gradients of projections that share one input (the
   sequence-parallel gather of :mod:`folding.parallel.sequence_parallel` calls it);
 - :func:`folded_mm`: a GEMM as ``torch.matmul`` computes it for a weight that needs a gradient (a
-  detached weight must not change how the input gradient rounds).
+  detached weight must not change how the input gradient rounds); :func:`weight_grad`: the weight
+  gradient's GEMM, deferred or not.
 
 Usage::
 
@@ -48,6 +49,13 @@ def folded_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.reshape(-1, a.shape[-1]).mm(b).view(*a.shape[:-1], b.shape[-1])
 
 
+def weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``∂w = gᵀ·x`` of ``y = x·wᵀ`` in ``dtype``: torch's own mm backward for the column-major ``wᵀ``
+    (``(xᵀ·g)ᵀ`` sums in another order). The one formula of the immediate and the deferred paths, so
+    that deferring never changes a bit."""
+    return g_NO.t().mm(x_NI).to(dtype)
+
+
 def defer_weight_grads(
     x_NI: torch.Tensor,
     weights: Sequence[Tuple[torch.Tensor, torch.Tensor]],
@@ -55,8 +63,8 @@ def defer_weight_grads(
 ) -> None:
     """Queue the weight gradients of projections that read the same input ``x [N, in]``.
 
-    ``weights``: ``(anchor, g [N, out])`` per projection: ``∂w = gᵀ·x`` (torch's own mm backward for the
-    column-major ``wᵀ``), cast to the anchor's dtype and delivered to the anchor (the tensor the forward
+    ``weights``: ``(anchor, g [N, out])`` per projection: ``∂w`` (:func:`weight_grad`), cast to the
+    anchor's dtype and delivered to the anchor (the tensor the forward
     multiplied by: a parameter, or its cast) when the deferred work runs
     (:func:`folding.parallel.overlap.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
     (the biases' row sums, cheap), delivered in the same ``torch.autograd.backward`` call. Anchors that
@@ -68,7 +76,7 @@ def defer_weight_grads(
 
     def run() -> None:
         tensors = [w for w, _ in live] + [b for b, _ in done]
-        grads = [g_NO.t().mm(x_NI).to(w.dtype) for w, g_NO in live] + [gb.to(b.dtype) for b, gb in done]
+        grads = [weight_grad(g_NO, x_NI, w.dtype) for w, g_NO in live] + [gb.to(b.dtype) for b, gb in done]
         torch.autograd.backward(tensors, grads)
 
     overlap.defer(run)
@@ -83,14 +91,10 @@ class _Linear(torch.autograd.Function):
         ctx.anchors = anchors  # (weight, bias) as the graph holds them: not autograd inputs
         # torch's linear for a weight that needs a gradient: the bias inside addmm on the folded rows when
         # x is 2-D or contiguous, else one mm on the folded rows and the bias added after it
-        x_NI = x.reshape(-1, x.shape[-1])
         if b is not None and (x.dim() == 2 or x.is_contiguous()):
-            y = torch.addmm(b, x_NI, w.t())
-        else:
-            y = x_NI.mm(w.t())
-            if b is not None:
-                y.add_(b)
-        return y.view(*x.shape[:-1], w.shape[0])
+            return torch.addmm(b, x.reshape(-1, x.shape[-1]), w.t()).view(*x.shape[:-1], w.shape[0])
+        y = folded_mm(x, w.t())
+        return y if b is None else y.add_(b)
 
     @staticmethod
     def backward(ctx, g):
