@@ -292,7 +292,8 @@ with initialize_config_dir(config_dir=os.path.join(sys.argv[1], "configs"), vers
 native = lambda: len(os.listdir("/proc/self/task")) - threading.active_count()
 before = native()
 status = launch.run_job(tree, run_dir=os.path.join(sys.argv[2], "run"))
-print(f"rank {os.environ['RANK']} status {status} native threads before {before} after {native()}", flush=True)
+line = f"rank {os.environ['RANK']} status {status} native threads before {before} after {native()}\\n"
+os.write(1, line.encode())  # one write: the ranks share torchrun's stdout, print's two writes can interleave
 """
 
 
@@ -317,7 +318,7 @@ def test_run_job_leaves_no_process_group_threads_for_interpreter_shutdown(tmp_pa
     )
     out = job.communicate(timeout=180)[0]
     assert job.returncode == 0, out[-3000:]
-    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    lines = sorted(re.findall(r"rank \d+ status \S+ native threads before \d+ after \d+", out))
     assert lines == [f"rank {r} status 0 native threads before 0 after 0" for r in (0, 1)], out[-3000:]
 
 
