@@ -180,9 +180,9 @@ def main(argv=None) -> None:
             r = bo.run_layout(layout, a, pool)
             r.update(setting=name, repeat=rep)
             runs.append(r)
-            h = "n/a" if r["hidden"] is None else f"{r['hidden']:.2f}"
+            h = "n/a" if r["hidden"] is None else f"{r['hidden']:.3f}"
             print(
-                f"[{rep}] {name:26s} {layout:8s} on/off {r['step_time_ratio']:.2f} hidden {h} "
+                f"[{rep}] {name:26s} {layout:8s} on/off {r['step_time_ratio']:.3f} hidden {h} "
                 f"(step off {r['step_time_off_s']:.3f} s; load {r['load_before']} -> {r['load_after']})",
                 flush=True,
             )
