@@ -135,3 +135,51 @@ def destroy_megatron() -> None:
     from megatron.core import parallel_state as mps
 
     mps.destroy_model_parallel()
+
+
+def megatron_moe_kept(
+    *, hidden: int, experts: int, topk: int, ffn: int, tokens: int, dtype=torch.bfloat16, aux_loss_coeff: float = 0.01
+):
+    """What Megatron-Core's ``MoELayer`` keeps for backward on one rank (TP = EP = 1 on the running
+    world, which must be initialized): SequentialMLP experts with the fused weighted SwiGLU, an fp32
+    router with the Switch aux loss, the all-to-all dispatcher, ``dtype`` parameters and activations,
+    on ``tokens`` tokens ``[tokens, 1, hidden]``. Returns the :meth:`folding.testing.kept_memory.KeptCensus.kept`
+    entries (the layer's input, which its router keeps, included as ``"input"``)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from folding.testing.kept_memory import KeptCensus
+
+    init_megatron(tp=1, ep=1, etp=1)
+    try:
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=hidden,
+            num_attention_heads=4,
+            ffn_hidden_size=ffn,
+            moe_ffn_hidden_size=ffn,
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=aux_loss_coeff,
+            moe_router_dtype="fp32",
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            bias_activation_fusion=True,
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+        )
+        spec = get_moe_module_spec(use_te=False, num_experts=experts, moe_grouped_gemm=False)
+        layer = MoELayer(cfg, spec.submodules).to(dtype)
+        layer.router.weight.data = layer.router.weight.data.float()  # the fp32 router
+        x0 = torch.randn(tokens, 1, hidden, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        with KeptCensus(layer) as census:
+            x = census.make(lambda: x0.clone().requires_grad_())
+            y, _ = layer(x)
+        return census.kept(y)
+    finally:
+        destroy_megatron()

@@ -21,8 +21,11 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..parallel.collectives import gather_from_sequence_region, group_size
 
@@ -74,11 +77,21 @@ def causal_sdpa(
 ) -> torch.Tensor:
     """Causal SDPA of this rank's queries over keys/values in sequence order.
 
-    Without CP (``chunk_starts == (0,)`` and as many keys as queries) one causal call. Under CP the
-    queries are this rank's chunks (``chunk_starts`` their first positions) and the keys the whole
-    gathered sequence: each chunk starting at ``p`` attends keys ``[0, p + c)`` with a lower-right
-    causal bias. The value width may differ from the query/key width. Returns ``[B, A, S_q, Dv]``.
+        Without CP (``chunk_starts == (0,)`` and as many keys as queries) one causal call. Under CP the
+        queries are this rank's chunks (``chunk_starts`` their first positions) and the keys the whole
+        gathered sequence: each chunk starting at ``p`` attends keys ``[0, p + c)`` with a lower-right
+        causal bias. The value width may differ from the query/key width (multi-head latent attention);
+    on CPU the values are then zero-padded to the query width, so that PyTorch's flash kernel (which
+    keeps no ``[S, S]`` probabilities) runs: the kernel keeps values and output ``D`` wide there, not
+    ``Dv``. Returns ``[B, A, S_q, Dv]``.
     """
+    dv = v_BASD.shape[-1]
+    if dv != q_BASD.shape[-1] and q_BASD.device.type == "cpu":
+        # PyTorch's CPU flash kernel needs one width for q, k and v, and without it SDPA falls back to
+        # the math path, which keeps the fp32 [S, S] probabilities of every head: zero-pad the values
+        # to the query width (their columns add nothing) and drop the extra output columns
+        v_BASD = sdpa_values(v_BASD, q_BASD.shape[-1])
+        return causal_sdpa(q_BASD, k_BASD, v_BASD, scale=scale, chunk_starts=chunk_starts, **kw)[..., :dv]
     if len(chunk_starts) == 1 and k_BASD.shape[2] == q_BASD.shape[2]:
         return F.scaled_dot_product_attention(q_BASD, k_BASD, v_BASD, is_causal=True, scale=scale, **kw)
     # imported here, not with the module: it imports torch._dynamo (about 1 s of CPU in every process
@@ -100,3 +113,26 @@ def causal_sdpa(
             )
         )
     return torch.cat(outs, dim=2)
+
+
+def attention_core(q_BASD, k_BASD, v_BASD, *, scale: float, chunk_starts, recompute: bool = False, **kw):
+    """:func:`causal_sdpa`, under a checkpoint when ``recompute`` (the ``core_attn`` recompute module:
+    the kernel's output and statistics are not kept, the core runs again in backward) and autograd is on."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(
+            functools.partial(causal_sdpa, scale=scale, chunk_starts=chunk_starts, **kw),
+            q_BASD,
+            k_BASD,
+            v_BASD,
+            use_reentrant=False,
+        )
+    return causal_sdpa(q_BASD, k_BASD, v_BASD, scale=scale, chunk_starts=chunk_starts, **kw)
+
+
+def sdpa_values(v_BASD: torch.Tensor, qk_width: int) -> torch.Tensor:
+    """The values as the attention kernel of this device takes them: on CPU, zero-padded to the
+    query/key width when narrower (PyTorch's CPU flash kernel needs one width; see :func:`causal_sdpa`),
+    elsewhere ``v_BASD`` itself. Slice the core's output back to ``v_BASD``'s width."""
+    if v_BASD.shape[-1] != qk_width and v_BASD.device.type == "cpu":
+        return F.pad(v_BASD, (0, qk_width - v_BASD.shape[-1]))
+    return v_BASD

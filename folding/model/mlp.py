@@ -13,9 +13,9 @@ Usage::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..moe.experts.swiglu import swiglu
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 
 
@@ -47,4 +47,4 @@ class DenseMLP(nn.Module):
     def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
         """``[S/TP, B, H] -> [S/TP, B, H]``."""
         gate, up = sp_column_linears(x_SBH, (self.gate_proj, self.up_proj), self.tp_group)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))

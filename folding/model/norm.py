@@ -1,5 +1,11 @@
 """RMSNorm, computed in fp32 like Hugging Face's norms, replicated or with its features sharded over TP.
 
+Both norms run through one autograd function (:func:`rms_norm`) that keeps for backward only the
+input, in its own dtype, and one fp32 ``rstd = 1/sqrt(mean(x^2) + eps)`` per row (what
+TransformerEngine's and Megatron-Core's norms keep): a bf16 layer keeps ``2`` bytes per element and
+``4`` per row, not an fp32 copy of the input nor the normalized output. Backward recomputes the
+normalized rows from them (``(x32 * rstd).to(dtype)``, the forward's own values).
+
 :class:`RMSNorm`: the weight is replicated over tensor parallelism; under sequence parallelism every
 TP rank sees a different token chunk (or, for Qwen3-MoE's per-head q/k norm, different heads), so
 its gradient is TP-partial and is tagged ``sequence_parallel`` (summed over TP by the gradient
@@ -21,11 +27,61 @@ Usage::
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-from ..parallel.collectives import all_reduce, group_rank, group_size
+from ..parallel.collectives import all_reduce_nograd, group_rank, group_size
 from ..parallel.params import mark_param, set_init_spec
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``weight * (x32 * rstd).to(x.dtype)`` over the last dimension; keeps ``x`` and fp32 ``rstd``.
+
+    ``group``/``features``: the features are sharded over ``group`` (``None``: all local), and the
+    per-row sum of squares is all-reduced over it (forward: sum over ``group``; backward: the per-row
+    ``sum(grad * x)`` is summed over ``group`` too, since every rank's output depends on every rank's
+    features)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, group, features: int):
+        x32 = x.float()
+        if group is None:
+            ms = x32.pow(2).mean(-1, keepdim=True)
+        else:
+            ms = all_reduce_nograd(x32.pow(2).sum(-1, keepdim=True), group) / features
+        rstd = torch.rsqrt(ms + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.group, ctx.features = group, features
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        n32 = x.float() * rstd
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * n32.to(x.dtype)).reshape(-1, weight.numel()).sum(0).reshape(weight.shape)
+        # d/dx of x*rstd(x): rstd * (gn - n * mean(gn * n)), the mean over all features of the row
+        gn32 = (g * weight).to(x.dtype).float()
+        dot = (gn32 * n32).sum(-1, keepdim=True)
+        if ctx.group is not None:
+            dot = all_reduce_nograd(dot, ctx.group)
+        grad_x = (rstd * (gn32 - n32 * (dot / ctx.features))).to(x.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, group=None, features: Optional[int] = None):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, computed in fp32, returned in the
+    dtype of ``weight * x``. Keeps ``x`` and one fp32 value per row for backward.
+
+    ``group``: the last dimension holds this rank's ``1/size`` share of ``features`` features (column
+    sharded over TP); the mean of squares is over all of them (forward: all-reduce of the per-row sums
+    over ``group``; backward: all-reduce of the per-row ``sum(grad * x)``). ``None``: unsharded."""
+    if group is not None and group_size(group) == 1:
+        group = None
+    return _RMSNorm.apply(x, weight, eps, group, features if group is not None else x.shape[-1])
 
 
 class RMSNorm(nn.Module):
@@ -40,10 +96,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x`` (any leading shape, hidden last); returns ``x``'s dtype."""
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, eps=self.eps)
 
 
 class ShardedRMSNorm(nn.Module):
@@ -70,8 +123,4 @@ class ShardedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x [..., features/TP]`` (this rank's features of every token); returns ``x``'s dtype."""
-        dtype = x.dtype
-        x32 = x.float()
-        sumsq = all_reduce(x32.pow(2).sum(-1, keepdim=True), self.tp_group)
-        x32 = x32 * torch.rsqrt(sumsq / self.features + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, eps=self.eps, group=self.tp_group, features=self.features)

@@ -177,14 +177,18 @@ class MoETransformer(nn.Module):
         pos = self.local_positions(input_ids_BS.shape[1], input_ids_BS.device)
         return self.embedding(input_ids_BS[:, pos])
 
-    def rope(self, seq_len: int, device=None):
+    def rope(self, seq_len: int, device=None, dtype=None):
         """``(cos, sin, kv_order, chunk_starts)`` for this CP rank at sequence length ``seq_len``.
 
+        ``cos``/``sin`` are computed in fp32 and returned in ``dtype`` (the activations' dtype; ``None``:
+        fp32): cast once per micro-batch, so that no layer makes its own copies of the tables.
         ``kv_order`` sorts CP-gathered keys into sequence order (``None`` without CP);
         ``chunk_starts`` are the first positions of this rank's chunks.
         """
         q_pos = self.local_positions(seq_len, device)
         cos, sin = model_rope_cos_sin(q_pos, self.config)  # default RoPE or YaRN; MLA: its rotary dims
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
         cp = self.groups.cp_size
         if cp == 1:
             return cos, sin, None, (0,)
@@ -199,7 +203,7 @@ class MoETransformer(nn.Module):
     def run_layers(self, x_SBH: torch.Tensor, seq_len: int, rope=None) -> torch.Tensor:
         """Every layer this model holds (its ``layer_range``), in order, on a hidden shard; ``rope``:
         :meth:`rope` at ``seq_len`` (computed when not given)."""
-        rope = self.rope(seq_len, x_SBH.device) if rope is None else rope
+        rope = self.rope(seq_len, x_SBH.device, x_SBH.dtype) if rope is None else rope
         for i in range(*self.layer_range):
             x_SBH = self.layers[str(i)](x_SBH, rope)
         return x_SBH
@@ -297,7 +301,7 @@ class MoETransformer(nn.Module):
         x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
         if x is None:
             raise ValueError("a chunk that does not start at layer 0 needs hidden_SBH")
-        rope = self.rope(S, input_ids_BS.device)  # once per micro-batch: decoder and MTP layers
+        rope = self.rope(S, input_ids_BS.device, x.dtype)  # once per micro-batch: decoder and MTP layers
         x = self.run_layers(x, S, rope)
         if not self.post_process:
             return x

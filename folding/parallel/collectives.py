@@ -3,8 +3,9 @@
 Every function states what it does in forward and in backward. All of them are the identity when
 the group has one rank or ``torch.distributed`` is not initialized (no communication, same autograd
 graph shape). The ``*_sequence_region`` functions act on dimension 0 (sequence parallelism, context
-parallelism); :func:`all_gather_nograd` and the ``*_start`` functions are not autograd-aware, for
-counts, parameter storage and autograd functions that schedule their own communication.
+parallelism); :func:`all_gather_nograd`, :func:`all_reduce_nograd` and the ``*_start`` functions are
+not autograd-aware, for counts, parameter storage and autograd functions that schedule their own
+communication.
 
 Usage::
 
@@ -104,6 +105,13 @@ def all_gather_nograd(x: torch.Tensor, group: Group, *, stack: bool = False) -> 
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
     all_gather_single(out, x, group=group)
     return out
+
+
+def all_reduce_nograd(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward only (no autograd): the sum of ``x`` over ``group``, in a new tensor (``x`` itself for
+    a 1-rank group). Blocking; for autograd functions that reduce per-row statistics inside their own
+    forward and backward (:func:`folding.model.norm.rms_norm`)."""
+    return _all_reduce(x, group)
 
 
 def _split0(x: torch.Tensor, group: Group) -> torch.Tensor:

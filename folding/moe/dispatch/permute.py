@@ -118,8 +118,23 @@ def unpermute(
         raise ValueError(f"unpermute: {rows_NH.shape[0]} rows but {token_idx_N.shape[0]} indices")
     if probs_N is not None:
         rows_NH = rows_NH * probs_N.unsqueeze(1).to(rows_NH.dtype)
-    # in place into a fresh zero buffer: the out-of-place index_add would copy the zeros once more
-    return rows_NH.new_zeros((num_tokens,) + tuple(rows_NH.shape[1:])).index_add_(0, token_idx_N, rows_NH)
+    return _SumRows.apply(rows_NH, token_idx_N, num_tokens)
+
+
+class _SumRows(torch.autograd.Function):
+    """Forward: ``out[t] = Σ_{n: idx[n]=t} rows[n]`` (``index_add_`` into a fresh zero buffer).
+    Backward: ``grad_rows = grad_out[idx]``. Keeps the indices only (autograd's own ``index_add``
+    would keep the ``[N, H]`` rows too, for their shape)."""
+
+    @staticmethod
+    def forward(ctx, rows_NH, token_idx_N, num_tokens: int):
+        ctx.save_for_backward(token_idx_N)
+        return rows_NH.new_zeros((num_tokens,) + tuple(rows_NH.shape[1:])).index_add_(0, token_idx_N, rows_NH)
+
+    @staticmethod
+    def backward(ctx, g_TH):
+        (token_idx_N,) = ctx.saved_tensors
+        return g_TH.index_select(0, token_idx_N), None, None
 
 
 def check_dropless(counts: Sequence[Sequence[Sequence[int]]], num_tokens: int, topk: int) -> None:

@@ -11,9 +11,14 @@ Shape suffixes (docs/shapes.md): ``N`` rows (tokens after dispatch, expert-major
 width this rank holds (its ETP shard of ``F``), ``Fl2`` = 2·Fl (``[gate | up]`` side by side, the
 layout of fc1's output).
 
+:func:`swiglu` is the same without probabilities, for the dense MLPs and the shared expert, whose
+gate and up are two tensors (or two halves of one): it keeps them and nothing else (autograd's
+``F.silu(gate) * up`` would also keep ``silu(gate)``).
+
 Usage::
 
     act_NFl = swiglu_prob(h_NFl2, probs_N)      # == F.silu(gate) * up * probs_N[:, None]
+    act = swiglu(gate, up)                      # == F.silu(gate) * up, any shape
 """
 
 from __future__ import annotations
@@ -66,3 +71,31 @@ def swiglu_prob(h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
     if probs_N.shape != h_NFl2.shape[:1]:
         raise ValueError(f"swiglu_prob: probs_N must be [N={h_NFl2.shape[0]}], got {tuple(probs_N.shape)}")
     return _SwiGLUProb.apply(h_NFl2, probs_N)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """Forward: ``silu(gate) * up``. Backward: the gradients of ``gate`` and ``up``, from the two inputs
+    it keeps (``silu(gate)`` is recomputed)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        silu = torch.nn.functional.silu(gate)
+        grad_up = torch.mul(grad, silu) if ctx.needs_input_grad[1] else None
+        grad_gate = None
+        if ctx.needs_input_grad[0]:
+            grad_gate = torch.ops.aten.silu_backward(torch.mul(grad, up), gate)
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) ⊙ up`` (same shapes and dtype), keeping only ``gate`` and ``up`` for backward; equal
+    to ``F.silu(gate) * up`` in forward and backward."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    return _SwiGLU.apply(gate, up)

@@ -128,6 +128,7 @@ def topk_routing(
     scaling_factor: Optional[float] = None,
     expert_bias_E: Optional[Tensor] = None,
     group_score_topk: Optional[int] = None,
+    scores_TE: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Choose ``topk`` experts per token and their probabilities.
 
@@ -139,7 +140,9 @@ def topk_routing(
     contiguous expert groups, a group scored by the sum of its top ``group_score_topk`` scores
     (``None``: ``topk // group_topk``). ``expert_bias_E`` is added to the scores (the logits for post-top-k
     softmax) for the *choice only*: the returned probabilities never include it.
-    ``scaling_factor`` multiplies the final probabilities.
+    ``scaling_factor`` multiplies the final probabilities. ``scores_TE``: the scores of ``logits_TE`` under
+    the score function when the caller already has them (:func:`full_scores` for ``pre_softmax`` and sigmoid, shared
+    with :func:`aux_loss_scores` so that one copy is kept for backward); ``None``: computed here.
 
     Returns ``(probs_TE, routing_map_TE)``: dense probs in ``logits_TE``'s dtype (zero off the
     top-k) and a bool map of the chosen experts.
@@ -147,7 +150,8 @@ def topk_routing(
     _check_logits(logits_TE, topk)
     if (num_groups is None) != (group_topk is None):
         raise ValueError("group-limited routing needs both num_groups and group_topk (or neither)")
-    scores_TE = _scores(logits_TE, score_function, pre_softmax)
+    if scores_TE is None:
+        scores_TE = _scores(logits_TE, score_function, pre_softmax)
     select_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.to(scores_TE.dtype)
     if num_groups is None:
         idx_TK = select_TE.topk(topk, dim=-1).indices
@@ -245,18 +249,32 @@ def apply_capacity(
 
 
 # -------------------------------------------------------------------------------------- losses
+def full_scores(logits_TE: Tensor, score_function: str) -> Tensor:
+    """The score function over all E experts of every token: softmax (in fp32 at least) or sigmoid. The
+    scores of ``pre_softmax`` and ``sigmoid`` routing and the base of the load-balancing losses' scores,
+    which can share them (``scores_TE=`` of :func:`topk_routing` and :func:`aux_loss_scores`): one copy
+    kept for backward instead of two."""
+    return _scores(logits_TE, score_function, pre_softmax=score_function == "softmax")
+
+
 def aux_loss_scores(
-    logits_TE: Tensor, *, topk: int, score_function: str = "softmax", padding_mask_T: Optional[Tensor] = None
+    logits_TE: Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    padding_mask_T: Optional[Tensor] = None,
+    scores_TE: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Scores and top-k map the load-balancing losses use: full scores over all E experts for every
     token (softmax, or sigmoid normalized to sum 1) and the plain top-k of those scores (no groups,
     no expert bias, no dropping). Tokens where ``padding_mask_T`` is True get zero scores and an
-    empty map, so they count nowhere. Returns ``(scores_TE, routing_map_TE)``."""
+    empty map, so they count nowhere. ``scores_TE``: :func:`full_scores` of ``logits_TE`` when the caller
+    has them. Returns ``(scores_TE, routing_map_TE)``."""
     _check_logits(logits_TE, topk)
     if score_function == "softmax":
-        scores_TE = _softmax(logits_TE)
+        scores_TE = _softmax(logits_TE) if scores_TE is None else scores_TE
     elif score_function == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = torch.sigmoid(logits_TE) if scores_TE is None else scores_TE
         scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"score_function={score_function!r} must be 'softmax' or 'sigmoid'")

@@ -60,6 +60,32 @@ class _AttachLossGrad(torch.autograd.Function):
         return grad_x, torch.ones_like(loss) * ctx.scale, None
 
 
+class _Gating(torch.autograd.Function):
+    """``x·Wᵀ`` computed in ``dtype`` (fp32 or fp64) from ``x`` as it comes (bf16 in a bf16 run), which
+    is what it keeps: the wide copy of ``x`` exists only inside forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_EH, dtype):
+        ctx.save_for_backward(x_TH, w_EH)
+        ctx.dtype = dtype
+        return F.linear(x_TH.to(dtype), w_EH.to(dtype))
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TH, w_EH = ctx.saved_tensors
+        g_TE = g_TE.to(ctx.dtype)
+        gx = (g_TE @ w_EH.to(ctx.dtype)).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g_TE.t() @ x_TH.to(ctx.dtype)).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def gating(x_TH: torch.Tensor, w_EH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The router's logits ``[T, E] = x·Wᵀ`` in ``dtype`` (Megatron-Core's router gating: the GEMM in
+    fp32, or fp64, from the activation-dtype input it keeps for backward; no wide copy of ``x`` is
+    kept). Backward: ``grad·W`` cast to ``x``'s dtype and ``gradᵀ·x`` in ``dtype`` cast to ``W``'s."""
+    return _Gating.apply(x_TH, w_EH, dtype)
+
+
 def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: Union[float, torch.Tensor]) -> torch.Tensor:
     """Return ``x`` unchanged, wired so that back-propagating through it adds ``scale·∇loss``."""
     return _AttachLossGrad.apply(x, loss, scale)
@@ -177,12 +203,15 @@ class Router(BalancingRouter):
         scale = self.aux_loss_scale if aux_loss_scale is None else aux_loss_scale
         losses: Dict[str, torch.Tensor] = {}
         logits_TE = self._scores(hidden_TH, padding_mask_T, losses if losses_on else None, scale)
-        probs_TE, routed_TE = self._route(logits_TE)
+        # routing on the scores of all experts (pre-softmax, sigmoid) shares them with the aux loss: one copy kept
+        full = cfg.score_function == "sigmoid" or cfg.pre_softmax
+        scores_TE = R.full_scores(logits_TE, cfg.score_function) if full else None
+        probs_TE, routed_TE = self._route(logits_TE, scores_TE)
         if cfg.expert_bias and losses_on:
             self._count_demand(routed_TE, padding_mask_T)
         probs_TE, routing_map_TE = self._capacity(probs_TE, routed_TE)
         if aux_on:
-            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences, padding_mask_T)
+            losses[cfg.aux_loss_type] = self._aux_loss(logits_TE, num_sequences, padding_mask_T, scores_TE)
             probs_TE = attach_loss(probs_TE, losses[cfg.aux_loss_type], scale)
         return self._record(probs_TE, routed_TE, routing_map_TE, losses)
 
@@ -225,7 +254,7 @@ class Router(BalancingRouter):
         if self.training and cfg.input_jitter_eps:
             eps = cfg.input_jitter_eps
             hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
-        logits_TE = F.linear(hidden_TH.to(self.dtype), self.weight.to(self.dtype))
+        logits_TE = gating(hidden_TH, self.weight, self.dtype)
         if losses is None or not cfg.z_loss_coeff > 0:
             return logits_TE
         if padding_mask_T is None:
@@ -273,7 +302,7 @@ class Router(BalancingRouter):
         )
         return RouterOutput(probs_TE=probs_TE, routing_map_TE=routing_map_TE, stats=stats)
 
-    def _route(self, logits_TE: torch.Tensor):
+    def _route(self, logits_TE: torch.Tensor, scores_TE: Optional[torch.Tensor]):
         cfg = self.config
         if cfg.force_balance:
             return R.balanced_routing(
@@ -293,10 +322,15 @@ class Router(BalancingRouter):
             scaling_factor=cfg.topk_scaling_factor,
             expert_bias_E=self.expert_bias,
             group_score_topk=cfg.group_score_topk,
+            scores_TE=scores_TE,
         )
 
     def _aux_loss(
-        self, logits_TE: torch.Tensor, num_sequences: Optional[int], padding_mask_T: Optional[torch.Tensor]
+        self,
+        logits_TE: torch.Tensor,
+        num_sequences: Optional[int],
+        padding_mask_T: Optional[torch.Tensor],
+        full_scores_TE: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """This rank's share of the load-balancing loss (token counts reduced over its group).
         Token totals are T·group size, or with padding the valid tokens read off the reduced counts
@@ -305,7 +339,11 @@ class Router(BalancingRouter):
         T, k = logits_TE.shape[0], cfg.topk
         kw = dict(topk=k, num_experts=cfg.num_experts, coeff=cfg.aux_loss_coeff)
         scores_TE, map_TE = R.aux_loss_scores(
-            logits_TE, topk=k, score_function=cfg.score_function, padding_mask_T=padding_mask_T
+            logits_TE,
+            topk=k,
+            score_function=cfg.score_function,
+            padding_mask_T=padding_mask_T,
+            scores_TE=full_scores_TE,
         )
         padded = padding_mask_T is not None
         if cfg.aux_loss_type == "aux_loss":
