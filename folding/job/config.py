@@ -28,12 +28,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..data.config import DataConfig
 from ..model.config import ModelConfig
 from ..model.mla_config import MLAConfig
-from ..model.recompute import RECOMPUTE_MODES  # noqa: F401 - the names train.recompute accepts
+from ..model.recompute import RECOMPUTE_MODES, recompute_spec  # noqa: F401 - the names train.recompute accepts
 from ..model.rope_yarn import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
@@ -158,7 +158,15 @@ class TrainConfig:
     precision: str = "fp32"
     """``fp32`` or ``bf16`` (bf16 parameters and compute, fp32 master weights and gradients)."""
     recompute: str = "none"
-    """Activation recomputation: ``none``, ``full``, ``selective`` (attention core) or ``moe``."""
+    """Activation recomputation mode (:mod:`folding.model.recompute`): ``none``, ``selective`` (the
+    attention core, Megatron-Core's default ``core_attn``), ``moe`` (the MoE block) or ``full`` (the whole
+    layer; only its input is kept)."""
+    recompute_modules: List[str] = dataclasses.field(default_factory=list)
+    """Megatron-Core's recompute modules, added to ``recompute``'s (``--recompute-granularity selective
+    --recompute-modules``): ``core_attn``, ``layernorm`` (both norms' outputs), ``moe_act`` (the experts'
+    activation output, from fc1's), ``mla_up_proj`` (MLA's up-projections and RoPE), ``mlp`` (dense MLPs),
+    ``moe`` (the MoE block), ``shared_experts``; not with ``recompute=full`` (:mod:`folding.model.recompute`
+    says what each keeps and runs again)."""
     compile: bool = False
     """``torch.compile`` each layer's dense part (input norm + attention sublayer,
     :mod:`folding.model.compile`, ``LayerSettings.compile_dense``); the MoE block stays eager. Off by
@@ -176,6 +184,11 @@ class TrainConfig:
     """CPU threads per process (``torch.set_num_threads``). null: ``OMP_NUM_THREADS`` when set (torchrun
     sets 1), else the CPUs this process may use (affinity and cgroup quota) divided by the processes on
     the node. The choice is printed at start."""
+
+    def recompute_setting(self) -> str:
+        """``recompute`` and ``recompute_modules`` as one setting string (the canonical name of their
+        :class:`~folding.model.recompute.Recompute`; ``ValueError`` naming the key when invalid)."""
+        return recompute_spec(self.recompute, self.recompute_modules).name
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..model.recompute import RECOMPUTE_MODULES
 from ..moe.experts.fp8_shapes import check_fp8_shapes
 from ..parallel import LayoutError, ParallelLayout
 from ..parallel.partition import partition_layers
@@ -59,6 +60,7 @@ def _check_train(job: JobConfig) -> None:
         _fail("train.precision", t.precision, "unknown precision", f"choose one of {', '.join(PRECISIONS)}")
     if t.recompute not in RECOMPUTE_MODES:
         _fail("train.recompute", t.recompute, "unknown mode", f"choose one of {', '.join(RECOMPUTE_MODES)}")
+    _check_recompute_modules(t)
     moe = job.moe
     par = job.parallel
     for key in ("overlap_moe_comm", "delay_wgrad"):
@@ -182,11 +184,37 @@ def expert_backend_on(job: JobConfig, device: Optional[torch.device]) -> str:
     return resolve_expert_backend(job, device, quiet=True)
 
 
+def _check_recompute_modules(t) -> None:
+    """``train.recompute_modules``: a list of known module names, not with ``full``, and no discarding
+    module inside ``train.compile``'s compiled attention sublayer (its storages are freed and refilled
+    outside the graph the compiler sees)."""
+    mods = t.recompute_modules
+    if not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods):
+        _fail(
+            "train.recompute_modules",
+            mods,
+            "must be a list of module names",
+            f"name some of {', '.join(RECOMPUTE_MODULES)}, e.g. train.recompute_modules=[moe_act]",
+        )
+    try:
+        t.recompute_setting()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    clash = [m for m in ("layernorm", "mla_up_proj") if m in mods]
+    if t.compile and clash:
+        _fail(
+            "train.recompute_modules",
+            list(mods),
+            f"{', '.join(clash)} discard(s) tensors of the attention sublayer, which train.compile=true compiles",
+            f"drop {', '.join(clash)} or set train.compile=false",
+        )
+
+
 def _check_recompute_vs_fp8_region(job: JobConfig, device: Optional[torch.device]) -> None:
     """``delayed`` on TE needs every expert forward inside the chunk's FP8 region; a recomputed expert
     forward runs in backward, outside it. Checked on the backend the experts will really run."""
     t, moe = job.train, job.moe
-    if t.recompute not in ("full", "moe") or moe.fp8_recipe != "delayed":
+    if t.recompute not in ("full", "moe") and "moe" not in t.recompute_modules or moe.fp8_recipe != "delayed":
         return
     backend = expert_backend_on(job, device)
     if backend == "te":

@@ -58,7 +58,7 @@ def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
         layout,
         param_bytes=width,
         distributed=job.optim.distributed,
-        recompute=t.recompute,
+        recompute=t.recompute_setting(),
         seq_length=t.seq_length,
         micro_batch_size=t.micro_batch_size,
         act_bytes=width,

@@ -28,7 +28,7 @@ from torch import nn
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .config import ModelConfig
-from .context_parallel import causal_sdpa, gather_kv
+from .context_parallel import attention_core, gather_kv
 from .norm import RMSNorm, ShardedRMSNorm
 from .rope import apply_rope
 
@@ -46,10 +46,16 @@ class Attention(nn.Module):
         device=None,
         dtype=torch.float32,
         delay_wgrad: bool = False,
+        recompute_core: bool = False,
     ):
         """``delay_wgrad`` (``parallel.delay_wgrad``): the projections' weight (and bias) gradients are
-        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
+        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`). ``recompute_core``:
+        the ``core_attn`` recompute module (:mod:`folding.model.recompute`): the attention core runs under
+        a checkpoint, keeping its inputs (the queries, keys and values, kept anyway) but not its
+        statistics."""
         super().__init__()
+        self.recompute_core = recompute_core
+        """The attention core is recomputed in backward (``core_attn``)."""
         tp = group_size(tp_group)
         for what, n in (
             ("model.num_attention_heads", config.num_attention_heads),
@@ -117,12 +123,13 @@ class Attention(nn.Module):
         q_BASD = q.permute(1, 2, 0, 3)
         if group_size(self.cp_group) > 1:  # full-sequence K/V in sequence order
             k, v = gather_kv(k, self.cp_group)[kv_order], gather_kv(v, self.cp_group)[kv_order]
-        out = causal_sdpa(
+        out = attention_core(
             q_BASD,
             k.permute(1, 2, 0, 3),
             v.permute(1, 2, 0, 3),
             scale=1.0 / math.sqrt(self.head_dim),
             chunk_starts=chunk_starts,
+            recompute=self.recompute_core,
             enable_gqa=self.kv_heads != self.heads,
         )
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)

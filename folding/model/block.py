@@ -11,13 +11,15 @@ Everything about how the layer is built and run comes at construction in one
 :class:`~folding.moe.settings.LayerSettings` (dtype, device, init seed, recompute, the MoE block's
 overlap settings and expert backend); nothing is set on a built layer.
 
-Activation recompute (``settings.recompute``, ``train.recompute``): what each mode recomputes is the
-table of :mod:`folding.model.recompute` (``full``: only the layer input is kept and the whole layer
-recomputed in backward; ``selective``: the attention block with its TP/CP communication; ``moe``:
-the MoE block: router, dispatch, experts, combine). Recompute uses non-reentrant
-``torch.utils.checkpoint``; every rank recomputes in the same order, so the collectives inside a
-recomputed region match. A recomputed router runs its statistics twice (expert-bias counts double,
-which leaves the sign-based bias update unchanged).
+Activation recompute (``settings.recompute``: ``train.recompute`` and ``train.recompute_modules``): the
+table of :mod:`folding.model.recompute`. ``full`` checkpoints the whole layer (only its input is kept);
+otherwise each module recomputes its own part: ``layernorm`` discards both norms' outputs (refilled from
+their kept inputs when backward reaches their consumers), ``mlp`` / ``moe`` checkpoint the dense MLP /
+MoE block (its input, the post-attention norm's output, is kept), and the attention and MoE modules
+apply ``core_attn``, ``mla_up_proj``, ``moe_act`` and ``shared_experts`` themselves. Checkpoints are
+non-reentrant ``torch.utils.checkpoint``; every rank recomputes in the same order, so the collectives
+inside a recomputed region match. A recomputed router runs its statistics twice (expert-bias counts
+double, which leaves the sign-based bias update unchanged).
 
 Usage::
 
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..memory.discard import discard_until_backward
 from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from .attention import Attention
@@ -42,7 +45,7 @@ from .config import ModelConfig
 from .mla import MLAttention
 from .mlp import DenseMLP
 from .norm import RMSNorm
-from .recompute import RECOMPUTE, recompute_mode
+from .recompute import recompute_mode
 
 MoEFactory = Callable[..., nn.Module]
 
@@ -62,11 +65,15 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.recompute = recompute_mode(settings.recompute)
+        """What this layer recomputes in backward (:mod:`folding.model.recompute`)."""
+        self.discard_norms = self.recompute.has("layernorm") and not self.recompute.whole_layer
+        """``layernorm``: both norms' outputs are freed once their consumers have run forward and
+        recomputed from the inputs the norms keep when backward reaches the consumers
+        (:mod:`folding.memory.discard`)."""
         self.dense_compiled = settings.compile_dense
         """Whether the input norm and attention sublayer run through ``torch.compile`` (a construction
         setting, ``train.compile``)."""
         self._dense = dense_sublayer(self._attention, compiled=settings.compile_dense)
-        """What this layer recomputes in backward (:mod:`folding.model.recompute`)."""
         self.is_moe = config.is_moe_layer(layer_number)
         kw = dict(device=settings.device, dtype=settings.params_dtype)
         self.input_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
@@ -74,12 +81,16 @@ class TransformerLayer(nn.Module):
         # the compiled attention sublayer keeps autograd's own linear backward (a deferral inside a
         # compiled graph would break it)
         delay = settings.delay_wgrad and not settings.compile_dense
+        recompute = dict(recompute_core=self.recompute.has("core_attn"))
+        if config.mla is not None:
+            recompute["recompute_up_proj"] = self.recompute.has("mla_up_proj")
         self.attention = attention_cls(
             config,
             tp_group=groups.tp,
             cp_group=groups.cp,
             output_init_std=config.output_init_std,
             delay_wgrad=delay,
+            **recompute,
             **kw,
         )
         self.post_attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw)
@@ -99,22 +110,26 @@ class TransformerLayer(nn.Module):
     def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
         """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from
         :meth:`MoETransformer.rope`."""
-        mode = self.recompute if torch.is_grad_enabled() else RECOMPUTE["none"]
-        if mode.whole_layer:
-            return checkpoint(self._forward, x_SBH, rope, RECOMPUTE["none"], use_reentrant=False)
-        return self._forward(x_SBH, rope, mode)
+        if self.recompute.whole_layer and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_SBH, rope, False, use_reentrant=False)
+        return self._forward(x_SBH, rope, torch.is_grad_enabled() and not self.recompute.whole_layer)
 
     def _attention(self, x_SBH, rope):
-        return self.attention(self.input_norm(x_SBH), *rope)
+        n_SBH = self.input_norm(x_SBH)
+        out = self.attention(n_SBH, *rope)
+        if self.discard_norms:  # layernorm: the norm's output comes back from its kept input in backward
+            discard_until_backward([n_SBH], after=out, refill=lambda: [self.input_norm(x_SBH)])
+        return out
 
-    def _mlp(self, h_SBH):
-        return self.mlp(self.post_attention_norm(h_SBH))
-
-    def _forward(self, x_SBH, rope, mode):
-        if mode.attention:
-            h = x_SBH + checkpoint(self._dense, x_SBH, rope, use_reentrant=False)
+    def _forward(self, x_SBH, rope, modules: bool):
+        """The layer; ``modules``: apply the recompute modules (off inside a whole-layer checkpoint and
+        without autograd)."""
+        h = x_SBH + self._dense(x_SBH, rope)
+        n_SBH = self.post_attention_norm(h)
+        if modules and self.recompute.mlp(moe_layer=self.is_moe):  # moe / mlp: the block checkpointed
+            out = checkpoint(self.mlp, n_SBH, use_reentrant=False)
         else:
-            h = x_SBH + self._dense(x_SBH, rope)
-        if mode.mlp(moe_layer=self.is_moe):
-            return h + checkpoint(self._mlp, h, use_reentrant=False)
-        return h + self._mlp(h)
+            out = self.mlp(n_SBH)
+        if modules and self.discard_norms:
+            discard_until_backward([n_SBH], after=out, refill=lambda: [self.post_attention_norm(h)])
+        return h + out

@@ -10,7 +10,7 @@ embedding group; with multi-token prediction, also the MTP modules and a copy of
 
 Usage::
 
-    settings = LayerSettings(init_seed=job.train.seed, recompute=job.train.recompute)
+    settings = LayerSettings(init_seed=job.train.seed, recompute=job.train.recompute_setting())
     chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
 """
 

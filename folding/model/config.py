@@ -20,7 +20,14 @@ from typing import Literal, Optional, Tuple, get_args
 
 from ..moe.config import FP8_ROW_ALIGN, MoEConfig  # noqa: F401 - FP8_ROW_ALIGN for the planner
 from .mla_config import MLAConfig
-from .recompute import RECOMPUTE, RECOMPUTE_MODES, Recompute, recompute_mode  # noqa: F401 - for planning
+from .recompute import (  # noqa: F401 - for planning
+    RECOMPUTE,
+    RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+    Recompute,
+    recompute_mode,
+    recompute_spec,
+)
 from .rope_yarn import YarnConfig
 
 Family = Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]

@@ -33,6 +33,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -40,12 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory.discard import discard_until_backward
 from ..parallel import wgrad
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from ..parallel.params import mark_param, set_init_spec
 from .config import ModelConfig
-from .context_parallel import causal_sdpa, gather_kv
+from .context_parallel import attention_core, gather_kv, sdpa_values
 from .norm import RMSNorm
 from .rope import apply_rope
 from .rope_yarn import yarn_softmax_scale
@@ -97,10 +99,20 @@ class MLAttention(nn.Module):
         device=None,
         dtype=torch.float32,
         delay_wgrad: bool = False,
+        recompute_core: bool = False,
+        recompute_up_proj: bool = False,
     ):
         """``delay_wgrad`` (``parallel.delay_wgrad``): every projection's weight gradient is computed
-        behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
+        behind the backward's next exchange (:mod:`folding.parallel.wgrad`). ``recompute_core`` /
+        ``recompute_up_proj``: the ``core_attn`` / ``mla_up_proj`` recompute modules
+        (:mod:`folding.model.recompute`; see the attributes)."""
         super().__init__()
+        self.recompute_core = recompute_core
+        """The attention core runs under a checkpoint (``core_attn``)."""
+        self.recompute_up_proj = recompute_up_proj
+        """``mla_up_proj``: the core's queries, keys and values (the up-projections' and RoPE's outputs)
+        are freed once the core has run forward and recomputed from the kept latents when backward
+        reaches it (:mod:`folding.memory.discard`)."""
         m = config.mla
         if m is None:
             raise ValueError("MLAttention needs model.mla (a folding.model.mla_config.MLAConfig)")
@@ -156,35 +168,50 @@ class MLAttention(nn.Module):
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``; ``cos/sin [S_cp, dr]`` at this CP rank's
         positions, ``kv_order`` and ``chunk_starts`` as in :class:`~folding.model.attention.Attention`."""
         m, tp = self.mla, self.tp_group
-        Rkv, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        Rkv, dr, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
         kv_a = self.kv_a_proj_with_mqa(x_SBH)
         kv_lat = self.kv_a_layernorm(kv_a[..., :Rkv])
         if m.q_lora_rank is None:
-            (q,) = sp_column_linears(x_SBH, (self.q_proj,), tp)
+            (q_in,) = sp_column_linears(x_SBH, (self.q_proj,), tp)
             kv = sp_gather(torch.cat((kv_lat, kv_a[..., Rkv:]), dim=-1), tp)
         else:  # one TP all-gather of both latents
             q_lat = self.q_a_layernorm(self.q_a_proj(x_SBH))
             lat = sp_gather(torch.cat((q_lat, kv_lat, kv_a[..., Rkv:]), dim=-1), tp)
-            q = self.q_b_proj(lat[..., : m.q_lora_rank])
-            kv = lat[..., m.q_lora_rank :]
-        S, B, _ = q.shape  # S_cp: the TP-gathered sequence
-        q = q.view(S, B, self.heads, dn + dr)
-        q = torch.cat((q[..., :dn], self._rope(q[..., dn:], cos_SD, sin_SD)), dim=-1)
+            q_in, kv = lat[..., : m.q_lora_rank], lat[..., m.q_lora_rank :]
+        S, B, _ = kv.shape  # S_cp: the TP-gathered sequence
         k_pe = self._rope(kv[..., Rkv:].view(S, B, 1, dr), cos_SD, sin_SD)
         kv = torch.cat((kv[..., :Rkv], k_pe.view(S, B, dr)), dim=-1)
         if group_size(self.cp_group) > 1:  # the compressed KV of the whole sequence, in sequence order
             kv = gather_kv(kv, self.cp_group)[kv_order]
-        Sk = kv.shape[0]
-        kv_up = self.kv_b_proj(kv[..., :Rkv]).view(Sk, B, self.heads, dn + dv)
-        k_pe = kv[..., Rkv:].view(Sk, B, 1, dr).expand(Sk, B, self.heads, dr)
-        k = torch.cat((kv_up[..., :dn], k_pe), dim=-1)
-        v = kv_up[..., dn:]
-        out = causal_sdpa(
+        up = functools.partial(self._up_proj, q_in, kv, cos_SD, sin_SD)
+        q, k, v = up()
+        out = attention_core(
             q.permute(1, 2, 0, 3),
             k.permute(1, 2, 0, 3),
             v.permute(1, 2, 0, 3),
             scale=self.scale,
             chunk_starts=chunk_starts,
+            recompute=self.recompute_core,
         )
-        out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * dv)
+        if self.recompute_up_proj:  # mla_up_proj: the core's q, k, v come back from the kept latents
+            first = 0 if m.q_lora_rank is not None else 1  # without q LoRA, q_in is q itself: keep q
+            discard_until_backward([q, k, v][first:], after=out, refill=lambda: up()[first:])
+        out = out[..., :dv].permute(2, 0, 1, 3).reshape(S, B, self.heads * dv)
         return self.o_proj(out)
+
+    def _up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
+        """The attention core's ``q [S, B, N/TP, dn+dr]``, ``k [Sk, B, N/TP, dn+dr]`` and ``v`` (as the
+        kernel takes it, :func:`~folding.model.context_parallel.sdpa_values`) from the query latent (or,
+        without q LoRA, the projected query) and the compressed KV: the up-projections and the queries'
+        RoPE (the ``mla_up_proj`` recompute module's region)."""
+        m = self.mla
+        Rkv, dn, dr, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        q = self.q_b_proj(q_in) if m.q_lora_rank is not None else q_in
+        S, B, _ = q.shape
+        q = q.view(S, B, self.heads, dn + dr)
+        q = torch.cat((q[..., :dn], self._rope(q[..., dn:], cos_SD, sin_SD)), dim=-1)
+        Sk = kv.shape[0]
+        kv_up = self.kv_b_proj(kv[..., :Rkv]).view(Sk, B, self.heads, dn + dv)
+        k_pe = kv[..., Rkv:].view(Sk, B, 1, dr).expand(Sk, B, self.heads, dr)
+        k = torch.cat((kv_up[..., :dn], k_pe), dim=-1)
+        return q, k, sdpa_values(kv_up[..., dn:], dn + dr)

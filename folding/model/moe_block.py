@@ -30,6 +30,7 @@ from ..moe.layer import build_moe_layer
 from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from .config import ModelConfig
+from .recompute import recompute_mode
 
 FACTORY_KEYWORDS = ("config", "layer_number", "groups", "settings")
 """The keyword arguments every MoE block factory is called with."""
@@ -43,7 +44,10 @@ def default_moe_factory(
 
     The layer creates its weights with their records and leaves their values to the model, which
     draws every parameter from ``(settings.init_seed, its name in the model)`` (layout-independent).
+    ``settings.recompute`` (:mod:`folding.model.recompute`) gives its ``moe_act`` and ``shared_experts``
+    modules; ``moe`` (the whole block) is the layer's to checkpoint.
     """
+    rc = recompute_mode(settings.recompute)
     return build_moe_layer(
         config.moe,
         hidden_size=config.hidden_size,
@@ -52,6 +56,9 @@ def default_moe_factory(
         init_std=config.init_std,
         output_init_std=config.output_init_std,
         settings=settings.replace(init_seed=None),
+        # inside a checkpointed block (moe) nothing is recomputed twice
+        recompute_act=rc.has("moe_act") and not rc.has("moe"),
+        recompute_shared_expert=rc.has("shared_experts") and not rc.has("moe"),
     )
 
 

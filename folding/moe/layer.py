@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from folding.parallel import overlap
 from folding.parallel.collectives import group_size
@@ -51,6 +52,7 @@ from folding.parallel.sequence_parallel import gather_linears
 from .config import MoEConfig
 from .dispatch.build import dispatcher_for
 from .experts.grouped import GroupedMLP
+from .experts.swiglu import swiglu
 from .replicas.fetch import ReplicaWeights, completes_after_backward
 from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
 from .routing.balancing import RoutedBlock, RoutingStats
@@ -71,7 +73,7 @@ class SharedExpert(nn.Module):
     Parameters: ``fc1_weight [2·Fl, H]`` (rows ``[0:Fl]`` gate shard, ``[Fl:]`` up shard of the full
     ``[gate; up]`` of shape ``[2, F, H]``; ``tp_sharded``), ``fc2_weight [H, Fl]`` (``tp_sharded``),
     ``gate_weight [1, H]`` (replicated, ``sequence_parallel``). ``settings``: their dtype, device and
-    initialization seed (:class:`~folding.moe.settings.LayerSettings`).
+    initialization seed (:class:`~folding.moe.settings.LayerSettings`); ``recompute``: see the attribute.
     """
 
     def __init__(
@@ -84,8 +86,12 @@ class SharedExpert(nn.Module):
         init_std: float = 0.02,
         output_init_std: Optional[float] = None,
         settings: LayerSettings = LayerSettings(),
+        recompute: bool = False,
     ):
         super().__init__()
+        self.recompute = recompute
+        """The ``shared_experts`` recompute module: the forward runs under a checkpoint (only its input
+        is kept; it runs again, with its TP collectives, in backward)."""
         self.tp_group, self.hidden_size, self.ffn_hidden_size = tp_group, hidden_size, ffn_hidden_size
         self.ffn_local = ffn_hidden_size // group_size(tp_group)
         dtype, device = settings.params_dtype, settings.device
@@ -106,10 +112,15 @@ class SharedExpert(nn.Module):
 
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, tokens_TH, use_reentrant=False)
+        return self._forward(tokens_TH)
+
+    def _forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         delay = self.delay_wgrad
         (h,) = gather_linears(tokens_TH, [self.fc1_weight], None, self.tp_group, delay_wgrad=delay)
         gate, up = h.split(self.ffn_local, dim=-1)
-        y = row_parallel_linear(F.silu(gate) * up, self.fc2_weight, self.tp_group, delay_wgrad=delay)
+        y = row_parallel_linear(swiglu(gate, up), self.fc2_weight, self.tp_group, delay_wgrad=delay)
         if self.gate_weight is not None:
             y = y * torch.sigmoid(F.linear(tokens_TH, self.gate_weight.to(tokens_TH.dtype)))
         return y
@@ -124,6 +135,8 @@ def build_moe_layer(
     init_std: float = 0.02,
     output_init_std: Optional[float] = None,
     settings: LayerSettings = LayerSettings(),
+    recompute_act: bool = False,
+    recompute_shared_expert: bool = False,
 ) -> "MoELayer":
     """An :class:`MoELayer` and its parts made from ``config``: router, dispatcher, this rank's experts
     (and replica slots), shared expert. ``groups``: the expert view's ``ep``/``etp`` (token exchange,
@@ -132,7 +145,9 @@ def build_moe_layer(
     into the residual stream (default ``init_std``). ``settings``
     (:class:`~folding.moe.settings.LayerSettings`): dtype (the router keeps fp32), device (``meta``
     allocates nothing), ``init_seed`` (each weight drawn from its name in the layer; ``None``: left to
-    the owner), ``overlap_comm``, ``delay_wgrad``, ``expert_backend`` (resolved here when absent)."""
+    the owner), ``overlap_comm``, ``delay_wgrad``, ``expert_backend`` (resolved here when absent).
+    ``recompute_act`` / ``recompute_shared_expert``: the ``moe_act`` / ``shared_experts`` recompute modules
+    (:attr:`GroupedMLP.recompute_act`, :attr:`SharedExpert.recompute`)."""
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a folding.moe.config.MoEConfig (validated when built), got {type(config)}")
     settings = settings.with_expert_backend(config)
@@ -164,8 +179,8 @@ def build_moe_layer(
         layer_number=layer_number,
         router=router,
         dispatcher=d,
-        experts=_experts(config, d, hidden_size, settings, **std),
-        shared_expert=_shared_expert(config, groups, hidden_size, settings, **std),
+        experts=_experts(config, d, hidden_size, settings, recompute_act=recompute_act, **std),
+        shared_expert=_shared_expert(config, groups, hidden_size, settings, recompute=recompute_shared_expert, **std),
         overlap_comm=settings.overlap_comm,
     )
     if settings.init_seed is not None and not router.weight.is_meta:
@@ -174,7 +189,7 @@ def build_moe_layer(
 
 
 def _shared_expert(
-    config: MoEConfig, groups: ProcessGroups, hidden_size: int, settings: LayerSettings, **std
+    config: MoEConfig, groups: ProcessGroups, hidden_size: int, settings: LayerSettings, *, recompute: bool, **std
 ) -> Optional[SharedExpert]:
     """The shared expert on the attention TP group (``config.shared_expert_ffn_hidden_size``), or None."""
     if config.shared_expert_ffn_hidden_size is None:
@@ -185,11 +200,14 @@ def _shared_expert(
         tp_group=groups.tp,
         gate=config.shared_expert_gate,
         settings=settings.replace(init_seed=None),
+        recompute=recompute,
         **std,
     )
 
 
-def _experts(config: MoEConfig, d, hidden_size: int, settings: LayerSettings, **std) -> GroupedMLP:
+def _experts(
+    config: MoEConfig, d, hidden_size: int, settings: LayerSettings, *, recompute_act: bool, **std
+) -> GroupedMLP:
     """This rank's experts behind dispatcher ``d`` (its local experts, after them the replica slots'
     counts), on the backend ``settings`` carries."""
     num_local = d.num_local_experts - config.expert_replicas
@@ -207,6 +225,7 @@ def _experts(config: MoEConfig, d, hidden_size: int, settings: LayerSettings, **
         init_seed=None,
         device=settings.device,
         delay_wgrad=settings.delay_wgrad,
+        recompute_act=recompute_act,
         **std,
     )
 

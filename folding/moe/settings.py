@@ -42,8 +42,8 @@ class LayerSettings:
     device: Any = None
     """Where parameters and buffers are created (``None``: CPU; ``meta``: nothing is allocated)."""
     recompute: str = "none"
-    """Activation recompute mode of every transformer layer (``train.recompute``,
-    :mod:`folding.model.recompute`)."""
+    """What every transformer layer recomputes: a setting string of :mod:`folding.model.recompute` (a
+    mode, or recompute modules joined by commas: ``train.recompute`` with ``train.recompute_modules``)."""
     overlap_comm: bool = False
     """An MoE layer computes its shared expert while its own dispatch is in flight
     (``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work)."""

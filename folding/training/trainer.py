@@ -342,7 +342,7 @@ def _build_chunks(
         init_seed=t.seed,
         params_dtype=compute_dtype(job),
         device="meta" if init_from else device,
-        recompute=t.recompute,
+        recompute=t.recompute_setting(),
         overlap_comm=job.parallel.overlap_moe_comm,
         delay_wgrad=job.parallel.delay_wgrad,
         expert_backend=expert_backend,

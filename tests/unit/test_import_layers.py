@@ -1,4 +1,4 @@
-"""The package imports one way: ``parallel``, ``quant``, ``data`` -> ``moe`` -> ``model`` -> ``pipeline``
+"""The package imports one way: ``memory``, ``parallel``, ``quant``, ``data`` -> ``moe`` -> ``model`` -> ``pipeline``
 -> ``optim`` -> ``job`` -> ``checkpoint`` -> ``training`` -> ``interop`` -> ``launch`` (``testing`` on
 top); ``planning`` imports only ``parallel`` and ``folding.model.config``, and only ``training``,
 ``launch`` (and ``testing``) import ``planning``. ``tools`` and
@@ -19,6 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPS = ("folding", "tools", "benchmarks")
 LEVEL = {
+    "memory": 0,
     "parallel": 0,
     "quant": 0,
     "data": 0,

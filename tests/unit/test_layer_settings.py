@@ -1,13 +1,14 @@
 """Construction settings reach every layer at construction: LayerSettings, the MoE block factory's
 contract, the expert backend decided once, and the model checkpointing what the recompute table says."""
 
-import dataclasses
 import types
 
 import pytest
 import torch
 
 import folding.model.block as block_mod
+import folding.model.context_parallel as context_parallel
+import folding.moe.layer as moe_layer_mod
 from folding.model.chunks import build_stage_chunks
 from folding.model.moe_block import check_moe_factory, default_moe_factory
 from folding.model.presets import get_preset
@@ -31,7 +32,7 @@ def test_settings_reach_every_moe_layer_and_its_experts():
     moe = [m for m in model.modules() if isinstance(m, MoELayer)]
     assert len(moe) == 1 and moe[0].overlap_comm and moe[0].experts.delay_wgrad
     assert moe[0].experts.backend == "loop"
-    assert all(layer.recompute is RECOMPUTE["moe"] for layer in model.transformer_layers())
+    assert all(layer.recompute == RECOMPUTE["moe"] for layer in model.transformer_layers())
     assert model.settings == s
     # parallel.delay_wgrad reaches every dense projection too (Megatron-Core's --delay-wgrad-compute:
     # attention, the shared expert, the dense MLP), except the LM head and the router
@@ -96,30 +97,38 @@ def test_the_experts_receive_the_backend_that_runs():
     assert s.replace(expert_backend="torch").with_expert_backend(_cfg().moe).expert_backend == "torch"  # kept
 
 
-@pytest.mark.parametrize("mode", RECOMPUTE_MODES)
+@pytest.mark.parametrize("mode", RECOMPUTE_MODES + ("core_attn,mlp", "moe,shared_experts"))
 def test_the_model_checkpoints_what_the_recompute_table_says(monkeypatch, mode):
-    """Each layer checkpoints the whole layer, or the attention and / or MLP sublayers, exactly as
-    :mod:`folding.model.recompute` says for an MoE layer (0) and a dense one (1)."""
+    """Each layer checkpoints the whole layer, its attention core and / or its MLP block (the MoE block
+    of an MoE layer, the dense MLP of a dense one) and the shared expert, exactly as
+    :mod:`folding.model.recompute` says for an MoE layer (0, with a shared expert) and a dense one (1)."""
     calls = []
-    real = block_mod.checkpoint
 
-    def recording(fn, *args, **kwargs):
-        calls.append((fn.__self__.layer_number, fn.__name__))
-        return real(fn, *args, **kwargs)
+    def recording(module, what):
+        real = module.checkpoint
 
-    monkeypatch.setattr(block_mod, "checkpoint", recording)
+        def record(fn, *args, **kwargs):
+            calls.append(what)
+            return real(fn, *args, **kwargs)
+
+        monkeypatch.setattr(module, "checkpoint", record)
+
+    recording(block_mod, "block")
+    recording(context_parallel, "core")
+    recording(moe_layer_mod, "shared")
     model = MoETransformer(_cfg(), settings=LayerSettings(init_seed=2, recompute=mode))
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).sum().backward()
     m = recompute_mode(mode)
     want = []
-    for layer, moe in ((0, True), (1, False)):
+    for moe in (True, False):
         if m.whole_layer:
-            want.append((layer, "_forward"))
+            want.append("block")  # the layer, once; nothing inside it is checkpointed again
             continue
-        if m.attention:
-            want.append((layer, "_attention"))
-        if m.mlp(moe_layer=moe):
-            want.append((layer, "_mlp"))
-    assert calls == want
-    assert dataclasses.astuple(m)[0] == mode
+        want += ["core"] if m.has("core_attn") else []
+        if moe and m.has("shared_experts") and not m.has("moe"):
+            want.append("shared")
+        if m.mlp(moe_layer=moe):  # the whole block: the shared expert inside is not checkpointed again
+            want.append("block")
+    assert calls == want, (mode, calls)
+    assert m.name == mode

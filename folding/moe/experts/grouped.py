@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from folding.memory.discard import discard_until_backward
 from folding.moe.dispatch.base import DispatchRecord
 from folding.moe.experts.backends import grouped_linear, host_counts
 from folding.moe.experts.scaled import aligned_sizes
@@ -113,13 +114,12 @@ class GroupedMLP(torch.nn.Module):
         init_seed: int | None = 0,
         device=None,
         delay_wgrad: bool = False,
+        recompute_act: bool = False,
     ):
-        """Validate the settings and create this rank's shards of the layout-independent initial weights
-        (``num_experts``: the global E, default ``num_local_experts``; ``init_seed=None`` leaves the
-        initialization to the owner, which fills every parameter from its record). ``backend``: the
-        backend that runs, decided before (``auto`` resolved by
-        :func:`folding.moe.experts.select.resolve_backend`, once, at the job or model build);
-        ``delay_wgrad``: see :attr:`delay_wgrad`."""
+        """Validate the settings and create this rank's shards of the layout-independent initial weights.
+        ``num_experts``: the global E (default ``num_local_experts``); ``init_seed=None``: the owner fills
+        every parameter from its record; ``backend``: the one that runs, ``auto`` resolved before
+        (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``: see below."""
         super().__init__()
         num_experts = num_local_experts if num_experts is None else num_experts
         _check_settings(
@@ -151,8 +151,9 @@ class GroupedMLP(torch.nn.Module):
         # amax histories of the emulated ``delayed`` recipe, one per operand of each expert GEMM
         self.delayed_scaling = DelayedScaling() if fp8_recipe == "delayed" else None
         self.delay_wgrad = delay_wgrad
-        """``torch`` backend: compute the weight gradients while the backward's next exchange is in
-        flight (``parallel.delay_wgrad``; bitwise the same gradients)."""
+        """``torch`` backend: weight gradients behind the backward's next exchange (``parallel.delay_wgrad``)."""
+        self.recompute_act = recompute_act
+        """``moe_act``: fc2's input freed after its forward, refilled from fc1's (:mod:`folding.memory.discard`)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -273,7 +274,10 @@ class GroupedMLP(torch.nn.Module):
         kw = dict(delayed=self.delayed_scaling, delay_wgrad=self.delay_wgrad)
         h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
-        return grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
+        y = grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
+        if self.recompute_act and self.fp8_recipe is None:
+            discard_until_backward([act], after=y, refill=lambda: [self._activation(h, probs_N)])
+        return y
 
     def _te_forward(self, x_NH, tokens_per_expert, probs_N, w1, w2) -> torch.Tensor:
         """fc1 → SwiGLU·p → fc2 through TransformerEngine, rows aligned once for the FP8 recipe."""
