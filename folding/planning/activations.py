@@ -1,39 +1,48 @@
 """Activation memory of one rank: what each layer keeps for backward, what the pipeline keeps in flight.
 
-Part of the one memory model (:mod:`folding.planning.memory` re-exports these functions). Estimates
-for bf16 activations, flash attention (no ``s^2`` term) and sequence parallelism (every saved tensor
-is the rank's ``T = seq*mbs/(TP*CP)`` tokens; what TP all-gathers is re-gathered in backward, not
-kept). ``R = T*top_k*ETP`` expert rows per rank (balanced routing), ``a`` bytes per element,
-``F_e = moe.ffn_hidden_size/ETP``; the sizes are a :class:`~folding.model.config.ModelConfig`'s.
+Part of the one memory model (:mod:`folding.planning.memory` re-exports these functions). Every term
+is what the engine's own layer keeps, term by term, as :mod:`folding.testing.kept_memory` measures it
+(``python -m benchmarks.bench_activation_memory`` prints model against measured for every family,
+precision and recompute module). A kept tensor belongs to the term of the part that *creates* it.
+Sequence parallelism: ``T = seq*mbs/(TP*CP)`` local tokens; the attention tensors cover the TP-gathered
+sequence of this rank's ``1/TP`` of the heads (``T`` tokens' worth of all heads); ``a`` bytes per
+activation element; ``R = T*top_k*ETP`` expert rows per rank (balanced routing), ``F_e = F/ETP``.
 
-Kept per layer and micro-batch (``recompute="none"``):
+Kept per layer and micro-batch (no recompute):
 
-- norms: the inputs of both RMSNorms, ``2aTh``;
-- attention sublayer: QKV input, Q after RoPE, K/V as the attention core reads them (all-gathered over CP:
-  the whole sequence's keys, :mod:`folding.model.context_parallel`), the attention output,
-  ``aT(h + nq d + 2 nkv d CP + nq d)``; multi-head latent attention keeps its latents too (the
-  TP-gathered ones whole, and the CP-gathered compressed KV), see :func:`_mla_kept_per_token`;
-- MoE sublayer: router input ``aTh`` and fp32 logits + probabilities ``8TE``; the expert input
-  ``aRh`` (kept by fc1); the experts' probability-weighted SwiGLU (:mod:`folding.moe.experts.swiglu`, one
-  autograd node) keeps fc1's output ``[R, 2F_e]`` and the fp32 probabilities ``4R``, and fc2 keeps
-  its input ``[R, F_e]``: ``3aRF_e + 4R`` (``fused_swiglu=False`` estimates an engine whose
-  activation is plain autograd, which also keeps ``silu(gate)`` and ``silu(gate)*up``: ``5aRF_e + 4R``).
-  Permute, all-to-all and unpermute keep only indices (``index_select`` / ``index_add``),
-  so the permuted copies are transient. A shared expert or dense MLP adds its input and
-  ``width + 2F`` per token.
+- ``input``: the layer's input ``aTh`` (the input norm keeps it); ``residual``: ``h = x + attention``,
+  ``aTh`` (the post-attention norm keeps it);
+- ``norms``: each RMSNorm's output ``aTh`` (kept by the projections and the router that read it) and one
+  fp32 ``rstd`` per token, ``2aTh + 8T``;
+- ``attention`` (GQA, flash kernel): queries and keys after RoPE, values, the kernel's output and its
+  fp32 log-sum-exp per head, ``aT(nq d + 2 CP nkv d + nq d) + 4T nq`` (the keys and values of the whole
+  sequence under CP, whose chunked kernel also keeps each chunk's output); q/k norms keep their inputs
+  ``aT(nq + nkv)d`` and their ``rstd``; multi-head latent attention: :func:`_mla_terms`;
+- ``router``: fp32 scores ``4E`` per token (post-softmax routing: the logits, and the aux loss's softmax
+  ``4E`` more), the chosen experts (int64) and their probabilities;
+- ``dispatch``: the expert rows ``aRh`` (fc1's input), their fp32 probabilities ``4R`` and the int64
+  token and expert indices of the ``Tk`` routed pairs (the combine keeps indices only);
+- ``experts``: fc1's output ``[R, 2F_e]`` (kept by the fused weighted SwiGLU) and the activation, fc2's
+  input ``[R, F_e]``: ``3aRF_e`` (``fused_swiglu=False``: plain autograd also keeps ``silu(gate)`` and a
+  product, ``5aRF_e``);
+- ``shared_expert``: fc1's output ``2aTF_s`` and the activation ``aTF_s``; with its gate, its output
+  ``aTh`` and the gate ``aT``; a dense layer's ``mlp``: gate, up and activation, ``3aTF``.
 
-Recompute modes are those of :mod:`folding.model.recompute` (the table the model reads too):
+Recompute (:mod:`folding.model.recompute`, the table the model reads too): ``layernorm`` drops the
+norms' outputs (``2aTh``; the ``rstd`` stay), ``core_attn`` the kernel's statistics (and under CP the
+chunk outputs; on CPU, MLA's padded output), ``mla_up_proj`` MLA's queries, keys and values, ``moe_act``
+the activation ``aRF_e``, ``shared_experts`` the shared expert, ``mlp`` a dense MLP, ``moe`` the router,
+dispatch, experts and shared expert of an MoE layer; ``full`` keeps only ``input``.
 
-- ``selective``: the attention sublayer (input norm + attention) is checkpointed: its tensors are
-  dropped (its input is the layer input, kept by the norms term);
-- ``moe``: the MoE sublayer (post-attention norm + router + dispatch + experts) of MoE layers is
-  checkpointed: router and expert tensors are dropped; dense layers keep everything;
-- ``full``: each layer keeps only its input ``aTh``.
+``device``: ``"cpu"`` counts what PyTorch's CPU kernels keep where they differ from a GPU's: MLA's values
+zero-padded to the query width, and the kernel's output that wide (:func:`folding.model.context_parallel.
+sdpa_values`); the default (``"cuda"``) is the GPU run the planner plans.
 
-On the last stage the fused output layer + loss keeps its input and a log-sum-exp per token; its fp32
-logits exist one chunk of tokens at a time (:func:`logits_bytes`). Multi-token-prediction modules, also
-on the last stage, keep their transformer layer's tensors (under the recompute mode, like any layer) and
-their own norms', projection's and fused loss's inputs (:func:`mtp_activation_bytes`).
+On the last stage the final norm keeps its input and ``rstd``, the fused output layer + loss its input and
+a log-sum-exp per token; its fp32 logits exist one chunk of tokens at a time (:func:`logits_bytes`).
+Multi-token-prediction modules, also on the last stage, keep their transformer layer's tensors (under the
+recompute setting, like any layer) and their own norms', projection's and fused loss's inputs
+(:func:`mtp_activation_bytes`).
 
 Backward re-materializes one checkpointed region at a time; that working set is part of
 :func:`transient_bytes`, with the larger of the dispatcher's buffers and the experts' backward working
@@ -43,15 +52,112 @@ Usage::
 
     cfg = get_preset("mixtral_8x7b")
     per = activation_bytes_per_layer(cfg, layout, seq_length=4096, micro_batch_size=1, recompute="moe")
+    terms = activation_terms(cfg, layout, seq_length=4096, micro_batch_size=1, recompute="moe_act")
     n = in_flight_chunks(pp=8, vpp=2, stage=0, num_microbatches=32)   # chunk forwards alive at the peak
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Dict, Optional
 
 from folding.model.config import RECOMPUTE_MODES, ModelConfig, recompute_mode  # noqa: F401 - RECOMPUTE_MODES re-exported
+
+TERMS = ("input", "residual", "norms", "attention", "router", "dispatch", "experts", "shared_expert", "mlp")
+"""The terms of one layer's kept bytes, in the order a storage kept by several is attributed."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _terms_cached(
+    cfg: ModelConfig,
+    tp: int,
+    cp: int,
+    etp: int,
+    seq_length: int,
+    micro_batch_size: int,
+    a: int,
+    moe_layer: bool,
+    fused_swiglu: bool,
+    recompute: str,
+    device: str,
+) -> Dict[str, int]:
+    rc = recompute_mode(recompute)
+    h = cfg.hidden_size
+    t = seq_length * micro_batch_size // (tp * cp)
+    out = dict.fromkeys(TERMS, 0)
+    out["input"] = a * t * h
+    if rc.whole_layer:
+        return out
+    out["residual"] = a * t * h
+    out["norms"] = (0 if rc.has("layernorm") else 2 * a * t * h) + 8 * t
+    out["attention"] = _attention_bytes(cfg, tp, cp, t, a, rc, device)
+    if not moe_layer:
+        out["mlp"] = 0 if rc.has("mlp") else 3 * a * t * cfg.ffn_hidden_size
+        return out
+    if rc.has("moe"):
+        return out
+    moe = cfg.moe
+    k = moe.topk
+    r = t * k * etp
+    fe = moe.ffn_hidden_size // etp
+    out["router"] = t * _router_per_token(moe)
+    out["dispatch"] = a * r * h + 4 * r + 16 * t * k
+    act = 0 if rc.has("moe_act") else a * r * fe
+    out["experts"] = (2 * a * r * fe + act) if fused_swiglu else (4 * a * r * fe + act)
+    fs = moe.shared_expert_ffn_hidden_size or 0
+    if fs and not rc.has("shared_experts"):
+        out["shared_expert"] = 3 * a * t * fs + (a * t * h + a * t if moe.shared_expert_gate else 0)
+    return out
+
+
+def _router_per_token(moe) -> int:
+    """Bytes the router keeps per token: fp32 scores over the ``E`` experts (post-softmax routing keeps
+    its logits, and its aux loss a softmax of them), the top-k choice (int64) and what the score function
+    keeps of the chosen scores."""
+    E, k = moe.num_experts, moe.topk
+    aux = moe.aux_loss_type != "none" and moe.aux_loss_coeff > 0
+    if moe.score_function == "sigmoid":  # sigmoid scores, chosen values and their sum (aux: its own sum)
+        return 4 * E + 8 * k + 4 * k + 4 + (4 if aux else 0)
+    if moe.pre_softmax:  # one softmax over all experts, shared with the aux loss
+        return 4 * E + 8 * k
+    return 4 * E + (4 * E if aux else 0) + 8 * k + 4 * k  # logits (+ aux softmax), choice, its softmax
+
+
+def _attention_bytes(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> int:
+    """The attention term: GQA (module docstring) or MLA (:func:`_mla_terms`), under ``rc``."""
+    if cfg.mla is not None:
+        return sum(_mla_terms(cfg, tp, cp, t, a, rc, device).values())
+    nq, nkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.kv_channels
+    lse = 0 if rc.has("core_attn") else 4 * t * nq
+    chunk_outs = a * t * nq * d if cp > 1 and not rc.has("core_attn") else 0
+    kept = a * t * (nq * d + 2 * cp * nkv * d + nq * d) + lse + chunk_outs
+    if cfg.qk_norm == "head":
+        kept += a * t * (nq + nkv) * d + 4 * t * (nq + nkv)
+    elif cfg.qk_norm == "full":
+        kept += a * t * (nq + nkv) * d + 8 * t * tp
+    return kept
+
+
+def _mla_terms(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> Dict[str, int]:
+    """Bytes a multi-head latent attention block keeps, by part, on ``t`` local tokens: the down-projections'
+    outputs (the latent norms' inputs) and ``rstd``; the TP-gathered latents (the up-projections' input;
+    without q LoRA only the compressed KV, on the whole sequence under CP); the core's queries, keys and
+    values (``mla_up_proj`` drops them: without q LoRA it keeps the queries); the core's output and
+    log-sum-exp; on CPU the zero-padded values and the kernel's output that wide, plus the output layer's
+    copy of the narrow output."""
+    m, N = cfg.mla, cfg.num_attention_heads
+    dqk, dv, kv_lat = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
+    rq = m.q_lora_rank or 0
+    cpu = device == "cpu"
+    up = rc.has("mla_up_proj")
+    core = rc.has("core_attn")
+    values = cp * N * (dqk if cpu else m.qk_nope_head_dim + dv)  # CPU: padded copy; GPU: kv_b_proj's output
+    return {
+        "down": a * t * (rq + kv_lat) + 4 * t * (2 if rq else 1),
+        "latents": a * t * tp * (rq + kv_lat if rq else 0) + a * t * tp * cp * kv_lat,
+        "qkv": a * t * ((0 if up and rq else N * dqk) + (0 if up else cp * N * dqk + values)),
+        "out": a * t * N * dv + (0 if core else 4 * t * N) + (a * t * N * dqk if cpu and not core else 0),
+    }
 
 
 def _parts(
@@ -63,68 +169,51 @@ def _parts(
     act_bytes: int,
     moe_layer: bool,
     fused_swiglu: bool = True,
-) -> dict:
-    """Bytes of every kept tensor group of one layer (no recompute)."""
-    return _parts_cached(
-        cfg, layout.tp, layout.cp, layout.etp, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu
+    recompute="none",
+    device: str = "cuda",
+) -> Dict[str, int]:
+    """Bytes of every term of one layer (:data:`TERMS`) under ``recompute``."""
+    return _terms_cached(
+        cfg,
+        layout.tp,
+        layout.cp,
+        layout.etp,
+        seq_length,
+        micro_batch_size,
+        act_bytes,
+        moe_layer,
+        fused_swiglu,
+        recompute_mode(recompute).name,
+        device,
     )
 
 
-@functools.lru_cache(maxsize=65536)
-def _parts_cached(
+def activation_terms(
     cfg: ModelConfig,
-    tp: int,
-    cp: int,
-    etp: int,
+    layout,
+    *,
     seq_length: int,
     micro_batch_size: int,
-    act_bytes: int,
-    moe_layer: bool,
-    fused_swiglu: bool,
-) -> dict:
-    a, h = act_bytes, cfg.hidden_size
-    t = seq_length * micro_batch_size // (tp * cp)
-    if cfg.mla is not None:
-        attn = a * t * _mla_kept_per_token(cfg, tp, cp)
-    else:
-        nq, nkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.kv_channels
-        attn = a * t * (h + nq * d + 2 * nkv * d * cp + nq * d)
-    mlp = 0
-    f = (cfg.moe.shared_expert_ffn_hidden_size or 0) if moe_layer else cfg.ffn_hidden_size  # a SwiGLU MLP
-    if f:
-        mlp = a * t * h + a * t * (2 * f + 2 * f)  # [S, F/TP] = T*F elements
-    router = experts = 0
-    if moe_layer:
-        r = t * cfg.moe.topk * etp
-        fe = cfg.moe.ffn_hidden_size // etp
-        router = a * t * h + 8 * t * cfg.moe.num_experts
-        experts = a * r * h + (3 if fused_swiglu else 5) * a * r * fe + 4 * r
-    return {
-        "input": a * t * h,
-        "norms": 2 * a * t * h,
-        "attention": attn,
-        "router": router,
-        "experts": experts,
-        "mlp": mlp,
-    }
-
-
-def _mla_kept_per_token(cfg: ModelConfig, tp: int, cp: int) -> float:
-    """Elements an MLA block keeps per local token (``T`` = the rank's sequence shard): its input; the
-    latents on the shard (down-projection outputs and normed latents); the TP-gathered latents (kept as
-    the up-projections' input, ``TP`` times the shard); the rotated queries ``N·(dn+dr)/TP`` per CP-chunk
-    token; the CP-gathered compressed KV and the whole sequence's keys and values (``CP`` times); the
-    attention output."""
-    m, h, n = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
-    kv_lat = m.kv_lora_rank + m.qk_rope_head_dim
-    lat = (m.q_lora_rank or 0) + kv_lat
-    return (
-        h
-        + 2 * lat
-        + tp * lat
-        + n * m.qk_head_dim
-        + cp * (tp * kv_lat + n * (m.qk_head_dim + m.v_head_dim))
-        + n * m.v_head_dim
+    recompute="none",
+    act_bytes: int = 2,
+    moe_layer: bool = True,
+    fused_swiglu: bool = True,
+    device: str = "cuda",
+) -> Dict[str, int]:
+    """Bytes one layer keeps for backward, per micro-batch, on one rank, by term (:data:`TERMS`, the
+    module docstring); the same arguments as :func:`activation_bytes_per_layer`."""
+    return dict(
+        _parts(
+            cfg,
+            layout,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            act_bytes=act_bytes,
+            moe_layer=moe_layer,
+            fused_swiglu=fused_swiglu,
+            recompute=recompute,
+            device=device,
+        )
     )
 
 
@@ -134,41 +223,42 @@ def activation_bytes_per_layer(
     *,
     seq_length: int,
     micro_batch_size: int,
-    recompute: str = "none",
+    recompute="none",
     act_bytes: int = 2,
     moe_layer: bool = True,
     fused_swiglu: bool = True,
+    device: str = "cuda",
 ) -> int:
-    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank.
+    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank: the sum of
+    :func:`activation_terms`.
 
     ``cfg``: the :class:`~folding.model.config.ModelConfig`; ``layout``: a
     :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp`` sizes).
+    ``recompute``: a setting of :mod:`folding.model.recompute` (a mode, or modules joined by commas).
     ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``); ``fused_swiglu``:
     the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row; ``False``: plain
-    autograd, 5F). See the module docstring for the terms and the recompute modes.
+    autograd, 5F); ``device``: see the module docstring.
     """
-    mode = recompute_mode(recompute)
-    p = _parts(
-        cfg,
-        layout,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        act_bytes=act_bytes,
-        moe_layer=moe_layer,
-        fused_swiglu=fused_swiglu,
+    return sum(
+        activation_terms(
+            cfg,
+            layout,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            recompute=recompute,
+            act_bytes=act_bytes,
+            moe_layer=moe_layer,
+            fused_swiglu=fused_swiglu,
+            device=device,
+        ).values()
     )
-    if mode.whole_layer:
-        return p["input"]
-    return p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"] - _recomputed(p, mode, moe_layer)
 
 
-def _recomputed(p: dict, mode, moe_layer: bool) -> int:
-    """Bytes of the sublayers ``mode`` recomputes (:mod:`folding.model.recompute`), of the parts ``p``
-    of a layer (the whole layer's kept tensors under ``whole_layer``)."""
-    if mode.whole_layer:
-        return p["norms"] + p["attention"] + p["router"] + p["experts"] + p["mlp"]
-    attention = p["attention"] if mode.attention else 0
-    return attention + (p["router"] + p["experts"] + p["mlp"] if mode.mlp(moe_layer=moe_layer) else 0)
+def _recomputed(cfg, layout, kw: dict, recompute, moe_layer: bool) -> int:
+    """Bytes the largest region ``recompute`` re-materializes at once in backward: the difference of the
+    kept bytes without and with it (the whole layer under ``full``)."""
+    full = sum(_parts(cfg, layout, moe_layer=moe_layer, recompute="none", **kw).values())
+    return full - sum(_parts(cfg, layout, moe_layer=moe_layer, recompute=recompute, **kw).values())
 
 
 def transient_bytes(
@@ -177,7 +267,7 @@ def transient_bytes(
     *,
     seq_length: int,
     micro_batch_size: int,
-    recompute: str = "none",
+    recompute="none",
     act_bytes: int = 2,
     fused_swiglu: bool = True,
 ) -> int:
@@ -188,33 +278,37 @@ def transient_bytes(
     together, plus, under recompute, the largest region re-materialized in backward. With
     ``per_expert_exchange`` (no ETP) the all-to-all dispatcher receives expert-major and makes no sorted
     copy: there this counts ``aRh`` too many (a conservative estimate)."""
-    mode = recompute_mode(recompute)
-    p = _parts(
-        cfg,
-        layout,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        act_bytes=act_bytes,
-        moe_layer=True,
-        fused_swiglu=fused_swiglu,
-    )
+    kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes, fused_swiglu=fused_swiglu)
     a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     dispatch = a * t * cfg.moe.topk * h * (1 + 2 * layout.etp)
     experts_backward = 5 * a * (t * cfg.moe.topk * layout.etp) * (cfg.moe.ffn_hidden_size // layout.etp)
-    return max(dispatch, experts_backward) + _recomputed(p, mode, moe_layer=True)
+    return max(dispatch, experts_backward) + _recomputed(cfg, layout, kw, recompute, moe_layer=True)
+
+
+def rope_bytes(cfg: ModelConfig, layout, *, seq_length: int, act_bytes: int = 2) -> int:
+    """The RoPE tables one model-chunk forward keeps for every layer of it: cos and sin at this CP rank's
+    ``seq/CP`` positions, ``2 a (seq/CP) d`` (``d`` the rotary width), cast once to the activations' dtype."""
+    d = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.kv_channels
+    return 2 * act_bytes * (seq_length // layout.cp) * d
 
 
 def logits_bytes(
     cfg: ModelConfig, layout, *, seq_length: int, micro_batch_size: int, act_bytes: int = 2, chunk_tokens: int = 2048
 ) -> int:
-    """Bytes of the fused output layer + cross-entropy (:mod:`folding.model.fused_cross_entropy`) on the last
-    pipeline stage, for one micro-batch of ``tokens = seq*mbs/CP`` (the TP-gathered sequence chunk): its kept
-    input ``[tokens, H]`` and one fp32 log-sum-exp per token, plus the fp32 logits of one chunk of
-    ``chunk_tokens`` rows ``[chunk, vocab/TP]`` and their softmax (gradient), alive together."""
+    """Bytes of the final norm and the fused output layer + cross-entropy
+    (:mod:`folding.model.fused_cross_entropy`) on the last pipeline stage, for one micro-batch: the norm's
+    kept input ``[T, H]`` and ``rstd`` (``T`` sequence-parallel tokens), the loss's kept input ``[tokens, H]``
+    (``tokens = seq*mbs/CP``, the TP-gathered sequence chunk), one fp32 log-sum-exp and one int64 label per
+    token, plus the fp32 logits of one chunk of ``chunk_tokens`` rows ``[chunk, vocab/TP]`` and their
+    softmax (gradient), alive together (when every token fits in one chunk, the softmax is kept from
+    forward to backward instead of recomputed: the same bytes at the peak)."""
     tokens = seq_length * micro_batch_size // layout.cp
+    t = tokens // layout.tp
     chunk = min(chunk_tokens, tokens)
-    return act_bytes * tokens * cfg.hidden_size + 4 * tokens + 2 * 4 * chunk * (cfg.vocab_size // layout.tp)
+    norm = act_bytes * t * cfg.hidden_size + 4 * t
+    loss = act_bytes * tokens * cfg.hidden_size + 4 * tokens + 8 * tokens
+    return norm + loss + 2 * 4 * chunk * (cfg.vocab_size // layout.tp)
 
 
 def mtp_activation_bytes(
@@ -223,9 +317,11 @@ def mtp_activation_bytes(
     *,
     seq_length: int,
     micro_batch_size: int,
-    recompute: str = "none",
+    recompute="none",
     act_bytes: int = 2,
     fused_swiglu: bool = True,
+    device: str = "cuda",
+    chunk_tokens: int = 2048,
 ) -> int:
     """Estimated bytes the multi-token-prediction modules keep for backward, per micro-batch, on the last
     pipeline stage (0 without them).
@@ -233,15 +329,19 @@ def mtp_activation_bytes(
     Per module: its transformer layer (:func:`activation_bytes_per_layer`, MoE or dense by
     ``ModelConfig.is_moe_layer``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
     sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH``, of the ``2H -> H``
-    projection ``2aTH`` and of its output norm ``aTH``, and its fused output layer + loss's input
-    ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token (its fp32 logits chunks are transient and run
-    after the model's, so :func:`logits_bytes` counts the one chunk alive).
+    projection ``2aTH`` and of its output norm ``aTH``, the three norms' ``rstd`` ``12T``, and its fused output
+    layer + loss's input ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token, and the int64 ids and labels
+    of its shifted tokens (its fp32 logits chunks are transient and run after the model's, so
+    :func:`logits_bytes` counts the one chunk alive; but when all ``tokens`` fit in one chunk of
+    ``chunk_tokens``, each module's loss keeps its softmax ``[tokens, vocab/TP]`` fp32 until backward).
     """
     recompute_mode(recompute)
     a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     tokens = seq_length * micro_batch_size // layout.cp
-    extra = a * t * 5 * h + a * tokens * h + 4 * tokens
+    extra = a * t * 5 * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
+    if tokens <= chunk_tokens:
+        extra += 4 * tokens * (cfg.vocab_size // layout.tp)
     total = 0
     for i in cfg.layer_numbers()[cfg.num_layers :]:
         layer = activation_bytes_per_layer(
@@ -253,6 +353,7 @@ def mtp_activation_bytes(
             act_bytes=act_bytes,
             moe_layer=cfg.is_moe_layer(i),
             fused_swiglu=fused_swiglu,
+            device=device,
         )
         total += layer + extra
     return total

@@ -130,6 +130,9 @@ class FlopsPerToken:
     """``2H -> H`` projections of the multi-token-prediction modules (0 without them)."""
     mtp_output_layer: float = 0.0
     """The multi-token-prediction modules' output layers (logits), one per module."""
+    mla_up_proj: float = 0.0
+    """Of ``attention_linear``: multi-head latent attention's up-projections (``q_up``, ``kv_up``), all
+    layers (what the ``mla_up_proj`` recompute module runs again; 0 without MLA)."""
 
     @property
     def forward(self) -> float:
@@ -152,16 +155,22 @@ class FlopsPerToken:
         return 3.0 * self.forward
 
     def recompute_extra(self, recompute: str) -> float:
-        """FLOPs per token that activation recomputation adds (``none``, ``selective``, ``moe`` or ``full``)."""
-        mode = recompute_mode(recompute)  # the one table: folding.model.recompute
-        if mode.whole_layer:
+        """FLOPs per token that activation recomputation adds, for a setting of :mod:`folding.model.recompute`
+        (a mode or modules): the GEMMs and the attention core the recomputed parts run again
+        (``layernorm`` and ``moe_act`` recompute element-wise work only)."""
+        rc = recompute_mode(recompute)  # the one table: folding.model.recompute
+        if rc.whole_layer:
             return self.forward - self.output_layer - self.mtp_projection - self.mtp_output_layer
         extra = 0.0
-        if mode.attention:
-            extra += self.attention_linear + self.attention_core
-        if mode.moe_block:
+        if rc.has("core_attn"):
+            extra += self.attention_core
+        if rc.has("mla_up_proj"):
+            extra += self.mla_up_proj
+        if rc.has("moe"):
             extra += self.router + self.routed_experts + self.shared_experts
-        if mode.dense_mlp:
+        elif rc.has("shared_experts"):
+            extra += self.shared_experts
+        if rc.has("mlp"):
             extra += self.dense_mlp
         return extra
 
@@ -187,7 +196,16 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> FlopsPerToken:
         output_layer=output_layer_flops(cfg),
         mtp_projection=cfg.mtp_num_layers * mtp_projection_flops(cfg),
         mtp_output_layer=cfg.mtp_num_layers * output_layer_flops(cfg),
+        mla_up_proj=len(layers) * _mla_up_flops(cfg),
     )
+
+
+def _mla_up_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MLA block's up-projections (0 without MLA)."""
+    if cfg.mla is None:
+        return 0.0
+    parts = mla_linear_flops(cfg)
+    return parts["q_up"] + parts["kv_up"]
 
 
 def mfu(

@@ -53,15 +53,17 @@ import dataclasses
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from folding.model.config import ModelConfig
+from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel.partition import layers_of, partition_layers
 
 from .activations import (
     RECOMPUTE_MODES,
     activation_bytes_per_layer,
+    activation_terms,
     in_flight_chunks,
     logits_bytes,
     mtp_activation_bytes,
+    rope_bytes,
     transient_bytes,
 )
 from .optim_precision import MUON_MOMENTUM_BYTES, OptimizerPrecision, muon_transient_bytes
@@ -74,11 +76,13 @@ __all__ = [
     "ParamCounts",
     "MemoryEstimate",
     "activation_bytes_per_layer",
+    "activation_terms",
     "in_flight_chunks",
     "layers_on_stage",
     "logits_bytes",
     "memory_per_rank",
     "mtp_activation_bytes",
+    "rope_bytes",
     "param_counts",
     "peak_candidate_stages",
     "stage_layers",
@@ -305,8 +309,7 @@ def memory_per_rank(
     ``optim_precision``: the optimizer's state and gradient dtypes (``None``: all fp32).
     """
     prec = optim_precision or OptimizerPrecision()
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(RECOMPUTE_MODES)} (train.recompute)")
+    recompute = recompute_mode(recompute).name  # a mode, or modules (folding.model.recompute); raises naming it
     if stage is None:
         ests = [
             memory_per_rank(
@@ -358,7 +361,7 @@ def memory_per_rank(
         )
         flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
-        acts = per_mb * chunks / vpp
+        acts = per_mb * chunks / vpp + rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes) * chunks
         if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
             # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
             # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too

@@ -222,7 +222,9 @@ def _tp_block(comm_s: float, fwd: int, tp: int, col: tuple, row: tuple, overlap:
     )
 
 
-def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, lin, train, attn_fwd: int):
+def _mla_times(
+    cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, lin, train, attn_fwd: int, up_fwd: int = 1
+):
     """Multi-head latent attention GEMMs of one layer and micro-batch: ``(col, row, seconds, tp_width,
     forward_seconds)``. ``lin(m, n, k)``: ``(forward, dgrad, wgrad)`` seconds of a dense linear layer.
 
@@ -232,7 +234,8 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, li
     stand for the TP block's column- and row-parallel GEMMs in :func:`_tp_block`; ``tp_width`` is the
     average width of its two sequence-parallel collectives (the latents gathered, the hidden state
     reduce-scattered); ``forward_seconds``: the four GEMMs' forward once; ``wgrad_seconds``: their
-    weight gradients."""
+    weight gradients. ``attn_fwd`` / ``up_fwd``: forwards of the down- and output projections / of the
+    up-projections per training pass (2 where recomputed)."""
     m, H, N = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
     heads = N / plan.tp
     q_in = m.q_lora_rank or H
@@ -240,7 +243,7 @@ def _mla_times(cfg: ModelConfig, plan: Plan, seq_tok: float, full_tok: float, li
     q_up = lin(seq_tok, heads * m.qk_head_dim, q_in)
     kv_up = lin(full_tok, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
     proj = lin(seq_tok, H, heads * m.v_head_dim)
-    seconds = train(down, attn_fwd) + train(q_up, attn_fwd) + train(kv_up, attn_fwd) + train(proj, attn_fwd)
+    seconds = train(down, attn_fwd) + train(q_up, up_fwd) + train(kv_up, up_fwd) + train(proj, attn_fwd)
     latents = (m.q_lora_rank or H) + m.kv_lora_rank + m.qk_rope_head_dim
     fwd = down[0] + q_up[0] + kv_up[0] + proj[0]
     wgrad = down[2] + q_up[2] + kv_up[2] + proj[2]
@@ -282,10 +285,16 @@ def _layer_times(
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     tok = S * b / (plan.tp * plan.cp)  # tokens this rank owns (sequence parallel)
     flops_rate = eff * gpu.bf16_flops
-    # Forwards executed per training pass, per sublayer: twice where train.recompute recomputes it
-    mode = recompute_mode(plan.recompute)  # the one table: folding.model.recompute
-    attn_fwd = 2 if mode.attention else 1
-    mlp_fwd = 2 if mode.mlp(moe_layer=moe) else 1
+    # Forwards executed per training pass, per part: twice where the recompute setting recomputes it
+    rc = recompute_mode(plan.recompute)  # the one table: folding.model.recompute
+    whole = rc.whole_layer
+    attn_fwd = 2 if whole else 1  # the attention projections
+    core_fwd = 2 if whole or rc.has("core_attn") else 1
+    up_fwd = 2 if whole or rc.has("mla_up_proj") else attn_fwd  # MLA's up-projections
+    mlp_fwd = 2 if whole or rc.mlp(moe_layer=moe) else 1
+    shared_n = 2 if mlp_fwd == 2 or (moe and rc.has("shared_experts")) else 1  # a TP-sharded MLP block
+    act_fwd = 2 if mlp_fwd == 2 or rc.has("moe_act") else 1  # the experts' SwiGLU pass
+    norm_fwd = 2 if whole or rc.has("layernorm") else 1
 
     def train(times, fwd):  # (forward, dgrad, wgrad) -> seconds for `fwd` forwards and one backward
         return fwd * times[0] + times[1] + times[2]
@@ -310,7 +319,7 @@ def _layer_times(
         attn_wgrad = qkv[2] + proj[2]
     else:
         qkv, proj, attn_t, tp_width, attn_fwd_s, attn_wgrad = _mla_times(
-            cfg, plan, seq_tok, S * b, lin, train, attn_fwd
+            cfg, plan, seq_tok, S * b, lin, train, attn_fwd, up_fwd
         )
     tp_block = None  # (fc1, fc2) of a TP-sharded MLP (shared expert / dense)
     if moe:
@@ -335,11 +344,11 @@ def _layer_times(
         tp_block = (lin(seq_tok, 2 * fd, H), lin(seq_tok, H, fd))
         mlp_t = 0.0
     if tp_block is not None:
-        mlp_t += train(tp_block[0], mlp_fwd) + train(tp_block[1], mlp_fwd)
+        mlp_t += train(tp_block[0], shared_n) + train(tp_block[1], shared_n)
     core_t = core / flops_rate
     # The dispatcher's host sync on split sizes: once per MoE forward.
     sync = mlp_fwd * gpu.host_sync_s if moe else 0.0
-    out = {"compute": (2 + attn_fwd) * core_t + attn_t + mlp_t + sync}
+    out = {"compute": (2 + core_fwd) * core_t + attn_t + mlp_t + sync}
 
     # Memory-bound element-wise traffic (bytes per forward; backward ≈ 2x): norm, RoPE and residual on each
     # side. MoE: the permute (index_select) and unpermute (index_add) of the k·T routed copies, each a read
@@ -355,7 +364,10 @@ def _layer_times(
         if moe_load is not None:  # the received rows of the slowest rank
             sort, recv = sort * load_c, recv * load_c
         elem_mlp += (4 * routed * H + sort + recv) * BF16
-    out["memory_bound"] = ((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp) / (
+        elem_mlp += (act_fwd - mlp_fwd) * recv * BF16  # moe_act: the SwiGLU once more
+    # layernorm: each norm's forward once more (a read and a write of an H-row per token and norm)
+    elem_norm = (norm_fwd - (2 if whole else 1)) * 2 * 2 * H * BF16 * tok
+    out["memory_bound"] = ((2 + attn_fwd) * elem_attn + (2 + mlp_fwd) * elem_mlp + elem_norm) / (
         gpu.hbm_bandwidth * gpu.hbm_efficiency
     )
 
@@ -367,7 +379,7 @@ def _layer_times(
         tp_t = _tp_block(c_attn, attn_fwd, plan.tp, qkv, proj, cluster.tp_comm_overlap, gpu.overlap_contention)
         if tp_block is not None:
             tp_t += _tp_block(
-                c, mlp_fwd, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap, gpu.overlap_contention
+                c, shared_n, plan.tp, tp_block[0], tp_block[1], cluster.tp_comm_overlap, gpu.overlap_contention
             )
     out["tp"] = tp_t
 
@@ -405,10 +417,10 @@ def _layer_times(
             shared_fwd = shared_bwd = 0.0
             if tp_block is not None:  # the shared expert
                 shared_fwd = tp_block[0][0] + tp_block[1][0]
-                shared_bwd = train(tp_block[0], mlp_fwd) + train(tp_block[1], mlp_fwd) - shared_fwd
+                shared_bwd = train(tp_block[0], shared_n) + train(tp_block[1], shared_n) - shared_fwd
             pieces = MoEPieces(
                 attention_fwd=attn_fwd_s + core_t + router_t,
-                attention_bwd=attn_t - attn_fwd_s + (1 + attn_fwd) * core_t + (1 + mlp_fwd) * router_t,
+                attention_bwd=attn_t - attn_fwd_s + (1 + core_fwd) * core_t + (1 + mlp_fwd) * router_t,
                 experts_fwd=fc1[0] + fc2[0],
                 experts_dgrad=(mlp_fwd - 1) * (fc1[0] + fc2[0]) + fc1[1] + fc2[1],
                 experts_wgrad=fc1[2] + fc2[2],

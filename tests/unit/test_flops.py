@@ -20,7 +20,9 @@ def test_mixtral_tiny_by_hand():
     assert f.forward == 4 * (24576 + 2048 + 1024 + 73728) + 65536 == 471040
     assert f.model_training == 3 * 471040
     assert f.recompute_extra("none") == 0
-    assert f.recompute_extra("selective") == 4 * (24576 + 2048)  # the attention sublayer again
+    assert f.recompute_extra("selective") == 4 * 2048  # the attention core again (selective = core_attn)
+    assert f.recompute_extra("core_attn,moe") == 4 * (2048 + 1024 + 73728)  # modules add up
+    assert f.recompute_extra("layernorm,moe_act") == 0  # element-wise work only, no GEMM
     assert f.recompute_extra("moe") == 4 * (1024 + 73728)  # router + experts again
     assert f.recompute_extra("full") == 471040 - 65536  # every layer again, not the output layer
     assert f.hardware_training("full") == 4 * 471040 - 65536

@@ -10,6 +10,7 @@ from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout
 from folding.planning.memory import (
     activation_bytes_per_layer,
+    activation_terms,
     in_flight_chunks,
     layers_on_stage,
     logits_bytes,
@@ -17,6 +18,7 @@ from folding.planning.memory import (
     mtp_activation_bytes,
     param_counts,
     peak_candidate_stages,
+    rope_bytes,
     stage_layers,
     transient_bytes,
 )
@@ -105,11 +107,14 @@ def test_mtp_activations_by_hand():
     s = hand_model(mtp_num_layers=1)
     lay = ParallelLayout(world_size=8, tp=2, pp=2, ep=2, etp=1)
     kw = dict(seq_length=8, micro_batch_size=1)
-    # its layer as any layer (544 bytes, test_activations_by_hand_small_model) plus, never recomputed: the inputs
-    # of enorm and hnorm, of eh_proj [T, 2H] and of the output norm, a*T*5H = 160; its fused loss's input over
-    # the TP-gathered 8 tokens a*8*H = 64 and their fp32 log-sum-exp 4*8 = 32
-    assert mtp_activation_bytes(s, lay, **kw) == 544 + 160 + 64 + 32
-    assert mtp_activation_bytes(s, lay, recompute="full", **kw) == 2 * 4 * 4 + 160 + 64 + 32
+    # its layer as any layer (768 bytes, test_activations_by_hand_small_model) plus, never recomputed: the inputs
+    # of enorm and hnorm, of eh_proj [T, 2H] and of the output norm, a*T*5H = 160, and the three norms' rstd 12*T
+    # = 48; its fused loss's input over the TP-gathered 8 tokens a*8*H = 64, their fp32 log-sum-exp 4*8 = 32,
+    # the int64 ids and labels of its shifted tokens 16*8 = 128, and (all 8 tokens in one chunk) the softmax it
+    # keeps [8, V/TP] fp32 = 128
+    extra = 160 + 48 + 64 + 32 + 128 + 128
+    assert mtp_activation_bytes(s, lay, **kw) == 768 + extra
+    assert mtp_activation_bytes(s, lay, recompute="full", **kw) == 2 * 4 * 4 + extra
     assert mtp_activation_bytes(s.replace(mtp_num_layers=0), lay, **kw) == 0
     # on the last stage, once (one micro-batch of the last virtual stage is alive at the peak); stage 0 unchanged
     base = s.replace(mtp_num_layers=0)
@@ -238,43 +243,60 @@ def test_pipeline_stages_follow_the_partition():
 
 
 def test_activations_by_hand_small_model():
-    # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2; TP2 CP1 ETP1; s=8, mbs=1 -> T=4 tokens,
-    # R = T*k = 8 expert rows; bf16.
+    # H=4, 2 heads of d=2 (1 KV head), E=4 experts of F=2, top-2, no aux loss; TP2 CP1 ETP1; s=8, mbs=1 -> T=4
+    # tokens, R = T*k = 8 expert rows; bf16 (a=2). Each term is what the part that makes a tensor keeps.
     s = hand_model()
     lay = ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
-    norms = 2 * 2 * 4 * 4  # inputs of both norms: 2 * a*T*H
-    attn = 2 * 4 * (4 + (2 + 2) * 2 + 2 * 2)  # a*T*(H + (nq+2nkv)d + nq*d)
-    router = 2 * 4 * 4 + 8 * 4 * 4  # a*T*H + fp32 logits and probs 8*T*E
-    # a*R*H (fc1's input) + 3*a*R*F (fc1's [R, 2F] output and fc2's [R, F] input, kept by the fused weighted
-    # SwiGLU) + 4*R (fp32 probabilities, one per row) = 64 + 96 + 32 = 192
-    experts = 2 * 8 * 4 + 3 * 2 * 8 * 2 + 4 * 8
     kw = dict(seq_length=8, micro_batch_size=1)
-    # 64 + 128 + 160 + 192 = 544
-    assert activation_bytes_per_layer(s, lay, **kw) == norms + attn + router + experts == 544
-    assert activation_bytes_per_layer(s, lay, recompute="selective", **kw) == norms + router + experts
-    assert activation_bytes_per_layer(s, lay, recompute="moe", **kw) == norms + attn
-    # CP2 (TP2): T = 8/(2*2) = 2 tokens, R = 4; K/V are kept all-gathered over CP, 2x the rank's tokens:
-    # a*T*(H + nq*d + 2*nkv*d*CP + nq*d) = 2*2*(4 + 4 + 8 + 4) = 80
+    want = {
+        "input": 2 * 4 * 4,  # a*T*H, kept by the input norm
+        "residual": 2 * 4 * 4,  # x + attention, kept by the post-attention norm
+        "norms": 2 * 2 * 4 * 4 + 2 * 4 * 4,  # both outputs 2*a*T*H, one fp32 rstd per token each: 64 + 32
+        "attention": 2 * 4 * (4 + 2 * 2 + 4) + 4 * 4 * 2,  # a*T*(q nq*d + k,v 2*nkv*d + out nq*d) + lse 4*T*nq
+        "router": 4 * (4 * 4 + 8 * 2 + 4 * 2),  # per token: fp32 logits 4E, top-k ids 8k, their softmax 4k
+        "dispatch": 2 * 8 * 4 + 4 * 8 + 16 * 4 * 2,  # rows a*R*H, fp32 probs 4R, int64 token+expert ids 16*T*k
+        "experts": 3 * 2 * 8 * 2,  # fc1's [R, 2F] output and fc2's [R, F] input: 3*a*R*F
+        "shared_expert": 0,
+        "mlp": 0,
+    }
+    assert activation_terms(s, lay, **kw) == want
+    total = sum(want.values())
+    assert activation_bytes_per_layer(s, lay, **kw) == total == 32 + 32 + 96 + 128 + 160 + 224 + 96 == 768
+    # selective = core_attn: the kernel's log-sum-exp goes (its inputs and output are kept anyway)
+    assert activation_bytes_per_layer(s, lay, recompute="selective", **kw) == total - 4 * 4 * 2
+    moe_block = want["router"] + want["dispatch"] + want["experts"]
+    assert activation_bytes_per_layer(s, lay, recompute="moe", **kw) == total - moe_block == 288
+    assert activation_bytes_per_layer(s, lay, recompute="layernorm", **kw) == total - 2 * 2 * 4 * 4
+    assert activation_bytes_per_layer(s, lay, recompute="moe_act", **kw) == total - 2 * 8 * 2
+    assert activation_bytes_per_layer(s, lay, recompute="layernorm,moe_act", **kw) == total - 64 - 32
+    # CP2 (TP2): T = 8/(2*2) = 2 tokens; K/V kept all-gathered over CP (2x the rank's tokens) and the chunked
+    # kernel's chunk outputs beside their concatenation: a*T*(nq*d + 2*nkv*d*CP + 2*nq*d) + 4*T*nq = 96
     cp = ParallelLayout(world_size=4, tp=2, cp=2, ep=2, etp=1)
-    assert activation_bytes_per_layer(s, cp, recompute="moe", **kw) == 2 * 2 * 2 * 4 + 80
+    assert activation_bytes_per_layer(s, cp, recompute="moe", **kw) == 16 + 16 + (32 + 16) + 96
     assert activation_bytes_per_layer(s, lay, recompute="full", **kw) == 2 * 4 * 4
     # a plain-autograd activation also keeps silu(gate) and silu(gate)*up: 2 more a*R*F = 64 bytes
-    assert activation_bytes_per_layer(s, lay, fused_swiglu=False, **kw) == 544 + 2 * 2 * 8 * 2 == 608
+    assert activation_bytes_per_layer(s, lay, fused_swiglu=False, **kw) == 768 + 2 * 2 * 8 * 2 == 832
     # dispatch buffers: permuted copies a*T*k*H, receive + sorted copies 2*a*R*H = 192, larger than the experts'
     # backward working set 5*a*R*F = 5*2*8*2 = 160; plus the recomputed region
     assert transient_bytes(s, lay, **kw) == 2 * 4 * 2 * 4 * 3
-    assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + router + experts
+    assert transient_bytes(s, lay, recompute="moe", **kw) == 2 * 4 * 2 * 4 * 3 + moe_block
     # with experts four times as wide (F=8) the backward working set wins: 5*a*R*F = 5*2*8*8 = 640 > 192
     wide = hand_model(moe={"ffn_hidden_size": 8})
     assert transient_bytes(wide, lay, **kw) == 640
-    # fused output layer + loss on the last stage, s/CP = 8 tokens: its bf16 input a*8*H, one fp32 log-sum-exp
-    # per token, and one chunk (all 8 tokens fit in 2048) of fp32 logits + softmax [8, V/TP] = 64 + 32 + 256
-    assert logits_bytes(s, lay, **kw) == 2 * 8 * 4 + 4 * 8 + 2 * 4 * 8 * (8 // 2) == 352
-    # at 4096 tokens only one chunk of chunk_tokens rows of logits exists: 32768 + 16384 + 2*4*1024*4
-    assert logits_bytes(s, lay, seq_length=4096, micro_batch_size=1, chunk_tokens=1024) == 32768 + 16384 + 32768
-    # a dense layer: a SwiGLU MLP of ffn_hidden_size keeps its input and 4F per token instead of the MoE terms
+    # the last stage: the final norm's input a*T*H and rstd (48); the fused loss's input over s/CP = 8 tokens
+    # a*8*H, one fp32 log-sum-exp and one int64 label per token (64 + 32 + 64); one chunk (all 8 tokens fit in
+    # 2048) of fp32 logits + softmax [8, V/TP] = 256
+    assert logits_bytes(s, lay, **kw) == 48 + 64 + 32 + 64 + 2 * 4 * 8 * (8 // 2) == 464
+    # at 4096 tokens only one chunk of chunk_tokens rows of logits exists
+    norm_4096 = 2 * 2048 * 4 + 4 * 2048
+    loss_4096 = 2 * 4096 * 4 + 4 * 4096 + 8 * 4096
+    assert logits_bytes(s, lay, seq_length=4096, micro_batch_size=1, chunk_tokens=1024) == (
+        norm_4096 + loss_4096 + 2 * 4 * 1024 * 4
+    )
+    # a dense layer: a SwiGLU MLP of ffn_hidden_size keeps gate, up and the activation, 3F per token, instead
+    # of the MoE terms
     d = hand_model(ffn_hidden_size=6)
-    assert activation_bytes_per_layer(d, lay, moe_layer=False, **kw) == norms + attn + 2 * 4 * 4 + 2 * 4 * 4 * 6
+    assert activation_bytes_per_layer(d, lay, moe_layer=False, **kw) == 32 + 32 + 96 + 128 + 3 * 2 * 4 * 6
 
 
 def test_in_flight_chunks_follow_the_schedule():
@@ -292,11 +314,14 @@ def test_memory_per_rank_pipeline_peak():
     lay = ParallelLayout(world_size=64, pp=4, vpp=2, ep=8, etp=1)
     kw = dict(param_bytes=2, distributed=True, seq_length=4096, micro_batch_size=1)
     per = activation_bytes_per_layer(s, lay, seq_length=4096, micro_batch_size=1)
+    rope = rope_bytes(s, lay, seq_length=4096)  # each chunk forward's cos/sin tables, 2*a*s*d
+    assert rope == 2 * 2 * 4096 * 128
     e0 = memory_per_rank(s, lay, stage=0, **kw)
-    assert e0.activations == per * 8 * 11 // 2  # 8 layers on the rank, 11 chunk forwards of 4 layers
+    assert e0.activations == per * 8 * 11 // 2 + 11 * rope  # 8 layers on the rank, 11 chunk forwards of 4 layers
     e3 = memory_per_rank(s, lay, stage=3, **kw)
-    assert e3.activations == per * 8 * 5 // 2 + logits_bytes(s, lay, seq_length=4096, micro_batch_size=1)
-    assert memory_per_rank(s, lay, stage=0, num_microbatches=1, **kw).activations == per * 8 * 2 // 2
+    logits = logits_bytes(s, lay, seq_length=4096, micro_batch_size=1)
+    assert e3.activations == per * 8 * 5 // 2 + 5 * rope + logits
+    assert memory_per_rank(s, lay, stage=0, num_microbatches=1, **kw).activations == per * 8 * 2 // 2 + 2 * rope
     assert e0.total == sum(e0.by_part().values())
     with pytest.raises(ValueError, match="train.recompute"):
         memory_per_rank(s, lay, recompute="attention", **kw)

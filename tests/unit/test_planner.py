@@ -51,12 +51,15 @@ def test_memory_by_hand_mixtral_tiny():
     expert = 2 * 8 * 3 * 64 * 96 / 4
     assert stage_parameters(TINY, plan, last=False) == {"dense": dense, "expert": expert}
     assert (dense, expert) == (29952, 73728)
-    # Activations per layer and micro-batch, bf16, T = 16/TP2 = 8 tokens, R = 8*k2 = 16 expert rows:
-    # norms 2*T*H = 1024 el; attention T*(H + (h+2g)d + hd) = 8*(64+128+64) = 2048 el; router T*H el +
-    # fp32 logits/probs 8*T*E bytes; experts R*H + 3*R*F (fc1's [R, 2F] output and fc2's [R, F] input, kept by
-    # the fused weighted SwiGLU) = 1024 + 4608 el, plus the fp32 probabilities 4*R bytes.
-    per_layer = 2 * (1024 + 2048 + 512 + 1024 + 4608) + 8 * 8 * 8 + 4 * 16
-    assert per_layer == 19008
+    # Activations per layer and micro-batch, bf16, T = 16/TP2 = 8 tokens, R = 8*k2 = 16 expert rows (bytes,
+    # folding.planning.activations' terms): input and residual a*T*H = 1024 each; both norms' outputs
+    # 2*a*T*H + fp32 rstd 8*T = 2112; attention a*T*(hd + 2gd + hd) + fp32 log-sum-exp 4*T*h = 3072 + 256;
+    # router T*(fp32 logits 4E + aux softmax 4E + int64 top-k 8k + its softmax 4k) = 704; dispatch a*R*H +
+    # fp32 probs 4R + int64 token and expert ids 16*T*k = 2368; experts 3*a*R*F (fc1's [R, 2F] output and
+    # fc2's [R, F] input, kept by the fused weighted SwiGLU) = 9216.
+    per_layer = 1024 + 1024 + 2112 + (3072 + 256) + 704 + 2368 + 9216
+    assert per_layer == 19776
+    rope = 2 * 2 * 16 * 8  # each chunk forward's cos/sin tables at s=16, d=8
     mem = plan_memory(TINY, plan, shape=SHAPE)
     router = 2 * 8 * 64  # fp32 whatever the parameter dtype: 4 bytes, no master copy
     # Stage 0 is the worse one: 1F1B keeps PP2 micro-batches of its 2 layers.
@@ -66,7 +69,7 @@ def test_memory_by_hand_mixtral_tiny():
         "grads": (dense + expert) * 4,
         # dense sharded over DP*CP=2, experts over EDP=1
         "optimizer": 12 * (dense / 2 + expert / 1) - 4 * router / 2,
-        "activations": 2 * 2 * per_layer,
+        "activations": 2 * 2 * per_layer + 2 * rope,
         # the experts' backward working set 5*a*R*F = 5*2*16*96 = 15360 bytes (fc2's input gradient,
         # silu(gate), grad*up [R, F] each, fc1's output gradient [R, 2F]) outweighs the dispatcher's
         # permuted send buffer + receive + sorted copy a*T*k*H*3 = 2*8*2*64*3 = 6144 bytes
@@ -74,17 +77,19 @@ def test_memory_by_hand_mixtral_tiny():
     }
     # Without the distributed optimizer, with full recompute: the last stage is the larger one. It adds the
     # output layer (512*64/2) and final norm (64) to the parameters, keeps one micro-batch of layer inputs
-    # (2 layers * T*H) plus the fused loss's bf16 input (16 gathered tokens * 64), one fp32 log-sum-exp per token
-    # and one chunk (all 16 tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and
-    # re-materializes one whole layer in backward, while the experts' backward working set is alive.
+    # (2 layers * a*T*H) and rope tables, the final norm's input and rstd (a*T*H + 4*T), the fused loss's bf16
+    # input (16 gathered tokens * 64), one fp32 log-sum-exp and one int64 label per token and one chunk (all 16
+    # tokens) of fp32 logits with their softmax (2 * 16 * 512/2 * 4 bytes), and re-materializes one whole layer
+    # (all but its kept input) in backward, while the experts' backward working set is alive.
     mem2 = plan_memory(
         TINY, _plan(tp=2, pp=2, ep=4, dp=2, edp=1, distributed_optimizer=False, recompute="full"), shape=SHAPE
     )
     dense_last = dense - 512 * 64 / 2 + 512 * 64 / 2 + 64
     assert mem2.stage == 1
     assert mem2.optimizer_dense + mem2.optimizer_expert == 12 * (dense_last + expert) - 4 * router
-    assert mem2.activations == 2 * 2 * 8 * 64 + (2 * 16 * 64 + 4 * 16 + 2 * 16 * 256 * 4)
-    assert mem2.transient == 5 * 2 * 16 * 96 + per_layer  # experts' backward working set + one layer
+    head = (2 * 8 * 64 + 4 * 8) + (2 * 16 * 64 + 4 * 16 + 8 * 16 + 2 * 16 * 256 * 4)
+    assert mem2.activations == 2 * 2 * 8 * 64 + rope + head
+    assert mem2.transient == 5 * 2 * 16 * 96 + per_layer - 1024  # experts' backward working set + one layer
     # A plain-autograd SwiGLU keeps 2 more F-wide bf16 tensors per expert row (R=16 rows, F=96), in each of the
     # 2 layers of the 2 micro-batches in flight.
     unfused = plan_memory(TINY, plan, shape=TrainingShape(seq_length=16, global_batch_size=8, fused_swiglu=False))
@@ -177,10 +182,13 @@ def test_cp_all_gather_by_hand():
     want = 4 * (kv / (450e9 * 0.8) + 20e-6) + 5 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
     plan = _plan(tp=2, cp=2, pp=8, ep=8, dp=4, edp=2)
     assert _layer_times(cfg, plan, shape, cl, 0.6, True)["cp"] == pytest.approx(want)
-    # selective recompute repeats the forward all-gathers and the forward sort: 6 collectives, 7 passes
+    # full recompute repeats the forward all-gathers and the forward sort: 6 collectives, 7 passes
+    full = dataclasses.replace(plan, recompute="full")
+    want_full = 6 * (kv / (450e9 * 0.8) + 20e-6) + 7 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
+    assert _layer_times(cfg, full, shape, cl, 0.6, True)["cp"] == pytest.approx(want_full)
+    # selective (core_attn) checkpoints the kernel alone, after the gathers: none of them runs again
     sel = dataclasses.replace(plan, recompute="selective")
-    want_sel = 6 * (kv / (450e9 * 0.8) + 20e-6) + 7 * (2 * 2 * kv) / (gpu.hbm_bandwidth * gpu.hbm_efficiency)
-    assert _layer_times(cfg, sel, shape, cl, 0.6, True)["cp"] == pytest.approx(want_sel)
+    assert _layer_times(cfg, sel, shape, cl, 0.6, True)["cp"] == pytest.approx(want)
     assert _layer_times(cfg, _plan(tp=2, pp=8, ep=8, dp=8, edp=2), shape, cl, 0.6, True)["cp"] == 0.0
 
 

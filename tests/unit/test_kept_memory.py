@@ -1,0 +1,183 @@
+"""What one layer of every family keeps for backward, measured, against the memory model, term by term.
+
+The census (:class:`folding.testing.kept_memory.KeptCensus`) lists every storage a layer's forward
+creates and leaves alive, by the module that made it; the graph walk
+(:func:`folding.testing.kept_memory.saved_by_node`) lists what each autograd node keeps. Both in bf16 and
+fp32, on one layer of Mixtral, Qwen2-MoE (shared expert with gate), Qwen3-MoE (per-head q/k norm),
+OLMoE (q/k norm over the whole projection) and DeepSeek-V3 (MLA, its dense first layer, the MTP module):
+
+- every term of :func:`folding.planning.activations.activation_terms` is within 10% of the bytes the
+  census attributes to it (plus 1 KiB for per-layer constants such as the router's counts);
+- no node keeps a copy of values another node keeps (an fp32 copy of a bf16 input: the norms and the
+  router once did), and a bf16 layer keeps fp32 tensors only as per-token statistics and router scores,
+  each named by node if not;
+- each recompute module saves what the model says it saves (within 10%) and leaves the layer's output
+  and every gradient bitwise unchanged.
+
+Megatron-Core's ``MoELayer`` on the same shape is compared in
+``tests/distributed/test_kept_memory_megatron.py`` (it needs a process group).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from folding.model.presets import get_preset
+from folding.model.transformer import MoETransformer
+from folding.moe.settings import LayerSettings
+from folding.planning.activations import TERMS, activation_terms, logits_bytes, mtp_activation_bytes, rope_bytes
+from folding.testing.kept_memory import KeptCensus, bytes_by, cast_copies, saved_by_node
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T = 256  # tokens of the micro-batch (one sequence)
+ONE_RANK = SimpleNamespace(tp=1, cp=1, etp=1)
+SLACK = 1024  # bytes per term that do not scale with tokens (router counts, expert offsets)
+FAMILIES = {  # preset -> layers to measure (DeepSeek-V3's first is dense)
+    "mixtral_tiny": ("1",),
+    "qwen2_moe_tiny": ("1",),
+    "qwen3_moe_tiny": ("1",),
+    "olmoe_tiny": ("1",),
+    "deepseek_v3_tiny": ("0", "1"),
+}
+
+
+def _config(preset: str):
+    if preset.startswith("deepseek"):
+        return get_preset(preset, num_layers=2)
+    return get_preset(preset, num_layers=2, hidden_size=128, moe={"ffn_hidden_size": 64, "aux_loss_coeff": 0.01})
+
+
+def term_of(module: str, is_moe: bool) -> str:
+    """The memory model's term of a storage made by ``module`` (a name inside one transformer layer)."""
+    if module in ("input", ""):
+        return "input" if module else "residual"
+    if module in ("input_norm", "post_attention_norm"):
+        return "norms"
+    if module.startswith("attention"):
+        return "attention"
+    if not is_moe:
+        return "mlp"
+    for prefix, term in (("mlp.router", "router"), ("mlp.experts", "experts"), ("mlp.shared_expert", "shared_expert")):
+        if module.startswith(prefix):
+            return term
+    return "dispatch"  # the MoE layer's own ops and its dispatcher's
+
+
+def _run_layer(preset, layer_name, dtype, recompute="none", *, grads=False):
+    """``(layer, model, census entries, saved-by-node entries or None, (output, grads) or None)``."""
+    cfg = _config(preset)
+    model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype, recompute=recompute))
+    layer = model.layers[layer_name]
+    x0 = torch.randn(T, 1, cfg.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    rope = model.rope(T, dtype=dtype)
+    with KeptCensus(layer) as census:
+        x = census.make(lambda: x0.clone().requires_grad_())
+        y = layer(x, rope)
+    kept = census.kept(y)
+    saved = saved_by_node(y, exclude=[*rope[:2], *model.parameters()]) if recompute == "none" else None
+    out = None
+    if grads:
+        g = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(4))
+        y.backward(g)
+        out = (y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+    return layer, cfg, kept, saved, out
+
+
+def _model_terms(cfg, layer, dtype, recompute="none"):
+    return activation_terms(
+        cfg,
+        ONE_RANK,
+        seq_length=T,
+        micro_batch_size=1,
+        recompute=recompute,
+        act_bytes=dtype.itemsize,
+        moe_layer=layer.is_moe,
+        device="cpu",
+    )
+
+
+def _check_terms(measured: dict, model: dict, what: str):
+    for term in TERMS:
+        got, want = measured.get(term, 0), model[term]
+        assert abs(got - want) <= 0.1 * got + SLACK, (
+            f"{what}: term {term!r} model {want} B, measured {got} B ({want / T:.1f} vs {got / T:.1f} B/token)"
+        )
+    assert not set(measured) - set(TERMS), f"{what}: storages outside every term: {set(measured) - set(TERMS)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("preset", list(FAMILIES))
+def test_layer_keeps_what_the_model_says(preset, dtype):
+    for name in FAMILIES[preset]:
+        layer, cfg, kept, saved, _ = _run_layer(preset, name, dtype)
+        what = f"{preset} layer {name} {dtype}"
+        measured = bytes_by(kept, lambda k: term_of(k.module, layer.is_moe))
+        _check_terms(measured, _model_terms(cfg, layer, dtype), what)
+        # the graph walk sees the same bytes, less the input (a leaf it leaves out) and the census's
+        # per-layer constants that no node saves (the router's counts)
+        walked, census = sum(s.nbytes for s in saved), sum(measured.values()) - measured["input"]
+        assert census - SLACK <= walked <= census, f"{what}: nodes keep {walked} B, the census finds {census} B"
+        copies = [f"{a.describe()} copies {b.describe()}" for a, b in cast_copies(saved)]
+        assert not copies, f"{what}: a second copy of the same values is kept: {copies}"
+        if dtype == torch.bfloat16:  # fp32 only for per-token statistics and router scores
+            per_token = max(cfg.moe.num_experts, cfg.num_attention_heads) + 1
+            wide = [s.describe() for s in saved if s.tensor.dtype == torch.float32 and s.tensor.numel() > per_token * T]
+            assert not wide, f"{what}: fp32 tensors wider than a per-token statistic are kept: {wide}"
+
+
+MODULE_CASES = {  # recompute module -> (preset, layer) where it applies
+    "core_attn": ("qwen3_moe_tiny", "1"),
+    "layernorm": ("mixtral_tiny", "1"),
+    "moe_act": ("qwen2_moe_tiny", "1"),
+    "mla_up_proj": ("deepseek_v3_tiny", "1"),
+    "mlp": ("deepseek_v3_tiny", "0"),
+    "moe": ("qwen2_moe_tiny", "1"),
+    "shared_experts": ("qwen2_moe_tiny", "1"),
+    "full": ("olmoe_tiny", "1"),
+    "selective,moe_act": ("deepseek_v3_tiny", "1"),
+}
+
+
+@pytest.mark.parametrize("module", list(MODULE_CASES))
+def test_recompute_module_saves_what_the_model_says_and_changes_no_bit(module):
+    preset, name = MODULE_CASES[module]
+    dtype = torch.bfloat16
+    layer0, cfg, kept0, _, (y0, gx0, g0) = _run_layer(preset, name, dtype, grads=True)
+    layer, _, kept, _, (y, gx, g) = _run_layer(preset, name, dtype, module, grads=True)
+    saved_measured = sum(k.nbytes for k in kept0) - sum(k.nbytes for k in kept)
+    saved_model = sum(_model_terms(cfg, layer0, dtype).values()) - sum(_model_terms(cfg, layer, dtype, module).values())
+    assert saved_measured > 0, f"{module} kept as much as no recompute ({saved_measured} B saved)"
+    assert abs(saved_model - saved_measured) <= 0.1 * saved_measured + SLACK, (
+        f"{module} on {preset}: the model saves {saved_model} B, measured {saved_measured} B"
+    )
+    measured = bytes_by(kept, lambda k: term_of(k.module, layer.is_moe))
+    _check_terms(measured, _model_terms(cfg, layer, dtype, module), f"{preset} {module}")
+    assert torch.equal(y, y0) and torch.equal(gx, gx0), module
+    assert g.keys() == g0.keys() and all(torch.equal(g[k], g0[k]) for k in g0), module
+
+
+@pytest.mark.parametrize("preset", ["mixtral_tiny", "deepseek_v3_tiny"])
+def test_last_stage_forward_keeps_its_layers_head_and_mtp(preset):
+    """The whole model on one rank, loss included: embedding, layers, final norm, fused loss and (DeepSeek-V3)
+    the MTP module keep the sum of their terms."""
+    dtype = torch.bfloat16
+    cfg = _config(preset).replace(num_layers=1)
+    model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
+    with KeptCensus(model) as census:
+        loss = model(ids, labels=labels).sum()
+    measured = sum(k.nbytes for k in census.kept(loss))
+    kw = dict(seq_length=T, micro_batch_size=1, act_bytes=2, device="cpu")
+    layers = sum(sum(activation_terms(cfg, ONE_RANK, moe_layer=cfg.is_moe_layer(i), **kw).values()) for i in range(1))
+    # one chunk of logits: its softmax is kept (T <= model.loss_chunk_tokens), half the model's peak figure
+    head = logits_bytes(cfg, ONE_RANK, seq_length=T, micro_batch_size=1, act_bytes=2, chunk_tokens=T)
+    head -= 4 * T * cfg.vocab_size
+    mtp = mtp_activation_bytes(cfg, ONE_RANK, seq_length=T, micro_batch_size=1, act_bytes=2, device="cpu")
+    rope = rope_bytes(cfg, ONE_RANK, seq_length=T, act_bytes=2)
+    want = layers + head + mtp + rope + 8 * T  # and the embedding's int64 ids
+    assert T <= model.loss_chunk_tokens
+    assert abs(measured - want) <= 0.1 * measured + 4 * SLACK, (preset, measured / T, want / T)
