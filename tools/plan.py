@@ -15,9 +15,14 @@ Usage::
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
-memory, and the tokens per second per GPU it predicts; the line under it (``run: parallel.tp=...
-optim.distributed=... train.recompute=...``) holds the job overrides that run it (``--json``: ``overrides``, a
-list of strings). The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP
+memory, and the tokens per second per GPU it predicts; the line under it (``run: model=...
+parallel.world_size=... parallel.gpu=... parallel.tp=... optim.distributed=... train.precision=bf16
+train.micro_batch_size=... train.recompute=...``) holds the job overrides that run it as planned: the model,
+world, GPU kind and node size, the layout, the optimizer and its dtypes, the precision, sequence, batch sizes
+and recompute mode, and the ``--moe`` / ``--dispatcher`` / ``--fp8-recipe`` options, so that ``python
+examples/pretrain_mixtral.py <those overrides> train.dry_run=true`` predicts the plan's memory and checks it
+against the GPU (``--json``: ``overrides``, a list of strings). The line under the header says the precision
+the plans assume. The expert half ends with where EP sits: ``EP in DP`` (its ranks all in one attention DP
 group, as in Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks
 too), so that a folded and an ``--unfolded`` line with the same sizes read alike only when they are the same
 layout.
@@ -46,15 +51,15 @@ from folding.planning.imbalance import (
     register_trace_reader,
     zipf_loads,
 )
+from folding.planning.job_memory import precision_summary
 from folding.planning.optim_precision import OptimizerPrecision
 from folding.planning.planner import (
     COMPUTE_EFFICIENCY,
     describe_plan,
     plan_layouts,
-    plan_overrides,
     planned_dispatcher,
 )
-from folding.planning.step_time import Cluster, TrainingShape
+from folding.planning.step_time import BF16, Cluster, TrainingShape
 from folding.training.telemetry.trace_file import read_trace
 
 
@@ -291,30 +296,43 @@ def _line(i: int, r, tokens: float, gpus: int) -> str:
     )
 
 
-def _model_overrides(args) -> list:
-    """The overrides this invocation's model options ask of every plan's job: each ``--moe KEY=VALUE``
-    as ``moe.KEY=VALUE``, ``--dispatcher`` as ``moe.dispatcher``, ``--fp8-recipe`` as ``moe.fp8_recipe``
-    (with ``train.precision=bf16``, which FP8 experts need)."""
-    out = [f"moe.{item}" for item in args.moe]
-    if args.dispatcher is not None:
-        out.append(f"moe.dispatcher={args.dispatcher}")
-    if args.fp8_recipe is not None:
-        out += [f"moe.fp8_recipe={args.fp8_recipe}", "train.precision=bf16"]
-    return out
+def _moe_overrides(args) -> list:
+    """Each ``--moe KEY=VALUE`` as the job's ``moe.KEY=VALUE`` (the planner's own overrides carry the rest:
+    :attr:`~folding.planning.planner.PlanResult.overrides`)."""
+    return [f"moe.{item}" for item in args.moe]
 
 
-def _overrides(plan, args):
-    """The overrides that run ``plan`` with this invocation's model options (``None``: no engine layout)."""
-    over = plan_overrides(plan)
-    return None if over is None else over + _model_overrides(args)
+def _overrides(result, args):
+    """The overrides that run ``result``'s plan as planned, with this invocation's ``--moe`` options (a key
+    the plan's own overrides set, such as ``moe.dispatcher`` under ``--dispatcher``, once: the plan's)
+    (``None``: no engine layout)."""
+    over = result.overrides
+    if over is None:
+        return None
+    keys = {o.partition("=")[0] for o in over}
+    return over + [o for o in _moe_overrides(args) if o.partition("=")[0] not in keys]
 
 
-def _overrides_line(plan, args) -> str:
-    """The overrides that run ``plan`` (add ``parallel.world_size`` and the job's own settings)."""
-    over = _overrides(plan, args)
+def _overrides_line(result, args) -> str:
+    """The ``run:`` line under a plan: the overrides that run it as planned."""
+    over = _overrides(result, args)
     if over is None:
         return "run: no engine layout places EP this way (carved out of DP with CP > 1); plan without --unfolded"
     return "run: " + " ".join(over)
+
+
+def _precision_note(args, shape) -> str:
+    """The precision the plans assume (parameters, activations, gradients, optimizer state), and what of
+    the plan no job setting carries."""
+    note = "precision: " + precision_summary(param_bytes=BF16, act_bytes=BF16, optim_precision=shape.optim_precision)
+    if not args.fused_swiglu:
+        note += (
+            "; --no-fused-swiglu plans 5 F-wide tensors per routed row where the engine keeps 3: the run: "
+            "lines' dry runs predict less activation memory"
+        )
+    if args.fp8_dense:
+        note += "; --fp8-dense has no job setting (folding's dense layers are bf16): the run: lines run them in bf16"
+    return note
 
 
 def main(argv=None) -> int:
@@ -366,7 +384,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([{**r.to_dict(), "overrides": _overrides(r.plan, args)} for r in results[: args.top]]))
+        print(json.dumps([{**r.to_dict(), "overrides": _overrides(r, args)} for r in results[: args.top]]))
         return 0 if results else 1
     head = (
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
@@ -377,6 +395,7 @@ def main(argv=None) -> int:
         f"{_optimizer_note(shape.optim_precision)})"
     )
     print(head)
+    print(_precision_note(args, shape))
     if not results:
         print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
         return 1
@@ -385,7 +404,7 @@ def main(argv=None) -> int:
         print(EP_LEGEND)
     for i, r in enumerate(shown, 1):
         print(_line(i, r, args.global_batch_size * args.seq_length, args.gpus))
-        print("     " + _overrides_line(r.plan, args))
+        print("     " + _overrides_line(r, args))
     best = results[0]
     print("best step breakdown (s): " + ", ".join(f"{k} {v:.3f}" for k, v in best.time.breakdown.items()))
     print("best memory (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in best.memory.by_part().items()))

@@ -113,6 +113,12 @@ class ParallelConfig:
     world_size: Optional[int] = None
     """The world size this layout is meant for. null: the launched world (torchrun's WORLD_SIZE). Set
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
+    gpu: Optional[str] = None
+    """The GPU kind the job is meant for: ``h100`` (80 GB), ``h200`` (141 GB) or ``b200`` (180 GB), the
+    planner's table (:mod:`folding.planning.hardware`). The dry run refuses a job whose predicted peak
+    memory per rank does not fit in it, naming the stages and what would make them fit. null: this
+    machine's CUDA device (matched to a kind of the table by name and memory, else its own memory), and
+    no memory check on a machine without one."""
 
     def resolved_nvlink_domain(self, world_size: int) -> int:
         """Ranks per node: ``nvlink_domain``, else torchrun's ``LOCAL_WORLD_SIZE``, else ``world_size``."""

@@ -12,6 +12,7 @@ which backend at start.
 Usage::
 
     name = check_experts_here(job)          # e.g. "torch"; raises ConfigError when it cannot run
+    cuda_device_here()                      # ("NVIDIA H100 80GB HBM3", 85...) or None on a CPU machine
     print(experts_summary(job, name))       # experts: moe.expert_backend=auto -> torch (...)
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,6 +33,16 @@ def training_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def cuda_device_here() -> Optional[Tuple[str, int]]:
+    """Name and total memory in bytes of this machine's first CUDA device
+    (``torch.cuda.get_device_properties(0)``), or ``None`` without CUDA (never an error on a CPU machine).
+    The dry run checks a job's memory against it when ``parallel.gpu`` is null."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return str(props.name), int(props.total_memory)
 
 
 def compute_dtype(job: JobConfig) -> torch.dtype:

@@ -2,9 +2,10 @@
 
 ``examples/pretrain_mixtral.py`` calls :func:`check_command_line` first. It composes the config the
 way Hydra will (same ``configs/``, same overrides), builds the typed job and validates it for the
-launched world, and checks that this machine runs the experts' backend and FP8 recipe
-(:func:`folding.job.machine.check_experts_here`). So a typo, a bad value, an impossible layout
-or a backend this machine lacks
+launched world, checks that ``parallel.gpu`` names a GPU kind the planner knows, and checks that this
+machine runs the experts' backend and FP8 recipe (:func:`folding.job.machine.check_experts_here`). So a
+typo, a bad value, an impossible layout or a backend this machine lacks (and, in a dry run, a job whose
+predicted memory does not fit the GPU: :mod:`folding.launch.device_memory`)
 
 - is reported as one ``error: ...`` line, printed once per node (by the process with local rank 0;
   the other processes find the same error and wait for torchrun to stop them: :func:`report_error`),
@@ -48,6 +49,7 @@ from ..job.config import ConfigError, env_world_size, job_config_from_dict
 from ..job.machine import check_experts_here
 from ..job.schema import job_schema
 from ..job.validate import validate_job
+from .device_memory import named_gpu
 from .dry_run import dry_run_report
 from .model_from_hf import resolve_from_hf
 
@@ -227,6 +229,7 @@ def check_command_line(
                 print(report, flush=True)
             return 0
         validate_job(job, world_size=world)
+        named_gpu(job)  # parallel.gpu names a GPU kind (the dry run checks memory against it)
         check_experts_here(job)  # this machine runs moe.expert_backend with moe.fp8_recipe
     except (HydraException, OmegaConfBaseException) as e:
         report_error(_hydra_message(e))

@@ -8,12 +8,19 @@ per-rank memory estimate of the one memory model,
 transients; the same call the layout planner makes), with ``parallel.overlap_moe_comm`` the one more
 micro-batch of one model chunk in flight that it costs (:func:`folding.planning.moe_overlap.memory_with_overlap`).
 It also says which expert backend runs the job on the machine the dry run is on, or why it cannot
-(a report, not an error: the job may be meant for other machines).
+(a report, not an error: the job may be meant for other machines), and the precision the estimate assumes
+(parameters, activations, gradients, master weights, optimizer state).
+
+The job's memory is checked against ``parallel.gpu`` (else this machine's CUDA device, else nothing:
+:mod:`folding.launch.device_memory`): a job whose predicted peak on some pipeline stage does not fit is
+refused with a :class:`~folding.job.config.ConfigError` naming the stages, their peaks, the GPU's memory and
+what would lower them, so the entry point prints one ``error:`` line and exits with status 2.
 
 Usage::
 
     print(dry_run_report(job, world_size=128))
     python examples/pretrain_mixtral.py recipes=mixtral_8x22b train.dry_run=true
+    python examples/pretrain_mixtral.py recipes=mixtral_8x22b parallel.gpu=h100 train.dry_run=true
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ from ..job.validate import validate_job
 from ..model.config import ModelConfig
 from ..parallel.rank_math import expert_generator
 from ..planning.flops import flops_per_token
-from ..planning.memory import MemoryEstimate, adamw_share, memory_per_rank, param_counts, state_bytes_per_param
-from ..planning.moe_overlap import memory_with_overlap
+from ..planning.job_memory import job_memory, job_precision, stage_memories
+from ..planning.memory import MemoryEstimate, adamw_share, param_counts, state_bytes_per_param
 from ..planning.node_dispatch import exchange_rows
 from ..planning.optim_precision import OptimizerPrecision
+from .device_memory import check_memory_fits, device_line, job_gpu
 
 GIB = 2**30
 
@@ -45,26 +53,11 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
 
 
 def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
-    """Bytes per rank on the worst pipeline stage, from :func:`folding.planning.memory.memory_per_rank`
-    with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch count (the
-    experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row); with
+    """Bytes per rank on the worst pipeline stage: :func:`folding.planning.job_memory.job_memory`, the
+    memory model with the job's precision, optimizer, recompute mode, sequence, micro-batch and micro-batch
+    count (the experts' activations as the engine keeps them: 3 ``F``-wide tensors per routed row); with
     ``parallel.overlap_moe_comm`` the activations its longer warm-up keeps in flight per pipeline rank."""
-    t = job.train
-    m = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    width = 2 if t.precision == "bf16" else 4
-    estimate = memory_with_overlap if job.parallel.overlap_moe_comm else memory_per_rank
-    return estimate(
-        job.model,
-        layout,
-        param_bytes=width,
-        distributed=job.optim.distributed,
-        recompute=t.recompute_setting(),
-        seq_length=t.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        act_bytes=width,
-        num_microbatches=m,
-        optim_precision=OptimizerPrecision.of(job.optim),
-    )
+    return job_memory(job, layout)
 
 
 def optimizer_line(job: JobConfig) -> str:
@@ -151,17 +144,21 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  experts     moe.expert_backend={job.moe.expert_backend}, moe.fp8_recipe={job.moe.fp8_recipe}; "
         f"on this machine ({training_device()}) it {here}"
     )
+    gpu, source = job_gpu(job)
+    per_stage = stage_memories(job, layout)
+    check_memory_fits(job, layout, gpu, source, per_stage)
     stages = stage_parameters_per_rank(m, layout)
     for r, s in enumerate(stages):
         lines.append(
             f"  stage {r:<4d}  per rank: dense {s['dense'] / 1e9:.3f} B + expert {s['expert'] / 1e9:.3f} B params"
         )
+    lines.append(f"  precision   {job_precision(job)} (train.precision={t.precision}, optim.*)")
     lines.append(optimizer_line(job))
-    mem = memory_estimate(job, layout)
+    mem = max(per_stage, key=lambda e: e.total)
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.by_part().items())
     lines.append(
         f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
-        f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute}"
+        f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute_setting()}"
         + (
             ", MoE exchanges overlapped: the longer warm-up's activations in flight"
             if job.parallel.overlap_moe_comm
@@ -169,4 +166,5 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         )
         + ")"
     )
+    lines.append(device_line(gpu, source, mem))
     return "\n".join(lines)

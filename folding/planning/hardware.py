@@ -11,8 +11,14 @@ Sources
   1978.9 TFLOP/s, HBM3 80 GB at 3.35 TB/s, NVLink 4 at 900 GB/s bidirectional (450 GB/s per direction).
 - H200 SXM 141GB: NVIDIA H200 datasheet — same compute as H100, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s.
 - B200 (HGX/DGX B200): NVIDIA DGX B200 datasheet — 72 PFLOP/s FP8 *sparse* for 8 GPUs, i.e. 4.5 PFLOP/s
-  dense FP8 and 2.25 PFLOP/s dense BF16 per GPU; 180 GB HBM3e usable at 8 TB/s; NVLink 5 at 1.8 TB/s
-  bidirectional (900 GB/s per direction).
+  dense FP8 and 2.25 PFLOP/s dense BF16 per GPU; 180 GB HBM3e at 8 TB/s (1,440 GB for 8 GPUs; other
+  NVIDIA pages quote the B200 at 192 GB); NVLink 5 at 1.8 TB/s bidirectional (900 GB/s per direction).
+- Memory capacity (``memory_gb``): the datasheet figure above (80, 141, 180) counted as 10^9 bytes. The
+  devices report more: ``nvidia-smi`` shows 81559 MiB on an H100 SXM 80GB, 143771 MiB on an H200 and
+  183359 MiB on a B200 (79.6, 140.4 and 179.1 GiB, against the 74.5, 131.3 and 167.6 GiB counted here),
+  and ``torch.cuda.get_device_properties(0).total_memory`` within about 1% of that. So the table keeps a
+  margin of about 6% on top of the allocator overhead below (the planner's calibration was made with it),
+  and a dry run on such a device checks against the table's figure, as the planner does.
 - Inter-node: one 400 Gb/s InfiniBand NDR (ConnectX-7) NIC per GPU, the DGX/HGX reference design:
   50 GB/s per direction per GPU.
 
@@ -33,9 +39,9 @@ Assumptions (not calibrated)
   Folding paper: Mixtral-8x22B, 128 H100, TP2 PP8 EP8 ETP1, FP8 with delayed scaling on every linear layer,
   631.7 TFLOP/s per GPU against 487.7 in BF16). One constant for every recipe: blockwise and MXFP8 scaling
   cost more casts than delayed scaling, which this row does not show.
-- ``usable_memory_gib``: what PyTorch's allocator can reserve: HBM less 2.5 GiB held outside it (CUDA
-  context ≈ 0.5-1 GiB, NCCL communicator buffers for the job's dozen process groups ≈ 1 GiB, cuBLAS /
-  TransformerEngine workspaces ≈ 0.5 GiB).
+- ``usable_memory_gib``: what PyTorch's allocator can reserve: ``memory_gb`` less
+  ``OUTSIDE_ALLOCATOR_GIB`` = 2.5 GiB held outside it (CUDA context ≈ 0.5-1 GiB, NCCL communicator
+  buffers for the job's dozen process groups ≈ 1 GiB, cuBLAS / TransformerEngine workspaces ≈ 0.5 GiB).
 - ``fragmentation`` 0.05: the caching allocator reserves more than the live tensors it hands out (block
   rounding, split blocks that cannot be reused across sizes); 5% assumes
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which MoE training with varying expert
@@ -47,6 +53,7 @@ Usage::
     gpu = get_gpu("h100")
     gpu.peak_flops("bf16")      # 989.4e12
     gpu.link_bandwidth(crosses_node=True, kind="a2a")   # bytes/s achieved per GPU
+    device_gpu("NVIDIA H200", 150_000_000_000)           # the h200 entry (what a dry run on one checks against)
 """
 
 from __future__ import annotations
@@ -55,6 +62,13 @@ import dataclasses
 from typing import Dict, List
 
 GIB = 1024**3
+
+OUTSIDE_ALLOCATOR_GIB = 2.5
+"""GiB of device memory held outside PyTorch's allocator (CUDA context, NCCL buffers, library workspaces)."""
+
+DEVICE_MATCH = 0.10
+"""A CUDA device is taken for a kind of the table when its name contains the kind's and its reported memory
+is within this fraction of ``memory_gb`` (devices report about 6% more than the datasheet's GB count)."""
 
 #: Fraction of peak FP8 FLOP/s reached by FP8 GEMMs (casts included). Calibrated once, on one row only:
 #: Mixtral-8x22B on 128 H100 (seq 4096, global batch 256) with FP8 (delayed scaling, every linear layer),
@@ -77,6 +91,9 @@ class GPUSpec:
     usable_memory_gib: float
     """Memory PyTorch's allocator can reserve (HBM minus what the CUDA context, NCCL and library
     workspaces hold)."""
+    memory_gb: float = 0.0
+    """HBM capacity as the datasheet states it, in GB of 10^9 bytes (80 for the H100 SXM); informational:
+    the fit test reads ``usable_memory_gib``."""
     hbm_bandwidth: float
     """Peak HBM bandwidth in bytes/s."""
     nvlink_bandwidth: float
@@ -139,7 +156,8 @@ _GPUS: Dict[str, GPUSpec] = {
         name="h100",
         bf16_flops=989.4e12,
         fp8_flops=1978.9e12,
-        usable_memory_gib=80e9 / GIB - 2.5,
+        memory_gb=80,
+        usable_memory_gib=80e9 / GIB - OUTSIDE_ALLOCATOR_GIB,
         hbm_bandwidth=3.35e12,
         nvlink_bandwidth=450e9,
         internode_bandwidth=50e9,
@@ -148,7 +166,8 @@ _GPUS: Dict[str, GPUSpec] = {
         name="h200",
         bf16_flops=989.4e12,
         fp8_flops=1978.9e12,
-        usable_memory_gib=141e9 / GIB - 2.5,
+        memory_gb=141,
+        usable_memory_gib=141e9 / GIB - OUTSIDE_ALLOCATOR_GIB,
         hbm_bandwidth=4.8e12,
         nvlink_bandwidth=450e9,
         internode_bandwidth=50e9,
@@ -157,7 +176,8 @@ _GPUS: Dict[str, GPUSpec] = {
         name="b200",
         bf16_flops=2250e12,
         fp8_flops=4500e12,
-        usable_memory_gib=180e9 / GIB - 2.5,
+        memory_gb=180,
+        usable_memory_gib=180e9 / GIB - OUTSIDE_ALLOCATOR_GIB,
         hbm_bandwidth=8.0e12,
         nvlink_bandwidth=900e9,
         internode_bandwidth=50e9,
@@ -177,3 +197,21 @@ def get_gpu(name: str) -> GPUSpec:
     if key not in _GPUS:
         raise ValueError(f"--gpu {name!r} is unknown; choose one of {', '.join(list_gpus())}")
     return _GPUS[key]
+
+
+def device_gpu(name: str, total_bytes: int) -> GPUSpec:
+    """The GPU kind of a CUDA device called ``name`` (``torch.cuda.get_device_properties(0).name``) with
+    ``total_bytes`` of memory (its ``total_memory``): the table's kind whose short name the device name
+    contains and whose ``memory_gb`` its memory matches within :data:`DEVICE_MATCH` (``NVIDIA H100 80GB
+    HBM3`` -> ``h100``; an ``NVIDIA H100 NVL`` with 94 GB is not an ``h100``); any other device gets a kind
+    of its own, named after it, whose usable memory is its reported memory less
+    :data:`OUTSIDE_ALLOCATOR_GIB` (its other fields are the h100's)."""
+    for key, spec in _GPUS.items():
+        if key in name.lower() and abs(total_bytes / (spec.memory_gb * 1e9) - 1) <= DEVICE_MATCH:
+            return spec
+    return dataclasses.replace(
+        _GPUS["h100"],
+        name=name,
+        memory_gb=total_bytes / 1e9,
+        usable_memory_gib=total_bytes / GIB - OUTSIDE_ALLOCATOR_GIB,
+    )

@@ -30,11 +30,12 @@ from folding.model.config import ModelConfig
 from folding.parallel import LayoutError, ParallelLayout
 
 from .activations import RECOMPUTE_MODES
-from .hardware import GIB
+from .hardware import GIB, list_gpus
 from .imbalance import LoadAt, RoutingModel
 from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
 from .moe_overlap import memory_with_overlap
 from .node_dispatch import DISPATCHERS
+from .optim_precision import FIELDS as OPTIM_DTYPES
 from .step_time import BF16, Cluster, Plan, StepTime, TrainingShape, estimate_step_time
 
 #: Fraction of peak BF16 FLOP/s reached by the matmuls. Calibrated once, on one row only: Mixtral-8x22B on
@@ -84,15 +85,39 @@ def describe_plan(plan: Plan) -> str:
     return f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
 
 
-def plan_overrides(plan: Plan) -> Optional[List[str]]:
+def plan_overrides(
+    plan: Plan,
+    *,
+    cfg: Optional[ModelConfig] = None,
+    cluster: Optional[Cluster] = None,
+    shape: Optional[TrainingShape] = None,
+) -> Optional[List[str]]:
     """The job's Hydra overrides that run ``plan``: ``parallel.tp/cp/pp/ep/etp``, ``parallel.vpp`` (when
     > 1), ``parallel.first/last_stage_layers`` (when set), the overlap knobs (when on),
     ``optim.distributed`` and ``train.recompute``. ``None`` for a plan of Megatron-Core without folding
     whose EP groups no engine layout has (EP carved out of DP while CP > 1: the engine's default order
-    folds EP over CP ranks)."""
+    folds EP over CP ranks).
+
+    With what the plan was made for, everything else it assumed, so that the job's dry run predicts the
+    plan's memory: ``cfg`` adds ``model=<cfg.name>`` (a preset's name; fields changed from the preset are
+    not written) and ``moe.dispatcher`` when the plan's differs from ``cfg``'s; ``cluster`` adds
+    ``parallel.world_size``, ``parallel.gpu`` (a kind of the table) and ``parallel.nvlink_domain`` (the world
+    when it is smaller: one node);
+    ``shape`` adds ``train.precision=bf16`` (the planner's parameters and activations),
+    ``train.seq_length``, ``train.global_batch_size``, ``train.micro_batch_size``, ``optim.name`` and the
+    optimizer's dtypes (``optim.exp_avg_dtype`` ...), and ``moe.fp8_recipe`` when it plans FP8 experts.
+    Two assumptions have no job setting: ``shape.fp8_dense`` (the engine's dense layers are bf16; time
+    only) and ``shape.fused_swiglu=False`` (the engine's activation is fused: its dry run then predicts
+    less activation memory than the plan)."""
     if not plan.folded and plan.ep > 1 and plan.cp > 1:
         return None
-    out = [f"parallel.{k}={getattr(plan, k)}" for k in ("tp", "cp", "pp", "ep", "etp")]
+    out = [] if cfg is None else [f"model={cfg.name}"]
+    if cluster is not None:
+        out.append(f"parallel.world_size={cluster.num_gpus}")
+        if cluster.gpu.name in list_gpus():
+            out.append(f"parallel.gpu={cluster.gpu.name}")
+        out.append(f"parallel.nvlink_domain={min(cluster.nvlink_domain, cluster.num_gpus)}")  # smaller world: 1 node
+    out += [f"parallel.{k}={getattr(plan, k)}" for k in ("tp", "cp", "pp", "ep", "etp")]
     if plan.vpp > 1:
         out.append(f"parallel.vpp={plan.vpp}")
     for k in ("first_stage_layers", "last_stage_layers"):
@@ -102,7 +127,17 @@ def plan_overrides(plan: Plan) -> Optional[List[str]]:
         if getattr(plan, k):
             out.append(f"parallel.{k}=true")
     out.append(f"optim.distributed={'true' if plan.distributed_optimizer else 'false'}")
+    if shape is not None:
+        prec = shape.optim_precision
+        out.append(f"optim.name={prec.name}")
+        out += [f"optim.{f}={getattr(prec, f)}" for f in OPTIM_DTYPES]
+        out.append("train.precision=bf16")
+        out += [f"train.{k}={getattr(shape, k)}" for k in ("seq_length", "global_batch_size", "micro_batch_size")]
     out.append(f"train.recompute={plan.recompute}")
+    if cfg is not None and plan.dispatcher != cfg.moe.dispatcher:
+        out.append(f"moe.dispatcher={plan.dispatcher}")
+    if shape is not None and shape.fp8_recipe:
+        out.append(f"moe.fp8_recipe={shape.fp8_recipe}")
     return out
 
 
@@ -256,6 +291,18 @@ class PlanResult:
     routing: Optional["RoutedTimes"] = None
     """With a routing trace or skew: the step time at p50 and p99 of its steps (``time`` is the one ranked
     by); ``None``: balanced routing."""
+    cfg: Optional[ModelConfig] = dataclasses.field(default=None, repr=False, compare=False)
+    """The model planned (for :attr:`overrides`)."""
+    cluster: Optional[Cluster] = dataclasses.field(default=None, repr=False, compare=False)
+    """The GPUs planned for (for :attr:`overrides`)."""
+    shape: Optional[TrainingShape] = dataclasses.field(default=None, repr=False, compare=False)
+    """The step planned for (for :attr:`overrides`)."""
+
+    @property
+    def overrides(self) -> Optional[List[str]]:
+        """The job overrides that run this plan as planned: :func:`plan_overrides` with the model, cluster and
+        shape it was evaluated for (``None``: no engine layout places its EP groups)."""
+        return plan_overrides(self.plan, cfg=self.cfg, cluster=self.cluster, shape=self.shape)
 
     @property
     def mfu(self) -> float:
@@ -269,13 +316,13 @@ class PlanResult:
 
     def to_dict(self) -> dict:
         """A JSON-ready record: layout sizes, knobs, ``ep_placement`` (``"in_dp"`` or ``"folded"``, see
-        :func:`ep_in_dp`; ``None`` for EP1), ``overrides`` (:func:`plan_overrides`, a list of strings),
+        :func:`ep_in_dp`; ``None`` for EP1), ``overrides`` (:attr:`overrides`, a list of strings),
         ``mfu`` (fraction), ``memory_gib``, ``step_s``."""
         d = dataclasses.asdict(self.plan)
         del d["folded"]  # where EP sits is ep_placement's one meaning
         d.update(
             ep_placement=None if self.plan.ep == 1 else "in_dp" if ep_in_dp(self.plan) else "folded",
-            overrides=plan_overrides(self.plan),
+            overrides=self.overrides,
             mfu=round(self.mfu, 4),
             memory_gib=round(self.memory_gib, 2),
             step_s=round(self.time.step_s, 4),
@@ -344,9 +391,11 @@ def evaluate(
 def _result(cfg, plan, mem, *, cluster, shape, eff, routing) -> PlanResult:
     if routing is None:
         t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=eff)
-        return PlanResult(plan=plan, time=t, memory=mem)
+        return PlanResult(plan=plan, time=t, memory=mem, cfg=cfg, cluster=cluster, shape=shape)
     rt = routed_times(cfg, plan, routing, cluster=cluster, shape=shape, eff=eff)
-    return PlanResult(plan=plan, time=getattr(rt, routing.rank_by), memory=mem, routing=rt)
+    return PlanResult(
+        plan=plan, time=getattr(rt, routing.rank_by), memory=mem, routing=rt, cfg=cfg, cluster=cluster, shape=shape
+    )
 
 
 def plan_layouts(

@@ -1,9 +1,13 @@
-"""A plan turns into a job: ``tools.plan`` prints under each listed plan the overrides that run it, its
-``--json`` holds them as ``overrides`` (``--top`` applies there too, and ``ep_placement`` is the one field
-saying where EP sits), and the first plan's overrides pass the job's dry run on the planned world size."""
+"""A plan turns into a job: ``tools.plan`` prints under each listed plan the overrides that run it as
+planned (model, world, GPU, node size, layout, optimizer dtypes, precision, sequence, batch sizes, recompute),
+and the precision it assumes; its ``--json`` holds them as ``overrides`` (``--top`` applies there too, and
+``ep_placement`` is the one field saying where EP sits), and the first plan's overrides, dry-run as written,
+give the planned layout and memory on the planned world size and GPU (tests/unit/test_plan_dry_run.py checks
+the memory of more plans through the Python API)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,10 +29,27 @@ def test_plans_print_and_list_the_overrides_that_run_them():
     lines = text.stdout.splitlines()
     plans = [i for i, line in enumerate(lines) if line.lstrip().split("  ")[0] in ("1", "2", "3")]
     assert len(plans) == 3, text.stdout
+    assert lines[1] == (
+        "precision: parameters bf16 (routers fp32), activations bf16, main grads fp32, master weights fp32 copy, "
+        "AdamW exp_avg fp32, exp_avg_sq fp32"
+    )
     for i in plans:  # the line under each plan runs it
         run = lines[i + 1].split()
-        assert run[0] == "run:" and run[1].startswith("parallel.tp=") and run[-1].startswith("train.recompute=")
-        assert any(t.startswith("optim.distributed=") for t in run)
+        assert run[:5] == [
+            "run:",
+            "model=mixtral_8x7b",
+            "parallel.world_size=64",
+            "parallel.gpu=h100",
+            "parallel.nvlink_domain=8",
+        ]
+        assert run[-5:-1] == [
+            "train.precision=bf16",
+            "train.seq_length=4096",
+            "train.global_batch_size=256",
+            "train.micro_batch_size=1",
+        ]
+        assert run[-1].startswith("train.recompute=") and any(t.startswith("optim.distributed=") for t in run)
+        assert "optim.name=adamw" in run and "optim.exp_avg_dtype=fp32" in run and "optim.main_grads_dtype=fp32" in run
 
     out = _run("-m", "tools.plan", *PLAN, "--top", "3", "--json")
     assert out.returncode == 0, out.stderr
@@ -43,14 +64,33 @@ def test_plans_print_and_list_the_overrides_that_run_them():
     # the text's override line is the JSON's list
     assert lines[plans[0] + 1].split()[1:] == rows[0]["overrides"]
 
-    job = ["model=mixtral_8x7b", *rows[0]["overrides"], "parallel.world_size=64", "train.seq_length=4096"]
-    job += ["train.global_batch_size=256", "train.micro_batch_size=1", "train.dry_run=true"]
-    dry = _run(os.path.join(ROOT, "examples", "pretrain_mixtral.py"), *job)
+    # the run: line as written (no other setting) is the planned job
+    dry = _run(os.path.join(ROOT, "examples", "pretrain_mixtral.py"), *rows[0]["overrides"], "train.dry_run=true")
     assert dry.returncode == 0, dry.stderr
     assert "dry run: mixtral_8x7b on 64 ranks" in dry.stdout
     p = rows[0]
     vpp = f" VPP{p['vpp']}" if p["vpp"] > 1 else ""
     assert f"attention TP{p['tp']} CP{p['cp']} DP{p['dp']} PP{p['pp']}{vpp}" in dry.stdout, dry.stdout
+    printed = re.search(r"memory +([0-9.]+) GiB per rank", dry.stdout).group(1)
+    assert abs(float(printed) - p["memory_gib"]) <= 0.06, (p["memory_gib"], dry.stdout)  # one decimal vs two
+    assert "device      parallel.gpu=h100: fits" in dry.stdout
+
+
+def test_run_lines_carry_the_model_options(capsys):
+    """``--moe``, ``--dispatcher`` and ``--fp8-recipe`` reach the run: line once each, after the plan's own
+    settings, and the precision line says what has no job setting."""
+    from tools.plan import main
+
+    args = [*PLAN[:2], "--world", "16", *PLAN[4:], "--top", "1", "--moe", "capacity_factor=1.0"]
+    args += ["--moe", "dispatcher=alltoall", "--dispatcher", "hierarchical"]  # the plan's dispatcher wins
+    assert main([*args, "--fp8-recipe", "blockwise", "--fp8-dense"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    run = next(line for line in lines if line.lstrip().startswith("run:")).split()
+    assert run[-3:] == ["moe.dispatcher=hierarchical", "moe.fp8_recipe=blockwise", "moe.capacity_factor=1.0"]
+    assert run.count("train.precision=bf16") == 1 and sum(t.startswith("moe.dispatcher=") for t in run) == 1
+    assert lines[1].endswith(
+        "--fp8-dense has no job setting (folding's dense layers are bf16): the run: lines run them in bf16"
+    )
 
 
 def test_overrides_of_uneven_stages_overlap_and_an_unplaceable_unfolded_plan():
