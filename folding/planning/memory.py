@@ -66,8 +66,9 @@ from .activations import (
 )
 from .optim_precision import MUON_MOMENTUM_BYTES, OptimizerPrecision, muon_transient_bytes
 
-Ends = Tuple[Optional[int], Optional[int]]
-"""``(first_stage_layers, last_stage_layers)`` of a layout, ``None`` where even."""
+Ends = Tuple[Optional[int], Optional[int], Optional[str]]
+"""``(first_stage_layers, last_stage_layers, pipeline_layout)`` of a layout, ``None`` where unset: what
+cuts the layers into stages besides ``pp`` and ``vpp``."""
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -165,7 +166,8 @@ def stage_layers(cfg: ModelConfig, layout, stage: int, stages: Optional[Sequence
     multi-token-prediction layers, numbered after the decoder's, come on top on the last rank). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
-        return list(_default_stage_layers(cfg.num_layers, layout.pp, layout.vpp or 1, stage, _ends(layout)))
+        ends = _ends(layout)
+        return list(_default_stage_layers(cfg.num_layers, layout.pp, layout.vpp or 1, stage, ends, cfg.mtp_num_layers))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
@@ -173,13 +175,17 @@ def stage_layers(cfg: ModelConfig, layout, stage: int, stages: Optional[Sequence
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, ...]:
+def _default_stage_layers(
+    num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None), mtp_num_layers: int = 0
+) -> Tuple[int, ...]:
     stages = partition_layers(
         num_layers=num_layers,
         pp=pp,
         vpp=vpp if vpp > 1 else None,
         first_stage_layers=ends[0],
         last_stage_layers=ends[1],
+        pipeline_layout=ends[2],
+        mtp_num_layers=mtp_num_layers,
     )
     out: List[int] = []
     for chunk in range(len(stages) // pp):
@@ -220,27 +226,32 @@ def param_counts(
 
 
 def _ends(layout) -> Ends:
-    """The layout's ``(first_stage_layers, last_stage_layers)`` (planner plans and layouts; ``None``
-    where it has none)."""
-    return getattr(layout, "first_stage_layers", None), getattr(layout, "last_stage_layers", None)
+    """The layout's ``(first_stage_layers, last_stage_layers, pipeline_layout)`` (planner plans and
+    layouts; ``None`` where it has none)."""
+    return (
+        getattr(layout, "first_stage_layers", None),
+        getattr(layout, "last_stage_layers", None),
+        getattr(layout, "pipeline_layout", None),
+    )
 
 
-def _stage_counts(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, int]:
+def _stage_counts(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None)) -> Tuple[int, int]:
     """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
     return _stage_counts_cached(cfg, pp, vpp, stage, ends)
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_counts_cached(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends) -> Tuple[int, int]:
-    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends)
+    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends, cfg.mtp_num_layers)
     return len(mine), sum(1 for i in mine if not cfg.is_moe_layer(i))
 
 
 @functools.lru_cache(maxsize=65536)
 def _param_counts(
-    cfg: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, ends: Ends = (None, None)
+    cfg: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, ends: Ends = (None, None, None)
 ) -> ParamCounts:
-    return _param_counts_of(cfg, tp, pp, ep, etp, stage, _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends))
+    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends, cfg.mtp_num_layers)
+    return _param_counts_of(cfg, tp, pp, ep, etp, stage, mine)
 
 
 def _param_counts_of(
