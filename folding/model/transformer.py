@@ -112,7 +112,9 @@ class MoETransformer(nn.Module):
         self.pre_process = start == 0 if pre_process is None else pre_process
         self.post_process = end == config.num_layers if post_process is None else post_process
         if (self.pre_process and start) or (self.post_process and end != config.num_layers):
-            raise ValueError(f"layer_range={layer_range}: the first stage starts at layer 0, the last one ends at the last")
+            raise ValueError(
+                f"layer_range={layer_range}: the first stage starts at layer 0, the last one ends after the last layer"
+            )
         self.layer_range = (start, end)
         self.config = config
         self.groups = parallel_state.groups if parallel_state is not None else ProcessGroups.single()

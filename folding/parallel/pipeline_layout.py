@@ -58,7 +58,8 @@ def _count(text: str, s: str, i: int, *, required: bool) -> Tuple[int, int]:
     """``(N, next index)`` of a ``*N`` at ``s[i:]``; ``(1, i)`` when there is none and none is required."""
     if i >= len(s) or s[i] != "*":
         if required:
-            _fail(text, f"the group ({s[s.rfind('(', 0, i) + 1 : i - 1]}) has no repeat count", "write (...)*N, e.g. (tt|)*30")
+            group = s[s.rfind("(", 0, i) + 1 : i - 1]
+            _fail(text, f"the group ({group}) has no repeat count", "write (...)*N, e.g. (tt|)*30")
         return 1, i
     j = i + 1
     while j < len(s) and s[j].isdigit():
@@ -130,10 +131,11 @@ def check_pipeline_layout(text: str, *, pp: int, vpp: Optional[int] = None) -> T
             "move every m to just before the final L, e.g. ...|ttmL",
         )
     for r in range(pp):
-        if not any(stages[c * pp + r] for c in range(V // pp)):
+        mine = range(r, V, pp)
+        if not any(stages[v] for v in mine):
             _fail(
                 text,
-                f"pipeline rank {r} (virtual stages {', '.join(str(c * pp + r) for c in range(V // pp))}) holds nothing",
+                f"pipeline rank {r} (virtual stages {', '.join(map(str, mine))}) holds nothing",
                 "give every pipeline rank at least one symbol, or use fewer pipeline ranks",
             )
     return stages
@@ -164,7 +166,9 @@ def check_layout_vs_model(text: str, stages: Sequence[str], *, num_layers: int, 
         )
 
 
-def layer_ranges(stages: Sequence[str], *, num_layers: int, mtp_num_layers: int, text: str = "") -> List[Tuple[int, int]]:
+def layer_ranges(
+    stages: Sequence[str], *, num_layers: int, mtp_num_layers: int, text: str = ""
+) -> List[Tuple[int, int]]:
     """``[start, end)`` of the transformer layers of every virtual stage (empty where it holds none),
     after :func:`check_layout_vs_model`; ``text`` names the layout in its errors."""
     check_layout_vs_model(text or "|".join(stages), stages, num_layers=num_layers, mtp_num_layers=mtp_num_layers)

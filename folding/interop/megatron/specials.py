@@ -79,9 +79,13 @@ def _layout(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[
         else:
             out["parallel.vpp"] = layers // (pp * n)
     if "parallel.pipeline_layout" in out:
-        uneven = [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers") if f in flags]
-        if uneven or per_stage is not None:
-            given = ", ".join(uneven + (["--num-layers-per-virtual-pipeline-stage"] if per_stage is not None else []))
+        others = (
+            "--decoder-first-pipeline-num-layers",
+            "--decoder-last-pipeline-num-layers",
+            "--num-layers-per-virtual-pipeline-stage",
+        )
+        given = ", ".join(f for f in others if f in flags)
+        if given:
             problems.append(
                 f"--pipeline-model-parallel-layout lists every stage's layers: drop {given} (Megatron-LM refuses "
                 "the combination too)"
