@@ -91,12 +91,16 @@ def _unroll(text: str, s: str, *, in_group: bool) -> str:
     return "".join(out)
 
 
-@functools.lru_cache(maxsize=256)
 def expand_pipeline_layout(text: str) -> Tuple[str, ...]:
     """The virtual stages of a layout string, each its symbols in order (repetitions written out,
     commas dropped): ``"Et|(tt|)*2mL"`` gives ``('Et', 'tt', 'tt', 'mL')``. Checks the syntax only."""
     if not isinstance(text, str) or not text.strip():
         _fail(str(text), "is not a layout string", f"write {SYNTAX}, e.g. Et|(tt|)*30mL")
+    return _expand(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _expand(text: str) -> Tuple[str, ...]:
     return tuple(_unroll(text, text.replace(",", ""), in_group=False).split("|"))
 
 
@@ -221,5 +225,5 @@ def balanced_layout(*, num_layers: int, mtp_num_layers: int, stages: int) -> Opt
     if n - 1 - mtp_num_layers < 0:
         return None
     between = "t" * n
-    middle = f"({between}|)*{stages - 2}" if stages > 2 else ""
+    middle = f"({between}|)*{stages - 2}" if stages > 3 else f"{between}|" * (stages - 2)
     return f"E{'t' * (n - 1)}|{middle}{'t' * (n - 1 - mtp_num_layers)}{'m' * mtp_num_layers}L"
