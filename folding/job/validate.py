@@ -283,8 +283,12 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
             t.global_batch_size,
             f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
             "(interleaved pipelining needs it)",
-            "change the batch sizes or set parallel.vpp=null"
-            + (" (parallel.pipeline_layout implies it: list pp stages)" if layout.pipeline_layout else ""),
+            "change the batch sizes or "
+            + (
+                "list parallel.pp stages in parallel.pipeline_layout (its stage count implies parallel.vpp)"
+                if layout.pipeline_layout
+                else "set parallel.vpp=null"
+            ),
         )
     if layout.pipeline_layout is not None:  # its own messages name parallel.pipeline_layout and the fix
         try:

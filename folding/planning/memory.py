@@ -23,9 +23,11 @@ parameter formulas of :class:`~folding.model.config.ModelConfig`, ``attention_pa
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
 - activations (estimate, bf16 by default, flash attention, sequence parallelism): per layer and
   micro-batch, with ``T = seq*mbs/(TP*CP)`` tokens per rank and ``R = T*top_k*ETP`` expert rows,
-  see :mod:`folding.planning.activations`; times the layers of the stage and the chunk forwards in
-  flight at the schedule's peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's
-  warm-up count, capped by the step's micro-batches); plus, on the last stage, the fused output
+  see :mod:`folding.planning.activations`; times the layers of the stage (all its virtual stages: the
+  split of ``first_stage_layers`` / ``last_stage_layers`` or of ``pipeline_layout``, zero-layer stages
+  included) and the chunk forwards in flight over ``vpp`` (the rank's mean chunk) at the schedule's
+  peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's warm-up count, capped by the
+  step's micro-batches); plus, on the last stage, the fused output
   layer + loss's input and one chunk of fp32 logits with their softmax.
 - transient: the dispatcher's buffers of the layer being run and, under recompute, the region
   re-materialized in backward.
@@ -195,7 +197,7 @@ def _default_stage_layers(
 
 def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
     """The pipeline ranks one of which holds the most memory: the first, the last, and, among the others,
-    the first rank of each distinct mix of (layers, dense layers) under the default partition (a later rank
+    the first rank of each distinct mix of (layers, dense layers) under the layout's partition (a later rank
     with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
     at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
     vpp, ends = layout.vpp or 1, _ends(layout)
@@ -209,7 +211,7 @@ def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
 
 
 def layers_on_stage(cfg: ModelConfig, layout, stage: int) -> int:
-    """Number of layers on pipeline rank ``stage`` (default partition)."""
+    """Number of layers on pipeline rank ``stage`` (the layout's partition)."""
     return len(stage_layers(cfg, layout, stage))
 
 
