@@ -140,6 +140,13 @@ def parse_args(argv=None):
         help="plan Megatron-Core layouts without folding (ETP=TP, EP inside DP) instead",
     )
     p.add_argument(
+        "--pipeline-layouts",
+        action="store_true",
+        help="also plan interleaved pipelines whose PP x VPP virtual stages do not divide the layers, with the "
+        "balanced parallel.pipeline_layout that counts the embedding, each MTP module and the loss as one layer "
+        "each (e.g. DeepSeek-V3 on PP8 VPP4: Et|(tt|)*30mL)",
+    )
+    p.add_argument(
         "--all-variants",
         action="store_true",
         help="list every VPP / recompute / optimizer variant, not only the best per mapping",
@@ -318,7 +325,8 @@ def _overrides_line(result, args) -> str:
     over = _overrides(result, args)
     if over is None:
         return "run: no engine layout places EP this way (carved out of DP with CP > 1); plan without --unfolded"
-    return "run: " + " ".join(over)
+    # a layout's quotes and | ( ) * are the shell's too: such an override is quoted again for the shell
+    return "run: " + " ".join(f'"{o}"' if any(c in o for c in "|()*'") else o for o in over)
 
 
 def _precision_note(args, shape) -> str:
@@ -379,6 +387,7 @@ def main(argv=None) -> int:
             delay_wgrad=args.delay_wgrad,
             routing=routing,
             dispatcher=args.dispatcher,
+            pipeline_layouts=args.pipeline_layouts,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

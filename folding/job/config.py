@@ -92,6 +92,14 @@ class ParallelConfig:
     """Layers of the first pipeline stage, the stages after it (up to the last, when
     ``last_stage_layers`` is set) sharing the rest evenly (Megatron-Core's
     ``--decoder-first-pipeline-num-layers``); null: as the others. Needs pp > 1 without vpp."""
+    pipeline_layout: Optional[str] = None
+    """What every virtual pipeline stage holds, as Megatron-Core's ``--pipeline-model-parallel-layout``
+    writes it: ``E`` embedding, ``t`` transformer layer, ``m`` multi-token-prediction module, ``L`` loss,
+    ``|`` between virtual stages (listed in model order: stage ``v`` on pipeline rank ``v % pp``),
+    ``x*N`` and ``(...)*N`` repetition, e.g. ``Et|(tt|)*30mL`` (DeepSeek-V3 on pp8: 32 stages, vpp4).
+    Stages may hold different numbers of layers, or none. The stage count over ``pp`` implies ``vpp``
+    (a given ``vpp`` must agree); not with ``first_stage_layers`` / ``last_stage_layers``. null: the
+    even split (or the one those two give)."""
     overlap_moe_comm: bool = False
     """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
     of one micro-batch and the backward of another run merged, taking turns at each exchange (the EP
@@ -139,6 +147,7 @@ class ParallelConfig:
             vpp=self.vpp,
             last_stage_layers=self.last_stage_layers,
             first_stage_layers=self.first_stage_layers,
+            pipeline_layout=self.pipeline_layout,
             ep=self.ep,
             etp=self.etp,
             order=self.order,

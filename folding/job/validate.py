@@ -311,19 +311,36 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
             t.global_batch_size,
             f"gives {num_micro} micro-batches per replica, not a multiple of parallel.pp={layout.pp} "
             "(interleaved pipelining needs it)",
-            "change the batch sizes or set parallel.vpp=null",
+            "change the batch sizes or "
+            + (
+                "list parallel.pp stages in parallel.pipeline_layout (its stage count implies parallel.vpp)"
+                if layout.pipeline_layout
+                else "set parallel.vpp=null"
+            ),
         )
-    if layout.pp > 1:
+    if layout.pipeline_layout is not None:  # its own messages name parallel.pipeline_layout and the fix
         try:
-            partition_layers(
-                num_layers=m.num_layers,
-                pp=layout.pp,
-                vpp=layout.vpp,
-                last_stage_layers=layout.last_stage_layers,
-                first_stage_layers=layout.first_stage_layers,
-            )
+            _stage_ranges(m, layout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif layout.pp > 1:
+        try:
+            _stage_ranges(m, layout)
         except ValueError as e:
             raise ConfigError(f"parallel.pp={layout.pp}/parallel.vpp={layout.vpp}: {e}") from None
+
+
+def _stage_ranges(model, layout):
+    """The layer ranges of ``layout``'s virtual stages for ``model`` (raises ``ValueError``)."""
+    return partition_layers(
+        num_layers=model.num_layers,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        last_stage_layers=layout.last_stage_layers,
+        first_stage_layers=layout.first_stage_layers,
+        pipeline_layout=layout.pipeline_layout,
+        mtp_num_layers=model.mtp_num_layers,
+    )
 
 
 def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.device] = None) -> ParallelLayout:

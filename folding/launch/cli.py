@@ -138,6 +138,20 @@ def synonyms(key: str, keys) -> List[str]:
     return same_leaf if 0 < len(same_leaf) <= 2 else []
 
 
+def unquoted_layout(args: Sequence[str]) -> Optional[str]:
+    """The error message for a ``parallel.pipeline_layout`` override whose value is not quoted for Hydra
+    (its ``|``, ``(``, ``)`` and ``*`` are Hydra's own syntax), or ``None``."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "parallel.pipeline_layout" and value[:1] not in ("'", '"') and set(value) & set("|()*"):
+            return (
+                f"parallel.pipeline_layout={value}: Hydra reads |, (, ) and * in an override as its own syntax; "
+                "quote the value for Hydra (and the whole override for the shell): "
+                f"\"parallel.pipeline_layout='{value}'\""
+            )
+    return None
+
+
 def unknown_key(args: Sequence[str]) -> Optional[str]:
     """The error message for the first override whose key the schema does not have (with the closest
     valid keys), or ``None``. Hydra keys, config groups and ``+``/``~`` edits are not checked."""
@@ -217,7 +231,7 @@ def check_command_line(
     if any(a.startswith("-") for a in args):  # multirun or a Hydra flag: Hydra handles it
         return None
     try:
-        message = unknown_key(args)
+        message = unquoted_layout(args) or unknown_key(args)
         if message:
             raise ConfigError(message)
         tree = compose_tree(args, config_dir=config_dir, config_name=config_name)

@@ -1,8 +1,10 @@
 """``train.dry_run=true``: validate a job for its intended world size and print what each rank would hold.
 
 Nothing is built: no model, no process group, no data. The report shows the folded layout, the
-model's total and active parameters, the parameters one rank of each pipeline stage holds (dense ones
-sharded over TP, expert ones over EP×ETP; the multi-token-prediction modules on the last stage), and the
+model's total and active parameters, what each pipeline rank's virtual stages hold (in the symbols of
+``parallel.pipeline_layout``: ``E`` embedding, ``t`` per transformer layer, ``m`` multi-token prediction,
+``L`` loss; ``-`` an empty stage) and its layer count, the parameters one rank of each pipeline stage holds
+(dense ones sharded over TP, expert ones over EP×ETP; the multi-token-prediction modules on the last stage), and the
 per-rank memory estimate of the one memory model,
 :func:`folding.planning.memory.memory_per_rank` (params, grads, optimizer state, activations,
 transients; the same call the layout planner makes), with ``parallel.overlap_moe_comm`` the one more
@@ -32,6 +34,8 @@ from ..job.config import ConfigError, JobConfig
 from ..job.machine import check_experts_here, training_device
 from ..job.validate import validate_job
 from ..model.config import ModelConfig
+from ..parallel.partition import partition_layers
+from ..parallel.pipeline_layout import compact_stage, stage_symbols
 from ..parallel.rank_math import expert_generator
 from ..planning.flops import flops_per_token
 from ..planning.job_memory import job_memory, job_precision, stage_memories
@@ -50,6 +54,28 @@ def stage_parameters_per_rank(model: ModelConfig, layout) -> List[Dict[str, int]
     the planning memory model's :func:`~folding.planning.memory.param_counts`."""
     counts = [param_counts(model, layout, stage=r) for r in range(layout.pp)]
     return [{"dense": c.dense, "expert": c.expert} for c in counts]
+
+
+def stage_contents(model: ModelConfig, layout) -> List[str]:
+    """What each pipeline rank's virtual stages hold, one string per rank in layout symbols, chunk by chunk:
+    ``Et|tt|tt|tt: 7 layers`` (long runs as ``t*6``, an empty stage as ``-``), from the one partition
+    (:func:`folding.parallel.partition.partition_layers`: ``parallel.pipeline_layout`` or the split)."""
+    ranges = partition_layers(
+        num_layers=model.num_layers,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        last_stage_layers=layout.last_stage_layers,
+        first_stage_layers=layout.first_stage_layers,
+        pipeline_layout=layout.pipeline_layout,
+        mtp_num_layers=model.mtp_num_layers,
+    )
+    symbols = stage_symbols(ranges, mtp_num_layers=model.mtp_num_layers)
+    out = []
+    for r in range(layout.pp):
+        mine = symbols[r :: layout.pp]
+        n = sum(s.count("t") for s in mine)
+        out.append(f"{'|'.join(compact_stage(s) for s in mine)}: {n} layer{'' if n == 1 else 's'}")
+    return out
 
 
 def memory_estimate(job: JobConfig, layout) -> MemoryEstimate:
@@ -148,9 +174,12 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
     per_stage = stage_memories(job, layout)
     check_memory_fits(job, layout, gpu, source, per_stage)
     stages = stage_parameters_per_rank(m, layout)
+    held = stage_contents(m, layout)
+    width = max(len(h) for h in held)
     for r, s in enumerate(stages):
         lines.append(
-            f"  stage {r:<4d}  per rank: dense {s['dense'] / 1e9:.3f} B + expert {s['expert'] / 1e9:.3f} B params"
+            f"  stage {r:<4d}  {held[r]:<{width}}  per rank: dense {s['dense'] / 1e9:.3f} B + expert "
+            f"{s['expert'] / 1e9:.3f} B params"
         )
     lines.append(f"  precision   {job_precision(job)} (train.precision={t.precision}, optim.*)")
     lines.append(optimizer_line(job))

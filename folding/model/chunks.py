@@ -2,7 +2,8 @@
 
 Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c·pp + r`` (:mod:`folding.parallel.partition`).
 Each chunk is a :class:`~folding.model.transformer.MoETransformer` restricted to its layer range
-(parameter names keep the global layer index, so checkpoints do not depend on the cut); the first
+(parameter names keep the global layer index, so checkpoints do not depend on the cut, and it may
+hold no layer at all under ``parallel.pipeline_layout``); the first
 virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
 embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
 embedding group; with multi-token prediction, also the MTP modules and a copy of the table).
@@ -51,14 +52,19 @@ def build_stage_chunks(
         vpp=vpp,
         last_stage_layers=layout.last_stage_layers,
         first_stage_layers=layout.first_stage_layers,
+        pipeline_layout=layout.pipeline_layout,
+        mtp_num_layers=model_config.mtp_num_layers,
     )
+    rank, V = parallel_state.coords.pp.rank, len(stages)
     return [
         MoETransformer(
             model_config,
             parallel_state=parallel_state,
             settings=settings,
             moe_factory=moe_factory,
-            layer_range=stages[c * pp + parallel_state.coords.pp.rank],
+            layer_range=stages[c * pp + rank],
+            pre_process=c * pp + rank == 0,
+            post_process=c * pp + rank == V - 1,
         )
         for c in range(vpp)
     ]

@@ -72,6 +72,11 @@ class MoETransformer(nn.Module):
         loss_chunk_tokens: with labels, the output layer and the cross-entropy run fused, this many
             tokens at a time (:mod:`folding.model.fused_cross_entropy`): fp32 logits of the whole
             micro-batch never exist. Larger chunks: fewer, bigger GEMMs and more transient memory.
+        layer_range: ``[start, end)`` of the decoder layers this pipeline chunk holds (default: all of
+            them); empty for a virtual stage without transformer layers (``parallel.pipeline_layout``).
+        pre_process / post_process: whether the chunk is the first virtual stage (the embedding) / the
+            last (final norm, output layer, multi-token prediction); ``None``: whether ``layer_range``
+            starts at layer 0 / ends at the last layer. Required with an empty ``layer_range``.
     """
 
     def __init__(
@@ -84,6 +89,8 @@ class MoETransformer(nn.Module):
         initialize: bool = True,
         layer_range: Optional[Tuple[int, int]] = None,
         loss_chunk_tokens: int = 2048,
+        pre_process: Optional[bool] = None,
+        post_process: Optional[bool] = None,
     ):
         super().__init__()
         if loss_chunk_tokens < 1:
@@ -97,11 +104,18 @@ class MoETransformer(nn.Module):
                 )
             layer_range = (0, config.num_layers)
         start, end = layer_range
-        if not 0 <= start < end <= config.num_layers:
-            raise ValueError(f"layer_range={layer_range} is not a non-empty range of the {config.num_layers} layers")
+        if not 0 <= start <= end <= config.num_layers or (start == end and None in (pre_process, post_process)):
+            raise ValueError(
+                f"layer_range={layer_range} is not a range of the {config.num_layers} layers (an empty one "
+                "needs pre_process= and post_process=: which ends of the model the stage holds)"
+            )
+        self.pre_process = start == 0 if pre_process is None else pre_process
+        self.post_process = end == config.num_layers if post_process is None else post_process
+        if (self.pre_process and start) or (self.post_process and end != config.num_layers):
+            raise ValueError(
+                f"layer_range={layer_range}: the first stage starts at layer 0, the last one ends after the last layer"
+            )
         self.layer_range = (start, end)
-        self.pre_process = start == 0
-        self.post_process = end == config.num_layers
         self.config = config
         self.groups = parallel_state.groups if parallel_state is not None else ProcessGroups.single()
         if moe_factory is None:

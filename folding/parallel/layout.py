@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .pipeline_layout import check_pipeline_layout
 from .rank_math import (
     LayoutError,
     attention_generator,
@@ -86,6 +87,13 @@ class ParallelLayout:
     """Layers of the first pipeline stage, the stages after it (up to ``last_stage_layers``) sharing
     the rest evenly (Megatron-Core's ``--decoder-first-pipeline-num-layers``; e.g. Qwen3-235B-A22B's 94
     layers on PP16: 5, 14 × 6, 5 with ``last_stage_layers=5``). Needs pp > 1 and no vpp."""
+    pipeline_layout: Optional[str] = None
+    """What every virtual stage holds, in Megatron-Core's ``--pipeline-model-parallel-layout`` syntax
+    (:mod:`folding.parallel.pipeline_layout`: ``E`` embedding, ``t`` transformer layer, ``m``
+    multi-token prediction, ``L`` loss, ``|`` between virtual stages, ``x*N`` / ``(...)*N`` repetition),
+    e.g. ``Et|(tt|)*30mL``. Its number of stages over ``pp`` sets ``vpp`` (a given ``vpp`` must agree);
+    not with ``first_stage_layers`` / ``last_stage_layers``. The layer and MTP counts are checked
+    against the model where it is known (:func:`folding.parallel.partition.partition_layers`)."""
     ep: int = 1
     """Expert-parallel size: experts are split over EP ranks of the expert view."""
     etp: Optional[int] = None
@@ -103,6 +111,8 @@ class ParallelLayout:
     def __post_init__(self):
         for name in ("world_size", "tp", "cp", "pp", "ep"):
             _check_size(name if name != "world_size" else "world_size", getattr(self, name))
+        if self.pipeline_layout is not None:
+            self._resolve_pipeline_layout()
         etp_defaulted = self.etp is None
         if etp_defaulted:
             object.__setattr__(self, "etp", self.tp)
@@ -166,6 +176,25 @@ class ParallelLayout:
                 f"parallel.order={self.order!r}; put 'pp' last in parallel.order"
             )
 
+    def _resolve_pipeline_layout(self) -> None:
+        """Check ``pipeline_layout``'s structure on ``pp`` ranks and set the ``vpp`` it implies."""
+        for name in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None:
+                raise LayoutError(
+                    f"parallel.pipeline_layout={self.pipeline_layout!r} lists every stage's layers: it cannot be "
+                    f"combined with parallel.{name}={getattr(self, name)}; set parallel.{name}=null"
+                )
+        if self.vpp is not None:
+            _check_size("vpp", self.vpp)
+        stages = check_pipeline_layout(self.pipeline_layout, pp=self.pp, vpp=self.vpp)
+        if self.pp == 1 and len(stages) > 1:
+            raise LayoutError(
+                f"parallel.pipeline_layout={self.pipeline_layout!r} lists {len(stages)} virtual stages, which needs "
+                "pipeline parallelism; set parallel.pp to a divisor of the stage count > 1, or list one stage"
+            )
+        if len(stages) > self.pp:
+            object.__setattr__(self, "vpp", len(stages) // self.pp)
+
     @property
     def dp(self) -> int:
         """Attention data-parallel size: ``world / (tp*cp*pp)``."""
@@ -193,6 +222,8 @@ class ParallelLayout:
             for which, n in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
             if n is not None
         ]
+        if self.pipeline_layout is not None:
+            ends.append(f"layout {self.pipeline_layout}")
         if ends:
             v += f" ({', '.join(ends)})"
         return (

@@ -2,19 +2,25 @@
 
 Layers are split evenly over ``V = pp·vpp`` virtual stages in order, or (``first_stage_layers``,
 ``last_stage_layers``) given numbers on the first and/or last pipeline stage and the rest evenly on
-the others (virtual stage ``v`` lives on pipeline rank ``v % pp`` as chunk ``v // pp``).
+the others, or as a ``pipeline_layout`` string lists them (Megatron-Core's
+``--pipeline-model-parallel-layout``, :mod:`folding.parallel.pipeline_layout`: any number of layers
+per virtual stage, none included). Virtual stage ``v`` lives on pipeline rank ``v % pp`` as chunk
+``v // pp``.
 
 Usage::
 
     partition_layers(num_layers=32, pp=4, vpp=2)                       # 8 stages of 4 layers
     partition_layers(num_layers=61, pp=16, last_stage_layers=1)        # 15 stages of 4, then 1
     partition_layers(num_layers=94, pp=16, first_stage_layers=5, last_stage_layers=5)  # 5, 14 x 6, 5
+    partition_layers(num_layers=61, pp=8, pipeline_layout="Et|(tt|)*30mL", mtp_num_layers=1)  # 1, 30 x 2, 0
     layers_of(rank=1, chunk=0, ...)                                   # range of layer indices
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
+
+from .pipeline_layout import check_pipeline_layout, layer_ranges
 
 
 def partition_layers(
@@ -24,14 +30,27 @@ def partition_layers(
     vpp: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
     first_stage_layers: Optional[int] = None,
+    pipeline_layout: Optional[str] = None,
+    mtp_num_layers: int = 0,
 ) -> List[Tuple[int, int]]:
     """``[start, end)`` layer ranges of every virtual stage, in virtual-stage order.
 
     ``first_stage_layers`` / ``last_stage_layers`` (without vpp): the first / last pipeline stage
     holds that many layers and the stages between share the rest evenly (Megatron-Core's
-    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``). Raises
-    ``ValueError`` naming the settings when the layers cannot be split so.
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``).
+    ``pipeline_layout``: the stages its string lists (vpp, when given, must be what it implies; a
+    range is empty where a stage holds no transformer layer), its ``m`` count checked against
+    ``mtp_num_layers`` (``model.mtp_num_layers``). Raises ``ValueError`` naming the settings when the
+    layers cannot be split so.
     """
+    if pipeline_layout is not None:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ValueError(
+                f"parallel.pipeline_layout={pipeline_layout!r} lists every stage's layers: it cannot be combined "
+                "with parallel.first_stage_layers / parallel.last_stage_layers; set those to null"
+            )
+        stages = check_pipeline_layout(pipeline_layout, pp=pp, vpp=vpp)
+        return layer_ranges(stages, num_layers=num_layers, mtp_num_layers=mtp_num_layers, text=pipeline_layout)
     if first_stage_layers is not None or last_stage_layers is not None:
         ends = [n for n in (first_stage_layers, last_stage_layers) if n is not None]
         middle = pp - len(ends)

@@ -67,7 +67,8 @@ def run_microbatches(
     pp, vpp = layout.pp, layout.virtual_stages
     if len(chunks) != vpp:
         raise ValueError(f"expected {vpp} model chunks on this rank (parallel.vpp), got {len(chunks)}")
-    first = next(chunks[0].parameters())
+    # a virtual stage may hold no parameter (an empty stage of parallel.pipeline_layout); the rank holds some
+    first = next(p for c in chunks for p in c.parameters())
     device, dtype = first.device, first.dtype
     cfg = chunks[0].config
     mbs, seq = microbatches[0]["tokens"].shape

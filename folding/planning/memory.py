@@ -23,9 +23,11 @@ parameter formulas of :class:`~folding.model.config.ModelConfig`, ``attention_pa
   with EP at a fixed world size). Bucket padding (< one element per bucket per shard) is ignored.
 - activations (estimate, bf16 by default, flash attention, sequence parallelism): per layer and
   micro-batch, with ``T = seq*mbs/(TP*CP)`` tokens per rank and ``R = T*top_k*ETP`` expert rows,
-  see :mod:`folding.planning.activations`; times the layers of the stage and the chunk forwards in
-  flight at the schedule's peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's
-  warm-up count, capped by the step's micro-batches); plus, on the last stage, the fused output
+  see :mod:`folding.planning.activations`; times the layers of the stage (all its virtual stages: the
+  split of ``first_stage_layers`` / ``last_stage_layers`` or of ``pipeline_layout``, zero-layer stages
+  included) and the chunk forwards in flight over ``vpp`` (the rank's mean chunk) at the schedule's
+  peak (1F1B: ``PP - stage`` micro-batches; interleaved: Megatron-Core's warm-up count, capped by the
+  step's micro-batches); plus, on the last stage, the fused output
   layer + loss's input and one chunk of fp32 logits with their softmax.
 - transient: the dispatcher's buffers of the layer being run and, under recompute, the region
   re-materialized in backward.
@@ -68,8 +70,9 @@ from .activations import (
 )
 from .optim_precision import MUON_MOMENTUM_BYTES, OptimizerPrecision, muon_transient_bytes
 
-Ends = Tuple[Optional[int], Optional[int]]
-"""``(first_stage_layers, last_stage_layers)`` of a layout, ``None`` where even."""
+Ends = Tuple[Optional[int], Optional[int], Optional[str]]
+"""``(first_stage_layers, last_stage_layers, pipeline_layout)`` of a layout, ``None`` where unset: what
+cuts the layers into stages besides ``pp`` and ``vpp``."""
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -169,7 +172,8 @@ def stage_layers(cfg: ModelConfig, layout, stage: int, stages: Optional[Sequence
     multi-token-prediction layers, numbered after the decoder's, come on top on the last rank). ``stages``: the
     ``[start, end)`` of every virtual stage (default: :func:`folding.parallel.partition.partition_layers`)."""
     if stages is None:
-        return list(_default_stage_layers(cfg.num_layers, layout.pp, layout.vpp or 1, stage, _ends(layout)))
+        ends = _ends(layout)
+        return list(_default_stage_layers(cfg.num_layers, layout.pp, layout.vpp or 1, stage, ends, cfg.mtp_num_layers))
     out: List[int] = []
     for chunk in range(len(stages) // layout.pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=layout.pp, stages=list(stages)))
@@ -177,13 +181,17 @@ def stage_layers(cfg: ModelConfig, layout, stage: int, stages: Optional[Sequence
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, ...]:
+def _default_stage_layers(
+    num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None), mtp_num_layers: int = 0
+) -> Tuple[int, ...]:
     stages = partition_layers(
         num_layers=num_layers,
         pp=pp,
         vpp=vpp if vpp > 1 else None,
         first_stage_layers=ends[0],
         last_stage_layers=ends[1],
+        pipeline_layout=ends[2],
+        mtp_num_layers=mtp_num_layers,
     )
     out: List[int] = []
     for chunk in range(len(stages) // pp):
@@ -193,7 +201,7 @@ def _default_stage_layers(num_layers: int, pp: int, vpp: int, stage: int, ends: 
 
 def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
     """The pipeline ranks one of which holds the most memory: the first, the last, and, among the others,
-    the first rank of each distinct mix of (layers, dense layers) under the default partition (a later rank
+    the first rank of each distinct mix of (layers, dense layers) under the layout's partition (a later rank
     with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
     at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
     vpp, ends = layout.vpp or 1, _ends(layout)
@@ -207,7 +215,7 @@ def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
 
 
 def layers_on_stage(cfg: ModelConfig, layout, stage: int) -> int:
-    """Number of layers on pipeline rank ``stage`` (default partition)."""
+    """Number of layers on pipeline rank ``stage`` (the layout's partition)."""
     return len(stage_layers(cfg, layout, stage))
 
 
@@ -224,27 +232,32 @@ def param_counts(
 
 
 def _ends(layout) -> Ends:
-    """The layout's ``(first_stage_layers, last_stage_layers)`` (planner plans and layouts; ``None``
-    where it has none)."""
-    return getattr(layout, "first_stage_layers", None), getattr(layout, "last_stage_layers", None)
+    """The layout's ``(first_stage_layers, last_stage_layers, pipeline_layout)`` (planner plans and
+    layouts; ``None`` where it has none)."""
+    return (
+        getattr(layout, "first_stage_layers", None),
+        getattr(layout, "last_stage_layers", None),
+        getattr(layout, "pipeline_layout", None),
+    )
 
 
-def _stage_counts(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends = (None, None)) -> Tuple[int, int]:
+def _stage_counts(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None)) -> Tuple[int, int]:
     """(layers, dense layers) on pipeline rank ``stage`` under the default partition, cached."""
     return _stage_counts_cached(cfg, pp, vpp, stage, ends)
 
 
 @functools.lru_cache(maxsize=65536)
 def _stage_counts_cached(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends) -> Tuple[int, int]:
-    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends)
+    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends, cfg.mtp_num_layers)
     return len(mine), sum(1 for i in mine if not cfg.is_moe_layer(i))
 
 
 @functools.lru_cache(maxsize=65536)
 def _param_counts(
-    cfg: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, ends: Ends = (None, None)
+    cfg: ModelConfig, tp: int, pp: int, vpp: int, ep: int, etp: int, stage: int, ends: Ends = (None, None, None)
 ) -> ParamCounts:
-    return _param_counts_of(cfg, tp, pp, ep, etp, stage, _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends))
+    mine = _default_stage_layers(cfg.num_layers, pp, vpp, stage, ends, cfg.mtp_num_layers)
+    return _param_counts_of(cfg, tp, pp, ep, etp, stage, mine)
 
 
 def _param_counts_of(

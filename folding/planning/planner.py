@@ -4,7 +4,8 @@ A candidate is a :class:`~folding.planning.step_time.Plan`: attention TP·CP·DP
 ETP·EP·EDP·PP, distributed optimizer on/off, recompute none/selective/moe/full. Legality is
 :class:`folding.parallel.ParallelLayout`'s, plus what the model needs: TP divides the query and KV heads,
 EP divides the experts, PP·VPP divides the layers (or, without VPP, an uneven first / last stage split:
-:func:`_uneven_splits`), DP divides the global batch, interleaving needs the
+:func:`_uneven_splits`; or, with ``pipeline_layouts``, a balanced ``parallel.pipeline_layout`` over
+PP·VPP stages: :func:`_layout_variants`), DP divides the global batch, interleaving needs the
 micro-batch count divisible by PP, CP splits the sequence into 2·CP causal chunks. TP and ETP stay inside
 one NVLink domain. Each candidate gets a memory estimate from the one memory model,
 :mod:`folding.planning.memory` (dropped when it does not fit, allocator overhead included) and a step time
@@ -28,6 +29,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from folding.model.config import ModelConfig
 from folding.parallel import LayoutError, ParallelLayout
+from folding.parallel.pipeline_layout import balanced_layout
 
 from .activations import RECOMPUTE_MODES
 from .hardware import GIB, list_gpus
@@ -81,6 +83,8 @@ def describe_plan(plan: Plan) -> str:
     ends = [(w, n) for w, n in (("first", plan.first_stage_layers), ("last", plan.last_stage_layers)) if n]
     if ends:
         vpp += " (" + ", ".join(f"{w} stage {n} layer{'' if n == 1 else 's'}" for w, n in ends) + ")"
+    if plan.pipeline_layout is not None:
+        vpp += f" (layout {plan.pipeline_layout})"
     where = "" if plan.ep == 1 else " EP in DP" if ep_in_dp(plan) else " EP over TP·CP·DP"
     return f"TP{plan.tp} CP{plan.cp} DP{plan.dp} PP{plan.pp}{vpp} | ETP{plan.etp} EP{plan.ep} EDP{plan.edp}{where}"
 
@@ -93,7 +97,8 @@ def plan_overrides(
     shape: Optional[TrainingShape] = None,
 ) -> Optional[List[str]]:
     """The job's Hydra overrides that run ``plan``: ``parallel.tp/cp/pp/ep/etp``, ``parallel.vpp`` (when
-    > 1), ``parallel.first/last_stage_layers`` (when set), the overlap knobs (when on),
+    > 1), ``parallel.first/last_stage_layers`` and ``parallel.pipeline_layout`` (when set; the layout
+    quoted for Hydra, its ``|``, ``(`` and ``*`` are not plain-value characters), the overlap knobs (when on),
     ``optim.distributed`` and ``train.recompute``. ``None`` for a plan of Megatron-Core without folding
     whose EP groups no engine layout has (EP carved out of DP while CP > 1: the engine's default order
     folds EP over CP ranks).
@@ -123,6 +128,8 @@ def plan_overrides(
     for k in ("first_stage_layers", "last_stage_layers"):
         if getattr(plan, k) is not None:
             out.append(f"parallel.{k}={getattr(plan, k)}")
+    if plan.pipeline_layout is not None:
+        out.append(f"parallel.pipeline_layout='{plan.pipeline_layout}'")
     for k in ("overlap_moe_comm", "delay_wgrad"):
         if getattr(plan, k):
             out.append(f"parallel.{k}=true")
@@ -206,6 +213,25 @@ def _uneven_splits(num_layers: int, pp: int) -> List[Tuple[Optional[int], Option
     return out
 
 
+def _layout_variants(cfg: ModelConfig, pp: int) -> List[Tuple[Tuple[Optional[int], Optional[int], str], int]]:
+    """``((None, None, layout), vpp)`` for every VPP > 1 whose PP·VPP virtual stages do not divide the layers
+    but take a balanced ``parallel.pipeline_layout``
+    (:func:`folding.parallel.pipeline_layout.balanced_layout`: the embedding, each multi-token-prediction
+    module and the loss count as one layer each), e.g. DeepSeek-V3's 61 layers on PP8 VPP4 as
+    ``Et|(tt|)*30mL``."""
+    if pp < 2:
+        return []
+    out = []
+    slots = cfg.num_layers + cfg.mtp_num_layers + 2
+    for vpp in range(2, slots // pp + 1):
+        if cfg.num_layers % (pp * vpp) == 0:
+            continue  # the even split of these stages is proposed already
+        layout = balanced_layout(num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers, stages=pp * vpp)
+        if layout is not None:
+            out.append(((None, None, layout), vpp))
+    return out
+
+
 def enumerate_plans(
     cfg: ModelConfig,
     *,
@@ -215,13 +241,14 @@ def enumerate_plans(
     overlap_moe_comm: bool = False,
     delay_wgrad: bool = False,
     dispatcher: str = "alltoall",
+    pipeline_layouts: bool = False,
 ) -> Iterator[Plan]:
     """Every legal :class:`Plan` for ``cfg`` on ``cluster`` (see the module docstring for the rules).
 
     ``folded=False`` yields Megatron-Core's layouts without folding instead: ETP = TP and EP carved out of
     DP (DP divisible by EP), the dispatch group spanning TP·CP·EP ranks. ``overlap_moe_comm`` and
     ``delay_wgrad`` are set on every plan (``parallel.*`` of the same names), and ``dispatcher``
-    (``moe.dispatcher``).
+    (``moe.dispatcher``). ``pipeline_layouts``: also the balanced layouts of :func:`_layout_variants`.
     """
     N, dom = cluster.num_gpus, cluster.nvlink_domain
     S, B, b, L = shape.seq_length, shape.global_batch_size, shape.micro_batch_size, cfg.num_layers
@@ -233,7 +260,8 @@ def enumerate_plans(
                 continue
             for pp in _divisors(N // (tp * cp)):
                 splits = _uneven_splits(L, pp)  # [(first, last)] when pp does not divide the layers
-                if L % pp and not splits:
+                layouts = _layout_variants(cfg, pp) if pipeline_layouts else []
+                if L % pp and not splits and not layouts:
                     continue
                 dp = N // (tp * cp * pp)
                 if B % (dp * b):
@@ -241,10 +269,10 @@ def enumerate_plans(
                 m = B // (dp * b)
                 # an uneven split has no VPP; an even one tries every VPP that divides its stages
                 if splits:
-                    variants = [(ends, 1) for ends in splits]
+                    variants = [((*ends, None), 1) for ends in splits]
                 else:
-                    variants = [((None, None), vpp) for vpp in _divisors(L // pp)]
-                for (first, last), vpp in variants:
+                    variants = [((None, None, None), vpp) for vpp in _divisors(L // pp)] if L % pp == 0 else []
+                for (first, last, layout), vpp in variants + layouts:
                     if vpp > 1 and (pp == 1 or m % pp):
                         continue
                     for ep in _divisors(cfg.moe.num_experts):
@@ -265,6 +293,7 @@ def enumerate_plans(
                                         vpp=vpp,
                                         last_stage_layers=last,
                                         first_stage_layers=first,
+                                        pipeline_layout=layout,
                                         ep=ep,
                                         etp=etp,
                                         dp=dp,
@@ -410,6 +439,7 @@ def plan_layouts(
     delay_wgrad: bool = False,
     routing: Optional[RoutingModel] = None,
     dispatcher: Optional[str] = None,
+    pipeline_layouts: bool = False,
 ) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
 
@@ -423,7 +453,9 @@ def plan_layouts(
     With ``distinct`` (the default) only the fastest variant (VPP, recompute, distributed optimizer) of each
     parallel mapping (TP, CP, PP, EP, ETP) is kept, so the list reads as a choice between mappings.
     ``overlap_moe_comm`` / ``delay_wgrad``: plan for ``parallel.overlap_moe_comm`` / ``parallel.delay_wgrad``
-    (:mod:`folding.planning.moe_overlap`).
+    (:mod:`folding.planning.moe_overlap`). ``pipeline_layouts``: also plan interleaved pipelines whose
+    virtual stages do not divide the layers, with a balanced ``parallel.pipeline_layout``
+    (:func:`_layout_variants`); a layout is a variant of its mapping like VPP.
     """
     _check_inputs(cfg, cluster, shape)
     best: Dict[tuple, PlanResult] = {}
@@ -436,6 +468,7 @@ def plan_layouts(
         overlap_moe_comm=overlap_moe_comm,
         delay_wgrad=delay_wgrad,
         dispatcher=planned_dispatcher(cfg, dispatcher),
+        pipeline_layouts=pipeline_layouts,
     )
     for plan in plans:
         mem = plan_memory(cfg, plan, shape=shape)

@@ -2,10 +2,11 @@
 
 The model follows one global batch through the bottleneck pipeline stage: the slowest of the last stage (its
 layers, the output layer and cross-entropy, and any multi-token-prediction modules: each one more
-transformer layer, a ``2H -> H`` projection and another output layer + cross-entropy), the first stage and a
-stage between them (``L/PP`` layers each, or the split of ``Plan.first_stage_layers`` /
-``Plan.last_stage_layers``, :func:`folding.parallel.partition.partition_layers`). Per micro-batch and
-transformer layer, on one GPU:
+transformer layer, a ``2H -> H`` projection and another output layer + cross-entropy), the first stage and the
+stages between them (``L/PP`` layers each, or the split of ``Plan.first_stage_layers`` /
+``Plan.last_stage_layers``, or the layers each pipeline rank's virtual stages hold under
+``Plan.pipeline_layout``, zero-layer stages included: :func:`folding.parallel.partition.partition_layers`;
+ranks between with the same layer count are one kind). Per micro-batch and transformer layer, on one GPU:
 
 - **Compute**: matmul FLOPs of :mod:`folding.planning.flops` for the rank's share (tokens split over
   TP·CP for attention; the expert work of a stage is balanced over its ranks, so each GPU does
@@ -60,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel.partition import partition_layers
@@ -160,6 +161,9 @@ class Plan:
     first_stage_layers: Optional[int] = None
     """Layers of the first pipeline stage, likewise (``parallel.first_stage_layers``); ``None``: as many
     as the stages between."""
+    pipeline_layout: Optional[str] = None
+    """``parallel.pipeline_layout``: what every virtual stage holds, in Megatron-Core's layout syntax
+    (``vpp`` is then its stage count over ``pp``); ``None``: the split above."""
     folded: bool = True
     """``False`` models Megatron-Core without folding: ETP = TP and EP carved out of DP, so the dispatch
     group spans TP·CP·EP consecutive ranks instead of ETP·EP."""
@@ -497,16 +501,7 @@ def stage_parameters(cfg: ModelConfig, plan: Plan, *, last: bool) -> Dict[str, f
     multi-token-prediction modules (and its own embedding copy when untied and PP > 1). Counted by the one
     memory model (:func:`folding.planning.memory.param_counts`).
     """
-    return _stage_parameters(
-        cfg,
-        plan.tp,
-        plan.pp,
-        plan.ep,
-        plan.etp,
-        plan.pp - 1 if last else 0,
-        plan.last_stage_layers,
-        plan.first_stage_layers,
-    )
+    return _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, plan.pp - 1 if last else 0, _cut(plan))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -516,9 +511,7 @@ def _muon_seconds(cfg: ModelConfig, plan: "Plan", stage: int, gpu) -> float:
     dense and shared-expert MLP matrices (over DP×CP owners), at the TF32 tensor rate (half of bf16's)
     with full efficiency; attention projections are left out (smaller than the MLPs' in the presets).
     Every TP rank orthogonalizes the whole gathered matrix, so TP does not divide the work."""
-    n_layers, n_dense = _stage_counts(
-        cfg, plan.pp, plan.vpp or 1, stage, (plan.first_stage_layers, plan.last_stage_layers)
-    )
+    n_layers, n_dense = _stage_counts(cfg, plan.pp, plan.vpp or 1, stage, _ends(plan))
     own_e = plan.edp if plan.distributed_optimizer else 1
     own_d = plan.dp * plan.cp if plan.distributed_optimizer else 1
     H, moe = cfg.hidden_size, cfg.moe
@@ -533,63 +526,87 @@ def _muon_seconds(cfg: ModelConfig, plan: "Plan", stage: int, gpu) -> float:
     return flops / (0.5 * gpu.bf16_flops)
 
 
-def _stage_parameters(
-    cfg: ModelConfig,
-    tp: int,
-    pp: int,
-    ep: int,
-    etp: int,
-    stage: int,
-    last_layers: Optional[int] = None,
-    first_layers: Optional[int] = None,
-) -> Dict[str, float]:
+Cut = Tuple[Optional[int], Optional[int], Optional[str], int]
+"""``(first_stage_layers, last_stage_layers, pipeline_layout, vpp)`` of a plan: how its layers are cut."""
+
+
+def _cut(plan: Plan) -> Cut:
+    return (plan.first_stage_layers, plan.last_stage_layers, plan.pipeline_layout, plan.vpp or 1)
+
+
+def _ends(plan: Plan):
+    """The plan's ``(first_stage_layers, last_stage_layers, pipeline_layout)`` (the memory model's ``Ends``)."""
+    return _cut(plan)[:3]
+
+
+def _stage_parameters(cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int, stage: int, cut: Cut) -> Dict[str, float]:
+    first, last, layout, vpp = cut
     plan = Plan(
         tp=tp,
         cp=1,
         pp=pp,
-        vpp=1,
+        vpp=vpp,
         ep=ep,
         etp=etp,
         dp=1,
         edp=1,
         distributed_optimizer=False,
         recompute="none",
-        last_stage_layers=last_layers,
-        first_stage_layers=first_layers,
+        last_stage_layers=last,
+        first_stage_layers=first,
+        pipeline_layout=layout,
     )
     c = param_counts(cfg, plan, stage=stage)
     return {"dense": c.dense, "expert": c.expert}
 
 
-def _stage_layer_counts(num_layers: int, plan: Plan):
-    """``(first, between, last)``: decoder layers on the first pipeline rank, on a rank between, on the
-    last (all virtual chunks of a rank together; ``L/PP`` each when even), from the one partition."""
-    if plan.first_stage_layers is None and plan.last_stage_layers is None:
-        n = num_layers / plan.pp
-        return n, n, n
-    sizes = [
-        e - s
-        for s, e in partition_layers(
-            num_layers=num_layers,
-            pp=plan.pp,
-            first_stage_layers=plan.first_stage_layers,
-            last_stage_layers=plan.last_stage_layers,
-        )
-    ]
-    return sizes[0], sizes[1] if plan.pp > 2 else sizes[0], sizes[-1]
+def rank_layer_counts(cfg: ModelConfig, plan: Plan) -> List[float]:
+    """Decoder layers on each pipeline rank (all its virtual stages together; ``L/PP`` each when even, a
+    fraction when PP does not divide L), from the one partition
+    (:func:`folding.parallel.partition.partition_layers`): the first / last stage split or the
+    ``pipeline_layout``'s stages, a stage without transformer layers counting 0."""
+    first, last, layout, vpp = _cut(plan)
+    if first is None and last is None and layout is None:
+        return [cfg.num_layers / plan.pp] * plan.pp
+    stages = partition_layers(
+        num_layers=cfg.num_layers,
+        pp=plan.pp,
+        vpp=vpp if layout is not None else None,
+        first_stage_layers=first,
+        last_stage_layers=last,
+        pipeline_layout=layout,
+        mtp_num_layers=cfg.mtp_num_layers,
+    )
+    return [float(sum(e - s for s, e in stages[r :: plan.pp])) for r in range(plan.pp)]
+
+
+def _stage_kinds(plan: Plan, per_rank) -> list:
+    """``(stage, how many such stages, per micro-batch seconds)``: the last stage, the stages between (one
+    entry per distinct per-micro-batch time, standing for its ranks as the last of them: PP-2 when all
+    are alike), the first, in that order of precedence when they tie; with PP1 the one stage is the last
+    (it holds the output layer)."""
+    kinds = [(plan.pp - 1, 1, per_rank[-1])]
+    between: Dict[tuple, list] = {}
+    for r in range(1, plan.pp - 1):
+        between.setdefault(tuple(sorted(per_rank[r].items())), []).append(r)
+    for ranks in sorted(between.values(), key=lambda rs: -rs[-1]):
+        kinds.append((ranks[-1], len(ranks), per_rank[ranks[-1]]))
+    if plan.pp > 1:
+        kinds.append((0, 1, per_rank[0]))
+    return kinds
 
 
 def _pair_moe_exchanges(cfg: ModelConfig, plan: Plan, m: int, kinds, pair_save: float, counts) -> None:
     """Take off each kind of stage's per-micro-batch ``ep`` (in place) what ``overlap_moe_comm`` hides in
     its paired steady state: ``pair_save`` per MoE layer (decoder and multi-token-prediction ones), times the
-    share of its chunk forwards that run paired (:func:`folding.planning.moe_overlap.paired_share`)."""
+    share of its chunk forwards that run paired (:func:`folding.planning.moe_overlap.paired_share`).
+    ``counts``: the decoder layers of each pipeline rank (:func:`rank_layer_counts`)."""
     n_moe_mtp = sum(1 for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers) if cfg.is_moe_layer(i))
     share = num_moe_layers(cfg) / cfg.num_layers  # the mean decoder layer's MoE share, as in the stage times
-    first, between, last = counts
-    moe_layers = {0: first * share, plan.pp - 1: last * share + n_moe_mtp}  # PP1: the one stage is the last
     for stage, _, d in kinds:
         p = paired_share(pp=plan.pp, vpp=plan.vpp, stage=stage, num_microbatches=m)
-        d["ep"] -= p * moe_layers.get(stage, between * share) * pair_save
+        moe_layers = counts[stage] * share + (n_moe_mtp if stage == plan.pp - 1 else 0)
+        d["ep"] -= p * moe_layers * pair_save
 
 
 def estimate_step_time(
@@ -619,12 +636,12 @@ def estimate_step_time(
     pair_save = moe_l["ep"] - moe_l.pop("ep_paired", moe_l["ep"])
     causes = ("compute", "memory_bound", "tp", "cp", "ep")
     layer = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L for c in causes}  # the mean decoder layer
-    # layers of the first stage, of each stage between, of the last (the same three on every rank when even)
-    n_first, n_mid, n_last = _stage_layer_counts(L, plan)
-    per_mb = {c: layer[c] * n_mid for c in causes}
-    per_mb_first = {c: layer[c] * n_first for c in causes}
+    # the layers of each pipeline rank (L/PP on every rank when even), the last one's output layer and MTP
+    counts = rank_layer_counts(cfg, plan)
+    per_rank = [{c: layer[c] * n for c in causes} for n in counts]
     heads = _last_stage_extra(cfg, plan, shape, cluster, compute_efficiency, moe_l, dense_l)
-    per_mb_last = {c: layer[c] * n_last + heads[c] for c in causes}
+    per_rank[-1] = {c: per_rank[-1][c] + heads[c] for c in causes}
+    per_mb = per_rank[1] if plan.pp > 2 else {c: layer[c] * counts[0] for c in causes}  # a rank between
 
     # Pipeline: send/recv of the (sequence-sharded) activation, forward and backward, per virtual stage.
     pp_t = 0.0
@@ -638,20 +655,13 @@ def estimate_step_time(
         if plan.vpp > 1:
             send = hidden_behind(send, sum(per_mb.values()) / plan.vpp, gpu.overlap_contention)
         pp_t = 2 * plan.vpp * (send + gpu.latency(crosses_node=crosses))
-    for d in (per_mb_first, per_mb, per_mb_last):
+    for d in per_rank:
         d["pp"] = pp_t
-    # (stage, how many such stages, per micro-batch seconds): the last stage, the stages between (as stage
-    # PP-2), the first, in that order of precedence when they tie; with PP1 the one stage is the last (it
-    # holds the output layer)
-    kinds = [(plan.pp - 1, 1, per_mb_last)]
-    if plan.pp > 2:
-        kinds.append((plan.pp - 2, plan.pp - 2, per_mb))
-    if plan.pp > 1:
-        kinds.append((0, 1, per_mb_first))
+    kinds = _stage_kinds(plan, per_rank)
     t_mean = sum(n * sum(d.values()) for _, n, d in kinds) / plan.pp
     bubble = (plan.pp - 1) / plan.vpp * t_mean  # fill and drain run unpaired
     if pair_save:
-        _pair_moe_exchanges(cfg, plan, m, kinds, pair_save, (n_first, n_mid, n_last))
+        _pair_moe_exchanges(cfg, plan, m, kinds, pair_save, counts)
     # the pipeline runs at the pace of its slowest stage: the last one, unless an uneven split leaves it
     # lighter than the others
     stage, _, slowest = max(kinds, key=lambda k: sum(k[2].values()))
@@ -663,9 +673,7 @@ def estimate_step_time(
     # waited for at the end of the step: it hides only behind the rest of the update (folding has no
     # overlap_param_gather).
     # the slowest stage's parameters
-    params = _stage_parameters(
-        cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, plan.last_stage_layers, plan.first_stage_layers
-    )
+    params = _stage_parameters(cfg, plan.tp, plan.pp, plan.ep, plan.etp, stage, _cut(plan))
     fwd_share = slowest["compute"] / 3
     grad_b = shape.optim_precision.grad_bytes()  # fp32 main grads reduce in fp32 (4 bytes), bf16 in 2
     grad_s = param_s = 0.0

@@ -1,9 +1,10 @@
 """A checkpoint saved in one layout resumes in another and trains exactly like an uninterrupted run.
 
 Run A trains 3 steps (``train.steps=3``, ``optim.decay_steps=6``) and saves at step 3; run B
-(``train.steps=6``) loads it in a layout with different TP, PP and EP (and ``optim.distributed``
-flipped) and trains steps 4-6. Its losses and grad norms must equal those of an uninterrupted
-6-step run (fp32: relative 1e-5 on losses, 1e-4 on grad norms), and its final parameters too.
+(``train.steps=6``) loads it in a layout with different TP, PP and EP, or another cut of the same pipeline
+(``parallel.pipeline_layout`` against the even split), and ``optim.distributed`` flipped, and trains steps
+4-6. Its losses and grad norms must equal those of an uninterrupted 6-step run (fp32: relative 1e-5 on
+losses, 1e-4 on grad norms), and its final parameters too.
 Everything runs through the real trainer on 4 gloo ranks.
 
 With bf16 moments (``optim.exp_avg_dtype=exp_avg_sq_dtype=bf16``, the ``moments`` parameter; two of
@@ -49,6 +50,9 @@ PAIRS = [
     ((dict(tp=2, pp=2, ep=2, etp=1), True), (dict(tp=1, pp=1, ep=4, etp=1), False)),
     ((dict(tp=1, pp=1, ep=4, etp=1), False), (dict(tp=2, pp=2, ep=1, etp=2), True)),
     ((dict(pp=2, vpp=2, ep=2, etp=1), True), (dict(tp=2, ep=4, etp=1), True)),
+    # another cut of the same pipeline: a layout with an empty stage (rank 1: nothing, then the loss) saved,
+    # the even VPP2 split loaded
+    ((dict(pp=2, ep=2, etp=1, pipeline_layout="Et||ttt|L"), False), (dict(pp=2, vpp=2, ep=2, etp=1), True)),
 ]
 REFERENCE = (dict(tp=2, ep=2, etp=1), False)
 

@@ -106,6 +106,10 @@ DEEPSEEK_CASES = [
     # stages of 1 + 3 layers: the dense layer 0 alone on the first, parallel.first_stage_layers and
     # last_stage_layers both set (the split the planner proposes for lighter first and last stages)
     ("deepseek_v3_tiny", dict(pp=2, first_stage_layers=1, last_stage_layers=3, ep=4, etp=1), dict(PAIRED), False, {}),
+    # uneven virtual stages from a pipeline layout (parallel.pipeline_layout, Megatron-Core's syntax; VPP2 implied):
+    # rank 0 holds the embedding and layer 0, then layers 1-3; rank 1 an empty stage (the hidden states pass
+    # through) and a last stage with no transformer layer, only the MTP module and the loss
+    ("deepseek_v3_tiny", dict(pp=2, tp=2, ep=4, etp=1, pipeline_layout="Et||ttt|mL"), dict(PAIRED), True, {}),
 ]
 # (model, parallel, train overrides): Qwen2-MoE's DP4 takes a batch of 16, so that it pairs with overlap
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1), {}), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1), PAIRED)]
@@ -183,6 +187,7 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
                     pairs=sum(h["overlap_pairs"] for h in hist),
                     hand_overs=sum(h["overlap_hand_overs"] for h in hist),
                     pp_rank=ps.coords.pp.rank,
+                    vpp=ps.layout.virtual_stages,
                     dp=ps.layout.dp,
                     state=kinds if optim else None,
                 )
@@ -190,6 +195,25 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
         finally:
             ps.destroy()
     return out
+
+
+def _check_layout_applied(case, runs):
+    """Each rank of a ``parallel.pipeline_layout`` case holds the decoder layers of its virtual stages (rank
+    ``r``: stages ``r, r + pp, ...`` of the layout), and the MTP modules sit on the last pipeline rank only."""
+    from folding.parallel.partition import partition_layers
+
+    parallel = case[1]
+    cfg = _job(*case).model
+    pp = parallel["pp"]
+    ranges = partition_layers(
+        num_layers=cfg.num_layers, pp=pp, pipeline_layout=parallel["pipeline_layout"], mtp_num_layers=cfg.mtp_num_layers
+    )
+    for run in runs:
+        held = {int(n.split(".")[1]) for n in run["params"] if n.startswith("layers.")}
+        want = {i for s, e in ranges[run["pp_rank"] :: pp] for i in range(s, e)}
+        assert held == want, (case, run["pp_rank"], held, want)
+        has_mtp = any(n.startswith("mtp.") for n in run["params"])
+        assert has_mtp == (run["pp_rank"] == pp - 1 and cfg.mtp_num_layers > 0), (case, run["pp_rank"])
 
 
 def _full(entries):
@@ -214,7 +238,7 @@ def _expected_pairs(case, run):
     program = rank_program(
         num_microbatches=gbs // (2 * run["dp"]),
         pp=parallel.get("pp", 1),
-        vpp=parallel.get("vpp", 1),
+        vpp=run["vpp"],  # parallel.vpp, or what parallel.pipeline_layout implies
         pp_rank=run["pp_rank"],
         forward_only=False,
         overlap=True,
@@ -373,6 +397,8 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
         if "first_stage_layers" in parallel:  # the split is applied: rank 0 (first stage) holds those layers
             held = {int(n.split(".")[1]) for n in results[i][0]["params"] if n.startswith("layers.")}
             assert held == set(range(parallel["first_stage_layers"])), (cases[i], held)
+        if "pipeline_layout" in parallel:  # the layout is applied: each rank holds its virtual stages' layers
+            _check_layout_applied(cases[i], results[i])
         full = _full([(n, e) for r in range(8) for n, e in results[i][r]["params"].items()])
         assert sorted(full) == sorted(ref["params"]), cases[i]
         for name, t in full.items():

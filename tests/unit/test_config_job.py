@@ -75,6 +75,16 @@ def test_defaults_and_overrides_reach_typed_config():
             "attention TP4 CP2 DP2 PP16 (first stage 5 layers, last stage 5 layers) | MoE ETP1 EP8 EDP2 PP16",
         ),
         ("deepseek_v3", 1024, "attention TP2 CP2 DP16 PP16 (last stage 1 layer) | MoE ETP1 EP16 EDP4 PP16"),
+        (
+            "deepseek_v3_pp8_vpp4",
+            1024,
+            "attention TP2 CP1 DP64 PP8 VPP4 (layout Et|(tt|)*30mL) | MoE ETP1 EP64 EDP2 PP8",
+        ),
+        (
+            "qwen3_235b_a22b_pp8_vpp4",
+            256,
+            "attention TP2 CP1 DP16 PP8 VPP4 (layout Ett|(ttt|)*30ttL) | MoE ETP1 EP32 EDP1 PP8",
+        ),
     ],
 )
 def test_recipes_dry_run(recipe, world, expect):
@@ -122,6 +132,12 @@ BAD = [
     (["logging.wandb.mode=sometimes"], 1, "logging.wandb.mode"),
     (["parallel.tp=3", "parallel.etp=1"], 3, "parallel.tp"),  # 8 heads not divisible by 3
     (["parallel.pp=3"], 3, "pp"),  # 4 layers over 3 stages
+    # pipeline layouts (mixtral_tiny: 4 layers, no multi-token prediction)
+    (["parallel.pp=2", "parallel.pipeline_layout='Et|ttL'"], 2, "parallel.pipeline_layout"),  # 3 layers of 4
+    (["parallel.pp=2", "parallel.pipeline_layout='Et|tttmL'"], 2, "parallel.pipeline_layout"),  # m without MTP
+    (["parallel.pp=2", "parallel.pipeline_layout='Et|t|t|tL'", "parallel.vpp=4"], 2, "parallel.pipeline_layout"),
+    (["parallel.pp=2", "parallel.pipeline_layout='Ett|ttL'", "parallel.last_stage_layers=2"], 2, "pipeline_layout"),
+    (["parallel.pp=2", "parallel.pipeline_layout='Et|t|t|tL'", "train.global_batch_size=6"], 2, "global_batch_size"),
     (["parallel.etp=2", "moe.ffn_hidden_size=95"], 2, "parallel.etp"),  # expert FFN not divisible
     (["model.num_kv_heads=3"], 1, "model.num_kv_heads"),
     (["moe.topk=0"], 1, "moe.topk"),

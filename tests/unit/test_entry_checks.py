@@ -38,6 +38,19 @@ def test_unknown_key_names_the_closest_valid_key(capsys, monkeypatch):
     assert status == 2 and "sections: checkpoint, data, logging, model, moe, optim, parallel, train" in out.err
 
 
+def test_an_unquoted_pipeline_layout_says_how_to_quote_it(capsys, monkeypatch):
+    status, out = _check(["parallel.pp=2", "parallel.pipeline_layout=Et|t|t|tL"], capsys, monkeypatch)
+    assert status == 2 and out.err.count("\n") == 1
+    assert "parallel.pipeline_layout=Et|t|t|tL: Hydra reads |, (, ) and *" in out.err
+    assert "\"parallel.pipeline_layout='Et|t|t|tL'\"" in out.err
+    status, out = _check(
+        ["parallel.pp=2", "parallel.pipeline_layout='Et|t|t|tL'", "parallel.world_size=2", "train.dry_run=true"],
+        capsys,
+        monkeypatch,
+    )
+    assert status == 0 and "PP2 VPP2 (layout Et|t|t|tL)" in out.out and "E|t|t|tL" not in out.err
+
+
 def test_errors_are_one_line_printed_by_the_lead_process_only(capsys, monkeypatch):
     status, out = _check(["train.steps=abc"], capsys, monkeypatch)
     assert status == 2

@@ -96,6 +96,34 @@ def test_one_line_and_only_given():
     )
 
 
+def test_pipeline_layout_maps_to_its_key():
+    """``--pipeline-model-parallel-layout`` becomes ``parallel.pipeline_layout`` (quoted for Hydra; shell-quoted in
+    the one-line command) with or without the number of virtual stages, the result composes into a job that
+    validates (vpp 4 from 32 stages on PP8), and Megatron-LM's conflicting flags are refused with it."""
+    from folding.job.validate import validate_job
+    from tests.unit.test_config_job import job
+
+    layout = ["--pipeline-model-parallel-size", "8", "--pipeline-model-parallel-layout", "Et|(tt|)*30mL"]
+    sizes = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "64"]
+    for extra in ([], ["--num-virtual-stages-per-pipeline-rank", "4"]):
+        out = convert([*layout, *sizes, "--expert-tensor-parallel-size", "1", *extra])
+        assert "parallel.pipeline_layout='Et|(tt|)*30mL'" in out.overrides
+        assert out.values.get("parallel.vpp") == (4 if extra else None)
+        j = job("model=deepseek_v3", *out.overrides, "train.global_batch_size=1024", "train.seq_length=4096")
+        lay = validate_job(j, world_size=1024)
+        assert (lay.pp, lay.vpp, lay.pipeline_layout) == (8, 4, "Et|(tt|)*30mL")
+    p = _run("--one-line", "--only-given", *layout)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[-1] == "'parallel.pipeline_layout='\"'\"'Et|(tt|)*30mL'\"'\"''"
+    for flag, value in (
+        ("--decoder-last-pipeline-num-layers", "1"),
+        ("--decoder-first-pipeline-num-layers", "1"),
+        ("--num-layers-per-virtual-pipeline-stage", "2"),
+    ):
+        with pytest.raises(MegatronArgsError, match=f"lists every stage's layers: drop {flag}"):
+            convert([*layout, "--num-layers", "61", flag, value])
+
+
 ARCH = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear"]
 
 

@@ -88,6 +88,12 @@ FLAGS: Dict[str, Flag] = {
     "--num-layers-per-virtual-pipeline-stage": special(),
     "--decoder-first-pipeline-num-layers": value("parallel.first_stage_layers", int),
     "--decoder-last-pipeline-num-layers": value("parallel.last_stage_layers", int),
+    "--pipeline-model-parallel-layout": value(
+        "parallel.pipeline_layout",
+        str,
+        note="the same syntax; the stage count over parallel.pp implies parallel.vpp, and folding runs the "
+        "MTP modules (m) only in the last virtual stage, with the loss",
+    ),
     "--sequence-parallel": noop("folding runs sequence parallelism whenever TP > 1 (MoE needs it)"),
     "--overlap-moe-expert-parallel-comm": switch("parallel.overlap_moe_comm"),
     "--delay-wgrad-compute": switch("parallel.delay_wgrad"),

@@ -78,6 +78,18 @@ def _layout(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[
             )
         else:
             out["parallel.vpp"] = layers // (pp * n)
+    if "parallel.pipeline_layout" in out:
+        others = (
+            "--decoder-first-pipeline-num-layers",
+            "--decoder-last-pipeline-num-layers",
+            "--num-layers-per-virtual-pipeline-stage",
+        )
+        given = ", ".join(f for f in others if f in flags)
+        if given:
+            problems.append(
+                f"--pipeline-model-parallel-layout lists every stage's layers: drop {given} (Megatron-LM refuses "
+                "the combination too)"
+            )
     if "parallel.etp" not in out and ({"--tensor-model-parallel-size", "--expert-model-parallel-size"} & set(flags)):
         out["parallel.etp"] = out.get("parallel.tp", 1)  # Megatron-LM's default, written out as folding asks
     minutes = _one(flags, "--distributed-timeout-minutes")

@@ -48,7 +48,7 @@ class MoEStats:
         self.row_of = {layer: r for r, layer in enumerate(self.moe_layers)}
         self.E = model_config.moe.num_experts
         self.routers: List[BalancingRouter] = find_routers(chunks)
-        device = next(iter(chunks[0].parameters())).device if chunks else torch.device("cpu")
+        device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
         self.counts_LE = torch.zeros(len(self.moe_layers), self.E, dtype=torch.float64, device=device)
         self.dropped = torch.zeros((), dtype=torch.float64, device=device)
         self.dropped_LE = torch.zeros_like(self.counts_LE)
