@@ -199,6 +199,27 @@ def _default_stage_layers(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=65536)
+def _busy_chunks(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends) -> int:
+    """How many of pipeline rank ``stage``'s ``vpp`` chunks hold a transformer layer (the last virtual stage
+    also counts when the model has MTP modules, which run there): the chunk forwards that keep RoPE tables."""
+    stages = partition_layers(
+        num_layers=cfg.num_layers,
+        pp=pp,
+        vpp=vpp if vpp > 1 else None,
+        first_stage_layers=ends[0],
+        last_stage_layers=ends[1],
+        pipeline_layout=ends[2],
+        mtp_num_layers=cfg.mtp_num_layers,
+    )
+    last = len(stages) - 1
+    return sum(
+        1
+        for c in range(len(stages) // pp)
+        if stages[c * pp + stage][1] > stages[c * pp + stage][0] or (c * pp + stage == last and cfg.mtp_num_layers)
+    )
+
+
 def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
     """The pipeline ranks one of which holds the most memory: the first, the last, and, among the others,
     the first rank of each distinct mix of (layers, dense layers) under the layout's partition (a later rank
@@ -374,7 +395,8 @@ def memory_per_rank(
         )
         flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
-        acts = per_mb * chunks / vpp + rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes) * chunks
+        rope = rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes)  # per chunk holding a layer
+        acts = (per_mb + rope * _busy_chunks(cfg, layout.pp, vpp, stage, _ends(layout))) * chunks / vpp
         if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
             # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
             # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too

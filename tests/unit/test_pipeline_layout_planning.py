@@ -16,6 +16,7 @@ from folding.planning.activations import (
     in_flight_chunks,
     logits_bytes,
     mtp_activation_bytes,
+    rope_bytes,
 )
 from folding.planning.hardware import get_gpu
 from folding.planning.memory import memory_per_rank, param_counts, peak_candidate_stages, stage_layers
@@ -67,7 +68,7 @@ def test_memory_model_counts_what_the_stages_build():
 def test_memory_model_activations_follow_the_layers_per_rank():
     """Activations per rank: its layers' per-micro-batch bytes times the chunk forwards in flight over VPP.
     Against the even VPP2 split of the same model, rank 0 keeps two more MoE layers; rank 1 keeps no decoder
-    layer, only the fused loss's logits chunk and the MTP module's activations."""
+    layer, only the fused loss's logits chunk, the MTP module's activations and its chunk's RoPE tables."""
     cfg = get_preset("deepseek_v3_tiny")
     lay = ParallelLayout(world_size=2, pp=2, pipeline_layout=TINY)
     even = ParallelLayout(world_size=2, pp=2, vpp=2)
@@ -78,8 +79,11 @@ def test_memory_model_activations_follow_the_layers_per_rank():
     got = memory_per_rank(cfg, lay, stage=0, **kw).activations - memory_per_rank(cfg, even, stage=0, **kw).activations
     assert got == int(2 * moe * flight / 2)
     last = memory_per_rank(cfg, lay, stage=1, **kw).activations
+    # the RoPE tables of the one chunk of the two that runs layers (the MTP module's), averaged over the
+    # rank's chunk forwards in flight like the layers' bytes
+    rope = rope_bytes(cfg, lay, seq_length=16) * 1 * in_flight_chunks(pp=2, vpp=2, stage=1, num_microbatches=4) / 2
     assert last == int(
-        logits_bytes(cfg, lay, seq_length=16, micro_batch_size=2) + mtp_activation_bytes(cfg, lay, **act)
+        logits_bytes(cfg, lay, seq_length=16, micro_batch_size=2) + mtp_activation_bytes(cfg, lay, **act) + rope
     )
 
 
