@@ -16,11 +16,13 @@ from folding.testing import RankPool
 
 # test-id prefixes whose tests reuse each other's runs through module-level caches: one worker each
 SHARED_RUNS = {
-    # overlap_on compares bitwise with overlap_off's 8-rank runs of the same cases (two halves)
+    # overlap_on and memory compare bitwise with overlap_off's 8-rank runs of the same cases (two halves)
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[overlap_off_a]": "equivalence-a",
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[overlap_on_a]": "equivalence-a",
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[overlap_off_b]": "equivalence-b",
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[overlap_on_b]": "equivalence-b",
+    "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[memory_a]": "equivalence-a",
+    "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[memory_b]": "equivalence-b",
     "tests/distributed/test_pipeline_training.py::test_deepseek_v3_layouts_train_like_one_rank": "equivalence-deepseek",
 }
 

@@ -28,6 +28,8 @@ Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and d
 matrix orthogonalized by its owner in the DP group), VPP2 TP2 EP4 with ZeRO-1, ETP2 without ZeRO-1
 (expert matrices gathered over ETP) and Qwen2-MoE's shared expert with ETP2 and ZeRO-1."""
 
+import collections
+import contextlib
 import json
 import os
 
@@ -157,7 +159,8 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
         ps = build_parallel_state(job.layout(dist.get_world_size()))
         bf16 = job.train.precision == "bf16"
         try:
-            res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
+            with _counting_recompute() as recomputed:
+                res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
             # the replica slot tables the run ended with (moe.expert_replicas), by layer
             tables = {
                 m.layer_number: m.replica_table
@@ -190,11 +193,58 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
                     vpp=ps.layout.virtual_stages,
                     dp=ps.layout.dp,
                     state=kinds if optim else None,
+                    recomputed=dict(recomputed),
                 )
             )
         finally:
             ps.destroy()
     return out
+
+
+@contextlib.contextmanager
+def _counting_recompute():
+    """Count, by the module that asks, the checkpointed regions run and the discarded tensors refilled in
+    backward during the block (wrapping the functions the engine's modules call; the counts are of what ran,
+    not of what was configured): ``{"block": n, "core": n, "shared": n, "refills": n}``."""
+    from folding.model import block, context_parallel, mla
+    from folding.moe import layer
+    from folding.moe.experts import grouped
+
+    counts = collections.Counter()
+    saved = []
+
+    def counting_checkpoint(module, what):
+        real = module.checkpoint
+
+        def wrapped(fn, *args, **kwargs):
+            counts[what] += 1
+            return real(fn, *args, **kwargs)
+
+        saved.append((module, "checkpoint", real))
+        module.checkpoint = wrapped
+
+    def counting_discard(module):
+        real = module.discard_until_backward
+
+        def wrapped(tensors, *, after, refill):
+            def counted():
+                counts["refills"] += 1
+                return refill()
+
+            return real(tensors, after=after, refill=counted)
+
+        saved.append((module, "discard_until_backward", real))
+        module.discard_until_backward = wrapped
+
+    for module, what in ((block, "block"), (context_parallel, "core"), (layer, "shared")):
+        counting_checkpoint(module, what)
+    for module in (block, mla, grouped):
+        counting_discard(module)
+    try:
+        yield counts
+    finally:
+        for module, name, real in saved:
+            setattr(module, name, real)
 
 
 def _check_layout_applied(case, runs):
@@ -336,7 +386,7 @@ def _check_dropping_experts(case, name, got, want, atol):
     assert float(err.max()) <= STEPS * 3e-3, (case, name, float(err.max()))
 
 
-def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(), replicas=0):
+def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(), replicas=0, variants=None):
     """Train ``cases`` on 8 ranks and their 1-rank references; compare losses, grad norms, parameters
     and the golden curves of the models they train, and check inside each run that the option under
     test was active (:func:`_check_option_active`). ``bf16_cases`` ``(model, parallel, train)`` train in
@@ -345,15 +395,21 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
     equal its run without overlap bit for bit. ``optim``: ``optim.*`` overrides (``(key, value)``
     pairs) of every run, the 1-rank references' too. ``replicas``: the 8-rank runs use
     ``moe.expert_replicas`` slots re-planned every 2 steps (the 1-rank references have none) and must
-    have replicated some expert by their end."""
+    have replicated some expert by their end. ``variants``: one ``(parallel overrides, train overrides)`` per
+    case, the memory options under test (recompute modules, with or without overlap): each case runs with
+    its variant, must equal its run without it bit for bit, and must have run the recompute it names
+    (:func:`_check_memory_active`)."""
     optim = tuple(sorted(dict(optim).items()))
     bf16 = [(m, par, dict(precision="bf16", **train), False, {}) for m, par, train in bf16_cases]
     _references(ranks, tmp_path, [_ref_key(m, tr, moe, optim) for m, _, tr, _, moe in [*cases, *bf16]])
     # one call per case, each well inside the pool's timeout on a slow machine
     results = []
     extra = dict(expert_replicas=replicas, replica_interval=2) if replicas else {}
-    for case in cases:
+    for i, case in enumerate(cases):
         case = (*case[:4], {**case[4], **extra})
+        if variants is not None:
+            results.append(_bitwise_variant(ranks, tmp_path, case, variants[i], optim))
+            continue
         if not overlap:
             results.append([r[0] for r in ranks(8).run(_train, [case], str(tmp_path), True, STEPS, optim)])
             _NO_OVERLAP[_key(case) + repr(optim)] = results[-1]
@@ -383,7 +439,11 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
     atol = 1e-5 if all(v == "fp32" for k, v in optim if k.endswith("_dtype")) else STEPS * 3e-3 * 2**-7
     for i, (model_name, parallel, train, distributed, moe) in enumerate(cases):
         ref = _ONE_RANK[_ref_key(model_name, train, moe, optim)]
-        _check_option_active(cases[i], results[i], overlap=overlap, optim=optim, replicas=replicas)
+        if variants is not None:
+            on = variants[i][0].get("overlap_moe_comm", False)
+            _check_option_active(_with(cases[i], variants[i]), results[i], overlap=on, optim=optim, replicas=replicas)
+        else:
+            _check_option_active(cases[i], results[i], overlap=overlap, optim=optim, replicas=replicas)
         for r in range(8):
             losses, norms = results[i][r]["losses"], results[i][r]["norms"]
             assert len(losses) == STEPS
@@ -427,7 +487,7 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
             err = (t - ref["params"][name]).abs()
             assert float(err.mean()) <= BF16_PARAM_MEAN_ATOL, (model_name, parallel, name, float(err.mean()))
             assert float(err.max()) <= STEPS * 3e-3, (model_name, parallel, name, float(err.max()))
-    if overlap or optim or replicas:  # the golden curves are one rank's fp32 ones, which overlap does not change: once
+    if overlap or optim or replicas or variants:  # the golden curves: one rank's fp32 ones, checked once
         return
     # golden losses: the 1-rank curves of this file's configuration, over GOLDEN_STEPS steps
     golden = json.load(open(GOLDEN))
@@ -440,6 +500,48 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
         # the curve moves by far more than the tolerance, so a run that did not learn (a dead
         # optimizer, a zero learning rate) could not match it
         assert want[0] - want[-1] > 100 * 1e-4 * want[0], (model_name, want)
+
+
+def _with(case, variant):
+    """``case`` with a variant's ``(parallel, train)`` overrides applied."""
+    model_name, parallel, train, distributed, moe = case
+    return (model_name, {**parallel, **variant[0]}, {**train, **variant[1]}, distributed, moe)
+
+
+def _bitwise_variant(ranks, tmp_path, case, variant, optim):
+    """Run ``case`` with ``variant`` on 8 ranks; check it equals the case's plain run (this session's, or a
+    fresh one) bit for bit in losses, gradient norms and parameters, and that the recompute it names ran."""
+    runs = [r[0] for r in ranks(8).run(_train, [_with(case, variant)], str(tmp_path), True, STEPS, optim)]
+    plain = _NO_OVERLAP.get(_key(case) + repr(optim)) or [
+        r[0] for r in ranks(8).run(_train, [case], str(tmp_path), True, STEPS, optim)
+    ]
+    for r in range(8):  # bitwise: recompute changes what is kept and when work runs, never what it computes
+        a, b = runs[r], plain[r]
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"], (case, variant, r, a["losses"], b["losses"])
+        assert sorted(a["params"]) == sorted(b["params"]), case
+        for name in a["params"]:
+            assert torch.equal(a["params"][name][1], b["params"][name][1]), (case, variant, r, name)
+    _check_memory_active(case, variant, runs, plain)
+    return runs
+
+
+def _check_memory_active(case, variant, runs, plain):
+    """Inside the runs the recompute modules of ``variant`` ran (counted by :func:`_counting_recompute`):
+    a discarding module (``layernorm``, ``moe_act``, ``mla_up_proj``) refilled tensors in backward; the
+    attention core, the shared expert and the MLP block ran under checkpoints where their module names
+    them; the plain run did none of it."""
+    modules = set(variant[1].get("recompute_modules", ()))
+    total = collections.Counter()
+    for run in runs:
+        total.update(run["recomputed"])
+    assert all(not run["recomputed"] for run in plain), (case, [run["recomputed"] for run in plain])
+    want = {
+        "refills": bool(modules & {"layernorm", "moe_act", "mla_up_proj"}),
+        "core": "core_attn" in modules,
+        "shared": "shared_experts" in modules and "moe" not in modules,
+        "block": bool(modules & {"mlp", "moe"}),
+    }
+    assert {k: total[k] > 0 for k in want} == want, (case, variant, dict(total))
 
 
 # hot-expert replicas (moe.expert_replicas=1, re-planned every 2 steps): EP4 dropless, EP4 dropping
@@ -466,6 +568,20 @@ HIER_CASES = [
 ]
 
 
+# Megatron-Core's recompute modules, every one in some case, each bitwise equal to the case's run without them
+# (the plain runs are those of the same half's overlap_off test, on the same worker): Mixtral PP2 TP2 EP2 with
+# core_attn, layernorm and moe_act; Qwen2-MoE PP4 (dropping; a dense layer, a shared expert) with
+# shared_experts, mlp and layernorm; Qwen3-MoE TP2 CP2 EP8 with core_attn and moe_act and overlap on;
+# DeepSeek-V3 (MLA, dense layer 0) with mla_up_proj, mlp and moe.
+MEMORY_VARIANTS = {
+    "a": [(CASES[0], ({}, dict(recompute_modules=["core_attn", "layernorm", "moe_act"])))],
+    "b": [
+        (CASES[9], ({}, dict(recompute_modules=["shared_experts", "mlp", "layernorm"]))),
+        (CASES[11], (dict(overlap_moe_comm=True), dict(recompute_modules=["core_attn", "moe_act"]))),
+    ],
+    "deepseek": [(DEEPSEEK_CASES[0], ({}, dict(recompute_modules=["mla_up_proj", "mlp", "moe"])))],
+}
+
 # The fp32 matrix runs as two halves, each one test per overlap setting: a half's overlap_on compares
 # bitwise with its overlap_off runs of the same session (tests/conftest.py keeps a half on one worker),
 # and the two halves run side by side on the two workers. The bf16 layouts run with the second half;
@@ -485,6 +601,8 @@ MATRIX = {"a": CASES[:8], "b": CASES[8:]}
         (False, "fp32", 1, None),
         (True, "fp32", 1, None),
         (True, "hierarchical", 0, None),
+        (False, "memory", 0, "a"),
+        (False, "memory", 0, "b"),
     ],
     ids=[
         "overlap_off_a",
@@ -496,12 +614,17 @@ MATRIX = {"a": CASES[:8], "b": CASES[8:]}
         "replicas",
         "replicas_overlap",
         "hierarchical",
+        "memory_a",
+        "memory_b",
     ],
 )
 def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas, half):
     if replicas:  # with overlap: also bitwise the run with replicas and without overlap
         cases = REPLICA_OVERLAP_CASES if overlap else REPLICA_CASES
         _check_cases(ranks, tmp_path, cases, overlap=overlap, replicas=replicas)
+    elif moments == "memory":  # recompute modules: like one rank, and bitwise the same case without them
+        cases, variants = zip(*MEMORY_VARIANTS[half])
+        _check_cases(ranks, tmp_path, list(cases), variants=list(variants))
     elif moments == "hierarchical":  # every case like one rank, then two with overlap (bitwise as off)
         _check_cases(ranks, tmp_path, HIER_CASES)
         _check_cases(ranks, tmp_path, HIER_CASES[:2], overlap=True)
@@ -514,8 +637,12 @@ def test_layouts_train_like_one_rank(ranks, tmp_path, overlap, moments, replicas
         _check_cases(ranks, tmp_path, cases, optim=(("exp_avg_dtype", moments), ("exp_avg_sq_dtype", moments)))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+@pytest.mark.parametrize("overlap", [False, True, "memory"], ids=["overlap_off", "overlap_on", "memory"])
 def test_deepseek_v3_layouts_train_like_one_rank(ranks, tmp_path, overlap):
+    if overlap == "memory":  # MLA's and the dense layer's recompute modules, bitwise the plain run
+        cases, variants = zip(*MEMORY_VARIANTS["deepseek"])
+        _check_cases(ranks, tmp_path, list(cases), variants=list(variants))
+        return
     _check_cases(ranks, tmp_path, DEEPSEEK_CASES, overlap=overlap)
 
 
