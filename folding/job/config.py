@@ -31,6 +31,7 @@ import typing
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..data.config import DataConfig
+from ..memory.offload import OFFLOAD_MODULES
 from ..model.config import ModelConfig
 from ..model.mla_config import MLAConfig
 from ..model.recompute import RECOMPUTE_MODES, recompute_spec  # noqa: F401 - the names train.recompute accepts
@@ -182,6 +183,12 @@ class TrainConfig:
     activation output, from fc1's), ``mla_up_proj`` (MLA's up-projections and RoPE), ``mlp`` (dense MLPs),
     ``moe`` (the MoE block), ``shared_experts``; not with ``recompute=full`` (:mod:`folding.model.recompute`
     says what each keeps and runs again)."""
+    offload_modules: List[str] = dataclasses.field(default_factory=list)
+    """Megatron-Core's fine-grained activation offloading (``--fine-grained-activation-offloading
+    --offload-modules``): what these modules keep for backward waits in host memory, copied out on a side
+    stream as the forward passes and back one layer ahead in backward (:mod:`folding.memory.offload`):
+    ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``, ``expert_fc1``, ``moe_act``.
+    Same numbers bitwise; not with a recompute setting that already drops what a module would move."""
     compile: bool = False
     """``torch.compile`` each layer's dense part (input norm + attention sublayer,
     :mod:`folding.model.compile`, ``LayerSettings.compile_dense``); the MoE block stays eager. Off by
@@ -204,6 +211,10 @@ class TrainConfig:
         """``recompute`` and ``recompute_modules`` as one setting string (the canonical name of their
         :class:`~folding.model.recompute.Recompute`; ``ValueError`` naming the key when invalid)."""
         return recompute_spec(self.recompute, self.recompute_modules).name
+
+    def offload_setting(self) -> str:
+        """``offload_modules`` as one setting string (names joined by commas, in the table's order)."""
+        return ",".join(m for m in OFFLOAD_MODULES if m in self.offload_modules)
 
 
 @dataclasses.dataclass(kw_only=True)

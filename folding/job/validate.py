@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..model.recompute import RECOMPUTE_MODULES
+from ..memory.offload import OFFLOAD_MODULES
+from ..model.recompute import RECOMPUTE_MODULES, offload_conflict, recompute_spec
 from ..moe.experts.fp8_shapes import check_fp8_shapes
 from ..parallel import LayoutError, ParallelLayout
 from ..parallel.partition import partition_layers
@@ -61,6 +62,7 @@ def _check_train(job: JobConfig) -> None:
     if t.recompute not in RECOMPUTE_MODES:
         _fail("train.recompute", t.recompute, "unknown mode", f"choose one of {', '.join(RECOMPUTE_MODES)}")
     _check_recompute_modules(t)
+    _check_offload_modules(t)
     moe = job.moe
     par = job.parallel
     for key in ("overlap_moe_comm", "delay_wgrad"):
@@ -207,6 +209,35 @@ def _check_recompute_modules(t) -> None:
             list(mods),
             f"{', '.join(clash)} discard(s) tensors of the attention sublayer, which train.compile=true compiles",
             f"drop {', '.join(clash)} or set train.compile=false",
+        )
+
+
+def _check_offload_modules(t) -> None:
+    """``train.offload_modules``: a list of known module names that the recompute setting leaves something
+    to move (:func:`folding.model.recompute.offload_conflict`)."""
+    mods = t.offload_modules
+    if not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods):
+        _fail(
+            "train.offload_modules",
+            mods,
+            "must be a list of module names",
+            f"name some of {', '.join(OFFLOAD_MODULES)}",
+        )
+    bad = [m for m in mods if m not in OFFLOAD_MODULES]
+    if bad:
+        _fail(
+            "train.offload_modules",
+            list(mods),
+            f"unknown module(s) {bad}",
+            f"choose among {', '.join(OFFLOAD_MODULES)}",
+        )
+    why = offload_conflict(recompute_spec(t.recompute, t.recompute_modules), mods)
+    if why:
+        _fail(
+            "train.offload_modules",
+            list(mods),
+            why,
+            "drop the module from train.offload_modules or the recompute setting that empties it",
         )
 
 

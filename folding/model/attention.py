@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from ..memory.offload import offload_region
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .config import ModelConfig
@@ -109,7 +110,8 @@ class Attention(nn.Module):
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``. ``cos/sin [S_cp, D]`` are at this CP rank's
         positions; under CP, ``kv_order`` puts the CP-gathered keys in sequence order and
         ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`)."""
-        q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
+        with offload_region("qkv_linear"):
+            q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
         S, B, _ = q.shape  # S_cp: the TP-gathered sequence
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -123,14 +125,16 @@ class Attention(nn.Module):
         q_BASD = q.permute(1, 2, 0, 3)
         if group_size(self.cp_group) > 1:  # full-sequence K/V in sequence order
             k, v = gather_kv(k, self.cp_group)[kv_order], gather_kv(v, self.cp_group)[kv_order]
-        out = attention_core(
-            q_BASD,
-            k.permute(1, 2, 0, 3),
-            v.permute(1, 2, 0, 3),
-            scale=1.0 / math.sqrt(self.head_dim),
-            chunk_starts=chunk_starts,
-            recompute=self.recompute_core,
-            enable_gqa=self.kv_heads != self.heads,
-        )
+        with offload_region("core_attn"):
+            out = attention_core(
+                q_BASD,
+                k.permute(1, 2, 0, 3),
+                v.permute(1, 2, 0, 3),
+                scale=1.0 / math.sqrt(self.head_dim),
+                chunk_starts=chunk_starts,
+                recompute=self.recompute_core,
+                enable_gqa=self.kv_heads != self.heads,
+            )
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
-        return self.o_proj(out)
+        with offload_region("attn_proj"):
+            return self.o_proj(out)

@@ -30,13 +30,14 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..memory.discard import discard_until_backward
+from ..memory.offload import Offloader, offload_region
 from ..moe.settings import LayerSettings
 from ..parallel.groups import ProcessGroups
 from .attention import Attention
@@ -61,8 +62,12 @@ class TransformerLayer(nn.Module):
         groups: ProcessGroups,
         moe_factory: MoEFactory,
         settings: LayerSettings = LayerSettings(),
+        offloader: Optional[Offloader] = None,
     ):
         super().__init__()
+        self.offloader = offloader
+        """The model chunk's :class:`~folding.memory.offload.Offloader` (``train.offload_modules``), whose
+        regions this layer's forward opens; ``None``: nothing is offloaded."""
         self.layer_number = layer_number
         self.recompute = recompute_mode(settings.recompute)
         """What this layer recomputes in backward (:mod:`folding.model.recompute`)."""
@@ -112,10 +117,14 @@ class TransformerLayer(nn.Module):
         :meth:`MoETransformer.rope`."""
         if self.recompute.whole_layer and torch.is_grad_enabled():
             return checkpoint(self._forward, x_SBH, rope, False, use_reentrant=False)
-        return self._forward(x_SBH, rope, torch.is_grad_enabled() and not self.recompute.whole_layer)
+        if self.offloader is None:
+            return self._forward(x_SBH, rope, torch.is_grad_enabled())
+        with self.offloader.layer() as finish:  # the layer's offload regions, and its prefetch one layer ahead
+            return finish(self._forward(x_SBH, rope, torch.is_grad_enabled()))
 
     def _attention(self, x_SBH, rope):
-        n_SBH = self.input_norm(x_SBH)
+        with offload_region("attn_norm"):
+            n_SBH = self.input_norm(x_SBH)
         out = self.attention(n_SBH, *rope)
         if self.discard_norms:  # layernorm: the norm's output comes back from its kept input in backward
             discard_until_backward([n_SBH], after=out, refill=lambda: [self.input_norm(x_SBH)])
@@ -125,7 +134,8 @@ class TransformerLayer(nn.Module):
         """The layer; ``modules``: apply the recompute modules (off inside a whole-layer checkpoint and
         without autograd)."""
         h = x_SBH + self._dense(x_SBH, rope)
-        n_SBH = self.post_attention_norm(h)
+        with offload_region("mlp_norm"):
+            n_SBH = self.post_attention_norm(h)
         if modules and self.recompute.mlp(moe_layer=self.is_moe):  # moe / mlp: the block checkpointed
             out = checkpoint(self.mlp, n_SBH, use_reentrant=False)
         else:

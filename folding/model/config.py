@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Literal, Optional, Tuple, get_args
 
+from ..memory.offload import OFFLOAD_MODULES  # noqa: F401 - for planning
 from ..moe.config import FP8_ROW_ALIGN, MoEConfig  # noqa: F401 - FP8_ROW_ALIGN for the planner
 from .mla_config import MLAConfig
 from .recompute import (  # noqa: F401 - for planning
@@ -25,6 +26,7 @@ from .recompute import (  # noqa: F401 - for planning
     RECOMPUTE_MODES,
     RECOMPUTE_MODULES,
     Recompute,
+    offload_conflict,
     recompute_mode,
     recompute_spec,
 )

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..memory.discard import discard_until_backward
+from ..memory.offload import offload_region
 from ..parallel import wgrad
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
@@ -169,13 +170,14 @@ class MLAttention(nn.Module):
         positions, ``kv_order`` and ``chunk_starts`` as in :class:`~folding.model.attention.Attention`."""
         m, tp = self.mla, self.tp_group
         Rkv, dr, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
-        kv_a = self.kv_a_proj_with_mqa(x_SBH)
+        with offload_region("qkv_linear"):  # the projections that read the layer's normed input
+            kv_a = self.kv_a_proj_with_mqa(x_SBH)
+            q_in = sp_column_linears(x_SBH, (self.q_proj,), tp)[0] if m.q_lora_rank is None else self.q_a_proj(x_SBH)
         kv_lat = self.kv_a_layernorm(kv_a[..., :Rkv])
         if m.q_lora_rank is None:
-            (q_in,) = sp_column_linears(x_SBH, (self.q_proj,), tp)
             kv = sp_gather(torch.cat((kv_lat, kv_a[..., Rkv:]), dim=-1), tp)
         else:  # one TP all-gather of both latents
-            q_lat = self.q_a_layernorm(self.q_a_proj(x_SBH))
+            q_lat = self.q_a_layernorm(q_in)
             lat = sp_gather(torch.cat((q_lat, kv_lat, kv_a[..., Rkv:]), dim=-1), tp)
             q_in, kv = lat[..., : m.q_lora_rank], lat[..., m.q_lora_rank :]
         S, B, _ = kv.shape  # S_cp: the TP-gathered sequence
@@ -185,19 +187,21 @@ class MLAttention(nn.Module):
             kv = gather_kv(kv, self.cp_group)[kv_order]
         up = functools.partial(self._up_proj, q_in, kv, cos_SD, sin_SD)
         q, k, v = up()
-        out = attention_core(
-            q.permute(1, 2, 0, 3),
-            k.permute(1, 2, 0, 3),
-            v.permute(1, 2, 0, 3),
-            scale=self.scale,
-            chunk_starts=chunk_starts,
-            recompute=self.recompute_core,
-        )
+        with offload_region("core_attn"):
+            out = attention_core(
+                q.permute(1, 2, 0, 3),
+                k.permute(1, 2, 0, 3),
+                v.permute(1, 2, 0, 3),
+                scale=self.scale,
+                chunk_starts=chunk_starts,
+                recompute=self.recompute_core,
+            )
         if self.recompute_up_proj:  # mla_up_proj: the core's q, k, v come back from the kept latents
             first = 0 if m.q_lora_rank is not None else 1  # without q LoRA, q_in is q itself: keep q
             discard_until_backward([q, k, v][first:], after=out, refill=lambda: up()[first:])
         out = out[..., :dv].permute(2, 0, 1, 3).reshape(S, B, self.heads * dv)
-        return self.o_proj(out)
+        with offload_region("attn_proj"):
+            return self.o_proj(out)
 
     def _up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
         """The attention core's ``q [S, B, N/TP, dn+dr]``, ``k [Sk, B, N/TP, dn+dr]`` and ``v`` (as the

@@ -64,6 +64,7 @@ class MTPModule(nn.Module):
         groups: ProcessGroups,
         moe_factory: MoEFactory,
         settings: LayerSettings = LayerSettings(),
+        offloader=None,
     ):
         super().__init__()
         if not 1 <= depth <= config.mtp_num_layers:
@@ -82,6 +83,7 @@ class MTPModule(nn.Module):
             groups=groups,
             moe_factory=moe_factory,
             settings=settings,
+            offloader=offloader,
         )
         self.head_norm = RMSNorm(H, eps=config.norm_eps, **kw)
 

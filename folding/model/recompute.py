@@ -41,7 +41,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import FrozenSet, Iterable
+from typing import FrozenSet, Iterable, Optional
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 """Megatron-Core's recompute modules, in the table's order (``train.recompute_modules``)."""
@@ -132,3 +132,29 @@ def recompute_mode(name) -> Recompute:
 
 RECOMPUTE = {m: recompute_mode(m) for m in RECOMPUTE_MODES}
 """Every recompute mode by name."""
+
+OFFLOAD_EMPTIED_BY = {
+    "qkv_linear": ("layernorm", "QKV's input, the input norm's output, is recomputed"),
+    "core_attn": ("core_attn", "the attention core is checkpointed (it keeps only its inputs)"),
+    "expert_fc1": ("moe", "the MoE block is checkpointed (it keeps only its input)"),
+    "moe_act": ("moe", "the MoE block is checkpointed (it keeps only its input)"),
+}
+"""Offload module -> (the recompute module that leaves it nothing to move, why)."""
+
+
+def offload_conflict(rc: Recompute, offload) -> Optional[str]:
+    """Why the offload modules ``offload`` cannot go with the recompute setting ``rc`` (``None`` when they
+    can): ``full`` keeps only each layer's input; a recompute module may drop what an offload module would
+    move (:data:`OFFLOAD_EMPTIED_BY`; ``mla_up_proj`` also recomputes the attention core's inputs)."""
+    offload = list(offload)
+    if not offload:
+        return None
+    if rc.whole_layer:
+        return "train.recompute=full keeps only each layer's input: there is nothing to offload"
+    emptied = dict(OFFLOAD_EMPTIED_BY)
+    if "mla_up_proj" in rc.modules:
+        emptied["core_attn"] = ("mla_up_proj", "the attention core's queries, keys and values are recomputed")
+    for m in offload:
+        if m in emptied and emptied[m][0] in rc.modules:
+            return f"{m} has nothing to move while {emptied[m][0]} is recomputed ({emptied[m][1]})"
+    return None

@@ -32,12 +32,14 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory.offload import Offloader
 from ..moe.experts.te import fp8_region
 from ..moe.settings import LayerSettings
 from ..parallel.collectives import group_rank, group_size
@@ -143,20 +145,16 @@ class MoETransformer(nn.Module):
             )
         else:
             self.embedding = None
+        offload = frozenset(m for m in settings.offload_modules.split(",") if m)
+        self.offloader = Offloader(offload, self.parameters) if offload else None
+        """The chunk's activation offloader (``train.offload_modules``; ``None`` without offload modules)."""
+        lk = dict(groups=g, moe_factory=moe_factory, settings=settings, offloader=self.offloader)
         # keyed by the global layer index, so parameter names do not depend on the pipeline cut
-        self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(config, layer_number=i, groups=g, moe_factory=moe_factory, settings=settings)
-                for i in range(start, end)
-            }
-        )
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, layer_number=i, **lk) for i in range(start, end)})
         self.final_norm = RMSNorm(config.hidden_size, eps=config.norm_eps, **kw) if self.post_process else None
         # multi-token prediction: on the last stage, after the final norm (folding.model.mtp)
         self.mtp = (
-            nn.ModuleList(
-                MTPModule(config, depth=k, groups=g, moe_factory=moe_factory, settings=settings)
-                for k in range(1, config.mtp_num_layers + 1)
-            )
+            nn.ModuleList(MTPModule(config, depth=k, **lk) for k in range(1, config.mtp_num_layers + 1))
             if self.post_process and config.mtp_num_layers
             else None
         )
@@ -218,9 +216,14 @@ class MoETransformer(nn.Module):
         """Every layer this model holds (its ``layer_range``), in order, on a hidden shard; ``rope``:
         :meth:`rope` at ``seq_len`` (computed when not given)."""
         rope = self.rope(seq_len, x_SBH.device, x_SBH.dtype) if rope is None else rope
-        for i in range(*self.layer_range):
-            x_SBH = self.layers[str(i)](x_SBH, rope)
+        with self._offload_pass():
+            for i in range(*self.layer_range):
+                x_SBH = self.layers[str(i)](x_SBH, rope)
         return x_SBH
+
+    def _offload_pass(self):
+        """One forward pass of this chunk's layers for the offloader (prefetching links layer to layer)."""
+        return self.offloader.forward_pass() if self.offloader is not None else contextlib.nullcontext()
 
     def head(self, x_SBH: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: ``[S/(CP*TP), B, H]`` -> contiguous logits ``[B, S/CP, V/TP]``.
@@ -328,7 +331,8 @@ class MoETransformer(nn.Module):
             return lm_BS, None
         mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         mtp_BS = torch.zeros_like(lm_BS)
-        for k, module in enumerate(self.mtp, 1):
-            h_SBH = module(h_SBH, self.embed(shift_left(input_ids_BS, k, 0)), rope)
-            mtp_BS = mtp_BS + self._token_loss(h_SBH, shift_left(labels, k, 0), shift_left(mask, k, 0), pos)
+        with self._offload_pass():
+            for k, module in enumerate(self.mtp, 1):
+                h_SBH = module(h_SBH, self.embed(shift_left(input_ids_BS, k, 0)), rope)
+                mtp_BS = mtp_BS + self._token_loss(h_SBH, shift_left(labels, k, 0), shift_left(mask, k, 0), pos)
         return lm_BS, mtp_BS / len(self.mtp)

@@ -44,6 +44,9 @@ class LayerSettings:
     recompute: str = "none"
     """What every transformer layer recomputes: a setting string of :mod:`folding.model.recompute` (a
     mode, or recompute modules joined by commas: ``train.recompute`` with ``train.recompute_modules``)."""
+    offload_modules: str = ""
+    """The offload modules of every transformer layer, joined by commas (``train.offload_modules``,
+    :data:`folding.memory.offload.OFFLOAD_MODULES`): what they keep for backward waits in host memory."""
     overlap_comm: bool = False
     """An MoE layer computes its shared expert while its own dispatch is in flight
     (``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work)."""

@@ -59,16 +59,21 @@ Usage::
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from folding.model.config import RECOMPUTE_MODES, ModelConfig, recompute_mode  # noqa: F401 - RECOMPUTE_MODES re-exported
+from folding.model.config import OFFLOAD_MODULES, RECOMPUTE_MODES, ModelConfig, recompute_mode  # noqa: F401 - RECOMPUTE_MODES re-exported
 
 TERMS = ("input", "residual", "norms", "attention", "router", "dispatch", "experts", "shared_expert", "mlp")
 """The terms of one layer's kept bytes, in the order a storage kept by several is attributed."""
 
 
+Storage = Tuple[str, int, FrozenSet[str]]
+"""One kept storage of a layer: its term, its bytes, and the offload modules whose regions save it (it leaves
+the device only when every one of them offloads; it goes to host memory when any does)."""
+
+
 @functools.lru_cache(maxsize=65536)
-def _terms_cached(
+def _storages(
     cfg: ModelConfig,
     tp: int,
     cp: int,
@@ -80,34 +85,46 @@ def _terms_cached(
     fused_swiglu: bool,
     recompute: str,
     device: str,
-) -> Dict[str, int]:
+) -> Tuple[Storage, ...]:
+    """Every storage one layer keeps under ``recompute`` (the module docstring's terms, one entry per storage)."""
     rc = recompute_mode(recompute)
     h = cfg.hidden_size
     t = seq_length * micro_batch_size // (tp * cp)
-    out = dict.fromkeys(TERMS, 0)
-    out["input"] = a * t * h
+    none: FrozenSet[str] = frozenset()
+    out: List[Storage] = [("input", a * t * h, frozenset({"attn_norm"}))]
     if rc.whole_layer:
-        return out
-    out["residual"] = a * t * h
-    out["norms"] = (0 if rc.has("layernorm") else 2 * a * t * h) + 8 * t
-    out["attention"] = _attention_bytes(cfg, tp, cp, t, a, rc, device)
+        return tuple(out)
+    ln = rc.has("layernorm")
+    out += [
+        ("residual", a * t * h, frozenset({"mlp_norm"})),
+        ("norms", 4 * t, frozenset({"attn_norm"})),  # the input norm's rstd
+        ("norms", 4 * t, frozenset({"mlp_norm"})),
+        ("norms", 0 if ln else a * t * h, frozenset({"qkv_linear"})),  # the input norm's output
+        ("norms", 0 if ln else a * t * h, none),  # the post-attention norm's output (router, MLP)
+    ]
+    out += _attention_storages(cfg, tp, cp, t, a, rc, device)
     if not moe_layer:
-        out["mlp"] = 0 if rc.has("mlp") else 3 * a * t * cfg.ffn_hidden_size
-        return out
+        return tuple(out + [("mlp", 0 if rc.has("mlp") else 3 * a * t * cfg.ffn_hidden_size, none)])
     if rc.has("moe"):
-        return out
+        return tuple(out)
     moe = cfg.moe
     k = moe.topk
     r = t * k * etp
     fe = moe.ffn_hidden_size // etp
-    out["router"] = t * _router_per_token(moe)
-    out["dispatch"] = a * r * h + 4 * r + 16 * t * k
-    act = 0 if rc.has("moe_act") else a * r * fe
-    out["experts"] = (2 * a * r * fe + act) if fused_swiglu else (4 * a * r * fe + act)
+    out += [
+        ("router", t * _router_per_token(moe), none),
+        ("dispatch", a * r * h, frozenset({"expert_fc1"})),  # the expert rows, fc1's input
+        ("dispatch", 4 * r, frozenset({"moe_act"})),  # their probabilities, the activation's
+        ("dispatch", 16 * t * k, none),  # int64 token and expert ids of the routed pairs
+        ("experts", 2 * a * r * fe, frozenset({"moe_act"})),  # fc1's output, the activation's input
+        ("experts", 0 if rc.has("moe_act") else a * r * fe, none),  # the activation, fc2's input
+    ]
+    if not fused_swiglu:  # plain autograd also keeps silu(gate) and a product
+        out.append(("experts", 2 * a * r * fe, none))
     fs = moe.shared_expert_ffn_hidden_size or 0
     if fs and not rc.has("shared_experts"):
-        out["shared_expert"] = 3 * a * t * fs + (a * t * h + a * t if moe.shared_expert_gate else 0)
-    return out
+        out.append(("shared_expert", 3 * a * t * fs + (a * t * h + a * t if moe.shared_expert_gate else 0), none))
+    return tuple(out)
 
 
 def _router_per_token(moe) -> int:
@@ -123,41 +140,73 @@ def _router_per_token(moe) -> int:
     return 4 * E + (4 * E if aux else 0) + 8 * k + 4 * k  # logits (+ aux softmax), choice, its softmax
 
 
-def _attention_bytes(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> int:
-    """The attention term: GQA (module docstring) or MLA (:func:`_mla_terms`), under ``rc``."""
+def _attention_storages(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> List[Storage]:
+    """The attention term's storages: GQA (module docstring) or MLA (:func:`_mla_storages`), under ``rc``."""
     if cfg.mla is not None:
-        return sum(_mla_terms(cfg, tp, cp, t, a, rc, device).values())
+        return _mla_storages(cfg, tp, cp, t, a, rc, device)
     nq, nkv, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.kv_channels
-    lse = 0 if rc.has("core_attn") else 4 * t * nq
-    chunk_outs = a * t * nq * d if cp > 1 and not rc.has("core_attn") else 0
-    kept = a * t * (nq * d + 2 * cp * nkv * d + nq * d) + lse + chunk_outs
-    if cfg.qk_norm == "head":
-        kept += a * t * (nq + nkv) * d + 4 * t * (nq + nkv)
-    elif cfg.qk_norm == "full":
-        kept += a * t * (nq + nkv) * d + 8 * t * tp
-    return kept
+    core = rc.has("core_attn")
+    cat, both = frozenset({"core_attn"}), frozenset({"core_attn", "attn_proj"})
+    out = [
+        ("attention", a * t * nq * d, cat),  # queries after RoPE
+        ("attention", a * t * cp * nkv * d, cat),  # keys (the whole sequence's under CP)
+        ("attention", a * t * cp * nkv * d, cat),  # values
+        ("attention", a * t * nq * d, both),  # the kernel's output, the output projection's input
+        ("attention", 0 if core else 4 * t * nq, cat),  # fp32 log-sum-exp
+        ("attention", a * t * nq * d if cp > 1 and not core else 0, cat),  # CP: each chunk's output
+    ]
+    if cfg.qk_norm == "head":  # the q/k norms' inputs and rstd per head
+        out.append(("attention", a * t * (nq + nkv) * d + 4 * t * (nq + nkv), frozenset()))
+    elif cfg.qk_norm == "full":  # per token of the TP-gathered sequence
+        out.append(("attention", a * t * (nq + nkv) * d + 8 * t * tp, frozenset()))
+    return out
 
 
-def _mla_terms(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> Dict[str, int]:
-    """Bytes a multi-head latent attention block keeps, by part, on ``t`` local tokens: the down-projections'
+def _mla_storages(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device: str) -> List[Storage]:
+    """The storages a multi-head latent attention block keeps on ``t`` local tokens: the down-projections'
     outputs (the latent norms' inputs) and ``rstd``; the TP-gathered latents (the up-projections' input;
     without q LoRA only the compressed KV, on the whole sequence under CP); the core's queries, keys and
-    values (``mla_up_proj`` drops them: without q LoRA it keeps the queries); the core's output and
-    log-sum-exp; on CPU the zero-padded values and the kernel's output that wide, plus the output layer's
-    copy of the narrow output."""
+    values (``mla_up_proj`` drops them: without q LoRA it keeps the queries; on a GPU the values are a view
+    of the KV up-projection's output, which stays whole); the core's output and log-sum-exp; on CPU the
+    zero-padded values and the kernel's output that wide, plus the output projection's copy of the narrow
+    output."""
     m, N = cfg.mla, cfg.num_attention_heads
     dqk, dv, kv_lat = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
     rq = m.q_lora_rank or 0
     cpu = device == "cpu"
-    up = rc.has("mla_up_proj")
-    core = rc.has("core_attn")
+    up, core = rc.has("mla_up_proj"), rc.has("core_attn")
     values = cp * N * (dqk if cpu else m.qk_nope_head_dim + dv)  # CPU: padded copy; GPU: kv_b_proj's output
-    return {
-        "down": a * t * (rq + kv_lat) + 4 * t * (2 if rq else 1),
-        "latents": a * t * tp * (rq + kv_lat if rq else 0) + a * t * tp * cp * kv_lat,
-        "qkv": a * t * ((0 if up and rq else N * dqk) + (0 if up else cp * N * dqk + values)),
-        "out": a * t * N * dv + (0 if core else 4 * t * N) + (a * t * N * dqk if cpu and not core else 0),
-    }
+    cat, none = frozenset({"core_attn"}), frozenset()
+    out = [
+        ("attention", a * t * (rq + kv_lat) + 4 * t * (2 if rq else 1), none),  # down outputs, latent rstd
+        ("attention", a * t * tp * (rq + kv_lat if rq else 0) + a * t * tp * cp * kv_lat, none),  # latents
+        ("attention", 0 if up and rq else a * t * N * dqk, cat),  # queries
+        ("attention", 0 if up else a * t * cp * N * dqk, cat),  # keys
+        ("attention", 0 if up else a * t * values, cat),  # values
+        ("attention", 0 if core else 4 * t * N, cat),  # fp32 log-sum-exp
+    ]
+    if cpu:  # the kernel keeps its padded output; the output projection its own narrow copy
+        out += [
+            ("attention", 0 if core else a * t * N * dqk, cat),
+            ("attention", a * t * N * dv, frozenset({"attn_proj"})),
+        ]
+    else:
+        out.append(("attention", a * t * N * dv, frozenset({"core_attn", "attn_proj"})))
+    return out
+
+
+def _terms_of(storages, offload: FrozenSet[str]) -> Dict[str, int]:
+    """Bytes per term left on the device when ``offload`` modules move what only they keep."""
+    out = dict.fromkeys(TERMS, 0)
+    for term, nbytes, keepers in storages:
+        if not keepers or not keepers <= offload:
+            out[term] += nbytes
+    return out
+
+
+def _host_of(storages, offload: FrozenSet[str]) -> int:
+    """Bytes the ``offload`` modules copy to host memory: every storage one of them saves."""
+    return sum(nbytes for _, nbytes, keepers in storages if keepers & offload)
 
 
 def _parts(
@@ -171,9 +220,19 @@ def _parts(
     fused_swiglu: bool = True,
     recompute="none",
     device: str = "cuda",
+    offload=(),
 ) -> Dict[str, int]:
-    """Bytes of every term of one layer (:data:`TERMS`) under ``recompute``."""
-    return _terms_cached(
+    """Bytes of every term of one layer (:data:`TERMS`) left on the device under ``recompute`` and ``offload``."""
+    return _terms_of(
+        _layer_storages(
+            cfg, layout, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu, recompute, device
+        ),
+        offload_set(offload),
+    )
+
+
+def _layer_storages(cfg, layout, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu, recompute, device):
+    return _storages(
         cfg,
         layout.tp,
         layout.cp,
@@ -188,6 +247,37 @@ def _parts(
     )
 
 
+def offload_set(offload) -> FrozenSet[str]:
+    """The offload modules of a setting: names, or names joined by commas (``train.offload_modules``);
+    ``ValueError`` naming the setting for an unknown one."""
+    names = [m for m in (offload.split(",") if isinstance(offload, str) else offload) if m]
+    bad = [m for m in names if m not in OFFLOAD_MODULES]
+    if bad:
+        raise ValueError(f"train.offload_modules: unknown module(s) {bad}; choose among {', '.join(OFFLOAD_MODULES)}")
+    return frozenset(names)
+
+
+def offloaded_bytes_per_layer(
+    cfg: ModelConfig,
+    layout,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    offload,
+    recompute="none",
+    act_bytes: int = 2,
+    moe_layer: bool = True,
+    fused_swiglu: bool = True,
+    device: str = "cuda",
+) -> int:
+    """Bytes one layer's ``offload`` modules copy to host memory per micro-batch (on a GPU, pinned host memory;
+    what they free on the device is the drop of :func:`activation_bytes_per_layer`)."""
+    storages = _layer_storages(
+        cfg, layout, seq_length, micro_batch_size, act_bytes, moe_layer, fused_swiglu, recompute, device
+    )
+    return _host_of(storages, offload_set(offload))
+
+
 def activation_terms(
     cfg: ModelConfig,
     layout,
@@ -199,21 +289,21 @@ def activation_terms(
     moe_layer: bool = True,
     fused_swiglu: bool = True,
     device: str = "cuda",
+    offload=(),
 ) -> Dict[str, int]:
-    """Bytes one layer keeps for backward, per micro-batch, on one rank, by term (:data:`TERMS`, the
-    module docstring); the same arguments as :func:`activation_bytes_per_layer`."""
-    return dict(
-        _parts(
-            cfg,
-            layout,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            act_bytes=act_bytes,
-            moe_layer=moe_layer,
-            fused_swiglu=fused_swiglu,
-            recompute=recompute,
-            device=device,
-        )
+    """Bytes one layer keeps for backward on the device, per micro-batch, on one rank, by term (:data:`TERMS`,
+    the module docstring); the same arguments as :func:`activation_bytes_per_layer`."""
+    return _parts(
+        cfg,
+        layout,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        act_bytes=act_bytes,
+        moe_layer=moe_layer,
+        fused_swiglu=fused_swiglu,
+        recompute=recompute,
+        device=device,
+        offload=offload,
     )
 
 
@@ -228,16 +318,18 @@ def activation_bytes_per_layer(
     moe_layer: bool = True,
     fused_swiglu: bool = True,
     device: str = "cuda",
+    offload=(),
 ) -> int:
-    """Estimated activation bytes one layer keeps for backward, per micro-batch, on one rank: the sum of
-    :func:`activation_terms`.
+    """Estimated activation bytes one layer keeps for backward on the device, per micro-batch, on one rank:
+    the sum of :func:`activation_terms`.
 
     ``cfg``: the :class:`~folding.model.config.ModelConfig`; ``layout``: a
     :class:`~folding.parallel.ParallelLayout` (or any object with its ``tp, cp, etp`` sizes).
     ``recompute``: a setting of :mod:`folding.model.recompute` (a mode, or modules joined by commas).
     ``moe_layer=False`` estimates a dense layer (a SwiGLU MLP of ``ffn_hidden_size``); ``fused_swiglu``:
     the experts' weighted SwiGLU is one autograd node, as in folding (3F kept per row; ``False``: plain
-    autograd, 5F); ``device``: see the module docstring.
+    autograd, 5F); ``device``: see the module docstring; ``offload``: the offload modules
+    (``train.offload_modules``: names, or names joined by commas), whose tensors wait in host memory.
     """
     return sum(
         activation_terms(
@@ -250,6 +342,7 @@ def activation_bytes_per_layer(
             moe_layer=moe_layer,
             fused_swiglu=fused_swiglu,
             device=device,
+            offload=offload,
         ).values()
     )
 
@@ -322,13 +415,15 @@ def mtp_activation_bytes(
     fused_swiglu: bool = True,
     device: str = "cuda",
     chunk_tokens: int = 2048,
+    offload=(),
 ) -> int:
     """Estimated bytes the multi-token-prediction modules keep for backward, per micro-batch, on the last
     pipeline stage (0 without them).
 
     Per module: its transformer layer (:func:`activation_bytes_per_layer`, MoE or dense by
     ``ModelConfig.is_moe_layer``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
-    sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH``, of the ``2H -> H``
+    sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH`` (the latter, the previous
+    depth's normed output, is the previous loss's own input when TP = 1: then only ``aTH``), of the ``2H -> H``
     projection ``2aTH`` and of its output norm ``aTH``, the three norms' ``rstd`` ``12T``, and its fused output
     layer + loss's input ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token, and the int64 ids and labels
     of its shifted tokens (its fp32 logits chunks are transient and run after the model's, so
@@ -339,7 +434,8 @@ def mtp_activation_bytes(
     a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     tokens = seq_length * micro_batch_size // layout.cp
-    extra = a * t * 5 * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
+    # the hidden-state norm's input is the previous loss's input itself when TP = 1 (no gather between them)
+    extra = a * t * (5 if layout.tp > 1 else 4) * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
     if tokens <= chunk_tokens:
         extra += 4 * tokens * (cfg.vocab_size // layout.tp)
     total = 0
@@ -354,6 +450,7 @@ def mtp_activation_bytes(
             moe_layer=cfg.is_moe_layer(i),
             fused_swiglu=fused_swiglu,
             device=device,
+            offload=offload,
         )
         total += layer + extra
     return total

@@ -102,6 +102,10 @@ class GPUSpec:
     """Inter-node network bandwidth per GPU per direction, bytes/s (one NIC per GPU)."""
     fragmentation: float = 0.05
     """Allocator overhead: reserved bytes exceed live tensor bytes by this fraction."""
+    host_link_bandwidth: float = 50e9
+    """Bytes per second one GPU moves to or from pinned host memory (activation offloading): PCIe Gen5 x16
+    (64 GB/s each way) at the ~80% a large ``cudaMemcpyAsync`` reaches; the H100, H200 and B200 of the
+    table all attach over it."""
     num_sms: int = 132
     """Streaming multiprocessors (GEMM output tiles run in waves of this many)."""
     overlap_contention: float = 0.3

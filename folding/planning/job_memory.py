@@ -56,6 +56,7 @@ def job_memory(job, layout, *, stage: Optional[int] = None) -> MemoryEstimate:
         act_bytes=width,
         num_microbatches=t.global_batch_size // (t.micro_batch_size * layout.dp),
         optim_precision=OptimizerPrecision.of(job.optim),
+        offload=t.offload_setting(),
     )
 
 

@@ -65,6 +65,8 @@ from .activations import (
     in_flight_chunks,
     logits_bytes,
     mtp_activation_bytes,
+    offload_set,
+    offloaded_bytes_per_layer,
     rope_bytes,
     transient_bytes,
 )
@@ -135,6 +137,9 @@ class MemoryEstimate:
     transient: int = 0
     """Estimated short-lived bytes at the peak: dispatch buffers and the recomputed region (0 when
     ``seq_length`` is 0), and under ``optim.name=muon`` the Newton–Schulz working set."""
+    host: int = 0
+    """Host (pinned) memory the offloaded activations take at the peak (``train.offload_modules``); not
+    part of :attr:`total`, which is the device's."""
 
     @property
     def total(self) -> int:
@@ -326,6 +331,7 @@ def memory_per_rank(
     fused_swiglu: bool = True,
     overlap_moe_comm: bool = False,
     optim_precision: Optional[OptimizerPrecision] = None,
+    offload="",
 ) -> MemoryEstimate:
     """Bytes per rank on pipeline ``stage`` (``None``: the stage with the largest total).
 
@@ -340,7 +346,10 @@ def memory_per_rank(
     ``overlap_moe_comm`` (``parallel.overlap_moe_comm``): the chunk forwards its longer warm-up keeps in
     flight (:func:`~folding.planning.activations.in_flight_chunks`); on the last rank a pair also keeps
     the previous micro-batch's loss input, log-sum-exp and multi-token-prediction activations.
-    ``optim_precision``: the optimizer's state and gradient dtypes (``None``: all fp32).
+    ``optim_precision``: the optimizer's state and gradient dtypes (``None``: all fp32). ``offload``: the
+    offload modules (``train.offload_modules``, names joined by commas): what they keep moves to
+    :attr:`MemoryEstimate.host`, and the two layers' worth that backward brings back at a time (one in use,
+    one prefetched) counts as transient.
     """
     prec = optim_precision or OptimizerPrecision()
     recompute = recompute_mode(recompute).name  # a mode, or modules (folding.model.recompute); raises naming it
@@ -360,6 +369,7 @@ def memory_per_rank(
                 fused_swiglu=fused_swiglu,
                 overlap_moe_comm=overlap_moe_comm,
                 optim_precision=prec,
+                offload=offload,
             )
             for k in range(layout.pp)
         ]
@@ -379,7 +389,7 @@ def memory_per_rank(
     opt_d /= layout.dp * layout.cp if distributed else 1
     opt_e /= layout.edp if distributed else 1
     grad = prec.grad_bytes()
-    acts = transient = 0
+    acts = transient = host = 0
     if seq_length:
         kw = dict(
             seq_length=seq_length,
@@ -388,28 +398,43 @@ def memory_per_rank(
             act_bytes=act_bytes,
             fused_swiglu=fused_swiglu,
         )
+        off = offload_set(offload)
         vpp = layout.vpp or 1
         n_layers, n_dense = _stage_counts(cfg, layout.pp, vpp, stage, _ends(layout))
-        per_mb = activation_bytes_per_layer(cfg, layout, moe_layer=True, **kw) * (n_layers - n_dense) + (
-            activation_bytes_per_layer(cfg, layout, moe_layer=False, **kw) * n_dense if n_dense else 0
+
+        def per_layer(moe_layer: bool, what=activation_bytes_per_layer, **extra) -> int:
+            return what(cfg, layout, moe_layer=moe_layer, **kw, **extra)
+
+        per_mb = per_layer(True, offload=off) * (n_layers - n_dense) + (
+            per_layer(False, offload=off) * n_dense if n_dense else 0
+        )
+        # host: what the offload modules copy out, for every layer of every chunk forward in flight
+        host_mb = (n_layers - n_dense) * per_layer(True, offloaded_bytes_per_layer, offload=off) + n_dense * (
+            per_layer(False, offloaded_bytes_per_layer, offload=off) if n_dense else 0
         )
         flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
         chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
         rope = rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes)  # per chunk holding a layer
         acts = (per_mb + rope * _busy_chunks(cfg, layout.pp, vpp, stage, _ends(layout))) * chunks / vpp
+        host = host_mb * chunks / vpp
         if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
             # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
             # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too
             tokens = seq_length * micro_batch_size // layout.cp
-            acts += act_bytes * tokens * cfg.hidden_size + 4 * tokens + mtp_activation_bytes(cfg, layout, **kw)
+            acts += (
+                act_bytes * tokens * cfg.hidden_size + 4 * tokens + mtp_activation_bytes(cfg, layout, offload=off, **kw)
+            )
         if stage == layout.pp - 1:
             acts += logits_bytes(
                 cfg, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes
             )
             # the MTP modules run in the last virtual stage, whose backward follows each forward at once on
             # the last rank: one micro-batch of theirs is alive at the peak
-            acts += mtp_activation_bytes(cfg, layout, **kw)
+            acts += mtp_activation_bytes(cfg, layout, offload=off, **kw)
         transient = transient_bytes(cfg, layout, **kw)
+        if off:  # backward brings back one layer while the next one's copy arrives
+            moved = max(per_layer(m) - per_layer(m, offload=off) for m in (True, False))
+            transient += 2 * moved
     if prec.name == "muon":
         transient += muon_transient_bytes(cfg, layout, distributed=distributed)
     return MemoryEstimate(
@@ -422,6 +447,7 @@ def memory_per_rank(
         activations=int(acts),
         stage=stage,
         transient=int(transient),
+        host=int(host),
     )
 
 

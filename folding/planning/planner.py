@@ -27,7 +27,7 @@ import dataclasses
 import functools
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from folding.model.config import ModelConfig
+from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel import LayoutError, ParallelLayout
 from folding.parallel.pipeline_layout import balanced_layout
 
@@ -140,12 +140,23 @@ def plan_overrides(
         out += [f"optim.{f}={getattr(prec, f)}" for f in OPTIM_DTYPES]
         out.append("train.precision=bf16")
         out += [f"train.{k}={getattr(shape, k)}" for k in ("seq_length", "global_batch_size", "micro_batch_size")]
-    out.append(f"train.recompute={plan.recompute}")
+    out += recompute_overrides(plan.recompute)
+    if plan.offload:
+        out.append(f"train.offload_modules=[{plan.offload}]")
     if cfg is not None and plan.dispatcher != cfg.moe.dispatcher:
         out.append(f"moe.dispatcher={plan.dispatcher}")
     if shape is not None and shape.fp8_recipe:
         out.append(f"moe.fp8_recipe={shape.fp8_recipe}")
     return out
+
+
+def recompute_overrides(recompute: str) -> List[str]:
+    """The job overrides of a recompute setting (:mod:`folding.model.recompute`): ``train.recompute=<mode>``
+    for a mode, else ``train.recompute=none`` and ``train.recompute_modules=[...]``."""
+    rc = recompute_mode(recompute)
+    if rc.name in RECOMPUTE_MODES:
+        return [f"train.recompute={rc.name}"]
+    return ["train.recompute=none", f"train.recompute_modules=[{rc.name}]"]
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -171,6 +182,7 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
         num_microbatches=m,
         fused_swiglu=shape.fused_swiglu,
         optim_precision=shape.optim_precision,
+        offload=plan.offload,
     )
     per_stage = memory_with_overlap if plan.overlap_moe_comm else memory_per_rank
     ests = [per_stage(cfg, plan, stage=k, **kw) for k in peak_candidate_stages(cfg, plan)]

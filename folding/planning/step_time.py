@@ -66,6 +66,7 @@ from typing import Dict, List, Optional, Tuple
 from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel.partition import partition_layers
 
+from . import activations as A
 from . import flops as F
 from .costs import (
     _a2a_time,
@@ -174,10 +175,17 @@ class Plan:
     delay_wgrad: bool = False
     """``parallel.delay_wgrad`` (with ``overlap_moe_comm``): the experts' weight-gradient GEMMs run behind
     the backward dispatch instead of behind the forward one."""
+    offload: str = ""
+    """``train.offload_modules`` joined by commas: what they keep goes to host memory in forward and comes
+    back in backward over the host link, whatever part of it the layer's compute cannot hide is charged."""
     dispatcher: str = "alltoall"
     """``moe.dispatcher``: ``alltoall`` sends every routed copy on its own; ``hierarchical`` sends a token
     over the NIC once per distinct remote node and forwards it over NVLink there
     (:mod:`folding.planning.node_dispatch`)."""
+
+
+CAUSES = ("compute", "memory_bound", "tp", "cp", "ep", "offload")
+"""What a layer's time per micro-batch is made of (the per-stage breakdown's entries before the pipeline's)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -436,7 +444,27 @@ def _layer_times(
                 a2a + etp, pieces, forwards=mlp_fwd, contention=gpu.overlap_contention, delay_wgrad=plan.delay_wgrad
             )
     out["ep"] = ep_t
+    out["offload"] = _offload_exposed(cfg, plan, shape, gpu, moe, out["compute"])
     return out
+
+
+def _offload_exposed(cfg: ModelConfig, plan: Plan, shape: TrainingShape, gpu, moe: bool, compute_s: float) -> float:
+    """Seconds per layer and micro-batch that activation offloading adds: the copy of what the offload
+    modules keep to host memory during the layer's forward, and back during the backward of the layer above
+    (prefetch), each hidden behind that compute (a third / two thirds of the layer's) as far as it lasts."""
+    if not plan.offload:
+        return 0.0
+    nbytes = A.offloaded_bytes_per_layer(
+        cfg,
+        plan,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        offload=plan.offload,
+        recompute=plan.recompute,
+        moe_layer=moe,
+    )
+    copy = nbytes / gpu.host_link_bandwidth
+    return max(0.0, copy - compute_s / 3) + max(0.0, copy - 2 * compute_s / 3)
 
 
 def _ep_exchange_time(cfg: ModelConfig, plan: Plan, stride: int, row_bytes: float, cluster: Cluster) -> float:
@@ -478,7 +506,7 @@ def _last_stage_extra(
     tok = S * b / (plan.tp * plan.cp)
     hbm = gpu.hbm_bandwidth * gpu.hbm_efficiency
     heads = 1 + cfg.mtp_num_layers
-    out = {c: 0.0 for c in ("compute", "memory_bound", "tp", "cp", "ep")}
+    out = {c: 0.0 for c in CAUSES}
     out["compute"] = heads * sum(gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, eff))
     out["memory_bound"] = heads * 4 * tok * cfg.vocab_size / plan.tp * FP32 / hbm
     if plan.tp > 1:
@@ -634,7 +662,7 @@ def estimate_step_time(
     dense_l = _layer_times(cfg, plan, shape, cluster, compute_efficiency, moe=False)
     # with overlap_moe_comm: what pairing saves per MoE layer and micro-batch (moe_l["ep"] is then unpaired)
     pair_save = moe_l["ep"] - moe_l.pop("ep_paired", moe_l["ep"])
-    causes = ("compute", "memory_bound", "tp", "cp", "ep")
+    causes = CAUSES
     layer = {c: (n_moe * moe_l[c] + (L - n_moe) * dense_l[c]) / L for c in causes}  # the mean decoder layer
     # the layers of each pipeline rank (L/PP on every rank when even), the last one's output layer and MTP
     counts = rank_layer_counts(cfg, plan)

@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import List, Optional, Tuple
 
-from folding.model.config import RECOMPUTE_MODULES, recompute_spec
+from folding.model.config import OFFLOAD_MODULES, RECOMPUTE_MODULES, offload_conflict, recompute_spec
 
 from .hardware import GIB, GPUSpec, get_gpu
 from .job_memory import job_memory
@@ -48,6 +48,7 @@ def job_plan(job, layout) -> Plan:
         edp=layout.edp,
         distributed_optimizer=job.optim.distributed,
         recompute=job.train.recompute_setting(),
+        offload=job.train.offload_setting(),
         last_stage_layers=layout.last_stage_layers,
         first_stage_layers=layout.first_stage_layers,
         overlap_moe_comm=job.parallel.overlap_moe_comm,
@@ -76,7 +77,10 @@ def job_step_seconds(job, layout, gpu: GPUSpec) -> float:
 def candidates(job) -> List[Tuple[str, object]]:
     """``(override, changed job)`` for every change :func:`memory_suggestions` weighs: each recompute module
     (:data:`~folding.model.recompute.RECOMPUTE_MODULES`) the job does not recompute yet, added to
-    ``train.recompute_modules``, and ``train.recompute=full`` (the whole layer)."""
+    ``train.recompute_modules``; each offload module (:data:`~folding.memory.offload.OFFLOAD_MODULES`) not
+    offloaded yet, added to ``train.offload_modules``; and ``train.recompute=full`` (the whole layer). A change
+    the job's validation would refuse (an offload module whose tensors a recompute module already drops) is
+    left out."""
     t = job.train
     rc = recompute_spec(t.recompute, t.recompute_modules)
     out = []
@@ -85,13 +89,21 @@ def candidates(job) -> List[Tuple[str, object]]:
     for module in RECOMPUTE_MODULES:
         if module not in rc.modules:
             mods = [*t.recompute_modules, module]
-            changed = dataclasses.replace(job, train=dataclasses.replace(t, recompute_modules=mods))
-            out.append((f"train.recompute_modules=[{','.join(mods)}]", changed))
-    full = dataclasses.replace(job, train=dataclasses.replace(t, recompute="full", recompute_modules=[]))
-    out.append(
-        ("train.recompute=full train.recompute_modules=[]" if t.recompute_modules else "train.recompute=full", full)
-    )
-    return out
+            out.append((f"train.recompute_modules=[{','.join(mods)}]", dataclasses.replace(t, recompute_modules=mods)))
+    for module in OFFLOAD_MODULES:
+        if module not in t.offload_modules:
+            mods = [*t.offload_modules, module]
+            out.append((f"train.offload_modules=[{','.join(mods)}]", dataclasses.replace(t, offload_modules=mods)))
+    if not t.offload_modules:
+        full = dataclasses.replace(t, recompute="full", recompute_modules=[])
+        out.append(
+            ("train.recompute=full train.recompute_modules=[]" if t.recompute_modules else "train.recompute=full", full)
+        )
+    return [
+        (override, dataclasses.replace(job, train=train))
+        for override, train in out
+        if not offload_conflict(recompute_spec(train.recompute, train.recompute_modules), train.offload_modules)
+    ]
 
 
 def memory_suggestions(job, stage: int, *, layout=None, gpu: Optional[GPUSpec] = None) -> List[str]:

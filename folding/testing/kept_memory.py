@@ -30,6 +30,7 @@ Usage (one process, a layer of a model)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 from typing import Callable, Dict, Iterable, List, Tuple
@@ -40,7 +41,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["KeptCensus", "KeptStorage", "SavedTensor", "bytes_by", "cast_copies", "saved_by_node"]
+__all__ = [
+    "KeptCensus",
+    "KeptStorage",
+    "SavedTensor",
+    "bytes_by",
+    "cast_copies",
+    "layer_census",
+    "layer_term",
+    "saved_by_node",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,8 @@ class KeptStorage:
     """Its dtype."""
     nbytes: int
     """Bytes of the storage now (a storage freed by a discarding recompute is not listed)."""
+    tier: str = "device"
+    """``"host"`` for an activation offloader's host copy (:meth:`KeptCensus.kept`'s ``host``), else ``"device"``."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -133,18 +145,20 @@ class KeptCensus:
         finally:
             self._stack.pop()
 
-    def kept(self, *held: torch.Tensor) -> List[KeptStorage]:
+    def kept(self, *held: torch.Tensor, host: Iterable[torch.Tensor] = ()) -> List[KeptStorage]:
         """The recorded storages still alive, except those of the tensors in ``held`` (the outputs the
-        caller keeps anyway), largest first."""
+        caller keeps anyway), largest first; those of ``host`` (an offloader's host copies,
+        :meth:`folding.memory.offload.Offloader.host_tensors`) are marked ``tier="host"``."""
         gc.collect()
         skip = {StorageWeakRef(t.untyped_storage()).cdata for t in held if t is not None}
+        on_host = {StorageWeakRef(t.untyped_storage()).cdata for t in host}
         alive = []
         for key, (ref, rec) in self._records.items():
             if ref.expired() or key in skip:
                 continue
             now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()  # 0 once discarded
             if now:
-                alive.append(dataclasses.replace(rec, nbytes=now))
+                alive.append(dataclasses.replace(rec, nbytes=now, tier="host" if key in on_host else "device"))
         return sorted(alive, key=lambda r: -r.nbytes)
 
 
@@ -240,3 +254,35 @@ def cast_copies(saved: List[SavedTensor]) -> List[Tuple[SavedTensor, SavedTensor
                 if torch.equal(wide.tensor.detach(), narrow.tensor.detach().to(wide.tensor.dtype)):
                     pairs.append((wide, narrow))
     return pairs
+
+
+def layer_term(module: str, is_moe: bool) -> str:
+    """The memory model's term (:data:`folding.planning.activations.TERMS`) of a storage that ``module`` (a
+    name inside one :class:`~folding.model.block.TransformerLayer`, as :class:`KeptCensus` gives it) made."""
+    if module in ("input", ""):
+        return "input" if module else "residual"
+    if module in ("input_norm", "post_attention_norm"):
+        return "norms"
+    if module.startswith("attention"):
+        return "attention"
+    if not is_moe:
+        return "mlp"
+    for prefix, term in (("mlp.router", "router"), ("mlp.experts", "experts"), ("mlp.shared_expert", "shared_expert")):
+        if module.startswith(prefix):
+            return term
+    return "dispatch"  # the MoE layer's own ops and its dispatcher's
+
+
+def layer_census(
+    layer: nn.Module, x0: torch.Tensor, rope, *, offloader=None
+) -> Tuple[List[KeptStorage], torch.Tensor, torch.Tensor]:
+    """Run ``layer(x, rope)`` on an input ``x`` made from ``x0`` inside the census and held by nothing but the
+    layer (so that the layer's keeping it counts, and offloading it frees it), and return
+    ``(kept, output, leaf)``: what the forward keeps for backward (``offloader``: the model's
+    :class:`~folding.memory.offload.Offloader`, whose host copies are marked ``tier="host"``), the output, and
+    the leaf ``x`` was computed from (its ``.grad`` is the input gradient after a backward)."""
+    leaf = x0.clone().requires_grad_()
+    pass_ = offloader.forward_pass() if offloader is not None else contextlib.nullcontext()
+    with KeptCensus(layer) as census, pass_:
+        y = layer(census.make(lambda: leaf * 1), rope)
+    return census.kept(y, host=offloader.host_tensors() if offloader is not None else ()), y, leaf

@@ -343,6 +343,7 @@ def _build_chunks(
         params_dtype=compute_dtype(job),
         device="meta" if init_from else device,
         recompute=t.recompute_setting(),
+        offload_modules=t.offload_setting(),
         overlap_comm=job.parallel.overlap_moe_comm,
         delay_wgrad=job.parallel.delay_wgrad,
         expert_backend=expert_backend,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from folding.memory.discard import discard_until_backward
+from folding.memory.offload import offload_region
 from folding.moe.dispatch.base import DispatchRecord
 from folding.moe.experts.backends import grouped_linear, host_counts
 from folding.moe.experts.scaled import aligned_sizes
@@ -272,7 +273,8 @@ class GroupedMLP(torch.nn.Module):
         ):  # host counts: validate once for both GEMMs (device counts: see grouped_linear)
             tokens_per_expert = host_counts(tokens_per_expert, w1.shape[0], n)
         kw = dict(delayed=self.delayed_scaling, delay_wgrad=self.delay_wgrad)
-        h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
+        with offload_region("expert_fc1"):
+            h = grouped_linear(tokens_NH, w1, tokens_per_expert, backend, self.fp8_recipe, name="fc1", **kw)
         act = self._activation(h, probs_N)
         y = grouped_linear(act, w2, tokens_per_expert, backend, self.fp8_recipe, name="fc2", **kw)
         if self.recompute_act and self.fp8_recipe is None:
@@ -289,7 +291,8 @@ class GroupedMLP(torch.nn.Module):
                 align = FP8_ROW_ALIGN[self.fp8_recipe]
                 x_NH, padded = pad_rows_per_expert(x_NH, counts, align)
                 probs_N = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align)[0].squeeze(1)
-            h = runner.linear("fc1", x_NH, w1, padded)
+            with offload_region("expert_fc1"):
+                h = runner.linear("fc1", x_NH, w1, padded)
             y = runner.linear("fc2", self._activation(h, probs_N), w2, padded)
         return unpad_rows_per_expert(y, counts, padded)
 
@@ -307,13 +310,16 @@ class GroupedMLP(torch.nn.Module):
         probs_Np = pad_rows_per_expert(probs_N.unsqueeze(1), counts, align, min_rows=align)[0].squeeze(1)
         sizes_L = None if counts_L is None else aligned_sizes(counts_L, align)
         kw = dict(delay_wgrad=self.delay_wgrad, device_sizes=sizes_L)
-        h = grouped_linear(x_NpH, w1, padded, "torch", self.fp8_recipe, **kw)
+        with offload_region("expert_fc1"):
+            h = grouped_linear(x_NpH, w1, padded, "torch", self.fp8_recipe, **kw)
         y = grouped_linear(self._activation(h, probs_Np), w2, padded, "torch", self.fp8_recipe, **kw)
         return unpad_rows_per_expert(y, counts, padded)
 
     def _activation(self, h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""
-        return swiglu_prob(h_NFl2, probs_N)
+        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]`` (the ``moe_act`` offload region: what it
+        keeps, fc1's output and the probabilities, may wait in host memory)."""
+        with offload_region("moe_act"):
+            return swiglu_prob(h_NFl2, probs_N)
 
     def extra_repr(self) -> str:
         """Sizes, sharding and backend."""
