@@ -203,15 +203,30 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
 
 @contextlib.contextmanager
 def _counting_recompute():
-    """Count, by the module that asks, the checkpointed regions run and the discarded tensors refilled in
-    backward during the block (wrapping the functions the engine's modules call; the counts are of what ran,
-    not of what was configured): ``{"block": n, "core": n, "shared": n, "refills": n}``."""
+    """Count, by the module that asks, the checkpointed regions run, the discarded tensors refilled in
+    backward and the storages offloaded to host memory and copied back during the block (wrapping the
+    functions the engine's modules call; the counts are of what ran, not of what was configured):
+    ``{"block": n, "core": n, "shared": n, "refills": n, "offloaded": n, "reloaded": n}``."""
+    from folding.memory.offload import Offloader
     from folding.model import block, context_parallel, mla
     from folding.moe import layer
     from folding.moe.experts import grouped
 
     counts = collections.Counter()
     saved = []
+
+    def counting_method(name, what):
+        real = getattr(Offloader, name)
+
+        def wrapped(self, *args):
+            counts[what] += 1
+            return real(self, *args)
+
+        saved.append((Offloader, name, real))
+        setattr(Offloader, name, wrapped)
+
+    counting_method("_copy_out", "offloaded")
+    counting_method("_copy_in", "reloaded")
 
     def counting_checkpoint(module, what):
         real = module.checkpoint
@@ -526,11 +541,13 @@ def _bitwise_variant(ranks, tmp_path, case, variant, optim):
 
 
 def _check_memory_active(case, variant, runs, plain):
-    """Inside the runs the recompute modules of ``variant`` ran (counted by :func:`_counting_recompute`):
-    a discarding module (``layernorm``, ``moe_act``, ``mla_up_proj``) refilled tensors in backward; the
-    attention core, the shared expert and the MLP block ran under checkpoints where their module names
-    them; the plain run did none of it."""
+    """Inside the runs the recompute and offload modules of ``variant`` ran (counted by
+    :func:`_counting_recompute`): a discarding module (``layernorm``, ``moe_act``, ``mla_up_proj``) refilled
+    tensors in backward; the attention core, the shared expert and the MLP block ran under checkpoints where
+    their module names them; the offload modules copied storages out, and every one came back; the plain run
+    did none of it."""
     modules = set(variant[1].get("recompute_modules", ()))
+    offload = bool(variant[1].get("offload_modules"))
     total = collections.Counter()
     for run in runs:
         total.update(run["recomputed"])
@@ -540,8 +557,11 @@ def _check_memory_active(case, variant, runs, plain):
         "core": "core_attn" in modules,
         "shared": "shared_experts" in modules and "moe" not in modules,
         "block": bool(modules & {"mlp", "moe"}),
+        "offloaded": offload,
+        "reloaded": offload,
     }
     assert {k: total[k] > 0 for k in want} == want, (case, variant, dict(total))
+    assert total["reloaded"] >= total["offloaded"], (case, variant, dict(total))  # none left in host memory
 
 
 # hot-expert replicas (moe.expert_replicas=1, re-planned every 2 steps): EP4 dropless, EP4 dropping
@@ -568,18 +588,61 @@ HIER_CASES = [
 ]
 
 
-# Megatron-Core's recompute modules, every one in some case, each bitwise equal to the case's run without them
-# (the plain runs are those of the same half's overlap_off test, on the same worker): Mixtral PP2 TP2 EP2 with
-# core_attn, layernorm and moe_act; Qwen2-MoE PP4 (dropping; a dense layer, a shared expert) with
-# shared_experts, mlp and layernorm; Qwen3-MoE TP2 CP2 EP8 with core_attn and moe_act and overlap on;
-# DeepSeek-V3 (MLA, dense layer 0) with mla_up_proj, mlp and moe.
+# Megatron-Core's recompute and offload modules, every one in some case, with pipeline parallelism and with
+# overlap, each bitwise equal to the case's run without them (the plain runs are those of the same half's
+# overlap_off test, on the same worker): Mixtral PP2 TP2 EP2 recomputing core_attn, layernorm and moe_act and
+# offloading attn_norm, mlp_norm and expert_fc1; Qwen2-MoE PP4 (dropping; a dense layer, a shared expert)
+# recomputing shared_experts, mlp and layernorm and offloading core_attn, attn_proj and moe_act; Qwen3-MoE TP2
+# CP2 EP8 with overlap on, recomputing core_attn and moe_act and offloading qkv_linear, attn_norm and
+# expert_fc1; DeepSeek-V3 (MLA, dense layer 0) PP2 recomputing mla_up_proj, mlp and moe and offloading
+# qkv_linear, attn_norm and attn_proj.
 MEMORY_VARIANTS = {
-    "a": [(CASES[0], ({}, dict(recompute_modules=["core_attn", "layernorm", "moe_act"])))],
-    "b": [
-        (CASES[9], ({}, dict(recompute_modules=["shared_experts", "mlp", "layernorm"]))),
-        (CASES[11], (dict(overlap_moe_comm=True), dict(recompute_modules=["core_attn", "moe_act"]))),
+    "a": [
+        (
+            CASES[0],
+            (
+                {},
+                dict(
+                    recompute_modules=["core_attn", "layernorm", "moe_act"],
+                    offload_modules=["attn_norm", "mlp_norm", "expert_fc1"],
+                ),
+            ),
+        )
     ],
-    "deepseek": [(DEEPSEEK_CASES[0], ({}, dict(recompute_modules=["mla_up_proj", "mlp", "moe"])))],
+    "b": [
+        (
+            CASES[9],
+            (
+                {},
+                dict(
+                    recompute_modules=["shared_experts", "mlp", "layernorm"],
+                    offload_modules=["core_attn", "attn_proj", "moe_act"],
+                ),
+            ),
+        ),
+        (
+            CASES[11],
+            (
+                dict(overlap_moe_comm=True),
+                dict(
+                    recompute_modules=["core_attn", "moe_act"],
+                    offload_modules=["qkv_linear", "attn_norm", "expert_fc1"],
+                ),
+            ),
+        ),
+    ],
+    "deepseek": [
+        (
+            DEEPSEEK_CASES[0],
+            (
+                {},
+                dict(
+                    recompute_modules=["mla_up_proj", "mlp", "moe"],
+                    offload_modules=["qkv_linear", "attn_norm", "attn_proj"],
+                ),
+            ),
+        )
+    ],
 }
 
 # The fp32 matrix runs as two halves, each one test per overlap setting: a half's overlap_on compares
