@@ -153,8 +153,13 @@ def test_special_flags_follow_megatron_semantics():
                 "--lr-wsd-decay-iters", "200")  # fmt: skip
     assert (v["optim.decay_style"], v["optim.wsd_decay_shape"], v["optim.wsd_decay_fraction"]) == ("wsd", "sqrt", 0.2)
     assert _values("--recompute-granularity", "full", "--recompute-method", "uniform")["train.recompute"] == "full"
-    assert _values("--recompute-activations")["train.recompute"] == "selective"
-    assert _values("--recompute-granularity", "selective", "--recompute-modules", "moe")["train.recompute"] == "moe"
+    v = _values("--recompute-activations")
+    assert (v["train.recompute"], v["train.recompute_modules"]) == ("none", ["core_attn"])  # selective's default
+    v = _values("--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "mlp", "moe_act")
+    assert (v["train.recompute"], v["train.recompute_modules"]) == ("none", ["mla_up_proj", "mlp", "moe_act"])
+    v = _values("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act")
+    assert v["train.offload_modules"] == ["expert_fc1", "moe_act"]
+    assert "train.offload_modules" not in _values("--offload-modules", "expert_fc1")  # ignored without the switch
     v = _values("--seed", "7", "--distributed-timeout-minutes", "2", "--tokenizer-type", "HuggingFaceTokenizer",
                 "--tokenizer-model", ROOT, "--save", "/a", "--load", "/b")  # fmt: skip
     assert (v["train.seed"], v["data.seed"], v["train.collective_timeout_s"]) == (7, 7, 120.0)
@@ -163,6 +168,8 @@ def test_special_flags_follow_megatron_semantics():
     for argv, needle in [
         (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),
         (["--hidden-dropout", "0.1"], "no dropout"),
+        (["--recompute-granularity", "selective", "--recompute-modules", "attention"], "--recompute-modules attention"),
+        (["--fine-grained-activation-offloading", "--offload-modules", "router"], "--offload-modules router"),
         (["--lr-decay-style", "inverse-square-root"], "inverse-square-root: no equivalent"),
         (["--num-layers", "4", "--num-experts", "4", "--swiglu"], "no --normalization: the model would have LayerNorm"),
         ([*ARCH, "--num-layers", "4"], "no --num-experts"),

@@ -43,6 +43,9 @@ ARCH_KEYS = (
 )
 """The sizes that pick a preset when they all match it."""
 
+MULTI_VALUED = ("--data-path", "--recompute-modules", "--offload-modules", "--cp-comm-type")
+"""The flags that take several values (Megatron-LM's ``nargs``)."""
+
 SECTIONS = ("parallel", "model", "moe", "train", "optim", "data", "checkpoint", "logging")
 """The order the overrides are printed in."""
 
@@ -126,7 +129,7 @@ def convert(argv: Sequence[str], *, world_size: Optional[int] = None, config_dir
         if spec is None:
             continue
         vals = flags[name]
-        if spec.takes_value and len(vals) != 1 and name not in ("--data-path", "--recompute-modules", "--cp-comm-type"):
+        if spec.takes_value and len(vals) != 1 and name not in MULTI_VALUED:
             problems.append(f"{name} takes one value (got {len(vals)})")
             continue
         if not spec.takes_value and vals:

@@ -216,6 +216,8 @@ FLAGS: Dict[str, Flag] = {
     "--recompute-method": special(),
     "--recompute-num-layers": special(),
     "--recompute-modules": special(),
+    "--fine-grained-activation-offloading": special(False),
+    "--offload-modules": special(),
     "--calculate-per-token-loss": noop(
         "the loss is always per token here: the global batch's token losses / their count"
     ),

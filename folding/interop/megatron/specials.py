@@ -19,6 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional
 
+from ...memory.offload import OFFLOAD_MODULES
+from ...model.recompute import RECOMPUTE_MODULES
+
 Flags = Dict[str, List[str]]
 
 HF_TOKENIZERS = ("HuggingFaceTokenizer",)
@@ -59,6 +62,7 @@ def specials(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List
         _model(flags, out, notes, problems)
         _schedule(flags, out, notes, problems)
         _recompute(flags, out, notes, problems)
+        _offload(flags, out, notes, problems)
         _data_and_checkpoints(flags, out, notes, problems)
     except ValueError as e:  # a value that is not a number where one is expected
         problems.append(f"a flag's value is not a number: {e}")
@@ -182,17 +186,34 @@ def _recompute(flags: Flags, out: Dict[str, Any], notes: List[str], problems: Li
         if layers != 1:
             notes.append(f"--recompute-num-layers {layers}: folding recomputes layer by layer (1)")
     elif granularity == "selective":
-        modules = set(flags.get("--recompute-modules") or ["core_attn"])  # Megatron-LM's default
-        chosen = {frozenset({"core_attn"}): "selective", frozenset({"moe"}): "moe"}.get(frozenset(modules))
-        if chosen is None:
+        modules = [m for v in flags.get("--recompute-modules") or ["core_attn"] for m in v.split()]  # its default
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown:
             problems.append(
-                f"--recompute-modules {' '.join(sorted(modules))}: folding recomputes core_attn "
-                "(train.recompute=selective) or moe (train.recompute=moe), one of them"
+                f"--recompute-modules {' '.join(unknown)}: folding recomputes {', '.join(RECOMPUTE_MODULES)} "
+                "(Megatron-Core's names and meaning)"
             )
         else:
-            out["train.recompute"] = chosen
+            out["train.recompute"] = "none"
+            out["train.recompute_modules"] = list(dict.fromkeys(modules))
     else:
         problems.append(f"--recompute-granularity {granularity}: folding has full or selective")
+
+
+def _offload(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[str]) -> None:
+    """``--fine-grained-activation-offloading --offload-modules ...`` -> ``train.offload_modules``."""
+    modules = [m for v in flags.get("--offload-modules") or [] for m in v.split()]
+    if "--fine-grained-activation-offloading" not in flags:
+        if modules:
+            notes.append("--offload-modules: ignored without --fine-grained-activation-offloading (as in Megatron-LM)")
+        return
+    unknown = [m for m in modules if m not in OFFLOAD_MODULES]
+    if unknown:
+        problems.append(f"--offload-modules {' '.join(unknown)}: folding offloads {', '.join(OFFLOAD_MODULES)}")
+    elif not modules:
+        problems.append("--fine-grained-activation-offloading without --offload-modules: name the modules to offload")
+    else:
+        out["train.offload_modules"] = list(dict.fromkeys(modules))
 
 
 def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[str]) -> None:
