@@ -6,7 +6,8 @@ the job's settings, written as the override that makes it: each recompute module
 stage by the bytes it saves (:func:`~folding.planning.job_memory.job_memory`) and the step time it adds
 (:func:`~folding.planning.step_time.estimate_step_time` of the job's layout, with the planner's calibrated
 compute efficiency), and the list runs from the most bytes saved per extra second (a change that adds no
-time comes first) down; a change that saves nothing is left out.
+time comes first) down, the changes that make the stage fit the GPU (when one is given) before the others;
+a change that saves nothing is left out.
 
 Usage::
 
@@ -51,6 +52,7 @@ def job_plan(job, layout) -> Plan:
         offload=job.train.offload_setting(),
         last_stage_layers=layout.last_stage_layers,
         first_stage_layers=layout.first_stage_layers,
+        pipeline_layout=layout.pipeline_layout,
         overlap_moe_comm=job.parallel.overlap_moe_comm,
         delay_wgrad=job.parallel.delay_wgrad,
         dispatcher=planned_dispatcher(job.model),
@@ -133,7 +135,13 @@ def memory_suggestions(job, stage: int, *, layout=None, gpu: Optional[GPUSpec] =
             if rate == math.inf
             else f"for {extra:+.3f} s per step ({rate / GIB:.0f} GiB per second)"
         )
+        fits = gpu is not None and gpu.fits(after)
         scored.append(
-            (rate, f"{override}: {saved / GIB:.1f} GiB less on stage {stage} ({after / GIB:.1f} GiB{verdict}) {cost}")
+            (
+                fits,
+                rate,
+                f"{override}: {saved / GIB:.1f} GiB less on stage {stage} ({after / GIB:.1f} GiB{verdict}) {cost}",
+            )
         )
-    return [text for _, text in sorted(scored, key=lambda s: -s[0])]
+    # with a GPU: the changes that make the stage fit first, each group from the most GiB per second down
+    return [text for _, _, text in sorted(scored, key=lambda s: (not s[0], -s[1]))]

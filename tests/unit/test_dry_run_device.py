@@ -104,20 +104,22 @@ def test_memory_suggestions_rank_the_recompute_modules_by_bytes_per_second():
         "train.recompute_modules=[moe_act]",
     ]
     before = job_memory(job, layout, stage=0).total
-    rates = []
+    rates = []  # (fits, GiB per second)
     for line in fixes:
         after = job_memory(_job(*STRADDLE, line.split(": ")[0]), layout, stage=0).total
         assert f": {(before - after) / GIB:.1f} GiB less on stage 0 ({after / GIB:.1f} GiB, " in line
         assert ("fits the h100" in line) == h100.fits(after)
         cost = re.search(r"for \+([0-9.]+) s per step \(([0-9]+) GiB per second\)", line)
-        if cost is None:  # an offload module whose copies the layers' compute hides: first in the list
+        fits = h100.fits(after)
+        if cost is None:  # an offload module whose copies the layers' compute hides
             assert line.endswith("at no extra step time"), line
-            rates.append(math.inf)
+            rates.append((fits, math.inf))
             continue
         seconds = float(cost.group(1))
         assert seconds > 0
-        rates.append((before - after) / GIB / seconds)
-    assert rates == sorted(rates, reverse=True)
+        rates.append((fits, (before - after) / GIB / seconds))
+    # the changes that make the stage fit first, then the others, each from the most GiB per second down
+    assert rates == sorted(rates, key=lambda r: (not r[0], -r[1])) and rates[0][0]
     # recomputing everything already: nothing left to suggest
     assert memory_suggestions(_job(*STRADDLE, "train.recompute=full"), 0, layout=layout) == []
 

@@ -166,6 +166,16 @@ def convert(argv: Sequence[str], *, world_size: Optional[int] = None, config_dir
     if preset is not None:  # the preset sets its own sizes: only what differs stays
         ref = _flat_preset(preset)
         out = {k: v for k, v in out.items() if not (k in ref and _same(v, ref[k]))}
+    mla = {k: v for k, v in out.items() if k.startswith("model.mla.")}
+    if mla:  # MLA sizes are a preset's (model.mla): left over, they match none
+        with_mla = [n for n in list_presets() if get_preset(n).mla is not None]
+        raise MegatronArgsError(
+            [
+                f"--multi-latent-attention sizes {mla} are not those of the model the other sizes give "
+                f"({preset or 'none'}): folding builds MLA from a preset's model.mla ({', '.join(with_mla)})"
+            ],
+            [],
+        )
     elif "model.num_layers" in out:
         out["model.name"] = "megatron"
         if "model.vocab_size" not in out:

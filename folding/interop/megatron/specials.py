@@ -63,6 +63,7 @@ def specials(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List
         _schedule(flags, out, notes, problems)
         _recompute(flags, out, notes, problems)
         _offload(flags, out, notes, problems)
+        _mla_and_layer_freq(flags, out, notes, problems)
         _data_and_checkpoints(flags, out, notes, problems)
     except ValueError as e:  # a value that is not a number where one is expected
         problems.append(f"a flag's value is not a number: {e}")
@@ -265,3 +266,63 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+MLA_FLAGS = {
+    "--q-lora-rank": "q_lora_rank",
+    "--kv-lora-rank": "kv_lora_rank",
+    "--qk-head-dim": "qk_nope_head_dim",
+    "--qk-pos-emb-head-dim": "qk_rope_head_dim",
+    "--v-head-dim": "v_head_dim",
+}
+"""Megatron-LM's multi-head latent attention sizes and the ``model.mla`` fields they are."""
+
+
+def _mla_and_layer_freq(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[str]) -> None:
+    """``--multi-latent-attention`` and its sizes become ``model.mla.*`` values that must equal a preset's
+    (:func:`folding.interop.megatron.args.convert` refuses what is left after the preset is matched);
+    ``--moe-layer-freq`` (an int, or Megatron-LM's list expression such as ``([0]*3+[1]*58)``) becomes
+    ``model.mlp_only_layers``, the dense layers."""
+    sizes = {field: _one(flags, flag) for flag, field in MLA_FLAGS.items() if flag in flags}
+    if sizes and "--multi-latent-attention" not in flags:
+        problems.append(f"{', '.join(f for f in MLA_FLAGS if f in flags)}: only with --multi-latent-attention")
+    for field, v in sizes.items():
+        out[f"model.mla.{field}"] = None if v in (None, "None", "none") else int(v)
+    if "--multi-latent-attention" in flags and not sizes:
+        notes.append("--multi-latent-attention: the MLA sizes are the preset's (model.mla)")
+    freq = _one(flags, "--moe-layer-freq")
+    if freq is None:
+        return
+    pattern = layer_freq_pattern(freq, out.get("model.num_layers"))
+    if pattern is None:
+        problems.append(
+            f"--moe-layer-freq {freq}: give an integer or a list expression of 0/1 such as ([0]*3+[1]*58) "
+            "covering --num-layers"
+        )
+    elif any(pattern):
+        out["model.mlp_only_layers"] = tuple(i for i, moe in enumerate(pattern) if not moe)
+    else:
+        problems.append(f"--moe-layer-freq {freq}: no MoE layer; folding trains MoE models")
+
+
+def layer_freq_pattern(freq: str, num_layers: Optional[int]) -> Optional[List[int]]:
+    """Megatron-LM's ``--moe-layer-freq`` as one 0/1 per layer (1: MoE): an integer ``N`` (every N-th layer,
+    from the first), a list ``[1,0,...]``, or a sum of repeated lists ``([0]*3+[1]*58)``; ``None`` when it
+    is none of these or does not cover ``num_layers`` layers."""
+    text = freq.strip().replace(" ", "")
+    if text.isdigit():
+        n = int(text)
+        if not n or num_layers is None:
+            return None
+        return [1 if i % n == 0 else 0 for i in range(num_layers)]
+    text = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    out: List[int] = []
+    for term in text.split("+"):
+        body, _, times = term.partition("*")
+        if not (body.startswith("[") and body.endswith("]")) or (times and not times.isdigit()):
+            return None
+        values = [v for v in body[1:-1].split(",") if v]
+        if not values or any(v not in ("0", "1") for v in values):
+            return None
+        out += [int(v) for v in values] * (int(times) if times else 1)
+    return out if num_layers is None or len(out) == num_layers else None
