@@ -328,7 +328,8 @@ def mtp_activation_bytes(
 
     Per module: its transformer layer (:func:`activation_bytes_per_layer`, MoE or dense by
     ``ModelConfig.is_moe_layer``, under ``recompute`` like any layer) plus, never recomputed, on the rank's ``T``
-    sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH``, of the ``2H -> H``
+    sequence-parallel tokens the inputs of its embedding and hidden-state norms ``2aTH`` (the latter, the previous
+    depth's normed output, is the previous loss's own input when TP = 1: then only ``aTH``), of the ``2H -> H``
     projection ``2aTH`` and of its output norm ``aTH``, the three norms' ``rstd`` ``12T``, and its fused output
     layer + loss's input ``[seq*mbs/CP, H]`` with one fp32 log-sum-exp per token, and the int64 ids and labels
     of its shifted tokens (its fp32 logits chunks are transient and run after the model's, so
@@ -339,7 +340,8 @@ def mtp_activation_bytes(
     a, h = act_bytes, cfg.hidden_size
     t = seq_length * micro_batch_size // (layout.tp * layout.cp)
     tokens = seq_length * micro_batch_size // layout.cp
-    extra = a * t * 5 * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
+    # the hidden-state norm's input is the previous loss's input itself when TP = 1 (no gather between them)
+    extra = a * t * (5 if layout.tp > 1 else 4) * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
     if tokens <= chunk_tokens:
         extra += 4 * tokens * (cfg.vocab_size // layout.tp)
     total = 0

@@ -40,7 +40,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["KeptCensus", "KeptStorage", "SavedTensor", "bytes_by", "cast_copies", "saved_by_node"]
+__all__ = [
+    "KeptCensus",
+    "KeptStorage",
+    "SavedTensor",
+    "bytes_by",
+    "cast_copies",
+    "layer_census",
+    "layer_term",
+    "saved_by_node",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,3 +249,29 @@ def cast_copies(saved: List[SavedTensor]) -> List[Tuple[SavedTensor, SavedTensor
                 if torch.equal(wide.tensor.detach(), narrow.tensor.detach().to(wide.tensor.dtype)):
                     pairs.append((wide, narrow))
     return pairs
+
+
+def layer_term(module: str, is_moe: bool) -> str:
+    """The memory model's term (:data:`folding.planning.activations.TERMS`) of a storage that ``module`` (a
+    name inside one :class:`~folding.model.block.TransformerLayer`, as :class:`KeptCensus` gives it) made."""
+    if module in ("input", ""):
+        return "input" if module else "residual"
+    if module in ("input_norm", "post_attention_norm"):
+        return "norms"
+    if module.startswith("attention"):
+        return "attention"
+    if not is_moe:
+        return "mlp"
+    for prefix, term in (("mlp.router", "router"), ("mlp.experts", "experts"), ("mlp.shared_expert", "shared_expert")):
+        if module.startswith(prefix):
+            return term
+    return "dispatch"  # the MoE layer's own ops and its dispatcher's
+
+
+def layer_census(layer: nn.Module, x0: torch.Tensor, rope) -> Tuple[List[KeptStorage], torch.Tensor, torch.Tensor]:
+    """Run ``layer(x, rope)`` on a fresh copy ``x`` of ``x0`` (made inside the census, so that the layer's
+    keeping its input counts) and return ``(kept, output, x)``: what the forward keeps for backward."""
+    with KeptCensus(layer) as census:
+        x = census.make(lambda: x0.clone().requires_grad_())
+        y = layer(x, rope)
+    return census.kept(y), y, x

@@ -27,7 +27,7 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.settings import LayerSettings
 from folding.planning.activations import TERMS, activation_terms, logits_bytes, mtp_activation_bytes, rope_bytes
-from folding.testing.kept_memory import KeptCensus, bytes_by, cast_copies, saved_by_node
+from folding.testing.kept_memory import KeptCensus, bytes_by, cast_copies, layer_census, layer_term, saved_by_node
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,22 +49,6 @@ def _config(preset: str):
     return get_preset(preset, num_layers=2, hidden_size=128, moe={"ffn_hidden_size": 64, "aux_loss_coeff": 0.01})
 
 
-def term_of(module: str, is_moe: bool) -> str:
-    """The memory model's term of a storage made by ``module`` (a name inside one transformer layer)."""
-    if module in ("input", ""):
-        return "input" if module else "residual"
-    if module in ("input_norm", "post_attention_norm"):
-        return "norms"
-    if module.startswith("attention"):
-        return "attention"
-    if not is_moe:
-        return "mlp"
-    for prefix, term in (("mlp.router", "router"), ("mlp.experts", "experts"), ("mlp.shared_expert", "shared_expert")):
-        if module.startswith(prefix):
-            return term
-    return "dispatch"  # the MoE layer's own ops and its dispatcher's
-
-
 def _run_layer(preset, layer_name, dtype, recompute="none", *, grads=False):
     """``(layer, model, census entries, saved-by-node entries or None, (output, grads) or None)``."""
     cfg = _config(preset)
@@ -72,10 +56,7 @@ def _run_layer(preset, layer_name, dtype, recompute="none", *, grads=False):
     layer = model.layers[layer_name]
     x0 = torch.randn(T, 1, cfg.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(3))
     rope = model.rope(T, dtype=dtype)
-    with KeptCensus(layer) as census:
-        x = census.make(lambda: x0.clone().requires_grad_())
-        y = layer(x, rope)
-    kept = census.kept(y)
+    kept, y, x = layer_census(layer, x0, rope)
     saved = saved_by_node(y, exclude=[*rope[:2], *model.parameters()]) if recompute == "none" else None
     out = None
     if grads:
@@ -113,7 +94,7 @@ def test_layer_keeps_what_the_model_says(preset, dtype):
     for name in FAMILIES[preset]:
         layer, cfg, kept, saved, _ = _run_layer(preset, name, dtype)
         what = f"{preset} layer {name} {dtype}"
-        measured = bytes_by(kept, lambda k: term_of(k.module, layer.is_moe))
+        measured = bytes_by(kept, lambda k: layer_term(k.module, layer.is_moe))
         _check_terms(measured, _model_terms(cfg, layer, dtype), what)
         # the graph walk sees the same bytes, less the input (a leaf it leaves out) and the census's
         # per-layer constants that no node saves (the router's counts)
@@ -152,7 +133,7 @@ def test_recompute_module_saves_what_the_model_says_and_changes_no_bit(module):
     assert abs(saved_model - saved_measured) <= 0.1 * saved_measured + SLACK, (
         f"{module} on {preset}: the model saves {saved_model} B, measured {saved_measured} B"
     )
-    measured = bytes_by(kept, lambda k: term_of(k.module, layer.is_moe))
+    measured = bytes_by(kept, lambda k: layer_term(k.module, layer.is_moe))
     _check_terms(measured, _model_terms(cfg, layer, dtype, module), f"{preset} {module}")
     assert torch.equal(y, y0) and torch.equal(gx, gx0), module
     assert g.keys() == g0.keys() and all(torch.equal(g[k], g0[k]) for k in g0), module
