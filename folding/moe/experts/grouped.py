@@ -27,6 +27,12 @@ inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`). ``moe.e
 is resolved before the experts are built, once (:mod:`folding.moe.experts.select`, with
 TransformerEngine's own checks); the experts receive the backend that runs.
 
+What an FP8 recipe keeps for backward: every backend keeps each GEMM's input (fc1's: the dispatched
+rows; fc2's: the activation) only quantized, 1 byte per element plus the recipe's scales, as the weight
+gradient reads it (``emulated`` and ``torch``: :class:`folding.quant.Fp8Operand`, made in the forward;
+``te``: TransformerEngine keeps its input's columnwise FP8 copy itself), so the high-precision rows are
+freed after the forward. The SwiGLU keeps fc1's output in high precision unless ``fp8_act_input_store``.
+
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
@@ -115,12 +121,19 @@ class GroupedMLP(torch.nn.Module):
         device=None,
         delay_wgrad: bool = False,
         recompute_act: bool = False,
+        fp8_act_input_store: bool = False,
     ):
         """Validate the settings and create this rank's shards of the layout-independent initial weights.
         ``num_experts``: the global E (default ``num_local_experts``); ``init_seed=None``: the owner fills
         every parameter from its record; ``backend``: the one that runs, ``auto`` resolved before
-        (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``: see below."""
+        (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``,
+        ``fp8_act_input_store``: see below."""
         super().__init__()
+        if fp8_act_input_store and fp8_recipe is None:
+            raise ValueError(
+                "fp8_act_input_store=True keeps the activation's input in the FP8 recipe's format and "
+                "fp8_recipe is None; give an fp8_recipe (moe.fp8_recipe) or fp8_act_input_store=False"
+            )
         num_experts = num_local_experts if num_experts is None else num_experts
         _check_settings(
             num_experts,
@@ -154,6 +167,9 @@ class GroupedMLP(torch.nn.Module):
         """``torch`` backend: weight gradients behind the backward's next exchange (``parallel.delay_wgrad``)."""
         self.recompute_act = recompute_act
         """``moe_act``: fc2's input freed after its forward, refilled from fc1's (:mod:`folding.memory.discard`)."""
+        self.fp8_act_input_store = fp8_act_input_store
+        """``moe.fp8_act_input_store``: the SwiGLU keeps fc1's output in ``fp8_recipe``'s FP8 for its
+        backward (:func:`folding.moe.experts.swiglu.swiglu_prob`)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -312,8 +328,8 @@ class GroupedMLP(torch.nn.Module):
         return unpad_rows_per_expert(y, counts, padded)
 
     def _activation(self, h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]``."""
-        return swiglu_prob(h_NFl2, probs_N)
+        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]`` (kept in FP8 under ``fp8_act_input_store``)."""
+        return swiglu_prob(h_NFl2, probs_N, self.fp8_recipe if self.fp8_act_input_store else None)
 
     def extra_repr(self) -> str:
         """Sizes, sharding and backend."""
@@ -321,4 +337,5 @@ class GroupedMLP(torch.nn.Module):
             f"experts={self.num_local_experts} (offset {self.expert_offset}), H={self.hidden_size}, "
             f"F={self.ffn_hidden_size} (local {self.ffn_local}, etp {self.etp_rank}/{self.etp_size}), "
             f"backend={self.backend}, fp8_recipe={self.fp8_recipe}"
+            + (", fp8_act_input_store=True" if self.fp8_act_input_store else "")
         )
