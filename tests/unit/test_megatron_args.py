@@ -173,6 +173,18 @@ def test_special_flags_follow_megatron_semantics():
             convert(argv)
 
 
+def test_activation_fp8_input_store_maps_to_its_key_and_needs_a_recipe():
+    from folding.job.config import ConfigError
+    from tests.unit.test_config_job import job
+
+    out = convert(["--activation-func-fp8-input-store"])
+    assert out.values["moe.fp8_act_input_store"] is True and "moe.fp8_act_input_store=true" in out.overrides
+    j = job(*out.overrides, "moe.fp8_recipe=mxfp8", "moe.expert_backend=emulated")
+    assert j.model.moe.fp8_act_input_store and j.model.moe.fp8_recipe == "mxfp8"
+    with pytest.raises(ConfigError, match="moe.fp8_act_input_store=True: .* moe.fp8_recipe is null"):
+        job(*out.overrides)
+
+
 def test_a_model_without_a_preset_is_named_and_tied_as_megatron_ties():
     argv = [*ARCH, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
             "--ffn-hidden-size", "32", "--vocab-size", "512", "--lr", "1e-3", "--train-iters", "4"]  # fmt: skip
