@@ -39,6 +39,7 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.settings import LayerSettings
 from folding.planning.activations import TERMS, activation_terms, logits_bytes, mtp_activation_bytes, rope_bytes
+from folding.testing import RankPool
 from folding.testing.kept_memory import KeptCensus, bytes_by, layer_census, layer_term
 
 T = 512
@@ -122,8 +123,6 @@ def moe_blocks():
         import megatron.core  # noqa: F401
     except ImportError:
         return ours, None
-    from folding.testing import RankPool
-
     pool = RankPool(1)
     try:
         theirs = pool.run(_megatron_block)[0] / T

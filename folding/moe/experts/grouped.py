@@ -63,10 +63,24 @@ from folding.quant.emulate import RECIPES
 
 
 def _check_settings(
-    num_experts, num_local_experts, hidden_size, ffn_hidden_size, etp_size, etp_rank, expert_offset, backend, fp8_recipe
+    num_experts,
+    num_local_experts,
+    hidden_size,
+    ffn_hidden_size,
+    etp_size,
+    etp_rank,
+    expert_offset,
+    backend,
+    fp8_recipe,
+    fp8_act_input_store=False,
 ) -> None:
     """Raise ``ValueError`` naming the argument and a fix if :class:`GroupedMLP`'s sizes are impossible
     (the backend and recipe names were checked by ``MoEConfig``: asserted here)."""
+    if fp8_act_input_store and fp8_recipe is None:
+        raise ValueError(
+            "fp8_act_input_store=True keeps the activation's input in the FP8 recipe's format and "
+            "fp8_recipe is None; give an fp8_recipe (moe.fp8_recipe) or fp8_act_input_store=False"
+        )
     if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
         raise ValueError(
             f"num_local_experts={num_local_experts}, hidden_size={hidden_size} and "
@@ -129,23 +143,9 @@ class GroupedMLP(torch.nn.Module):
         (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``,
         ``fp8_act_input_store``: see below."""
         super().__init__()
-        if fp8_act_input_store and fp8_recipe is None:
-            raise ValueError(
-                "fp8_act_input_store=True keeps the activation's input in the FP8 recipe's format and "
-                "fp8_recipe is None; give an fp8_recipe (moe.fp8_recipe) or fp8_act_input_store=False"
-            )
         num_experts = num_local_experts if num_experts is None else num_experts
-        _check_settings(
-            num_experts,
-            num_local_experts,
-            hidden_size,
-            ffn_hidden_size,
-            etp_size,
-            etp_rank,
-            expert_offset,
-            backend,
-            fp8_recipe,
-        )
+        sizes = (num_experts, num_local_experts, hidden_size, ffn_hidden_size, etp_size, etp_rank, expert_offset)
+        _check_settings(*sizes, backend, fp8_recipe, fp8_act_input_store)
         if device is not None and torch.device(device).type != "meta":
             # the backend's first-use probes (a grouped GEMM forward and backward) run now, at build,
             # never inside an overlap pair (whose second lane may not start a backward)
