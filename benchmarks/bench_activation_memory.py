@@ -11,6 +11,9 @@ presets' architectures at hidden 256, 8 experts, top-2, expert FFN 128, a micro-
 - Terms: per family, dtype and term, model and measured bytes per token and their ratio.
 - Recompute modules: per module (on a family where it applies), the bytes per token it saves, model and
   measured, in bf16 and fp32.
+- FP8 experts: Mixtral's layer in bf16 with ``moe.fp8_recipe`` on the ``emulated`` backend, each recipe with
+  and without ``moe.fp8_act_input_store``: the dispatch and experts terms (each GEMM's input kept as FP8
+  codes and scales) and the total.
 - Last stage: the whole model forward with the loss (one layer, final norm, fused loss; DeepSeek-V3 also its
   MTP module) against the sum of the model's terms.
 - MoE block against Megatron-Core 0.16.1's ``MoELayer`` (SequentialMLP, fused weighted SwiGLU, fp32 router,
@@ -55,18 +58,21 @@ MODULES = {  # recompute module -> (family, layer) where it applies
 }
 
 
-def config(family: str):
-    """The family's preset at the benchmark's shape."""
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
+
+
+def config(family: str, moe=None):
+    """The family's preset at the benchmark's shape (``moe``: MoE options over it)."""
     if family.startswith("deepseek"):
-        moe = {"ffn_hidden_size": 128, "shared_expert_ffn_hidden_size": 128, "aux_loss_coeff": 0.01}
+        base = {"ffn_hidden_size": 128, "shared_expert_ffn_hidden_size": 128, "aux_loss_coeff": 0.01}
     else:
-        moe = {"num_experts": 8, "topk": 2, "ffn_hidden_size": 128, "aux_loss_coeff": 0.01}
-    return get_preset(family, num_layers=2, hidden_size=256, moe=moe)
+        base = {"num_experts": 8, "topk": 2, "ffn_hidden_size": 128, "aux_loss_coeff": 0.01}
+    return get_preset(family, num_layers=2, hidden_size=256, moe={**base, **(moe or {})})
 
 
-def measure(family: str, layer_name: str, dtype, recompute: str = "none"):
+def measure(family: str, layer_name: str, dtype, recompute: str = "none", moe=None):
     """``(model terms, measured terms, is MoE)`` of one layer, bytes."""
-    cfg = config(family)
+    cfg = config(family, moe)
     model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype, recompute=recompute))
     layer = model.layers[layer_name]
     x0 = torch.randn(T, 1, cfg.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(0))
@@ -125,6 +131,26 @@ def moe_blocks():
     return ours, theirs
 
 
+def _fp8_rows() -> list:
+    """The FP8 section: Mixtral's layer, bf16, ``emulated`` experts, each recipe with and without the
+    activation's input in FP8."""
+    lines = ["", "## FP8 experts (`moe.fp8_recipe`, emulated backend), bf16: bytes per token kept", ""]
+    lines += ["| recipe | fp8_act_input_store | dispatch | experts | total | ratio |", "|---|---|---|---|---|---|"]
+    rows = [(None, False)] + [(r, s) for r in FP8_RECIPES for s in (False, True)]
+    for recipe, store in rows:
+        moe = {"expert_backend": "emulated", "fp8_recipe": recipe, "fp8_act_input_store": store} if recipe else {}
+        model, measured, _ = measure("mixtral_tiny", "1", torch.bfloat16, moe=moe)
+        cells = [f"{model[t] / T:.1f} / {measured.get(t, 0) / T:.1f}" for t in ("dispatch", "experts")]
+        tm, tg = sum(model.values()), sum(measured.values())
+        print(f"fp8 {recipe} store={store}: " + ", ".join(cells) + f", total {tm / T:.1f} / {tg / T:.1f}")
+        lines.append(
+            f"| {recipe or 'none (bf16)'} | {str(store).lower()} | "
+            + " | ".join(cells)
+            + f" | {tm / T:.1f} / {tg / T:.1f} | {_ratio(tm, tg)} |"
+        )
+    return lines + ["", "Cells: model / measured bytes per token."]
+
+
 def _ratio(model: float, measured: float) -> str:
     return f"{model / measured:.3f}" if measured else ("1" if not model else "-")
 
@@ -178,6 +204,7 @@ def report(args) -> str:
             lines.append(
                 f"| {module} | {family} ({name}) | {str(dtype)[6:]} | {sm / T:.1f} | {sg / T:.1f} | {_ratio(sm, sg)} |"
             )
+    lines += _fp8_rows()
     lines += ["", "## The last stage: layer, final norm, fused loss (and MTP), bf16", ""]
     lines += ["| family | model | measured | ratio |", "|---|---|---|---|"]
     for family in ("mixtral_tiny", "deepseek_v3_tiny"):

@@ -20,6 +20,16 @@ thread (:data:`_REGION`), as TE's ``FP8GlobalStateManager`` is: a region one thr
 of any other thread's modules until it closes. It computes in high precision and records every call
 in :data:`CALLS`.
 
+What it keeps for backward is TE's: under FP8 (and ``save_original_input=False``, the default) TE's
+``_GroupedLinear.forward`` quantizes each split of its input for the forward GEMM (rowwise usage) and,
+when the weights need a gradient, for the weight gradient (columnwise usage), drops the rowwise copy
+after the GEMM (``update_usage(rowwise_usage=False, columnwise_usage=True)``) and saves the quantized
+splits (``prepare_for_saving``): 1 byte per element plus the recipe's scales, never the high-precision
+input. The stand-in keeps the same (:class:`_KeepsQuantizedInput`: each split quantized along its rows,
+the weight gradient's contraction, by :func:`folding.quant.quantize_operand`; its ``delayed`` copy takes
+a current per-tensor scale, where TE's takes the delayed one: the same bytes) and its weight gradient
+reads that copy, as TE's does; forward and input gradient stay high precision.
+
 Usage (a pytest fixture installs it)::
 
     install(monkeypatch)          # sys.modules["transformer_engine..."] -> this stand-in
@@ -34,6 +44,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from folding.quant import quantize_operand
 from tests.te_rules import Rules, load_snapshot
 from tests.te_standin_recipes import (  # noqa: F401 - installed as transformer_engine.common.recipe
     RECIPE_MODULE,
@@ -147,6 +158,41 @@ class _State:
             setattr(self, k, v)
 
 
+KEPT_FORMAT = {
+    "DelayedScaling": "tensorwise",
+    "Float8CurrentScaling": "tensorwise",
+    "Float8BlockScaling": "blockwise",
+    "MXFP8BlockScaling": "mxfp8",
+}
+"""TE recipe class -> the format of the input copy its ``_GroupedLinear`` keeps (columnwise usage: per
+tensor; 1×128 blocks and MXFP8's 1×32 blocks along the rows)."""
+
+
+class _KeepsQuantizedInput(torch.autograd.Function):
+    """``y_i = x_i · w_iᵀ`` per split in high precision, keeping what TE's FP8 ``_GroupedLinear`` keeps: each
+    split of the input quantized along its rows (when a weight needs a gradient) and the weights; the weight
+    gradient ``dy_iᵀ · x̂_i`` reads the kept copy."""
+
+    @staticmethod
+    def forward(ctx, inp, sizes, fmt, *weights):
+        splits = inp.split(sizes)
+        out = torch.cat([x @ w.t() for x, w in zip(splits, weights)])
+        kept = [quantize_operand(x, fmt, "input", 0) for x in splits] if any(ctx.needs_input_grad[3:]) else []
+        ctx.sizes, ctx.kept = sizes, [op.stripped() for op in kept]
+        ctx.save_for_backward(*[t for op in kept for t in op.tensors], *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, n = ctx.saved_tensors, 2 * len(ctx.kept)
+        weights, grads = saved[n:], dy.split(ctx.sizes)
+        dx = torch.cat([g @ w for g, w in zip(grads, weights)]) if ctx.needs_input_grad[0] else None
+        dws = [None] * len(weights)
+        for i, (g, op) in enumerate(zip(grads, ctx.kept)):
+            dws[i] = g.t() @ op.with_tensors(*saved[2 * i : 2 * i + 2]).dequantize()
+        return (dx, None, None, *dws)
+
+
 class GroupedLinear(torch.nn.Module):
     """TE's ``GroupedLinear`` signature and checks; ``y_i = x_i · weight{i}ᵀ`` in high precision."""
 
@@ -182,6 +228,7 @@ class GroupedLinear(torch.nn.Module):
             RULES.cuda_check("construct")
         CALLS.append(("build", str(device)))
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.save_original_input = save_original_input
         self.use_grouped_tensor = RULES.use_grouped_tensor(use_grouped_tensor)
         self.fp8, self.fp8_calibration, self.fp8_meta_tensors_initialized = False, False, False
         self.first_fp8_module = False  # the region's first FP8 module on its last forward (reduces bwd amax)
@@ -251,6 +298,9 @@ class GroupedLinear(torch.nn.Module):
             for i, (x, w) in enumerate(zip(inp.split(sizes), weights)):
                 amax[3 * i] = torch.maximum(amax[3 * i], x.detach().abs().amax() if x.numel() else amax[3 * i])
                 amax[3 * i + 1] = w.detach().abs().amax()
+        if self.fp8 and not self.save_original_input:  # TE keeps only its quantized input
+            fmt = KEPT_FORMAT[type(self.fp8_meta["recipe"]).__name__]
+            return _KeepsQuantizedInput.apply(inp, sizes, fmt, *weights)
         return torch.cat([x @ w.t() for x, w in zip(inp.split(sizes), weights)])
 
     def get_extra_state(self) -> torch.Tensor:

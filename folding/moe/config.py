@@ -50,6 +50,7 @@ TRAINING_ONLY = (
     "grad_wire",
     "expert_backend",
     "fp8_recipe",
+    "fp8_act_input_store",
     "trace_dir",
     "expert_replicas",
     "replica_interval",
@@ -148,7 +149,14 @@ class MoEConfig:
     fp8_recipe: Optional[Fp8Recipe] = None
     """FP8 recipe of the experts: ``None`` (off), ``"delayed"``, ``"tensorwise"``, ``"blockwise"``,
     ``"mxfp8"`` (TransformerEngine's recipes; ``mxfp8`` also on the ``torch`` backend) or ``"rowwise"``
-    (per-row scales, ``torch._scaled_grouped_mm`` on compute capability 9.x; not in TE)."""
+    (per-row scales, ``torch._scaled_grouped_mm`` on compute capability 9.x; not in TE). Under a recipe
+    the experts keep each GEMM's input for backward only quantized, 1 byte per element plus the recipe's
+    scales (docs/precision.md)."""
+    fp8_act_input_store: bool = False
+    """Keep the experts' activation input (fc1's output ``[rows, 2F]``) for backward in FP8, e4m3 with
+    ``moe.fp8_recipe``'s scaling, instead of high precision: 1 byte per element plus scales, and the
+    activation's backward sees the FP8-rounded input (Megatron-Core's
+    ``--activation-func-fp8-input-store``). Needs ``moe.fp8_recipe``."""
     shared_expert_ffn_hidden_size: Optional[int] = None
     """FFN size of the shared expert (Qwen2-MoE); ``None`` = no shared expert."""
     shared_expert_gate: bool = False
@@ -271,7 +279,16 @@ class MoEConfig:
 
     def _validate_backend_recipe(self) -> None:
         """The expert backend × FP8 recipe pairs no machine runs (what a given machine runs is
-        :func:`folding.moe.experts.select.check_backend`'s, with the device)."""
+        :func:`folding.moe.experts.select.check_backend`'s, with the device), and what needs a recipe."""
+        if not isinstance(self.fp8_act_input_store, bool):
+            _fail("fp8_act_input_store", self.fp8_act_input_store, "must be true or false", "set it to true or false")
+        if self.fp8_act_input_store and self.fp8_recipe is None:
+            _fail(
+                "fp8_act_input_store",
+                True,
+                "keeps the activation's input in the FP8 recipe's format and moe.fp8_recipe is null",
+                "set moe.fp8_recipe (e.g. mxfp8 or blockwise), or moe.fp8_act_input_store=false",
+            )
         if self.expert_backend == "emulated" and self.fp8_recipe is None:
             _fail(
                 "expert_backend",

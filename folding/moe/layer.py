@@ -226,6 +226,7 @@ def _experts(
         device=settings.device,
         delay_wgrad=settings.delay_wgrad,
         recompute_act=recompute_act,
+        fp8_act_input_store=config.fp8_act_input_store,
         **std,
     )
 

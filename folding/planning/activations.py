@@ -24,7 +24,9 @@ Kept per layer and micro-batch (no recompute):
   token and expert indices of the ``Tk`` routed pairs (the combine keeps indices only);
 - ``experts``: fc1's output ``[R, 2F_e]`` (kept by the fused weighted SwiGLU) and the activation, fc2's
   input ``[R, F_e]``: ``3aRF_e`` (``fused_swiglu=False``: plain autograd also keeps ``silu(gate)`` and a
-  product, ``5aRF_e``);
+  product, ``5aRF_e``); under ``moe.fp8_recipe`` each expert GEMM keeps its input as FP8 codes and scales,
+  fc1's rows ``Rh`` and the activation ``RF_e`` at 1 byte (plus scales, :func:`_fp8_bytes`) in ``experts``
+  (``dispatch`` keeps the probabilities and indices only), and ``moe.fp8_act_input_store`` fc1's output too;
 - ``shared_expert``: fc1's output ``2aTF_s`` and the activation ``aTF_s``; with its gate, its output
   ``aTh`` and the gate ``aT``; a dense layer's ``mlp``: gate, up and activation, ``3aTF``.
 
@@ -113,18 +115,58 @@ def _storages(
     fe = moe.ffn_hidden_size // etp
     out += [
         ("router", t * _router_per_token(moe), none),
-        ("dispatch", a * r * h, frozenset({"expert_fc1"})),  # the expert rows, fc1's input
-        ("dispatch", 4 * r, frozenset({"moe_act"})),  # their probabilities, the activation's
+        ("dispatch", 4 * r, frozenset({"moe_act"})),  # the rows' probabilities, the activation's
         ("dispatch", 16 * t * k, none),  # int64 token and expert ids of the routed pairs
-        ("experts", 2 * a * r * fe, frozenset({"moe_act"})),  # fc1's output, the activation's input
-        ("experts", 0 if rc.has("moe_act") else a * r * fe, none),  # the activation, fc2's input
+        *_expert_storages(moe, r, h, fe, a, fused_swiglu, rc.has("moe_act")),
     ]
-    if not fused_swiglu:  # plain autograd also keeps silu(gate) and a product
-        out.append(("experts", 2 * a * r * fe, none))
     fs = moe.shared_expert_ffn_hidden_size or 0
     if fs and not rc.has("shared_experts"):
         out.append(("shared_expert", 3 * a * t * fs + (a * t * h + a * t if moe.shared_expert_gate else 0), none))
     return tuple(out)
+
+
+def _expert_storages(moe, r: int, h: int, fe: int, a: int, fused_swiglu: bool, moe_act: bool) -> List[Storage]:
+    """What the experts keep on ``r`` rows: fc1's input, the dispatched rows ``aRh`` (in ``dispatch``), fc1's
+    output ``2aRF_e`` (the fused SwiGLU's input; ``fused_swiglu=False`` plain autograd also keeps
+    ``silu(gate)`` and a product, ``2aRF_e`` more) and the activation, fc2's input ``aRF_e`` (``moe_act``
+    drops it). Under ``moe.fp8_recipe`` each GEMM keeps its input quantized along the tokens
+    (:func:`_fp8_bytes`): fc1's rows ``Rh`` (then in ``experts``, the bf16 rows being freed) and the
+    activation ``RF_e`` (kept whether or not ``moe_act``: the experts discard it only without FP8);
+    ``moe.fp8_act_input_store`` keeps fc1's output quantized along its features."""
+    recipe = moe.fp8_recipe
+    unfused = [("experts", 2 * a * r * fe, frozenset())] if not fused_swiglu else []
+    if recipe is None:
+        return [
+            ("dispatch", a * r * h, frozenset({"expert_fc1"})),  # the expert rows, fc1's input
+            ("experts", 2 * a * r * fe, frozenset({"moe_act"})),  # fc1's output, the activation's input
+            ("experts", 0 if moe_act else a * r * fe, frozenset()),  # the activation, fc2's input
+            *unfused,
+        ]
+    fc1_out = _fp8_bytes(recipe, r, 2 * fe, along_rows=False) if moe.fp8_act_input_store else 2 * a * r * fe
+    groups = moe.num_experts  # per-expert scales counted for every expert: an upper bound under EP
+    return [
+        ("experts", _fp8_bytes(recipe, r, h, True, groups), frozenset({"expert_fc1"})),  # fc1's FP8 input
+        ("experts", fc1_out, frozenset({"moe_act"})),
+        ("experts", _fp8_bytes(recipe, r, fe, True, groups), frozenset()),  # fc2's FP8 input
+        *unfused,
+    ]
+
+
+def _fp8_bytes(recipe: str, rows: int, width: int, along_rows: bool, groups: int = 1) -> int:
+    """Bytes of a ``[rows, width]`` tensor kept in FP8: 1 byte per element plus ``recipe``'s scales, along the
+    rows (a GEMM input as its weight gradient reads it, per expert: ``groups`` experts) or along the width.
+    Scales: ``mxfp8`` one E8M0 byte per 32 elements, ``blockwise`` one float32 per 128, ``rowwise`` one
+    float32 per row of the contraction (along the rows: per column of each expert), ``tensorwise`` and
+    ``delayed`` one float32 per tensor (per expert)."""
+    if along_rows:  # per column, over each expert's tokens
+        scales = {
+            "mxfp8": width * -(-rows // 32),
+            "blockwise": 4 * width * -(-rows // 128),
+            "rowwise": 4 * width * groups,
+        }
+        return rows * width + scales.get(recipe, 4 * groups)
+    scales = {"mxfp8": rows * -(-width // 32), "blockwise": 4 * rows * -(-width // 128), "rowwise": 4 * rows}
+    return rows * width + scales.get(recipe, 4)
 
 
 def _router_per_token(moe) -> int:

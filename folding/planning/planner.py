@@ -170,8 +170,11 @@ def plan_memory(cfg: ModelConfig, plan: Plan, *, shape: TrainingShape) -> Memory
     the first, the last (output layer, multi-token-prediction modules), and a middle stage only where its mix
     of dense and MoE layers differs from the first's; any other middle stage holds what an earlier one holds,
     with fewer micro-batches in flight. With ``plan.overlap_moe_comm`` each stage keeps what its longer
-    warm-up holds in flight (:func:`folding.planning.moe_overlap.memory_with_overlap`).
+    warm-up holds in flight (:func:`folding.planning.moe_overlap.memory_with_overlap`). ``shape.fp8_recipe``
+    is the job's ``moe.fp8_recipe`` (the run line writes it), which the memory model reads from the MoE record.
     """
+    if shape.fp8_recipe and cfg.moe.fp8_recipe != shape.fp8_recipe:
+        cfg = cfg.replace(moe=cfg.moe.replace(fp8_recipe=shape.fp8_recipe))
     m = shape.global_batch_size // (plan.dp * shape.micro_batch_size)
     kw = dict(
         param_bytes=BF16,

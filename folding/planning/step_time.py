@@ -106,7 +106,8 @@ class TrainingShape:
     fp8_recipe: Optional[str] = None
     """``moe.fp8_recipe``: the routed experts' GEMMs (forward, dgrad, wgrad) run in FP8 at the GPU's FP8 peak
     and its own efficiency (:attr:`~folding.planning.hardware.GPUSpec.fp8_efficiency`, one constant for every
-    recipe); ``None``: bf16. Time only: the memory model keeps bf16 activations."""
+    recipe); ``None``: bf16. The plan's memory reads it too, as the job's ``moe.fp8_recipe``: the experts keep
+    their GEMM inputs in FP8 (:func:`folding.planning.planner.plan_memory`)."""
     fp8_dense: bool = False
     """With ``fp8_recipe``: the dense linear layers (attention projections, shared expert, dense MLP) run in
     FP8 too, as Megatron-Core's ``--fp8-format`` does for every TransformerEngine linear (folding's dense

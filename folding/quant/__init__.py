@@ -8,6 +8,7 @@ Usage::
     from folding.quant import quantize_mxfp8, dequantize, fake_quant
     data, scales = quantize_mxfp8(x, scale_mode="rceil")
     x_hat = dequantize(data, scales, torch.bfloat16, block=(1, 32))   # the one decode of every format
+    op = quantize_operand(x, "mxfp8", "input", dim=0)   # codes and scales an FP8 GEMM keeps for backward
 
 See docs/precision.md for the formats, the recipes and the measured errors.
 """
@@ -21,9 +22,11 @@ from folding.quant.fp8 import (
     quantize_fp8_tensorwise,
 )
 from folding.quant.mx import SCALE_MODES, quantize_mxfp8
+from folding.quant.operand import Fp8Operand, quantize_operand
 
 __all__ = [
     "DelayedScaling",
+    "Fp8Operand",
     "RECIPES",
     "SCALE_MODES",
     "cast_to_fp8",
@@ -37,4 +40,5 @@ __all__ = [
     "quantize_fp8_rowwise",
     "quantize_fp8_tensorwise",
     "quantize_mxfp8",
+    "quantize_operand",
 ]

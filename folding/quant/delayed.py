@@ -19,6 +19,12 @@ import torch
 from folding.quant.formats import cast_to_fp8, dequantize, fp8_max
 
 
+def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale_inv)`` of ``x`` under the float32 per-tensor ``scale``: ``cast_to_fp8(x * scale)`` and
+    ``1 / scale`` (the same ``x`` and ``scale`` give the same bits: a kept scale re-creates a use's codes)."""
+    return cast_to_fp8(x.float() * scale, fmt), 1.0 / scale
+
+
 class DelayedScaling:
     """Amax histories and current scales per operand key (see the module docstring).
 
@@ -39,12 +45,17 @@ class DelayedScaling:
         for inspection."""
         return float(self._scale[key]) if key in self._scale else 1.0
 
-    def quant_dequant(self, x: torch.Tensor, key: tuple, fmt: torch.dtype) -> torch.Tensor:
-        """Quantize→dequantize ``x`` with the current scale of ``key``, then record its amax."""
+    def scale_of(self, key: tuple, device) -> torch.Tensor:
+        """The float32 scale the next quantization of ``key`` uses (1 before its first use), on ``device``;
+        no host read. Each use replaces it with a new tensor: one taken here stays that use's scale."""
         scale = self._scale.get(key)
-        if scale is None:
-            scale = torch.ones((), dtype=torch.float32, device=x.device)
-        out = dequantize(cast_to_fp8(x.float() * scale, fmt), 1.0 / scale, x.dtype)
+        return torch.ones((), dtype=torch.float32, device=device) if scale is None else scale
+
+    def quantize(self, x: torch.Tensor, key: tuple, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes, scale_inv)`` of ``x`` with the current scale of ``key`` (:func:`cast_with_scale`), then
+        record its amax."""
+        scale = self.scale_of(key, x.device)
+        data, scale_inv = cast_with_scale(x, scale, fmt)
         if x.numel():
             amax = x.detach().abs().amax().float().reshape(1)
         else:
@@ -56,4 +67,8 @@ class DelayedScaling:
         # keep the last scale on 0 / Inf / NaN; float32 arithmetic, as on the GPU
         fresh = torch.full((), fp8_max(fmt), dtype=torch.float32, device=x.device) / top / 2.0**self.margin
         self._scale[key] = torch.where((top > 0) & top.isfinite(), fresh, scale)
-        return out
+        return data, scale_inv
+
+    def quant_dequant(self, x: torch.Tensor, key: tuple, fmt: torch.dtype) -> torch.Tensor:
+        """Quantize→dequantize ``x`` with the current scale of ``key``, then record its amax."""
+        return dequantize(*self.quantize(x, key, fmt), x.dtype)

@@ -38,52 +38,20 @@ from __future__ import annotations
 
 import torch
 
-from folding.quant.formats import dequantize
-from folding.quant.fp8 import (
-    quantize_fp8_blockwise,
-    quantize_fp8_rowwise,
-    quantize_fp8_tensorwise,
-)
-from folding.quant.mx import fake_quant_mxfp8
+from folding.quant.delayed import cast_with_scale
+from folding.quant.operand import RECIPES, ROLES, Fp8Operand, check_recipe, quantize_operand
 
-RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
-"""Recipes that :func:`fake_quant` and :func:`emulated_linear` understand."""
-
-ROLES = ("input", "weight", "grad")
-"""Operand roles: activations, weights, output gradients."""
-
-
-def check_recipe(recipe: str) -> None:
-    """Raise a clear error unless ``recipe`` is one of :data:`RECIPES`."""
-    if recipe not in RECIPES:
-        raise ValueError(f"fp8 recipe {recipe!r} is not one of {RECIPES} (or None for no FP8)")
+__all__ = ["RECIPES", "ROLES", "check_recipe", "emulated_linear", "fake_quant", "quant_dequant"]
 
 
 def quant_dequant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = -1) -> torch.Tensor:
     """Quantize→dequantize ``x`` as operand ``role`` of a GEMM contracting over ``dim`` (no autograd logic).
 
     ``weight`` under ``blockwise`` uses 128×128 blocks over the last two dimensions (``dim`` unused).
+    The decode of :func:`folding.quant.operand.quantize_operand`'s codes and scales.
     """
-    check_recipe(recipe)
-    if role not in ROLES:
-        raise ValueError(f"role={role!r} is not one of {ROLES}")
-    if x.numel() == 0:
-        return x
-    if recipe in ("delayed", "tensorwise"):
-        fmt = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
-        data, s_inv = quantize_fp8_tensorwise(x, fmt)
-        return dequantize(data, s_inv, x.dtype)
-    if recipe == "blockwise":
-        if role == "weight":
-            data, s_inv = quantize_fp8_blockwise(x, (128, 128))
-            return dequantize(data, s_inv, x.dtype, block=(128, 128))
-        xt = x.movedim(dim, -1)
-        data, s_inv = quantize_fp8_blockwise(xt, (1, 128))
-        return dequantize(data, s_inv, x.dtype, block=(1, 128)).movedim(-1, dim)
-    if recipe == "rowwise":
-        data, s_inv = quantize_fp8_rowwise(x.movedim(dim, -1), torch.float8_e4m3fn, power_2_scale=True)
-        return dequantize(data, s_inv, x.dtype).movedim(-1, dim)
-    return fake_quant_mxfp8(x, dim=dim, block_size=32, scale_mode="rceil")
+    op = quantize_operand(x, recipe, role, dim)
+    return x if x.numel() == 0 else op.dequantize()
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -109,51 +77,80 @@ def fake_quant(x: torch.Tensor, recipe: str, role: str = "input", dim: int = -1)
 
 
 def _quantizer(recipe: str, delayed, key):
-    """``q(t, role, dim)`` for one GEMM: delayed state when given (``delayed`` recipe), else current scaling."""
+    """``q(t, role, dim) -> Fp8Operand`` for one GEMM: delayed state when given (``delayed`` recipe), else
+    current scaling."""
     if recipe == "delayed" and delayed is not None:
 
         def q(t, role, dim):
+            if not t.numel():
+                return quantize_operand(t, recipe, role, dim)
             fmt = torch.float8_e5m2 if role == "grad" else torch.float8_e4m3fn
-            return delayed.quant_dequant(t, tuple(key) + (role,), fmt) if t.numel() else t
+            data, s_inv = delayed.quantize(t, tuple(key) + (role,), fmt)
+            return Fp8Operand(data, s_inv, None, None, t.dtype)
 
         return q
-    return lambda t, role, dim: quant_dequant(t, recipe, role, dim)
+    return lambda t, role, dim: quantize_operand(t, recipe, role, dim)
+
+
+def _keep(ctx, name: str, op) -> tuple:
+    """Record ``op``'s layout on ``ctx`` under ``name`` and return its tensors to save (``(None, None)``
+    when nothing is kept)."""
+    setattr(ctx, name, None if op is None else op.stripped())
+    return (None, None) if op is None else op.tensors
+
+
+def _weight_again(w_NK: torch.Tensor, recipe: str, scale) -> Fp8Operand:
+    """A per-tensor recipe's forward codes of ``w``, made again: with the forward's delayed ``scale`` when
+    there is one (:func:`folding.quant.delayed.cast_with_scale`), else by current scaling (stateless)."""
+    if scale is None:
+        return quantize_operand(w_NK, recipe, "weight", -1)
+    return Fp8Operand(*cast_with_scale(w_NK, scale, torch.float8_e4m3fn), None, None, w_NK.dtype)
 
 
 class _EmulatedLinear(torch.autograd.Function):
     """``y = q(x)·q(w)ᵀ``; backward ``dx = q(dy)·q(w)``, ``dw = q(dy)ᵀ·q(x)`` with per-GEMM quantization.
 
-    Per-tensor recipes quantize each operand once (the scale does not depend on the GEMM's
-    direction), so the forward's quantized x and w are reused in backward; block recipes
-    re-quantize x, w and dy along each GEMM's contraction.
+    What it keeps of ``x`` is FP8, as TransformerEngine keeps its GEMM inputs: ``x`` only as the weight
+    gradient reads it, codes and scales (:class:`folding.quant.operand.Fp8Operand`), made in the forward
+    (block recipes: quantized along the tokens, TE's columnwise copy), and nothing when the weight needs no
+    gradient. It keeps ``w`` itself (a view of the parameter), not a copy: per-tensor recipes make the
+    forward's codes of ``w`` again in backward (with the forward's scale under ``delayed``), block recipes
+    re-quantize it along the input gradient's contraction. Decoding a kept operand gives the bits
+    re-quantizing the high-precision tensor gives, so the gradients are those of keeping ``x`` and ``w``.
     """
 
     @staticmethod
     def forward(ctx, x_MK, w_NK, recipe, delayed, key):
         q = _quantizer(recipe, delayed, key)
-        ctx.q, ctx.per_tensor, ctx.recipe = q, recipe in ("delayed", "tensorwise"), recipe
+        ctx.q, ctx.recipe, ctx.dtypes = q, recipe, (x_MK.dtype, w_NK.dtype)
+        ctx.per_tensor = recipe in ("delayed", "tensorwise")
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        stateful = recipe == "delayed" and delayed is not None
+        w_scale = delayed.scale_of(tuple(key) + ("weight",), w_NK.device) if stateful and need_dx else None
         xq = q(x_MK, "input", -1)
         wq = q(w_NK, "weight", -1)
-        ctx.save_for_backward(*((xq, wq) if ctx.per_tensor else (x_MK, w_NK)))
-        return (xq.float() @ wq.float().t()).to(x_MK.dtype)
+        # the weight gradient reads x along the tokens: per-tensor codes do not depend on the direction
+        x_keep = (xq if ctx.per_tensor else q(x_MK, "input", 0)) if need_dw else None
+        ctx.save_for_backward(*_keep(ctx, "x_op", x_keep), w_NK if need_dx else None, w_scale)
+        return (xq.dequantize().float() @ wq.dequantize().float().t()).to(x_MK.dtype)
 
     @staticmethod
     def backward(ctx, dy_MN):
-        x_MK, w_NK = ctx.saved_tensors
-        q = ctx.q
+        x_data, x_scale, w_NK, w_scale = ctx.saved_tensors
+        q, (x_dtype, w_dtype) = ctx.q, ctx.dtypes
         dy_MN = dy_MN.contiguous()
         dx = dw = None
         if ctx.per_tensor:
-            gq = q(dy_MN, "grad", -1).float()
-            if ctx.needs_input_grad[0]:
-                dx = (gq @ w_NK.float()).to(x_MK.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = (gq.t() @ x_MK.float()).to(w_NK.dtype)
-            return dx, dw, None, None, None
+            gq = gq_t = q(dy_MN, "grad", -1).dequantize().float()
+            wq = _weight_again(w_NK, ctx.recipe, w_scale) if ctx.needs_input_grad[0] else None
+        else:
+            gq = q(dy_MN, "grad", -1).dequantize().float() if ctx.needs_input_grad[0] else None
+            gq_t = q(dy_MN, "grad", 0).dequantize().float() if ctx.needs_input_grad[1] else None
+            wq = q(w_NK, "weight", 0) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[0]:
-            dx = (q(dy_MN, "grad", -1).float() @ q(w_NK, "weight", 0).float()).to(x_MK.dtype)
+            dx = (gq @ wq.dequantize().float()).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = (q(dy_MN, "grad", 0).float().t() @ q(x_MK, "input", 0).float()).to(w_NK.dtype)
+            dw = (gq_t.t() @ ctx.x_op.with_tensors(x_data, x_scale).dequantize().float()).to(w_dtype)
         return dx, dw, None, None, None
 
 

@@ -2,7 +2,8 @@
 
 The stand-in has TE 2.20.2's signatures and recorded rules (``tests/unit/test_te_snapshot.py`` holds
 it to ``tests/data/te_api_2.20.2.json``), computes in high precision and records every call. Checked
-here: numerics against the loop backend, one FP8 region per model-chunk forward with the chunk's
+here: numerics against the loop backend (under FP8 the weight gradients read the FP8 copy of each
+GEMM's input that TE keeps, the stand-in too), one FP8 region per model-chunk forward with the chunk's
 DP×CP group, ``delayed`` refused outside a region, ``is_first_microbatch``, one padding around
 fc1→fc2, TE modules built on ``meta`` with an explicit ``use_grouped_tensor``, no FP8 state for the
 stateless recipes, backend selection with TE's reasons. The ``delayed`` state round trip is in
@@ -22,8 +23,10 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.select import BackendError, backend_support, check_backend, resolve_backend
+from folding.moe.experts.swiglu import swiglu_prob
 from folding.moe.experts.te import fp8_region
 from folding.moe.settings import LayerSettings
+from folding.quant import quantize_operand
 from tests import te_standin
 from tests.te_standin import CALLS, SUPPORT
 
@@ -74,6 +77,9 @@ def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
             y = mod(xx, counts, p)
         y.backward(dy)
         outs.append([y, xx.grad, mod.fc1_weight.grad, mod.fc2_weight.grad])
+    if recipe is not None:  # TE's weight gradients read the FP8 copy of each GEMM's input it keeps
+        outs[1][2:] = _weight_grads_from_kept_inputs(ref, x, counts, p, dy, te_standin.KEPT_FORMAT[te_name])
+        assert not torch.equal(outs[0][2], ref.fc1_weight.grad)  # FP8-rounded input, not the exact one
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
     padded = [-(-c // align) * align for c in counts]
@@ -89,6 +95,20 @@ def test_te_path_matches_loop(te_on_cpu, recipe, te_name, align):
     else:  # standalone experts open a local region for recipes without an amax history
         assert regions == [("enter", te_name, None)]
     assert [n for n, _ in te.named_parameters()] == ["fc1_weight", "fc2_weight"]
+
+
+def _weight_grads_from_kept_inputs(mod, x, counts, p, dy, fmt):
+    """The experts' weight gradients, per expert by hand, with each GEMM's input (fc1's rows, the activation)
+    decoded from its FP8 copy quantized along the rows (the padding rows TE sees are zeros: the same scales)."""
+    w1, w2 = mod.fc1_weight.detach(), mod.fc2_weight.detach()
+    g1, g2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    kept = lambda t: quantize_operand(t.detach(), fmt, "input", 0).dequantize()  # noqa: E731
+    for e, (xe, pe, ge) in enumerate(zip(x.split(counts), p.split(counts), dy.split(counts))):
+        h = (xe @ w1[e].t()).requires_grad_()
+        act = swiglu_prob(h, pe)
+        act.backward(ge @ w2[e])
+        g1[e], g2[e] = h.grad.t() @ kept(xe), ge.t() @ kept(act)
+    return [g1, g2]
 
 
 def test_delayed_outside_a_region_is_refused(te_on_cpu):

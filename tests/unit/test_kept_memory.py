@@ -50,15 +50,17 @@ FAMILIES = {  # preset -> layers to measure (DeepSeek-V3's first is dense)
 }
 
 
-def _config(preset: str):
+def _config(preset: str, moe=None):
     if preset.startswith("deepseek"):
-        return get_preset(preset, num_layers=2)
-    return get_preset(preset, num_layers=2, hidden_size=128, moe={"ffn_hidden_size": 64, "aux_loss_coeff": 0.01})
+        return get_preset(preset, num_layers=2, **({"moe": moe} if moe else {}))
+    moe = {"ffn_hidden_size": 64, "aux_loss_coeff": 0.01, **(moe or {})}
+    return get_preset(preset, num_layers=2, hidden_size=128, moe=moe)
 
 
-def _run_layer(preset, layer_name, dtype, recompute="none", *, grads=False, offload=""):
-    """``(layer, model, census entries, saved-by-node entries or None, (output, grads) or None)``."""
-    cfg = _config(preset)
+def _run_layer(preset, layer_name, dtype, recompute="none", *, grads=False, offload="", moe=None):
+    """``(layer, model, census entries, saved-by-node entries or None, (output, grads) or None)``; ``moe``:
+    MoE options over the preset's."""
+    cfg = _config(preset, moe)
     settings = LayerSettings(init_seed=1, params_dtype=dtype, recompute=recompute, offload_modules=offload)
     model = MoETransformer(cfg, settings=settings)
     layer = model.layers[layer_name]
@@ -116,6 +118,32 @@ def test_layer_keeps_what_the_model_says(preset, dtype):
             per_token = max(cfg.moe.num_experts, cfg.num_attention_heads) + 1
             wide = [s.describe() for s in saved if s.tensor.dtype == torch.float32 and s.tensor.numel() > per_token * T]
             assert not wide, f"{what}: fp32 tensors wider than a per-token statistic are kept: {wide}"
+
+
+FP8_CASES = {  # FP8 experts on the emulated backend: moe.fp8_recipe, moe.fp8_act_input_store
+    "mxfp8": ("mxfp8", False),
+    "mxfp8-act-store": ("mxfp8", True),
+    "blockwise-act-store": ("blockwise", True),
+    "rowwise": ("rowwise", False),
+    "delayed-act-store": ("delayed", True),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_experts_keep_what_the_model_says(case):
+    """Under ``moe.fp8_recipe`` the experts keep each GEMM's input as FP8 codes and scales (and, with
+    ``moe.fp8_act_input_store``, fc1's output): the model's dispatch and experts terms follow, in bf16."""
+    recipe, store = FP8_CASES[case]
+    moe = {"expert_backend": "emulated", "fp8_recipe": recipe, "fp8_act_input_store": store}
+    layer, cfg, kept, saved, _ = _run_layer("qwen2_moe_tiny", "1", torch.bfloat16, moe=moe)
+    measured = bytes_by(kept, lambda k: layer_term(k.module, layer.is_moe))
+    _check_terms(measured, _model_terms(cfg, layer, torch.bfloat16), f"qwen2_moe_tiny {case}")
+    codes = sum(s.nbytes for s in saved if s.tensor.dtype == torch.float8_e4m3fn)
+    r, h, f = T * cfg.moe.topk, cfg.hidden_size, cfg.moe.ffn_hidden_size
+    assert codes == r * (h + f + (2 * f if store else 0))  # 1 byte an element: fc1's and fc2's inputs (fc1's output)
+    # against the same layer in bf16, each of those elements went from 2 bytes to 1, less the scales
+    saving = sum(k.nbytes for k in _run_layer("qwen2_moe_tiny", "1", torch.bfloat16)[2]) - sum(measured.values())
+    assert 0.9 * codes < saving <= codes, (case, saving, codes)
 
 
 MODULE_CASES = {  # recompute module -> (preset, layer) where it applies

@@ -157,6 +157,10 @@ def test_special_flags_follow_megatron_semantics():
     assert (v["train.recompute"], v["train.recompute_modules"]) == ("none", ["core_attn"])  # selective's default
     v = _values("--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj", "mlp", "moe_act")
     assert (v["train.recompute"], v["train.recompute_modules"]) == ("none", ["mla_up_proj", "mlp", "moe_act"])
+    v = _values(*ARCH, "--num-experts", "4", "--num-layers", "8", "--moe-layer-freq", "([0]*3+[1]*5)")
+    assert v["model.mlp_only_layers"] == (0, 1, 2)
+    v = _values(*ARCH, "--num-experts", "4", "--num-layers", "4", "--moe-layer-freq", "2")
+    assert v["model.mlp_only_layers"] == (1, 3)
     v = _values("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1", "moe_act")
     assert v["train.offload_modules"] == ["expert_fc1", "moe_act"]
     assert "train.offload_modules" not in _values("--offload-modules", "expert_fc1")  # ignored without the switch
@@ -170,6 +174,7 @@ def test_special_flags_follow_megatron_semantics():
         (["--hidden-dropout", "0.1"], "no dropout"),
         (["--recompute-granularity", "selective", "--recompute-modules", "attention"], "--recompute-modules attention"),
         (["--fine-grained-activation-offloading", "--offload-modules", "router"], "--offload-modules router"),
+        ([*ARCH, "--num-experts", "4", "--num-layers", "8", "--moe-layer-freq", "([0]*3+[1]*4)"], "--moe-layer-freq"),
         (["--lr-decay-style", "inverse-square-root"], "inverse-square-root: no equivalent"),
         (["--num-layers", "4", "--num-experts", "4", "--swiglu"], "no --normalization: the model would have LayerNorm"),
         ([*ARCH, "--num-layers", "4"], "no --num-experts"),
@@ -178,6 +183,18 @@ def test_special_flags_follow_megatron_semantics():
     ]:
         with pytest.raises(MegatronArgsError, match=needle):
             convert(argv)
+
+
+def test_activation_fp8_input_store_maps_to_its_key_and_needs_a_recipe():
+    from folding.job.config import ConfigError
+    from tests.unit.test_config_job import job
+
+    out = convert(["--activation-func-fp8-input-store"])
+    assert out.values["moe.fp8_act_input_store"] is True and "moe.fp8_act_input_store=true" in out.overrides
+    j = job(*out.overrides, "moe.fp8_recipe=mxfp8", "moe.expert_backend=emulated")
+    assert j.model.moe.fp8_act_input_store and j.model.moe.fp8_recipe == "mxfp8"
+    with pytest.raises(ConfigError, match="moe.fp8_act_input_store=True: .* moe.fp8_recipe is null"):
+        job(*out.overrides)
 
 
 def test_a_model_without_a_preset_is_named_and_tied_as_megatron_ties():

@@ -55,6 +55,7 @@ OVERRIDES = {
     "grad_wire": ("fp8", []),
     "expert_backend": ("loop", []),
     "fp8_recipe": ("mxfp8", ["moe.expert_backend=emulated"]),
+    "fp8_act_input_store": ("true", ["moe.fp8_recipe=mxfp8", "moe.expert_backend=emulated"]),
     "shared_expert_ffn_hidden_size": ("32", []),
     "shared_expert_gate": ("true", ["moe.shared_expert_ffn_hidden_size=32"]),
     "trace_dir": ("traces", []),

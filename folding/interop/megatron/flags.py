@@ -197,6 +197,12 @@ FLAGS: Dict[str, Flag] = {
     "--v-head-dim": special(),
     "--moe-layer-recompute": switch("train.recompute", "moe"),
     "--moe-per-layer-logging": noop("each layer's expert load is on the console (imb) and in metrics.jsonl"),
+    "--activation-func-fp8-input-store": switch(
+        "moe.fp8_act_input_store",
+        note="needs moe.fp8_recipe; the routed experts' activation keeps its input in the recipe's scaled e4m3 "
+        "(Megatron-Core casts without a scale, with or without FP8, in every SwiGLU MLP; folding's dense MLPs "
+        "and shared experts are bf16)",
+    ),
     # ------------------------------------------------------------------ training and optimizer
     "--micro-batch-size": value("train.micro_batch_size", int),
     "--global-batch-size": value("train.global_batch_size", int),

@@ -27,6 +27,12 @@ inside the model chunk's FP8 region, see :mod:`folding.moe.experts.te`). ``moe.e
 is resolved before the experts are built, once (:mod:`folding.moe.experts.select`, with
 TransformerEngine's own checks); the experts receive the backend that runs.
 
+What an FP8 recipe keeps for backward: every backend keeps each GEMM's input (fc1's: the dispatched
+rows; fc2's: the activation) only quantized, 1 byte per element plus the recipe's scales, as the weight
+gradient reads it (``emulated`` and ``torch``: :class:`folding.quant.Fp8Operand`, made in the forward;
+``te``: TransformerEngine keeps its input's columnwise FP8 copy itself), so the high-precision rows are
+freed after the forward. The SwiGLU keeps fc1's output in high precision unless ``fp8_act_input_store``.
+
 Usage::
 
     mlp = GroupedMLP(num_local_experts=4, hidden_size=64, ffn_hidden_size=128, etp_size=2,
@@ -58,10 +64,24 @@ from folding.quant.emulate import RECIPES
 
 
 def _check_settings(
-    num_experts, num_local_experts, hidden_size, ffn_hidden_size, etp_size, etp_rank, expert_offset, backend, fp8_recipe
+    num_experts,
+    num_local_experts,
+    hidden_size,
+    ffn_hidden_size,
+    etp_size,
+    etp_rank,
+    expert_offset,
+    backend,
+    fp8_recipe,
+    fp8_act_input_store=False,
 ) -> None:
     """Raise ``ValueError`` naming the argument and a fix if :class:`GroupedMLP`'s sizes are impossible
     (the backend and recipe names were checked by ``MoEConfig``: asserted here)."""
+    if fp8_act_input_store and fp8_recipe is None:
+        raise ValueError(
+            "fp8_act_input_store=True keeps the activation's input in the FP8 recipe's format and "
+            "fp8_recipe is None; give an fp8_recipe (moe.fp8_recipe) or fp8_act_input_store=False"
+        )
     if num_local_experts <= 0 or hidden_size <= 0 or ffn_hidden_size <= 0:
         raise ValueError(
             f"num_local_experts={num_local_experts}, hidden_size={hidden_size} and "
@@ -116,24 +136,17 @@ class GroupedMLP(torch.nn.Module):
         device=None,
         delay_wgrad: bool = False,
         recompute_act: bool = False,
+        fp8_act_input_store: bool = False,
     ):
         """Validate the settings and create this rank's shards of the layout-independent initial weights.
         ``num_experts``: the global E (default ``num_local_experts``); ``init_seed=None``: the owner fills
         every parameter from its record; ``backend``: the one that runs, ``auto`` resolved before
-        (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``: see below."""
+        (:func:`folding.moe.experts.select.resolve_backend`); ``delay_wgrad``, ``recompute_act``,
+        ``fp8_act_input_store``: see below."""
         super().__init__()
         num_experts = num_local_experts if num_experts is None else num_experts
-        _check_settings(
-            num_experts,
-            num_local_experts,
-            hidden_size,
-            ffn_hidden_size,
-            etp_size,
-            etp_rank,
-            expert_offset,
-            backend,
-            fp8_recipe,
-        )
+        sizes = (num_experts, num_local_experts, hidden_size, ffn_hidden_size, etp_size, etp_rank, expert_offset)
+        _check_settings(*sizes, backend, fp8_recipe, fp8_act_input_store)
         if device is not None and torch.device(device).type != "meta":
             # the backend's first-use probes (a grouped GEMM forward and backward) run now, at build,
             # never inside an overlap pair (whose second lane may not start a backward)
@@ -155,6 +168,9 @@ class GroupedMLP(torch.nn.Module):
         """``torch`` backend: weight gradients behind the backward's next exchange (``parallel.delay_wgrad``)."""
         self.recompute_act = recompute_act
         """``moe_act``: fc2's input freed after its forward, refilled from fc1's (:mod:`folding.memory.discard`)."""
+        self.fp8_act_input_store = fp8_act_input_store
+        """``moe.fp8_act_input_store``: the SwiGLU keeps fc1's output in ``fp8_recipe``'s FP8 for its
+        backward (:func:`folding.moe.experts.swiglu.swiglu_prob`)."""
         if init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, init_seed)
 
@@ -316,10 +332,11 @@ class GroupedMLP(torch.nn.Module):
         return unpad_rows_per_expert(y, counts, padded)
 
     def _activation(self, h_NFl2: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]`` (the ``moe_act`` offload region: what it
-        keeps, fc1's output and the probabilities, may wait in host memory)."""
+        """``silu(gate) ⊙ up ⊙ probs`` from fc1's output ``[N, 2·Fl]`` (kept in FP8 under ``fp8_act_input_store``;
+        the ``moe_act`` offload region: what it keeps, fc1's output and the probabilities, may wait in host
+        memory)."""
         with offload_region("moe_act"):
-            return swiglu_prob(h_NFl2, probs_N)
+            return swiglu_prob(h_NFl2, probs_N, self.fp8_recipe if self.fp8_act_input_store else None)
 
     def extra_repr(self) -> str:
         """Sizes, sharding and backend."""
@@ -327,4 +344,5 @@ class GroupedMLP(torch.nn.Module):
             f"experts={self.num_local_experts} (offset {self.expert_offset}), H={self.hidden_size}, "
             f"F={self.ffn_hidden_size} (local {self.ffn_local}, etp {self.etp_rank}/{self.etp_size}), "
             f"backend={self.backend}, fp8_recipe={self.fp8_recipe}"
+            + (", fp8_act_input_store=True" if self.fp8_act_input_store else "")
         )

@@ -104,10 +104,18 @@ def mx_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
     return mx_forward(dy_NO, w_LOI.transpose(-2, -1), counts, offs_L, out_dtype)
 
 
-def mx_wgrad(dy_NO, x_NI, counts_L, offs_L, out_dtype, counts):
-    """``dw[e] = dy[rows of e]ᵀ·x[rows of e]``: both blocked along each expert's tokens."""
+def mx_wgrad_input(x_NI, counts_L, counts):
+    """x as the weight gradient reads it, kept from the forward: ``xᵀ [I, N]`` in MXFP8 blocked along each
+    expert's tokens (rows per expert are multiples of 32: no block straddles two experts), and its
+    ``[I, N/32]`` scale bytes."""
+    return _quantize(x_NI.t())
+
+
+def mx_wgrad(dy_NO, x_kept, counts_L, offs_L, out_dtype, counts):
+    """``dw[e] = dy[rows of e]ᵀ·x[rows of e]``: both blocked along each expert's tokens (``x_kept``: the
+    codes and scales of :func:`mx_wgrad_input`)."""
+    xq_IN, xs = x_kept
     gq_ON, gs = _quantize(dy_NO.t())
-    xq_IN, xs = _quantize(x_NI.t())
     return _op()(
         gq_ON,
         xq_IN.t(),

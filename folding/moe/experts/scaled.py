@@ -25,7 +25,9 @@ training does (for ``y = x·wᵀ``):
   (per input column, over O); scales ``[N]`` and ``[L, I]``;
 - weight gradient, 2-D × 2-D grouped along tokens: ``dyᵀ [O, N]`` and ``x [N, I]`` both scaled per
   feature column over each expert's tokens (:func:`folding.quant.fp8.quantize_fp8_group_columns`);
-  scales ``[L·O]`` and ``[L·I]`` group-major; output ``[L, O, I]``.
+  scales ``[L·O]`` and ``[L·I]`` group-major; output ``[L, O, I]``. ``x``'s codes and scales for it
+  are made in the forward and are all the GEMM keeps of ``x`` (1 byte per element plus ``4·L·I`` bytes;
+  MXFP8: one E8M0 byte per 32 tokens), as TransformerEngine keeps only its input's columnwise copy.
 
 **Operand rules** (PyTorch's checks in ``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and its tests):
 ``mat_a`` row-major, ``mat_b`` column-major (the transpose of a contiguous tensor); the last dimension
@@ -102,15 +104,22 @@ def _rowwise_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
     return _rowwise_forward(dy_NO, w_LOI.transpose(-2, -1), counts, offs_L, out_dtype)
 
 
-def _rowwise_wgrad(dy_NO, x_NI, counts_L, offs_L, out_dtype, counts):
-    # both operands scaled per feature column over each expert's tokens (the contraction)
-    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True)
+def _rowwise_wgrad_input(x_NI, counts_L, counts):
+    """x as the weight gradient reads it, kept from the forward: e4m3 codes scaled per feature column over
+    each expert's tokens, stored ``[I, N]`` row-major (the column-major operand), and the scales ``[L·I]``."""
     xq_NI, xs_LI = quantize_fp8_group_columns(x_NI, counts_L, E4M3, power_2_scale=True)
+    return xq_NI.t().contiguous(), xs_LI.reshape(-1)
+
+
+def _rowwise_wgrad(dy_NO, x_kept, counts_L, offs_L, out_dtype, counts):
+    # both operands scaled per feature column over each expert's tokens (the contraction)
+    xq_IN, xs = x_kept
+    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True)
     return scaled_mm_op()(
         gq_NO.t().contiguous(),  # [O, N] row-major
-        xq_NI.t().contiguous().t(),  # [N, I] column-major
+        xq_IN.t(),  # [N, I] column-major
         gs_LO.reshape(-1),
-        xs_LI.reshape(-1),
+        xs,
         offs=offs_L,
         out_dtype=out_dtype,
         use_fast_accum=FAST_ACCUM,
@@ -118,8 +127,8 @@ def _rowwise_wgrad(dy_NO, x_NI, counts_L, offs_L, out_dtype, counts):
 
 
 _OPS = {
-    "rowwise": (_rowwise_forward, _rowwise_dgrad, _rowwise_wgrad),
-    "mxfp8": (expert_mxfp8.mx_forward, expert_mxfp8.mx_dgrad, expert_mxfp8.mx_wgrad),
+    "rowwise": (_rowwise_forward, _rowwise_dgrad, _rowwise_wgrad_input, _rowwise_wgrad),
+    "mxfp8": (expert_mxfp8.mx_forward, expert_mxfp8.mx_dgrad, expert_mxfp8.mx_wgrad_input, expert_mxfp8.mx_wgrad),
 }
 TORCH_FP8_RECIPES = tuple(_OPS)
 """FP8 recipes the ``torch`` backend runs."""
@@ -128,28 +137,33 @@ TORCH_FP8_RECIPES = tuple(_OPS)
 class _ScaledGroupedLinear(torch.autograd.Function):
     """``y = x·w[e]ᵀ`` per expert with FP8 forward, input-gradient and weight-gradient GEMMs.
 
-    Saves the high-precision ``x`` and ``w`` and quantizes each GEMM's operands along its own
-    contraction. With an ``anchor`` (``delay_wgrad``) the weight gradient is deferred to the next
-    exchange wait (:func:`folding.parallel.overlap.defer`) and delivered to the anchor then.
+    Keeps ``w`` (the input gradient re-quantizes it along its other dimension) and ``x`` only quantized as
+    the weight gradient reads it (codes and scales along each expert's tokens, computed in the forward:
+    TransformerEngine's columnwise copy), never the high-precision ``x``; the weight gradient is the one
+    re-quantizing ``x`` in backward would give, bit for bit. With an ``anchor`` (``delay_wgrad``) the
+    weight gradient is deferred to the next exchange wait (:func:`folding.parallel.overlap.defer`) and
+    delivered to the anchor then.
     """
 
     @staticmethod
     def forward(ctx, x_NI, w_LOI, counts_L, offs_L, recipe, counts, anchor):
-        ctx.save_for_backward(x_NI, w_LOI, counts_L, offs_L)
-        ctx.recipe, ctx.counts = recipe, counts
+        ctx.recipe, ctx.counts, ctx.x_dtype = recipe, counts, x_NI.dtype
         ctx.anchor = anchor[0] if anchor else None
+        wants_wgrad = ctx.needs_input_grad[1] or (ctx.anchor is not None and ctx.anchor.requires_grad)
+        x_kept = _OPS[recipe][2](x_NI, counts_L, counts) if wants_wgrad else (None, None)
+        ctx.save_for_backward(*x_kept, w_LOI, counts_L, offs_L)
         return _OPS[recipe][0](x_NI, w_LOI, counts, offs_L, x_NI.dtype)
 
     @staticmethod
     def backward(ctx, g_NO):
-        x_NI, w_LOI, counts_L, offs_L = ctx.saved_tensors
-        _, dgrad, wgrad = _OPS[ctx.recipe]
+        x_data, x_scale, w_LOI, counts_L, offs_L = ctx.saved_tensors
+        _, dgrad, _, wgrad = _OPS[ctx.recipe]
         g_NO = g_NO.contiguous()
-        gx = dgrad(g_NO, w_LOI, ctx.counts, offs_L, x_NI.dtype) if ctx.needs_input_grad[0] else None
+        gx = dgrad(g_NO, w_LOI, ctx.counts, offs_L, ctx.x_dtype) if ctx.needs_input_grad[0] else None
 
         def weight_grad():
             # every group has rows (padded to at least one aligned block): each output is defined
-            return wgrad(g_NO, x_NI, counts_L, offs_L, w_LOI.dtype, ctx.counts)
+            return wgrad(g_NO, (x_data, x_scale), counts_L, offs_L, w_LOI.dtype, ctx.counts)
 
         gw = None
         if ctx.anchor is not None:
