@@ -16,6 +16,8 @@ presets' architectures at hidden 256, 8 experts, top-2, expert FFN 128, a micro-
   codes and scales) and the total.
 - Last stage: the whole model forward with the loss (one layer, final norm, fused loss; DeepSeek-V3 also its
   MTP module) against the sum of the model's terms.
+- Offload modules: per module, the bytes per token it frees on the device and those its host tier takes
+  (on CPU a separate storage, counted apart), model and measured.
 - MoE block against Megatron-Core 0.16.1's ``MoELayer`` (SequentialMLP, fused weighted SwiGLU, fp32 router,
   the all-to-all dispatcher) at the same shape in bf16, measured the same way (one gloo rank; needs
   megatron-core, the ``dev`` extras).
@@ -38,7 +40,14 @@ import torch
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.settings import LayerSettings
-from folding.planning.activations import TERMS, activation_terms, logits_bytes, mtp_activation_bytes, rope_bytes
+from folding.planning.activations import (
+    TERMS,
+    activation_terms,
+    logits_bytes,
+    mtp_activation_bytes,
+    offloaded_bytes_per_layer,
+    rope_bytes,
+)
 from folding.testing import RankPool
 from folding.testing.kept_memory import KeptCensus, bytes_by, layer_census, layer_term
 
@@ -70,16 +79,49 @@ def config(family: str, moe=None):
     return get_preset(family, num_layers=2, hidden_size=256, moe={**base, **(moe or {})})
 
 
-def measure(family: str, layer_name: str, dtype, recompute: str = "none", moe=None):
-    """``(model terms, measured terms, is MoE)`` of one layer, bytes."""
+def measure(family: str, layer_name: str, dtype, recompute: str = "none", moe=None, offload: str = ""):
+    """``(model terms, measured terms, is MoE)`` of one layer, bytes on the device (the host tier's bytes
+    under the key ``"host"`` of both, with ``offload``)."""
     cfg = config(family, moe)
-    model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype, recompute=recompute))
+    settings = LayerSettings(init_seed=1, params_dtype=dtype, recompute=recompute, offload_modules=offload)
+    model = MoETransformer(cfg, settings=settings)
     layer = model.layers[layer_name]
     x0 = torch.randn(T, 1, cfg.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    kept, _, _ = layer_census(layer, x0, model.rope(T, dtype=dtype))
-    measured = bytes_by(kept, lambda k: layer_term(k.module, layer.is_moe))
+    kept, _, _ = layer_census(layer, x0, model.rope(T, dtype=dtype), offloader=model.offloader)
+    measured = bytes_by([k for k in kept if k.tier == "device"], lambda k: layer_term(k.module, layer.is_moe))
     kw = dict(seq_length=T, micro_batch_size=1, act_bytes=dtype.itemsize, device="cpu", recompute=recompute)
-    return activation_terms(cfg, ONE_RANK, moe_layer=layer.is_moe, **kw), measured, layer.is_moe
+    model_terms = activation_terms(cfg, ONE_RANK, moe_layer=layer.is_moe, offload=offload, **kw)
+    if offload:
+        measured["host"] = sum(k.nbytes for k in kept if k.tier == "host")
+        model_terms["host"] = offloaded_bytes_per_layer(cfg, ONE_RANK, moe_layer=layer.is_moe, offload=offload, **kw)
+    return model_terms, measured, layer.is_moe
+
+
+OFFLOADS = {  # offload modules -> (family, layer) where they move something off the device
+    "attn_norm": ("mixtral_tiny", "1"),
+    "qkv_linear": ("qwen3_moe_tiny", "1"),
+    "core_attn": ("qwen3_moe_tiny", "1"),
+    "core_attn,attn_proj": ("olmoe_tiny", "1"),
+    "attn_proj": ("deepseek_v3_tiny", "1"),
+    "mlp_norm": ("qwen2_moe_tiny", "1"),
+    "expert_fc1": ("mixtral_tiny", "1"),
+    "moe_act": ("deepseek_v3_tiny", "1"),
+}
+
+
+def _offload_rows() -> list:
+    """The offload section: per offload module, the device bytes it frees and the host bytes it takes."""
+    lines = ["", "## Offload modules: bytes per token off the device and in the host tier (bf16)", ""]
+    lines += ["| modules | family (layer) | freed: model | freed: measured | host: model | host: measured |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for offload, (family, name) in OFFLOADS.items():
+        m0, g0, _ = measure(family, name, torch.bfloat16)
+        m1, g1, _ = measure(family, name, torch.bfloat16, offload=offload)
+        hm, hg = m1.pop("host"), g1.pop("host")
+        fm, fg = sum(m0.values()) - sum(m1.values()), sum(g0.values()) - sum(g1.values())
+        print(f"offload {offload} {family}: freed {fm / T:.1f} / {fg / T:.1f}, host {hm / T:.1f} / {hg / T:.1f}")
+        lines.append(f"| {offload} | {family} ({name}) | {fm / T:.1f} | {fg / T:.1f} | {hm / T:.1f} | {hg / T:.1f} |")
+    return lines
 
 
 def last_stage(family: str, dtype=torch.bfloat16):
@@ -205,6 +247,7 @@ def report(args) -> str:
                 f"| {module} | {family} ({name}) | {str(dtype)[6:]} | {sm / T:.1f} | {sg / T:.1f} | {_ratio(sm, sg)} |"
             )
     lines += _fp8_rows()
+    lines += _offload_rows()
     lines += ["", "## The last stage: layer, final norm, fused loss (and MTP), bf16", ""]
     lines += ["| family | model | measured | ratio |", "|---|---|---|---|"]
     for family in ("mixtral_tiny", "deepseek_v3_tiny"):
