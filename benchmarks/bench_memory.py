@@ -1,7 +1,7 @@
 """Per-rank memory as EP grows at a fixed world size, folded and non-folded, against folding/planning.
 
-On ``--world`` gloo ranks (``folding.testing.RankPool``, CPU, fp32) and a small Mixtral, for EP in
-``--eps`` (default 1, 2, 4, 8), two attention layouts and two routing modes:
+On ``--world`` gloo ranks (``folding.testing.RankPool``, CPU, bf16 and fp32: ``--dtypes``) and a small
+Mixtral, for EP in ``--eps`` (default 1, 2, 4, 8), two attention layouts and two routing modes:
 
 - ``non-folded``: attention ``TP1 DP=world``; EP is carved out of DP (EP <= DP), ETP = 1.
 - ``folded``: attention ``TP=--tp`` (sequence parallel), ``DP = world/TP``; EP up to the world,
@@ -28,7 +28,7 @@ reduction over DP / EDP, clipping, AdamW; ``--distributed`` for ZeRO-1). What is
   the analytic model's activation term.
 - ``phase``: where the peak happened (forward, backward or optimizer) on the rank with the peak.
 
-The analytic columns are ``folding.planning.memory.memory_per_rank`` for the same layout (fp32
+The analytic columns are ``folding.planning.memory.memory_per_rank`` for the same layout (the dtype's
 parameters and activations, ``fused_swiglu=True`` as the engine runs, ``distributed`` as measured).
 ``--explain`` re-runs the balanced EP1 and EP-max layouts with Python stacks and lists the largest
 allocations alive at the peak, with the function that made them.
@@ -85,8 +85,10 @@ def _frame(stack, top: int = 2) -> str:
     return (" < ".join(reversed(own[-top:])) + " · " if own else "") + op
 
 
-def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=0):
-    """On every rank: a warm-up step, then a profiled step; returns measured and analytic bytes."""
+def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=0, dtype="fp32"):
+    """On every rank: a warm-up step, then a profiled step; returns measured and analytic bytes. ``dtype``:
+    ``fp32`` or ``bf16`` parameters and activations (bf16: fp32 master weights and main gradients, as
+    ``train.precision=bf16``)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -94,7 +96,9 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
     ps = build_parallel_state(layout)
     try:
         cfg = cfg.replace(moe={"force_balance": routing == "balanced"})
-        model = MoETransformer(cfg, parallel_state=ps, settings=LayerSettings(init_seed=seed))
+        width = 2 if dtype == "bf16" else 4
+        settings = LayerSettings(init_seed=seed, params_dtype=torch.bfloat16 if width == 2 else torch.float32)
+        model = MoETransformer(cfg, parallel_state=ps, settings=settings)
         opt = FoldedOptimizer(
             model, OptimConfig(lr=1e-4, decay_style="constant", distributed=distributed), parallel_state=ps
         )
@@ -141,11 +145,11 @@ def measure(cfg, layout_kw, seq, batch, seed, routing, distributed, explain_top=
         est = memory_per_rank(
             cfg,
             layout,
-            param_bytes=4,
+            param_bytes=width,
             distributed=distributed,
             seq_length=seq,
             micro_batch_size=batch,
-            act_bytes=4,
+            act_bytes=width,
             fused_swiglu=True,
         )
         out = {
@@ -180,7 +184,7 @@ def _pct(new, old) -> str:
     return f"{100 * (new / old - 1):+.1f}%"
 
 
-def _row(routing, name, ep, kw, a, res):
+def _row(routing, dtype, name, ep, kw, a, res):
     """One table row and the numbers the trend lines need."""
     peaks = [r["persistent"] + r["peak_delta"] for r in res]
     top = res[max(range(len(res)), key=peaks.__getitem__)]
@@ -190,6 +194,7 @@ def _row(routing, name, ep, kw, a, res):
     peak, mean = max(peaks), sum(peaks) / len(peaks)
     cells = [
         routing,
+        dtype,
         name,
         str(ep),
         str(a.world // (ep * kw["etp"])),
@@ -209,10 +214,10 @@ def _row(routing, name, ep, kw, a, res):
 
 
 HEADER = [
-    "| routing | layout | EP | EDP | persistent MiB (model) | saved for backward MiB, max / mean "
+    "| routing | dtype | layout | EP | EDP | persistent MiB (model) | saved for backward MiB, max / mean "
     "(model activations) | step working set MiB, max (model act. + transient) | max abs net MiB | "
     "true peak MiB, max rank | true peak, mean of ranks | model total MiB | peak / model | peak in |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -241,6 +246,11 @@ def main(argv=None):
     )
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 optimizer (optim.distributed)")
     p.add_argument(
+        "--dtypes",
+        default="bf16,fp32",
+        help="parameter and activation dtypes to sweep, comma-separated: bf16 (fp32 master weights), fp32",
+    )
+    p.add_argument(
         "--explain",
         type=int,
         nargs="?",
@@ -263,13 +273,14 @@ def main(argv=None):
     rows, stats, explain = list(HEADER), {}, []
     t0 = time.time()
     with RankPool(a.world) as pool:
-        for routing in routings:
-            for name, ep, kw in plan:
-                res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, routing, a.distributed)
-                row, st = _row(routing, name, ep, kw, a, res)
-                rows.append(row)
-                stats.setdefault((routing, name), []).append((ep, st))
-                print(row, flush=True)
+        for dtype in a.dtypes.split(","):
+            for routing in routings:
+                for name, ep, kw in plan:
+                    res = pool.run(measure, cfg, kw, a.seq, a.batch, a.seed, routing, a.distributed, 0, dtype)
+                    row, st = _row(routing, dtype, name, ep, kw, a, res)
+                    rows.append(row)
+                    stats.setdefault((routing, dtype, name), []).append((ep, st))
+                    print(row, flush=True)
         if a.explain:
             eps = sorted({ep for _, ep, _ in plan})
             for name, ep, kw in plan:
@@ -287,10 +298,10 @@ def main(argv=None):
                         "",
                     ]
     trend = []
-    for (routing, name), vals in stats.items():
+    for (routing, dtype, name), vals in stats.items():
         (e0, s0), (e1, s1) = vals[0], vals[-1]
         trend.append(
-            f"- {routing}, {name}, EP{e0} -> EP{e1}: true peak (max rank) {_pct(s1['peak'], s0['peak'])} "
+            f"- {routing}, {dtype}, {name}, EP{e0} -> EP{e1}: true peak (max rank) {_pct(s1['peak'], s0['peak'])} "
             f"({s0['peak'] / MiB:.2f} -> {s1['peak'] / MiB:.2f} MiB), mean of ranks "
             f"{_pct(s1['mean'], s0['mean'])}; step working set {_pct(s1['work'], s0['work'])}; "
             f"saved for backward max {_pct(s1['saved'], s0['saved'])}, mean "
@@ -301,7 +312,7 @@ def main(argv=None):
         [
             "# Per-rank memory as EP grows (fixed world size)",
             "",
-            f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), fp32; "
+            f"- device: CPU, gloo, {a.world} ranks on {os.cpu_count()} cores ({platform.machine()}), {a.dtypes}; "
             f"torch {torch.__version__}; load average at the end {load:.1f}; sweep took {time.time() - t0:.0f} s",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"- command: `python -m benchmarks.bench_memory {' '.join(argv)}`",
@@ -313,8 +324,8 @@ def main(argv=None):
             "increase of live CPU tensor bytes during one profiled step (profiler allocation events: every "
             "tensor, transients included). Working set = that increase. Net = the step's net change (~0 "
             "expected). Saved for backward = storages autograd kept (saved-tensor hook).",
-            "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes=4, act_bytes=4, "
-            "fused_swiglu=True)",
+            "- in parentheses: `folding.planning.memory.memory_per_rank` (param_bytes and act_bytes of the "
+            "dtype: 2 for bf16 with fp32 master weights, 4 for fp32; fused_swiglu=True)",
             "",
             *explain,
             *rows,

@@ -231,6 +231,14 @@ def _check_offload_modules(t) -> None:
             f"unknown module(s) {bad}",
             f"choose among {', '.join(OFFLOAD_MODULES)}",
         )
+    compiled = [m for m in mods if m in ("attn_norm", "qkv_linear", "core_attn", "attn_proj")]
+    if t.compile and compiled:
+        _fail(
+            "train.offload_modules",
+            list(mods),
+            f"{', '.join(compiled)} offload(s) tensors of the attention sublayer, which train.compile=true compiles",
+            f"drop {', '.join(compiled)} or set train.compile=false",
+        )
     why = offload_conflict(recompute_spec(t.recompute, t.recompute_modules), mods)
     if why:
         _fail(

@@ -189,6 +189,11 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  memory      {mem.total / GIB:.1f} GiB per rank on stage {mem.stage} ({parts} GiB; "
         f"distributed optimizer {'on' if job.optim.distributed else 'off'}, recompute {t.recompute_setting()}"
         + (
+            f", offload {t.offload_setting()}: {mem.host / GIB:.1f} GiB of pinned host memory per rank"
+            if t.offload_modules
+            else ""
+        )
+        + (
             ", MoE exchanges overlapped: the longer warm-up's activations in flight"
             if job.parallel.overlap_moe_comm
             else ""

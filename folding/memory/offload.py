@@ -16,9 +16,10 @@ ahead in backward:
   the previous layer's tensors are copied back on the side stream; a tensor's unpack makes the compute
   stream wait for its copy's event, so nothing is read before it arrives. A layer whose tensors were not
   prefetched (the first one backward reaches) copies them back at its first unpack.
-- Parameters and tensors saved inside an activation checkpoint (which keeps only the region's inputs) stay
-  where they are. What moves is storages: one saved twice in a layer (two views of one buffer, or by two
-  regions) is copied once and comes back as one, its views rebuilt on it.
+- Parameters, tensor subclasses (TransformerEngine's quantized tensors, which own their storages) and tensors
+  saved inside an activation checkpoint (which keeps only the region's inputs) stay where they are. What
+  moves is storages: one saved twice in a layer (two views of one buffer, or by two regions) is copied once
+  and comes back as one, its views rebuilt on it.
 
 The values come back bit for bit, so offloading changes no number; only where bytes wait.
 
@@ -100,6 +101,8 @@ class LayerGroup:
         """Saved-tensor pack hook: where to find ``t`` in a host copy of its storage, or ``t`` itself when it
         stays (a parameter, an empty tensor)."""
         off = self.offloader
+        if type(t) is not torch.Tensor:  # a parameter, or a tensor subclass (TE's quantized tensors) that
+            return t  # owns its storages: it stays
         s = t.untyped_storage()
         if not s.nbytes() or s.data_ptr() in off.param_storages:
             return t

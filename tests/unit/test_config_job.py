@@ -144,6 +144,17 @@ BAD = [
     (["data.weights=[1.0]"], 1, "data.weights"),
     # the recomputed experts would run outside the FP8 region delayed scaling needs
     (["train.recompute=moe", "moe.expert_backend=te", "moe.fp8_recipe=delayed"], 1, "train.recompute"),
+    (["train.recompute_modules=[moe]", "moe.expert_backend=te", "moe.fp8_recipe=delayed"], 1, "train.recompute"),
+    # recompute and offload modules: unknown names, full beside modules, a module the recompute empties,
+    # the discarding / offloading of the compiled attention sublayer
+    (["train.recompute_modules=[attention]"], 1, "train.recompute_modules"),
+    (["train.recompute=full", "train.recompute_modules=[moe_act]"], 1, "train.recompute_modules"),
+    (["train.recompute_modules=[layernorm]", "train.compile=true"], 1, "train.recompute_modules"),
+    (["train.offload_modules=[router]"], 1, "train.offload_modules"),
+    (["train.offload_modules=[qkv_linear]", "train.recompute_modules=[layernorm]"], 1, "train.offload_modules"),
+    (["train.offload_modules=[expert_fc1]", "train.recompute=moe"], 1, "train.offload_modules"),
+    (["train.offload_modules=[attn_norm]", "train.recompute=full"], 1, "train.offload_modules"),
+    (["train.offload_modules=[core_attn]", "train.compile=true"], 1, "train.offload_modules"),
 ]
 
 
