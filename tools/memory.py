@@ -44,7 +44,13 @@ def parse_args(argv=None):
     p.add_argument("--etp", type=int, default=None, help="expert TP (default: --tp)")
     p.add_argument("--distributed", action="store_true", help="ZeRO-1 (optim.distributed=true)")
     p.add_argument("--param-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="train.recompute")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help=f"a recompute setting: a mode ({', '.join(RECOMPUTE_MODES)}) or recompute modules joined by commas "
+        "(core_attn,layernorm,moe_act,mla_up_proj,mlp,moe,shared_experts)",
+    )
+    p.add_argument("--offload", default="", help="offload modules joined by commas (train.offload_modules)")
     p.add_argument(
         "--seq-length",
         "--seq",
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
                 param_bytes=pb,
                 distributed=a.distributed,
                 recompute=a.recompute,
+                offload=a.offload,
                 seq_length=a.seq,
                 micro_batch_size=a.mbs,
                 stage=s,

@@ -130,9 +130,11 @@ def attention_core(q_BASD, k_BASD, v_BASD, *, scale: float, chunk_starts, recomp
 
 
 def sdpa_values(v_BASD: torch.Tensor, qk_width: int) -> torch.Tensor:
-    """The values as the attention kernel of this device takes them: on CPU, zero-padded to the
-    query/key width when narrower (PyTorch's CPU flash kernel needs one width; see :func:`causal_sdpa`),
-    elsewhere ``v_BASD`` itself. Slice the core's output back to ``v_BASD``'s width."""
+    """The values as the attention kernel of this device takes them, in a storage of their own (the kernel
+    keeps them for backward: a view would keep the whole buffer it is cut from, MLA's KV up-projection
+    output with its key halves): on CPU zero-padded to the query/key width when narrower (PyTorch's CPU
+    flash kernel needs one width; see :func:`causal_sdpa`), elsewhere a contiguous copy when ``v_BASD`` is a
+    view. Slice the core's output back to ``v_BASD``'s width."""
     if v_BASD.shape[-1] != qk_width and v_BASD.device.type == "cpu":
         return F.pad(v_BASD, (0, qk_width - v_BASD.shape[-1]))
-    return v_BASD
+    return v_BASD.contiguous()

@@ -208,8 +208,8 @@ def _mla_storages(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device
     """The storages a multi-head latent attention block keeps on ``t`` local tokens: the down-projections'
     outputs (the latent norms' inputs) and ``rstd``; the TP-gathered latents (the up-projections' input;
     without q LoRA only the compressed KV, on the whole sequence under CP); the core's queries, keys and
-    values (``mla_up_proj`` drops them: without q LoRA it keeps the queries; on a GPU the values are a view
-    of the KV up-projection's output, which stays whole); the core's output and log-sum-exp; on CPU the
+    values (``mla_up_proj`` drops them: without q LoRA it keeps the queries; the values are a copy of their
+    own, not a view of the KV up-projection's output); the core's output and log-sum-exp; on CPU the
     zero-padded values and the kernel's output that wide, plus the output projection's copy of the narrow
     output."""
     m, N = cfg.mla, cfg.num_attention_heads
@@ -217,7 +217,7 @@ def _mla_storages(cfg: ModelConfig, tp: int, cp: int, t: int, a: int, rc, device
     rq = m.q_lora_rank or 0
     cpu = device == "cpu"
     up, core = rc.has("mla_up_proj"), rc.has("core_attn")
-    values = cp * N * (dqk if cpu else m.qk_nope_head_dim + dv)  # CPU: padded copy; GPU: kv_b_proj's output
+    values = cp * N * (dqk if cpu else dv)  # a copy of their own: CPU zero-pads them to the query width
     cat, none = frozenset({"core_attn"}), frozenset()
     out = [
         ("attention", a * t * (rq + kv_lat) + 4 * t * (2 if rq else 1), none),  # down outputs, latent rstd

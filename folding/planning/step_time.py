@@ -155,8 +155,9 @@ class Plan:
     distributed_optimizer: bool
     """Shard optimizer state over DP·CP (dense) and EDP (experts)."""
     recompute: str
-    """Activation recomputation (``train.recompute``): ``none``, ``selective`` (the attention sublayer),
-    ``moe`` (the MoE sublayer of MoE layers) or ``full`` (whole layers)."""
+    """Activation recomputation, a setting of :mod:`folding.model.recompute`: a mode of ``train.recompute``
+    (``none``, ``selective`` = ``core_attn``, ``moe``, ``full``) or recompute modules joined by commas
+    (``train.recompute_modules``), each charged the forwards it runs again."""
     last_stage_layers: Optional[int] = None
     """Layers of the last pipeline stage when ``pp`` does not divide the layers (the stages between
     share the rest evenly, ``parallel.last_stage_layers``); ``None``: as many as the stages between."""
