@@ -39,6 +39,7 @@ import weakref
 from typing import Callable, Dict, FrozenSet, Iterator, List, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["OFFLOAD_MODULES", "Offloader", "offload_region"]
 
@@ -66,12 +67,23 @@ class _Handle:
     """One offloaded storage: its host copy (bytes), the event its copy-out recorded, the copy back and its
     event, and how many saves still have to unpack it (the device copy is dropped after the last)."""
 
-    __slots__ = ("host", "out_event", "device", "in_event", "uses")
+    __slots__ = ("host", "out_event", "device", "in_event", "uses", "source", "version")
 
-    def __init__(self, host, out_event):
+    def __init__(self, host, out_event, source: StorageWeakRef, version: int):
         self.host, self.out_event = host, out_event
         self.device = self.in_event = None
         self.uses = 0
+        self.source, self.version = source, version
+        """The device storage it copies (weakly: it is freed once offloaded) and its tensor's version then."""
+
+    def copies(self, t: torch.Tensor) -> bool:
+        """Whether this handle holds ``t``'s storage as it is now: the same storage, still alive (a freed
+        storage's address is reused by the next allocation), not modified in place since."""
+        return (
+            not self.source.expired()
+            and self.source.cdata == StorageWeakRef(t.untyped_storage()).cdata
+            and (self.version == t._version)
+        )
 
 
 class _Saved:
@@ -95,7 +107,7 @@ class LayerGroup:
     def __init__(self, offloader: "Offloader", previous: Optional["LayerGroup"]):
         self.offloader = offloader
         self.previous = previous
-        self.handles: Dict[int, _Handle] = {}  # by the device storage's address
+        self.handles: Dict[int, _Handle] = {}  # by the device storage's address (checked: _Handle.copies)
 
     def pack(self, t: torch.Tensor):
         """Saved-tensor pack hook: where to find ``t`` in a host copy of its storage, or ``t`` itself when it
@@ -107,7 +119,7 @@ class LayerGroup:
         if not s.nbytes() or s.data_ptr() in off.param_storages:
             return t
         handle = self.handles.get(s.data_ptr())
-        if handle is None:
+        if handle is None or not handle.copies(t):
             handle = self.handles[s.data_ptr()] = off._copy_out(t)
         handle.uses += 1
         return _Saved(handle, t)
@@ -205,10 +217,11 @@ class Offloader:
     def _copy_out(self, t: torch.Tensor) -> _Handle:
         """A host copy of ``t``'s whole storage (as bytes), started now."""
         src = _bytes_of(t.untyped_storage())
+        source, version = StorageWeakRef(t.untyped_storage()), t._version
         if t.device.type != "cuda":  # the host tier is a separate storage
             host = src.clone()
             self._hosts.append(weakref.ref(host))
-            return _Handle(host, None)
+            return _Handle(host, None, source, version)
         side, compute = self._side(), torch.cuda.current_stream(t.device)
         side.wait_stream(compute)
         host = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
@@ -216,7 +229,7 @@ class Offloader:
             host.copy_(src, non_blocking=True)
             event = side.record_event()
         t.record_stream(side)  # its memory is reused only after the copy
-        return _Handle(host, event)
+        return _Handle(host, event, source, version)
 
     def _copy_in(self, handle: _Handle) -> None:
         """Start copying ``handle``'s storage back (a fresh device buffer)."""
