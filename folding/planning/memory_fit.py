@@ -35,13 +35,15 @@ search does not rely on that direction.) The search:
    estimate (M);
 5. ``full``, when it is faster than that.
 
-It is therefore exact (the brute-force optimum over the whole space) where M, A, B and C hold. Each estimate
-is checked against those made before; two that break a premise (offloading on a stage that keeps fewer than
-two layers in flight adds more prefetch buffer than it moves, which the memory model says raises that stage's
-peak) make the search evaluate every setting instead, exact without any premise; a break no two of its
-estimates show goes unnoticed (the estimate of every recompute module without offload, beside the maximal
-settings, is made to show that one). The answer's own estimate always fits. Tests compare the search with
-that brute force on layouts where the premises hold and where they break.
+It is therefore exact (the brute-force optimum over the whole space) where M, A, B and C hold. They do not
+always: offloading on a stage that keeps fewer than two layers in flight adds more prefetch buffer than it
+moves (the memory model says that stage's peak rises), and the step's data-parallel exchange is the slowest
+stage's, which one more recompute module can turn into a stage holding fewer parameters (the step gets
+faster). So each new estimate is checked against those made before, and when two break a premise the search
+ranks every setting by step time and takes the first that fits, exact without any premise. A break no two of
+its estimates show goes unnoticed; the estimate of every recompute module without offload, made beside the
+maximal settings, is there to show the first kind. The answer's own estimate always fits. Tests compare the
+search with a brute force on layouts where the premises hold and on one where they break.
 
 Usage::
 
@@ -239,11 +241,14 @@ class _Search:
     def run(self) -> Optional[Fit]:
         try:
             self._search()
-        except _Broken:  # the pruning's premises do not hold here: rank every setting
+        except _Broken:  # the pruning's premises do not hold here: every setting by rank, the first that fits
             self.checked, self.best = False, None
-            for s in all_settings(self.space):
+            for s in sorted(all_settings(self.space), key=self.key):
+                if self.bound_s is not None and self.seconds(s) > self.bound_s:
+                    break
                 if self.fits(self.peak(s)):
                     self.offer(s)
+                    break
         if self.best is None:
             return None
         s = self.best[1]
