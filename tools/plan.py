@@ -12,6 +12,7 @@ Usage::
     python -m tools.plan ... --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16   # AdamW state precision
     python -m tools.plan ... --dispatcher hierarchical    # a token crosses the NIC once per remote node
     python -m tools.plan ... --fp8-recipe blockwise [--fp8-dense]   # FP8 expert (and dense) GEMMs
+    python -m tools.plan ... --memory-gib [N]   # per layout, the fastest recompute + offload modules that fit
 
 Each line is one parallel mapping (TP, CP, PP, EP, ETP) with its fastest VPP / recompute / distributed
 optimizer setting (``--all-variants`` lists every setting), its predicted MFU, step time and per-GPU
@@ -26,10 +27,12 @@ the plans assume. The expert half ends with where EP sits: ``EP in DP`` (its ran
 group, as in Megatron-Core without folding) or ``EP over TP·CP·DP`` (folded across attention TP / CP ranks
 too), so that a folded and an ``--unfolded`` line with the same sizes read alike only when they are the same
 layout.
-Layouts that do not fit in the GPU's memory are dropped. With ``--routing-trace`` /
-``--routing-skew`` the step time is the one at ``--rank-by``'s quantile of the steps (each line also shows
-p50, p99 and the slowest EP rank's tokens over the mean at both, and the drops under a capacity factor;
-``--rank-by`` has no effect without them). The cost model and its calibration are
+Layouts that do not fit in the GPU's memory are dropped. With ``--memory-gib [N]`` each layout gets the
+fastest set of recompute and offload modules whose peak fits N GiB of usable memory (default: the GPU's), found
+by :func:`folding.planning.planner.cheapest_fit`, and its line says ``recompute=<modules> offload=<modules>``.
+With ``--routing-trace`` / ``--routing-skew`` the step time is the one at ``--rank-by``'s quantile of the steps
+(each line also shows p50, p99 and the slowest EP rank's tokens over the mean at both, and the drops under a
+capacity factor; ``--rank-by`` has no effect without them). The cost model and its calibration are
 described in docs/planner.md. Bad arguments exit with status 2 and a one-line message on stderr. The flags are those of
 tools/memory.py and tools/layout.py (``--model``, ``--world``, ``--seq-length``, ``--micro-batch-size``).
 """
@@ -72,6 +75,10 @@ def moe_overrides(items):
             raise ValueError(f"--moe {item!r}: write KEY=VALUE, e.g. --moe topk=4")
         out[key] = yaml.safe_load(value)
     return out
+
+
+GPU_MEMORY = object()
+"""``--memory-gib`` without a value: the ``--gpu``'s usable memory."""
 
 
 def parse_args(argv=None):
@@ -209,6 +216,18 @@ def parse_args(argv=None):
         help="with --fp8-recipe: the dense linear layers in FP8 too (Megatron-Core's --fp8-format on every "
         "TransformerEngine linear; folding's dense layers are bf16)",
     )
+    p.add_argument(
+        "--memory-gib",
+        nargs="?",
+        type=float,
+        const=GPU_MEMORY,
+        default=None,
+        metavar="N",
+        help="give each layout the fastest set of recompute modules (train.recompute_modules, or "
+        "train.recompute=full) and offload modules (train.offload_modules) whose peak fits N GiB of usable "
+        "memory (1.05 x peak <= N, the allocator overhead included); without N: the --gpu's usable memory. "
+        "Without the flag each layout tries the recompute modes none, selective, moe and full only",
+    )
     p.add_argument("--top", type=int, default=10, help="plans to list, best first (text and --json; default 10)")
     p.add_argument(
         "--json",
@@ -299,7 +318,7 @@ def _line(i: int, r, tokens: float, gpus: int) -> str:
     return (
         f"{i:>3}  MFU {100 * r.mfu:5.1f}%  {tokens / r.time.step_s / gpus:7.0f} tok/s/GPU  "
         f"step {r.time.step_s:7.3f} s  mem {r.memory_gib:5.1f} GiB  "
-        f"{describe_plan(p)}  recompute={p.recompute} {opt}"
+        f"{describe_plan(p)}  recompute={p.recompute}{f' offload={p.offload}' if p.offload else ''} {opt}"
     )
 
 
@@ -327,6 +346,22 @@ def _overrides_line(result, args) -> str:
         return "run: no engine layout places EP this way (carved out of DP with CP > 1); plan without --unfolded"
     # a layout's quotes and | ( ) * are the shell's too: such an override is quoted again for the shell
     return "run: " + " ".join(f'"{o}"' if any(c in o for c in "|()*'") else o for o in over)
+
+
+def memory_budget(args, gpu):
+    """The usable GiB of ``--memory-gib`` (the GPU's when given without a value; ``None`` without the flag)."""
+    if args.memory_gib is None:
+        return None
+    return gpu.usable_memory_gib if args.memory_gib is GPU_MEMORY else args.memory_gib
+
+
+def _memory_note(args, gpu) -> str:
+    """The fit rule of the header: the GPU's usable memory, or the ``--memory-gib`` budget and its search."""
+    rule = f"less {100 * gpu.fragmentation:.0f}% allocator overhead"
+    budget = memory_budget(args, gpu)
+    if budget is None:
+        return f"usable memory {gpu.usable_memory_gib:.1f} GiB {rule}"
+    return f"memory budget {budget:.1f} GiB {rule}, cheapest recompute and offload modules that fit"
 
 
 def _precision_note(args, shape) -> str:
@@ -388,6 +423,7 @@ def main(argv=None) -> int:
             routing=routing,
             dispatcher=args.dispatcher,
             pipeline_layouts=args.pipeline_layouts,
+            memory_gib=memory_budget(args, gpu),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -399,14 +435,15 @@ def main(argv=None) -> int:
         f"{cfg.name} on {args.gpus} x {gpu.name}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, dispatcher "
         f"{planned_dispatcher(cfg, args.dispatcher)}: {len(results)} layouts fit "
-        f"(usable memory {gpu.usable_memory_gib:.1f} GiB less {100 * gpu.fragmentation:.0f}% allocator overhead, "
+        f"({_memory_note(args, gpu)}, "
         f"compute efficiency {args.compute_efficiency}{_overlap_note(args)}{_routing_note(args)}; optimizer "
         f"{_optimizer_note(shape.optim_precision)})"
     )
     print(head)
     print(_precision_note(args, shape))
     if not results:
-        print("no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence")
+        more = " or a larger --memory-gib" if args.memory_gib is not None else ""
+        print(f"no legal layout fits in memory: use more GPUs, a GPU with more memory, or a shorter sequence{more}")
         return 1
     shown = results[: args.top]
     if any(r.plan.ep > 1 for r in shown):

@@ -59,7 +59,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 GIB = 1024**3
 
@@ -146,9 +146,12 @@ class GPUSpec:
             return raw * self.a2a_efficiency
         raise ValueError(f"kind={kind!r}: choose 'ring' or 'a2a'")
 
-    def fits(self, nbytes: float) -> bool:
-        """Whether live tensors of ``nbytes`` (a memory estimate) fit, allocator overhead included."""
-        return nbytes * (1 + self.fragmentation) <= self.usable_memory_gib * GIB
+    def fits(self, nbytes: float, usable_gib: Optional[float] = None) -> bool:
+        """Whether live tensors of ``nbytes`` (a memory estimate) fit, allocator overhead included:
+        ``(1 + fragmentation) × nbytes ≤ usable``, ``usable`` being ``usable_gib`` GiB when given (a memory
+        budget, the planner's ``--memory-gib``), else :attr:`usable_memory_gib`."""
+        usable = self.usable_memory_gib if usable_gib is None else usable_gib
+        return nbytes * (1 + self.fragmentation) <= usable * GIB
 
     def latency(self, *, crosses_node: bool) -> float:
         """Fixed cost of one collective call."""

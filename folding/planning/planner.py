@@ -9,7 +9,9 @@ PP·VPP stages: :func:`_layout_variants`), DP divides the global batch, interlea
 micro-batch count divisible by PP, CP splits the sequence into 2·CP causal chunks. TP and ETP stay inside
 one NVLink domain. Each candidate gets a memory estimate from the one memory model,
 :mod:`folding.planning.memory` (dropped when it does not fit, allocator overhead included) and a step time
-(:mod:`folding.planning.step_time`), hence a predicted MFU.
+(:mod:`folding.planning.step_time`), hence a predicted MFU. With ``memory_gib`` each layout instead gets the
+fastest recompute and offload modules that fit that budget (:func:`cheapest_fit`,
+:mod:`folding.planning.memory_fit`).
 
 ``COMPUTE_EFFICIENCY`` is the cost model's one calibrated constant (see :func:`calibrate_compute_efficiency`
 and docs/planner.md): the fraction of peak BF16 FLOP/s that the matmuls reach.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel import LayoutError, ParallelLayout
@@ -35,6 +37,7 @@ from .activations import RECOMPUTE_MODES
 from .hardware import GIB, list_gpus
 from .imbalance import LoadAt, RoutingModel
 from .memory import MemoryEstimate, memory_per_rank, peak_candidate_stages
+from .memory_fit import cheapest_setting, module_space
 from .moe_overlap import memory_with_overlap
 from .node_dispatch import DISPATCHERS
 from .optim_precision import FIELDS as OPTIM_DTYPES
@@ -432,14 +435,97 @@ def evaluate(
     return _result(cfg, plan, mem, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing)
 
 
-def _result(cfg, plan, mem, *, cluster, shape, eff, routing) -> PlanResult:
+def _ranked_time(cfg, plan, *, cluster, shape, eff, routing) -> Tuple[StepTime, Optional[RoutedTimes]]:
+    """The step time plans are ranked by (balanced, or at ``routing.rank_by``), and the routed times."""
     if routing is None:
-        t = estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=eff)
-        return PlanResult(plan=plan, time=t, memory=mem, cfg=cfg, cluster=cluster, shape=shape)
+        return estimate_step_time(cfg, plan, shape=shape, cluster=cluster, compute_efficiency=eff), None
     rt = routed_times(cfg, plan, routing, cluster=cluster, shape=shape, eff=eff)
-    return PlanResult(
-        plan=plan, time=getattr(rt, routing.rank_by), memory=mem, routing=rt, cfg=cfg, cluster=cluster, shape=shape
+    return getattr(rt, routing.rank_by), rt
+
+
+def _result(cfg, plan, mem, *, cluster, shape, eff, routing) -> PlanResult:
+    t, rt = _ranked_time(cfg, plan, cluster=cluster, shape=shape, eff=eff, routing=routing)
+    return PlanResult(plan=plan, time=t, memory=mem, routing=rt, cfg=cfg, cluster=cluster, shape=shape)
+
+
+def cheapest_fit(
+    cfg: ModelConfig,
+    plan: Plan,
+    *,
+    cluster: Cluster,
+    shape: TrainingShape,
+    memory_gib: Optional[float] = None,
+    compute_efficiency: float = COMPUTE_EFFICIENCY,
+    routing: Optional[RoutingModel] = None,
+    bound_s: Optional[float] = None,
+) -> Optional[PlanResult]:
+    """``plan``'s layout with the recompute and offload modules of :mod:`folding.planning.memory_fit` (those
+    that apply to ``cfg``, or ``train.recompute=full``) that give the smallest predicted step time (at
+    ``routing``'s ``rank_by`` quantile with one) among those whose worst-stage peak (:func:`plan_memory`)
+    fits ``memory_gib`` GiB of usable memory (the GPU's fit rule,
+    :meth:`~folding.planning.hardware.GPUSpec.fits`; default: the GPU's usable memory); ``None`` when none
+    fits or, with ``bound_s``, none as fast as ``bound_s`` seconds. ``plan``'s own recompute and offload are
+    ignored."""
+    return _cheapest(
+        cfg,
+        plan,
+        cluster=cluster,
+        shape=shape,
+        memory_gib=memory_gib,
+        eff=compute_efficiency,
+        routing=routing,
+        seconds=_seconds_of(cfg, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing),
+        bound_s=bound_s,
     )
+
+
+def _seconds_of(cfg, *, cluster, shape, eff, routing) -> Callable[[Plan], float]:
+    """A plan's ranked step time in seconds (:func:`_ranked_time`), remembered for the plans asked again."""
+
+    @functools.lru_cache(maxsize=None)
+    def seconds(p: Plan) -> float:
+        return _ranked_time(cfg, p, cluster=cluster, shape=shape, eff=eff, routing=routing)[0].step_s
+
+    return seconds
+
+
+def _cheapest(cfg, plan, *, cluster, shape, memory_gib, eff, routing, seconds, bound_s) -> Optional[PlanResult]:
+    fit = cheapest_setting(
+        plan,
+        module_space(cfg),
+        memory_of=lambda p: plan_memory(cfg, p, shape=shape),
+        step_seconds=seconds,
+        fits=lambda nbytes: cluster.gpu.fits(nbytes, usable_gib=memory_gib),
+        bound_s=bound_s,
+    )
+    if fit is None:
+        return None
+    return _result(cfg, fit.plan, fit.memory, cluster=cluster, shape=shape, eff=eff, routing=routing)
+
+
+def _fitted(cfg, plans, *, cluster, shape, memory_gib, eff, routing, distinct) -> Iterator[PlanResult]:
+    """:func:`cheapest_fit` of each layout of ``plans`` (one search per layout covers every recompute mode).
+    With ``distinct``, the layouts go from the fastest step without any module up, and each is searched
+    only for settings as fast as the best of its mapping so far."""
+    seconds = _seconds_of(cfg, cluster=cluster, shape=shape, eff=eff, routing=routing)
+    layouts = [p for p in plans if p.recompute == "none"]
+    fastest: Dict[tuple, float] = {}
+    for plan in sorted(layouts, key=seconds) if distinct else layouts:
+        key = _mapping(plan)
+        r = _cheapest(
+            cfg,
+            plan,
+            cluster=cluster,
+            shape=shape,
+            memory_gib=memory_gib,
+            eff=eff,
+            routing=routing,
+            seconds=seconds,
+            bound_s=fastest.get(key) if distinct else None,
+        )
+        if r is not None:
+            fastest[key] = min(fastest.get(key, r.time.step_s), r.time.step_s)
+            yield r
 
 
 def plan_layouts(
@@ -455,8 +541,14 @@ def plan_layouts(
     routing: Optional[RoutingModel] = None,
     dispatcher: Optional[str] = None,
     pipeline_layouts: bool = False,
+    memory_gib: Optional[float] = None,
 ) -> List[PlanResult]:
     """Every legal layout that fits in memory, fastest first.
+
+    ``memory_gib``: each layout (with and without the distributed optimizer) gets the fastest recompute and
+    offload modules whose peak fits that much usable memory (:func:`cheapest_fit`) instead of each recompute
+    mode being tried on its own; ``None`` (the default): the modes ``none``, ``selective``, ``moe`` and
+    ``full``, each kept when it fits the GPU's usable memory.
 
     ``dispatcher``: the token dispatcher planned for (:data:`folding.planning.node_dispatch.DISPATCHERS`);
     ``None`` reads ``cfg.moe.dispatcher`` (``allgather`` is planned as ``alltoall``, as it always was).
@@ -473,6 +565,8 @@ def plan_layouts(
     (:func:`_layout_variants`); a layout is a variant of its mapping like VPP.
     """
     _check_inputs(cfg, cluster, shape)
+    if memory_gib is not None and not memory_gib > 0:
+        raise ValueError(f"--memory-gib={memory_gib!r}: give the usable GiB per GPU, a positive number")
     best: Dict[tuple, PlanResult] = {}
     results: List[PlanResult] = []
     plans = enumerate_plans(
@@ -485,15 +579,29 @@ def plan_layouts(
         dispatcher=planned_dispatcher(cfg, dispatcher),
         pipeline_layouts=pipeline_layouts,
     )
-    for plan in plans:
-        mem = plan_memory(cfg, plan, shape=shape)
-        if not cluster.gpu.fits(mem.total):
-            continue
-        r = _result(cfg, plan, mem, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing)
+    if memory_gib is None:
+        candidates = (
+            _result(cfg, plan, mem, cluster=cluster, shape=shape, eff=compute_efficiency, routing=routing)
+            for plan in plans
+            for mem in [plan_memory(cfg, plan, shape=shape)]
+            if cluster.gpu.fits(mem.total)
+        )
+    else:
+        candidates = _fitted(
+            cfg,
+            plans,
+            cluster=cluster,
+            shape=shape,
+            memory_gib=memory_gib,
+            eff=compute_efficiency,
+            routing=routing,
+            distinct=distinct,
+        )
+    for r in candidates:
         if not distinct:
             results.append(r)
             continue
-        key = _mapping(plan)
+        key = _mapping(r.plan)
         if key not in best or _better(r, best[key]):
             best[key] = r
     results = results if not distinct else list(best.values())

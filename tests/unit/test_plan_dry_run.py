@@ -1,14 +1,15 @@
 """A plan's ``run:`` overrides, dry-run as written, report the plan's memory: the planner's Python API picks
 plans for a few models, worlds, GPUs and settings (micro-batch 2, bf16 moments, Muon, overlap, uneven
-stages, recompute, hierarchical dispatch, FP8 experts, a world smaller than a node), and the entry point's
-own check (:func:`folding.launch.cli.check_command_line`, what ``python examples/pretrain_mixtral.py
-<overrides> train.dry_run=true`` runs) prints a per-rank peak within 1% of the plan's, checked against the
-plan's GPU.
+stages, recompute, hierarchical dispatch, FP8 experts, a world smaller than a node, the recompute and offload
+modules that make a layout fit), and the entry point's own check (:func:`folding.launch.cli.check_command_line`,
+what ``python examples/pretrain_mixtral.py <overrides> train.dry_run=true`` runs) prints a per-rank peak within
+1% of the plan's, checked against the plan's GPU.
 Without the settings the plan assumed (the ``run:`` line as it was) the same layout predicts far more."""
 
 import functools
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -20,7 +21,7 @@ from folding.model.presets import get_preset
 from folding.planning.hardware import GIB, get_gpu
 from folding.planning.job_memory import job_memory
 from folding.planning.optim_precision import OptimizerPrecision
-from folding.planning.planner import enumerate_plans, evaluate, plan_layouts
+from folding.planning.planner import cheapest_fit, enumerate_plans, evaluate, plan_layouts
 from folding.planning.step_time import Cluster, TrainingShape
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
@@ -86,7 +87,24 @@ def _cases():
         dispatcher="hierarchical",
     )
     out.append(("mixtral_tiny on 4 hierarchical", next(r for r in tiny if r.plan.ep == 4)))
+    out.append(("deepseek_v3 recompute and offload modules", _deepseek_v3_modules()))
     return dict(out)
+
+
+def _deepseek_v3_modules():
+    """DeepSeek-V3 on 1,024 H100, TP2 PP16 (a one-layer last stage) EP8: of the modes only ``full`` fits; the
+    fastest modules that fit (``--memory-gib``, :func:`cheapest_fit`) recompute ``layernorm`` and
+    ``mla_up_proj`` and offload ``expert_fc1``."""
+    cfg = get_preset("deepseek_v3")
+    cluster = Cluster(gpu=get_gpu("h100"), num_gpus=1024)
+    shape = TrainingShape(seq_length=4096, global_batch_size=8192)
+    sizes = (2, 1, 16, 8, 1, 1, 1, True, "none")
+    plan = next(
+        p
+        for p in enumerate_plans(cfg, cluster=cluster, shape=shape)
+        if (p.tp, p.cp, p.pp, p.ep, p.etp, p.vpp, p.last_stage_layers, p.distributed_optimizer, p.recompute) == sizes
+    )
+    return cheapest_fit(cfg, plan, cluster=cluster, shape=shape)
 
 
 CASES = [
@@ -96,6 +114,7 @@ CASES = [
     "qwen3_30b_a3b muon overlap hierarchical",
     "qwen2_57b_a14b uneven selective fp8",
     "mixtral_tiny on 4 hierarchical",
+    "deepseek_v3 recompute and offload modules",
 ]
 
 
@@ -120,6 +139,23 @@ def test_run_line_dry_runs_to_the_plans_memory(name, capsys):
     dry = job_memory(job, validate_job(job, world_size=result.cluster.num_gpus))
     assert abs(dry.total - result.memory.total) <= 0.01 * result.memory.total, (dry, result.memory)
     assert "precision   parameters bf16 (routers fp32), activations bf16" in out
+
+
+def test_the_modules_plan_fits_where_no_mode_but_full_does():
+    """The DeepSeek-V3 case's run: line names its modules, and it is faster than ``full``, the one mode that
+    fits that layout."""
+    result = _cases()["deepseek_v3 recompute and offload modules"]
+    assert (result.plan.recompute, result.plan.offload) == ("layernorm,mla_up_proj", "expert_fc1")
+    over = result.overrides
+    assert "train.recompute=none" in over and "train.recompute_modules=[layernorm,mla_up_proj]" in over
+    assert "train.offload_modules=[expert_fc1]" in over
+    for mode in ("none", "selective", "moe", "full"):
+        plain = evaluate(
+            result.cfg, replace(result.plan, recompute=mode, offload=""), cluster=result.cluster, shape=result.shape
+        )
+        assert result.cluster.gpu.fits(plain.memory.total) == (mode == "full"), mode
+        if mode == "full":
+            assert result.time.step_s < 0.8 * plain.time.step_s
 
 
 def test_the_old_run_line_predicts_another_memory(capsys, monkeypatch):
