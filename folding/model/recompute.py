@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import FrozenSet, Iterable, Optional
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -116,7 +117,16 @@ def recompute_mode(name) -> Recompute:
     ``train.recompute`` otherwise."""
     if isinstance(name, Recompute):
         return name
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        raise ValueError(f"train.recompute={name!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    return _parse(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(name: str) -> Recompute:
+    """:func:`recompute_mode` of a string, parsed once (the planner asks for the same few settings millions
+    of times)."""
+    if not name:
         raise ValueError(f"train.recompute={name!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     parts = [p.strip() for p in name.split(",")]
     modes = [p for p in parts if p in RECOMPUTE_MODES]
