@@ -49,7 +49,7 @@ from folding.planning.activations import (
     rope_bytes,
 )
 from folding.testing import RankPool
-from folding.testing.kept_memory import KeptCensus, bytes_by, layer_census, layer_term
+from folding.testing.kept_memory import KeptCensus, bytes_by, layer_census, layer_term, loss_census
 
 T = 512
 ONE_RANK = SimpleNamespace(tp=1, cp=1, etp=1)
@@ -128,12 +128,7 @@ def last_stage(family: str, dtype=torch.bfloat16):
     """``(model, measured)`` bytes of the whole forward with its loss of a one-layer model of ``family``."""
     cfg = config(family).replace(num_layers=1)
     model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype))
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
-    with KeptCensus(model) as census:
-        loss = model(ids, labels=labels).sum()
-    measured = sum(k.nbytes for k in census.kept(loss))
+    measured = loss_census(model, T)
     a = dtype.itemsize
     kw = dict(seq_length=T, micro_batch_size=1, act_bytes=a)
     layer = sum(activation_terms(cfg, ONE_RANK, moe_layer=cfg.is_moe_layer(0), device="cpu", **kw).values())

@@ -24,7 +24,7 @@ from ..memory.offload import OFFLOAD_MODULES
 from ..model.recompute import RECOMPUTE_MODULES, offload_conflict, recompute_spec
 from ..moe.experts.fp8_shapes import check_fp8_shapes
 from ..parallel import LayoutError, ParallelLayout
-from ..parallel.partition import partition_layers
+from ..parallel.partition import layout_stages
 from .config import PRECISIONS, RECOMPUTE_MODES, WANDB_MODES, ConfigError, JobConfig, _fail, _int_at_least
 from .machine import resolve_expert_backend
 
@@ -371,15 +371,7 @@ def _check_layout_vs_model(job: JobConfig, layout: ParallelLayout) -> None:
 
 def _stage_ranges(model, layout):
     """The layer ranges of ``layout``'s virtual stages for ``model`` (raises ``ValueError``)."""
-    return partition_layers(
-        num_layers=model.num_layers,
-        pp=layout.pp,
-        vpp=layout.vpp,
-        last_stage_layers=layout.last_stage_layers,
-        first_stage_layers=layout.first_stage_layers,
-        pipeline_layout=layout.pipeline_layout,
-        mtp_num_layers=model.mtp_num_layers,
-    )
+    return layout_stages(layout, num_layers=model.num_layers, mtp_num_layers=model.mtp_num_layers)
 
 
 def validate_job(job: JobConfig, *, world_size: int, device: Optional[torch.device] = None) -> ParallelLayout:

@@ -34,7 +34,7 @@ from ..job.config import ConfigError, JobConfig
 from ..job.machine import check_experts_here, training_device
 from ..job.validate import validate_job
 from ..model.config import ModelConfig
-from ..parallel.partition import partition_layers
+from ..parallel.partition import layout_stages
 from ..parallel.pipeline_layout import compact_stage, stage_symbols
 from ..parallel.rank_math import expert_generator
 from ..planning.flops import flops_per_token
@@ -60,15 +60,7 @@ def stage_contents(model: ModelConfig, layout) -> List[str]:
     """What each pipeline rank's virtual stages hold, one string per rank in layout symbols, chunk by chunk:
     ``Et|tt|tt|tt: 7 layers`` (long runs as ``t*6``, an empty stage as ``-``), from the one partition
     (:func:`folding.parallel.partition.partition_layers`: ``parallel.pipeline_layout`` or the split)."""
-    ranges = partition_layers(
-        num_layers=model.num_layers,
-        pp=layout.pp,
-        vpp=layout.vpp,
-        last_stage_layers=layout.last_stage_layers,
-        first_stage_layers=layout.first_stage_layers,
-        pipeline_layout=layout.pipeline_layout,
-        mtp_num_layers=model.mtp_num_layers,
-    )
+    ranges = layout_stages(layout, num_layers=model.num_layers, mtp_num_layers=model.mtp_num_layers)
     symbols = stage_symbols(ranges, mtp_num_layers=model.mtp_num_layers)
     out = []
     for r in range(layout.pp):

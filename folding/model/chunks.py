@@ -22,7 +22,7 @@ from typing import Callable, List, Optional
 from torch import nn
 
 from ..moe.settings import LayerSettings
-from ..parallel.partition import partition_layers
+from ..parallel.partition import layout_stages
 from .config import ModelConfig
 from .recompute import recompute_mode
 from .transformer import MoETransformer
@@ -46,15 +46,7 @@ def build_stage_chunks(
     settings = settings.with_expert_backend(model_config.moe)
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
-    stages = partition_layers(
-        num_layers=model_config.num_layers,
-        pp=pp,
-        vpp=vpp,
-        last_stage_layers=layout.last_stage_layers,
-        first_stage_layers=layout.first_stage_layers,
-        pipeline_layout=layout.pipeline_layout,
-        mtp_num_layers=model_config.mtp_num_layers,
-    )
+    stages = layout_stages(layout, num_layers=model_config.num_layers, mtp_num_layers=model_config.mtp_num_layers)
     rank, V = parallel_state.coords.pp.rank, len(stages)
     return [
         MoETransformer(

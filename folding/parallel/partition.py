@@ -88,6 +88,20 @@ def partition_layers(
     return [(v * n, (v + 1) * n) for v in range(V)]
 
 
+def layout_stages(layout, *, num_layers: int, mtp_num_layers: int = 0) -> List[Tuple[int, int]]:
+    """:func:`partition_layers` of a layout object (a :class:`~folding.parallel.ParallelLayout`, or any object
+    with its ``pp``, ``vpp``, ``first_stage_layers``, ``last_stage_layers`` and ``pipeline_layout``)."""
+    return partition_layers(
+        num_layers=num_layers,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        last_stage_layers=layout.last_stage_layers,
+        first_stage_layers=layout.first_stage_layers,
+        pipeline_layout=layout.pipeline_layout,
+        mtp_num_layers=mtp_num_layers,
+    )
+
+
 def layers_of(*, rank: int, chunk: int, pp: int, stages: List[Tuple[int, int]]) -> range:
     """Layer indices held by chunk ``chunk`` of pipeline rank ``rank``."""
     s, e = stages[chunk * pp + rank]

@@ -186,10 +186,10 @@ def stage_layers(cfg: ModelConfig, layout, stage: int, stages: Optional[Sequence
 
 
 @functools.lru_cache(maxsize=65536)
-def _default_stage_layers(
-    num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None), mtp_num_layers: int = 0
-) -> Tuple[int, ...]:
-    stages = partition_layers(
+def _partition(num_layers: int, pp: int, vpp: int, ends: Ends, mtp_num_layers: int) -> List[Tuple[int, int]]:
+    """The layer ranges of every virtual stage (:func:`folding.parallel.partition.partition_layers`) of a
+    layout given by its sizes and ``ends`` (first / last stage layers, pipeline layout), cached."""
+    return partition_layers(
         num_layers=num_layers,
         pp=pp,
         vpp=vpp if vpp > 1 else None,
@@ -198,6 +198,13 @@ def _default_stage_layers(
         pipeline_layout=ends[2],
         mtp_num_layers=mtp_num_layers,
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def _default_stage_layers(
+    num_layers: int, pp: int, vpp: int, stage: int, ends: Ends = (None, None, None), mtp_num_layers: int = 0
+) -> Tuple[int, ...]:
+    stages = _partition(num_layers, pp, vpp, ends, mtp_num_layers)
     out: List[int] = []
     for chunk in range(len(stages) // pp):
         out.extend(layers_of(rank=stage, chunk=chunk, pp=pp, stages=stages))
@@ -208,15 +215,7 @@ def _default_stage_layers(
 def _busy_chunks(cfg: ModelConfig, pp: int, vpp: int, stage: int, ends: Ends) -> int:
     """How many of pipeline rank ``stage``'s ``vpp`` chunks hold a transformer layer (the last virtual stage
     also counts when the model has MTP modules, which run there): the chunk forwards that keep RoPE tables."""
-    stages = partition_layers(
-        num_layers=cfg.num_layers,
-        pp=pp,
-        vpp=vpp if vpp > 1 else None,
-        first_stage_layers=ends[0],
-        last_stage_layers=ends[1],
-        pipeline_layout=ends[2],
-        mtp_num_layers=cfg.mtp_num_layers,
-    )
+    stages = _partition(cfg.num_layers, pp, vpp, ends, cfg.mtp_num_layers)
     last = len(stages) - 1
     return sum(
         1

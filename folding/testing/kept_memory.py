@@ -49,6 +49,7 @@ __all__ = [
     "cast_copies",
     "layer_census",
     "layer_term",
+    "loss_census",
     "saved_by_node",
 ]
 
@@ -286,3 +287,15 @@ def layer_census(
     with KeptCensus(layer) as census, pass_:
         y = layer(census.make(lambda: leaf * 1), rope)
     return census.kept(y, host=offloader.host_tensors() if offloader is not None else ()), y, leaf
+
+
+def loss_census(model: nn.Module, tokens: int, *, seed: int = 5) -> int:
+    """Bytes a whole model's forward with its loss keeps for backward (one sequence of ``tokens`` random ids
+    and labels drawn from ``seed``; the model's parameters and its caller's ids excluded)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+    with KeptCensus(model) as census:
+        loss = model(ids, labels=labels).sum()
+    return sum(k.nbytes for k in census.kept(loss))

@@ -34,7 +34,7 @@ from folding.planning.activations import (
     offloaded_bytes_per_layer,
     rope_bytes,
 )
-from folding.testing.kept_memory import KeptCensus, bytes_by, cast_copies, layer_census, layer_term, saved_by_node
+from folding.testing.kept_memory import bytes_by, cast_copies, layer_census, layer_term, loss_census, saved_by_node
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,12 +184,7 @@ def test_last_stage_forward_keeps_its_layers_head_and_mtp(preset):
     dtype = torch.bfloat16
     cfg = _config(preset).replace(num_layers=1)
     model = MoETransformer(cfg, settings=LayerSettings(init_seed=1, params_dtype=dtype))
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
-    with KeptCensus(model) as census:
-        loss = model(ids, labels=labels).sum()
-    measured = sum(k.nbytes for k in census.kept(loss))
+    measured = loss_census(model, T)
     kw = dict(seq_length=T, micro_batch_size=1, act_bytes=2, device="cpu")
     layers = sum(sum(activation_terms(cfg, ONE_RANK, moe_layer=cfg.is_moe_layer(i), **kw).values()) for i in range(1))
     # one chunk of logits: its softmax is kept (T <= model.loss_chunk_tokens), half the model's peak figure
