@@ -124,8 +124,9 @@ class ParallelConfig:
     (as recipes do), a launch with another number of ranks fails; the dry run uses it."""
     gpu: Optional[str] = None
     """The GPU kind the job is meant for: ``h100`` (80 GB), ``h200`` (141 GB) or ``b200`` (180 GB), the
-    planner's table (:mod:`folding.planning.hardware`). The dry run refuses a job whose predicted peak
-    memory per rank does not fit in it, naming the stages and what would make them fit. null: this
+    planner's table (:mod:`folding.planning.hardware`). The dry run and the launch refuse a job whose predicted
+    peak memory per rank does not fit in it (before any process group starts), naming the stages and what would
+    make them fit. null: only the dry run checks, against this
     machine's CUDA device (matched to a kind of the table by name and memory, else its own memory), and
     no memory check on a machine without one."""
 

@@ -4,8 +4,9 @@
 way Hydra will (same ``configs/``, same overrides), builds the typed job and validates it for the
 launched world, checks that ``parallel.gpu`` names a GPU kind the planner knows, and checks that this
 machine runs the experts' backend and FP8 recipe (:func:`folding.job.machine.check_experts_here`). So a
-typo, a bad value, an impossible layout or a backend this machine lacks (and, in a dry run, a job whose
-predicted memory does not fit the GPU: :mod:`folding.launch.device_memory`)
+typo, a bad value, an impossible layout or a backend this machine lacks (and a job whose predicted memory
+does not fit the GPU: in a dry run the GPU of ``parallel.gpu`` or else this machine's, in a run the GPU that
+``parallel.gpu`` names; :mod:`folding.launch.device_memory`)
 
 - is reported as one ``error: ...`` line, printed once per node (by the process with local rank 0;
   the other processes find the same error and wait for torchrun to stop them: :func:`report_error`),
@@ -49,7 +50,8 @@ from ..job.config import ConfigError, env_world_size, job_config_from_dict
 from ..job.machine import check_experts_here
 from ..job.schema import job_schema
 from ..job.validate import validate_job
-from .device_memory import named_gpu
+from ..planning.job_memory import stage_memories
+from .device_memory import check_memory_fits, named_gpu
 from .dry_run import dry_run_report
 from .model_from_hf import resolve_from_hf
 
@@ -242,8 +244,10 @@ def check_command_line(
             if lead_process() and os.environ.get("RANK", "0") == "0":
                 print(report, flush=True)
             return 0
-        validate_job(job, world_size=world)
-        named_gpu(job)  # parallel.gpu names a GPU kind (the dry run checks memory against it)
+        layout = validate_job(job, world_size=world)
+        gpu = named_gpu(job)  # a GPU kind named: the job must fit it, as its dry run says
+        if gpu is not None:
+            check_memory_fits(job, layout, gpu, f"parallel.gpu={job.parallel.gpu}", stage_memories(job, layout))
         check_experts_here(job)  # this machine runs moe.expert_backend with moe.fp8_recipe
     except (HydraException, OmegaConfBaseException) as e:
         report_error(_hydra_message(e))

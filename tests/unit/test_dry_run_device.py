@@ -156,3 +156,19 @@ def test_the_dry_run_prints_the_precision_it_assumes(capsys):
     ) in out
     status, out, _ = _check(["train.precision=fp32", "train.dry_run=true"], capsys)
     assert "precision   parameters fp32, activations fp32, main grads fp32, master weights fp32 (the parameters" in out
+
+
+def test_a_run_that_names_a_gpu_it_does_not_fit_is_refused_before_any_process_group(capsys):
+    """Not only the dry run: the launch itself refuses the job before ``torch.distributed`` starts, and the
+    same job on a GPU it fits, or with no GPU named, goes on to Hydra (``None``)."""
+    import torch.distributed as dist
+
+    def launch(*extra):
+        status = cli.check_command_line([*STRADDLE, *extra], config_dir=CONFIGS, world_size=64)
+        return status, capsys.readouterr().err
+
+    status, err = launch("parallel.gpu=h100")
+    assert status == 2 and err.startswith("error: parallel.gpu=h100: the predicted peak per rank does not fit")
+    assert not dist.is_initialized()
+    assert launch("parallel.gpu=h200") == (None, "")
+    assert launch() == (None, "")
