@@ -107,14 +107,14 @@ def _rowwise_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
 def _rowwise_wgrad_input(x_NI, counts_L, counts):
     """x as the weight gradient reads it, kept from the forward: e4m3 codes scaled per feature column over
     each expert's tokens, stored ``[I, N]`` row-major (the column-major operand), and the scales ``[L·I]``."""
-    xq_NI, xs_LI = quantize_fp8_group_columns(x_NI, counts_L, E4M3, power_2_scale=True)
+    xq_NI, xs_LI = quantize_fp8_group_columns(x_NI, counts_L, E4M3, power_2_scale=True, host_counts=counts)
     return xq_NI.t().contiguous(), xs_LI.reshape(-1)
 
 
 def _rowwise_wgrad(dy_NO, x_kept, counts_L, offs_L, out_dtype, counts):
     # both operands scaled per feature column over each expert's tokens (the contraction)
     xq_IN, xs = x_kept
-    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True)
+    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True, host_counts=counts)
     return scaled_mm_op()(
         gq_NO.t().contiguous(),  # [O, N] row-major
         xq_IN.t(),  # [N, I] column-major
