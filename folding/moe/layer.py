@@ -54,7 +54,7 @@ from .dispatch.build import dispatcher_for
 from .experts.grouped import GroupedMLP
 from .experts.swiglu import swiglu
 from .replicas.fetch import ReplicaWeights, completes_after_backward
-from .replicas.table import check_replica_layout, check_table, empty_table, split_to_slots
+from .replicas.table import IndexCache, check_replica_layout, check_table, empty_table, split_to_slots
 from .routing.balancing import RoutedBlock, RoutingStats
 from .routing.router import Router
 from .settings import LayerSettings
@@ -276,6 +276,8 @@ class MoELayer(nn.Module, RoutedBlock):
         self.overlap_comm = overlap_comm
         """Compute the shared expert while this micro-batch's dispatch is in flight (a construction
         setting, :class:`~folding.moe.settings.LayerSettings`)."""
+        self.slot_index = IndexCache()
+        """The index tensors of the slot table for the token split, built once per table."""
         self.replica_weights = ReplicaWeights()
         """The replica slots' weights of the current step and their gathered gradients."""
         if self.num_replicas:  # the replicas' gradients reach these after the backward (replica_step)
@@ -349,7 +351,9 @@ class MoELayer(nn.Module, RoutedBlock):
         replica_weights = None
         if self.num_replicas:  # route by slot; the replica slots' weights come from their owners
             geo = self.replica_geometry()
-            routing_map_TE, probs_TE = split_to_slots(routing_map_TE, probs_TE, self.replica_table, **geo)
+            routing_map_TE, probs_TE = split_to_slots(
+                routing_map_TE, probs_TE, self.replica_table, **geo, cache=self.slot_index
+            )
             replica_weights = self._replica_weights(geo)
         tokens_NH, record, probs_N = self.dispatcher.dispatch(hidden, routing_map_TE, probs_TE)
         out = self.dispatcher.combine(self.experts(tokens_NH, record, probs_N, replica_weights), record)

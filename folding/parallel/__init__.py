@@ -1,6 +1,13 @@
 """Folded parallel layouts: pure rank math, process groups, and autograd collectives."""
 
-from .groups import Coordinates, GroupCoord, ProcessGroups, build_node_split_groups
+from .groups import (
+    Coordinates,
+    GroupCoord,
+    ProcessGroups,
+    build_node_split_groups,
+    release_shared_node_split_groups,
+    shared_node_split_groups,
+)
 from .layout import DEFAULT_ORDER, ParallelLayout
 from .rank_math import LayoutError, RankGenerator, layout_groups
 from .state import ParallelState, build_parallel_state
@@ -17,4 +24,6 @@ __all__ = [
     "ProcessGroups",
     "build_node_split_groups",
     "build_parallel_state",
+    "release_shared_node_split_groups",
+    "shared_node_split_groups",
 ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import weakref
 from typing import List, Optional, Tuple
 
 import torch.distributed as dist
@@ -176,6 +177,56 @@ def build_node_split_groups(ep_group, nvlink_domain: int):
     return out["node"], out["rail"]
 
 
+_SHARED_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Per-process registry of :func:`shared_node_split_groups`, keyed by the world group (a new world,
+after ``destroy_process_group`` and ``init_process_group``, starts empty): ``world -> ((EP ranks,
+nvlink_domain), (node_group, rail_group))``. The one piece of module state of this package: the
+dispatchers that ask for the groups are built one layer at a time by callers that hold nothing of
+the engine (``replace_dispatcher`` on each Megatron-Core layer), and the groups must be created once
+per process, not once per layer."""
+
+
+def shared_node_split_groups(ep_group, nvlink_domain: int):
+    """This rank's ``(node_group, rail_group)`` of ``ep_group`` split into nodes of ``nvlink_domain``
+    ranks, built once per process (:func:`build_node_split_groups`, collective over the world) and
+    returned again to every later caller that asks for the same EP group and ``nvlink_domain``, without
+    any collective. So every rank creates world-wide groups exactly once, however many MoE layers
+    its pipeline stage holds (stages with different numbers of layers would otherwise issue
+    different numbers of world collectives and hang); every rank must ask at least once (a stage
+    without MoE layers calls it too).
+
+    A second, different request (another EP group or ``nvlink_domain``) would need a second world
+    collective that other ranks may never join: it is refused with ``ValueError`` naming what was
+    built and what was asked. :func:`release_shared_node_split_groups` forgets the groups."""
+    want = (tuple(dist.get_process_group_ranks(ep_group)), nvlink_domain)
+    world = dist.group.WORLD
+    built = _SHARED_SPLITS.get(world)
+    if built is None:
+        groups = build_node_split_groups(ep_group, nvlink_domain)
+        _SHARED_SPLITS[world] = (want, groups)
+        return groups
+    if built[0] != want:
+        (have_ranks, have_domain), (ranks, domain) = built[0], want
+        raise ValueError(
+            f"nvlink_domain={domain} for EP ranks {list(ranks)}: this process already built its node and rail "
+            f"groups for EP ranks {list(have_ranks)} with nvlink_domain={have_domain}, and a second set would be "
+            "a collective over the world that the other ranks do not join (a hang); give every MoE layer of "
+            "the process the same EP group and nvlink_domain, or build each set on every rank with "
+            "folding.parallel.build_node_split_groups and pass node_group= and rail_group="
+        )
+    return built[1]
+
+
+def release_shared_node_split_groups() -> None:
+    """Destroy the groups :func:`shared_node_split_groups` built in this process, if any, and forget
+    them (a later call builds again: collective over the world, on every rank)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    built = _SHARED_SPLITS.pop(world, None) if world is not None else None
+    if built is not None:
+        for group in built[1]:
+            dist.destroy_process_group(group)
+
+
 def release_process_groups() -> None:
     """Destroy the world process group and free every group object while the interpreter is alive.
 
@@ -190,5 +241,6 @@ def release_process_groups() -> None:
     """
     gc.collect()
     if dist.is_initialized():
+        _SHARED_SPLITS.pop(dist.group.WORLD, None)
         dist.destroy_process_group()
     gc.collect()

@@ -124,3 +124,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight, bias)
     b = None if bias is None else bias.detach()
     return _Linear.apply(x, weight.detach(), b, (weight, bias))
+
+
+class WeightGradPieces:
+    """The weight gradient of one GEMM that runs as several calls (a grouped GEMM split under the 32-bit
+    index limit, :func:`folding.moe.experts.backends.plan_chunks`), delivered once per backward.
+
+    Each call's backward hands in its piece with :meth:`add` (the tensor it reaches the weight through,
+    and a function computing it); the first hand-in queues one deferred delivery
+    (:func:`folding.parallel.overlap.defer`). The calls' backward nodes run one after the other (their
+    outputs are concatenated), so by the time an exchange or the end of the backward runs it, every
+    piece is in: the pieces of one anchor are summed in hand-in order (the order autograd's own
+    accumulation adds them in) and all anchors get their gradients in one ``torch.autograd.backward``,
+    where they meet at the parameter's accumulation node: one gradient hook, one delivery to the
+    gradient reducer (a second delivery after its bucket was reduced is an error there)."""
+
+    def __init__(self) -> None:
+        self._pieces: list = []
+
+    def add(self, anchor: torch.Tensor, compute) -> None:
+        """Hand in the piece ``compute()`` of ``anchor``'s gradient (computed when the delivery runs)."""
+        self._pieces.append((anchor, compute))
+        if len(self._pieces) == 1:
+            overlap.defer(self._deliver)
+
+    def _deliver(self) -> None:
+        pieces, self._pieces = self._pieces, []
+        anchors, grads = [], []
+        for anchor, compute in pieces:
+            g = compute()
+            for i, a in enumerate(anchors):
+                if a is anchor:
+                    grads[i] = grads[i] + g
+                    break
+            else:
+                anchors.append(anchor)
+                grads.append(g)
+        torch.autograd.backward(anchors, grads)

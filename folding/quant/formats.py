@@ -47,17 +47,25 @@ def check_fp8_dtype(dtype: torch.dtype) -> None:
 def cast_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast ``x`` to ``dtype`` (FP8) saturating finite overflow to ±max, rounding to nearest even.
 
-    NaN stays NaN; ±Inf becomes NaN for e4m3 (no infinity encoding) and stays ±Inf for e5m2.
-    """
+    NaN stays NaN; ±Inf becomes NaN for e4m3 (no infinity encoding) and stays ±Inf for e5m2. One
+    float32 copy of ``x`` is made (:func:`fp8_codes_` works on it in place)."""
     check_fp8_dtype(dtype)
-    xf = x.float()
+    return fp8_codes_(x.to(torch.float32, copy=True), dtype)
+
+
+def fp8_codes_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`cast_to_fp8` of a float32 tensor the caller owns, saturated in place (``t`` is
+    overwritten): the quantizers scale into one float32 temporary and cast it here, so a quantization
+    allocates no second float32 tensor of its input's size (the masks are booleans)."""
+    check_fp8_dtype(dtype)
     m = fp8_max(dtype)
-    out = xf.clamp(-m, m)
+    inf = torch.isinf(t)
+    t.clamp_(-m, m)  # NaN stays NaN; ±Inf becomes ±max here and is restored below
     if dtype == torch.float8_e4m3fn:
-        out = torch.where(torch.isinf(xf), torch.full_like(xf, float("nan")), out)
+        t.masked_fill_(inf, float("nan"))
     else:
-        out = torch.where(torch.isinf(xf), xf, out)
-    return out.to(dtype)
+        t.masked_fill_(inf & (t > 0), float("inf")).masked_fill_(inf & (t < 0), float("-inf"))
+    return t.to(dtype)
 
 
 def e8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from folding.quant.formats import blocked, cast_to_fp8, floor_log2, fp8_max
+from folding.quant.formats import blocked, floor_log2, fp8_codes_, fp8_max
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool) -> torch.Tensor:
@@ -42,17 +42,22 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_2_scale: bool
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def _quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return cast_to_fp8(x.float() * scale, dtype)
+def _working_copy(x: torch.Tensor) -> torch.Tensor:
+    """The one float32 temporary of a quantization: ``x`` copied to float32 (never an alias of ``x``).
+    The amax is taken from it in place (``abs_``), then it is refilled from ``x``, scaled in place and
+    cast (:func:`~folding.quant.formats.fp8_codes_`): bitwise the out-of-place formulas, one
+    allocation of the input's size instead of one per step."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def quantize_fp8_tensorwise(
     x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One float32 scale for the whole tensor. Returns ``(data, scale_inv)``, ``scale_inv`` a 0-dim tensor."""
-    amax = x.float().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    t = _working_copy(x)
+    amax = t.abs_().amax() if x.numel() else torch.zeros((), device=x.device)
     scale = _scale_from_amax(amax, dtype, power_2_scale)
-    return _quantize(x, scale, dtype), 1.0 / scale
+    return fp8_codes_(t.copy_(x).mul_(scale), dtype), 1.0 / scale
 
 
 def quantize_fp8_rowwise(
@@ -61,17 +66,17 @@ def quantize_fp8_rowwise(
     """One float32 scale per row (over the last dimension).
 
     Returns ``(data, scale_inv)`` with ``data`` of ``x``'s shape and ``scale_inv`` float32 of shape
-    ``x.shape[:-1] + (1,)``. Zero rows are safe (scale 1).
+    ``x.shape[:-1] + (1,)``. Zero rows are safe (scale 1). One float32 temporary of ``x``'s size.
     """
     if x.dim() == 0:
         raise ValueError("quantize_fp8_rowwise needs at least 1 dimension; got a 0-dim tensor")
-    xf = x.float()
+    t = _working_copy(x)
     if x.shape[-1] == 0:
         amax = torch.zeros(x.shape[:-1] + (1,), device=x.device)
     else:
-        amax = xf.abs().amax(-1, keepdim=True)
+        amax = t.abs_().amax(-1, keepdim=True)
     scale = _scale_from_amax(amax, dtype, power_2_scale)
-    return _quantize(xf, scale, dtype), 1.0 / scale
+    return fp8_codes_(t.copy_(x).mul_(scale), dtype), 1.0 / scale
 
 
 def quantize_fp8_group_columns(
@@ -79,13 +84,17 @@ def quantize_fp8_group_columns(
     counts_G: torch.Tensor,
     dtype: torch.dtype = torch.float8_e4m3fn,
     power_2_scale: bool = False,
+    host_counts=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One float32 scale per column of each group of consecutive rows (``counts_G`` rows each).
 
     The groups are the experts of a weight-gradient GEMM, whose contraction runs over tokens: each
     group's columns are scaled like :func:`quantize_fp8_rowwise` of that group's transpose, bit for
     bit. ``counts_G``: an integer tensor on ``x_NC``'s device summing to N (not checked: no host
-    sync). Returns ``(data_NC, scale_inv_GC)``; an empty group gets scale 1.
+    sync). ``host_counts``: the same counts as Python ints when the caller holds them (the ``torch``
+    FP8 experts do): each group's rows are then scaled in place, one float32 temporary of ``x``'s
+    size in all; without them the per-row scales are gathered on the device (a second one).
+    Returns ``(data_NC, scale_inv_GC)``; an empty group gets scale 1.
     """
     if x_NC.dim() != 2 or counts_G.dim() != 1:
         raise ValueError(
@@ -93,11 +102,17 @@ def quantize_fp8_group_columns(
             f"{tuple(counts_G.shape)}"
         )
     n, g = x_NC.shape[0], counts_G.shape[0]
-    xf = x_NC.float()
-    amax_GC = torch.segment_reduce(xf.abs(), "max", lengths=counts_G, axis=0, unsafe=True, initial=0.0)
+    t = _working_copy(x_NC)
+    amax_GC = torch.segment_reduce(t.abs_(), "max", lengths=counts_G, axis=0, unsafe=True, initial=0.0)
     scale_GC = _scale_from_amax(amax_GC, dtype, power_2_scale)
-    group_N = torch.repeat_interleave(torch.arange(g, device=x_NC.device), counts_G, output_size=n)
-    return _quantize(xf, scale_GC[group_N], dtype), 1.0 / scale_GC
+    t.copy_(x_NC)
+    if host_counts is not None:
+        for t_gC, s_C in zip(t.split(list(host_counts)), scale_GC):
+            t_gC.mul_(s_C)
+    else:
+        group_N = torch.repeat_interleave(torch.arange(g, device=x_NC.device), counts_G, output_size=n)
+        t.mul_(scale_GC[group_N])
+    return fp8_codes_(t, dtype), 1.0 / scale_GC
 
 
 def quantize_fp8_blockwise(
@@ -117,7 +132,7 @@ def quantize_fp8_blockwise(
     xb, (m, k) = blocked(x2, block)
     amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
     scale = _scale_from_amax(amax, dtype, power_2_scale)
-    data = cast_to_fp8(xb * scale, dtype)
+    data = fp8_codes_(xb * scale, dtype)  # the product is a fresh float32 tensor: saturated in place
     data = data.reshape(*xb.shape[:-4], xb.shape[-4] * block[0], xb.shape[-2] * block[1])[..., :m, :k]
     scale_inv = (1.0 / scale).squeeze(-1).squeeze(-2)
     if x.dim() == 1:

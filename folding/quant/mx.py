@@ -26,10 +26,10 @@ import torch
 from folding.quant.formats import (
     E8M0_BIAS,
     E8M0_NAN,
-    cast_to_fp8,
     ceil_log2,
     dequantize,
     floor_log2,
+    fp8_codes_,
 )
 
 SCALE_MODES = ("floor", "rceil")
@@ -83,13 +83,14 @@ def quantize_mxfp8(
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode={scale_mode!r} is not one of {SCALE_MODES}")
     lead, k = x.shape[:-1], x.shape[-1]
-    xb = x.float().reshape(*lead, k // block_size, block_size)
-    finite = torch.isfinite(xb)
-    amax = torch.where(finite, xb.abs(), torch.zeros_like(xb)).amax(-1)
+    blocks = (*lead, k // block_size, block_size)
+    # the one float32 temporary: |x| in place for the amax, then refilled with x and scaled in place
+    t = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True).reshape(blocks)
+    bad = ~torch.isfinite(t.abs_().amax(-1))  # a NaN or an Inf in the block
+    amax = t.nan_to_num_(0.0, 0.0, 0.0).amax(-1)  # the amax of the block's finite elements
     byte = mx_shared_exponent(amax, scale_mode)
     scale = torch.exp2((byte.to(torch.int32) - E8M0_BIAS).float()).unsqueeze(-1)
-    data = cast_to_fp8(xb / scale, torch.float8_e4m3fn).reshape(x.shape)
-    bad = (~finite).any(-1)
+    data = fp8_codes_(t.copy_(x.reshape(blocks)).div_(scale), torch.float8_e4m3fn).reshape(x.shape)
     byte = torch.where(bad, torch.full_like(byte, E8M0_NAN), byte)
     return data, byte
 

@@ -33,6 +33,8 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
+from folding.parallel.groups import release_shared_node_split_groups
+
 
 class RankFailure(RuntimeError):
     """A function raised on one or more ranks; the message holds the first failing rank's traceback."""
@@ -61,11 +63,11 @@ def _end_task_groups() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     default = c10d._get_default_group()
-    left = [pg for pg in list(c10d._world.pg_map) if pg is not default]
-    if not left:
+    if not [pg for pg in list(c10d._world.pg_map) if pg is not default]:
         return
     dist.barrier()
-    for pg in left:
+    release_shared_node_split_groups()  # the node and rail groups a task's dispatchers shared: forgotten too
+    for pg in [pg for pg in list(c10d._world.pg_map) if pg is not default]:
         dist.destroy_process_group(pg)
 
 

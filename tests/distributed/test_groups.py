@@ -216,3 +216,57 @@ def test_destroy_on_an_error_path_does_not_wait_for_peers(ranks):
 
     with pytest.raises(RankFailure, match="boom after the groups were built"):
         ranks(4).run(_fail_on_rank_one_after_build, timeout_s=60)
+
+
+def _node_split_per_layer(layers_per_stage, nvlink_domain=1):
+    """Build one hierarchical dispatcher per MoE layer of this rank's stage (``layers_per_stage[pp
+    rank]`` of them), each given ``nvlink_domain`` alone, as ``replace_dispatcher`` does per layer;
+    count the groups created (``dist.new_group``, collective over the world). Then ask for another
+    ``nvlink_domain``, which must be refused without any collective. The rank pool releases the
+    groups (``release_shared_node_split_groups``) when the task ends."""
+    from folding.moe.dispatch.build import build_dispatcher
+
+    ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), pp=2, ep=2, etp=1))
+    made, real = [], dist.new_group
+
+    def counting(*args, **kwargs):
+        made.append(args[0] if args else kwargs.get("ranks"))
+        return real(*args, **kwargs)
+
+    kw = dict(num_experts=4, topk=2, ep_group=ps.groups.ep, etp_group=ps.groups.etp)
+    dist.new_group = counting
+    try:
+        layers = [
+            build_dispatcher("hierarchical", nvlink_domain=nvlink_domain, **kw)
+            for _ in range(layers_per_stage[ps.coords.pp.rank])
+        ]
+        shared = all(d.rail_group is layers[0].rail_group and d.node_group is layers[0].node_group for d in layers)
+        try:
+            build_dispatcher("hierarchical", nvlink_domain=nvlink_domain + 1, **kw)
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+    finally:
+        dist.new_group = real
+    ps.destroy()
+    return len(made), shared, type(layers[0]).__name__, refused
+
+
+def test_node_and_rail_groups_are_built_once_per_process(ranks):
+    """``nvlink_domain`` alone: the node and rail groups are created by the first dispatcher of the
+    process and shared by every later one, so a stage with 2 MoE layers creates as many world-wide
+    groups as a stage with 1 (it used to create them once per layer: the stages then issued
+    different numbers of world collectives and hung at build). A second set of sizes is refused."""
+    from folding.parallel.rank_math import node_split_groups
+
+    ep_groups = ParallelLayout(world_size=4, pp=2, ep=2, etp=1).groups()["expert"]["ep"]
+    node, rail = node_split_groups(ep_groups, 1)
+    once = len(node) + len(rail)  # one build: every node and rail group of the world, each a new_group
+    for made, shared, kind, refused in ranks(4).run(_node_split_per_layer, (2, 2)):
+        assert made == once, (
+            f"{made} world-wide groups created (2 layers, then another nvlink_domain); one build creates {once}"
+        )
+        assert kind == "HierarchicalDispatcher" and shared
+        assert "already built" in refused and "nvlink_domain=2" in refused and "node_group=" in refused, refused
+    # stages with different numbers of MoE layers: the same world collectives on every rank, no hang
+    assert [r[0] for r in ranks(4).run(_node_split_per_layer, (1, 2), timeout_s=120)] == [once] * 4

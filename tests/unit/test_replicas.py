@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from folding.moe.config import MoEConfig
+from folding.moe.replicas import fetch as replica_fetch
 from folding.moe.replicas.table import (
     EMPTY,
+    IndexCache,
     ReplicaSchedule,
     check_replica_layout,
     check_table,
@@ -19,6 +21,7 @@ from folding.moe.replicas.table import (
     slot_experts,
     split_to_slots,
 )
+from folding.testing.transfer_audit import TransferAudit
 
 GEO = dict(ep_size=4, num_local_experts=2, num_replicas=1)
 
@@ -222,3 +225,32 @@ def test_table_summary_and_replan_message():
         "replicas re-planned at step 7, layer 3: expert 0 on EP rank 1; EP-rank max/mean load 1.60 -> 1.00 "
         "over the last 5 steps (without replicas 1.60)"
     )
+
+
+def test_index_tensors_are_built_once_per_layer_however_many_layers():
+    """More MoE layers per rank than a fixed-size cache holds (the former one kept 64 tables): each layer's
+    :class:`IndexCache` keeps its table's index tensors, so a second pass over every layer (the next
+    micro-batch) copies nothing from the host: neither the token split's nor the fetch's and return's."""
+    geo = dict(ep_size=4, num_local_experts=4, num_replicas=2)
+    gen = torch.Generator().manual_seed(0)
+    loads = [(torch.rand(16, generator=gen) ** 4).tolist() for _ in range(200)]  # skewed: replicas planned
+    tables = list(dict.fromkeys(plan_replicas(load, **geo) for load in loads))
+    tables = [t for t in tables if expert_copies(t, **geo)][:80]  # some expert replicated
+    assert len(tables) == 80  # 80 layers, each with its own table
+    map_TE = torch.rand(8, 16, generator=gen) < 0.3
+    probs = torch.rand(8, 16, generator=gen)
+    slots, routes = [IndexCache() for _ in tables], [IndexCache() for _ in tables]
+
+    def one_pass():
+        for table, s, r in zip(tables, slots, routes):
+            split_to_slots(map_TE, probs, table, **geo, cache=s)
+            replica_fetch._route_tensors(table, 4, 1, 4, 2, probs.device, r)
+
+    one_pass()  # builds every layer's tensors: copies from the host
+    with TransferAudit() as audit:
+        one_pass()
+    assert audit.h2d == 0, audit.events[:4]
+    with TransferAudit() as first:  # the audit does see the copies of a first pass
+        for table in tables[:3]:
+            split_to_slots(map_TE, probs, table, **geo, cache=IndexCache())
+    assert first.h2d >= 3

@@ -69,8 +69,10 @@ def replace_dispatcher(
     code overlapping work with a stage sees the same split); ``False`` keeps them next to the EP
     all-to-all (:class:`~folding.moe.dispatch.alltoall.AllToAllDispatcher`). ``kind="hierarchical"``
     takes the layer's EP group split by node, ``node_group`` and ``rail_group``
-    (:func:`folding.parallel.build_node_split_groups`), or ``nvlink_domain`` alone to create them here
-    (collective over the world)
+    (:func:`folding.parallel.build_node_split_groups`), or ``nvlink_domain`` alone: the first layer of
+    the process creates them (collective over the world) and every later layer shares them
+    (:func:`folding.parallel.shared_node_split_groups`; a different EP group or ``nvlink_domain`` is
+    refused), so pipeline stages with different numbers of MoE layers create them alike
     (:class:`~folding.moe.dispatch.hierarchical.HierarchicalDispatcher`; its ETP exchange stays
     inside ``token_dispatch`` / ``token_combine``).
     Raises ``ValueError`` naming the setting for a feature folding's dispatchers do not implement."""

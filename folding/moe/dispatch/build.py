@@ -41,8 +41,7 @@ from __future__ import annotations
 from typing import Optional
 
 from folding.parallel.collectives import group_size
-from folding.parallel.groups import ProcessGroups
-from folding.parallel.state import build_node_split_groups
+from folding.parallel.groups import ProcessGroups, shared_node_split_groups
 
 from ..config import DISPATCHERS, MoEConfig
 from .allgather import AllGatherDispatcher
@@ -71,9 +70,10 @@ def build_dispatcher(
     ``hierarchical`` also takes the EP group split by node: ``node_group`` and ``rail_group``
     (``ParallelState.groups.ep_node`` / ``ep_rail``, built with the layout's groups from
     ``parallel.nvlink_domain``), and ``nvlink_domain`` (ranks per node) to check them against; given
-    ``nvlink_domain`` alone, the two groups are created here
-    (:func:`folding.parallel.build_node_split_groups`: collective over the world, so every rank builds
-    its dispatcher at the same point). When the EP group lies inside one node (no rail group, or one
+    ``nvlink_domain`` alone, the two groups are created by the first such dispatcher of the process
+    and shared by every later one (:func:`folding.parallel.shared_node_split_groups`: the first call is
+    collective over the world, so every rank builds its first one at the same point; a different EP
+    group or ``nvlink_domain`` is refused). When the EP group lies inside one node (no rail group, or one
     of a single rank) it is the ``alltoall`` dispatcher: with one node the two are the same exchange."""
     if kind == "alltoall":
         return AllToAllDispatcher(**kwargs)
@@ -81,7 +81,7 @@ def build_dispatcher(
         return AllGatherDispatcher(**kwargs)
     if kind == "hierarchical":
         if node_group is None and rail_group is None and nvlink_domain is not None and group_size(None) > 1:
-            node_group, rail_group = build_node_split_groups(kwargs["ep_group"], nvlink_domain)
+            node_group, rail_group = shared_node_split_groups(kwargs["ep_group"], nvlink_domain)
         if rail_group is None or len(_group_ranks(rail_group, "rail_group")) == 1:
             refuse_padding(kwargs.get("pad_to_capacity", False))  # whether the domain spans nodes or not
             return AllToAllDispatcher(**kwargs)

@@ -31,7 +31,7 @@ import torch
 
 from folding.moe.experts.scaled import FEATURE_ALIGN, scaled_grouped_linear
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.parallel import overlap
+from folding.parallel import overlap, wgrad
 from folding.quant import emulated_linear
 
 INDEX_LIMIT = 2**31 - 1
@@ -145,15 +145,16 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 class _GroupedMMDelayedWgrad(torch.autograd.Function):
     """``y = grouped_mm(x, wᵀ, offs)`` whose backward returns the input gradient at once and defers the
-    weight gradient (:func:`folding.parallel.overlap.defer`): it runs inside the next exchange wait,
-    after that exchange's collectives are issued (the backward dispatch all-to-all), or at the end of
-    the backward. Both gradients are the calls torch's own ``grouped_mm`` backward makes, so the
-    results are bitwise those of the plain call."""
+    weight gradient: it hands it to the :class:`~folding.parallel.wgrad.WeightGradPieces` of its
+    grouped GEMM, which delivers the pieces of every call of a split GEMM together, once, inside the
+    next exchange wait (after that exchange's collectives are issued: the backward dispatch
+    all-to-all) or at the end of the backward. Both gradients are the calls torch's own
+    ``grouped_mm`` backward makes, so the results are bitwise those of the plain call."""
 
     @staticmethod
     def forward(ctx, x_NI, w_LOI, offs, anchor):
         ctx.save_for_backward(x_NI, w_LOI, offs)
-        ctx.anchor = anchor[0]  # the weight as the graph holds it; its gradient is delivered later
+        ctx.anchor, ctx.pieces = anchor  # the weight as the graph holds it, and the collector of its pieces
         return _grouped_mm_fn()(x_NI, w_LOI.transpose(-2, -1), offs=offs)
 
     @staticmethod
@@ -163,35 +164,42 @@ class _GroupedMMDelayedWgrad(torch.autograd.Function):
         g_NO = g_NO.contiguous()
         gx = fn(g_NO, w_LOI, offs=offs) if ctx.needs_input_grad[0] else None
         if ctx.anchor.requires_grad:
-            anchor = ctx.anchor
-
-            def wgrad():
-                # torch's own backward for a column-major mat2 (``wᵀ`` of a contiguous ``w``): gᵀ·x;
-                # (xᵀ·g)ᵀ sums in another order on some shapes and is not bitwise the same
-                gw = fn(g_NO.transpose(-2, -1), x_NI, offs=offs)
-                torch.autograd.backward(anchor, gw)
-
-            overlap.defer(wgrad)
+            # torch's own backward for a column-major mat2 (``wᵀ`` of a contiguous ``w``): gᵀ·x;
+            # (xᵀ·g)ᵀ sums in another order on some shapes and is not bitwise the same
+            ctx.pieces.add(ctx.anchor, lambda: fn(g_NO.transpose(-2, -1), x_NI, offs=offs))
         return gx, None, None, None
 
 
-def _torch_call(x_NI: torch.Tensor, w_LOI: torch.Tensor, counts: list[int], delay_wgrad: bool = False) -> torch.Tensor:
+def _torch_calls(x_NI: torch.Tensor, w_LOI: torch.Tensor, counts_L: torch.Tensor, rows: int, delay_wgrad: bool):
+    """``grouped_mm`` over consecutive ranges of at most ``rows`` rows (one call when they all fit).
+
+    ``counts_L``: the rows per expert as an integer tensor on the inputs' device; every call takes the
+    whole weight and its offsets are the experts' row ends clipped to the call's range, computed on
+    the device (an expert outside the call is an empty group): no host read, no host→device copy.
+    Features are zero-padded to 16-byte multiples once. With ``delay_wgrad`` the calls' weight
+    gradients are summed and delivered once (:class:`~folding.parallel.wgrad.WeightGradPieces`)."""
     fn = _grouped_mm_fn()
     out = w_LOI.shape[1]
     align = max(1, 16 // x_NI.element_size())
     xp = _pad_to(x_NI, 1, align).contiguous()
     wp = _pad_to(_pad_to(w_LOI, 2, align), 1, align).contiguous()
-    if isinstance(counts, torch.Tensor):
-        offs = counts.to(device=x_NI.device, dtype=torch.int64).cumsum(0).to(torch.int32)
-    else:
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_NI.device)
+    ends_L = counts_L.to(device=x_NI.device, dtype=torch.int64).cumsum(0)
+    pieces = None
     if delay_wgrad and wp.requires_grad and torch.is_grad_enabled():
-        # the weight enters through a detached copy; its gradient reaches ``wp`` (and the parameter,
-        # through the padding) in a separate backward call when the deferred work runs
-        y = _GroupedMMDelayedWgrad.apply(xp, wp.detach(), offs, [wp])  # in a list: not an autograd input
-    else:
-        y = fn(xp, wp.transpose(-2, -1), offs=offs)
-    y = _ContiguousGrad.apply(y)
+        # the weight enters each call through a detached copy; its gradient reaches ``wp`` (and the
+        # parameter, through the padding) in one separate backward call when the deferred work runs
+        pieces = wgrad.WeightGradPieces()
+    outs, start = [], 0
+    for xs in xp.split(rows):  # one node: its backward joins the calls' input gradients in one tensor
+        n = xs.shape[0]
+        offs = (ends_L if n == xp.shape[0] else (ends_L - start).clamp(0, n)).to(torch.int32)
+        if pieces is not None:
+            y = _GroupedMMDelayedWgrad.apply(xs, wp.detach(), offs, [wp, pieces])  # a list: not an autograd input
+        else:
+            y = fn(xs, wp.transpose(-2, -1), offs=offs)
+        outs.append(_ContiguousGrad.apply(y))
+        start += n
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     return y[:, :out] if y.shape[1] != out else y
 
 
@@ -214,7 +222,7 @@ def grouped_linear(
     tokens_per_expert,
     backend: str,
     fp8_recipe: str | None = None,
-    index_limit: int = INDEX_LIMIT,
+    index_limit: int | None = None,
     delayed=None,
     name: str = "",
     delay_wgrad: bool = False,
@@ -226,66 +234,66 @@ def grouped_linear(
     ``torch`` or ``emulated`` (``fp8_recipe`` required for ``emulated``; ``torch`` with ``rowwise`` or
     ``mxfp8`` runs FP8 through ``torch._scaled_grouped_mm``, reading the counts on the host and padding
     each expert's rows to the recipe's alignment unless they are already). Calls are chunked so that
-    no operand of one call exceeds ``index_limit`` elements. The ``torch`` backend with a device
-    tensor of counts and an input that fits one call runs without a host transfer either way (and
-    without checking that the counts sum to N); with a list it builds the offsets by one host copy.
+    no operand of one call exceeds ``index_limit`` elements (default :data:`INDEX_LIMIT`, read at the
+    call). The ``torch`` backend with a device tensor of counts runs without a host transfer however
+    many calls it makes (and without checking that the counts sum to N): every call's offsets are cut
+    from the counts on the device; with a list it copies them to the device once.
     ``delayed`` (a :class:`folding.quant.DelayedScaling`) and
     ``name`` give the ``delayed`` recipe its amax histories, keyed by ``(name, expert)``.
     ``delay_wgrad`` (``torch`` backend; ``parallel.delay_wgrad``): the weight gradient is computed
     while the next exchange of the backward is in flight (:class:`_GroupedMMDelayedWgrad`), bitwise
-    the same; the other backends ignore it. ``device_sizes`` (``torch`` with an FP8 recipe): the list
-    ``tokens_per_expert`` as an integer tensor on the device, from which the kernels' offsets are built
-    there (see :func:`folding.moe.experts.scaled.scaled_grouped_linear`).
+    the same, and delivered once per backward however many calls the GEMM is split into (the
+    gradient reducer accepts one delivery per parameter); the other backends ignore it.
+    ``device_sizes`` (``torch`` with an FP8 recipe): the list ``tokens_per_expert`` as an integer
+    tensor on the device, from which the kernels' offsets are built there (see
+    :func:`folding.moe.experts.scaled.scaled_grouped_linear`).
     """
     num_rows, num_experts = x_NI.shape[0], w_LOI.shape[0]
     if num_rows == 0 and num_experts > 0:
         # no tokens on this rank: a plain matmul keeps the graph (zero weight gradients) and avoids
         # grouped_mm's backward, which rejects the stride-0 gradient of an empty output
         return x_NI @ w_LOI[0].t()
+    index_limit = INDEX_LIMIT if index_limit is None else index_limit
     width = max(x_NI.shape[1], w_LOI.shape[1])
-    fits = num_rows * (width + 16) <= index_limit
-    if backend == "torch" and fp8_recipe is None and fits and isinstance(tokens_per_expert, torch.Tensor):
-        if tuple(tokens_per_expert.shape) != (num_experts,):
-            raise ValueError(
-                f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} must be [num_local_experts={num_experts}]"
-            )
-        return _torch_call(x_NI, w_LOI, tokens_per_expert, delay_wgrad)
+    if backend == "torch" and fp8_recipe is None:
+        if isinstance(tokens_per_expert, torch.Tensor):  # device counts: no host read, no check
+            if tuple(tokens_per_expert.shape) != (num_experts,):
+                shape = tuple(tokens_per_expert.shape)
+                raise ValueError(f"tokens_per_expert shape {shape} must be [num_local_experts={num_experts}]")
+            counts_L = tokens_per_expert
+        else:  # host counts: validated, then one host→device copy for every call
+            counts = host_counts(tokens_per_expert, num_experts, num_rows)
+            counts_L = torch.tensor(counts, dtype=torch.int64).to(x_NI.device)
+        rows = max(1, index_limit // (width + 16))  # the rows of plan_chunks' calls
+        return _torch_calls(x_NI, w_LOI, counts_L, rows, delay_wgrad)
     counts = host_counts(tokens_per_expert, num_experts, num_rows)
-    if backend == "torch" and fp8_recipe is not None:
+    if backend == "torch":
         return _scaled_calls(x_NI, w_LOI, counts, fp8_recipe, index_limit, delay_wgrad, device_sizes)
     calls = plan_chunks(counts, width + 16, index_limit)
     if backend == "emulated":
         linear = functools.partial(_emulated_one, recipe=fp8_recipe, delayed=delayed, name=name)
     else:
         linear = _plain_one
-    return _chunked_calls(x_NI, w_LOI, calls, backend, linear, delay_wgrad)
+    return _chunked_calls(x_NI, w_LOI, calls, backend, linear)
 
 
-def _chunked_calls(x_NI, w_LOI, calls, backend: str, linear, delay_wgrad: bool) -> torch.Tensor:
-    """Run ``backend`` once per call of :func:`plan_chunks` (``calls``: lists of ``(expert, rows)``)
-    over consecutive row ranges of ``x_NI``; the outputs concatenated."""
-    outs, start = [], 0
-    for call in calls:
-        rows = sum(c for _, c in call)
-        xs = x_NI[start : start + rows]
-        experts = [e for e, _ in call]
-        sub_counts = [c for _, c in call]
-        if backend == "torch":
-            # a call covers consecutive experts (plan_chunks): a narrow view, no index tensor
-            ws = w_LOI.narrow(0, experts[0], len(experts))
-            outs.append(_torch_call(xs, ws, sub_counts, delay_wgrad))
-        elif backend in ("loop", "emulated"):
-            outs.append(_loop_call(xs, w_LOI, sub_counts, linear, experts))
-        else:
-            raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
-        start += rows
+def _chunked_calls(x_NI, w_LOI, calls, backend: str, linear) -> torch.Tensor:
+    """Run ``backend`` (``loop`` or ``emulated``) once per call of :func:`plan_chunks` (``calls``: lists of
+    ``(expert, rows)``) over consecutive row ranges of ``x_NI``; the outputs concatenated."""
+    if backend not in ("loop", "emulated"):
+        raise ValueError(f"grouped_linear backend={backend!r} is not one of loop, torch, emulated")
+    outs = []
+    for call, xs in zip(calls, x_NI.split([sum(c for _, c in call) for call in calls])):
+        outs.append(_loop_call(xs, w_LOI, [c for _, c in call], linear, [e for e, _ in call]))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
 def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad, device_sizes=None):
     """FP8 grouped GEMMs in calls of whole aligned row blocks (an expert may span calls); every expert
     has at least one block (the kernel refuses empty groups). ``device_sizes``: ``counts`` on the
-    device; each call's sizes are cut from it there."""
+    device; each call's sizes are cut from it there (without it, and more than one call, ``counts``
+    is copied to the device once). With ``delay_wgrad`` the calls' weight gradients are delivered
+    once (:class:`~folding.parallel.wgrad.WeightGradPieces`)."""
     align = FP8_ROW_ALIGN.get(recipe, 16)
     if any(c % align or c == 0 for c in counts):  # standalone use: align once for every call
         x_NpI, padded = pad_rows_per_expert(x_NI, counts, align, min_rows=align)
@@ -294,20 +302,24 @@ def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad, device_
     width = max(x_NI.shape[1], w_LOI.shape[1]) + FEATURE_ALIGN.get(recipe, 16)
     rows = max(align, (index_limit // width) // align * align)  # every piece stays aligned
     calls = plan_chunks(counts, 1, rows)
-    ends_L = None if device_sizes is None or len(calls) == 1 else device_sizes.to(torch.int64).cumsum(0)
+    if len(calls) == 1:
+        return scaled_grouped_linear(x_NI, w_LOI, counts, recipe, delay_wgrad, device_sizes)
+    if device_sizes is None:  # standalone use: one copy for every call
+        device_sizes = torch.tensor(counts, dtype=torch.int64).to(x_NI.device)
+    ends_L = device_sizes.to(torch.int64).cumsum(0)
+    pieces = wgrad.WeightGradPieces()  # one delivery of the weight gradient for all the calls
     outs, start = [], 0
-    for call in calls:
-        n = sum(c for _, c in call)
+    for call, xs in zip(calls, x_NI.split([sum(c for _, c in call) for call in calls])):
+        n = xs.shape[0]
         experts = [e for e, _ in call]
         ws = w_LOI.narrow(0, experts[0], len(experts))
-        sizes = device_sizes
-        if ends_L is not None:  # this call's pieces: every expert's end clipped to the call's rows
-            ends = (ends_L[experts[0] : experts[-1] + 1] - start).clamp(0, n)
-            sizes = torch.cat([ends[:1], ends[1:] - ends[:-1]])
-        pieces = [c for _, c in call]
-        outs.append(scaled_grouped_linear(x_NI[start : start + n], ws, pieces, recipe, delay_wgrad, sizes))
+        # this call's pieces: every expert's end clipped to the call's rows
+        ends = (ends_L[experts[0] : experts[-1] + 1] - start).clamp(0, n)
+        sizes = torch.cat([ends[:1], ends[1:] - ends[:-1]])
+        counts_c = [c for _, c in call]
+        outs.append(scaled_grouped_linear(xs, ws, counts_c, recipe, delay_wgrad, sizes, wgrad_pieces=pieces))
         start += n
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    return torch.cat(outs, 0)
 
 
 def _plain_one(x_NeI, w_OI, expert):

@@ -64,7 +64,7 @@ import torch
 
 from folding.moe.experts import mxfp8 as expert_mxfp8
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.parallel import overlap
+from folding.parallel import overlap, wgrad
 from folding.quant.emulate import emulated_linear
 from folding.quant.fp8 import quantize_fp8_group_columns, quantize_fp8_rowwise
 
@@ -107,14 +107,14 @@ def _rowwise_dgrad(dy_NO, w_LOI, counts, offs_L, out_dtype):
 def _rowwise_wgrad_input(x_NI, counts_L, counts):
     """x as the weight gradient reads it, kept from the forward: e4m3 codes scaled per feature column over
     each expert's tokens, stored ``[I, N]`` row-major (the column-major operand), and the scales ``[L·I]``."""
-    xq_NI, xs_LI = quantize_fp8_group_columns(x_NI, counts_L, E4M3, power_2_scale=True)
+    xq_NI, xs_LI = quantize_fp8_group_columns(x_NI, counts_L, E4M3, power_2_scale=True, host_counts=counts)
     return xq_NI.t().contiguous(), xs_LI.reshape(-1)
 
 
 def _rowwise_wgrad(dy_NO, x_kept, counts_L, offs_L, out_dtype, counts):
     # both operands scaled per feature column over each expert's tokens (the contraction)
     xq_IN, xs = x_kept
-    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True)
+    gq_NO, gs_LO = quantize_fp8_group_columns(dy_NO, counts_L, E4M3, power_2_scale=True, host_counts=counts)
     return scaled_mm_op()(
         gq_NO.t().contiguous(),  # [O, N] row-major
         xq_IN.t(),  # [N, I] column-major
@@ -140,15 +140,16 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     Keeps ``w`` (the input gradient re-quantizes it along its other dimension) and ``x`` only quantized as
     the weight gradient reads it (codes and scales along each expert's tokens, computed in the forward:
     TransformerEngine's columnwise copy), never the high-precision ``x``; the weight gradient is the one
-    re-quantizing ``x`` in backward would give, bit for bit. With an ``anchor`` (``delay_wgrad``) the
-    weight gradient is deferred to the next exchange wait (:func:`folding.parallel.overlap.defer`) and
-    delivered to the anchor then.
+    re-quantizing ``x`` in backward would give, bit for bit. With an ``anchor`` (``delay_wgrad``: the
+    weight as the graph holds it, and the :class:`~folding.parallel.wgrad.WeightGradPieces` of its
+    GEMM) the weight gradient is deferred to the next exchange wait and delivered to the anchor then,
+    once for all the calls of a split GEMM.
     """
 
     @staticmethod
     def forward(ctx, x_NI, w_LOI, counts_L, offs_L, recipe, counts, anchor):
         ctx.recipe, ctx.counts, ctx.x_dtype = recipe, counts, x_NI.dtype
-        ctx.anchor = anchor[0] if anchor else None
+        ctx.anchor, ctx.pieces = anchor if anchor else (None, None)
         wants_wgrad = ctx.needs_input_grad[1] or (ctx.anchor is not None and ctx.anchor.requires_grad)
         x_kept = _OPS[recipe][2](x_NI, counts_L, counts) if wants_wgrad else (None, None)
         ctx.save_for_backward(*x_kept, w_LOI, counts_L, offs_L)
@@ -168,8 +169,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         gw = None
         if ctx.anchor is not None:
             if ctx.anchor.requires_grad:
-                anchor = ctx.anchor
-                overlap.defer(lambda: torch.autograd.backward(anchor, weight_grad()))
+                ctx.pieces.add(ctx.anchor, weight_grad)
         elif ctx.needs_input_grad[1]:
             gw = weight_grad()
         return gx, gw, None, None, None, None, None
@@ -198,6 +198,7 @@ def scaled_grouped_linear(
     recipe: str,
     delay_wgrad: bool = False,
     device_sizes: torch.Tensor | None = None,
+    wgrad_pieces: wgrad.WeightGradPieces | None = None,
 ) -> torch.Tensor:
     """``y_NO`` with ``y[rows of e] = x[rows of e] · w_LOI[e]ᵀ`` in FP8 (``recipe``: ``rowwise`` or ``mxfp8``).
 
@@ -209,6 +210,8 @@ def scaled_grouped_linear(
     device counts, :func:`aligned_sizes`); the kernel's offsets are built from it there. Without it
     the sizes are copied from the host (one blocking copy on a GPU: standalone use only).
     ``delay_wgrad``: defer the weight gradient (see :class:`_ScaledGroupedLinear`); bitwise the same.
+    ``wgrad_pieces``: the collector shared by the calls of one split GEMM, which then delivers their
+    deferred weight gradients once (default: this call's own).
     """
     if recipe not in _OPS:
         raise ValueError(f"fp8_recipe={recipe!r}: the torch backend runs {TORCH_FP8_RECIPES} only")
@@ -232,7 +235,8 @@ def scaled_grouped_linear(
     offs_L = counts_L.cumsum(0, dtype=torch.int32)
     if delay_wgrad and wp.requires_grad and torch.is_grad_enabled():
         # the weight enters detached; its gradient reaches ``wp`` when the deferred work runs
-        y = _ScaledGroupedLinear.apply(xp, wp.detach(), counts_L, offs_L, recipe, tuple(padded), [wp])
+        pieces = wgrad.WeightGradPieces() if wgrad_pieces is None else wgrad_pieces
+        y = _ScaledGroupedLinear.apply(xp, wp.detach(), counts_L, offs_L, recipe, tuple(padded), [wp, pieces])
     else:
         y = _ScaledGroupedLinear.apply(xp, wp, counts_L, offs_L, recipe, tuple(padded), None)
     y = y[:, :out] if y.shape[1] != out else y

@@ -44,13 +44,12 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .table import EMPTY
+from .table import EMPTY, IndexCache
 
 _LATE = "_folding_grad_after_backward"
 
@@ -68,10 +67,15 @@ def gets_grad_after_backward(p: torch.Tensor) -> bool:
     return bool(getattr(p, _LATE, False))
 
 
-@functools.lru_cache(maxsize=64)
-def _route_tensors(table: Tuple[int, ...], ep_size: int, ep_rank: int, L: int, R: int, device: torch.device):
-    """:func:`_routes` with the two index lists as tensors on ``device``, built once per table (no
-    host→device copy per layer call)."""
+def _route_tensors(
+    table: Tuple[int, ...], ep_size: int, ep_rank: int, L: int, R: int, device: torch.device, cache=None
+):
+    """:func:`_routes` with the two index lists as tensors on ``device``; with the layer's ``cache``
+    (:class:`~folding.moe.replicas.table.IndexCache`) built once per table (no host→device copy per
+    layer call), else now."""
+    key = (table, ep_size, ep_rank, L, R, device)
+    if cache is not None:
+        return cache.get(key, lambda: _route_tensors(*key))
     send_idx, send_splits, recv_slots, recv_splits = _routes(table, ep_size, ep_rank, L, R)
     idx = torch.tensor(send_idx, dtype=torch.long, device=device)
     slots = torch.tensor(recv_slots, dtype=torch.long, device=device)
@@ -97,19 +101,29 @@ def _routes(table: Sequence[int], ep_size: int, ep_rank: int, L: int, R: int):
     return send_idx, send_splits, recv_slots, recv_splits
 
 
-def fetch_replica_weights(weights, table: Sequence[int], *, ep_group, ep_size: int, ep_rank: int, num_replicas: int):
+def fetch_replica_weights(
+    weights,
+    table: Sequence[int],
+    *,
+    ep_group,
+    ep_size: int,
+    ep_rank: int,
+    num_replicas: int,
+    cache: Optional[IndexCache] = None,
+):
     """This rank's replica-slot weights ``[R, ...]``, one per weight of ``weights`` (each ``[L, ...]``:
     this rank's owned experts; a single tensor gives a single result), detached, in one exchange (see
     the module docstring). Only the experts some rank replicates are selected and joined. Every rank
     of ``ep_group`` must call it with the same ``table``; an all-empty table returns zeros without
-    any collective."""
+    any collective. ``cache``: the layer's :class:`~folding.moe.replicas.table.IndexCache` of the table's
+    index tensors (without one they are copied from the host now)."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     R = num_replicas
     out = [w.new_zeros((R,) + tuple(w.shape[1:])) for w in ws]
     if all(e == EMPTY for e in table):
         return out[0] if isinstance(weights, torch.Tensor) else out
     idx, send_splits, slots, recv_splits = _route_tensors(
-        tuple(table), ep_size, ep_rank, ws[0].shape[0], R, ws[0].device
+        tuple(table), ep_size, ep_rank, ws[0].shape[0], R, ws[0].device, cache
     )
     widths = [w[0].numel() for w in ws]
     with torch.no_grad():
@@ -130,13 +144,15 @@ def return_replica_grads(
     ep_size: int,
     ep_rank: int,
     num_local_experts: int,
+    cache: Optional[IndexCache] = None,
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The replicas' gradients (one ``[R, ...]`` per weight) sent back to their owners in one exchange.
     Returns ``(idx, rows)``: the owned experts ``[n]`` (repeated when several ranks replicate one) and,
-    per weight, the gradient rows ``[n, ...]`` to ``index_add`` into them."""
+    per weight, the gradient rows ``[n, ...]`` to ``index_add`` into them. ``cache``: as
+    :func:`fetch_replica_weights`'s (the same tensors serve both directions)."""
     R = grads_Lr[0].shape[0]
     idx, send_splits, slots, recv_splits = _route_tensors(
-        tuple(table), ep_size, ep_rank, num_local_experts, R, grads_Lr[0].device
+        tuple(table), ep_size, ep_rank, num_local_experts, R, grads_Lr[0].device, cache
     )
     widths = [g[0].numel() for g in grads_Lr]
     with torch.no_grad():
@@ -201,6 +217,8 @@ class ReplicaWeights:
         """Inside :func:`replica_step`: keep the fetched weights and the gradients until its end."""
         self.fetches = 0
         self.returns = 0
+        self.routes = IndexCache()
+        """The index tensors of the layer's table for the fetch and the return, built once per table."""
         self._kept: Optional[Tuple] = None  # (table, w1_Lr, w2_Lr, route) of the step
         self._sums: Optional[List[Optional[torch.Tensor]]] = None  # fp32 gradient sums [R, ...] per weight
 
@@ -219,7 +237,13 @@ class ReplicaWeights:
             raise RuntimeError("the replica slot table changed inside a step; set it between steps")
         if kept is None:
             w1_Lr, w2_Lr = fetch_replica_weights(
-                [w1_L, w2_L], table, ep_group=ep_group, ep_size=ep_size, ep_rank=ep_rank, num_replicas=R
+                [w1_L, w2_L],
+                table,
+                ep_group=ep_group,
+                ep_size=ep_size,
+                ep_rank=ep_rank,
+                num_replicas=R,
+                cache=self.routes,
             )
             self.fetches += 1
             shapes = ((w1_L.shape[0], tuple(w1_L.shape[1:])), (w2_L.shape[0], tuple(w2_L.shape[1:])))
@@ -255,7 +279,13 @@ class ReplicaWeights:
         ]
         self.returns += 1
         return return_replica_grads(
-            sums, table, ep_group=ep_group, ep_size=ep_size, ep_rank=ep_rank, num_local_experts=shapes[0][0]
+            sums,
+            table,
+            ep_group=ep_group,
+            ep_size=ep_size,
+            ep_rank=ep_rank,
+            num_local_experts=shapes[0][0],
+            cache=self.routes,
         )
 
     def begin_step(self) -> None:

@@ -13,6 +13,7 @@ each forward (:mod:`folding.moe.replicas.fetch`), so they are never parameters.
 - :func:`plan_replicas`: the table from measured per-expert loads (greedy, deterministic ties).
 - :func:`expert_copies`: each replicated expert's copies, owner first.
 - :func:`split_to_slots`: the logical routing map and probabilities ``[T, E]`` → slots ``[T, Es]``.
+- :class:`IndexCache`: a layer's index tensors of its current table, kept on the device.
 - :class:`ReplicaSchedule`: the trainer's re-plan every ``moe.replica_interval`` steps.
 
 Shape suffixes (docs/shapes.md): ``T`` local tokens, ``E`` global experts, ``Es`` expert slots ``EP·(L+R)``,
@@ -26,8 +27,7 @@ Usage::
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -198,6 +198,7 @@ def split_to_slots(
     ep_size: int,
     num_local_experts: int,
     num_replicas: int,
+    cache: Optional["IndexCache"] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The routing map and probabilities per slot: ``(map_TEs, probs_TEs)``.
 
@@ -205,10 +206,13 @@ def split_to_slots(
     with ``k`` copies are split, in token order, into ``k`` contiguous near-equal parts (pair number
     ``i`` of ``n`` goes to copy ``floor(i·k/n)``, owner first): deterministic, local, no host sync.
     ``probs_TEs[:, s]`` is the probability of the slot's expert (the map decides which entries count).
+    ``cache``: the layer's :class:`IndexCache`, which keeps the table's index tensors on the device
+    until the table changes (without one they are copied from the host on every call).
     """
     T = routing_map_TE.shape[0]
     L, R = num_local_experts, num_replicas
-    cols, rep = _slot_plan(tuple(table), ep_size, L, R, probs_TE.device)
+    key = (tuple(table), ep_size, L, R, probs_TE.device)
+    cols, rep = _slot_plan(*key) if cache is None else cache.get(key, lambda: _slot_plan(*key))
     probs_TEs = probs_TE.index_select(1, cols)
     owned = routing_map_TE.reshape(T, ep_size, L)
     spare = routing_map_TE.new_zeros((T, ep_size, R))
@@ -224,13 +228,31 @@ def split_to_slots(
     return map_TEs, probs_TEs
 
 
-@functools.lru_cache(maxsize=64)
+class IndexCache:
+    """The index tensors one MoE layer builds from its slot table, kept on the device until the table
+    changes (every ``moe.replica_interval`` steps, not per forward): each layer holds its own (the
+    layer's for :func:`split_to_slots`, its :class:`~folding.moe.replicas.fetch.ReplicaWeights`' for
+    the fetch and the return), so a model with any number of MoE layers builds each table's tensors
+    once, one host→device copy per table and not one per layer call. It keeps the latest key only:
+    a layer uses one table at a time."""
+
+    def __init__(self) -> None:
+        self._key = None
+        self._value = None
+
+    def get(self, key, build):
+        """``build()`` for ``key`` (a tuple: the table and what else the tensors depend on), built
+        once and returned again while the key stays the same."""
+        if self._value is None or self._key != key:
+            self._value, self._key = build(), key
+        return self._value
+
+
 def _slot_plan(table: Tuple[int, ...], ep_size: int, L: int, R: int, device: torch.device):
     """The slot→expert columns ``[S]`` on ``device`` and, when some expert has a replica, the index
     tensors of the split: the replicated experts ``[Er]``, their copy counts ``[Er]``, and for each of
     their copies ``[Ec]`` its slot, the position of its expert in ``[Er]`` and its copy number (owner 0).
-    Built once per table (it changes every ``moe.replica_interval`` steps, not per forward: no
-    host→device copy per layer call)."""
+    Kept by the layer's :class:`IndexCache` (no host→device copy per layer call)."""
     experts = slot_experts(table, ep_size=ep_size, num_local_experts=L, num_replicas=R)
     cols = torch.tensor([max(e, 0) for e in experts], dtype=torch.long, device=device)
     copies = sorted(expert_copies(table, ep_size=ep_size, num_local_experts=L, num_replicas=R).items())
