@@ -6,19 +6,28 @@ blocks the host until the device catches up, so the dispatcher performs at most 
 dropless mode (deferred to just before the expert all-to-all needs its split sizes) and none with
 pad-to-capacity. The counter lets tests and benchmarks check that promise.
 
+The dispatchers' count read is :func:`read_counts`, shaped so that the wait costs as little as it can:
+the lane's deferred work (the shared expert, which needs no counts) is issued before it, the copy is
+non-blocking into pinned memory with an event (:func:`start_read`; on a CPU a plain copy, the same
+code path), and the baton of an overlap pair goes to the other lane while the copy completes.
+
 Usage::
 
     from folding.moe.dispatch import host_sync
     before = host_sync.count()
     splits = host_sync.to_host(counts_RE, reason="alltoall splits")   # nested Python lists
     assert host_sync.count() - before == 1
+    splits = host_sync.read_counts(counts_dev, work=counts_exchange, reason="alltoall splits")
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from ...parallel.lanes import hand_over
+from ...parallel.overlap import flush_deferred
 
 _COUNT = 0
 
@@ -35,8 +44,67 @@ def to_host(t: torch.Tensor, *, reason: str) -> Any:
     return t.detach().to("cpu").tolist()
 
 
+class HostRead:
+    """A device-to-host copy in flight (:func:`start_read`); :meth:`result` waits for it and returns the
+    values as Python numbers."""
+
+    def __init__(self, host: torch.Tensor, event: Optional[Any]):
+        self._host, self._event = host, event
+
+    def result(self) -> Any:
+        """Wait for the copy (on a GPU, its event: the host blocks until the device has copied) and return
+        ``tolist()`` of the host tensor."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.tolist()
+
+
+def start_read(t: torch.Tensor, *, reason: str) -> HostRead:
+    """Start copying ``t`` to the host and return the :class:`HostRead` that completes it; counted like
+    :func:`to_host` (``reason`` names the caller).
+
+    On a GPU the copy goes into pinned host memory with ``non_blocking=True`` (``Tensor.to("cpu",
+    non_blocking=True)`` pins its output for a CUDA source) and an event is recorded behind it on the
+    current stream, so the host may do other work until :meth:`HostRead.result`. A pageable copy would
+    block the host at once. On a CPU the same call is a plain (synchronous) copy and there is no event.
+    """
+    global _COUNT
+    _COUNT += 1
+    host = t.detach().to("cpu", non_blocking=True)
+    event = None
+    if t.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return HostRead(host, event)
+
+
+def read_counts(counts: torch.Tensor, *, work: Optional[Any] = None, reason: str) -> Any:
+    """The dispatchers' read of their gathered token counts on the host (``counts.tolist()``), the one
+    device-to-host read of a dropless layer, in this order:
+
+    1. the running lane's deferred work runs (:func:`folding.parallel.overlap.flush_deferred`: the
+       shared expert, which needs no counts), so it is issued before anything waits for the counts;
+    2. ``work`` (the count gather's :class:`~folding.parallel.overlap.Exchange`, or ``None``) is waited
+       on: on NCCL the stream waits, not the host;
+    3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event);
+    4. the baton goes to the other lane of a running overlap pair while the copy completes
+       (:func:`folding.parallel.lanes.hand_over`; nothing outside a pair);
+    5. the host waits for the copy and reads it.
+
+    Every rank runs the same steps at the same point of its program, so the lanes still issue their
+    collectives in one order on every rank, and each lane runs the operations it would run alone."""
+    flush_deferred()
+    if work is not None:
+        work.wait()
+    pending = start_read(counts, reason=reason)
+    hand_over()
+    return pending.result()
+
+
 def count() -> int:
-    """Total number of :func:`to_host` calls in this process since start-up (or the last reset)."""
+    """Total number of host reads (:func:`to_host`, :func:`start_read`) in this process since start-up (or
+    the last reset)."""
     return _COUNT
 
 
