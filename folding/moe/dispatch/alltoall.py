@@ -9,7 +9,7 @@ Dispatch, on every rank of the ETP×EP domain:
 3. read the gathered counts on the host (the single device-to-host sync per layer, deferred to
    here, just before the split sizes are needed; none with pad-to-capacity, where all splits are
    static; :func:`~folding.moe.dispatch.host_sync.read_counts`: the lane's deferred shared expert
-   first, the other lane of an overlap pair while the copy completes) and send the rows over EP,
+   is issued first) and send the rows over EP,
    then all-gather them over ETP (ETP ranks hold different tokens under folding, so they must see
    each other's);
 4. sort the received chunks from rank-major to expert-major.
@@ -155,7 +155,7 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_counts_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             call.counts_dev, work = gather_counts_start(counts_ETP_E.unsqueeze(0), self.counts_group)
-            # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+            # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
             # an instrument's link model keeps its place in the counts group's order (NCCL's)
             call.counts_work = Exchange(
                 [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
@@ -173,7 +173,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _read_counts(self, call: DispatchCall) -> None:
         # the shared expert first, then the gather's wait (under a link model, after everything issued
-        # before it on its group: NCCL's order), the copy started, the baton to the other lane meanwhile
+        # before it on its group: NCCL's order), then a pinned non-blocking copy and its event
         counts = host_sync.read_counts(call.counts_dev, work=call.counts_work, reason="alltoall splits")
         call.counts_work = None
         if self.dropless:

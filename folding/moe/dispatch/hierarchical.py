@@ -131,7 +131,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_counts_group, stack=True)
         call.counts_dev, work = gather_counts_start(gathered.unsqueeze(0), self.counts_group)
-        # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+        # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
         # an instrument's link model keeps its place in the counts group's order (NCCL's)
         call.counts_work = Exchange(
             [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
@@ -142,7 +142,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         """Read the counts (the layer's one host read), plan both stages, run the two-stage
         exchange: ``(rows_NH, probs_N)`` expert-major."""
         # the shared expert first, then the gather's wait (under a link model, after everything issued
-        # before it on its group: NCCL's order), the copy started, the baton to the other lane meanwhile
+        # before it on its group: NCCL's order), then a pinned non-blocking copy and its event
         counts = host_sync.read_counts(call.counts_dev, work=call.counts_work, reason="hierarchical splits")
         call.counts_work = None
         E, T = self.num_experts, rows.shape[0]

@@ -7,9 +7,9 @@ dropless mode (deferred to just before the expert all-to-all needs its split siz
 pad-to-capacity. The counter lets tests and benchmarks check that promise.
 
 The dispatchers' count read is :func:`read_counts`, shaped so that the wait costs as little as it can:
-the lane's deferred work (the shared expert, which needs no counts) is issued before it, the copy is
+the lane's deferred work (the shared expert, which needs no counts) is issued before it, and the copy is
 non-blocking into pinned memory with an event (:func:`start_read`; on a CPU a plain copy, the same
-code path), and the baton of an overlap pair goes to the other lane while the copy completes.
+code path).
 
 Usage::
 
@@ -26,7 +26,6 @@ from typing import Any, Optional
 
 import torch
 
-from ...parallel.lanes import hand_over
 from ...parallel.overlap import flush_deferred
 
 _COUNT = 0
@@ -84,22 +83,23 @@ def read_counts(counts: torch.Tensor, *, work: Optional[Any] = None, reason: str
     device-to-host read of a dropless layer, in this order:
 
     1. the running lane's deferred work runs (:func:`folding.parallel.overlap.flush_deferred`: the
-       shared expert, which needs no counts), so it is issued before anything waits for the counts;
+       shared expert, which needs no counts), so it is issued before anything waits for the counts
+       (on a GPU its kernels run while the counts travel and the host waits);
     2. ``work`` (the count gather's :class:`~folding.parallel.overlap.Exchange`, or ``None``) is waited
        on: on NCCL the stream waits, not the host;
-    3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event);
-    4. the baton goes to the other lane of a running overlap pair while the copy completes
-       (:func:`folding.parallel.lanes.hand_over`; nothing outside a pair);
-    5. the host waits for the copy and reads it.
+    3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event) and the
+       host waits for it and reads it.
 
-    Every rank runs the same steps at the same point of its program, so the lanes still issue their
-    collectives in one order on every rank, and each lane runs the operations it would run alone."""
+    The read is not a hand-over point of an overlap pair. A forward lane hands over at its two token
+    exchanges per MoE layer and a backward lane at its two: a third point per layer in the forward only
+    would leave the forward's last exchanges of every pair with no backward left to hide behind (the
+    order audit of ``tests/distributed/test_overlap.py`` finds them), and on a GPU the other lane's
+    kernels queued there would sit on the stream ahead of this lane's token exchange, which NCCL starts
+    only once the stream has reached it."""
     flush_deferred()
     if work is not None:
         work.wait()
-    pending = start_read(counts, reason=reason)
-    hand_over()
-    return pending.result()
+    return start_read(counts, reason=reason).result()
 
 
 def count() -> int:
