@@ -105,9 +105,12 @@ class ParallelConfig:
     """Hide the MoE token exchanges behind compute: in the steady state of every schedule the forward
     of one micro-batch and the backward of another run merged, taking turns at each exchange (the EP
     all-to-all and, with ETP, its all-gather / reduce-scatter overlap alike), and the shared expert runs
-    during its own dispatch. Same numbers bitwise; a longer warm-up keeps more activations in flight (one
-    more chunk with virtual stages, ``2·(pp − rank)`` micro-batches under plain 1F1B, two without
-    pipelining; docs/training.md, "Hiding MoE communication")."""
+    before its dispatch's count read. Same numbers bitwise; a longer warm-up keeps more activations in
+    flight (one more chunk with virtual stages, ``2·(pp − rank)`` micro-batches under plain 1F1B, two
+    without pipelining; docs/training.md, "Hiding MoE communication"). Every process-group role both
+    lanes use gets a communicator of its own (``build_parallel_state(own_communicators=True)``), which
+    costs NCCL buffer memory per extra communicator (docs/training.md, "A communicator per concurrent
+    role")."""
     delay_wgrad: bool = False
     """With ``overlap_moe_comm``: compute the weight gradients while the backward's next exchange is in
     flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``): the experts' behind the

@@ -247,8 +247,10 @@ class MoELayer(nn.Module, RoutedBlock):
         experts: this rank's :class:`~folding.moe.experts.grouped.GroupedMLP` (local experts, then
             ``config.expert_replicas`` replica slots' worth of counts).
         shared_expert: the :class:`SharedExpert`, or ``None``.
-        overlap_comm: compute the shared expert while this micro-batch's dispatch is in flight
-            (``parallel.overlap_moe_comm``; the numbers do not change, only the order of the work).
+        overlap_comm: compute the shared expert while this micro-batch's dispatch is in flight: before
+            its count read where the dispatcher reads counts (it needs none), else at its token
+            exchange's wait (``parallel.overlap_moe_comm``; the numbers do not change, only the order of
+            the work).
     """
 
     def __init__(
@@ -346,7 +348,7 @@ class MoELayer(nn.Module, RoutedBlock):
         shared = None
         if self.shared_expert is not None:
             tokens_TH = hidden.reshape(-1, self.hidden_size)
-            if self.overlap_comm:  # computed while this micro-batch's dispatch is in flight
+            if self.overlap_comm:  # while this dispatch is in flight: before its count read, or at its exchange
                 shared = overlap.defer(lambda: self.shared_expert(tokens_TH))
         replica_weights = None
         if self.num_replicas:  # route by slot; the replica slots' weights come from their owners

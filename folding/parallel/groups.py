@@ -3,7 +3,8 @@
 :class:`ProcessGroups` names each group by its role in the two views of a folded layout: the
 attention view (``tp``, ``cp``, ``dp``, ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``pp``, ``embedding``)
 and the expert view (``ep``, ``etp``, ``edp``, the EP group split by node, ``ep_node`` and
-``ep_rail``, and ``ep_meta``, the EP ranks on a communicator of their own for small metadata).
+``ep_rail``, and ``ep_meta`` / ``etp_meta``, the EP / ETP ranks on communicators of their own for the
+token counts).
 :func:`folding.parallel.build_parallel_state` builds
 it once (``ps.groups``); the model, the MoE layer, its router and its dispatcher take it as one
 ``groups=`` argument and read the fields they use. A field left ``None`` is the default group: the
@@ -75,6 +76,11 @@ class ProcessGroups:
     dispatcher's token counts travel there, so that they do not wait behind the token all-to-alls
     issued before them on ``ep`` (NCCL runs one communicator's operations in issue order). Every rank
     issues its operations in the same order, as on ``ep``. ``None``: the counts use ``ep``."""
+    etp_meta: Optional[dist.ProcessGroup] = None
+    """The ETP group's ranks on a communicator of their own, like ``ep_meta``: the dispatcher's count
+    all-gather over ETP travels there, so that it does not wait behind the other micro-batch's ETP
+    payload (an all-gather or reduce-scatter of token rows) issued before it on ``etp``. ``None``: the
+    counts use ``etp``."""
 
     @staticmethod
     def single() -> "ProcessGroups":
@@ -150,6 +156,8 @@ class Coordinates:
     """In the EP group's ranks at this rank's position on every node."""
     ep_meta: GroupCoord
     """In the EP metadata group (the EP group's ranks: ``rank`` is the EP rank)."""
+    etp_meta: GroupCoord
+    """In the ETP metadata group (the ETP group's ranks: ``rank`` is the ETP rank)."""
 
 
 def build_node_split_groups(ep_group, nvlink_domain: int):

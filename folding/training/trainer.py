@@ -240,7 +240,12 @@ def train(
     """
     prep = prepared or prepare(job, world_size=dist.get_world_size(), rank=dist.get_rank())
     own_ps = parallel_state is None
-    ps = parallel_state or build_parallel_state(prep.layout, timeout_s=job.train.collective_timeout_s)
+    ps = parallel_state or build_parallel_state(
+        # with overlap, every role both lanes use on a communicator of its own (NCCL runs one in issue order)
+        prep.layout,
+        timeout_s=job.train.collective_timeout_s,
+        own_communicators=job.parallel.overlap_moe_comm,
+    )
     run = _start(job, prep, ps, own_ps=own_ps, run_dir=run_dir, run_log=run_log)
     run.stop = stop or run.stop
     try:

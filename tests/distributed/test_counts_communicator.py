@@ -4,6 +4,9 @@ not on the EP communicator that carries the token payloads, for both dispatchers
 with NCCL's order, a count read behind a token exchange still in flight on EP therefore does not wait
 for it; with the counts on EP (``counts_group=None``) it does: the cost ``ep_meta`` removes.
 
+The count gather over ETP likewise runs on the ETP ranks' metadata communicator
+(``ProcessGroups.etp_meta``), not behind the ETP payloads on ``etp`` (EP2 x ETP2).
+
 The count all-gather is recognised by its group: every count gather a layer forward starts
 (``gather_counts_start``) is recorded with the group it ran on. On gloo that gather travels as one
 all-to-all (one round of direct messages, not gloo's ring): the last test checks it gives the
@@ -132,3 +135,33 @@ def test_the_count_gather_equals_the_all_gather_in_one_round_on_gloo(ranks):
         assert calls == ["all_to_all"] * 6  # every count gather one all-to-all (gloo's all-gather is a ring)
         for n, rows, gathered, equal in out:
             assert equal and gathered == n * rows, (n, rows, gathered)
+
+
+def _etp_counts_groups():
+    """Per dispatcher, on EP2 x ETP2 (the hierarchical one with its EP groups across 2 nodes of 2): the
+    groups the count all-gathers over ETP ran on during one layer forward."""
+    out = {}
+    lay = ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=2, etp=2, nvlink_domain=2)
+    with build_parallel_state(lay) as ps:
+        assert ps.groups.etp_meta is not None and ps.groups.etp_meta is not ps.groups.etp
+        for kind, mod in (("alltoall", a2a_mod), ("hierarchical", hier_mod)):
+            layer = build_moe_layer(
+                _cfg(kind), hidden_size=H, groups=ps.groups, layer_number=1, settings=LayerSettings(init_seed=5)
+            )
+            seen, real = [], mod.all_gather_nograd
+            mod.all_gather_nograd = lambda t, group, **kw: seen.append(group) or real(t, group, **kw)
+            try:
+                layer(torch.randn(S, B, H, generator=torch.Generator().manual_seed(ps.rank // 2)))
+            finally:
+                mod.all_gather_nograd = real
+            out[kind] = dict(
+                on_meta=sum(g is ps.groups.etp_meta for g in seen), on_etp=sum(g is ps.groups.etp for g in seen)
+            )
+    return out
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_etp_counts_on_their_own_communicator(ranks):
+    for per_rank in ranks(4).run(_etp_counts_groups):
+        for kind, r in per_rank.items():
+            assert r["on_meta"] == 1 and r["on_etp"] == 0, (kind, r)  # the ETP count gather, off the ETP payload's

@@ -270,3 +270,41 @@ def test_node_and_rail_groups_are_built_once_per_process(ranks):
         assert "already built" in refused and "nvlink_domain=2" in refused and "node_group=" in refused, refused
     # stages with different numbers of MoE layers: the same world collectives on every rank, no hang
     assert [r[0] for r in ranks(4).run(_node_split_per_layer, (1, 2), timeout_s=120)] == [once] * 4
+
+
+def _own_communicators():
+    """TP2 EP4 ETP1 on 4 ranks built without and with ``own_communicators``: which roles share a group,
+    and an all-reduce of ones on every role's group (each a working group of its ranks)."""
+    layout = ParallelLayout(world_size=dist.get_world_size(), tp=2, ep=4, etp=1)
+    out = {}
+    for own in (False, True):
+        with build_parallel_state(layout, own_communicators=own) as ps:
+            g = ps.groups
+            sums = {}
+            for role, _, _ in ROLES:
+                t = torch.ones(1)
+                dist.all_reduce(t, group=getattr(g, role))
+                sums[role] = (int(t.item()), getattr(ps.coords, role).size)
+            out[own] = dict(
+                ep_is_world=g.ep is dist.group.WORLD,
+                ep_with_tp_dp_cp=g.ep is g.tp_dp_cp,
+                ep_with_ep_node=g.ep is g.ep_node,
+                tp_with_tp_cp=g.tp is g.tp_cp,
+                dp_with_dp_cp=g.dp is g.dp_cp,
+                meta_apart=g.ep_meta is not g.ep,
+                sums=sums,
+            )
+    return out
+
+
+def test_own_communicators_give_concurrent_roles_groups_of_their_own(ranks):
+    """With the rule, ``ep`` (the world's ranks here) is a group of its own, apart from ``tp_dp_cp`` and
+    the world group, and ``tp`` apart from ``tp_cp`` (the same two ranks); roles of one queue
+    (``ep``/``ep_node``, ``dp``/``dp_cp``) still share. Without it, the ranks decide, as before."""
+    for out in ranks(4).run(_own_communicators):
+        off, on = out[False], out[True]
+        assert off["ep_is_world"] and off["ep_with_tp_dp_cp"] and off["tp_with_tp_cp"], off
+        assert not on["ep_is_world"] and not on["ep_with_tp_dp_cp"] and not on["tp_with_tp_cp"], on
+        assert on["ep_with_ep_node"] and on["dp_with_dp_cp"] and on["meta_apart"], on
+        for sums in (off["sums"], on["sums"]):
+            assert all(total == size for total, size in sums.values()), sums

@@ -8,10 +8,16 @@ The same audit run with the pairs executed one lane after the other (overlap dis
 schedule) finds exchanges with none, which shows the audit can fail. Setting
 ``FOLDING_AUDIT_DISABLE_PAIRS=1`` runs the first test that way (it then fails).
 
+The same run traces, per lane, each shared expert's forward and each count read (Qwen2-MoE on EP2 x ETP2
+has a shared expert): every MoE forward issues its shared expert before its count read, in the pairs'
+lanes and outside them. The groups are built as the trainer builds them with overlap
+(``own_communicators=True``).
+
 Equality of results with overlap on and off is checked by the layout-equivalence suite
 (``test_pipeline_training.py``), every case with both settings.
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -22,6 +28,8 @@ import torch.distributed as dist
 
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
+from folding.moe.dispatch import host_sync
+from folding.moe.layer import SharedExpert
 from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state, overlap
 from folding.pipeline import schedules
@@ -42,15 +50,47 @@ def _sequential(first, second):
     return first(), second()
 
 
+@contextlib.contextmanager
+def _order_trace(chunks):
+    """Record ``(event, lane)`` for every shared-expert forward and every host read of the dispatchers'
+    counts (``host_sync.start_read``) inside the block."""
+    trace, undo = [], []
+
+    def mark(what):
+        trace.append((what, overlap.running_lane()))
+
+    def wrap(obj, name, what):
+        real = getattr(obj, name)
+
+        def call(*a, **k):
+            mark(what)
+            return real(*a, **k)
+
+        setattr(obj, name, call)
+        undo.append(lambda: setattr(obj, name, real) if obj is host_sync else delattr(obj, name))
+
+    wrap(host_sync, "start_read", "read")
+    for m in (m for chunk in chunks for m in chunk.modules() if isinstance(m, SharedExpert)):
+        wrap(m, "forward", "shared")
+    try:
+        yield trace
+    finally:
+        for u in undo:
+            u()
+
+
 def _audit_step(layout: str, sequential: bool):
-    """One training step's forward-backward with overlap on, under the audit; returns the log."""
+    """One training step's forward-backward with overlap on (its groups built as the trainer builds them
+    then: ``own_communicators``), under the audit; returns the log and the order trace of the shared
+    experts and the count reads (:func:`_order_trace`)."""
     if sequential:
         schedules.run_pair = _sequential  # overlap disabled inside the schedule
     try:
         cfg = get_preset("qwen2_moe_tiny" if layout == "ep2etp2" else "mixtral_tiny", num_layers=2)
         if layout.startswith("hier"):
             cfg = dataclasses.replace(cfg, moe=cfg.moe.replace(dispatcher="hierarchical"))
-        ps = build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout]))
+        lay = ParallelLayout(world_size=dist.get_world_size(), **LAYOUTS[layout])
+        ps = build_parallel_state(lay, own_communicators=True)
         try:
             chunks = build_stage_chunks(model_config=cfg, parallel_state=ps, settings=LayerSettings(overlap_comm=True))
             gen = torch.Generator().manual_seed(ps.rank // (ps.coords.tp.size * ps.coords.pp.size))
@@ -58,13 +98,13 @@ def _audit_step(layout: str, sequential: bool):
             for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
                 mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(1, 16)))
-            with overlap_audit.audit() as log:
+            with overlap_audit.audit() as log, _order_trace(chunks) as trace:
                 run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-3, overlap=True)
         finally:
             ps.destroy()
     finally:
         schedules.run_pair = overlap.run_pair
-    return log
+    return log, trace
 
 
 def _violations(log):
@@ -75,7 +115,13 @@ def _violations(log):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_order_audit_every_steady_exchange_hides_behind_compute(ranks, layout):
     sequential = os.environ.get("FOLDING_AUDIT_DISABLE_PAIRS") == "1"
-    for r, log in enumerate(ranks(4).run(_audit_step, layout, sequential)):
+    for r, (log, trace) in enumerate(ranks(4).run(_audit_step, layout, sequential)):
+        # every MoE forward issues its shared expert (Qwen2-MoE's) before its count read, in every lane
+        for lane in {la for _, la in trace}:
+            mine = [e for e, la in trace if la == lane]
+            shared = "shared" in mine
+            assert mine == (["shared", "read"] if shared else ["read"]) * (len(mine) // (1 + shared)), (r, lane, mine)
+        assert (layout == "ep2etp2") == any(e == "shared" for e, _ in trace) and "read" in {e for e, _ in trace}
         steady = [e for e in log if e["steady"] and e["what"].startswith("ep")]
         # at least two pairs of 4 EP exchanges per MoE layer (dispatch and combine, forward and backward)
         assert len(steady) >= 8, (layout, r, log)
@@ -91,7 +137,7 @@ def test_order_audit_every_steady_exchange_hides_behind_compute(ranks, layout):
 
 
 def test_order_audit_fails_with_overlap_disabled_inside_the_schedule(ranks):
-    for r, log in enumerate(ranks(4).run(_audit_step, "ep4", True)):
+    for r, (log, _) in enumerate(ranks(4).run(_audit_step, "ep4", True)):
         steady = [e for e in log if e["steady"] and e["what"].startswith("ep")]
         assert steady and len(_violations(log)) == len(steady), (r, log)
 

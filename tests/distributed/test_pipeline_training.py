@@ -156,7 +156,8 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
     out = []
     for args in cases:
         job = _job(*args, steps=steps, optim=optim)
-        ps = build_parallel_state(job.layout(dist.get_world_size()))
+        # as the trainer builds it: with overlap, every concurrent role on a communicator of its own
+        ps = build_parallel_state(job.layout(dist.get_world_size()), own_communicators=job.parallel.overlap_moe_comm)
         bf16 = job.train.precision == "bf16"
         try:
             with _counting_recompute() as recomputed:

@@ -2,13 +2,16 @@
 
 Dispatch, on every rank of the ETP×EP domain:
 
-1. count rows per global expert; gather the counts over ETP then over EP (device collectives);
+1. count rows per global expert; gather the counts over ETP then over EP (device collectives, on the
+   metadata communicators ``ProcessGroups.etp_meta`` and ``ep_meta`` when given);
 2. permute local tokens expert-major (``folding.moe.dispatch.permute.permute``), so the rows for each EP rank
    are contiguous;
 3. read the gathered counts on the host (the single device-to-host sync per layer, deferred to
    here, just before the split sizes are needed; none with pad-to-capacity, where all splits are
-   static) and send the rows over EP, then all-gather them over ETP (ETP ranks hold different
-   tokens under folding, so they must see each other's);
+   static; :func:`~folding.moe.dispatch.host_sync.read_counts`: the lane's deferred shared expert
+   is issued first) and send the rows over EP,
+   then all-gather them over ETP (ETP ranks hold different tokens under folding, so they must see
+   each other's);
 4. sort the received chunks from rank-major to expert-major.
 
 With ``per_expert_exchange``, without ETP (and with several local experts, dropless or dropping,
@@ -85,14 +88,23 @@ class AllToAllDispatcher(TokenDispatcher):
     """
 
     def __init__(
-        self, *, megatron_stages: bool = False, per_expert_exchange: bool = False, counts_group=None, **kwargs
+        self,
+        *,
+        megatron_stages: bool = False,
+        per_expert_exchange: bool = False,
+        counts_group=None,
+        etp_counts_group=None,
+        **kwargs,
     ):
         """``counts_group``: the group the dropless token counts are all-gathered over, the EP ranks on a
         communicator of their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator
         would complete only after the token all-to-alls issued before them there); ``None``: the EP
-        group. Other keywords: :class:`~folding.moe.dispatch.base.TokenDispatcher`'s."""
+        group. ``etp_counts_group``: the same for the counts' gather over ETP (``ProcessGroups.etp_meta``,
+        out of the way of the ETP payloads); ``None``: the ETP group. Other keywords:
+        :class:`~folding.moe.dispatch.base.TokenDispatcher`'s."""
         super().__init__(**kwargs)
         self.counts_group = self.ep_group if counts_group is None else counts_group
+        self.etp_counts_group = self.etp_group if etp_counts_group is None else etp_counts_group
         self.megatron_stages = bool(megatron_stages)
         self.per_expert_exchange = bool(per_expert_exchange)
         # per_expert_exchange, without ETP and with several local experts: the EP all-to-all runs as
@@ -140,10 +152,10 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_E = routing_map.sum(0)
         if sliced:  # the counts travel in global expert order (the inverse of cols)
             counts_E = counts_E.index_select(0, expert_order(E, self.num_local_experts, device=counts_E.device))
-        counts_ETP_E = all_gather_nograd(counts_E, self.etp_group, stack=True)
+        counts_ETP_E = all_gather_nograd(counts_E, self.etp_counts_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             call.counts_dev, work = gather_counts_start(counts_ETP_E.unsqueeze(0), self.counts_group)
-            # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+            # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
             # an instrument's link model keeps its place in the counts group's order (NCCL's)
             call.counts_work = Exchange(
                 [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
@@ -160,12 +172,10 @@ class AllToAllDispatcher(TokenDispatcher):
         return out, probs_N, call
 
     def _read_counts(self, call: DispatchCall) -> None:
-        if call.counts_work is not None:
-            # the host read of the counts blocks until the all-gather completes: under a link model,
-            # after everything issued before it on the EP group (NCCL's order); that time is exposed
-            call.counts_work.wait()
-            call.counts_work = None
-        counts = host_sync.to_host(call.counts_dev, reason="alltoall splits")
+        # the shared expert first, then the gather's wait (under a link model, after everything issued
+        # before it on its group: NCCL's order), then a pinned non-blocking copy and its event
+        counts = host_sync.read_counts(call.counts_dev, work=call.counts_work, reason="alltoall splits")
+        call.counts_work = None
         if self.dropless:
             check_dropless(counts, call.record.num_tokens, self.topk)
         self._set_plan(call, counts)

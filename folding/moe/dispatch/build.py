@@ -93,14 +93,14 @@ def build_dispatcher(
 
 def dispatcher_for(config: MoEConfig, groups: ProcessGroups, num_slots: int | None = None) -> TokenDispatcher:
     """The dispatcher of an MoE layer: kind, experts, capacity and wires from ``config``, the expert
-    groups (``groups.ep``, ``groups.etp``, ``groups.ep_meta`` for the token counts of ``alltoall`` and
-    ``hierarchical``, and for ``hierarchical`` ``groups.ep_node`` / ``groups.ep_rail``) from the rank's
-    group record.
+    groups (``groups.ep``, ``groups.etp``, ``groups.ep_meta`` and ``groups.etp_meta`` for the token counts
+    of ``alltoall`` and ``hierarchical``, and for ``hierarchical`` ``groups.ep_node`` / ``groups.ep_rail``)
+    from the rank's group record.
     ``num_slots``: route over that many expert slots instead of ``config.num_experts`` (hot-expert
     replicas, :mod:`folding.moe.replicas.table`: ``EP·(L+R)``)."""
     split = {"node_group": groups.ep_node, "rail_group": groups.ep_rail} if config.dispatcher == "hierarchical" else {}
-    if config.dispatcher in ("alltoall", "hierarchical"):  # the counts on the EP ranks' own metadata communicator
-        split["counts_group"] = groups.ep_meta
+    if config.dispatcher in ("alltoall", "hierarchical"):  # the counts on the metadata communicators
+        split["counts_group"], split["etp_counts_group"] = groups.ep_meta, groups.etp_meta
     return build_dispatcher(
         config.dispatcher,
         num_experts=config.num_experts if num_slots is None else num_slots,

@@ -7,7 +7,8 @@ the *node* group, the EP ranks on this rank's node. Dispatch, on every rank:
 
 1. count, per token, its experts, its distinct destination ranks and its distinct destination nodes
    (:func:`~folding.moe.dispatch.hier_plan.dedup_counts`); gather the counts over ETP, then over the EP
-   ranks (on their metadata communicator, ``ProcessGroups.ep_meta``, when given: see ``counts_group``);
+   ranks (on their metadata communicators, ``ProcessGroups.etp_meta`` and ``ep_meta``, when given: see
+   ``counts_group``);
 2. read the gathered counts on the host (the one device-to-host read of the layer), which gives
    every split of both stages (:func:`~folding.moe.dispatch.hier_plan.plan_hierarchical`);
 3. stage A over the rail group: one row per token and distinct destination node, carrying that
@@ -73,11 +74,24 @@ class HierarchicalDispatcher(TokenDispatcher):
             their own (``ProcessGroups.ep_meta``: on NCCL, counts on the EP communicator complete only
             after everything issued before them there, such as the replicas' weight fetch); ``None``:
             the EP group.
+        etp_counts_group: the group of the counts' gather over ETP, the ETP ranks on a communicator of
+            their own (``ProcessGroups.etp_meta``, out of the way of the ETP payloads); ``None``: the
+            ETP group.
     """
 
-    def __init__(self, *, node_group, rail_group, nvlink_domain: Optional[int] = None, counts_group=None, **kwargs):
+    def __init__(
+        self,
+        *,
+        node_group,
+        rail_group,
+        nvlink_domain: Optional[int] = None,
+        counts_group=None,
+        etp_counts_group=None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)  # refuses pad_to_capacity (:meth:`_check_capacity`)
         self.counts_group = self.ep_group if counts_group is None else counts_group
+        self.etp_counts_group = self.etp_group if etp_counts_group is None else etp_counts_group
         ep = _group_ranks(self.ep_group, "ep_group")
         node = _group_ranks(node_group, "node_group")
         rail = _group_ranks(rail_group, "rail_group")
@@ -115,9 +129,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         )
         call = DispatchCall(record=record, routing_map_TE=routing_map)
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
-        gathered = all_gather_nograd(counts, self.etp_group, stack=True)
+        gathered = all_gather_nograd(counts, self.etp_counts_group, stack=True)
         call.counts_dev, work = gather_counts_start(gathered.unsqueeze(0), self.counts_group)
-        # a wait that only reads the counts: no overlap point (no deferred work, no hand-over);
+        # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
         # an instrument's link model keeps its place in the counts group's order (NCCL's)
         call.counts_work = Exchange(
             [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
@@ -127,10 +141,10 @@ class HierarchicalDispatcher(TokenDispatcher):
     def _exchange(self, rows, probs, call):
         """Read the counts (the layer's one host read), plan both stages, run the two-stage
         exchange: ``(rows_NH, probs_N)`` expert-major."""
-        # the host read blocks until the all-gather completes: under a link model, after everything
-        # issued before it on its group (NCCL's order); that time is exposed
-        call.counts_work.wait()
-        counts = host_sync.to_host(call.counts_dev, reason="hierarchical splits")
+        # the shared expert first, then the gather's wait (under a link model, after everything issued
+        # before it on its group: NCCL's order), then a pinned non-blocking copy and its event
+        counts = host_sync.read_counts(call.counts_dev, work=call.counts_work, reason="hierarchical splits")
+        call.counts_work = None
         E, T = self.num_experts, rows.shape[0]
         if self.dropless:
             check_dropless([[c[:E] for c in row] for row in counts], T, self.topk)

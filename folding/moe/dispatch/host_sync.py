@@ -6,19 +6,27 @@ blocks the host until the device catches up, so the dispatcher performs at most 
 dropless mode (deferred to just before the expert all-to-all needs its split sizes) and none with
 pad-to-capacity. The counter lets tests and benchmarks check that promise.
 
+The dispatchers' count read is :func:`read_counts`, shaped so that the wait costs as little as it can:
+the lane's deferred work (the shared expert, which needs no counts) is issued before it, and the copy is
+non-blocking into pinned memory with an event (:func:`start_read`; on a CPU a plain copy, the same
+code path).
+
 Usage::
 
     from folding.moe.dispatch import host_sync
     before = host_sync.count()
     splits = host_sync.to_host(counts_RE, reason="alltoall splits")   # nested Python lists
     assert host_sync.count() - before == 1
+    splits = host_sync.read_counts(counts_dev, work=counts_exchange, reason="alltoall splits")
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from ...parallel.overlap import flush_deferred
 
 _COUNT = 0
 
@@ -35,8 +43,68 @@ def to_host(t: torch.Tensor, *, reason: str) -> Any:
     return t.detach().to("cpu").tolist()
 
 
+class HostRead:
+    """A device-to-host copy in flight (:func:`start_read`); :meth:`result` waits for it and returns the
+    values as Python numbers."""
+
+    def __init__(self, host: torch.Tensor, event: Optional[Any]):
+        self._host, self._event = host, event
+
+    def result(self) -> Any:
+        """Wait for the copy (on a GPU, its event: the host blocks until the device has copied) and return
+        ``tolist()`` of the host tensor."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host.tolist()
+
+
+def start_read(t: torch.Tensor, *, reason: str) -> HostRead:
+    """Start copying ``t`` to the host and return the :class:`HostRead` that completes it; counted like
+    :func:`to_host` (``reason`` names the caller).
+
+    On a GPU the copy goes into pinned host memory with ``non_blocking=True`` (``Tensor.to("cpu",
+    non_blocking=True)`` pins its output for a CUDA source) and an event is recorded behind it on the
+    current stream, so the host may do other work until :meth:`HostRead.result`. A pageable copy would
+    block the host at once. On a CPU the same call is a plain (synchronous) copy and there is no event.
+    """
+    global _COUNT
+    _COUNT += 1
+    host = t.detach().to("cpu", non_blocking=True)
+    event = None
+    if t.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return HostRead(host, event)
+
+
+def read_counts(counts: torch.Tensor, *, work: Optional[Any] = None, reason: str) -> Any:
+    """The dispatchers' read of their gathered token counts on the host (``counts.tolist()``), the one
+    device-to-host read of a dropless layer, in this order:
+
+    1. the running lane's deferred work runs (:func:`folding.parallel.overlap.flush_deferred`: the
+       shared expert, which needs no counts), so it is issued before anything waits for the counts
+       (on a GPU its kernels run while the counts travel and the host waits);
+    2. ``work`` (the count gather's :class:`~folding.parallel.overlap.Exchange`, or ``None``) is waited
+       on: on NCCL the stream waits, not the host;
+    3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event) and the
+       host waits for it and reads it.
+
+    The read is not a hand-over point of an overlap pair. A forward lane hands over at its two token
+    exchanges per MoE layer and a backward lane at its two: a third point per layer in the forward only
+    would leave the forward's last exchanges of every pair with no backward left to hide behind (the
+    order audit of ``tests/distributed/test_overlap.py`` finds them), and on a GPU the other lane's
+    kernels queued there would sit on the stream ahead of this lane's token exchange, which NCCL starts
+    only once the stream has reached it."""
+    flush_deferred()
+    if work is not None:
+        work.wait()
+    return start_read(counts, reason=reason).result()
+
+
 def count() -> int:
-    """Total number of :func:`to_host` calls in this process since start-up (or the last reset)."""
+    """Total number of host reads (:func:`to_host`, :func:`start_read`) in this process since start-up (or
+    the last reset)."""
     return _COUNT
 
 
