@@ -23,7 +23,8 @@ import torch.distributed as dist
 from folding.model.chunks import build_stage_chunks
 from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
-from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.overlap import exchange as overlap
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
 from folding.testing import overlap_audit

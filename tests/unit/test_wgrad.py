@@ -1,4 +1,4 @@
-"""Dense weight gradients deferred behind the backward's next exchange (``folding.parallel.wgrad``).
+"""Dense weight gradients deferred behind the backward's next exchange (``folding.overlap.wgrad``).
 
 ``wgrad.linear`` must give bitwise the gradients of ``F.linear`` (the deferred GEMMs are the calls
 torch's own backward makes), deliver them by the end of the backward when no exchange runs them, fire
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folding.parallel import overlap, wgrad
+from folding.overlap import exchange as overlap
+from folding.overlap import wgrad
 from folding.parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 
 

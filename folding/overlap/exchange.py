@@ -12,7 +12,7 @@ other.
 
 - :func:`run_pair` runs two callables as a pair (the first lane starts); nested or single use is fine.
   The lanes and their rules (the autograd engine's device thread, one generator copy per lane, the one
-  persistent helper thread) are :mod:`folding.parallel.lanes`; this module re-exports its public names.
+  persistent helper thread) are :mod:`folding.overlap.lanes`; this module re-exports its public names.
 - :class:`Exchange` is the one way the engine waits on a token exchange: ``Exchange(works, what=...)``
   right after issuing ``async_op=True`` collectives, ``.wait()`` before reading their outputs. Between
   the two it runs the work this lane deferred with :func:`defer` (the shared expert during its own
