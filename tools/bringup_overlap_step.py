@@ -37,7 +37,8 @@ from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
-from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.overlap import exchange as overlap
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.groups import release_process_groups
 from folding.pipeline.stage import run_microbatches
 
@@ -111,7 +112,7 @@ class _TimedWork:
 
 @contextlib.contextmanager
 def exchange_events(event_factory: Optional[Callable[[], Any]] = None) -> Any:
-    """Inside the block, every :class:`folding.parallel.overlap.Exchange` records an event on the
+    """Inside the block, every :class:`folding.overlap.exchange.Exchange` records an event on the
     current stream just before its first collective's wait (after any hand-over to the other lane)
     and one just after its last: the time between them on the device is how long the compute stream
     stood waiting for the exchange, its exposed time. Yields a list of ``(what, before, after)``;

@@ -115,7 +115,7 @@ class ParallelConfig:
     """With ``overlap_moe_comm``: compute the weight gradients while the backward's next exchange is in
     flight instead of before it (Megatron-Core's ``--delay-wgrad-compute``): the experts' behind the
     backward dispatch all-to-all, and those of attention's projections, the shared expert and a dense
-    MLP behind the combine of the layer below (:mod:`folding.parallel.wgrad`); same numbers bitwise."""
+    MLP behind the combine of the layer below (:mod:`folding.overlap.wgrad`); same numbers bitwise."""
     nvlink_domain: Optional[int] = None
     """Ranks that share the fast link, i.e. ranks per node (a GB200 NVL72 rack counts as one node):
     global rank ``r`` is on node ``r // nvlink_domain``. Read by ``moe.dispatcher=hierarchical``,

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         recompute_core: bool = False,
     ):
         """``delay_wgrad`` (``parallel.delay_wgrad``): the projections' weight (and bias) gradients are
-        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`). ``recompute_core``:
+        computed behind the backward's next exchange (:mod:`folding.overlap.wgrad`). ``recompute_core``:
         the ``core_attn`` recompute module (:mod:`folding.model.recompute`): the attention core runs under
         a checkpoint, keeping its inputs (the queries, keys and values, kept anyway) but not its
         statistics."""

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..memory.discard import discard_until_backward
 from ..memory.offload import offload_region
-from ..parallel import wgrad
+from ..overlap import wgrad
 from ..parallel.collectives import group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from ..parallel.params import mark_param, set_init_spec
@@ -57,7 +57,7 @@ from .rope_yarn import yarn_softmax_scale
 class ReplicatedLinear(nn.Module):
     """``y = x W^T`` with ``W [out, in]`` replicated over TP and applied to this rank's sequence shard;
     the weight is tagged ``sequence_parallel`` (TP-partial gradients, summed over TP). ``delay_wgrad``:
-    its gradient is computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
+    its gradient is computed behind the backward's next exchange (:mod:`folding.overlap.wgrad`)."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class MLAttention(nn.Module):
         recompute_up_proj: bool = False,
     ):
         """``delay_wgrad`` (``parallel.delay_wgrad``): every projection's weight gradient is computed
-        behind the backward's next exchange (:mod:`folding.parallel.wgrad`). ``recompute_core`` /
+        behind the backward's next exchange (:mod:`folding.overlap.wgrad`). ``recompute_core`` /
         ``recompute_up_proj``: the ``core_attn`` / ``mla_up_proj`` recompute modules
         (:mod:`folding.model.recompute`; see the attributes)."""
         super().__init__()

@@ -36,7 +36,7 @@ class DenseMLP(nn.Module):
         delay_wgrad: bool = False,
     ):
         """``delay_wgrad`` (``parallel.delay_wgrad``): the three projections' weight gradients are
-        computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`)."""
+        computed behind the backward's next exchange (:mod:`folding.overlap.wgrad`)."""
         super().__init__()
         self.tp_group = tp_group
         kw = dict(tp_group=tp_group, device=device, dtype=dtype, name=name, delay_wgrad=delay_wgrad)

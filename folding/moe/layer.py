@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.linear import column_parallel_weight, row_parallel_linear, row_parallel_weight
@@ -106,7 +106,7 @@ class SharedExpert(nn.Module):
             set_init_spec(self.gate_weight, full_shape=(1, hidden_size), std=init_std)
         self.delay_wgrad = settings.delay_wgrad
         """fc1's and fc2's weight gradients are computed behind the backward's next exchange
-        (``parallel.delay_wgrad``, :mod:`folding.parallel.wgrad`)."""
+        (``parallel.delay_wgrad``, :mod:`folding.overlap.wgrad`)."""
         if settings.init_seed is not None and not self.fc1_weight.is_meta:
             initialize_parameters(self, settings.init_seed)
 

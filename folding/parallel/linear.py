@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import wgrad
+from ..overlap import wgrad
 from .collectives import (
     Group,
     gather_from_sequence_region,
@@ -122,7 +122,7 @@ def row_parallel_linear(
     """``x W^T`` with ``W`` a :func:`row_parallel_weight` (cast to ``x``'s dtype), its partial sums
     reduce-scattered over TP along dim 0: ``[S, B, in/TP] -> [S/TP, B, out]``. Forward: reduce-scatter
     (sum); backward: all-gather of the gradient. ``delay_wgrad``: the weight gradient is computed behind
-    the backward's next exchange (:func:`folding.parallel.wgrad.linear`)."""
+    the backward's next exchange (:func:`folding.overlap.wgrad.linear`)."""
     linear = wgrad.linear if delay_wgrad else F.linear
     return reduce_scatter_to_sequence_region(linear(x_SBI, weight.to(x_SBI.dtype)), tp_group)
 
@@ -133,7 +133,7 @@ class ColumnParallelLinear(nn.Module):
     Input: the full (gathered) activation ``[..., in]``; output ``[..., out/TP]``. No communication
     here: the caller's :func:`sp_gather` handles it. Weight (and bias) are tagged ``tp_sharded``
     (:func:`column_parallel_weight`). ``delay_wgrad`` (``parallel.delay_wgrad``): their gradients are
-    computed behind the backward's next exchange (:mod:`folding.parallel.wgrad`).
+    computed behind the backward's next exchange (:mod:`folding.overlap.wgrad`).
     """
 
     def __init__(

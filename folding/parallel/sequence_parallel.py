@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import wgrad
+from ..overlap import wgrad
 from .collectives import Group, all_gather_start, group_size, reduce_scatter_start
 
 
@@ -86,7 +86,7 @@ def gather_linears(
     again (overlapped with the input-gradient GEMMs), reduce-scatter (sum) of the input gradient over
     ``group`` (overlapped with the weight-gradient GEMMs). ``biases``: one per weight or ``None``.
     ``delay_wgrad`` (``parallel.delay_wgrad``): the weight and bias gradients are computed behind the
-    backward's next exchange instead (:mod:`folding.parallel.wgrad`; the gathered input is kept until
+    backward's next exchange instead (:mod:`folding.overlap.wgrad`; the gathered input is kept until
     then), bitwise the same.
     """
     biases: List[Optional[torch.Tensor]] = list(biases) if biases is not None else [None] * len(weights)

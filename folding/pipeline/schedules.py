@@ -15,7 +15,7 @@ The order of each rank's steps is :func:`.order.schedule_order` (Megatron-Core's
 interleaved 1F1B); the messages between stages follow :mod:`.comm_plan`, one grouped exchange per
 round, so the same code is safe on NCCL and on gloo. With ``overlap`` (``parallel.overlap_moe_comm``)
 the steady state runs each forward merged with a backward as a pair
-(:func:`folding.parallel.overlap.run_pair`): the MoE exchanges of each are hidden behind the compute of
+(:func:`folding.overlap.exchange.run_pair`): the MoE exchanges of each are hidden behind the compute of
 the other, and the losses and gradients are bitwise those without overlap.
 
 Usage::
@@ -32,7 +32,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from ..parallel.overlap import flush_deferred, run_pair, steady_state
+from ..overlap.exchange import flush_deferred, run_pair, steady_state
 from .comm_plan import Exchange, Key, Pair, rank_program
 from .p2p import P2P
 

@@ -1,7 +1,7 @@
 """A two-class CPU model of the links a token exchange uses (benchmarks and tests only).
 
 It watches the engine's exchanges through the overlap module's neutral hook
-(:func:`folding.parallel.overlap.observe`): the engine imports nothing from here.
+(:func:`folding.overlap.exchange.observe`): the engine imports nothing from here.
 
 On a GPU cluster an exchange's rows to ranks of other nodes go over the NIC (about 50 GB/s per GPU per
 direction on H100) and those to ranks of the same node over NVLink (about 450 GB/s): nine times
@@ -60,7 +60,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -374,7 +374,7 @@ def completion(ex: overlap.Exchange) -> Optional[float]:
 
 def priced(link_bytes) -> Optional[LinkBytes]:
     """An exchange's bytes per link class: ``link_bytes`` itself when a :class:`LinkBytes`, or its
-    :class:`~folding.parallel.overlap.ExchangeBytes` messages sorted by the node of each peer; ``None``
+    :class:`~folding.overlap.exchange.ExchangeBytes` messages sorted by the node of each peer; ``None``
     when nothing was counted or ``torch.distributed`` is not initialized (the latency alone applies)."""
     if link_bytes is None or isinstance(link_bytes, LinkBytes):
         return link_bytes

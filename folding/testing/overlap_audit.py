@@ -1,13 +1,13 @@
 """The order audit and the wait statistics of the token exchanges (tests and benchmarks only).
 
-Both watch every :class:`folding.parallel.overlap.Exchange` through the overlap module's neutral hook
-(:func:`folding.parallel.overlap.observe`); the engine imports nothing from here.
+Both watch every :class:`folding.overlap.exchange.Exchange` through the overlap module's neutral hook
+(:func:`folding.overlap.exchange.observe`); the engine imports nothing from here.
 
 - :func:`audit` records, for each exchange, the compute operations issued between its start and its
   wait (the order audit of the overlap tests).
 - :func:`wait_stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed
   time). The pairs run and the hand-overs between their lanes are the baton's own counters
-  (:data:`folding.parallel.overlap.stats`, reported by the trainer per step).
+  (:data:`folding.overlap.exchange.stats`, reported by the trainer per step).
 
 Usage::
 
@@ -24,7 +24,8 @@ import contextlib
 import dataclasses
 from typing import Any, Dict, Iterator, List
 
-from folding.parallel import lanes, overlap
+from folding.overlap import exchange as overlap
+from folding.overlap import lanes
 
 # ------------------------------------------------------------------------------------- the audit
 
@@ -65,7 +66,7 @@ def audit() -> Iterator[List[Dict[str, Any]]]:
     """Record every exchange inside the block: a list of ``{"what", "steady", "paired", "ops"}``,
     where ``ops`` counts the compute operations this process issued between the exchange's start and
     its wait (in either lane), ``steady`` says whether it started inside
-    :func:`folding.parallel.overlap.steady_state` and ``paired`` whether a pair was running with its
+    :func:`folding.overlap.exchange.steady_state` and ``paired`` whether a pair was running with its
     other lane alive when it was waited on."""
     log: List[Dict[str, Any]] = []
     lanes.set_helper_context(_counting_mode)  # the helper lane of a pair counts too

@@ -66,8 +66,8 @@ from ..moe.replicas.table import ReplicaSchedule
 from ..moe.settings import LayerSettings
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
+from ..overlap.exchange import stats as overlap_stats
 from ..parallel import ParallelLayout, build_parallel_state
-from ..parallel.overlap import stats as overlap_stats
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
 from .evaluate import global_token_count

@@ -22,9 +22,9 @@ from folding.moe.config import MoEConfig
 from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.layer import build_moe_layer
 from folding.moe.settings import LayerSettings
+from folding.overlap.exchange import Exchange
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.collectives import all_gather_start, gather_counts_start
-from folding.parallel.overlap import Exchange
 from folding.testing.link_model import link_latency
 from folding.testing.overlap_audit import wait_stats
 

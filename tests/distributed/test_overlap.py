@@ -31,7 +31,8 @@ from folding.model.presets import get_preset
 from folding.moe.dispatch import host_sync
 from folding.moe.layer import SharedExpert
 from folding.moe.settings import LayerSettings
-from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.overlap import exchange as overlap
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
 from folding.testing import overlap_audit

@@ -6,7 +6,7 @@ so it hands over while it holds the forward's generator state) trains two steps 
 with overlap on and off. Checked on every rank:
 
 - the losses and gradients with overlap on are bitwise those without (each lane draws from its own
-  copy of the generators across a hand-over: :mod:`folding.parallel.overlap`);
+  copy of the generators across a hand-over: :mod:`folding.overlap.exchange`);
 - the second lane of every pair ran on one thread, the same in both steps;
 - the grouped-GEMM backend probe ran once, before any pair, although the model was built on ``meta``
   and materialized (the trainer's path when it starts from Hugging Face weights).
@@ -23,7 +23,8 @@ from folding.model.presets import get_preset
 from folding.moe.experts import backends as expert_backends
 from folding.moe.layer import MoELayer
 from folding.moe.settings import LayerSettings
-from folding.parallel import ParallelLayout, build_parallel_state, overlap
+from folding.overlap import exchange as overlap
+from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import materialize
 from folding.pipeline.stage import run_microbatches
 

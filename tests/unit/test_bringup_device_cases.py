@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 from tools import bringup_device_cases as dc
 from tools import bringup_overlap_step as ovs
 from tools import gpu_bringup

@@ -22,7 +22,7 @@ from folding.moe.experts.backends import grouped_linear
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.mxfp8 import to_blocked
 from folding.moe.experts.scaled import aligned_sizes
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 from tests.scaled_grouped_mm_standin import (
     CALLS,
     E8M0,

@@ -1,9 +1,9 @@
-"""The package imports one way: ``memory``, ``parallel``, ``quant``, ``data`` -> ``moe`` -> ``model`` -> ``pipeline``
--> ``optim`` -> ``job`` -> ``checkpoint`` -> ``training`` -> ``interop`` -> ``launch`` (``testing`` on
-top); ``planning`` imports only ``parallel`` and ``folding.model.config``, and only ``training``,
-``launch`` (and ``testing``) import ``planning``. ``tools`` and
-``benchmarks`` sit on top of the package: they may import any of it, ``folding`` never imports them, and
-their modules import one another without a cycle.
+"""The package imports one way: ``overlap`` -> ``memory``, ``parallel``, ``quant``, ``data`` -> ``moe``
+-> ``model`` -> ``pipeline`` -> ``optim`` -> ``job`` -> ``checkpoint`` -> ``training`` -> ``interop`` ->
+``launch`` (``testing`` on top); ``planning`` imports only ``parallel`` and ``folding.model.config``, and
+only ``training``, ``launch`` (and ``testing``) import ``planning``. ``tools`` and ``benchmarks`` sit on
+top of the package: they may import any of it, ``folding`` never imports them, and their modules import
+one another without a cycle.
 
 An import is an ``import``/``from`` statement or a call of ``importlib.import_module`` (or
 ``__import__``) with a string literal. No module imports the package's own modules (``folding``,
@@ -19,20 +19,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPS = ("folding", "tools", "benchmarks")
 LEVEL = {
-    "memory": 0,
-    "parallel": 0,
-    "quant": 0,
-    "data": 0,
-    "moe": 1,
-    "model": 2,
-    "pipeline": 3,
-    "optim": 4,
-    "job": 5,
-    "checkpoint": 6,
-    "training": 7,
-    "interop": 8,
-    "launch": 9,
-    "testing": 10,
+    "overlap": 0,
+    "memory": 1,
+    "parallel": 1,
+    "quant": 1,
+    "data": 1,
+    "moe": 2,
+    "model": 3,
+    "pipeline": 4,
+    "optim": 5,
+    "job": 6,
+    "checkpoint": 7,
+    "training": 8,
+    "interop": 9,
+    "launch": 10,
+    "testing": 11,
 }
 CATCHES_IMPORT_FAILURE = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 IMPORT_CALLS = {"import_module", "__import__"}

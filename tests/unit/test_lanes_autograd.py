@@ -14,8 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from folding.moe.experts import backends as expert_backends
 from folding.moe.experts.grouped import GroupedMLP
-from folding.parallel import overlap
-from folding.parallel.overlap import LaneError
+from folding.overlap import exchange as overlap
+from folding.overlap.exchange import LaneError
 
 
 class _Done:

@@ -15,7 +15,7 @@ import torch
 from folding.job.config import ConfigError
 from folding.job.validate import validate_job
 from folding.moe.experts.te import fp8_region, make_te_recipe
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 from tests import te_standin
 from tests.unit.test_config_job import job
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from folding.parallel.overlap import Exchange
+from folding.overlap.exchange import Exchange
 from folding.testing import link_model as lm
 
 

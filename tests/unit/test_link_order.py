@@ -4,7 +4,7 @@ order, and the rule is on by default (``folding.testing.link_model``)."""
 
 import time
 
-from folding.parallel.overlap import Exchange
+from folding.overlap.exchange import Exchange
 from folding.testing import link_model as lm
 from folding.testing.link_model import link_latency
 

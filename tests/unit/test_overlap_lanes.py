@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from folding.moe.experts.grouped import GroupedMLP
-from folding.parallel import overlap
+from folding.overlap import exchange as overlap
 from folding.pipeline.order import schedule_order
 
 

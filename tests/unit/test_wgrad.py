@@ -1,4 +1,4 @@
-"""Dense weight gradients deferred behind the backward's next exchange (``folding.parallel.wgrad``).
+"""Dense weight gradients deferred behind the backward's next exchange (``folding.overlap.wgrad``).
 
 ``wgrad.linear`` must give bitwise the gradients of ``F.linear`` (the deferred GEMMs are the calls
 torch's own backward makes), deliver them by the end of the backward when no exchange runs them, fire
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folding.parallel import overlap, wgrad
+from folding.overlap import deferred, wgrad
 from folding.parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 
 
@@ -52,7 +52,7 @@ def test_deferred_linear_gives_the_gradients_of_f_linear_bitwise(shape, bias, tr
     got = _grads(wgrad.linear, x0, w0, b0, transposed_grad=transposed_grad)
     for a, b in zip(got, want):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert not overlap._deferred.get(None), "the end-of-backward flush left deferred work behind"
+    assert not deferred._deferred.get(None), "the end-of-backward flush left deferred work behind"
 
 
 def test_deferred_linear_reaches_a_parameter_through_its_cast():
@@ -76,7 +76,7 @@ def test_the_weight_gradient_waits_for_the_flush_and_hooks_fire_once_with_it():
     h = wgrad.linear(x, w)
     # runs in the backward after the projection's node: its input gradient exists, its weight's does not
     h.register_hook(lambda g: g)
-    x.register_hook(lambda g: during.append((w.grad is None, len(overlap._deferred.get(None, [])))))
+    x.register_hook(lambda g: during.append((w.grad is None, len(deferred._deferred.get(None, [])))))
     (h * h).sum().backward()
     assert during == [(True, 1)], during
     assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], w.grad)

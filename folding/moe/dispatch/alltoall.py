@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from ...overlap.exchange import Exchange
 from ...parallel.collectives import all_gather_nograd, gather_counts_start
-from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher
 from .permute import (

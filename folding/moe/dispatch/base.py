@@ -98,7 +98,7 @@ class DispatchCall:
     counts_dev: Optional[torch.Tensor] = None
     """All-to-all, hierarchical: the gathered per-expert counts ``[EP, ETP, *]`` on the device."""
     counts_work: Any = None
-    """The EP count all-gather in flight (all-to-all: its :class:`~folding.parallel.overlap.Exchange`;
+    """The EP count all-gather in flight (all-to-all: its :class:`~folding.overlap.exchange.Exchange`;
     hierarchical: its work handle), ``None`` once waited for."""
 
     def learn(self, **fields) -> None:

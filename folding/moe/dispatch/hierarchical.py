@@ -42,8 +42,8 @@ from typing import Optional
 
 import torch
 
+from ...overlap.exchange import Exchange
 from ...parallel.collectives import all_gather_nograd, gather_counts_start
-from ...parallel.overlap import Exchange
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher, _group_ranks
 from .hier_exchange import HierRoute, hier_combine, hier_dispatch

@@ -37,8 +37,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ...overlap.exchange import Exchange, exchange_bytes
 from ...parallel.collectives import all_gather_single, group_rank, group_size
-from ...parallel.overlap import Exchange, exchange_bytes
 from ...quant import dequantize, quantize_fp8_rowwise, quantize_mxfp8
 from .permute import inverse_order
 
@@ -124,7 +124,7 @@ def _a2a_all(
     parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str, ep: bool = True
 ) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
-    waited on as one :class:`~folding.parallel.overlap.Exchange` named ``what`` (see :func:`_a2a_start`);
+    waited on as one :class:`~folding.overlap.exchange.Exchange` named ``what`` (see :func:`_a2a_start`);
     ``ep``: an EP exchange (the link model delays those)."""
     link = exchange_bytes() if ep else None
     outs, works = _a2a_start(parts, group, recv, send, rows, link=link)
@@ -134,7 +134,7 @@ def _a2a_all(
 
 def _wait(works, what: str, *, linked: bool, link_bytes=None, group=None) -> None:
     """Wait on collectives issued together: the overlap point of every token exchange (deferred work
-    and the other lane of a pair run here while they are in flight; see :mod:`folding.parallel.overlap`).
+    and the other lane of a pair run here while they are in flight; see :mod:`folding.overlap.exchange`).
     ``linked``: an EP exchange, which the benchmarks' link model delays; ``link_bytes``: its bytes per link
     class; ``group``: the process group they run on, whose issue order the link model keeps
     (:mod:`folding.testing.link_model`)."""
@@ -153,8 +153,8 @@ def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[
     is its own all-to-all of the ``i``-th contiguous block of the input (``sum(send[i])`` rows) into
     the ``i``-th block of the output (``sum(recv[i])`` rows), all issued together: the received rows
     come out grouped by slice, then by source rank. ``link``: an
-    :class:`~folding.parallel.overlap.ExchangeBytes` to count the messages' bytes into (while an instrument
-    watches: :func:`~folding.parallel.overlap.exchange_bytes`)."""
+    :class:`~folding.overlap.exchange.ExchangeBytes` to count the messages' bytes into (while an instrument
+    watches: :func:`~folding.overlap.exchange.exchange_bytes`)."""
     sliced = len(recv) > 0 and isinstance(recv[0], (list, tuple))
     recv_s, send_s = (list(recv), list(send)) if sliced else ([recv], [send])
     if _size(group) == 1 and rows is None:

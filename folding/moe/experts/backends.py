@@ -31,7 +31,8 @@ import torch
 
 from folding.moe.experts.scaled import FEATURE_ALIGN, scaled_grouped_linear
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.parallel import overlap, wgrad
+from folding.overlap import exchange as overlap
+from folding.overlap import wgrad
 from folding.quant import emulated_linear
 
 INDEX_LIMIT = 2**31 - 1
@@ -105,7 +106,7 @@ def _grouped_mm_fn():
 def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once,
     when the experts are built: the probe runs a backward, which the second lane of an overlap pair may
-    not start, :class:`folding.parallel.overlap.LaneError`)."""
+    not start, :class:`folding.overlap.exchange.LaneError`)."""
     fn = _grouped_mm_fn()
     if fn is None:
         return False
@@ -145,7 +146,7 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 class _GroupedMMDelayedWgrad(torch.autograd.Function):
     """``y = grouped_mm(x, wᵀ, offs)`` whose backward returns the input gradient at once and defers the
-    weight gradient: it hands it to the :class:`~folding.parallel.wgrad.WeightGradPieces` of its
+    weight gradient: it hands it to the :class:`~folding.overlap.wgrad.WeightGradPieces` of its
     grouped GEMM, which delivers the pieces of every call of a split GEMM together, once, inside the
     next exchange wait (after that exchange's collectives are issued: the backward dispatch
     all-to-all) or at the end of the backward. Both gradients are the calls torch's own

@@ -64,7 +64,8 @@ import torch
 
 from folding.moe.experts import mxfp8 as expert_mxfp8
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.parallel import overlap, wgrad
+from folding.overlap import exchange as overlap
+from folding.overlap import wgrad
 from folding.quant.emulate import emulated_linear
 from folding.quant.fp8 import quantize_fp8_group_columns, quantize_fp8_rowwise
 
@@ -141,7 +142,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     the weight gradient reads it (codes and scales along each expert's tokens, computed in the forward:
     TransformerEngine's columnwise copy), never the high-precision ``x``; the weight gradient is the one
     re-quantizing ``x`` in backward would give, bit for bit. With an ``anchor`` (``delay_wgrad``: the
-    weight as the graph holds it, and the :class:`~folding.parallel.wgrad.WeightGradPieces` of its
+    weight as the graph holds it, and the :class:`~folding.overlap.wgrad.WeightGradPieces` of its
     GEMM) the weight gradient is deferred to the next exchange wait and delivered to the anchor then,
     once for all the calls of a split GEMM.
     """

@@ -61,7 +61,7 @@ from typing import Optional
 
 import torch
 
-from ...parallel import overlap
+from ...overlap import exchange as overlap
 from ..config import FP8_ROW_ALIGN  # noqa: F401 - re-exported: the recipes' row alignment
 
 TE_VERSION_RANGE = ">=2.10,<3"

@@ -1,8 +1,8 @@
-"""Two lanes that take turns: the baton behind :mod:`folding.parallel.overlap`'s pairs.
+"""Two lanes that take turns: the baton behind :mod:`folding.overlap.exchange`'s pairs.
 
 A *pair* runs two callables as two *lanes* that hold one baton: exactly one lane runs at any time, and
 a lane gives the baton away only at a hand-over (:func:`hand_over`, which the overlap module's
-:class:`~folding.parallel.overlap.Exchange` calls right after issuing its collectives). Because the
+:class:`~folding.overlap.exchange.Exchange` calls right after issuing its collectives). Because the
 hand-over points are fixed by the program, not by timing, every rank interleaves its lanes alike.
 
 - :func:`run_pair` runs two callables as a pair (the first lane starts); nested use runs them one after

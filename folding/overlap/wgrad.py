@@ -7,7 +7,7 @@ while the backward's next MoE exchange is in flight. ``parallel.delay_wgrad`` do
 experts' GEMMs (:mod:`folding.moe.experts.backends`) and, through this module, every dense projection
 of a layer (attention's query/key/value and output projections, MLA's down- and up-projections, the
 shared expert's and a dense MLP's fc1 and fc2) queue their weight (and bias) gradients with
-:func:`folding.parallel.overlap.defer`: they run inside the next :class:`~folding.parallel.overlap.Exchange`
+:func:`folding.overlap.exchange.defer`: they run inside the next :class:`~folding.overlap.exchange.Exchange`
 wait of the backward (half before the other lane's piece, half after, in an overlap pair), or at the
 end of the backward at the latest.
 
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import overlap
+from . import exchange as overlap
 
 
 def folded_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ def defer_weight_grads(
     ``weights``: ``(anchor, g [N, out])`` per projection: ``∂w`` (:func:`weight_grad`), cast to the
     anchor's dtype and delivered to the anchor (the tensor the forward
     multiplied by: a parameter, or its cast) when the deferred work runs
-    (:func:`folding.parallel.overlap.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
+    (:func:`folding.overlap.exchange.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
     (the biases' row sums, cheap), delivered in the same ``torch.autograd.backward`` call. Anchors that
     are ``None`` or need no gradient are skipped; nothing is queued when none needs one."""
     live = [(w, g) for w, g in weights if w.requires_grad]
