@@ -7,7 +7,7 @@ while the backward's next MoE exchange is in flight. ``parallel.delay_wgrad`` do
 experts' GEMMs (:mod:`folding.moe.experts.backends`) and, through this module, every dense projection
 of a layer (attention's query/key/value and output projections, MLA's down- and up-projections, the
 shared expert's and a dense MLP's fc1 and fc2) queue their weight (and bias) gradients with
-:func:`folding.overlap.exchange.defer`: they run inside the next :class:`~folding.overlap.exchange.Exchange`
+:func:`folding.overlap.runtime.defer`: they run inside the next :class:`~folding.overlap.exchange.Exchange`
 wait of the backward (half before the other lane's piece, half after, in an overlap pair), or at the
 end of the backward at the latest.
 
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import exchange as overlap
+from .runtime import current_runtime, defer, entered
 
 
 def folded_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ def defer_weight_grads(
     ``weights``: ``(anchor, g [N, out])`` per projection: ``∂w`` (:func:`weight_grad`), cast to the
     anchor's dtype and delivered to the anchor (the tensor the forward
     multiplied by: a parameter, or its cast) when the deferred work runs
-    (:func:`folding.overlap.exchange.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
+    (:func:`folding.overlap.runtime.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
     (the biases' row sums, cheap), delivered in the same ``torch.autograd.backward`` call. Anchors that
     are ``None`` or need no gradient are skipped; nothing is queued when none needs one."""
     live = [(w, g) for w, g in weights if w.requires_grad]
@@ -79,7 +79,7 @@ def defer_weight_grads(
         grads = [weight_grad(g_NO, x_NI, w.dtype) for w, g_NO in live] + [gb.to(b.dtype) for b, gb in done]
         torch.autograd.backward(tensors, grads)
 
-    overlap.defer(run)
+    defer(run)
 
 
 class _Linear(torch.autograd.Function):
@@ -89,6 +89,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b, anchors):
         ctx.save_for_backward(x, w)
         ctx.anchors = anchors  # (weight, bias) as the graph holds them: not autograd inputs
+        ctx.overlap = current_runtime()  # the backward defers onto it (on CUDA it runs on another thread)
         # torch's linear for a weight that needs a gradient: the bias inside addmm on the folded rows when
         # x is 2-D or contiguous, else one mm on the folded rows and the bias added after it
         if b is not None and (x.dim() == 2 or x.is_contiguous()):
@@ -110,7 +111,8 @@ class _Linear(torch.autograd.Function):
             # (the row sum of the folded gradient), else after the GEMM (a sum over g's leading dims)
             folded = x.dim() == 2 or x.is_contiguous()
             ready = ((ab, g_NO.sum(0) if folded else g.sum(tuple(range(g.dim() - 1)))),)
-        defer_weight_grads(x.reshape(-1, inp), [(aw, g_NO)], ready)
+        with entered(ctx.overlap):
+            defer_weight_grads(x.reshape(-1, inp), [(aw, g_NO)], ready)
         return gx, None, None, None
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..moe.layer import MoELayer
 from ..moe.replicas.fetch import replica_step
+from ..overlap.runtime import OverlapRuntime
 from .p2p import P2P
 from .schedules import forward_backward
 
@@ -43,6 +44,7 @@ def run_microbatches(
     forward_only: bool = False,
     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
     overlap: bool = False,
+    runtime: Optional[OverlapRuntime] = None,
 ) -> Dict[str, torch.Tensor]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
@@ -62,6 +64,8 @@ def run_microbatches(
     ``overlap`` (``parallel.overlap_moe_comm``): the steady state runs each forward merged with a
     backward, their MoE exchanges hidden behind each other's compute (bitwise the same results); the
     experts resolve their backends (and run their first-use probes) before the schedule starts.
+    ``runtime``: the overlap runtime the schedule runs under (:func:`.schedules.forward_backward`; the
+    trainer's, which keeps the helper thread and the counters for the run; ``None``: one for the call).
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
@@ -128,6 +132,7 @@ def run_microbatches(
             forward_only=forward_only,
             backward_context=grad_sync if no_sync is not None else None,
             overlap=overlap,
+            runtime=runtime,
         )
 
     def total(parts):

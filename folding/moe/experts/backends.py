@@ -31,7 +31,8 @@ import torch
 
 from folding.moe.experts.scaled import FEATURE_ALIGN, scaled_grouped_linear
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.overlap import exchange as overlap
+from folding.overlap.lanes import LaneError
+from folding.overlap.runtime import current_runtime, defer, entered
 from folding.quant import emulated_linear
 
 INDEX_LIMIT = 2**31 - 1
@@ -105,7 +106,7 @@ def _grouped_mm_fn():
 def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once,
     when the experts are built: the probe runs a backward, which the second lane of an overlap pair may
-    not start, :class:`folding.overlap.exchange.LaneError`)."""
+    not start, :class:`folding.overlap.lanes.LaneError`)."""
     fn = _grouped_mm_fn()
     if fn is None:
         return False
@@ -119,7 +120,7 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
             return _probe_grouped_mm(fn, device_type, dtype)
-    except overlap.LaneError:  # run inside an overlap lane: not an answer about the build
+    except LaneError:  # run inside an overlap lane: not an answer about the build
         raise
     except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
         return False
@@ -145,7 +146,7 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 class _GroupedMMDelayedWgrad(torch.autograd.Function):
     """``y = grouped_mm(x, wᵀ, offs)`` whose backward returns the input gradient at once and defers the
-    weight gradient (:func:`folding.overlap.exchange.defer`): it runs inside the next exchange wait,
+    weight gradient (:func:`folding.overlap.runtime.defer`): it runs inside the next exchange wait,
     after that exchange's collectives are issued (the backward dispatch all-to-all), or at the end of
     the backward. Both gradients are the calls torch's own ``grouped_mm`` backward makes, so the
     results are bitwise those of the plain call."""
@@ -154,6 +155,7 @@ class _GroupedMMDelayedWgrad(torch.autograd.Function):
     def forward(ctx, x_NI, w_LOI, offs, anchor):
         ctx.save_for_backward(x_NI, w_LOI, offs)
         ctx.anchor = anchor[0]  # the weight as the graph holds it; its gradient is delivered later
+        ctx.overlap = current_runtime()  # where the backward defers it (on CUDA it runs on another thread)
         return _grouped_mm_fn()(x_NI, w_LOI.transpose(-2, -1), offs=offs)
 
     @staticmethod
@@ -171,7 +173,8 @@ class _GroupedMMDelayedWgrad(torch.autograd.Function):
                 gw = fn(g_NO.transpose(-2, -1), x_NI, offs=offs)
                 torch.autograd.backward(anchor, gw)
 
-            overlap.defer(wgrad)
+            with entered(ctx.overlap):
+                defer(wgrad)
         return gx, None, None, None
 
 

@@ -64,7 +64,8 @@ import torch
 
 from folding.moe.experts import mxfp8 as expert_mxfp8
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.overlap import exchange as overlap
+from folding.overlap.lanes import LaneError
+from folding.overlap.runtime import current_runtime, defer, entered
 from folding.quant.emulate import emulated_linear
 from folding.quant.fp8 import quantize_fp8_group_columns, quantize_fp8_rowwise
 
@@ -141,7 +142,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     the weight gradient reads it (codes and scales along each expert's tokens, computed in the forward:
     TransformerEngine's columnwise copy), never the high-precision ``x``; the weight gradient is the one
     re-quantizing ``x`` in backward would give, bit for bit. With an ``anchor`` (``delay_wgrad``) the
-    weight gradient is deferred to the next exchange wait (:func:`folding.overlap.exchange.defer`) and
+    weight gradient is deferred to the next exchange wait (:func:`folding.overlap.runtime.defer`) and
     delivered to the anchor then.
     """
 
@@ -149,6 +150,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     def forward(ctx, x_NI, w_LOI, counts_L, offs_L, recipe, counts, anchor):
         ctx.recipe, ctx.counts, ctx.x_dtype = recipe, counts, x_NI.dtype
         ctx.anchor = anchor[0] if anchor else None
+        ctx.overlap = current_runtime()  # where the backward defers (on CUDA it runs on another thread)
         wants_wgrad = ctx.needs_input_grad[1] or (ctx.anchor is not None and ctx.anchor.requires_grad)
         x_kept = _OPS[recipe][2](x_NI, counts_L, counts) if wants_wgrad else (None, None)
         ctx.save_for_backward(*x_kept, w_LOI, counts_L, offs_L)
@@ -169,7 +171,8 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         if ctx.anchor is not None:
             if ctx.anchor.requires_grad:
                 anchor = ctx.anchor
-                overlap.defer(lambda: torch.autograd.backward(anchor, weight_grad()))
+                with entered(ctx.overlap):
+                    defer(lambda: torch.autograd.backward(anchor, weight_grad()))
         elif ctx.needs_input_grad[1]:
             gw = weight_grad()
         return gx, gw, None, None, None, None, None
@@ -283,7 +286,7 @@ def _probe(recipe: str, index: int) -> tuple[bool, str]:
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
             return _run_probe(recipe, torch.device("cuda", index))
-    except overlap.LaneError:  # run inside an overlap lane: not an answer about the kernel
+    except LaneError:  # run inside an overlap lane: not an answer about the kernel
         raise
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here", with its reason
         return False, f"torch._scaled_grouped_mm failed on this GPU ({type(exc).__name__}: {exc})"
