@@ -144,3 +144,21 @@ def test_a_recompute_on_another_thread_reenters_the_forwards_runtime(context):
         _in_a_thread_with_an_empty_context(lambda: y.sum().backward())
     # the forward's exchange, and the recompute's only when it re-entered the runtime
     assert seen.issued_what == (["inside", "inside"] if context else ["inside"])
+
+
+INSTRUMENT_PARAMETERS = {"linked", "link_bytes", "link", "ep", "marks", "steady"}
+"""The link model's hooks that the wire's exchange path once took: instruments read the exchange record."""
+
+
+def test_the_wire_and_the_dispatchers_take_no_instrument_parameter():
+    here = os.path.join(os.path.dirname(os.path.dirname(folding.overlap.__file__)), "moe", "dispatch")
+    found = []
+    for f in sorted(os.listdir(here)):
+        if f.endswith(".py"):
+            tree = ast.parse(open(os.path.join(here, f), encoding="utf-8").read())
+            for fn in ast.walk(tree):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = fn.args
+                    names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+                    found += [f"{f}:{fn.name}({n})" for n in sorted(names & INSTRUMENT_PARAMETERS)]
+    assert len(os.listdir(here)) > 5 and not found, found
