@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from folding.moe.dispatch.build import build_dispatcher
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.testing import RankPool
 from folding.testing import link_model as lm
@@ -103,7 +104,8 @@ def _steps(ds, a, gen_seed: int, n: int, model: dict) -> List[Dict[str, float]]:
     A = (torch.randn(L, H, a["ffn"], generator=g) / H**0.5).requires_grad_(True)
     B = (torch.randn(L, a["ffn"], H, generator=g) / a["ffn"] ** 0.5).requires_grad_(True)
     out = []
-    with lm.link_model(**model):
+    runtime = OverlapRuntime()  # the dispatchers' exchanges bind to it; the link model watches it
+    with runtime, runtime.active(), lm.link_model(runtime, **model):
         for i in range(n):
             gen = torch.Generator().manual_seed(gen_seed + 7919 * i + rank)
             x = torch.randn(T, H, generator=gen)

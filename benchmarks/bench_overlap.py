@@ -55,6 +55,7 @@ from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import build_parallel_state
 from folding.pipeline.stage import run_microbatches
 from folding.testing import RankPool
@@ -109,6 +110,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
     torch.set_num_threads(a["threads"])
     job = _job(layout, a)
     ps = build_parallel_state(job.layout(dist.get_world_size()))
+    runtime = OverlapRuntime()  # every step's (both modes): the link model and the wait statistics watch it
     records = []
     try:
         # --no-meta-comm: the dispatcher's counts on the EP communicator, behind its token payloads
@@ -132,8 +134,8 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
         t0 = time.perf_counter()
         run_microbatches(models[False], mbs, parallel_state=ps, loss_scale=1.0, forward_only=True)
         forward_s = time.perf_counter() - t0  # no link latency: the forward compute (and local exchanges)
-        link = link_latency(a["latency_ms"] / 1e3, nccl_order=a["nccl_order"], peer_issue=a["peer_issue"])
-        with link, wait_stats() as waits:
+        link = link_latency(runtime, a["latency_ms"] / 1e3, nccl_order=a["nccl_order"], peer_issue=a["peer_issue"])
+        with link, wait_stats(runtime) as waits:
             for step in range(2 * a["steps"]):
                 on = step % 2 == 1
                 chunks, optimizer = models[on], optimizers[on]
@@ -149,6 +151,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                     loss_scale=1.0 / (M * dp * t.micro_batch_size * t.seq_length),
                     no_sync=optimizer.no_sync,
                     overlap=on,
+                    runtime=runtime,
                 )
                 blocked, by = waits.blocked_s, dict(waits.blocked_by)
                 optimizer.clip_and_step()
@@ -164,6 +167,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                     )
                 )
     finally:
+        runtime.close()
         ps.destroy()
     return records
 

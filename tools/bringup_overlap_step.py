@@ -37,7 +37,8 @@ from folding.model.presets import get_preset
 from folding.moe.settings import LayerSettings
 from folding.optim.config import OptimConfig
 from folding.optim.optimizer import FoldedOptimizer
-from folding.overlap import exchange as overlap
+from folding.overlap.exchange import ExchangeObserver
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.groups import release_process_groups
 from folding.pipeline.stage import run_microbatches
@@ -111,8 +112,8 @@ class _TimedWork:
 
 
 @contextlib.contextmanager
-def exchange_events(event_factory: Optional[Callable[[], Any]] = None) -> Any:
-    """Inside the block, every :class:`folding.overlap.exchange.Exchange` records an event on the
+def exchange_events(runtime: OverlapRuntime, event_factory: Optional[Callable[[], Any]] = None) -> Any:
+    """Inside the block, every :class:`folding.overlap.exchange.Exchange` of ``runtime`` records an event on the
     current stream just before its first collective's wait (after any hand-over to the other lane)
     and one just after its last: the time between them on the device is how long the compute stream
     stood waiting for the exchange, its exposed time. Yields a list of ``(what, before, after)``;
@@ -123,24 +124,20 @@ def exchange_events(event_factory: Optional[Callable[[], Any]] = None) -> Any:
             return torch.cuda.Event(enable_timing=True)
 
     log: List[tuple] = []
-    init = overlap.Exchange.__init__
 
-    def timed_init(self, works, *args, **kwargs):
-        init(self, works, *args, **kwargs)
-        if self.works:
-            before, after = event_factory(), event_factory()
-            last = len(self.works) - 1
-            self.works = [
-                _TimedWork(w, before if i == 0 else None, after if i == last else None)
-                for i, w in enumerate(self.works)
-            ]
-            log.append((self.what, before, after))
+    class _Events(ExchangeObserver):
+        def issued(self, ex) -> None:
+            if ex.works:
+                before, after = event_factory(), event_factory()
+                last = len(ex.works) - 1
+                ex.works = [
+                    _TimedWork(w, before if i == 0 else None, after if i == last else None)
+                    for i, w in enumerate(ex.works)
+                ]
+                log.append((ex.what, before, after))
 
-    overlap.Exchange.__init__ = timed_init
-    try:
+    with runtime.observe(_Events()):
         yield log
-    finally:
-        overlap.Exchange.__init__ = init
 
 
 def exposed_by_exchange(log) -> Dict[str, Dict[str, float]]:
@@ -187,10 +184,12 @@ def _model(cfg, ps, dev, on: bool):
     return chunks, optimizer
 
 
-def _step(models, ps, mbs, on: bool):
+def _step(models, ps, mbs, on: bool, runtime: OverlapRuntime):
     chunks, optimizer = models[on]
     optimizer.zero_grad()
-    run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-4, no_sync=optimizer.no_sync, overlap=on)
+    run_microbatches(
+        chunks, mbs, parallel_state=ps, loss_scale=1e-4, no_sync=optimizer.no_sync, overlap=on, runtime=runtime
+    )
     optimizer.clip_and_step()
 
 
@@ -204,6 +203,7 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
         "gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw
     )
     ps = build_parallel_state(ParallelLayout(world_size=world, ep=world, etp=1))
+    runtime = OverlapRuntime()  # every step's: the exchange events subscribe to it
     try:
         cfg = get_preset(
             "mixtral_tiny",
@@ -217,27 +217,28 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
         for _ in range(MICROBATCHES):
             tok = torch.randint(0, cfg.vocab_size, (1, size["seq"] + 1), generator=gen)
             mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(tok[:, 1:].shape)))
-        _step(models, ps, mbs, on=True)  # warm-up (the kernels and communicators both models use)
+        _step(models, ps, mbs, on=True, runtime=runtime)  # warm-up (the kernels and communicators both models use)
         result = {"world": world, "ep": ps.coords.ep.size, "device": str(dev)}
         with captured_warnings() as records:
             if not cpu:
                 torch.cuda.synchronize(dev)
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                _step(models, ps, mbs, on=True)
+                _step(models, ps, mbs, on=True, runtime=runtime)
             finally:
                 if not cpu:
                     torch.cuda.set_sync_debug_mode("default")
         result["syncs_by_site"] = sync_sites(records) if not cpu else None
         for name, on in (("off", False), ("on", True)):
-            with exchange_events(HostEvent if cpu else None) as log:
-                _step(models, ps, mbs, on=on)
+            with exchange_events(runtime, HostEvent if cpu else None) as log:
+                _step(models, ps, mbs, on=on, runtime=runtime)
             if not cpu:
                 torch.cuda.synchronize(dev)
             result[f"exposed_{name}"] = exposed_by_exchange(log)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
+        runtime.close()
         ps.destroy()
         release_process_groups()  # frees the groups' native threads before exit
 

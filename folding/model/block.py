@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..memory.discard import discard_until_backward
 from ..memory.offload import Offloader, offload_region
 from ..moe.settings import LayerSettings
+from ..overlap.runtime import recompute_contexts
 from ..parallel.groups import ProcessGroups
 from .attention import Attention
 from .compile import dense_sublayer
@@ -116,7 +117,7 @@ class TransformerLayer(nn.Module):
         """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from
         :meth:`MoETransformer.rope`."""
         if self.recompute.whole_layer and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_SBH, rope, False, use_reentrant=False)
+            return checkpoint(self._forward, x_SBH, rope, False, use_reentrant=False, context_fn=recompute_contexts)
         if self.offloader is None:
             return self._forward(x_SBH, rope, torch.is_grad_enabled())
         with self.offloader.layer() as finish:  # the layer's offload regions, and its prefetch one layer ahead
@@ -137,7 +138,7 @@ class TransformerLayer(nn.Module):
         with offload_region("mlp_norm"):
             n_SBH = self.post_attention_norm(h)
         if modules and self.recompute.mlp(moe_layer=self.is_moe):  # moe / mlp: the block checkpointed
-            out = checkpoint(self.mlp, n_SBH, use_reentrant=False)
+            out = checkpoint(self.mlp, n_SBH, use_reentrant=False, context_fn=recompute_contexts)
         else:
             out = self.mlp(n_SBH)
         if modules and self.discard_norms:

@@ -7,20 +7,27 @@ hold no layer at all under ``parallel.pipeline_layout``); the first
 virtual stage holds the embedding, the last one the final norm and output layer (and, with tied
 embeddings, its own copy of the table, whose gradient is summed with the first stage's over the
 embedding group; with multi-token prediction, also the MTP modules and a copy of the table).
-:func:`folding.pipeline.stage.run_microbatches` runs a step through them.
+:func:`folding.pipeline.stage.run_microbatches` runs a step through them, inside the chunks' own
+per-step duties (:func:`step_scope`: what the model needs done around one optimizer step's schedule,
+so that the schedule knows no MoE layer).
 
 Usage::
 
     settings = LayerSettings(init_seed=job.train.seed, recompute=job.train.recompute_setting())
     chunks = build_stage_chunks(model_config=job.model, parallel_state=ps, settings=settings)
+    with step_scope(chunks):
+        run_the_schedule()
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import contextlib
+from typing import Callable, List, Optional, Sequence
 
 from torch import nn
 
+from ..moe.layer import MoELayer
+from ..moe.replicas.fetch import replica_step
 from ..moe.settings import LayerSettings
 from ..parallel.partition import layout_stages
 from .config import ModelConfig
@@ -60,3 +67,13 @@ def build_stage_chunks(
         )
         for c in range(vpp)
     ]
+
+
+def step_scope(chunks: Sequence[nn.Module], *, training: bool = True) -> contextlib.AbstractContextManager:
+    """The per-step duties of ``chunks`` (this rank's, in chunk order), as a context manager entered around
+    one optimizer step's schedule: with ``training``, the MoE layers with replica slots fetch their
+    replicas' weights once for the step and return the replicas' gradients to the owners when it ends
+    (:func:`folding.moe.replicas.fetch.replica_step`: one EP exchange each way per layer, in chunk and
+    module order, the same on every rank of a stage); evaluation (``training=False``) has none."""
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.num_replicas] if training else []
+    return replica_step([(m.replica_weights, m.replica_owners()) for m in layers])

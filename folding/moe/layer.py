@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from folding.overlap import exchange as overlap
+from folding.overlap.runtime import defer, recompute_contexts
 from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
 from folding.parallel.linear import column_parallel_weight, row_parallel_linear, row_parallel_weight
@@ -113,7 +113,7 @@ class SharedExpert(nn.Module):
     def forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
         """Shared-expert output for this rank's tokens ``[T, H]``."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, tokens_TH, use_reentrant=False)
+            return checkpoint(self._forward, tokens_TH, use_reentrant=False, context_fn=recompute_contexts)
         return self._forward(tokens_TH)
 
     def _forward(self, tokens_TH: torch.Tensor) -> torch.Tensor:
@@ -349,7 +349,7 @@ class MoELayer(nn.Module, RoutedBlock):
         if self.shared_expert is not None:
             tokens_TH = hidden.reshape(-1, self.hidden_size)
             if self.overlap_comm:  # while this dispatch is in flight: before its count read, or at its exchange
-                shared = overlap.defer(lambda: self.shared_expert(tokens_TH))
+                shared = defer(lambda: self.shared_expert(tokens_TH))
         replica_weights = None
         if self.num_replicas:  # route by slot; the replica slots' weights come from their owners
             geo = self.replica_geometry()

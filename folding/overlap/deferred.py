@@ -1,39 +1,41 @@
 """Deferred work: what a lane queues to run while its next exchange is in flight, and its flush.
 
-- :func:`defer` queues work for the running lane; :class:`Deferred` is its handle
-  (:meth:`Deferred.result` runs it at the latest).
-- :func:`flush_deferred` runs the running lane's deferred work now (outside a pair: all of it).
+:class:`DeferredWork` (one per :class:`~folding.overlap.runtime.OverlapRuntime`) keeps the work not yet
+run, one queue per lane of the running pair (``None``: outside a pair):
 
-The exchange record (:class:`folding.overlap.exchange.Exchange`) runs the work inside its wait.
+- :meth:`DeferredWork.defer` queues work for the running lane; :class:`Deferred` is its handle
+  (:meth:`Deferred.result` runs it at the latest);
+- :meth:`DeferredWork.flush` runs the running lane's deferred work now (outside a pair: all of it);
+- :meth:`DeferredWork.queue` is the running lane's queue, which an exchange's wait runs
+  (:class:`folding.overlap.exchange.Exchange`: half before the other lane's piece, half after).
+
+Work deferred during a backward runs by the end of that backward at the latest: the first deferral of
+a backward queues an end-of-backward callback on the autograd engine that flushes what no exchange ran.
 
 Usage::
 
-    shared = defer(lambda: shared_expert(tokens_TH))     # runs inside the next exchange wait
+    work = DeferredWork(lanes)
+    shared = work.defer(lambda: shared_expert(tokens_TH))     # runs inside the next exchange wait
     y = shared.result()
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
-from .lanes import running_lane
-
-_deferred: Dict[Optional[int], List["Deferred"]] = {}
-"""Deferred work not yet run, per lane of the running pair that deferred it (``None``: outside a pair)."""
-
-# ------------------------------------------------------------------------------- deferred work
+from .lanes import Lanes
 
 
 class Deferred:
     """Work that runs while the next exchange is in flight (or when its result is first needed)."""
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], queue: List["Deferred"]):
         self._fn: Optional[Callable[[], Any]] = fn
         self._value: Any = None
         self._grad = torch.is_grad_enabled()
-        self._queue: List["Deferred"] = _lane_queue()
+        self._queue = queue
 
     def run(self) -> None:
         """Run the work now if it has not run yet, in the grad mode it was deferred in (an exchange
@@ -51,54 +53,56 @@ class Deferred:
         return self._value
 
 
-def _lane_queue() -> List[Deferred]:
-    """The deferred work of the lane that runs now (each lane runs only its own: a lane's work may
-    start autograd graph tasks, which only the first lane may)."""
-    return _deferred.setdefault(running_lane(), [])
+class DeferredWork:
+    """The deferred work of one runtime, per lane of its running pair (see the module docstring)."""
 
+    def __init__(self, lanes: Lanes) -> None:
+        self.lanes = lanes
+        """Whose running lane owns new work."""
+        self._queues: Dict[Optional[int], List[Deferred]] = {}
+        self._flush_queued: Set[int] = set()  # the backwards (graph task ids) whose flush is queued
 
-def flush_deferred() -> None:
-    """Run the deferred work of the running lane now (outside a pair: all of it), e.g. a backward's
-    weight gradients that no exchange ran."""
-    queues = [_lane_queue()] if running_lane() is not None else list(_deferred.values())
-    for q in queues:
-        while q:
-            q[0].run()
+    def queue(self) -> List[Deferred]:
+        """The deferred work of the lane that runs now (each lane runs only its own: a lane's work may
+        start autograd graph tasks, which only the first lane may)."""
+        return self._queues.setdefault(self.lanes.running_lane(), [])
 
+    def pending(self) -> int:
+        """How many deferred pieces of work have not run yet (every lane)."""
+        return sum(len(q) for q in self._queues.values())
 
-def defer(fn: Callable[[], Any]) -> Deferred:
-    """Queue ``fn`` to run inside the next :class:`Exchange` wait of the running lane, while that
-    exchange is in flight (in a pair: before or after the other lane's piece, :class:`Exchange`);
-    :meth:`Deferred.result` runs it at the latest. Used for the shared expert during its own
-    micro-batch's dispatch and for the experts' weight gradients (``parallel.delay_wgrad``).
+    def flush(self) -> None:
+        """Run the deferred work of the running lane now (outside a pair: all of it), e.g. a backward's
+        weight gradients that no exchange ran."""
+        queues = [self.queue()] if self.lanes.running_lane() is not None else list(self._queues.values())
+        for q in queues:
+            while q:
+                q[0].run()
 
-    Work deferred during a backward runs by the end of that backward at the latest: the first
-    deferral of a backward queues an end-of-backward callback on the autograd engine that runs what no
-    exchange ran (:func:`flush_deferred`). A layer used outside the engine's schedules (embedded in
-    another training loop, or a backward with no exchange after its experts) thus has every gradient
-    when ``backward`` returns, as without deferral."""
-    d = Deferred(fn)
-    d._queue.append(d)
-    if torch._C._current_graph_task_id() != -1:
-        _flush_at_backward_end()
-    return d
+    def defer(self, fn: Callable[[], Any]) -> Deferred:
+        """Queue ``fn`` to run inside the next exchange wait of the running lane, while that exchange is
+        in flight (in a pair: before or after the other lane's piece); :meth:`Deferred.result` runs it
+        at the latest, and a deferral inside a backward is flushed by that backward's end (module
+        docstring). Used for the shared expert during its own micro-batch's dispatch and for weight
+        gradients (``parallel.delay_wgrad``)."""
+        q = self.queue()
+        d = Deferred(fn, q)
+        q.append(d)
+        if torch._C._current_graph_task_id() != -1:
+            self._flush_at_backward_end()
+        return d
 
+    def _flush_at_backward_end(self) -> None:
+        """Queue :meth:`flush` at the end of the running backward (once per backward)."""
+        task = torch._C._current_graph_task_id()
+        if task in self._flush_queued:
+            return
+        self._flush_queued.add(task)
 
-_flush_queued: set = set()
-"""The backwards (autograd graph task ids) whose end-of-backward flush is queued."""
+        def flush() -> None:
+            self._flush_queued.discard(task)
+            self.flush()
 
+        from torch.autograd.variable import Variable
 
-def _flush_at_backward_end() -> None:
-    """Queue :func:`flush_deferred` at the end of the running backward (once per backward)."""
-    task = torch._C._current_graph_task_id()
-    if task in _flush_queued:
-        return
-    _flush_queued.add(task)
-
-    def flush() -> None:
-        _flush_queued.discard(task)
-        flush_deferred()
-
-    from torch.autograd.variable import Variable
-
-    Variable._execution_engine.queue_callback(flush)
+        Variable._execution_engine.queue_callback(flush)

@@ -1,89 +1,77 @@
-"""Hiding MoE communication behind compute: two lanes that take turns at every token exchange.
+"""The exchange record: collectives issued together for one token exchange, waited on once.
 
-A *pair* runs two pieces of work, for example the forward of micro-batch ``i + 1`` and the backward
-of micro-batch ``i`` in the steady state of a pipeline schedule, as two *lanes* that hold one baton:
-exactly one lane runs at any time, and a lane hands the baton over only at an exchange, right after it
-has issued its collectives and before it waits for them. While one lane's exchange is in flight the
-other lane computes, so the exchange is hidden behind that compute instead of sitting on the critical
-path. Because one lane runs at a time and the hand-over points are fixed by the program (not by
-timing), every rank issues its collectives in the same order, and each lane runs exactly the
-operations it would run alone: results are bitwise those of running the two pieces one after the
-other.
+Every token exchange of the engine (the dispatchers' EP all-to-alls, ETP all-gathers and
+reduce-scatters, the count all-gathers) is waited on through an :class:`Exchange`: created right after
+its ``async_op=True`` collectives were issued, :meth:`Exchange.wait` before their outputs are read.
+The record says what the exchange is and carries:
 
-- :func:`run_pair` runs two callables as a pair (the first lane starts); nested or single use is fine.
-  The lanes and their rules (the autograd engine's device thread, one generator copy per lane, the one
-  persistent helper thread) are :mod:`folding.overlap.lanes`; this module re-exports its public names.
-- :class:`Exchange` is the one way the engine waits on a token exchange: ``Exchange(works, what=...)``
-  right after issuing ``async_op=True`` collectives, ``.wait()`` before reading their outputs. Between
-  the two it runs the work this lane deferred with :func:`defer` (the shared expert during its own
-  dispatch, the experts' weight gradients during the backward's dispatch) and hands the baton to the
-  other lane of the pair, if any: half of the work before the hand-over, the rest after it.
-- :data:`stats` counts the pairs run and the hand-overs between their lanes (the trainer reports both
-  per step).
-- :func:`observe` is the neutral hook of test and benchmark instruments, which live in
-  :mod:`folding.testing` and which the engine never imports: the link model
-  (:mod:`folding.testing.link_model`, every EP exchange completes no earlier than a modelled time),
-  the order audit and the wait statistics (:mod:`folding.testing.overlap_audit`). While one watches,
-  the wire counts each exchange's bytes into an :class:`ExchangeBytes` (:func:`exchange_bytes`);
-  :func:`steady_state` marks where a schedule runs its pairs, for the audit.
+- ``works``: the collectives' work handles;
+- ``what``: its name (``"ep dispatch"``, ``"etp all-gather"``, ``"ep counts"``...);
+- ``carries``: the kind of its payload: :data:`TOKENS` (token rows between EP ranks, flat or through
+  the node and rail groups), :data:`ETP_ROWS` (rows between the ETP ranks of one expert shard),
+  :data:`COUNTS` (metadata the host reads);
+- ``group`` and ``messages``: the process group it runs on and, per all-to-all, the rows sent to and
+  received from each rank with the bytes of a row (:class:`Message`);
+- ``overlap_point``: whether its wait runs deferred work and hands the baton to the other lane of a
+  pair (``False`` for a wait that only reads a result, the token counts).
+
+It binds to the overlap runtime current when it is created
+(:func:`folding.overlap.runtime.current_runtime`). In its wait it runs the lane's deferred work and
+hands the baton over (:class:`Exchange`); the runtime's observers (:class:`ExchangeObserver`) are told
+of its issue and its wait: that is how instruments (a link model, the order audit, wait statistics in
+:mod:`folding.testing`) watch the exchanges, so the engine passes none of their parameters and imports
+none of them.
 
 Usage::
 
-    losses = run_pair(lambda: forward(chunk, m + 1), lambda: backward(chunk, m))
-    ex = Exchange(works, what="dispatch")      # inside the wire layer, after issuing
+    ex = Exchange(works, what="ep dispatch", group=ep_group, messages=[Message(ep_group, send, recv, 4096)])
     ex.wait()
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from .deferred import Deferred, _lane_queue, defer, flush_deferred
-from .lanes import LaneError, Stats, hand_over, in_pair, lane_thread, run_pair, running_lane, stats
+from .runtime import current_runtime
 
-__all__ = [
-    "Deferred",
-    "Exchange",
-    "ExchangeBytes",
-    "ExchangeObserver",
-    "LaneError",
-    "Stats",
-    "defer",
-    "exchange_bytes",
-    "flush_deferred",
-    "in_pair",
-    "lane_thread",
-    "observe",
-    "run_pair",
-    "running_lane",
-    "stats",
-    "steady_state",
-]
+if TYPE_CHECKING:
+    from .runtime import OverlapRuntime
 
-# ------------------------------------------------------------------------------------ instruments
-
-_steady = [False]
+TOKENS = "tokens"
+"""``Exchange.carries`` of an EP token exchange (rows and their probabilities between EP ranks)."""
+ETP_ROWS = "etp rows"
+"""``Exchange.carries`` of an exchange between the ETP ranks of one expert shard."""
+COUNTS = "counts"
+"""``Exchange.carries`` of a metadata exchange whose result the host reads (the token counts)."""
 
 
-@contextlib.contextmanager
-def steady_state() -> Iterator[None]:
-    """Mark the block as the steady state of a schedule (where a pipeline schedule runs its pairs), for
-    the audit: an exchange started inside it is expected to have compute of the other lane between its
-    start and its wait."""
-    old, _steady[0] = _steady[0], True
-    try:
-        yield
-    finally:
-        _steady[0] = old
+class Message:
+    """One uneven all-to-all of an exchange: its process group (``None``: the world), the rows sent to
+    and received from each of its ranks, and the bytes of one row."""
+
+    __slots__ = ("group", "send_rows", "recv_rows", "row_bytes")
+
+    def __init__(self, group: Any, send_rows: Sequence[int], recv_rows: Sequence[int], row_bytes: int) -> None:
+        self.group = group
+        self.send_rows = send_rows
+        self.recv_rows = recv_rows
+        self.row_bytes = row_bytes
+
+    @property
+    def send_bytes(self) -> List[int]:
+        """Bytes sent to each rank of the group."""
+        return [n * self.row_bytes for n in self.send_rows]
+
+    @property
+    def recv_bytes(self) -> List[int]:
+        """Bytes received from each rank of the group."""
+        return [n * self.row_bytes for n in self.recv_rows]
 
 
 class ExchangeObserver:
-    """What an instrument installed with :func:`observe` is told about every exchange (no-ops here).
-
-    Test and benchmark instruments (:mod:`folding.testing.link_model`,
-    :mod:`folding.testing.overlap_audit`) watch the exchanges this way; the engine knows none of them."""
+    """What an instrument subscribed with :meth:`folding.overlap.runtime.OverlapRuntime.observe` is told
+    about every exchange of that runtime (no-ops here)."""
 
     def issued(self, ex: "Exchange") -> None:
         """``ex`` was created, right after its collectives were issued."""
@@ -96,73 +84,31 @@ class ExchangeObserver:
         """``ex``'s wait is over; ``waited_s``: the seconds it blocked (every settle included)."""
 
 
-_observers: List[ExchangeObserver] = []
-
-
-@contextlib.contextmanager
-def observe(observer: ExchangeObserver) -> Iterator[ExchangeObserver]:
-    """Tell ``observer`` about every exchange inside the block (observers are told in the order they
-    were installed); yields it."""
-    _observers.append(observer)
-    try:
-        yield observer
-    finally:
-        _observers.remove(observer)
-
-
-class ExchangeBytes:
-    """The messages of one exchange, for an instrument that prices them (a link model): per message its
-    process group and the bytes sent to / received from each rank of it. Collected only while an
-    instrument watches (:func:`exchange_bytes`)."""
-
-    __slots__ = ("messages",)
-
-    def __init__(self) -> None:
-        self.messages: List[Tuple[Any, List[int], List[int]]] = []
-
-    def add(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> None:
-        """One message over ``group`` (``None``: the world): ``send_bytes[i]`` / ``recv_bytes[i]`` to /
-        from its rank ``i``."""
-        self.messages.append((group, list(send_bytes), list(recv_bytes)))
-
-
-def exchange_bytes() -> Optional[ExchangeBytes]:
-    """An empty :class:`ExchangeBytes` to count one exchange's messages into while an instrument
-    watches (:func:`observe`); ``None`` otherwise (nothing to count)."""
-    return ExchangeBytes() if _observers else None
-
-
-# ---------------------------------------------------------------------------------- the exchange
-
-
 class Exchange:
     """Collectives issued together (``async_op=True``) for one token exchange, waited on once.
 
-    Create it right after issuing them; :meth:`wait` runs this lane's deferred work and hands the baton
-    to the other lane of a running pair, then waits for the collectives. In a pair the deferred work is
-    split around the other lane's piece: the first half of it (rounded up: the shared expert, or the
-    experts' fc2 weight gradient) before the hand-over, the rest when the baton is back. The work that
-    can go anywhere thus covers both exchanges in flight at the hand-over, this lane's and the other
-    lane's, instead of padding one and leaving the other to wait. ``what`` names the exchange (in the
-    order audit); ``linked``: an EP exchange (the only kind a link model delays); ``link_bytes``: its
-    messages' bytes (:func:`exchange_bytes`; ``None``: not counted); ``group``: the process group its
-    collectives run on (whose issue order a link model keeps, as NCCL does); ``overlap_point``:
-    ``False`` for a wait that only reads a result (the token counts), which runs no deferred work and
-    hands nothing over. Instruments installed with :func:`observe` are told of its issue and its wait
-    (:class:`ExchangeObserver`).
+    Create it right after issuing them (module docstring for the fields); :meth:`wait` runs this lane's
+    deferred work and hands the baton to the other lane of the runtime's running pair, then waits for
+    the collectives. In a pair the deferred work is split around the other lane's piece: the first half
+    of it (rounded up: the shared expert, or the experts' fc2 weight gradient) before the hand-over, the
+    rest when the baton is back. The work that can go anywhere thus covers both exchanges in flight at
+    the hand-over, this lane's and the other lane's, instead of padding one and leaving the other to
+    wait. ``runtime``: the runtime it belongs to (default: the current one; ``None`` outside every
+    runtime: the wait only waits).
     """
 
     __slots__ = (
         "works",
         "what",
-        "start",
-        "linked",
-        "done",
-        "steady",
-        "link_bytes",
+        "carries",
         "group",
+        "messages",
         "overlap_point",
+        "runtime",
+        "start",
+        "steady",
         "paired",
+        "done",
         "marks",
     )
 
@@ -171,45 +117,51 @@ class Exchange:
         works: Sequence[Any],
         *,
         what: str,
-        linked: bool = True,
-        link_bytes: Optional[ExchangeBytes] = None,
+        carries: str = TOKENS,
         group: Any = None,
+        messages: Sequence[Message] = (),
         overlap_point: bool = True,
+        runtime: Optional["OverlapRuntime"] = None,
     ):
         self.works = list(works)
         self.what = what
-        self.linked = linked
-        self.link_bytes = link_bytes
+        self.carries = carries
         self.group = group
+        self.messages = messages
         self.overlap_point = overlap_point
+        self.runtime = runtime if runtime is not None else current_runtime()
         self.start = time.perf_counter()
-        self.steady = _steady[0]
+        self.steady = self.runtime is not None and self.runtime.steady
+        """Whether it was issued in a schedule's steady state."""
         self.paired = False
         """Whether a pair was running with its other lane alive when this was waited on."""
         self.done = False
         self.marks: Dict[str, Any] = {}
         """Notes of the instruments watching (:class:`ExchangeObserver`), by their own keys."""
-        for o in _observers:
-            o.issued(self)
+        if self.runtime is not None:
+            for o in self.runtime.observers:
+                o.issued(self)
 
     def wait(self) -> None:
         """Complete the exchange (see the class docstring); a second call does nothing."""
         if self.done:
             return
         self.done = True
-        if self.overlap_point:
-            self.paired = in_pair()
+        rt = self.runtime
+        if rt is not None and self.overlap_point:
+            self.paired = rt.lanes.in_pair()
             if self.paired:  # half of this lane's deferred work before the other lane's piece, half after
-                q = _lane_queue()
+                q = rt.deferred.queue()
                 for d in q[: (len(q) + 1) // 2]:
                     d.run()
-            hand_over()
-            flush_deferred()
+            rt.lanes.hand_over()
+            rt.deferred.flush()
         t0 = time.perf_counter()
         for w in self.works:
             w.wait()
-        for o in _observers:
+        observers = rt.observers if rt is not None else ()
+        for o in observers:
             o.settle(self)
         waited = time.perf_counter() - t0
-        for o in _observers:
+        for o in observers:
             o.finished(self, waited)

@@ -1,27 +1,33 @@
-"""Two lanes that take turns: the baton behind :mod:`folding.overlap.exchange`'s pairs.
+"""Two lanes that take turns: the baton behind an overlap runtime's pairs.
 
 A *pair* runs two callables as two *lanes* that hold one baton: exactly one lane runs at any time, and
-a lane gives the baton away only at a hand-over (:func:`hand_over`, which the overlap module's
-:class:`~folding.overlap.exchange.Exchange` calls right after issuing its collectives). Because the
+a lane gives the baton away only at a hand-over (:meth:`Lanes.hand_over`, which
+:class:`~folding.overlap.exchange.Exchange` calls when it is waited on, right after its collectives were
+issued). Because the
 hand-over points are fixed by the program, not by timing, every rank interleaves its lanes alike.
 
-- :func:`run_pair` runs two callables as a pair (the first lane starts); nested use runs them one after
-  the other.
-- :func:`in_pair`, :func:`running_lane`: the state of the running pair.
-- :func:`lane_thread`: the one persistent thread that runs every pair's second lane.
-- :data:`stats`: the pairs run and the hand-overs between their lanes.
+:class:`Lanes` holds the state (one per :class:`~folding.overlap.runtime.OverlapRuntime`; nothing is
+module-level):
+
+- :meth:`Lanes.run_pair` runs two callables as a pair (the first lane starts); nested use runs them one
+  after the other.
+- :meth:`Lanes.in_pair`, :meth:`Lanes.running_lane`: the state of the running pair.
+- :meth:`Lanes.lane_thread`: the one persistent thread that runs every pair's second lane.
+- :attr:`Lanes.stats`: the pairs run and the hand-overs between their lanes.
 
 The baton is held by lanes, not threads: a lane may be served by another thread (the autograd engine
-runs CUDA backward on its own device thread), so the state is module-level and guarded by one
-condition variable. A pair is confined to the process that runs it.
+runs CUDA backward on its own device thread), so the state lives on the :class:`Lanes` object, which
+every thread reaches through the runtime, guarded by one condition variable per pair. A pair is
+confined to the process that runs it.
 
 **Lanes and the autograd engine.** On CUDA the first lane's backward runs on the engine's one device
 thread, which a hand-over parks; a graph task started by the second lane would queue behind it and
-both would wait for ever. So the second lane never starts one: while a pair runs, :func:`run_pair`
+both would wait for ever. So the second lane never starts one: while a pair runs, :meth:`Lanes.run_pair`
 puts a guard in front of the engine (every ``backward`` and ``autograd.grad`` passes it; the engine is
 the process's own again when the pair ends) that raises :class:`LaneError` when the helper lane tries,
 and the pair raises it even if the lane's code swallowed it. The second lane always runs on the same
-persistent thread (:func:`lane_thread`, created on the first pair), so per-thread state (CUDA-graph
+persistent thread (:meth:`Lanes.lane_thread`, created on the first pair, stopped by
+:meth:`Lanes.close`), so per-thread state (CUDA-graph
 trees, thread-local caches) is built once, not per pair.
 
 **Randomness across a hand-over.** The default generators (CPU, and the current CUDA device's) are
@@ -33,15 +39,21 @@ when both did, their draws have no order that running them one after the other w
 pair raises :class:`LaneError`. (The schedule pairs a backward, which draws nothing net: recompute
 restores what it forked.)
 
+The second lane runs in a copy of the context that called :meth:`Lanes.run_pair` (Python context
+variables, so the current overlap runtime too) and in its grad mode, device and stream.
+
 Usage::
 
-    first_result, second_result = run_pair(backward_of_m, forward_of_m_plus_1)
-    hand_over()      # inside a lane, right after issuing collectives: the other lane runs meanwhile
+    lanes = Lanes()
+    first_result, second_result = lanes.run_pair(backward_of_m, forward_of_m_plus_1)
+    lanes.hand_over()  # inside a lane, right after issuing collectives: the other lane runs meanwhile
+    lanes.close()      # the helper thread ends
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 import queue
@@ -62,8 +74,9 @@ _RngState = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 class _Pair:
-    """The state of one running pair: whose turn it is, which lanes have finished, and each lane's
-    generator state while the other lane runs."""
+    """The state of one running pair: whose turn it is, which lanes have finished, each lane's
+    generator state while the other lane runs, and the thread serving the second lane while it runs
+    its work (the engine guard refuses graph tasks from it)."""
 
     def __init__(self, rng: _RngState, cuda_index: Optional[int]) -> None:
         self.cond = threading.Condition()
@@ -73,23 +86,7 @@ class _Pair:
         self.cuda_index = cuda_index
         self.rng_start = rng
         self.rng: List[_RngState] = [rng, rng]
-
-
-_pair: Optional[_Pair] = None
-_lane = threading.local()  # .helper: True while this thread runs the second lane of a pair
-
-
-def in_pair() -> bool:
-    """True while a pair runs and its other lane has not finished (a hand-over would switch lanes)."""
-    p = _pair
-    return p is not None and not p.done[1 - p.turn]
-
-
-def running_lane() -> Optional[int]:
-    """The lane of the running pair that holds the baton (0: the first, 1: the second), or None when no
-    pair runs."""
-    p = _pair
-    return None if p is None else p.turn
+        self.helper_ident: Optional[int] = None
 
 
 # ------------------------------------------------------------------- generators, one copy per lane
@@ -121,46 +118,29 @@ def _arrive(p: _Pair, me: int) -> None:
     _rng_set(p.rng[me], p.cuda_index)
 
 
-def hand_over() -> None:
-    """Give the baton to the other lane of the running pair and wait until it comes back (no-op
-    outside a pair, or once the other lane has finished)."""
-    p = _pair
-    if p is None:
-        return
-    with p.cond:
-        me = p.turn
-        if p.done[1 - me]:
-            return
-        stats.hand_overs += 1
-        _leave(p, me)
-        p.turn = 1 - me
-        p.cond.notify_all()
-        p.cond.wait_for(lambda: p.turn == me)
-        _arrive(p, me)
-
-
 # ----------------------------------------------------------------- the helper lane and the engine
 
 
 class _EngineGuard:
     """Stands in front of the autograd engine (``Variable._execution_engine``, which every
-    ``backward`` and ``autograd.grad`` calls): refuses a graph task started by the second lane of a
-    pair; everything else passes through unchanged."""
+    ``backward`` and ``autograd.grad`` calls) while a pair runs: refuses a graph task started by the
+    pair's second lane; everything else passes through unchanged."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, pair: _Pair) -> None:
         self.engine = engine
+        self.pair = pair
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
         """The engine's ``run_backward``, unless called from the helper lane (:class:`LaneError`)."""
-        if getattr(_lane, "helper", False):
+        p = self.pair
+        if p.helper_ident is not None and p.helper_ident == threading.get_ident():
             err = LaneError(
                 "the second lane of an overlap pair started an autograd graph task (backward or "
                 "autograd.grad): on CUDA it would wait for ever behind the first lane's backward, parked on "
                 "the engine's device thread. Run it before the pair (a first-use probe: when the model is "
                 "built) or in the first lane, or set parallel.overlap_moe_comm=false"
             )
-            p = _pair
-            if p is not None and p.error is None:
+            if p.error is None:
                 p.error = err  # raised by run_pair even if the lane's code catches it
             raise err
         return self.engine.run_backward(*args, **kwargs)
@@ -170,16 +150,13 @@ class _EngineGuard:
 
 
 @contextlib.contextmanager
-def _engine_guarded() -> Iterator[None]:
-    """Put :class:`_EngineGuard` in front of the autograd engine for the block (a pair's lifetime);
-    the engine is the process's own again after it."""
+def _engine_guarded(pair: _Pair) -> Iterator[None]:
+    """Put :class:`_EngineGuard` in front of the autograd engine for the block (a pair's lifetime); the
+    engine found there is put back after it (a guard of another runtime's pair stays behind ours)."""
     from torch.autograd.variable import Variable
 
     engine = Variable._execution_engine
-    if isinstance(engine, _EngineGuard):  # a guard is already in front (not ours to remove)
-        yield
-        return
-    Variable._execution_engine = _EngineGuard(engine)
+    Variable._execution_engine = _EngineGuard(engine, pair)
     try:
         yield
     finally:
@@ -187,105 +164,21 @@ def _engine_guarded() -> Iterator[None]:
 
 
 class _LaneThread:
-    """The one thread that runs the second lane of every pair: it takes lane jobs from a queue."""
+    """The one thread that runs the second lane of every pair of one :class:`Lanes`: it takes lane jobs
+    from a queue until it is given ``None``."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self.jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="folding-lane", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         while True:
-            self.jobs.get()()
-
-
-_helper: Optional[_LaneThread] = None
-_helper_lock = threading.Lock()
-
-
-def _lane_server() -> _LaneThread:
-    global _helper
-    with _helper_lock:
-        if _helper is None or _helper.pid != os.getpid() or not _helper.thread.is_alive():
-            _helper = _LaneThread()
-        return _helper
-
-
-def lane_thread() -> threading.Thread:
-    """The persistent thread that runs the second lane of every pair in this process (started on the
-    first call; a forked child starts its own)."""
-    return _lane_server().thread
-
-
-def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> Tuple[Any, Any]:
-    """Run ``first`` and ``second`` as the two lanes of a pair; return both results.
-
-    ``first`` starts; each lane hands over at every :class:`Exchange` it waits on while the other is
-    still running. ``second`` runs on the persistent :func:`lane_thread`, in this thread's grad mode
-    and, on CUDA, its current device and stream; it must not start an autograd graph task
-    (:class:`LaneError`). Each lane draws random numbers from its own copy of the generators (module
-    docstring). An exception in either lane is raised here once both lanes have ended (a lane that
-    raises ends; the other runs on to its end alone).
-    """
-    global _pair
-    if _pair is not None:  # already inside a pair: run one after the other
-        return first(), second()
-    grad = torch.is_grad_enabled()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    device = torch.cuda.current_device() if cuda else None
-    stream = torch.cuda.current_stream() if cuda else None
-    p = _Pair(_rng_get(device), device)
-    results: List[Any] = [None, None]
-    mode = _helper_context
-
-    def lane(i: int, fn: Callable[[], Any], helper: bool) -> None:
-        with p.cond:
-            p.cond.wait_for(lambda: p.turn == i)
-            _arrive(p, i)
-        try:
-            with contextlib.ExitStack() as stack:
-                if helper:
-                    stack.enter_context(torch.set_grad_enabled(grad))
-                    if cuda:
-                        torch.cuda.set_device(device)
-                        stack.enter_context(torch.cuda.stream(stream))
-                    if mode is not None:
-                        stack.enter_context(mode())
-                    _lane.helper = True
-                    stack.callback(setattr, _lane, "helper", False)
-                results[i] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by run_pair
-            if p.error is None:
-                p.error = e
-        finally:
-            with p.cond:
-                _leave(p, i)
-                p.done[i] = True
-                p.turn = 1 - i
-                p.cond.notify_all()
-
-    _pair = p
-    stats.pairs += 1
-    try:
-        with _engine_guarded():
-            _lane_server().jobs.put(lambda: lane(1, second, True))
-            lane(0, first, False)
-            with p.cond:
-                p.cond.wait_for(lambda: p.done[1])
-    finally:
-        _pair = None
-    moved = [not _rng_same(p.rng[i], p.rng_start) for i in (0, 1)]
-    _rng_set(p.rng[1] if moved[1] else p.rng[0], device)
-    if p.error is not None:
-        raise p.error
-    if all(moved):
-        raise LaneError(
-            "both lanes of an overlap pair drew random numbers from the default generators: no order of "
-            "running them one after the other gives those draws. Draw them in one lane only (the schedule "
-            "pairs a backward, which must draw none outside a recompute), or set parallel.overlap_moe_comm=false"
-        )
-    return results[0], results[1]
+            job = self.jobs.get()
+            if job is None:
+                return
+            job()
 
 
 # --------------------------------------------------------------------------------- the baton's counts
@@ -296,7 +189,7 @@ class Stats:
     """The pairs run and the hand-overs between their lanes since the last :meth:`reset`."""
 
     pairs: int = 0
-    """Pairs run as two lanes (:func:`run_pair` outside another pair): proof that overlap was on."""
+    """Pairs run as two lanes (:meth:`Lanes.run_pair` outside another pair): proof that overlap was on."""
     hand_overs: int = 0
     """Hand-overs that switched lanes at an exchange (each one hides an exchange behind the other lane)."""
 
@@ -306,18 +199,138 @@ class Stats:
         self.hand_overs = 0
 
 
-stats = Stats()
-"""Process-wide counters of the baton (the trainer reports them per step)."""
+# --------------------------------------------------------------------------------------- the lanes
 
 
-# ------------------------------------------------------------------------------------ instruments
+class Lanes:
+    """The baton of one overlap runtime: the running pair, the helper thread, its counters."""
 
-_helper_context: Optional[Callable[[], Any]] = None
+    def __init__(self) -> None:
+        self._pair: Optional[_Pair] = None
+        self._server: Optional[_LaneThread] = None
+        self._server_lock = threading.Lock()
+        self.helper_context: Optional[Callable[[], Any]] = None
+        """A factory of a context manager the second lane of every later pair enters around its work
+        (``None``: nothing); for instruments (the order audit counts the helper lane's operators too).
+        The engine sets none."""
+        self.stats = Stats()
+        """Counters of the baton (the trainer reports them per step)."""
 
+    def in_pair(self) -> bool:
+        """True while a pair runs and its other lane has not finished (a hand-over would switch lanes)."""
+        p = self._pair
+        return p is not None and not p.done[1 - p.turn]
 
-def set_helper_context(factory: Optional[Callable[[], Any]]) -> None:
-    """Make the second lane of every later pair enter ``factory()`` (a context manager) around its work;
-    ``None``: nothing. For instruments (the order audit counts the helper lane's operators too); the
-    engine sets none."""
-    global _helper_context
-    _helper_context = factory
+    def running_lane(self) -> Optional[int]:
+        """The lane of the running pair that holds the baton (0: the first, 1: the second), or None when
+        no pair runs."""
+        p = self._pair
+        return None if p is None else p.turn
+
+    def hand_over(self) -> None:
+        """Give the baton to the other lane of the running pair and wait until it comes back (no-op
+        outside a pair, or once the other lane has finished)."""
+        p = self._pair
+        if p is None:
+            return
+        with p.cond:
+            me = p.turn
+            if p.done[1 - me]:
+                return
+            self.stats.hand_overs += 1
+            _leave(p, me)
+            p.turn = 1 - me
+            p.cond.notify_all()
+            p.cond.wait_for(lambda: p.turn == me)
+            _arrive(p, me)
+
+    def _lane_server(self) -> _LaneThread:
+        with self._server_lock:
+            h = self._server
+            if h is None or h.pid != os.getpid() or not h.thread.is_alive():
+                self._server = _LaneThread()
+            return self._server
+
+    def lane_thread(self) -> threading.Thread:
+        """The persistent thread that runs the second lane of every pair (started on the first call; a
+        forked child starts its own)."""
+        return self._lane_server().thread
+
+    def close(self) -> None:
+        """End the helper thread (a later pair starts a new one)."""
+        with self._server_lock:
+            h, self._server = self._server, None
+        if h is not None and h.pid == os.getpid() and h.thread.is_alive():
+            h.jobs.put(None)
+            h.thread.join()
+
+    def run_pair(self, first: Callable[[], Any], second: Callable[[], Any]) -> Tuple[Any, Any]:
+        """Run ``first`` and ``second`` as the two lanes of a pair; return both results.
+
+        ``first`` starts; each lane hands over at every exchange it waits on while the other is still
+        running. ``second`` runs on the persistent :meth:`lane_thread`, in a copy of this thread's
+        context (its context variables), grad mode and, on CUDA, its current device and stream; it must
+        not start an autograd graph task (:class:`LaneError`). Each lane draws random numbers from its
+        own copy of the generators (module docstring). An exception in either lane is raised here once
+        both lanes have ended (a lane that raises ends; the other runs on to its end alone).
+        """
+        if self._pair is not None:  # already inside a pair: run one after the other
+            return first(), second()
+        grad = torch.is_grad_enabled()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = torch.cuda.current_device() if cuda else None
+        stream = torch.cuda.current_stream() if cuda else None
+        p = _Pair(_rng_get(device), device)
+        results: List[Any] = [None, None]
+        mode = self.helper_context
+        context = contextvars.copy_context()
+
+        def helper_work() -> Any:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad))
+                if cuda:
+                    torch.cuda.set_device(device)
+                    stack.enter_context(torch.cuda.stream(stream))
+                if mode is not None:
+                    stack.enter_context(mode())
+                p.helper_ident = threading.get_ident()
+                stack.callback(setattr, p, "helper_ident", None)
+                return second()
+
+        def lane(i: int, fn: Callable[[], Any]) -> None:
+            with p.cond:
+                p.cond.wait_for(lambda: p.turn == i)
+                _arrive(p, i)
+            try:
+                results[i] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised by run_pair
+                if p.error is None:
+                    p.error = e
+            finally:
+                with p.cond:
+                    _leave(p, i)
+                    p.done[i] = True
+                    p.turn = 1 - i
+                    p.cond.notify_all()
+
+        self._pair = p
+        self.stats.pairs += 1
+        try:
+            with _engine_guarded(p):
+                self._lane_server().jobs.put(lambda: context.run(lane, 1, helper_work))
+                lane(0, first)
+                with p.cond:
+                    p.cond.wait_for(lambda: p.done[1])
+        finally:
+            self._pair = None
+        moved = [not _rng_same(p.rng[i], p.rng_start) for i in (0, 1)]
+        _rng_set(p.rng[1] if moved[1] else p.rng[0], device)
+        if p.error is not None:
+            raise p.error
+        if all(moved):
+            raise LaneError(
+                "both lanes of an overlap pair drew random numbers from the default generators: no order of "
+                "running them one after the other gives those draws. Draw them in one lane only (the schedule "
+                "pairs a backward, which must draw none outside a recompute), or set parallel.overlap_moe_comm=false"
+            )
+        return results[0], results[1]

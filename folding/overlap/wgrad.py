@@ -7,7 +7,7 @@ while the backward's next MoE exchange is in flight. ``parallel.delay_wgrad`` do
 experts' GEMMs (:mod:`folding.moe.experts.backends`) and, through this module, every dense projection
 of a layer (attention's query/key/value and output projections, MLA's down- and up-projections, the
 shared expert's and a dense MLP's fc1 and fc2) queue their weight (and bias) gradients with
-:func:`folding.overlap.exchange.defer`: they run inside the next :class:`~folding.overlap.exchange.Exchange`
+:func:`folding.overlap.runtime.defer`: they run inside the next :class:`~folding.overlap.exchange.Exchange`
 wait of the backward (half before the other lane's piece, half after, in an overlap pair), or at the
 end of the backward at the latest.
 
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import exchange as overlap
+from .runtime import current_runtime, defer, entered
 
 
 def folded_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ def defer_weight_grads(
     ``weights``: ``(anchor, g [N, out])`` per projection: ``∂w`` (:func:`weight_grad`), cast to the
     anchor's dtype and delivered to the anchor (the tensor the forward
     multiplied by: a parameter, or its cast) when the deferred work runs
-    (:func:`folding.overlap.exchange.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
+    (:func:`folding.overlap.runtime.defer`). ``ready``: ``(anchor, gradient)`` pairs computed already
     (the biases' row sums, cheap), delivered in the same ``torch.autograd.backward`` call. Anchors that
     are ``None`` or need no gradient are skipped; nothing is queued when none needs one."""
     live = [(w, g) for w, g in weights if w.requires_grad]
@@ -79,7 +79,7 @@ def defer_weight_grads(
         grads = [weight_grad(g_NO, x_NI, w.dtype) for w, g_NO in live] + [gb.to(b.dtype) for b, gb in done]
         torch.autograd.backward(tensors, grads)
 
-    overlap.defer(run)
+    defer(run)
 
 
 class _Linear(torch.autograd.Function):
@@ -89,6 +89,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b, anchors):
         ctx.save_for_backward(x, w)
         ctx.anchors = anchors  # (weight, bias) as the graph holds them: not autograd inputs
+        ctx.overlap = current_runtime()  # the backward defers onto it (on CUDA it runs on another thread)
         # torch's linear for a weight that needs a gradient: the bias inside addmm on the folded rows when
         # x is 2-D or contiguous, else one mm on the folded rows and the bias added after it
         if b is not None and (x.dim() == 2 or x.is_contiguous()):
@@ -110,7 +111,8 @@ class _Linear(torch.autograd.Function):
             # (the row sum of the folded gradient), else after the GEMM (a sum over g's leading dims)
             folded = x.dim() == 2 or x.is_contiguous()
             ready = ((ab, g_NO.sum(0) if folded else g.sum(tuple(range(g.dim() - 1)))),)
-        defer_weight_grads(x.reshape(-1, inp), [(aw, g_NO)], ready)
+        with entered(ctx.overlap):
+            defer_weight_grads(x.reshape(-1, inp), [(aw, g_NO)], ready)
         return gx, None, None, None
 
 
@@ -131,22 +133,31 @@ class WeightGradPieces:
     index limit, :func:`folding.moe.experts.backends.plan_chunks`), delivered once per backward.
 
     Each call's backward hands in its piece with :meth:`add` (the tensor it reaches the weight through,
-    and a function computing it); the first hand-in queues one deferred delivery
-    (:func:`folding.parallel.overlap.defer`). The calls' backward nodes run one after the other (their
-    outputs are concatenated), so by the time an exchange or the end of the backward runs it, every
-    piece is in: the pieces of one anchor are summed in hand-in order (the order autograd's own
-    accumulation adds them in) and all anchors get their gradients in one ``torch.autograd.backward``,
-    where they meet at the parameter's accumulation node: one gradient hook, one delivery to the
-    gradient reducer (a second delivery after its bucket was reduced is an error there)."""
+    and a function computing it); the first hand-in queues one deferred delivery on the runtime current
+    when the pieces were made (the forward's: :func:`folding.overlap.runtime.defer`), or, outside every
+    runtime, at the end of the backward (the autograd engine's callback queue). The calls' backward nodes
+    run one after the other (their outputs are concatenated), so by the time an exchange or the end of
+    the backward runs it, every piece is in: the pieces of one anchor are summed in hand-in order (the
+    order autograd's own accumulation adds them in) and all anchors get their gradients in one
+    ``torch.autograd.backward``, where they meet at the parameter's accumulation node: one gradient
+    hook, one delivery to the gradient reducer (a second delivery after its bucket was reduced is an
+    error there)."""
 
     def __init__(self) -> None:
         self._pieces: list = []
+        self._runtime = current_runtime()  # made in the forward; a CUDA backward runs on another thread
 
     def add(self, anchor: torch.Tensor, compute) -> None:
-        """Hand in the piece ``compute()`` of ``anchor``'s gradient (computed when the delivery runs)."""
+        """Hand in the piece ``compute()`` of ``anchor``'s gradient (computed when the delivery runs); call it
+        inside the backward."""
         self._pieces.append((anchor, compute))
-        if len(self._pieces) == 1:
-            overlap.defer(self._deliver)
+        if len(self._pieces) > 1:
+            return
+        if self._runtime is None:  # no exchange will run it: the end of this backward does
+            torch.autograd.Variable._execution_engine.queue_callback(self._deliver)
+        else:
+            with entered(self._runtime):
+                defer(self._deliver)
 
     def _deliver(self) -> None:
         pieces, self._pieces = self._pieces, []

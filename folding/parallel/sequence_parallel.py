@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..overlap import wgrad
+from ..overlap.runtime import current_runtime, entered
 from .collectives import Group, all_gather_start, group_size, reduce_scatter_start
 
 
@@ -39,6 +40,7 @@ class _GatherLinears(torch.autograd.Function):
         ctx.group = group
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.anchors = anchors  # delay_wgrad: (weights, biases) as the caller holds them, else None
+        ctx.overlap = current_runtime()  # where the backward defers them (on CUDA it runs on another thread)
         ctx.save_for_backward(x, *weights)
         return tuple(
             F.linear(full, w.to(full.dtype), None if b is None else b.to(full.dtype)) for w, b in zip(weights, biases)
@@ -59,7 +61,8 @@ class _GatherLinears(torch.autograd.Function):
             aw, ab = ctx.anchors
             g_2d = [g.reshape(-1, g.shape[-1]) for g in grads]
             ready = [(b, g.sum(0).to(w.dtype)) for b, g, w in zip(ab, g_2d, weights) if b is not None]
-            wgrad.defer_weight_grads(full_2d, list(zip(aw, g_2d)), ready)
+            with entered(ctx.overlap):
+                wgrad.defer_weight_grads(full_2d, list(zip(aw, g_2d)), ready)
             scatter.wait()
             return (dx_local, None, None, None, *([None] * (2 * len(weights))))
         wgrads, bgrads = [], []

@@ -52,7 +52,7 @@ class Compute:
 @dataclass(frozen=True)
 class Pair:
     """Run ``forward`` and ``backward`` (two :class:`Compute` steps) merged, as the two lanes of
-    :func:`folding.overlap.exchange.run_pair` (``parallel.overlap_moe_comm``)."""
+    :meth:`folding.overlap.runtime.OverlapRuntime.run_pair` (``parallel.overlap_moe_comm``)."""
 
     forward: Compute
     backward: Compute

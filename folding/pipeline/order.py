@@ -11,7 +11,7 @@ divisible by ``pp``.
 With ``overlap`` (``parallel.overlap_moe_comm``) every schedule runs more forwards in warm-up and
 then, in the steady state, each forward merged with the backward that follows it into one *pair*
 ``("FB", f_chunk, f_microbatch, b_chunk, b_microbatch)``: the two run as the lanes of
-:func:`folding.overlap.exchange.run_pair`, each MoE exchange of one hidden behind the compute of the
+:meth:`folding.overlap.runtime.OverlapRuntime.run_pair`, each MoE exchange of one hidden behind the compute of the
 other. A pair starts once both of its inputs are present and hands its outputs on only at its end, so
 a stage's pair must not need the output of the next stage's pair of the same round, or the stages
 would take turns instead of working side by side: the warm-ups of neighbouring stages must differ by

@@ -15,8 +15,10 @@ The order of each rank's steps is :func:`.order.schedule_order` (Megatron-Core's
 interleaved 1F1B); the messages between stages follow :mod:`.comm_plan`, one grouped exchange per
 round, so the same code is safe on NCCL and on gloo. With ``overlap`` (``parallel.overlap_moe_comm``)
 the steady state runs each forward merged with a backward as a pair
-(:func:`folding.overlap.exchange.run_pair`): the MoE exchanges of each are hidden behind the compute of
-the other, and the losses and gradients are bitwise those without overlap.
+(:meth:`folding.overlap.runtime.OverlapRuntime.run_pair`): the MoE exchanges of each are hidden behind
+the compute of the other, and the losses and gradients are bitwise those without overlap. The schedule
+runs under an :class:`~folding.overlap.runtime.OverlapRuntime` (the caller's, or one of its own for the
+call), current for the whole call: the layers defer work and wait on exchanges through it.
 
 Usage::
 
@@ -32,7 +34,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from ..overlap.exchange import flush_deferred, run_pair, steady_state
+from ..overlap.runtime import OverlapRuntime
 from .comm_plan import Exchange, Key, Pair, rank_program
 from .p2p import P2P
 
@@ -53,6 +55,7 @@ def forward_backward(
     forward_only: bool = False,
     backward_context: Optional[Callable[[int, int], ContextManager]] = None,
     overlap: bool = False,
+    runtime: Optional[OverlapRuntime] = None,
 ) -> List[torch.Tensor]:
     """Run the schedule; return the detached per-micro-batch losses (in micro-batch order) on the
     rank holding the last virtual stage, and ``[]`` elsewhere.
@@ -61,7 +64,9 @@ def forward_backward(
     gradient) has ``tensor_shape`` and ``dtype``. With ``forward_only`` no backward runs
     (evaluation). ``backward_context(chunk, microbatch)``, when given, returns a context manager
     entered around that backward (the optimizer's ``no_sync`` for every micro-batch but a chunk's
-    last, so that its gradient reduction starts during that last backward).
+    last, so that its gradient reduction starts during that last backward). ``runtime``: the overlap
+    runtime the call runs under (the caller's instruments and counters on it; ``None``: one made for the
+    call and closed after it).
     """
     vpp = vpp or 1
     V = pp_size * vpp
@@ -101,7 +106,7 @@ def forward_backward(
     def backward_step(chunk: int, m: int) -> None:
         with backward_context(chunk, m) if backward_context is not None else contextlib.nullcontext():
             run_backward(chunk, m)
-            flush_deferred()  # delayed weight gradients no exchange has run yet, inside the context
+            runtime.flush_deferred()  # delayed weight gradients no exchange has run yet, inside the context
 
     program = rank_program(
         num_microbatches=num_microbatches,
@@ -111,22 +116,28 @@ def forward_backward(
         forward_only=forward_only,
         overlap=overlap,
     )
-    for action in program:
-        if isinstance(action, Exchange):
-            got = p2p.exchange(
-                sends=[(off, outbox.pop(key)) for off, key in action.sends],
-                recvs=[(off, tensor_shape, dtype, device) for off, _ in action.recvs],
-            )
-            inbox.update((key, t) for (_, key), t in zip(action.recvs, got))
-        elif isinstance(action, Pair):
-            f, b = action.forward, action.backward
-            # the backward starts: on a stage without the loss its first exchange (the last layer's combine)
-            # comes before any compute, and it then hides behind the forward's first piece, while the
-            # forward's last exchange hides behind the backward's last piece (the first layer's attention)
-            with steady_state():
-                run_pair(lambda: backward_step(b.chunk, b.microbatch), lambda: run_forward(f.chunk, f.microbatch))
-        elif action.kind == "F":
-            run_forward(action.chunk, action.microbatch)
-        else:
-            backward_step(action.chunk, action.microbatch)
+    with contextlib.ExitStack() as stack:
+        if runtime is None:
+            runtime = stack.enter_context(OverlapRuntime())  # closed (its helper thread ended) after the call
+        stack.enter_context(runtime.active())
+        for action in program:
+            if isinstance(action, Exchange):
+                got = p2p.exchange(
+                    sends=[(off, outbox.pop(key)) for off, key in action.sends],
+                    recvs=[(off, tensor_shape, dtype, device) for off, _ in action.recvs],
+                )
+                inbox.update((key, t) for (_, key), t in zip(action.recvs, got))
+            elif isinstance(action, Pair):
+                f, b = action.forward, action.backward
+                # the backward starts: on a stage without the loss its first exchange (the last layer's combine)
+                # comes before any compute, and it then hides behind the forward's first piece, while the
+                # forward's last exchange hides behind the backward's last piece (the first layer's attention)
+                with runtime.steady_state():
+                    runtime.run_pair(
+                        lambda: backward_step(b.chunk, b.microbatch), lambda: run_forward(f.chunk, f.microbatch)
+                    )
+            elif action.kind == "F":
+                run_forward(action.chunk, action.microbatch)
+            else:
+                backward_step(action.chunk, action.microbatch)
     return [losses[m] for m in sorted(losses)]

@@ -22,16 +22,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..moe.layer import MoELayer
-from ..moe.replicas.fetch import replica_step
+from ..model.chunks import step_scope
+from ..overlap.runtime import OverlapRuntime
 from .p2p import P2P
 from .schedules import forward_backward
-
-
-def _replica_layers(chunks: Sequence[nn.Module]) -> List[MoELayer]:
-    """The MoE layers with replica slots of ``chunks``, in chunk and module order (the same on every
-    rank of a pipeline stage, so their EP exchanges are issued in one order)."""
-    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.num_replicas]
 
 
 def run_microbatches(
@@ -43,6 +37,7 @@ def run_microbatches(
     forward_only: bool = False,
     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
     overlap: bool = False,
+    runtime: Optional[OverlapRuntime] = None,
 ) -> Dict[str, torch.Tensor]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
@@ -51,9 +46,9 @@ def run_microbatches(
     entered around every backward but each chunk's last micro-batch: during that last backward the
     optimizer's buckets start reducing as their gradients complete (Megatron-Core's
     ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
-    optimizer step completes the reduction. MoE layers with replica slots fetch their replicas'
-    weights once for the step and return the replicas' gradients to the owners when the schedule
-    ends (:func:`folding.moe.replicas.fetch.replica_step`: one EP exchange each way per layer).
+    optimizer step completes the reduction. The schedule runs inside the chunks' per-step duties
+    (:func:`folding.model.chunks.step_scope`: the MoE layers with replica slots fetch their replicas'
+    weights once for the step and return their gradients when the schedule ends).
     With multi-token prediction the objective adds ``mtp_loss_scaling_factor`` times the MTP loss
     sum (:class:`~folding.model.transformer.MoETransformer`).
     Returns ``{"lm_loss_sum": float64 tensor, "mtp_loss_sum": float64 tensor}``: the detached masked LM
@@ -62,6 +57,8 @@ def run_microbatches(
     ``overlap`` (``parallel.overlap_moe_comm``): the steady state runs each forward merged with a
     backward, their MoE exchanges hidden behind each other's compute (bitwise the same results); the
     experts resolve their backends (and run their first-use probes) before the schedule starts.
+    ``runtime``: the overlap runtime the schedule runs under (:func:`.schedules.forward_backward`; the
+    trainer's, which keeps the helper thread and the counters for the run; ``None``: one for the call).
     """
     layout = parallel_state.layout
     pp, vpp = layout.pp, layout.virtual_stages
@@ -112,9 +109,7 @@ def run_microbatches(
     def grad_sync(chunk: int, m: int):
         return contextlib.nullcontext() if m == last else no_sync()
 
-    # replica weights fetched once for the step, their gradients returned to the owners when it ends
-    replicas = [] if forward_only else [(m.replica_weights, m.replica_owners()) for m in _replica_layers(chunks)]
-    with replica_step(replicas):
+    with step_scope(chunks, training=not forward_only):
         forward_backward(
             forward_step=step,
             num_microbatches=len(microbatches),
@@ -128,6 +123,7 @@ def run_microbatches(
             forward_only=forward_only,
             backward_context=grad_sync if no_sync is not None else None,
             overlap=overlap,
+            runtime=runtime,
         )
 
     def total(parts):

@@ -1,12 +1,15 @@
 """A two-class CPU model of the links a token exchange uses (benchmarks and tests only).
 
-It watches the engine's exchanges through the overlap module's neutral hook
-(:func:`folding.overlap.exchange.observe`): the engine imports nothing from here.
+It subscribes to the exchanges of an overlap runtime
+(:meth:`folding.overlap.runtime.OverlapRuntime.observe`) and reads what each exchange record carries
+(:class:`folding.overlap.exchange.Exchange`: its kind, group and messages): the engine imports nothing
+from here and passes it nothing.
 
 On a GPU cluster an exchange's rows to ranks of other nodes go over the NIC (about 50 GB/s per GPU per
 direction on H100) and those to ranks of the same node over NVLink (about 450 GB/s): nine times
 faster. On one CPU machine every rank shares the same memory, so nothing shows the difference. Inside
-:func:`link_model`, every EP token exchange completes no earlier than
+:func:`link_model`, every EP token exchange (``carries`` :data:`~folding.overlap.exchange.TOKENS`)
+completes no earlier than
 
     start + latency + max over the link classes it uses of (its bytes on that class / that class's bandwidth)
 
@@ -46,7 +49,9 @@ the counts a benchmark reports.
 
 Usage::
 
-    with link_model(latency_s=1e-3, inter_node_bandwidth=2e8, intra_node_bandwidth=1.8e9, nvlink_domain=4):
+    runtime = OverlapRuntime()
+    with runtime.active(), link_model(runtime, latency_s=1e-3, inter_node_bandwidth=2e8,
+                                      intra_node_bandwidth=1.8e9, nvlink_domain=4):
         layer(x).sum().backward()          # every EP exchange waits for its modelled completion
     traffic.inter_node_bytes, traffic.intra_node_bytes
 """
@@ -61,6 +66,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch.distributed as dist
 
 from folding.overlap import exchange as overlap
+from folding.overlap.runtime import OverlapRuntime
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,6 +194,7 @@ def current() -> LinkModel:
 
 @contextlib.contextmanager
 def link_model(
+    runtime: OverlapRuntime,
     *,
     latency_s: float = 0.0,
     inter_node_bandwidth: Optional[float] = None,
@@ -196,10 +203,11 @@ def link_model(
     nccl_order: bool = True,
     peer_issue: bool = True,
 ) -> Iterator[LinkModel]:
-    """Inside the block, every EP token exchange completes no earlier than its :meth:`LinkModel.duration`
-    after it was issued and, with ``nccl_order``, no earlier than every operation issued before it on
-    its process group and, with ``peer_issue``, no earlier than its duration after the last of its ranks
-    issued it (see the module docstring); yields the :class:`LinkModel`."""
+    """Inside the block, every EP token exchange of ``runtime`` completes no earlier than its
+    :meth:`LinkModel.duration` after it was issued and, with ``nccl_order``, no earlier than every
+    operation issued before it on its process group and, with ``peer_issue``, no earlier than its
+    duration after the last of its ranks issued it (see the module docstring); yields the
+    :class:`LinkModel`."""
     m = LinkModel(
         latency_s=float(latency_s),
         inter_node_bandwidth=inter_node_bandwidth,
@@ -213,7 +221,7 @@ def link_model(
     for d in (_tails, _pending, _settled):
         d.clear()
     try:
-        with overlap.observe(_Links(m)):
+        with runtime.observe(_Links(m)):
             yield m
     finally:
         _model[0] = old
@@ -223,13 +231,15 @@ def link_model(
 
 
 @contextlib.contextmanager
-def link_latency(seconds: float, *, nccl_order: bool = True, peer_issue: bool = True) -> Iterator[None]:
-    """Link model for benchmarks and tests: inside the block, every token exchange completes no
-    earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
+def link_latency(
+    runtime: OverlapRuntime, seconds: float, *, nccl_order: bool = True, peer_issue: bool = True
+) -> Iterator[None]:
+    """Link model for benchmarks and tests: inside the block, every token exchange of ``runtime``
+    completes no earlier than ``seconds`` after it was issued (its wait sleeps for the rest, using no CPU), as on a
     network with that latency after the last of its ranks issued it (``peer_issue``), and
     (``nccl_order``) no earlier than the operations issued before it on its process group. The
     exchanges' data and order are unchanged."""
-    with link_model(latency_s=seconds, nccl_order=nccl_order, peer_issue=peer_issue):
+    with link_model(runtime, latency_s=seconds, nccl_order=nccl_order, peer_issue=peer_issue):
         yield
 
 
@@ -271,8 +281,8 @@ class _Links(overlap.ExchangeObserver):
 
     def issued(self, ex: overlap.Exchange) -> None:
         duration = 0.0
-        if ex.linked and self.model.active:
-            link_bytes = priced(ex.link_bytes)
+        if ex.carries == overlap.TOKENS and self.model.active:
+            link_bytes = priced(ex.messages)
             duration = self.model.latency_s if link_bytes is None else link_bytes.duration(self.model)
             if link_bytes is not None:
                 traffic.record(link_bytes)
@@ -372,16 +382,17 @@ def completion(ex: overlap.Exchange) -> Optional[float]:
     return ex.marks.get("link_done")
 
 
-def priced(link_bytes) -> Optional[LinkBytes]:
-    """An exchange's bytes per link class: ``link_bytes`` itself when a :class:`LinkBytes`, or its
-    :class:`~folding.overlap.exchange.ExchangeBytes` messages sorted by the node of each peer; ``None``
-    when nothing was counted or ``torch.distributed`` is not initialized (the latency alone applies)."""
-    if link_bytes is None or isinstance(link_bytes, LinkBytes):
-        return link_bytes
-    if not dist.is_initialized():
+def priced(messages) -> Optional[LinkBytes]:
+    """An exchange's bytes per link class: its :class:`~folding.overlap.exchange.Message` records sorted
+    by the node of each peer, or ``messages`` itself when a :class:`LinkBytes` (a test's exchange with
+    no process group); ``None`` when nothing was recorded or ``torch.distributed`` is not initialized
+    (the latency alone applies)."""
+    if isinstance(messages, LinkBytes):
+        return messages
+    if not messages or not dist.is_initialized():
         return None
     acc, me = LinkBytes(), dist.get_rank()
-    for group, send_bytes, recv_bytes in link_bytes.messages:
-        peers = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        acc.add(_model[0], me, peers, send_bytes, recv_bytes)
+    for m in messages:
+        peers = dist.get_process_group_ranks(m.group if m.group is not None else dist.group.WORLD)
+        acc.add(_model[0], me, peers, m.send_bytes, m.recv_bytes)
     return acc

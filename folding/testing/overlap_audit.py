@@ -1,20 +1,21 @@
 """The order audit and the wait statistics of the token exchanges (tests and benchmarks only).
 
-Both watch every :class:`folding.overlap.exchange.Exchange` through the overlap module's neutral hook
-(:func:`folding.overlap.exchange.observe`); the engine imports nothing from here.
+Both subscribe to the exchanges (:class:`folding.overlap.exchange.Exchange`) of an overlap runtime
+(:meth:`folding.overlap.runtime.OverlapRuntime.observe`); the engine imports nothing from here.
 
 - :func:`audit` records, for each exchange, the compute operations issued between its start and its
   wait (the order audit of the overlap tests).
 - :func:`wait_stats` accumulates the time spent blocked in exchange waits (the benchmark's exposed
   time). The pairs run and the hand-overs between their lanes are the baton's own counters
-  (:data:`folding.overlap.exchange.stats`, reported by the trainer per step).
+  (:attr:`folding.overlap.runtime.OverlapRuntime.stats`, reported by the trainer per step).
 
 Usage::
 
-    with audit() as log:
-        run_schedule()                  # log: one {"what", "steady", "paired", "ops"} per exchange
-    with wait_stats() as waits:
-        run_schedule()
+    runtime = OverlapRuntime()
+    with audit(runtime) as log:
+        run_schedule(runtime)           # log: one {"what", "steady", "paired", "ops"} per exchange
+    with wait_stats(runtime) as waits:
+        run_schedule(runtime)
     waits.blocked_s
 """
 
@@ -25,7 +26,7 @@ import dataclasses
 from typing import Any, Dict, Iterator, List
 
 from folding.overlap import exchange as overlap
-from folding.overlap import lanes
+from folding.overlap.runtime import OverlapRuntime
 
 # ------------------------------------------------------------------------------------- the audit
 
@@ -62,19 +63,19 @@ class _Audit(overlap.ExchangeObserver):
 
 
 @contextlib.contextmanager
-def audit() -> Iterator[List[Dict[str, Any]]]:
-    """Record every exchange inside the block: a list of ``{"what", "steady", "paired", "ops"}``,
+def audit(runtime: OverlapRuntime) -> Iterator[List[Dict[str, Any]]]:
+    """Record every exchange of ``runtime`` inside the block: a list of ``{"what", "steady", "paired", "ops"}``,
     where ``ops`` counts the compute operations this process issued between the exchange's start and
     its wait (in either lane), ``steady`` says whether it started inside
-    :func:`folding.overlap.exchange.steady_state` and ``paired`` whether a pair was running with its
+    :meth:`folding.overlap.runtime.OverlapRuntime.steady_state` and ``paired`` whether a pair was running with its
     other lane alive when it was waited on."""
     log: List[Dict[str, Any]] = []
-    lanes.set_helper_context(_counting_mode)  # the helper lane of a pair counts too
+    runtime.set_helper_context(_counting_mode)  # the helper lane of a pair counts too
     try:
-        with overlap.observe(_Audit(log)), _counting_mode():
+        with runtime.observe(_Audit(log)), _counting_mode():
             yield log
     finally:
-        lanes.set_helper_context(None)
+        runtime.set_helper_context(None)
 
 
 # ----------------------------------------------------------------------------- the wait statistics
@@ -102,8 +103,8 @@ class WaitStats(overlap.ExchangeObserver):
 
 
 @contextlib.contextmanager
-def wait_stats() -> Iterator[WaitStats]:
-    """Accumulate, inside the block, the time blocked in every exchange wait; yields the
+def wait_stats(runtime: OverlapRuntime) -> Iterator[WaitStats]:
+    """Accumulate, inside the block, the time blocked in every exchange wait of ``runtime``; yields the
     :class:`WaitStats`."""
-    with overlap.observe(WaitStats()) as waits:
+    with runtime.observe(WaitStats()) as waits:
         yield waits

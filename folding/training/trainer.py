@@ -66,7 +66,7 @@ from ..moe.replicas.table import ReplicaSchedule
 from ..moe.settings import LayerSettings
 from ..optim.expert_bias import update_expert_biases
 from ..optim.optimizer import FoldedOptimizer
-from ..overlap.exchange import stats as overlap_stats
+from ..overlap.runtime import OverlapRuntime
 from ..parallel import ParallelLayout, build_parallel_state
 from ..parallel.params import materialize
 from ..pipeline.stage import run_microbatches
@@ -203,6 +203,9 @@ class _Run:
     """The routing trace (``moe.trace_dir``), or ``None``."""
     replicas: Optional[ReplicaSchedule] = None
     """The re-plans of the hot-expert replica slots (``moe.expert_replicas``), or ``None``."""
+    overlap: OverlapRuntime = dataclasses.field(default_factory=OverlapRuntime)
+    """The overlap runtime every step's schedule runs under (``parallel.overlap_moe_comm``: one helper
+    thread for the run; its counters give each step's ``overlap_pairs`` and ``overlap_hand_overs``)."""
 
 
 @dataclasses.dataclass
@@ -261,6 +264,7 @@ def train(
                     published(run, run.saver.finish(), blocked_s=None)
                 run.saver.close()
     finally:
+        run.overlap.close()
         run.stats.close()
         if run.tracer:
             run.tracer.close()
@@ -411,12 +415,10 @@ def _train_step(run: _Run, step: int) -> None:
     router updates, metrics, evaluation and checkpoint when due."""
     run.timer.restart()
     mbs, n_tokens = _read_batch(run)
-    pairs0, hand_overs0 = overlap_stats.pairs, overlap_stats.hand_overs
+    baton = run.overlap.stats
+    pairs0, hand_overs0 = baton.pairs, baton.hand_overs
     out = _forward_backward(run, mbs, n_tokens)
-    paired = {
-        "overlap_pairs": overlap_stats.pairs - pairs0,
-        "overlap_hand_overs": overlap_stats.hand_overs - hand_overs0,
-    }
+    paired = {"overlap_pairs": baton.pairs - pairs0, "overlap_hand_overs": baton.hand_overs - hand_overs0}
     losses = _reduce(run, out, n_tokens)
     replicas, replans = None, []
     if run.replicas:  # the step's world-summed loads, the same on every rank: no collective of its own
@@ -465,6 +467,7 @@ def _forward_backward(run: _Run, mbs, n_tokens: torch.Tensor) -> Dict[str, torch
         loss_scale=1.0 / float(n_tokens.clamp(min=1)),
         no_sync=run.optimizer.no_sync,
         overlap=run.job.parallel.overlap_moe_comm,
+        runtime=run.overlap,
     )
     run.stats.collect()
     return out

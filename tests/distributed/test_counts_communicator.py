@@ -23,6 +23,7 @@ from folding.moe.dispatch.build import build_dispatcher
 from folding.moe.layer import build_moe_layer
 from folding.moe.settings import LayerSettings
 from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.collectives import all_gather_start, gather_counts_start
 from folding.testing.link_model import link_latency
@@ -78,7 +79,8 @@ def _counts_groups():
                 routing = torch.zeros(S * B, E, dtype=torch.bool).scatter_(1, top, True)
                 probs = torch.where(routing, logits.softmax(-1), 0.0)
                 dist.barrier()
-                with link_latency(LATENCY_S), wait_stats() as waits:
+                runtime = OverlapRuntime()
+                with runtime.active(), link_latency(runtime, LATENCY_S), wait_stats(runtime) as waits:
                     tokens = Exchange([], what="ep dispatch", group=ps.groups.ep)  # in flight on EP
                     waits.reset()
                     d.dispatch(hidden, routing, probs)  # its count read comes first, then its own exchanges

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from folding.moe.dispatch.wire import _a2a_all
+from folding.overlap.runtime import OverlapRuntime
 from folding.testing import link_model as lm
 
 
@@ -19,8 +20,12 @@ def _exchange(latency_s: float, inter_bw: float, intra_bw: float):
     x = torch.ones(sum(send), 8)
     lm.traffic.reset()
     t0 = time.perf_counter()
-    with lm.link_model(
-        latency_s=latency_s, inter_node_bandwidth=inter_bw, intra_node_bandwidth=intra_bw, nvlink_domain=2
+    runtime = OverlapRuntime()
+    with (
+        runtime.active(),
+        lm.link_model(
+            runtime, latency_s=latency_s, inter_node_bandwidth=inter_bw, intra_node_bandwidth=intra_bw, nvlink_domain=2
+        ),
     ):
         (out,) = _a2a_all([x], None, recv, send, what="ep dispatch")
     took = time.perf_counter() - t0
@@ -48,7 +53,8 @@ def _late_peer(peer_issue: bool, delay_s: float, latency_s: float):
     if me == 3:
         time.sleep(delay_s)
     t0 = time.perf_counter()
-    with lm.link_latency(latency_s, peer_issue=peer_issue):
+    runtime = OverlapRuntime()
+    with runtime.active(), lm.link_latency(runtime, latency_s, peer_issue=peer_issue):
         _a2a_all([x], None, [1] * 4, [1] * 4, what="ep dispatch")
     return time.perf_counter() - t0, lm.traffic.peer_fallbacks
 

@@ -31,9 +31,9 @@ from folding.model.presets import get_preset
 from folding.moe.dispatch import host_sync
 from folding.moe.layer import SharedExpert
 from folding.moe.settings import LayerSettings
-from folding.overlap import exchange as overlap
+from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.pipeline import schedules
 from folding.pipeline.stage import run_microbatches
 from folding.testing import overlap_audit
 from folding.testing.link_model import link_latency
@@ -52,13 +52,13 @@ def _sequential(first, second):
 
 
 @contextlib.contextmanager
-def _order_trace(chunks):
+def _order_trace(chunks, runtime):
     """Record ``(event, lane)`` for every shared-expert forward and every host read of the dispatchers'
     counts (``host_sync.start_read``) inside the block."""
     trace, undo = [], []
 
     def mark(what):
-        trace.append((what, overlap.running_lane()))
+        trace.append((what, runtime.running_lane()))
 
     def wrap(obj, name, what):
         real = getattr(obj, name)
@@ -84,9 +84,10 @@ def _audit_step(layout: str, sequential: bool):
     """One training step's forward-backward with overlap on (its groups built as the trainer builds them
     then: ``own_communicators``), under the audit; returns the log and the order trace of the shared
     experts and the count reads (:func:`_order_trace`)."""
+    runtime = OverlapRuntime()
     if sequential:
-        schedules.run_pair = _sequential  # overlap disabled inside the schedule
-    try:
+        runtime.run_pair = _sequential  # overlap disabled inside the schedule
+    with runtime:
         cfg = get_preset("qwen2_moe_tiny" if layout == "ep2etp2" else "mixtral_tiny", num_layers=2)
         if layout.startswith("hier"):
             cfg = dataclasses.replace(cfg, moe=cfg.moe.replace(dispatcher="hierarchical"))
@@ -99,12 +100,10 @@ def _audit_step(layout: str, sequential: bool):
             for _ in range(8):  # pairs on every stage: PP2's first stage warms up with 3 forwards
                 tok = torch.randint(0, cfg.vocab_size, (1, 17), generator=gen)
                 mbs.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:], loss_mask=torch.ones(1, 16)))
-            with overlap_audit.audit() as log, _order_trace(chunks) as trace:
-                run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-3, overlap=True)
+            with overlap_audit.audit(runtime) as log, _order_trace(chunks, runtime) as trace:
+                run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1e-3, overlap=True, runtime=runtime)
         finally:
             ps.destroy()
-    finally:
-        schedules.run_pair = overlap.run_pair
     return log, trace
 
 
@@ -147,9 +146,10 @@ def _timed_exchange(latency_s: float):
     x = torch.ones(4, 8)
     out = torch.empty_like(x)
     t0 = time.perf_counter()
-    with link_latency(latency_s):
+    runtime = OverlapRuntime()
+    with runtime.active(), link_latency(runtime, latency_s):
         w = dist.all_to_all_single(out, x, group=None, async_op=True)
-        overlap.Exchange([w], what="ep test").wait()
+        Exchange([w], what="ep test").wait()
     return time.perf_counter() - t0
 
 

@@ -23,7 +23,7 @@ from folding.model.presets import get_preset
 from folding.moe.experts import backends as expert_backends
 from folding.moe.layer import MoELayer
 from folding.moe.settings import LayerSettings
-from folding.overlap import exchange as overlap
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.params import materialize
 from folding.pipeline.stage import run_microbatches
@@ -35,15 +35,15 @@ def _train(overlap_on: bool):
     cfg = get_preset("mixtral_tiny", num_layers=2)
     cfg = dataclasses.replace(cfg, moe=cfg.moe.replace(input_jitter_eps=0.2))
     probes, lanes = [], []
+    runtime = OverlapRuntime()  # both steps': one helper thread, one set of counters
     probe = expert_backends._probe_grouped_mm
 
     def counting(*args):
-        probes.append(overlap.running_lane())
+        probes.append(runtime.running_lane())
         return probe(*args)
 
     expert_backends.torch_grouped_mm_supported.cache_clear()
     expert_backends._probe_grouped_mm = counting
-    overlap.stats.reset()
     try:
         with build_parallel_state(ParallelLayout(world_size=dist.get_world_size(), ep=2, etp=1)) as ps:
             settings = LayerSettings(recompute="moe", overlap_comm=overlap_on, device="meta")
@@ -54,7 +54,7 @@ def _train(overlap_on: bool):
                 for m in c.modules():
                     if isinstance(m, MoELayer):
                         m.register_forward_pre_hook(
-                            lambda *_: lanes.append((overlap.running_lane(), threading.get_ident()))
+                            lambda *_: lanes.append((runtime.running_lane(), threading.get_ident()))
                         )
             built = list(probes)
             torch.manual_seed(7)  # the jitter's draws
@@ -65,17 +65,20 @@ def _train(overlap_on: bool):
                     dict(tokens=t, labels=torch.roll(t, -1, 1), loss_mask=torch.ones(1, S))
                     for t in (torch.randint(0, cfg.vocab_size, (1, S), generator=g) for _ in range(M))
                 ]
-                out = run_microbatches(chunks, mbs, parallel_state=ps, loss_scale=1.0 / (M * S), overlap=overlap_on)
+                out = run_microbatches(
+                    chunks, mbs, parallel_state=ps, loss_scale=1.0 / (M * S), overlap=overlap_on, runtime=runtime
+                )
                 losses.append(out["lm_loss_sum"])
             grads = [p.grad.clone() for c in chunks for p in c.parameters() if p.grad is not None]
     finally:
+        runtime.close()
         expert_backends._probe_grouped_mm = probe
         expert_backends.torch_grouped_mm_supported.cache_clear()
     return dict(
         losses=losses,
         grads=grads,
         rng=torch.get_rng_state(),
-        hand_overs=overlap.stats.hand_overs,
+        hand_overs=runtime.stats.hand_overs,
         built=built,
         probes=probes,
         lanes=lanes,

@@ -5,12 +5,14 @@ weights (one with a bias). Outputs and the gradients of ``x``, the weights and t
 slices of plain autograd on the full tensors, computed in each rank. The fused op must keep only the
 shard for backward; the unfused path (all-gather, then ``F.linear``) keeps the gathered input, which
 shows that the check can fail. With ``delay_wgrad`` (``parallel.delay_wgrad``) the weight and bias
-gradients come later (none yet when the input's gradient is ready) and bitwise equal.
+gradients come later (none yet when the input's gradient is ready: deferred onto the overlap runtime
+current in the forward) and bitwise equal.
 """
 
 import torch
 import torch.nn.functional as F
 
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.collectives import gather_from_sequence_region, group_rank, group_size
 from folding.parallel.sequence_parallel import gather_linears
@@ -54,10 +56,11 @@ def _case(tp: int):
         )
         # the same with the weight gradients deferred: delivered by the end of the backward, bitwise
         dx, dw1, db1, dw2 = (t.detach().clone().requires_grad_() for t in (x, lw1, lb1, lw2))
-        d1, d2 = gather_linears(dx, [dw1, dw2], [db1, None], grp, delay_wgrad=True)
-        pending = []
-        dx.register_hook(lambda g: pending.append((dw1.grad, db1.grad, dw2.grad)))
-        ((d1 * cols(cot1)).sum() + (d2 * cols(cot2)).sum()).backward()
+        with OverlapRuntime().active():  # outside every runtime deferred work would run at once
+            d1, d2 = gather_linears(dx, [dw1, dw2], [db1, None], grp, delay_wgrad=True)
+            pending = []
+            dx.register_hook(lambda g: pending.append((dw1.grad, db1.grad, dw2.grad)))
+            ((d1 * cols(cot1)).sum() + (d2 * cols(cot2)).sum()).backward()
         deferred = dict(
             out=torch.equal(d1, y1) and torch.equal(d2, y2),
             grads=[torch.equal(a.grad, b.grad) for a, b in ((dx, x), (dw1, lw1), (db1, lb1), (dw2, lw2))],

@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 
-from folding.overlap import exchange as overlap
+from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from tools import bringup_device_cases as dc
 from tools import bringup_overlap_step as ovs
 from tools import gpu_bringup
@@ -120,11 +121,11 @@ class _Event:
 
 
 def test_exchange_events_bracket_the_waits():
-    trail = []
-    with ovs.exchange_events(lambda: _Event(trail)) as log:
-        overlap.Exchange([_Work("a", trail), _Work("b", trail)], what="ep dispatch", linked=False).wait()
-        overlap.Exchange([_Work("c", trail)], what="ep combine", linked=False).wait()
-        overlap.Exchange([], what="empty", linked=False).wait()  # nothing issued: nothing timed
+    trail, runtime = [], OverlapRuntime()
+    with runtime.active(), ovs.exchange_events(runtime, lambda: _Event(trail)) as log:
+        Exchange([_Work("a", trail), _Work("b", trail)], what="ep dispatch").wait()
+        Exchange([_Work("c", trail)], what="ep combine").wait()
+        Exchange([], what="empty").wait()  # nothing issued: nothing timed
     assert trail == ["event", "a", "b", "event", "event", "c", "event"]
     assert [w for w, *_ in log] == ["ep dispatch", "ep combine"]
     by = ovs.exposed_by_exchange(log)
@@ -134,7 +135,8 @@ def test_exchange_events_bracket_the_waits():
     }
     # outside the block the exchange is the engine's again
     trail.clear()
-    overlap.Exchange([_Work("d", trail)], what="x", linked=False).wait()
+    with runtime.active():
+        Exchange([_Work("d", trail)], what="x").wait()
     assert trail == ["d"]
 
 

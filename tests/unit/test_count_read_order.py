@@ -17,7 +17,7 @@ from folding.moe.config import MoEConfig
 from folding.moe.dispatch import host_sync
 from folding.moe.layer import build_moe_layer
 from folding.moe.settings import LayerSettings
-from folding.parallel import overlap
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel.groups import ProcessGroups
 from folding.testing import overlap_audit
 
@@ -35,13 +35,22 @@ def _layer():
 
 
 @pytest.fixture
-def trace(monkeypatch):
+def runtime():
+    """The overlap runtime the tests run the layer under, current for the test's duration."""
+    rt = OverlapRuntime()
+    with rt.active():
+        yield rt
+    rt.close()
+
+
+@pytest.fixture
+def trace(monkeypatch, runtime):
     """``(event, lane, ops)`` per shared-expert start and per host read, ``ops`` the audit's operation
     count so far."""
     log = []
 
     def mark(what):
-        log.append((what, overlap.running_lane(), overlap_audit._op_count[0]))
+        log.append((what, runtime.running_lane(), overlap_audit._op_count[0]))
 
     for name in ("to_host", "start_read"):
         real = getattr(host_sync, name, None)
@@ -65,28 +74,28 @@ def _watch_shared(layer, mark):
     layer.shared_expert.forward = forward
 
 
-def test_the_shared_expert_is_issued_before_the_count_read(trace):
+def test_the_shared_expert_is_issued_before_the_count_read(trace, runtime):
     log, mark = trace
     layer = _layer()
     _watch_shared(layer, mark)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(0))
-    with overlap_audit.audit():
+    with overlap_audit.audit(runtime):
         layer(x)
     assert [e for e, _, _ in log] == ["shared", "read"], log
     assert log[0][2] < log[1][2]  # operations were issued between them: the shared expert's
 
 
-def test_in_a_pair_each_lane_issues_its_shared_expert_before_its_count_read(trace):
+def test_in_a_pair_each_lane_issues_its_shared_expert_before_its_count_read(trace, runtime):
     log, mark = trace
     layer = _layer()
     _watch_shared(layer, mark)
     xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
     ref = [layer(x) for x in xs]  # outside a pair: the reference outputs
     log.clear()
-    before = overlap.stats.hand_overs
+    before = runtime.stats.hand_overs
     with torch.no_grad():
-        out = overlap.run_pair(lambda: layer(xs[0]), lambda: layer(xs[1]))
+        out = runtime.run_pair(lambda: layer(xs[0]), lambda: layer(xs[1]))
     for lane in (0, 1):
         assert [e for e, la, _ in log if la == lane] == ["shared", "read"], log
-    assert overlap.stats.hand_overs == before  # one rank, no token exchange: the read hands nothing over
+    assert runtime.stats.hand_overs == before  # one rank, no token exchange: the read hands nothing over
     assert all(torch.equal(a, b) for a, b in zip(out, ref))  # the same numbers bitwise

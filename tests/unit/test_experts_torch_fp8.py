@@ -22,7 +22,7 @@ from folding.moe.experts.backends import grouped_linear
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.mxfp8 import to_blocked
 from folding.moe.experts.scaled import aligned_sizes
-from folding.overlap import exchange as overlap
+from folding.overlap.runtime import OverlapRuntime
 from tests.scaled_grouped_mm_standin import (
     CALLS,
     E8M0,
@@ -172,9 +172,11 @@ KW = dict(num_local_experts=4, hidden_size=24, ffn_hidden_size=20, init_seed=2, 
 
 def _run(mod, x, counts, probs, dy):
     xx, pp = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    y = mod(xx, counts, pp)
-    y.backward(dy)
-    overlap.flush_deferred()
+    runtime = OverlapRuntime()
+    with runtime.active():  # delayed weight gradients deferred onto it
+        y = mod(xx, counts, pp)
+        y.backward(dy)
+        runtime.flush_deferred()
     return [y, xx.grad, pp.grad, mod.fc1_weight.grad, mod.fc2_weight.grad]
 
 

@@ -14,8 +14,18 @@ from torch.utils.checkpoint import checkpoint
 
 from folding.moe.experts import backends as expert_backends
 from folding.moe.experts.grouped import GroupedMLP
-from folding.overlap import exchange as overlap
-from folding.overlap.exchange import LaneError
+from folding.overlap.exchange import Exchange
+from folding.overlap.lanes import LaneError
+from folding.overlap.runtime import OverlapRuntime
+
+overlap = OverlapRuntime()
+"""The runtime every test of this file runs under (current through the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with overlap.active():
+        yield
 
 
 class _Done:
@@ -24,7 +34,7 @@ class _Done:
 
 
 def _exchange():
-    overlap.Exchange([_Done()], what="ep test").wait()
+    Exchange([_Done()], what="ep test").wait()
 
 
 DEVICES = [

@@ -15,9 +15,19 @@ import torch
 from folding.job.config import ConfigError
 from folding.job.validate import validate_job
 from folding.moe.experts.te import fp8_region, make_te_recipe
-from folding.overlap import exchange as overlap
+from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from tests import te_standin
 from tests.unit.test_config_job import job
+
+overlap = OverlapRuntime()
+"""The runtime every test of this file runs under (current through the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with overlap.active():
+        yield
 
 
 class _Done:
@@ -39,7 +49,7 @@ def _lanes(te):
 
     def a():
         with te.autocast(enabled=True, recipe=make_te_recipe("tensorwise")):
-            overlap.Exchange([_Done()], what="ep test").wait()
+            Exchange([_Done()], what="ep test").wait()
             mod_a(x, [16])
 
     def b():
@@ -65,7 +75,7 @@ def test_an_fp8_region_does_not_open_inside_a_pair(te):
             pass
 
     with pytest.raises(RuntimeError, match="parallel.overlap_moe_comm=false"):
-        overlap.run_pair(lambda: overlap.Exchange([_Done()], what="ep test").wait(), forward)
+        overlap.run_pair(lambda: Exchange([_Done()], what="ep test").wait(), forward)
     assert te._REGION["depth"] == 0
     with fp8_region("tensorwise", amax_reduction_group=None):  # outside a pair (warm-up forwards): fine
         assert te._REGION["depth"] == 1

@@ -5,8 +5,18 @@ import time
 
 import pytest
 
-from folding.overlap.exchange import Exchange
+from folding.overlap.exchange import ETP_ROWS, Exchange
+from folding.overlap.runtime import OverlapRuntime
 from folding.testing import link_model as lm
+
+RT = OverlapRuntime()
+"""The runtime the link model subscribes to and the exchanges bind to (current in every test)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with RT.active():
+        yield
 
 
 def test_duration_is_latency_plus_the_slower_class():
@@ -40,7 +50,7 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="inter_node_bandwidth"):
         lm.LinkModel(inter_node_bandwidth=0)
     with pytest.raises(ValueError, match="latency"):
-        with lm.link_latency(-1):
+        with lm.link_latency(RT, -1):
             pass
 
 
@@ -54,25 +64,25 @@ def _timed_wait(make):
 
 def test_exchange_waits_for_its_modelled_completion():
     lm.traffic.reset()
-    with lm.link_model(latency_s=0.02, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=2):
+    with lm.link_model(RT, latency_s=0.02, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=2):
         # 60 kB over the NIC (60 ms) beats 90 kB over NVLink (10 ms): at least 20 + 60 ms
         sent = lm.LinkBytes(inter_sent=60e3, intra_sent=90e3)
-        assert _timed_wait(lambda: Exchange([], what="ep dispatch", link_bytes=sent)) >= 0.08
+        assert _timed_wait(lambda: Exchange([], what="ep dispatch", messages=sent)) >= 0.08
         assert (lm.traffic.inter_node_bytes, lm.traffic.intra_node_bytes, lm.traffic.exchanges) == (60e3, 90e3, 1)
         # an exchange without bytes pays the latency
         assert _timed_wait(lambda: Exchange([], what="ep combine")) >= 0.02
     # outside the block nothing is delayed and nothing counted
     lm.traffic.reset()
-    assert _timed_wait(lambda: Exchange([], what="x", link_bytes=lm.LinkBytes(inter_sent=1e9))) < 0.5
+    assert _timed_wait(lambda: Exchange([], what="x", messages=lm.LinkBytes(inter_sent=1e9))) < 0.5
     assert lm.traffic.exchanges == 0
 
 
 def test_link_latency_keeps_its_meaning():
-    with lm.link_latency(0.2):
+    with lm.link_latency(RT, 0.2):
         assert lm.current().latency_s == 0.2
         assert _timed_wait(lambda: Exchange([], what="ep dispatch")) >= 0.2
         # an exchange that is not an EP one (ETP) is not delayed (half the latency: room for a busy host)
-        assert _timed_wait(lambda: Exchange([], what="etp", linked=False)) < 0.1
+        assert _timed_wait(lambda: Exchange([], what="etp", carries=ETP_ROWS)) < 0.1
     assert not lm.current().active
 
 

@@ -4,16 +4,29 @@ order, and the rule is on by default (``folding.testing.link_model``)."""
 
 import time
 
+import pytest
+
 from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from folding.testing import link_model as lm
 from folding.testing.link_model import link_latency
+
+RT = OverlapRuntime()
+"""The runtime the link model subscribes to and the exchanges bind to (current in every test)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with RT.active():
+        yield
+
 
 EP, COUNTS = object(), object()  # stand-ins for two process groups over the same ranks
 
 
 def test_an_operation_completes_after_those_issued_before_it_on_its_group():
     assert lm.LinkModel().nccl_order  # default on
-    with link_latency(0.2):
+    with link_latency(RT, 0.2):
         t0 = time.perf_counter()
         tokens = Exchange([], what="ep dispatch", group=EP)  # 200 ms in flight on EP
         counts = lm.issue(EP, 0.0)  # a count all-gather issued behind it on the same group
@@ -27,11 +40,11 @@ def test_an_operation_completes_after_those_issued_before_it_on_its_group():
 
 
 def test_without_the_rule_or_the_group_nothing_waits_behind():
-    with link_latency(0.2, nccl_order=False):
+    with link_latency(RT, 0.2, nccl_order=False):
         t0 = time.perf_counter()
         Exchange([], what="ep dispatch", group=EP)
         assert lm.issue(EP, 0.0) < t0 + 0.1
-    with link_latency(0.2):
+    with link_latency(RT, 0.2):
         t0 = time.perf_counter()
         Exchange([], what="ep dispatch")  # no group named: no order kept
         assert lm.issue(None, 0.0) < t0 + 0.1

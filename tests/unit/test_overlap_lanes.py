@@ -9,8 +9,18 @@ import pytest
 import torch
 
 from folding.moe.experts.grouped import GroupedMLP
-from folding.overlap import exchange as overlap
+from folding.overlap.exchange import Exchange
+from folding.overlap.runtime import OverlapRuntime
 from folding.pipeline.order import schedule_order
+
+overlap = OverlapRuntime()
+"""The runtime every test of this file runs under (current through the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with overlap.active():
+        yield
 
 
 class _Done:
@@ -22,7 +32,7 @@ def _lane(name, trace, exchanges):
     def run():
         for i in range(exchanges):
             trace.append(f"{name}{i} start")
-            overlap.Exchange([_Done()], what="ep test").wait()
+            Exchange([_Done()], what="ep test").wait()
             trace.append(f"{name}{i} end")
         return name
 
@@ -41,7 +51,7 @@ def test_an_exception_in_a_lane_reaches_the_caller_after_both_end():
     trace = []
 
     def bad():
-        overlap.Exchange([_Done()], what="ep test").wait()
+        Exchange([_Done()], what="ep test").wait()
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
@@ -53,7 +63,7 @@ def test_deferred_work_runs_in_the_next_wait_with_its_grad_mode():
     w = torch.ones(2, requires_grad=True)
     d = overlap.defer(lambda: (w * 2).sum())
     with torch.no_grad():  # an exchange waited on inside an autograd function's forward
-        overlap.Exchange([_Done()], what="ep test").wait()
+        Exchange([_Done()], what="ep test").wait()
     assert d.result().requires_grad
 
 
@@ -64,12 +74,12 @@ def test_a_lanes_deferred_work_runs_in_that_lane_around_the_other_lanes_piece():
         for name in ("fc2 wgrad", "fc1 wgrad"):
             overlap.defer(lambda name=name: trace.append((name, overlap.running_lane())))
         trace.append("a issues")
-        overlap.Exchange([_Done()], what="ep test").wait()
+        Exchange([_Done()], what="ep test").wait()
         trace.append("a waited")
 
     def second():
         trace.append("b runs")
-        overlap.Exchange([_Done()], what="ep test").wait()  # must not run the first lane's work
+        Exchange([_Done()], what="ep test").wait()  # must not run the first lane's work
         trace.append("b waited")
 
     overlap.run_pair(first, second)
@@ -106,7 +116,7 @@ def test_delayed_weight_gradients_are_bitwise_the_plain_ones(hidden, ffn, etp):
         for _ in range(2):  # the second accumulates onto the first
             y = m(x, torch.tensor([5, 0, 7, 8]), p)
             (y * y).sum().backward()  # no exchange ran the deferred work: the end of the backward did
-            assert not overlap._deferred.get(None)
+            assert not overlap.deferred.pending()
         return x.grad, m.fc1_weight.grad, m.fc2_weight.grad
 
     for a, b in zip(run(False), run(True)):

@@ -14,6 +14,8 @@ counts to the host and copied each call's offsets back. Checked here on CPU with
 - no host read of the counts and no host→device copy per call (:class:`folding.testing.transfer_audit.TransferAudit`).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ from folding.moe.experts.grouped import GroupedMLP
 from folding.optim.grad_buffer import BufferGroups, GradBuffer
 from folding.optim.param_groups import ParamClass
 from folding.optim.reducer import GradReducer
-from folding.parallel import overlap
+from folding.overlap.runtime import OverlapRuntime
 from folding.testing.transfer_audit import TransferAudit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,24 +57,32 @@ def _inputs():
     return torch.randn(sum(COUNTS), H, generator=gen), torch.randn(3, O, H, generator=gen)
 
 
-def _split_grads(delay, counts, limit=LIMIT, reduce=True):
+def _split_grads(delay, counts, limit=LIMIT, reduce=True, runtime=True):
+    """Forward and backward of one split grouped GEMM: inside an overlap runtime (the delivery deferred to
+    the runtime's end-of-backward flush, as no exchange runs) or outside every runtime (the autograd
+    engine's end-of-backward callback delivers)."""
     x0, w0 = _inputs()
     x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
     seen = _deliveries([w])
     reducer = _reducer([w]) if reduce else None
-    y = grouped_linear(x, w, counts, "torch", index_limit=limit, delay_wgrad=delay)
-    (y * y).sum().backward()  # no exchange ran the deferred work: the end of the backward did
-    assert not overlap._deferred.get(None)
+    rt = OverlapRuntime() if runtime else None
+    with rt.active() if rt is not None else contextlib.nullcontext():
+        y = grouped_linear(x, w, counts, "torch", index_limit=limit, delay_wgrad=delay)
+        (y * y).sum().backward()  # no exchange ran the deferred work: the end of the backward did
+    if rt is not None:
+        assert rt.deferred.pending() == 0
+        rt.close()
     grad = w.main_grad.clone() if reduce else w.grad
     if reducer is not None:
         reducer.finish()
     return y.detach(), x.grad, grad, seen[0]
 
 
+@pytest.mark.parametrize("runtime", [True, False], ids=["runtime", "no_runtime"])
 @pytest.mark.parametrize("device_counts", [False, True])
-def test_a_split_grouped_gemm_delivers_its_deferred_weight_gradient_once(device_counts):
+def test_a_split_grouped_gemm_delivers_its_deferred_weight_gradient_once(device_counts, runtime):
     counts = torch.tensor(COUNTS) if device_counts else COUNTS
-    y, gx, gw, n = _split_grads(True, counts)
+    y, gx, gw, n = _split_grads(True, counts, runtime=runtime)
     assert n == 1, f"the weight gradient arrived {n} times"
     y0, gx0, gw0, n0 = _split_grads(False, counts)
     assert n0 == 1

@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folding.overlap import deferred, wgrad
+from folding.overlap import wgrad
+from folding.overlap.runtime import OverlapRuntime
 from folding.parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
+
+overlap = OverlapRuntime()
+"""The runtime every test of this file runs under (current through the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _current_runtime():
+    with overlap.active():
+        yield
 
 
 def _grads(linear, x0, w0, b0, cast=None, transposed_grad=False):
@@ -52,7 +62,7 @@ def test_deferred_linear_gives_the_gradients_of_f_linear_bitwise(shape, bias, tr
     got = _grads(wgrad.linear, x0, w0, b0, transposed_grad=transposed_grad)
     for a, b in zip(got, want):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert not deferred._deferred.get(None), "the end-of-backward flush left deferred work behind"
+    assert not overlap.deferred.pending(), "the end-of-backward flush left deferred work behind"
 
 
 def test_deferred_linear_reaches_a_parameter_through_its_cast():
@@ -76,7 +86,7 @@ def test_the_weight_gradient_waits_for_the_flush_and_hooks_fire_once_with_it():
     h = wgrad.linear(x, w)
     # runs in the backward after the projection's node: its input gradient exists, its weight's does not
     h.register_hook(lambda g: g)
-    x.register_hook(lambda g: during.append((w.grad is None, len(deferred._deferred.get(None, [])))))
+    x.register_hook(lambda g: during.append((w.grad is None, overlap.deferred.pending())))
     (h * h).sum().backward()
     assert during == [(True, 1)], during
     assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], w.grad)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ...overlap.exchange import Exchange
+from ...overlap.exchange import COUNTS, Exchange
 from ...parallel.collectives import all_gather_nograd, gather_counts_start
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher
@@ -158,7 +158,7 @@ class AllToAllDispatcher(TokenDispatcher):
             # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
             # an instrument's link model keeps its place in the counts group's order (NCCL's)
             call.counts_work = Exchange(
-                [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
+                [work], what="ep counts", carries=COUNTS, group=self.counts_group, overlap_point=False
             )
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)

@@ -31,6 +31,7 @@ from typing import List, Optional
 
 import torch
 
+from ...overlap.runtime import current_runtime, entered
 from .hier_plan import HierPlan, dedup_rows
 from .wire import _a2a_all, _gather_all, _reduce_scatter_all, decode, encode
 
@@ -168,12 +169,13 @@ class _HierDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, probs_TE, map_TE, route: HierRoute, wire: str, grad_wire: str):
         rows, probs_N, ctx.route = _to_experts(x_TH, route, wire, meta=(map_TE, probs_TE))
-        ctx.grad_wire, ctx.probs_dtype = grad_wire, probs_TE.dtype
+        ctx.grad_wire, ctx.probs_dtype, ctx.overlap = grad_wire, probs_TE.dtype, current_runtime()
         return rows, probs_N, ctx.route
 
     @staticmethod
     def backward(ctx, g_NH, gp_N, _route):
-        gx, gp = _from_experts(g_NH, ctx.route, ctx.grad_wire, gprobs_N=gp_N, what="dispatch backward")
+        with entered(ctx.overlap):  # the forward's overlap runtime (on CUDA this runs on another thread)
+            gx, gp = _from_experts(g_NH, ctx.route, ctx.grad_wire, gprobs_N=gp_N, what="dispatch backward")
         return gx, gp.to(ctx.probs_dtype), None, None, None, None
 
 
@@ -183,12 +185,14 @@ class _HierCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_NH, route: HierRoute, wire: str, grad_wire: str):
-        ctx.route, ctx.grad_wire = route, grad_wire
+        ctx.route, ctx.grad_wire, ctx.overlap = route, grad_wire, current_runtime()
         return _from_experts(out_NH, route, wire)[0]
 
     @staticmethod
     def backward(ctx, g_TH):
-        return _to_experts(g_TH.contiguous(), ctx.route, ctx.grad_wire, what="combine backward"), None, None, None
+        with entered(ctx.overlap):  # the forward's overlap runtime (on CUDA this runs on another thread)
+            rows = _to_experts(g_TH.contiguous(), ctx.route, ctx.grad_wire, what="combine backward")
+        return rows, None, None, None
 
 
 def hier_dispatch(x_TH, probs_TE, map_TE, route: HierRoute, wire: str, grad_wire: str):

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ...overlap.exchange import Exchange
+from ...overlap.exchange import COUNTS, Exchange
 from ...parallel.collectives import all_gather_nograd, gather_counts_start
 from . import host_sync
 from .base import DispatchCall, DispatchRecord, TokenDispatcher, _group_ranks
@@ -134,7 +134,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
         # an instrument's link model keeps its place in the counts group's order (NCCL's)
         call.counts_work = Exchange(
-            [work], what="ep counts", linked=False, group=self.counts_group, overlap_point=False
+            [work], what="ep counts", carries=COUNTS, group=self.counts_group, overlap_point=False
         )
         return tokens_TH, probs, call
 

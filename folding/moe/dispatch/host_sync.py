@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...parallel.overlap import flush_deferred
+from ...overlap.runtime import flush_deferred
 
 _COUNT = 0
 
@@ -82,10 +82,10 @@ def read_counts(counts: torch.Tensor, *, work: Optional[Any] = None, reason: str
     """The dispatchers' read of their gathered token counts on the host (``counts.tolist()``), the one
     device-to-host read of a dropless layer, in this order:
 
-    1. the running lane's deferred work runs (:func:`folding.parallel.overlap.flush_deferred`: the
+    1. the running lane's deferred work runs (:func:`folding.overlap.runtime.flush_deferred`: the
        shared expert, which needs no counts), so it is issued before anything waits for the counts
        (on a GPU its kernels run while the counts travel and the host waits);
-    2. ``work`` (the count gather's :class:`~folding.parallel.overlap.Exchange`, or ``None``) is waited
+    2. ``work`` (the count gather's :class:`~folding.overlap.exchange.Exchange`, or ``None``) is waited
        on: on NCCL the stream waits, not the host;
     3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event) and the
        host waits for it and reads it.

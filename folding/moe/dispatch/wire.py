@@ -37,7 +37,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ...overlap.exchange import Exchange, exchange_bytes
+from ...overlap.exchange import ETP_ROWS, TOKENS, Exchange, Message
+from ...overlap.runtime import current_runtime, entered
 from ...parallel.collectives import all_gather_single, group_rank, group_size
 from ...quant import dequantize, quantize_fp8_rowwise, quantize_mxfp8
 from .permute import inverse_order
@@ -121,30 +122,28 @@ def _size(group) -> int:
 
 
 def _a2a_all(
-    parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str, ep: bool = True
+    parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, *, what: str, carries: str = TOKENS
 ) -> List[torch.Tensor]:
     """Uneven ``all_to_all_single`` of every part along dim 0 (no autograd), issued together and then
-    waited on as one :class:`~folding.overlap.exchange.Exchange` named ``what`` (see :func:`_a2a_start`);
-    ``ep``: an EP exchange (the link model delays those)."""
-    link = exchange_bytes() if ep else None
-    outs, works = _a2a_start(parts, group, recv, send, rows, link=link)
-    _wait(works, what, linked=ep, link_bytes=link, group=group)
+    waited on as one :class:`~folding.overlap.exchange.Exchange` named ``what`` carrying ``carries``
+    (see :func:`_a2a_start`)."""
+    outs, works, messages = _a2a_start(parts, group, recv, send, rows)
+    _wait(works, what, carries=carries, group=group, messages=messages)
     return outs
 
 
-def _wait(works, what: str, *, linked: bool, link_bytes=None, group=None) -> None:
-    """Wait on collectives issued together: the overlap point of every token exchange (deferred work
-    and the other lane of a pair run here while they are in flight; see :mod:`folding.overlap.exchange`).
-    ``linked``: an EP exchange, which the benchmarks' link model delays; ``link_bytes``: its bytes per link
-    class; ``group``: the process group they run on, whose issue order the link model keeps
-    (:mod:`folding.testing.link_model`)."""
+def _wait(works, what: str, *, carries: str, group=None, messages: Sequence[Message] = ()) -> None:
+    """Wait on collectives issued together on ``group`` as one exchange record: the overlap point of
+    every token exchange (deferred work and the other lane of a pair run here while they are in flight;
+    see :mod:`folding.overlap.exchange`)."""
     if works:
-        Exchange(works, what=what, linked=linked, link_bytes=link_bytes, group=group).wait()
+        Exchange(works, what=what, carries=carries, group=group, messages=messages).wait()
 
 
-def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None, link=None):
+def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[int] = None):
     """Issue the uneven ``all_to_all_single`` of every part along dim 0 (no autograd) and return
-    ``(outputs, works)``, the outputs valid once every work is waited on: all are issued before any
+    ``(outputs, works, messages)``, the outputs valid once every work is waited on, ``messages`` one
+    :class:`~folding.overlap.exchange.Message` per collective issued: all are issued before any
     is waited on, so the parts of one message cost one synchronization, not one each. With
     ``rows`` (>= ``sum(recv)``) each output has that many rows, the received ones first (the rest
     uninitialized): a padded buffer the ETP all-gather can send as it is.
@@ -152,15 +151,13 @@ def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[
     ``recv`` / ``send`` are the split sizes per rank, or lists of them (*slices*): then slice ``i``
     is its own all-to-all of the ``i``-th contiguous block of the input (``sum(send[i])`` rows) into
     the ``i``-th block of the output (``sum(recv[i])`` rows), all issued together: the received rows
-    come out grouped by slice, then by source rank. ``link``: an
-    :class:`~folding.overlap.exchange.ExchangeBytes` to count the messages' bytes into (while an instrument
-    watches: :func:`~folding.overlap.exchange.exchange_bytes`)."""
+    come out grouped by slice, then by source rank."""
     sliced = len(recv) > 0 and isinstance(recv[0], (list, tuple))
     recv_s, send_s = (list(recv), list(send)) if sliced else ([recv], [send])
     if _size(group) == 1 and rows is None:
-        return list(parts), []
+        return list(parts), [], []
     n_in = sum(sum(r) for r in recv_s)
-    outs, works = [], []
+    outs, works, messages = [], [], []
     for x in parts:
         out = x.new_empty((max(n_in, rows or 0),) + tuple(x.shape[1:]))
         x = x.contiguous()
@@ -170,22 +167,21 @@ def _a2a_start(parts: Sequence[torch.Tensor], group, recv, send, rows: Optional[
             if _size(group) == 1:
                 out[o0 : o0 + no].copy_(x[i0 : i0 + ni])
             else:
-                if link is not None:
-                    row_bytes = math.prod(x.shape[1:]) * x.element_size()
-                    link.add(group, [n * row_bytes for n in sd], [n * row_bytes for n in r])
+                sd, r = list(sd), list(r)
+                messages.append(Message(group, sd, r, math.prod(x.shape[1:]) * x.element_size()))
                 works.append(
                     dist.all_to_all_single(
                         out[o0 : o0 + no],
                         x[i0 : i0 + ni],
-                        output_split_sizes=list(r),
-                        input_split_sizes=list(sd),
+                        output_split_sizes=r,
+                        input_split_sizes=sd,
                         group=group,
                         async_op=True,
                     )
                 )
             i0, o0 = i0 + ni, o0 + no
         outs.append(out)
-    return outs, works
+    return outs, works, messages
 
 
 def _gather_all(
@@ -209,7 +205,7 @@ def _gather_all(
         out = x.new_empty((n * m,) + tuple(x.shape[1:]))
         works.append(all_gather_single(out, x.contiguous(), group=group, async_op=True))
         outs.append(out)
-    _wait(works, "etp all-gather", linked=False, group=group)
+    _wait(works, "etp all-gather", carries=ETP_ROWS, group=group)
     if keep_padding or all(s == m for s in sizes):
         return outs
     return [torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)], dim=0) for out in outs]
@@ -223,7 +219,7 @@ def _reduce_scatter_all(parts: Sequence[torch.Tensor], group, sizes: List[int]) 
     if n == 1:
         return list(parts)
     me = group_rank(group)
-    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes), what="etp reduce-scatter", ep=False)
+    recv = _a2a_all(parts, group, [sizes[me]] * n, list(sizes), what="etp reduce-scatter", carries=ETP_ROWS)
     return [r.view((n, sizes[me]) + tuple(r.shape[1:])).sum(0) for r in recv]
 
 
@@ -291,10 +287,9 @@ def _ep_exchange(rows_parts, probs_parts, spec: ExchangeSpec, backward: bool, ro
     if spec.probs_send is None:
         return _a2a_all(list(rows_parts) + list(probs_parts), spec.ep_group, recv, send, rows=rows, what=what)
     p_send, p_recv = (spec.probs_recv, spec.probs_send) if backward else (spec.probs_send, spec.probs_recv)
-    link = exchange_bytes()
-    outs, works = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows, link=link)
-    p_outs, p_works = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send, link=link)
-    _wait(works + p_works, what, linked=True, link_bytes=link, group=spec.ep_group)
+    outs, works, messages = _a2a_start(rows_parts, spec.ep_group, recv, send, rows=rows)
+    p_outs, p_works, p_messages = _a2a_start(probs_parts, spec.ep_group, p_recv, p_send)
+    _wait(works + p_works, what, carries=TOKENS, group=spec.ep_group, messages=messages + p_messages)
     return outs + p_outs
 
 
@@ -305,7 +300,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows_NH, probs_N, spec: ExchangeSpec):
-        ctx.spec = spec
+        ctx.spec, ctx.overlap = spec, current_runtime()
         ctx.probs_dtype = None if probs_N is None else probs_N.dtype
         m = max(spec.etp_sizes) if len(spec.etp_sizes) > 1 else None  # receive straight into the padded block
         parts = _ep_exchange(
@@ -318,6 +313,11 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_NH, gp_N):
+        with entered(ctx.overlap):  # the forward's overlap runtime (on CUDA this runs on another thread)
+            return _Dispatch._backward(ctx, g_NH, gp_N)
+
+    @staticmethod
+    def _backward(ctx, g_NH, gp_N):
         s, pdt = ctx.spec, ctx.probs_dtype  # autograd materializes unused gradients as zeros
         if len(s.etp_sizes) > 1:
             g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, s.etp_group, s.etp_sizes, padded=s.etp_padded)
@@ -336,7 +336,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_NH, spec: ExchangeSpec):
-        ctx.spec = spec
+        ctx.spec, ctx.overlap = spec, current_runtime()
         sizes = spec.etp_sizes
         if spec.etp_padded:  # equal blocks of max(sizes) rows; this rank's rows lead its own
             (x,) = _reduce_scatter_all([out_NH], spec.etp_group, [max(sizes)] * len(sizes))
@@ -350,10 +350,11 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, g_NH):
         s = ctx.spec
         m = max(s.etp_sizes) if len(s.etp_sizes) > 1 else None  # receive straight into the padded block
-        parts = _a2a_all(
-            encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m, what="ep combine backward"
-        )
-        parts = _gather_all(parts, s.etp_group, s.etp_sizes, keep_padding=s.etp_padded)
+        with entered(ctx.overlap):  # the forward's overlap runtime (on CUDA this runs on another thread)
+            parts = _a2a_all(
+                encode(g_NH, s.grad_wire), s.ep_group, s.ep_recv, s.ep_send, rows=m, what="ep combine backward"
+            )
+            parts = _gather_all(parts, s.etp_group, s.etp_sizes, keep_padding=s.etp_padded)
         return decode(parts, s.grad_wire, s.hidden_size, s.dtype), None
 
 
@@ -364,13 +365,15 @@ class _EtpGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_NH, probs_N, group, sizes: List[int]):
         ctx.group, ctx.sizes, ctx.has_probs = group, sizes, probs_N is not None
+        ctx.overlap = current_runtime()
         parts = _gather_all([rows_NH.contiguous()] + _probs_part(probs_N), group, sizes)
         return parts[0], (parts[1].reshape(-1) if ctx.has_probs else None)
 
     @staticmethod
     def backward(ctx, g_NH, gp_N):
         gp_N = gp_N if ctx.has_probs else None  # autograd materializes unused gradients as zeros
-        g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, ctx.group, ctx.sizes)
+        with entered(ctx.overlap):
+            g_NH, gp_N = _sum_etp_grads(g_NH, gp_N, ctx.group, ctx.sizes)
         return g_NH, gp_N, None, None
 
 
@@ -380,12 +383,13 @@ class _EtpReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_NH, group, sizes: List[int]):
-        ctx.group, ctx.sizes = group, sizes
+        ctx.group, ctx.sizes, ctx.overlap = group, sizes, current_runtime()
         return _reduce_scatter_all([out_NH], group, sizes)[0]
 
     @staticmethod
     def backward(ctx, g_NH):
-        return _gather_all([g_NH.contiguous()], ctx.group, ctx.sizes)[0], None, None
+        with entered(ctx.overlap):
+            return _gather_all([g_NH.contiguous()], ctx.group, ctx.sizes)[0], None, None
 
 
 def etp_gather(

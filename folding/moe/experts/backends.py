@@ -31,8 +31,8 @@ import torch
 
 from folding.moe.experts.scaled import FEATURE_ALIGN, scaled_grouped_linear
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.overlap import exchange as overlap
 from folding.overlap import wgrad
+from folding.overlap.lanes import LaneError
 from folding.quant import emulated_linear
 
 INDEX_LIMIT = 2**31 - 1
@@ -106,7 +106,7 @@ def _grouped_mm_fn():
 def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this build runs grouped_mm forward and backward on ``device_type`` / ``dtype`` (probed once,
     when the experts are built: the probe runs a backward, which the second lane of an overlap pair may
-    not start, :class:`folding.overlap.exchange.LaneError`)."""
+    not start, :class:`folding.overlap.lanes.LaneError`)."""
     fn = _grouped_mm_fn()
     if fn is None:
         return False
@@ -120,7 +120,7 @@ def torch_grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
             return _probe_grouped_mm(fn, device_type, dtype)
-    except overlap.LaneError:  # run inside an overlap lane: not an answer about the build
+    except LaneError:  # run inside an overlap lane: not an answer about the build
         raise
     except Exception:  # noqa: BLE001 - any failure means "not supported on this build"
         return False
@@ -178,7 +178,7 @@ def _torch_calls(x_NI: torch.Tensor, w_LOI: torch.Tensor, counts_L: torch.Tensor
     whole weight and its offsets are the experts' row ends clipped to the call's range, computed on
     the device (an expert outside the call is an empty group): no host read, no host→device copy.
     Features are zero-padded to 16-byte multiples once. With ``delay_wgrad`` the calls' weight
-    gradients are summed and delivered once (:class:`~folding.parallel.wgrad.WeightGradPieces`)."""
+    gradients are summed and delivered once (:class:`~folding.overlap.wgrad.WeightGradPieces`)."""
     fn = _grouped_mm_fn()
     out = w_LOI.shape[1]
     align = max(1, 16 // x_NI.element_size())
@@ -294,7 +294,7 @@ def _scaled_calls(x_NI, w_LOI, counts, recipe, index_limit, delay_wgrad, device_
     has at least one block (the kernel refuses empty groups). ``device_sizes``: ``counts`` on the
     device; each call's sizes are cut from it there (without it, and more than one call, ``counts``
     is copied to the device once). With ``delay_wgrad`` the calls' weight gradients are delivered
-    once (:class:`~folding.parallel.wgrad.WeightGradPieces`)."""
+    once (:class:`~folding.overlap.wgrad.WeightGradPieces`)."""
     align = FP8_ROW_ALIGN.get(recipe, 16)
     if any(c % align or c == 0 for c in counts):  # standalone use: align once for every call
         x_NpI, padded = pad_rows_per_expert(x_NI, counts, align, min_rows=align)

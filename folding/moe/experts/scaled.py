@@ -64,8 +64,8 @@ import torch
 
 from folding.moe.experts import mxfp8 as expert_mxfp8
 from folding.moe.experts.te import FP8_ROW_ALIGN, pad_rows_per_expert, unpad_rows_per_expert
-from folding.overlap import exchange as overlap
 from folding.overlap import wgrad
+from folding.overlap.lanes import LaneError
 from folding.quant.emulate import emulated_linear
 from folding.quant.fp8 import quantize_fp8_group_columns, quantize_fp8_rowwise
 
@@ -288,7 +288,7 @@ def _probe(recipe: str, index: int) -> tuple[bool, str]:
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
             return _run_probe(recipe, torch.device("cuda", index))
-    except overlap.LaneError:  # run inside an overlap lane: not an answer about the kernel
+    except LaneError:  # run inside an overlap lane: not an answer about the kernel
         raise
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here", with its reason
         return False, f"torch._scaled_grouped_mm failed on this GPU ({type(exc).__name__}: {exc})"

@@ -61,7 +61,7 @@ from typing import Optional
 
 import torch
 
-from ...overlap import exchange as overlap
+from ...overlap.runtime import in_pair
 from ..config import FP8_ROW_ALIGN  # noqa: F401 - re-exported: the recipes' row alignment
 
 TE_VERSION_RANGE = ">=2.10,<3"
@@ -164,7 +164,7 @@ def fp8_region(recipe_name: Optional[str], *, amax_reduction_group, first_microb
     if recipe_name is None:
         yield
         return
-    if overlap.in_pair():
+    if in_pair():
         raise RuntimeError(
             "a TransformerEngine FP8 region cannot open inside an overlap pair: TE keeps its FP8 autocast "
             "state per process, not per thread, and the other micro-batch of the pair would run inside it; "
