@@ -22,7 +22,7 @@ from folding.moe.settings import LayerSettings
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.collectives import all_gather_start, gather_counts_start
 from folding.parallel.overlap import Exchange
-from folding.testing.link_model import link_latency
+from folding.testing.link_model_v1 import link_latency
 from folding.testing.overlap_audit import wait_stats
 
 H, S, B, E = 16, 8, 2, 8

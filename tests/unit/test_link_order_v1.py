@@ -5,8 +5,8 @@ order, and the rule is on by default (``folding.testing.link_model``)."""
 import time
 
 from folding.parallel.overlap import Exchange
-from folding.testing import link_model as lm
-from folding.testing.link_model import link_latency
+from folding.testing import link_model_v1 as lm
+from folding.testing.link_model_v1 import link_latency
 
 EP, COUNTS = object(), object()  # stand-ins for two process groups over the same ranks
 
