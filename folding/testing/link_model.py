@@ -80,6 +80,9 @@ class Links:
     estimated_peers: int = 0
     """Peers' issue times not yet published when a completion was needed (taken as now: that peer had
     not issued yet)."""
+    missing_peers: int = 0
+    """Of those, the ones of a completed collective or one before it on its group (which every peer
+    had issued: zero unless a peer issues collectives outside the model)."""
 
     def __post_init__(self):
         m = self.model
@@ -104,7 +107,7 @@ class Links:
     def reset(self) -> None:
         """Zero what the host and the stream paid (not the state of the links)."""
         self.stream.reset()
-        self.host_s, self.host_by, self.estimated_peers = 0.0, {}, 0
+        self.host_s, self.host_by, self.estimated_peers, self.missing_peers = 0.0, {}, 0, 0
 
     def rules(self) -> dict:
         """The rules in force, for a report (:func:`rules`)."""
@@ -126,9 +129,15 @@ class Links:
             link_spy.publish(self._key(name, seq, rank), own)
         return op
 
-    def waited(self, op: Op) -> None:
-        """The stream waits for ``op`` (its real collective has completed: every peer issued it)."""
+    def stream_time(self) -> float:
+        """The stream's time now (taken before the host blocks in a real collective)."""
+        return self.stream.time(time.perf_counter())
+
+    def waited(self, op: Op, since: float) -> None:
+        """The stream waits for ``op``, whose real collective has completed (every peer issued it) after
+        the host was blocked in it from stream time ``since``."""
         with self.lock:
+            self.stream.blocked(since, time.perf_counter(), op.what)
             self._set_ready(chain=op)
             self.stream.wait(self.sim.finish(op), time.perf_counter(), op.what)
 
@@ -137,7 +146,9 @@ class Links:
         operation in flight completes, as at the end of a step); returns the seconds slept."""
         with self.lock:
             if everything:
-                self._set_ready(chain=None)
+                since = self.stream_time()
+                self._set_ready(chain=None)  # may wait for a peer to publish (real time)
+                self.stream.blocked(since, time.perf_counter(), "end of step")
                 self.stream.wait(self.sim.finish_all(), time.perf_counter(), "end of step")
             lag = self.stream.sync()
             if lag > 0:
@@ -151,9 +162,11 @@ class Links:
         return f"folding/link2/{self.session}/{name}/{seq}/{rank}"
 
     def _set_ready(self, chain: Optional[Op]) -> None:
-        """Ready times of the operations not started yet: the latest of their ranks' issue times. Those
-        ``chain`` needs (itself and the ones before it on its group; ``None``: all) wait for their peers'
-        times; for the others a time not published yet means that peer issues after now."""
+        """Ready times of the operations not started yet: the latest of their ranks' issue times. Every
+        rank publishes before it issues, so the peers' times of ``chain`` (whose real collective has
+        completed) and of the ones before it on its group are there; an operation of another group
+        whose peers have not all published is taken as issued by them now (``chain=None``, at the end
+        of a step: wait up to ``PEER_TIMEOUT_S`` for every one)."""
         need, everything = set(), chain is None
         while chain is not None:
             need.add(id(chain))
@@ -163,10 +176,11 @@ class Links:
                 continue
             own, name, seq, rank, size = op.info
             keys = [self._key(name, seq, i) for i in range(size) if i != rank]
-            wait = everything or id(op) in need
-            times = link_spy.peer_times(keys, PEER_TIMEOUT_S if wait else 0.0)
+            times = link_spy.peer_times(keys, PEER_TIMEOUT_S if everything else 0.0)
             if len(times) < len(keys):
                 self.estimated_peers += len(keys) - len(times)
+                if id(op) in need:
+                    self.missing_peers += len(keys) - len(times)
                 times.append(time.perf_counter())
             op.ready = max([own, *times])
 

@@ -22,7 +22,9 @@ hand-made times. Three rules, each NCCL's or CUDA's:
   host runs the compute itself, so the stream's time is the host's plus a *lag*: a wait at host time
   ``t`` on an operation that completes at ``C`` raises the lag to at least ``C - t``, and a host
   synchronization sleeps the lag away. An operation is issued on NCCL behind the stream's work, so
-  its ready time is the stream's time at its issue, not the host's.
+  its ready time is the stream's time at its issue, not the host's. Where the host is blocked for real
+  (gloo delivering the data), the stream goes on with its backlog and stands idle only for the rest
+  (:meth:`Stream.blocked`).
 
 The simulation is incremental: operations are added as they are issued (:meth:`LinkSim.add`) and
 advanced only as far as a completion is asked for (:meth:`LinkSim.finish`); an operation added later is
@@ -210,6 +212,17 @@ class Stream:
         idle = max(0.0, done - (now + self.lag))
         if idle > 0:
             self.lag += idle
+            self.idle_s += idle
+            self.idle_by[what] = self.idle_by.get(what, 0.0) + idle
+        return idle
+
+    def blocked(self, since: float, now: float, what: str = "") -> float:
+        """The host was blocked for real (gloo delivering a collective) from stream time ``since`` (the
+        stream's time when the block began) to host time ``now``: the stream went on with its backlog
+        meanwhile and stood idle for the rest; returns that idle time."""
+        idle = max(0.0, now - since)
+        self.lag = max(0.0, since - now)
+        if idle > 0:
             self.idle_s += idle
             self.idle_by[what] = self.idle_by.get(what, 0.0) + idle
         return idle

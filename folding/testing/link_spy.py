@@ -51,15 +51,16 @@ class SpyWork:
     """A collective's work as the model sees it: ``wait()`` waits for the real one, then tells the model
     the stream waits for it (once); anything else goes to the real work."""
 
-    def __init__(self, work, op, links):
-        self._work, self.op, self._links, self._waited = work, op, links, False
+    def __init__(self, work, op, links, since=None):
+        self._work, self.op, self._links, self._waited, self._since = work, op, links, False, since
 
     def wait(self, *args, **kwargs):
         """Wait for the real collective, then make the modelled stream wait for it (no host block)."""
+        since = self._links.stream_time() if self._since is None else self._since
         out = self._work.wait(*args, **kwargs) if self._work is not None else True
         if not self._waited:
             self._waited = True
-            self._links.waited(self.op)
+            self._links.waited(self.op, since)
         return out
 
     def __getattr__(self, name):
@@ -137,12 +138,13 @@ def _spy(kind: str, real, links):
         key = group if group is not None else dist.group.WORLD
         op = links.issued(key, key.group_name, me, len(ranks), nbytes, kind)
         op.link_bytes = acct
+        since = links.stream_time()  # a blocking call blocks the host in the real collective
         _inside.on = True
         try:
             work = real(*args, **kwargs)
         finally:
             _inside.on = False
-        w = SpyWork(work, op, links)
+        w = SpyWork(work, op, links, None if a.get("async_op") else since)
         if a.get("async_op"):
             return w
         w.wait()
@@ -213,18 +215,17 @@ def publish(key: str, t: float) -> None:
     _store().set(key, repr(t))
 
 
-def peer_times(keys: Sequence[str], timeout_s: float) -> List[float]:
-    """The published times under ``keys``, waiting up to ``timeout_s`` for all of them (polling with a
-    pause growing from 50 µs to 1 ms: a peer a moment late costs about that moment); those there at the
-    end when some never come."""
+def peer_times(keys: Sequence[str], timeout_s: float = 0.0) -> List[float]:
+    """The published times under ``keys`` when all are there, waiting up to ``timeout_s`` for them
+    (polling with a pause growing from 50 µs to 1 ms: a peer a moment late costs about that moment);
+    ``[]`` when some are still missing then."""
     if not keys:
         return []
-    store = _store()
+    store, keys = _store(), list(keys)
     pause, deadline = 5e-5, time.perf_counter() + timeout_s
-    while not store.check(list(keys)):
+    while not store.check(keys):
         if time.perf_counter() >= deadline:
-            there = [k for k in keys if store.check([k])]
-            return [float(v) for v in store.multi_get(there)] if there else []
+            return []
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
-    return [float(v) for v in store.multi_get(list(keys))]
+    return [float(v) for v in store.multi_get(keys)]

@@ -75,3 +75,14 @@ def test_the_stream_waits_and_the_host_pays_the_lag_at_its_next_sync():
     assert s.idle_s == pytest.approx(0.019) and s.idle_by == pytest.approx({"ep dispatch": 0.01, "ep combine": 0.009})
     assert s.sync() == pytest.approx(0.019) and s.lag == 0.0  # the host's read pays the lag once
     assert s.sync() == 0.0
+
+
+def test_while_the_host_is_blocked_for_real_the_stream_works_off_its_backlog():
+    s = Stream()
+    s.wait(1.010, now=1.0)  # 10 ms behind
+    # the host blocks 4 ms in gloo (from stream time 1.012, host 1.002): the stream had work for all of it
+    assert s.blocked(since=s.time(1.002), now=1.006, what="ep counts") == 0.0
+    assert s.lag == pytest.approx(0.006)
+    # a block of 9 ms more outlasts the backlog: 3 ms of it the stream stands idle too
+    assert s.blocked(since=s.time(1.006), now=1.015, what="ep counts") == pytest.approx(0.003)
+    assert s.lag == 0.0 and s.idle_by["ep counts"] == pytest.approx(0.003)
