@@ -26,8 +26,12 @@ The rules (``RULES``, written into the benchmarks' JSON):
   the whole tensor from its root.
 - ``share``: transfers in flight at once on one link class share its bandwidth equally.
 
-Not modelled: point-to-point operations (pipeline sends and receives run on communicators of their own
-on NCCL; here they complete when gloo delivers them) and barriers.
+- ``p2p``: a point-to-point receive (``batch_isend_irecv``, the pipeline's) completes no earlier than
+  the sender's stream reached the send, plus its bytes over the link class and ``message_latency_s``;
+  NCCL runs point-to-point on communicators of their own per pair, so it is neither queued behind the
+  group's collectives nor in the links' sharing (:mod:`folding.testing.link_p2p`).
+
+Not modelled: barriers.
 
 Usage::
 
@@ -141,6 +145,13 @@ class Links:
             self._set_ready(chain=op)
             self.stream.wait(self.sim.finish(op), time.perf_counter(), op.what)
 
+    def received(self, done: float, since: float) -> None:
+        """The stream waits for point-to-point data arriving at ``done`` (:mod:`folding.testing.link_p2p`),
+        the host having been blocked in the real transfer from stream time ``since``."""
+        with self.lock:
+            self.stream.blocked(since, time.perf_counter(), "p2p recv")
+            self.stream.wait(done, time.perf_counter(), "p2p recv")
+
     def host_needs(self, reason: str, *, everything: bool = False) -> float:
         """The host needs a result: it sleeps until the stream catches up (``everything``: and every
         operation in flight completes, as at the end of a step); returns the seconds slept."""
@@ -213,7 +224,9 @@ def rules(model: LinkModel, message_latency_s: float = 0.0) -> dict:
         nvlink_domain=model.nvlink_domain,
         bandwidth="shared equally by the transfers in flight on a link class",
         modelled=list(link_spy.SPIED),
-        not_modelled=["point-to-point", "barrier"],
+        point_to_point="batch_isend_irecv: a receive's stream waits for the sender's stream at the send plus "
+        "the bytes over the link class (a communicator per pair: no queue, no sharing)",
+        not_modelled=["barrier"],
     )
 
 

@@ -3,7 +3,8 @@
 While :func:`spying` is active, every collective of :data:`SPIED` is reported to the link model with its
 process group, its bytes per link class and its issue time, and returns a :class:`SpyWork` whose
 ``wait()`` tells the model that the stream waits for it (after the real wait: gloo's data must be there);
-a blocking call (``async_op=False``) is an issue and a wait. The engine's one device-to-host read
+a blocking call (``async_op=False``) is an issue and a wait; ``batch_isend_irecv`` is the point-to-point
+rule's (:mod:`folding.testing.link_p2p`). The engine's one device-to-host read
 (:func:`folding.moe.dispatch.host_sync.to_host`) first makes the host catch up with the stream.
 
 The functions are replaced wherever a module holds them (``torch.distributed`` and every loaded
@@ -26,6 +27,8 @@ import time
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch.distributed as dist
+
+from . import link_p2p
 
 SPIED = (
     "all_reduce",
@@ -174,6 +177,8 @@ def spying(links) -> Iterator[None]:
         if real is not None and id(real) not in wrappers:
             wrappers[id(real)] = _spy(kind, real, links)
     wrappers[id(host_sync.to_host)] = _host_read(host_sync.to_host, links)
+    real = dist.batch_isend_irecv
+    wrappers[id(real)] = link_p2p.spy_batch(real, links, publish, peer_times)
     undo = _rebind(wrappers)
     try:
         yield
