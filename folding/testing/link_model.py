@@ -66,6 +66,9 @@ other collectives outside the model)."""
 traffic = Traffic()
 """Process-wide counters: the bytes EP token exchanges sent per link class (read by benchmarks)."""
 
+P2P_WAIT = "p2p recv"
+"""The name under which :attr:`Links.idle_by` counts the stream's waits in point-to-point receives."""
+
 PEER_TIMEOUT_S = 5.0
 """How long a completion looks for a peer's published issue time before it uses what it has."""
 
@@ -149,8 +152,8 @@ class Links:
         """The stream waits for point-to-point data arriving at ``done`` (:mod:`folding.testing.link_p2p`),
         the host having been blocked in the real transfer from stream time ``since``."""
         with self.lock:
-            self.stream.blocked(since, time.perf_counter(), "p2p recv")
-            self.stream.wait(done, time.perf_counter(), "p2p recv")
+            self.stream.blocked(since, time.perf_counter(), P2P_WAIT)
+            self.stream.wait(done, time.perf_counter(), P2P_WAIT)
 
     def host_needs(self, reason: str, *, everything: bool = False) -> float:
         """The host needs a result: it sleeps until the stream catches up (``everything``: and every
