@@ -23,6 +23,7 @@ which rules were in force at its top level (``"link_rules"``, ``"rules"``, ``"nc
   completion, or the host blocked for real in gloo beyond the stream's backlog), under
   ``exchange-wait`` the time blocked in exchange waits; ``p2p_wait_off_s`` / ``p2p_wait_on_s``: the
   stream's idle time in pipeline receives (the schedule's bubbles and the sending stage's lag), apart;
+  ``model_overhead_off_s`` / ``model_overhead_on_s``: the host's time in the link model's bookkeeping;
 - ``hidden = 1 − exposed_on / exposed_off``: the share of the exposed communication that overlap hides;
 - ``exposed_by_off_s`` / ``exposed_by_on_s``: the exposed time split by what was waited on (each
   exchange's name, ``ep counts`` for the dispatcher's count all-gathers, a collective's kind for the
@@ -177,14 +178,14 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                 seconds = time.perf_counter() - t0
                 rec = dict(step=step // 2, overlap=on, step_time_s=seconds, forward_s=forward_s)
                 rec.update(blocked_s=waits.blocked_s, blocked_by=dict(waits.blocked_by), host_paid_by={})
-                rec.update(estimated_peers=0, missing_peers=0, p2p_wait_s=0.0)
+                rec.update(estimated_peers=0, missing_peers=0, p2p_wait_s=0.0, model_overhead_s=0.0)
                 if links is None:  # the earlier model: the exposed time is the time blocked in waits
                     rec.update(exposed_s=waits.blocked_s, exposed_by=dict(waits.blocked_by))
                 else:
                     idle_by = links.idle_by  # a pipeline receive's wait is the schedule's, not a link's
                     p2p = idle_by.pop(link_model.P2P_WAIT, 0.0)
                     rec.update(exposed_s=links.idle_s - p2p, exposed_by=idle_by, p2p_wait_s=p2p)
-                    rec.update(host_paid_by=dict(links.host_by))
+                    rec.update(host_paid_by=dict(links.host_by), model_overhead_s=links.overhead_s)
                     rec.update(estimated_peers=links.estimated_peers, missing_peers=links.missing_peers)
                 records.append(rec)
     finally:
@@ -237,7 +238,8 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         exposed = statistics.fmean(r[i]["exposed_s"] for r in per_rank)
         blocked = statistics.fmean(r[i]["blocked_s"] for r in per_rank)
         p2p = statistics.fmean(r[i]["p2p_wait_s"] for r in per_rank)
-        steps.append(dict(rec, exposed_s=exposed, blocked_s=blocked, p2p_wait_s=p2p))
+        over = statistics.fmean(r[i]["model_overhead_s"] for r in per_rank)
+        steps.append(dict(rec, exposed_s=exposed, blocked_s=blocked, p2p_wait_s=p2p, model_overhead_s=over))
         for key in ("exposed_by", "host_paid_by", "blocked_by"):
             whats = sorted({w for r in per_rank for w in r[i][key]})
             steps[-1][key] = {w: statistics.fmean(r[i][key].get(w, 0.0) for r in per_rank) for w in whats}
@@ -268,6 +270,8 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         host_paid_by_on_s=med_by(True, "host_paid_by"),
         blocked_by_off_s=med_by(False, "blocked_by"),
         blocked_by_on_s=med_by(True, "blocked_by"),
+        model_overhead_off_s=med("model_overhead_s", False),
+        model_overhead_on_s=med("model_overhead_s", True),
         p2p_wait_off_s=med("p2p_wait_s", False),
         p2p_wait_on_s=med("p2p_wait_s", True),
         blocked_off_s=med("blocked_s", False),

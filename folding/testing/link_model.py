@@ -87,6 +87,9 @@ class Links:
     estimated_peers: int = 0
     """Peers' issue times not yet published when a completion was needed (taken as now: that peer had
     not issued yet)."""
+    overhead_s: float = 0.0
+    """Host seconds spent in the model's own bookkeeping (the spy, the simulation, the store), since
+    :meth:`reset`: time a GPU run would not spend."""
     missing_peers: int = 0
     """Of those, the ones of a completed collective or one before it on its group (which every peer
     had issued: zero unless a peer issues collectives outside the model)."""
@@ -115,6 +118,7 @@ class Links:
         """Zero what the host and the stream paid (not the state of the links)."""
         self.stream.reset()
         self.host_s, self.host_by, self.estimated_peers, self.missing_peers = 0.0, {}, 0, 0
+        self.overhead_s = 0.0
 
     def rules(self) -> dict:
         """The rules in force, for a report (:func:`rules`)."""

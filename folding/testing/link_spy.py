@@ -63,7 +63,9 @@ class SpyWork:
         out = self._work.wait(*args, **kwargs) if self._work is not None else True
         if not self._waited:
             self._waited = True
+            t0 = time.perf_counter()
             self._links.waited(self.op, since)
+            self._links.overhead_s += time.perf_counter() - t0
         return out
 
     def __getattr__(self, name):
@@ -129,6 +131,7 @@ def _spy(kind: str, real, links):
     def spied(*args, **kwargs):
         if getattr(_inside, "on", False):
             return real(*args, **kwargs)
+        t0 = time.perf_counter()
         a = sig.bind(*args, **kwargs)
         a.apply_defaults()
         a = a.arguments
@@ -142,11 +145,13 @@ def _spy(kind: str, real, links):
         op = links.issued(key, key.group_name, me, len(ranks), nbytes, kind)
         op.link_bytes = acct
         since = links.stream_time()  # a blocking call blocks the host in the real collective
+        t1 = time.perf_counter()
         _inside.on = True
         try:
             work = real(*args, **kwargs)
         finally:
             _inside.on = False
+        links.overhead_s += t1 - t0
         w = SpyWork(work, op, links, None if a.get("async_op") else since)
         if a.get("async_op"):
             return w
