@@ -391,7 +391,9 @@ def _report(results: List[dict], ns, command: str, load_before, load_after) -> s
         f"layers, sequence {ns.seq}, micro-batch {ns.mbs}, {ns.microbatches} micro-batches per step and data-parallel "
         f"rank, fp32, {ns.threads} thread(s) per rank, 4 gloo ranks. Overlap off and on "
         f"({'with' if ns.delay_wgrad else 'without'} parallel.delay_wgrad) alternate step by step "
-        f"(medians of {ns.steps - ns.warmup} steps each after {ns.warmup} warm-up steps).",
+        f"(medians of {ns.steps - ns.warmup} steps each after {ns.warmup} warm-up steps). Link model: "
+        f"`{ns.link_rules}` (NCCL's order {'on' if ns.nccl_order else 'off'}, last sender "
+        f"{'on' if ns.peer_issue else 'off'}); own_communicators: {ns.own_communicators}.",
         "",
         "| layout | link latency (ms) | layer forward (ms) | layer fwd+bwd (ms) | step off (s) | step on (s) "
         "| on / off | exposed off (s) | exposed on (s) | hidden |",
@@ -405,7 +407,30 @@ def _report(results: List[dict], ns, command: str, load_before, load_after) -> s
             f"| {r['step_time_on_s']:.3f} "
             f"| {r['step_time_ratio']:.2f} | {r['exposed_off_s']:.3f} | {r['exposed_on_s']:.3f} | {hidden} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _breakdown(results)) + "\n"
+
+
+def _breakdown(results: List[dict]) -> List[str]:
+    """Per run, where the exposed time went (off → on, seconds per step): by what the stream waited for,
+    where the host paid, the pipeline receives' waits and the model's own bookkeeping."""
+    lines = ["", "Where the time went, per step (off → on):", ""]
+    for r in results:
+        by = {w: (r["exposed_by_off_s"].get(w, 0.0), r["exposed_by_on_s"].get(w, 0.0)) for w in r["exposed_by_off_s"]}
+        by.update({w: (0.0, v) for w, v in r["exposed_by_on_s"].items() if w not in by})
+        paid = {
+            w: (r["host_paid_by_off_s"].get(w, 0.0), r["host_paid_by_on_s"].get(w, 0.0))
+            for w in r["host_paid_by_off_s"]
+        }
+        cells = ", ".join(f"{w} {a:.3f} → {b:.3f}" for w, (a, b) in sorted(by.items()))
+        host = ", ".join(f"{w} {a:.3f} → {b:.3f}" for w, (a, b) in sorted(paid.items())) or "none"
+        lines.append(
+            f"- {r['layout']} (run {r.get('repeat', 0) + 1}): exposed by {cells}; host paid at {host}; "
+            f"pipeline receives {r['p2p_wait_off_s']:.3f} → {r['p2p_wait_on_s']:.3f}; real gloo waits "
+            f"{r['blocked_off_s']:.3f} → {r['blocked_on_s']:.3f}; model bookkeeping "
+            f"{r['model_overhead_off_s']:.3f} → {r['model_overhead_on_s']:.3f}; "
+            f"load {r['load_before']} → {r['load_after']}."
+        )
+    return lines
 
 
 def main(argv=None) -> None:

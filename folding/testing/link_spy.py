@@ -28,7 +28,10 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch.distributed as dist
 
+from folding.moe.dispatch import host_sync
+
 from . import link_p2p
+from .link_model_v1 import LinkBytes
 
 SPIED = (
     "all_reduce",
@@ -117,8 +120,6 @@ def class_bytes(model, kind: str, a: Dict[str, Any], ranks: Sequence[int], me: i
     """``(bytes per link class, LinkBytes)`` of collective ``kind`` with arguments ``a`` on a group of
     global ranks ``ranks`` (this rank at index ``me``), sorted by the nodes of ``model``
     (:class:`folding.testing.link_model_v1.LinkModel`): each class costs its larger direction."""
-    from .link_model_v1 import LinkBytes
-
     acct = LinkBytes()
     send, recv = peer_bytes(kind, a, len(ranks), me)
     acct.add(model, ranks[me], list(ranks), send, recv)
@@ -126,15 +127,17 @@ def class_bytes(model, kind: str, a: Dict[str, Any], ranks: Sequence[int], me: i
 
 
 def _spy(kind: str, real, links):
-    sig = inspect.signature(real)
+    params = inspect.signature(real).parameters
+    names = list(params)
+    defaults = {k: v.default for k, v in params.items() if v.default is not inspect.Parameter.empty}
 
     def spied(*args, **kwargs):
         if getattr(_inside, "on", False):
             return real(*args, **kwargs)
         t0 = time.perf_counter()
-        a = sig.bind(*args, **kwargs)
-        a.apply_defaults()
-        a = a.arguments
+        a = dict(defaults)
+        a.update(zip(names, args))
+        a.update(kwargs)
         group = a.get("group")
         ranks = _group_ranks(group)
         if len(ranks) == 1:
@@ -174,8 +177,6 @@ def _host_read(real, links):
 @contextlib.contextmanager
 def spying(links) -> Iterator[None]:
     """Report every collective of :data:`SPIED` and the engine's host read to ``links`` inside the block."""
-    from folding.moe.dispatch import host_sync
-
     wrappers: Dict[int, Any] = {}
     for kind in SPIED:
         real = getattr(dist, kind, None)
