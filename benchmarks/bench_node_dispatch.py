@@ -8,19 +8,23 @@ group per node) and runs one MoE layer's forward and backward: dispatch, a SwiGL
 ``(silu(x·A)·p)·B`` per local expert, combine, and the backward of all of it. The two dispatchers run the
 same routing, alternating step by step in one process group.
 
-gloo on one machine has no slow link, so the two-class link model
-(:func:`folding.testing.link_model.link_model`) makes every EP exchange complete no earlier than its
-latency plus its bytes over each link class's bandwidth: inter-node (global rank // G differs) and
-intra-node. The NIC : NVLink ratio is an H100 node's, 50 : 450 GB/s (1 : 9); by default both are scaled so
-that one ``alltoall`` exchange's inter-node bytes take about one layer's compute (forward + backward) on
-this machine, measured first under an unlimited link (``--nic-mbps`` / ``--nvlink-mbps`` set them).
+gloo on one machine has no slow link, so the link model (:func:`folding.testing.link_model.link_model`)
+times every collective by its bytes over each link class's bandwidth, inter-node (global rank // G
+differs) and intra-node, shared by the transfers in flight on it, each EP exchange paying its latency
+once; a ``Work.wait()`` returns at once (NCCL's) and the host pays the stream's lag at the count read and
+at the end of the step (``link_rules`` ``nccl-wait``; ``--link-rules exchange-wait``: the earlier model,
+whose waits sleep until each EP exchange's completion and which times no other collective). The
+NIC : NVLink ratio is an H100 node's, 50 : 450 GB/s (1 : 9); by default both are scaled so that one
+``alltoall`` exchange's inter-node bytes take about one layer's compute (forward + backward) on this
+machine, measured first under an unlimited link (``--nic-mbps`` / ``--nvlink-mbps`` set them).
 
 Reported (JSON top level): ``inter_node_bytes_alltoall``, ``inter_node_bytes_hierarchical``,
 ``intra_node_bytes_alltoall``, ``intra_node_bytes_hierarchical`` (bytes handed to the EP exchanges per step,
 summed over all ranks, counted by the link model from the all-to-alls' split sizes: hidden rows, their
 probabilities and the hierarchical dispatcher's routing metadata) and ``step_time_alltoall_s``,
 ``step_time_hierarchical_s`` (median wall time of a step, the slowest rank's, after warm-up), with the
-link settings (``nccl_order``: the link model keeps NCCL's per-group order), the host's load
+link settings (``link_rules`` and ``rules``: the link model's rules; ``nccl_order``: it keeps NCCL's
+per-communicator order), the host's load
 (``os.getloadavg`` before and after) and the device. ``--report`` runs the
 sweep of the committed report (2 and 4 nodes, top-2 and top-8, node-limited off and on) and writes
 Markdown (``--out``) and JSON (``--json``).
@@ -51,7 +55,7 @@ import torch.nn.functional as F
 from folding.moe.dispatch.build import build_dispatcher
 from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
-from folding.testing import RankPool
+from folding.testing import RankPool, link_model_v1
 from folding.testing import link_model as lm
 
 NIC_TO_NVLINK = 9.0
@@ -104,25 +108,28 @@ def _steps(ds, a, gen_seed: int, n: int, model: dict) -> List[Dict[str, float]]:
     A = (torch.randn(L, H, a["ffn"], generator=g) / H**0.5).requires_grad_(True)
     B = (torch.randn(L, a["ffn"], H, generator=g) / a["ffn"] ** 0.5).requires_grad_(True)
     out = []
+    new = a["link_rules"] == lm.RULES
+    counters = lm.traffic if new else link_model_v1.traffic
     runtime = OverlapRuntime()  # the dispatchers' exchanges bind to it; the link model watches it
-    with runtime, runtime.active(), lm.link_model(runtime, **model):
+    with runtime, runtime.active(), (lm.link_model if new else link_model_v1.link_model)(runtime, **model):
         for i in range(n):
             gen = torch.Generator().manual_seed(gen_seed + 7919 * i + rank)
             x = torch.randn(T, H, generator=gen)
             rmap, probs = route(T, E, k, a["nodes"], a["node_limited"], gen)
             for kind in KINDS:
                 dist.barrier()
-                lm.traffic.reset()
+                counters.reset()
                 t0 = time.perf_counter()
                 _layer_step(ds[kind], x, rmap, probs, A, B)
+                lm.sync("end of step")  # the host waits for the stream (nothing outside the new model)
                 took = time.perf_counter() - t0
                 out.append(
                     dict(
                         round=i,
                         kind=kind,
                         seconds=took,
-                        inter=lm.traffic.inter_node_bytes,
-                        intra=lm.traffic.intra_node_bytes,
+                        inter=counters.inter_node_bytes,
+                        intra=counters.intra_node_bytes,
                     )
                 )
     return out
@@ -190,6 +197,16 @@ def run(a: dict, pool=None) -> dict:
         if own:
             pool.shutdown()
     load_after = tuple(round(x, 2) for x in os.getloadavg())
+    rules = None
+    if a["link_rules"] == lm.RULES:
+        model = lm.LinkModel(
+            latency_s=a["latency_ms"] / 1e3,
+            inter_node_bandwidth=per_rank[0]["nic_mbps"] * 1e6,
+            intra_node_bandwidth=per_rank[0]["nvlink_mbps"] * 1e6,
+            nvlink_domain=a["nvlink_domain"],
+            nccl_order=NCCL_ORDER,
+        )
+        rules = lm.rules(model)
     out = dict(
         nodes=a["nodes"],
         nvlink_domain=a["nvlink_domain"],
@@ -200,7 +217,9 @@ def run(a: dict, pool=None) -> dict:
         tokens=a["tokens"],
         node_limited=a["node_limited"],
         latency_ms=a["latency_ms"],
+        link_rules=a["link_rules"],
         nccl_order=NCCL_ORDER,
+        rules=rules,
         nic_mbps=per_rank[0]["nic_mbps"],
         nvlink_mbps=per_rank[0]["nvlink_mbps"],
         load_before=load_before,
@@ -266,6 +285,12 @@ def _args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="measured steps per dispatcher")
     p.add_argument("--warmup", type=int, default=2, help="steps per dispatcher not counted")
     p.add_argument("--calib-steps", type=int, default=3, help="steps per dispatcher under an unlimited link")
+    p.add_argument(
+        "--link-rules",
+        choices=(lm.RULES, "exchange-wait"),
+        default=lm.RULES,
+        help="the link model: NCCL's waits (nccl-wait) or the earlier exchange-wait model",
+    )
     p.add_argument("--report", action="store_true", help="run the committed report's sweep")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--out", default=None, help="Markdown report (with --report)")
@@ -274,7 +299,7 @@ def _args(argv=None):
 
 def _settings(ns, **over) -> dict:
     keys = ("nodes", "nvlink_domain", "experts", "topk", "hidden", "ffn", "tokens", "node_limited", "latency_ms")
-    keys += ("nic_mbps", "nvlink_mbps", "steps", "warmup", "calib_steps")
+    keys += ("nic_mbps", "nvlink_mbps", "steps", "warmup", "calib_steps", "link_rules")
     d = {k: getattr(ns, k) for k in keys}
     d.update(over)
     return d

@@ -191,6 +191,7 @@ def main(argv=None) -> None:
     summary = summarize(runs)
     if ns.json:
         out = dict(nccl_order=True, peer_issue=True, meta_comm=True, latency_ms=ns.latency_ms, command=command)
+        out.update(link_rules=_base(ns)["link_rules"])  # bench_overlap's default link model
         out.update(settings=[dict(name=n, **s) for n, s in SETTINGS], summary=summary, runs=runs)
         with open(ns.json, "w") as f:
             json.dump(out, f, indent=1)

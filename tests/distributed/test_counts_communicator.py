@@ -26,7 +26,7 @@ from folding.overlap.exchange import Exchange
 from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.parallel.collectives import all_gather_start, gather_counts_start
-from folding.testing.link_model import link_latency
+from folding.testing.link_model_v1 import link_latency
 from folding.testing.overlap_audit import wait_stats
 
 H, S, B, E = 16, 8, 2, 8

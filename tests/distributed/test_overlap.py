@@ -36,7 +36,7 @@ from folding.overlap.runtime import OverlapRuntime
 from folding.parallel import ParallelLayout, build_parallel_state
 from folding.pipeline.stage import run_microbatches
 from folding.testing import overlap_audit
-from folding.testing.link_model import link_latency
+from folding.testing.link_model_v1 import link_latency
 
 LAYOUTS = {
     "ep4": dict(ep=4, etp=1),

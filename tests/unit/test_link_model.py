@@ -1,16 +1,22 @@
-"""The two-class CPU link model: an exchange completes no earlier than latency + its bytes over the
-bandwidth of each link class it uses (inter-node, intra-node), its wait sleeping for the rest."""
+"""The link model that waits like NCCL (``folding.testing.link_model``), without process groups: a wait
+returns at once and the host pays at its first read; every collective takes its place in its
+communicator's order; ETP collectives cost their bytes."""
 
 import time
 
 import pytest
+import torch
 
-from folding.overlap.exchange import ETP_ROWS, Exchange
+from folding.moe.dispatch import host_sync
+from folding.overlap.exchange import Exchange
 from folding.overlap.runtime import OverlapRuntime
 from folding.testing import link_model as lm
+from folding.testing import link_spy
+from folding.testing.link_model_v1 import LinkModel
 
+EP, TP = "ep", "tp"  # stand-ins for two communicators
 RT = OverlapRuntime()
-"""The runtime the link model subscribes to and the exchanges bind to (current in every test)."""
+"""The runtime whose exchanges the model names (current in every test)."""
 
 
 @pytest.fixture(autouse=True)
@@ -19,109 +25,101 @@ def _current_runtime():
         yield
 
 
-def test_duration_is_latency_plus_the_slower_class():
-    m = lm.LinkModel(latency_s=0.001, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=4)
-    # 1 MB across nodes: 1 s; 9 MB inside the node: 1 s; the classes carry their bytes at once
-    assert m.duration(1e6, 9e6) == pytest.approx(1.001)
-    assert m.duration(2e6, 9e6) == pytest.approx(2.001)  # the NIC is the slower class
-    assert m.duration(0, 18e6) == pytest.approx(2.001)  # only NVLink used
-    assert m.duration(0, 0) == pytest.approx(0.001)  # latency alone
-    # an unset bandwidth is unlimited
-    assert lm.LinkModel(latency_s=0.5, intra_node_bandwidth=1e6).duration(1e9, 0) == pytest.approx(0.5)
+class _Done:
+    """A real collective that has already completed (gloo's part of the wait)."""
+
+    def wait(self, *a, **k):
+        return True
 
 
-def test_bytes_per_class_from_global_ranks():
-    m = lm.LinkModel(inter_node_bandwidth=1.0, nvlink_domain=4)
-    b = lm.LinkBytes()
-    # global rank 5 sits on node 1 (ranks 4..7); a group of ranks 1, 3, 5, 7
-    b.add(m, 5, [1, 3, 5, 7], send_bytes=[10, 20, 30, 40], recv_bytes=[1, 2, 3, 4])
-    assert (b.inter_sent, b.inter_recv) == (30, 3)  # to / from ranks 1 and 3 (node 0)
-    assert (b.intra_sent, b.intra_recv) == (40, 4)  # rank 7; its own 30 / 3 are a local copy
-    # each class costs its larger direction
-    b.inter_recv = 50
-    assert b.duration(m) == pytest.approx(50.0)
-    # without nvlink_domain every rank shares one node
-    one = lm.LinkBytes()
-    one.add(lm.LinkModel(latency_s=1.0), 0, [0, 1], [5, 6], [7, 8])
-    assert (one.inter_sent, one.intra_sent, one.intra_recv) == (0, 6, 8)
+def _issue(links, group, kind="all_to_all_single", nbytes=None):
+    """A collective issued now on ``group``, as the spy reports it; returns its work."""
+    op = links.issued(group, group, 0, 2, nbytes or {}, kind)
+    return link_spy.SpyWork(_Done(), op, links)
 
 
-def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="inter_node_bandwidth"):
-        lm.LinkModel(inter_node_bandwidth=0)
-    with pytest.raises(ValueError, match="latency"):
-        with lm.link_latency(RT, -1):
-            pass
+def test_a_wait_returns_at_once_and_the_first_host_read_pays():
+    with lm.link_latency(RT, 0.2, peer_issue=False) as links:
+        t0 = time.perf_counter()
+        w = _issue(links, EP)
+        Exchange([w], what="ep dispatch").wait()  # NCCL: the stream waits, the host goes on
+        assert time.perf_counter() - t0 < 0.1
+        assert links.idle_s > 0.15 and links.idle_by.keys() == {"ep dispatch"}
+        assert links.host_s == 0.0
+        counts = host_sync.to_host(torch.tensor([3, 1]), reason="test")  # the host needs a result
+        assert counts == [3, 1]
+        assert time.perf_counter() - t0 >= 0.2  # it caught up with the stream here
+        assert links.host_by.keys() == {"count read"} and links.host_s > 0.15
+        t1 = time.perf_counter()
+        assert lm.sync() == 0.0 and time.perf_counter() - t1 < 0.05  # nothing left to pay
+    assert host_sync.to_host.__name__ == "to_host" and not hasattr(host_sync.to_host, "__wrapped__")
 
 
-def _timed_wait(make):
-    """Seconds from just before ``make()`` issues an exchange until its wait returns (the model
-    completes it a duration after its issue, so the time from the issue is what is bounded)."""
-    t0 = time.perf_counter()
-    make().wait()
-    return time.perf_counter() - t0
+def test_the_end_of_a_step_waits_for_collectives_nobody_waited_on():
+    with lm.link_latency(RT, 0.1, peer_issue=False):
+        t0 = time.perf_counter()
+        w = _issue(lm.current(), EP)
+        Exchange([w], what="ep combine")  # issued, never waited on
+        assert lm.sync() > 0.05 and time.perf_counter() - t0 >= 0.1
 
 
-def test_exchange_waits_for_its_modelled_completion():
-    lm.traffic.reset()
-    with lm.link_model(RT, latency_s=0.02, inter_node_bandwidth=1e6, intra_node_bandwidth=9e6, nvlink_domain=2):
-        # 60 kB over the NIC (60 ms) beats 90 kB over NVLink (10 ms): at least 20 + 60 ms
-        sent = lm.LinkBytes(inter_sent=60e3, intra_sent=90e3)
-        assert _timed_wait(lambda: Exchange([], what="ep dispatch", messages=sent)) >= 0.08
-        assert (lm.traffic.inter_node_bytes, lm.traffic.intra_node_bytes, lm.traffic.exchanges) == (60e3, 90e3, 1)
-        # an exchange without bytes pays the latency
-        assert _timed_wait(lambda: Exchange([], what="ep combine")) >= 0.02
-    # outside the block nothing is delayed and nothing counted
-    lm.traffic.reset()
-    assert _timed_wait(lambda: Exchange([], what="x", messages=lm.LinkBytes(inter_sent=1e9))) < 0.5
-    assert lm.traffic.exchanges == 0
+def test_a_tp_all_reduce_queues_behind_an_exchange_on_its_communicator():
+    with lm.link_latency(RT, 0.2, peer_issue=False) as links:
+        t0 = time.perf_counter()
+        Exchange([_issue(links, EP)], what="ep dispatch")  # in flight: 200 ms
+        _issue(links, EP, "all_reduce").wait()  # TP sharing EP's communicator: the stream waits behind it
+        assert links.idle_by.get("all_reduce", 0.0) > 0.15
+        links.reset()
+        Exchange([_issue(links, EP)], what="ep combine")
+        _issue(links, TP, "all_reduce").wait()  # a communicator of its own: not behind it
+        assert links.idle_s < 0.05
+        assert time.perf_counter() - t0 < 0.1  # no wait blocked the host
+    with lm.link_latency(RT, 0.2, peer_issue=False, nccl_order=False) as links:
+        Exchange([_issue(links, EP)], what="ep dispatch")
+        _issue(links, EP, "all_reduce").wait()  # without the rule nothing queues
+        assert links.idle_s < 0.05
 
 
-def test_link_latency_keeps_its_meaning():
-    with lm.link_latency(RT, 0.2):
-        assert lm.current().latency_s == 0.2
-        assert _timed_wait(lambda: Exchange([], what="ep dispatch")) >= 0.2
-        # an exchange that is not an EP one (ETP) is not delayed (half the latency: room for a busy host)
-        assert _timed_wait(lambda: Exchange([], what="etp", carries=ETP_ROWS)) < 0.1
-    assert not lm.current().active
+def test_etp_collectives_cost_their_bytes():
+    model = LinkModel(nvlink_domain=2)
+    # an ETP all-gather of 1 MB blocks over global ranks 0 and 1 (one node): 1 MB each way on NVLink
+    x, out = torch.empty(250_000), torch.empty(500_000)
+    nbytes, _ = link_spy.class_bytes(
+        model, "all_gather_into_tensor", {"input_tensor": x, "output_tensor": out}, [0, 1], 0
+    )
+    assert nbytes == {"inter": 0.0, "intra": 1e6}
+    # the ETP reduce-scatter of the combine (an all-to-all of blocks, fp32 partials): its split sizes
+    rows = torch.empty(6, 4)  # 16 bytes per row; 2 rows to rank 2 (another node), 4 kept
+    nbytes, _ = link_spy.class_bytes(
+        model,
+        "all_to_all_single",
+        {"input": rows, "output": rows, "input_split_sizes": [4, 2], "output_split_sizes": [4, 2]},
+        [0, 2],
+        0,
+    )
+    assert nbytes == {"inter": 32.0, "intra": 0.0}
+    with lm.link_model(RT, intra_node_bandwidth=1e7, nvlink_domain=2, peer_issue=False) as links:
+        w = _issue(links, "etp", "all_gather_into_tensor", {"intra": 1e6})
+        Exchange([w], what="etp all-gather").wait()  # not an EP exchange: no latency, but 100 ms of bytes
+        assert links.idle_by["etp all-gather"] == pytest.approx(0.1, abs=0.02)
 
 
-def test_a_peer_published_a_moment_late_costs_about_that_moment(tmp_path):
-    # the last-sender lookup reads the peers' issue times from the ranks' store; the test ranks' store is
-    # a file store, whose own wait polls every 10 ms: a peer 1 ms late must not cost this rank 10 ms more
-    import threading
+def test_two_exchanges_in_flight_share_the_link():
+    with lm.link_model(RT, inter_node_bandwidth=1e7, peer_issue=False) as links:
+        a = _issue(links, EP, nbytes={"inter": 5e5})
+        b = _issue(links, "ep_rail", nbytes={"inter": 5e5})  # another communicator, the same NIC
+        a.wait()
+        assert links.idle_s == pytest.approx(0.1, abs=0.02)  # 50 ms alone, 100 ms shared
+        b.wait()
+        assert links.idle_s == pytest.approx(0.1, abs=0.02)  # ended together
 
-    import torch.distributed as dist
 
-    store = dist.PrefixStore("g", dist.FileStore(str(tmp_path / "store"), 1))
-    store.set(lm._key("ep", 0, 1), repr(1.0))
-    lags = []  # from the late peer's publish to the lookup's return
-    for seq in range(1, 8):
-        published = []
-
-        def publish(seq=seq, published=published):
-            store.set(lm._key("ep", seq, 2), repr(2.0 + seq))
-            published.append(time.perf_counter())
-
-        peer = threading.Timer(0.001, publish)
-        store.set(lm._key("ep", seq, 1), repr(1.0))
-        peer.start()
-        latest = lm._last_issue(store, "ep", seq, 0, 3, 0.5)
-        returned = time.perf_counter()
-        peer.join()  # the lookup may return between the peer's store write and its clock read
-        lags.append(returned - published[0])
-        assert latest == 2.0 + seq  # the late peer's time, read once it is there
-    # median: the poll's pause (at most 1 ms, plus a loaded host's wake-up), not the rest of a 10 ms
-    # period (never under 9 ms here: the first check fails, the next comes 10 ms after it)
-    assert sorted(lags)[3] < 0.008, lags
-    # a peer that never publishes falls back to this rank's own time (counted) after the timeout
-    saved, lm.PEER_TIMEOUT_S = lm.PEER_TIMEOUT_S, 0.05
-    try:
-        lm.traffic.reset()
-        assert lm._last_issue(store, "ep", 99, 0, 3, 0.5) == 0.5
-        assert lm.traffic.peer_fallbacks == 2
-        store.set(lm._key("ep", 100, 1), repr(7.0))
-        assert lm._last_issue(store, "ep", 100, 0, 3, 0.5) == 7.0  # the one that did publish counts
-        assert lm.traffic.peer_fallbacks == 3
-    finally:
-        lm.PEER_TIMEOUT_S = saved
+def test_one_model_at_a_time_and_the_rules_are_reported():
+    with lm.link_latency(RT, 0.01, peer_issue=False) as links:
+        rules = links.rules()
+        assert rules["link_rules"] == lm.RULES and rules["wait_blocks_host"] is False
+        assert "all_reduce" in rules["modelled"] and rules["nccl_order"]
+        with pytest.raises(RuntimeError, match="already installed"):
+            with lm.link_latency(RT, 0.01):
+                pass
+    assert lm.current() is None

@@ -8,8 +8,8 @@ import pytest
 
 from folding.overlap.exchange import Exchange
 from folding.overlap.runtime import OverlapRuntime
-from folding.testing import link_model as lm
-from folding.testing.link_model import link_latency
+from folding.testing import link_model_v1 as lm
+from folding.testing.link_model_v1 import link_latency
 
 RT = OverlapRuntime()
 """The runtime the link model subscribes to and the exchanges bind to (current in every test)."""
