@@ -226,13 +226,16 @@ def shared_node_split_groups(ep_group, nvlink_domain: int):
 
 
 def release_shared_node_split_groups() -> None:
-    """Destroy the groups :func:`shared_node_split_groups` built in this process, if any, and forget
-    them (a later call builds again: collective over the world, on every rank)."""
+    """Destroy the groups :func:`shared_node_split_groups` built in this process, if any (those a caller
+    destroyed already are only forgotten), and forget them (a later call builds again: collective over
+    the world, on every rank)."""
     world = dist.group.WORLD if dist.is_initialized() else None
     built = _SHARED_SPLITS.pop(world, None) if world is not None else None
     if built is not None:
+        alive = dist.distributed_c10d._world.pg_map  # a caller may have destroyed them already: forget those
         for group in built[1]:
-            dist.destroy_process_group(group)
+            if group in alive:
+                dist.destroy_process_group(group)
 
 
 def release_process_groups() -> None:

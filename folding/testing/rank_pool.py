@@ -64,6 +64,7 @@ def _end_task_groups() -> None:
 
     default = c10d._get_default_group()
     if not [pg for pg in list(c10d._world.pg_map) if pg is not default]:
+        release_shared_node_split_groups()  # the task destroyed the shared node and rail groups: forget them
         return
     dist.barrier()
     release_shared_node_split_groups()  # the node and rail groups a task's dispatchers shared: forgotten too
