@@ -13,7 +13,8 @@ What NCCL and CUDA do that the CPU test doubles only model:
   every synchronization CUDA reports counted by its call site in the engine (the warning's Python
   stack), then with each exchange's exposed time measured by CUDA events on the compute stream around
   its wait (on NCCL, ``Work.wait()`` makes the stream wait and returns at once: a host timer sees
-  nothing), overlap off and on (:mod:`tools.bringup_overlap_step`).
+  nothing), overlap off and on, and the overlapped step timed whole with a communicator per concurrent
+  role and with the groups shared by rank list (:mod:`tools.bringup_overlap_step`).
 
 Every case runs as ``python -m tools.bringup_device_cases CASE`` and prints one line ``RESULT {json}``;
 without CUDA it reports ``{"skipped": ...}`` and exits 0. :func:`run_case` runs one in a subprocess and
@@ -206,6 +207,15 @@ def section_lines(engine: tuple, raw: tuple, step: tuple) -> tuple:
         lines.append("| (none: one EP rank exchanges nothing; the case needs 2 or more GPUs) | | | |")
     totals = res.get("exposed_total_ms_by_rank", {})
     lines += ["", f"Every rank's total exposed ms, off: {totals.get('off')}, on: {totals.get('on')}."]
+    steps = res.get("step_ms_by_rank")
+    if steps:
+        shared_exposed = sum(v["total_ms"] for v in res.get("exposed_on_shared", {}).values())
+        lines += [
+            "",
+            "The overlapped step with a communicator per concurrent role (as the trainer builds the groups) and "
+            f"with the groups shared by rank list, ms per rank: {steps['own_communicators']} and "
+            f"{steps['shared']} (rank 0's exposed ms with shared groups: {shared_exposed:.2f}).",
+        ]
     return ok, lines
 
 

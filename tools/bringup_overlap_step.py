@@ -8,7 +8,13 @@ runs training steps with ``parallel.overlap_moe_comm`` on (and ``parallel.delay_
    counted by its call site in the engine (:func:`sync_sites`);
 3. a step with overlap off and one with it on, each exchange's wait bracketed by CUDA events on the
    compute stream (:func:`exchange_events`): the device time the stream
-   stood waiting for each exchange, by exchange name, off and on.
+   stood waiting for each exchange, by exchange name, off and on;
+4. the overlapped step timed whole by events on the compute stream, with the groups built as the
+   trainer builds them under overlap (``own_communicators=True``: a communicator per concurrent role)
+   and again with the groups shared by rank list (``own_communicators=False``): what the rule is worth
+   (``step_ms``, with the exposed time of the shared build in ``exposed_on_shared``).
+
+The groups of steps 1–3 are the trainer's (a communicator per concurrent role).
 
 With one GPU the EP group has one rank and there is no exchange to time (reported so). ``cpu=True``
 runs the same steps on gloo CPU ranks (the script's smoke test): no sync debug mode there, and the
@@ -202,7 +208,8 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
     dist.init_process_group(
         "gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw
     )
-    ps = build_parallel_state(ParallelLayout(world_size=world, ep=world, etp=1))
+    layout = ParallelLayout(world_size=world, ep=world, etp=1)
+    ps = build_parallel_state(layout, own_communicators=True)  # as the trainer builds them under overlap
     runtime = OverlapRuntime()  # every step's: the exchange events subscribe to it
     try:
         cfg = get_preset(
@@ -235,12 +242,39 @@ def _rank(rank: int, world: int, port: int, cpu: bool, out_dir: str) -> None:
             if not cpu:
                 torch.cuda.synchronize(dev)
             result[f"exposed_{name}"] = exposed_by_exchange(log)
+        result["step_ms"] = {"own_communicators": _timed_step(models, ps, mbs, runtime, dev, cpu)}
+        shared = build_parallel_state(layout, own_communicators=False)  # the groups shared by rank list
+        try:
+            models = {True: _model(cfg, shared, dev, True)}
+            _step(models, shared, mbs, on=True, runtime=runtime)  # warm-up of the shared communicators
+            with exchange_events(runtime, HostEvent if cpu else None) as log:
+                result["step_ms"]["shared"] = _timed_step(models, shared, mbs, runtime, dev, cpu)
+            result["exposed_on_shared"] = exposed_by_exchange(log)
+        finally:
+            shared.destroy()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
         runtime.close()
         ps.destroy()
         release_process_groups()  # frees the groups' native threads before exit
+
+
+def _timed_step(models, ps, mbs, runtime: OverlapRuntime, dev, cpu: bool) -> float:
+    """Milliseconds of one overlapped step (:func:`_step` with overlap on) between two events on the compute
+    stream (host clocks on CPU ranks), the device synchronized before and after."""
+    if cpu:
+        start, end = HostEvent(), HostEvent()
+    else:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if not cpu:
+        torch.cuda.synchronize(dev)
+    start.record()
+    _step(models, ps, mbs, on=True, runtime=runtime)
+    end.record()
+    if not cpu:
+        torch.cuda.synchronize(dev)
+    return float(start.elapsed_time(end))
 
 
 def overlap_step(world: Optional[int] = None, *, cpu: bool = False) -> dict:
@@ -263,4 +297,5 @@ def overlap_step(world: Optional[int] = None, *, cpu: bool = False) -> dict:
     result["exposed_total_ms_by_rank"] = {
         mode: [sum(v["total_ms"] for v in r[f"exposed_{mode}"].values()) for r in per_rank] for mode in ("off", "on")
     }
+    result["step_ms_by_rank"] = {k: [r["step_ms"][k] for r in per_rank] for k in ("own_communicators", "shared")}
     return result

@@ -187,5 +187,11 @@ def test_overlap_step_on_cpu_ranks():
         assert set(res[f"exposed_{mode}"]) == names, res
         assert all(r["count"] == 16 and r["total_ms"] >= r["max_ms"] >= 0 for r in res[f"exposed_{mode}"].values())
         assert len(res["exposed_total_ms_by_rank"][mode]) == 2
+    # the overlapped step timed with a communicator per concurrent role and with shared groups, every exchange
+    # of the shared build timed too
+    assert all(len(res["step_ms_by_rank"][k]) == 2 for k in ("own_communicators", "shared")), res
+    assert all(t > 0 for k in ("own_communicators", "shared") for t in res["step_ms_by_rank"][k]), res
+    assert set(res["exposed_on_shared"]) == names, res
     ok, lines = dc.section_lines(_engine("rowwise", run=False, why="no GPU"), (0, {"skipped": "x"}, ""), (rc, res, out))
     assert ok and any(line.startswith("| ep dispatch | 16 / 16 |") for line in lines), lines
+    assert any("a communicator per concurrent role" in line for line in lines), lines
