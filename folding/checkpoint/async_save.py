@@ -37,17 +37,23 @@ from concurrent.futures import Future
 from typing import Optional
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
 
-from .blocks import BlockSavePlanner
+from . import blocks
 from .save import SaveInProgress, begin_save, publish_save
 
 
-class _AlreadyStaged(AsyncStager):
-    """DCP staging that keeps the state dict as given (``begin_save(copy=True)`` made it a host copy)."""
+class _AlreadyStaged:
+    """DCP staging that keeps the state dict as given (``begin_save(copy=True)`` made it a host copy): an
+    ``AsyncStager`` (a protocol of ``torch.distributed.checkpoint.staging``, implemented here without
+    importing it, so that DCP is imported only when a save starts)."""
 
-    _synchronize_after_execute = False
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Nothing to wait for after the write thread starts (the state dict is already a host copy)."""
+        return False
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for."""
 
     def stage(self, state_dict):
         """The state dict itself."""
@@ -77,11 +83,13 @@ class AsyncSaver:
         layout, run_dir)."""
         if self.pending is not None:
             self.finish()
+        import torch.distributed.checkpoint as dcp  # on first use: see folding.checkpoint.blocks
+
         save = begin_save(ckpt_dir, copy=True, **save_args)
         self._future = dcp.async_save(
             save.state_dict,
             checkpoint_id=save.tmp,
-            planner=BlockSavePlanner(),
+            planner=blocks.BlockSavePlanner(),
             process_group=self.group,
             async_stager=_AlreadyStaged(),
         )

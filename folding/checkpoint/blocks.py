@@ -14,6 +14,13 @@ tensor viewed in the block's shape. DCP's default planners (through :class:`Bloc
 
 So TP, CP, PP, VPP, EP, ETP and the distributed optimizer may all differ between save and load.
 
+``torch.distributed.checkpoint`` is imported when it is first needed (a block's write items, the first
+planner), not with this module: the import (DTensor, DCP's planners) costs about 0.6 s of CPU, which a
+process that never reads or writes a checkpoint does not pay (every rank of a job without
+``checkpoint.dir`` or ``checkpoint.load``, a refused configuration, a dry run). The planners subclass
+DCP's, so they are built on their first use: ``blocks.BlockSavePlanner`` and ``blocks.BlockLoadPlanner``
+are module attributes resolved then (:func:`__getattr__`).
+
 Legend: the block of expert ``fc1`` of full shape ``[E, 2, F, H]`` held as ``[E/EP, 2·F/ETP, H]``
 is viewed as ``[E/EP, 2, F/ETP, H]`` at offsets ``(ep_rank·E/EP, 0, etp_rank·F/ETP, 0)``.
 
@@ -26,15 +33,17 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import List, Sequence
+from typing import TYPE_CHECKING, Dict, List, Sequence
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..parallel.params import ParamSpec, shard_index
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 
 class Block:
@@ -82,6 +91,9 @@ class Block:
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         """One shard write item: this block at its offsets."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, self.offsets),
@@ -96,6 +108,8 @@ class Block:
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
         """The single chunk this rank holds (what a load must fill)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
@@ -110,40 +124,55 @@ class Block:
             m.copy_(self.local.reshape(m.shape))
 
 
-class BlockSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, resolving :class:`Block` values to their local tensor."""
+@functools.lru_cache(maxsize=None)
+def _planners() -> Dict[str, type]:
+    """DCP's default planners taught about :class:`Block` (built once, on first use: they subclass DCP's)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
-    def __init__(self):
-        """A planner with flattening off (the state dict is already flat). Identical blocks of several
-        ranks are written once (DCP deduplicates write items by key and offsets)."""
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    class BlockSavePlanner(DefaultSavePlanner):
+        """DCP's default save planner, resolving :class:`Block` values to their local tensor."""
 
-    def lookup_object(self, index: MetadataIndex):
-        """The local block for ``index`` (a plain tensor or object for any other value)."""
-        obj = self.state_dict.get(index.fqn)
-        if isinstance(obj, Block):
-            return obj.__get_tensor_shard__(index)
-        return super().lookup_object(index)
+        def __init__(self):
+            """A planner with flattening off (the state dict is already flat). Identical blocks of several
+            ranks are written once (DCP deduplicates write items by key and offsets)."""
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def lookup_object(self, index: MetadataIndex):
+            """The local block for ``index`` (a plain tensor or object for any other value)."""
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, Block):
+                return obj.__get_tensor_shard__(index)
+            return super().lookup_object(index)
+
+    class BlockLoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner for a flat ``{key: Block | tensor}`` state dict, resolving
+        :class:`Block` values to their local tensor (no flattening, no re-initialization of values)."""
+
+        def __init__(self):
+            """A planner with flattening off (the state dict is already flat)."""
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            """Keep the state dict as given (the default set-up would replace non-tensor values)."""
+            self.original_state_dict = state_dict
+            self.state_dict = state_dict
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+            """The local block for ``index`` (a plain tensor for any other value)."""
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, Block):
+                return obj.__get_tensor_shard__(index)
+            return super().lookup_tensor(index)
+
+    return {"BlockSavePlanner": BlockSavePlanner, "BlockLoadPlanner": BlockLoadPlanner}
 
 
-class BlockLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for a flat ``{key: Block | tensor}`` state dict, resolving
-    :class:`Block` values to their local tensor (no flattening, no re-initialization of values)."""
-
-    def __init__(self):
-        """A planner with flattening off (the state dict is already flat)."""
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        """Keep the state dict as given (the default set-up would replace non-tensor values)."""
-        self.original_state_dict = state_dict
-        self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        """The local block for ``index`` (a plain tensor for any other value)."""
-        obj = self.state_dict.get(index.fqn)
-        if isinstance(obj, Block):
-            return obj.__get_tensor_shard__(index)
-        return super().lookup_tensor(index)
+def __getattr__(name: str):
+    """``BlockSavePlanner`` and ``BlockLoadPlanner``: DCP's default planners resolving :class:`Block` values to
+    their local tensor (the save planner writes identical blocks of several ranks once; the load planner keeps
+    the flat state dict as given), built when first asked for."""
+    if name in ("BlockSavePlanner", "BlockLoadPlanner"):
+        return _planners()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

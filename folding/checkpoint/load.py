@@ -50,12 +50,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..job.config import ConfigError
 from ..job.config import plain_tree as _plain
 from ..parallel.params import require_spec
-from .blocks import Block, BlockLoadPlanner
+from . import blocks
+from .blocks import Block
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -277,6 +277,8 @@ def _warn_state_conversion(meta: Dict[str, Any], job) -> None:
 
 def _check_saved_shapes(path: str, sd: Dict[str, Block]) -> None:
     """Compare the requested keys and full shapes with the checkpoint's metadata (no tensor read)."""
+    import torch.distributed.checkpoint as dcp  # on first use: see folding.checkpoint.blocks
+
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(k for k in sd if k not in md)
     wrong = [
@@ -317,7 +319,9 @@ def load_checkpoint(path: str, *, chunks, optimizer, data, job) -> int:
     sd: Dict[str, Any] = dict(model)
     sd.update(_optim_blocks(chunks, optimizer, model, fp32))
     _check_saved_shapes(path, sd)
-    dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner())
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(sd, checkpoint_id=path, planner=blocks.BlockLoadPlanner())
     for b in sd.values():
         b.sync_mirrors()
     optimizer.load_param_state(fp32, step=int(meta["step"]), updates=meta.get("adam_updates"))
@@ -340,9 +344,11 @@ def load_full_model(path: str, model: torch.nn.Module) -> Dict[str, Any]:
     sd = _model_blocks([model])
     sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     _check_saved_shapes(path, sd)
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(sd, checkpoint_id=path, planner=BlockLoadPlanner(), no_dist=True)
+        dcp.load(sd, checkpoint_id=path, planner=blocks.BlockLoadPlanner(), no_dist=True)
     for b in sd.values():
         b.sync_mirrors()
     return meta

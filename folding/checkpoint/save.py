@@ -31,10 +31,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ..job.config import plain_tree as _plain
-from .blocks import Block, BlockSavePlanner
+from . import blocks
+from .blocks import Block
 from .load import FORMAT, MARKER, META, _fp8_states, _model_blocks, _optim_blocks, list_complete, step_dir_name
 
 _TMP = re.compile(r"^step_\d{8}\.tmp-")
@@ -217,7 +217,9 @@ def save_checkpoint(
         run_dir=run_dir,
         hf_source=hf_source,
     )
-    dcp.save(save.state_dict, checkpoint_id=save.tmp, planner=BlockSavePlanner())
+    import torch.distributed.checkpoint as dcp  # on first use: see folding.checkpoint.blocks
+
+    dcp.save(save.state_dict, checkpoint_id=save.tmp, planner=blocks.BlockSavePlanner())
     dist.barrier()
     if dist.get_rank() == 0:
         publish_save(save)

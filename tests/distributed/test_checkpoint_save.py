@@ -12,6 +12,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from folding.checkpoint import load as ckpt
 from tests.distributed.test_checkpoint_reshard import _assemble, _job, _run
@@ -28,20 +29,20 @@ def _crash_then_resume(root):
     d = os.path.join(root, "ck")
     ref = _run(_job(dict(tp=2, ep=2, etp=1), False, steps=3), root)[0]
     _run(_job(dict(tp=2, ep=2, etp=1), False, steps=2, ckpt_dir=d), root)  # saves step 2
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
 
     def save_then_crash(*args, **kwargs):  # every rank dies after writing its data
         real_save(*args, **kwargs)
         raise _Crash("injected crash during the save")
 
-    ckpt.dcp.save = save_then_crash
+    dcp.save = save_then_crash
     try:
         _run(_job(dict(pp=2, ep=2, etp=1), True, steps=3, ckpt_dir=d), root)
         crashed = False
     except _Crash:
         crashed = True
     finally:
-        ckpt.dcp.save = real_save
+        dcp.save = real_save
     dist.barrier()
     listing = sorted(os.listdir(d))
     latest = ckpt.latest_complete(d)
