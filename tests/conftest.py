@@ -26,7 +26,9 @@ SHARED_RUNS = {
     "tests/distributed/test_pipeline_training.py::test_deepseek_v3_layouts_train_like_one_rank": "equivalence-deepseek",
     # replicas_overlap compares bitwise with the replicas parameter's runs of the same cases
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[replicas]": "equivalence-replicas",
-    "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[replicas_overlap]": "equivalence-replicas",
+    "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[replicas_overlap]": (
+        "equivalence-replicas"
+    ),
 }
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of a parallel run: one core's worth of threads
