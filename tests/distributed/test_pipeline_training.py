@@ -374,13 +374,13 @@ def _check_option_active(case, runs, *, overlap, optim, replicas):
 
 
 # bf16 layouts against the one-rank bf16 run of the same batches. Measured (Mixtral PP2 TP2 EP2; Qwen2-MoE
-# TP2 EP4 at a batch of 8 and of 16; over 6 steps, the runs' length before it was cut to 4): losses within 6.6e-5 relative, gradient norms within
-# 6.1e-3, fp32 master weights within a mean absolute difference of 2.5e-4 per tensor. An element's
-# difference alone says little:
-# where a gradient is near zero, bf16 noise flips the sign of Adam's normalized update, so single
-# elements differ by up to a few updates (1.1e-2 measured; at most STEPS * lr). The tolerances leave 4x
-# the measured noise; defects are larger: every expert gradient zeroed moves the loss by ~5e-4, the
-# gradient norm by far more than 2e-2, and the expert masters by whole updates on most elements.
+# TP2 EP4 at a batch of 8 and of 16; over 6 steps, the runs' length before it was cut to 4): losses within
+# 6.6e-5 relative, gradient norms within 6.1e-3, fp32 master weights within a mean absolute difference of
+# 2.5e-4 per tensor. An element's difference alone says little: where a gradient is near zero, bf16 noise
+# flips the sign of Adam's normalized update, so single elements differ by up to a few updates (1.1e-2
+# measured; at most STEPS * lr). The tolerances leave 4x the measured noise; defects are larger: every
+# expert gradient zeroed moves the loss by ~5e-4, the gradient norm by far more than 2e-2, and the expert
+# masters by whole updates on most elements.
 BF16_LOSS_RTOL = 2.5e-4
 BF16_NORM_RTOL = 2.5e-2
 BF16_PARAM_MEAN_ATOL = 1e-3
