@@ -79,6 +79,17 @@ def _free_port() -> int:
 _INITS = [0]  # process groups this process has initialized (one per job of a Hydra multirun)
 
 
+def _import_checkpointing_first(job) -> None:
+    """Import ``torch.distributed.checkpoint`` before the world group exists, in a job that reads or writes
+    checkpoints (``checkpoint.dir``, ``checkpoint.load``); a job that never does skips the import (about
+    0.6 s of CPU per process; :mod:`folding.checkpoint.blocks`). Imported after the world group exists,
+    DCP's import of ``torch.distributed.nn.functional`` binds that group as a default argument
+    (``group=group.WORLD``, evaluated at import), which keeps the group object and its gloo threads alive
+    after ``destroy_process_group``, into the interpreter's shutdown (:func:`release_process_groups`)."""
+    if job.checkpoint.dir or job.checkpoint.load:
+        import torch.distributed.checkpoint  # noqa: F401
+
+
 def init_world(timeout_s: float) -> None:
     """Initialize the default process group from the environment (torchrun's, or a local 1-rank one)."""
     if "MASTER_ADDR" not in os.environ:
@@ -198,6 +209,7 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
             discard_if_empty(run_dir)
         return 2
     threads, why = configure_threads(job.train.threads)
+    _import_checkpointing_first(job)
     init_world(job.train.collective_timeout_s)
     log, status, state = None, "failed", {}
     try:
