@@ -132,9 +132,10 @@ def _probe_grouped_mm(fn, device_type: str, dtype: torch.dtype) -> bool:
     w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
     offs = torch.tensor([2, 4], dtype=torch.int32, device=device_type)
     y = fn(x, w.transpose(-2, -1), offs=offs)
-    # the sum's backward seeds its own gradient: torch.autograd imports its symbolic-shape helpers (about
-    # 0.5 s of CPU) for a gradient tensor handed to backward, and this probe runs in every process at start
-    y.sum().backward()
+    # backward from a scalar seeds its own gradient: a gradient tensor handed to backward makes torch.autograd
+    # import its symbolic-shape helpers (about 0.5 s of CPU), and this probe runs in every process at start.
+    # The product hands grouped_mm's backward a dense gradient (a sum's alone is an expanded view)
+    (y * torch.ones_like(y)).sum().backward()
     return bool(torch.allclose(y.float(), torch.full((4, 16), 16.0, device=device_type)))
 
 
