@@ -35,7 +35,7 @@ from ..memory.offload import OFFLOAD_MODULES
 from ..model.config import ModelConfig
 from ..model.mla_config import MLAConfig
 from ..model.recompute import RECOMPUTE_MODES, recompute_spec  # noqa: F401 - the names train.recompute accepts
-from ..model.rope_yarn import YarnConfig
+from ..model.yarn_config import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
@@ -354,7 +354,7 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
             model_values[key] = _build(record, f"model.{key}", model_values[key])
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
-    notes = []
+    notes = [str(n) for n in tree.get("notes") or ()]  # what a loader before this one chose (model=from_hf)
     if optim_values.get("warmup_steps", DEFAULT_WARMUP_STEPS) is None:
         train_steps = (tree.get("train") or {}).get("steps", TrainConfig.steps)
         horizon = optim_values.get("decay_steps") or train_steps

@@ -24,7 +24,7 @@ from ..data.config import DataConfig
 from ..model.config import ModelConfig
 from ..model.mla_config import MLAConfig
 from ..model.presets import get_preset, list_presets
-from ..model.rope_yarn import YarnConfig
+from ..model.yarn_config import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from . import config as C

@@ -41,12 +41,10 @@ from typing import Callable, Dict, FrozenSet, Iterator, List, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .offload_modules import OFFLOAD_MODULES
+
 __all__ = ["OFFLOAD_MODULES", "Offloader", "offload_region"]
 
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
-"""Megatron-Core's offload modules, each a region of the engine's layer: the input norm, the QKV (or MLA's
-down-) projections, the attention core, the output projection, the post-attention norm, the experts' fc1,
-the experts' activation (fc1's output it keeps)."""
 
 _state = threading.local()  # .group: the layer forward this thread runs; .previous: the layer before it
 

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Literal, Optional, Tuple, get_args
 
-from ..memory.offload import OFFLOAD_MODULES  # noqa: F401 - for planning
+from ..memory.offload_modules import OFFLOAD_MODULES  # noqa: F401 - for planning
 from ..moe.config import FP8_ROW_ALIGN, MoEConfig  # noqa: F401 - FP8_ROW_ALIGN for the planner
 from .mla_config import MLAConfig
 from .recompute import (  # noqa: F401 - for planning
@@ -30,7 +30,7 @@ from .recompute import (  # noqa: F401 - for planning
     recompute_mode,
     recompute_spec,
 )
-from .rope_yarn import YarnConfig
+from .yarn_config import YarnConfig
 
 Family = Literal["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 FAMILIES = get_args(Family)

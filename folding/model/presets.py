@@ -22,7 +22,7 @@ from typing import Dict, List
 from ..moe.config import MoEConfig
 from .config import ModelConfig
 from .mla_config import MLAConfig
-from .rope_yarn import YarnConfig
+from .yarn_config import YarnConfig
 
 _PRESETS: Dict[str, ModelConfig] = {}
 

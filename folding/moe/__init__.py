@@ -8,27 +8,30 @@ Usage::
                             groups=ps.groups, settings=LayerSettings(init_seed=1))
 """
 
-from .config import MoEConfig
-from .dispatch.build import AllGatherDispatcher, AllToAllDispatcher, TokenDispatcher, build_dispatcher, dispatcher_for
-from .experts.grouped import GroupedMLP
-from .layer import MoELayer, SharedExpert, build_moe_layer
-from .routing.functions import apply_capacity, topk_routing
-from .routing.router import Router
-from .settings import LayerSettings
+import importlib
 
-__all__ = [
-    "MoEConfig",
-    "MoELayer",
-    "build_moe_layer",
-    "LayerSettings",
-    "SharedExpert",
-    "Router",
-    "GroupedMLP",
-    "TokenDispatcher",
-    "AllToAllDispatcher",
-    "AllGatherDispatcher",
-    "build_dispatcher",
-    "dispatcher_for",
-    "topk_routing",
-    "apply_capacity",
-]
+_EXPORTS = {
+    "MoEConfig": "config",
+    "AllGatherDispatcher": "dispatch.build",
+    "AllToAllDispatcher": "dispatch.build",
+    "TokenDispatcher": "dispatch.build",
+    "build_dispatcher": "dispatch.build",
+    "dispatcher_for": "dispatch.build",
+    "GroupedMLP": "experts.grouped",
+    "MoELayer": "layer",
+    "SharedExpert": "layer",
+    "build_moe_layer": "layer",
+    "apply_capacity": "routing.functions",
+    "topk_routing": "routing.functions",
+    "Router": "routing.router",
+    "LayerSettings": "settings",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The package's names, each imported from its module on first use (the configuration imports no
+    torch: the planner and the tools that only read it start without it)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -1,29 +1,28 @@
 """Folded parallel layouts: pure rank math, process groups, and autograd collectives."""
 
-from .groups import (
-    Coordinates,
-    GroupCoord,
-    ProcessGroups,
-    build_node_split_groups,
-    release_shared_node_split_groups,
-    shared_node_split_groups,
-)
-from .layout import DEFAULT_ORDER, ParallelLayout
-from .rank_math import LayoutError, RankGenerator, layout_groups
-from .state import ParallelState, build_parallel_state
+import importlib
 
-__all__ = [
-    "Coordinates",
-    "DEFAULT_ORDER",
-    "GroupCoord",
-    "ParallelLayout",
-    "LayoutError",
-    "RankGenerator",
-    "layout_groups",
-    "ParallelState",
-    "ProcessGroups",
-    "build_node_split_groups",
-    "build_parallel_state",
-    "release_shared_node_split_groups",
-    "shared_node_split_groups",
-]
+_EXPORTS = {
+    "Coordinates": "groups",
+    "GroupCoord": "groups",
+    "ProcessGroups": "groups",
+    "build_node_split_groups": "groups",
+    "release_shared_node_split_groups": "groups",
+    "shared_node_split_groups": "groups",
+    "DEFAULT_ORDER": "layout",
+    "ParallelLayout": "layout",
+    "LayoutError": "rank_math",
+    "RankGenerator": "rank_math",
+    "layout_groups": "rank_math",
+    "ParallelState": "state",
+    "build_parallel_state": "state",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The package's names, each imported from its module on first use (the rank math imports no torch:
+    the planner and the layout tools start without it)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ...moe.config import MoEConfig
 from ..config import ModelConfig
 from ..mla_config import MLAConfig
-from ..rope_yarn import YarnConfig
+from ..yarn_config import YarnConfig
 from .errors import CheckpointError
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
