@@ -110,9 +110,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype=None, max_shard_bytes
     return path
 
 
-SOURCE_WINS = ("initializer_range",)
-"""``config.json`` keys the export writes from a setting the run may change freely (``model.init_std``)
-although the weights came from the source: the source's value is the true one."""
+SOURCE_WINS = ("initializer_range", "output_router_logits")
+"""``config.json`` keys the export writes from a setting the run may change freely although the weights came
+from the source: the source's value is the true one (``model.init_std``; ``output_router_logits``, whether
+transformers returns router logits, which the engine derives from ``moe.aux_loss_coeff``)."""
 
 
 def with_source_fields(written: dict, source: dict) -> dict:

@@ -20,7 +20,7 @@ import dataclasses
 import os
 from typing import Any, Dict, Mapping
 
-from ..checkpoint.from_hf import source_model_config
+from ..checkpoint.from_hf import read_hf_source_config, source_model_config
 from ..job.config import ConfigError, plain_tree
 from ..job.schema import FROM_HF, from_hf_node
 
@@ -41,4 +41,22 @@ def resolve_from_hf(tree: Mapping[str, Any]) -> Dict[str, Any]:
     node = from_hf_node()
     given_model = {k: v for k, v in (tree.get("model") or {}).items() if k != "name" and v != node["model"].get(k)}
     given_moe = {k: v for k, v in (tree.get("moe") or {}).items() if v != node["moe"].get(k)}
-    return {**tree, "model": {**source, **given_model}, "moe": {**source_moe, **given_moe}}
+    notes = [*(tree.get("notes") or ()), _aux_loss_note(str(path), source_moe["aux_loss_coeff"], given_moe)]
+    return {**tree, "model": {**source, **given_model}, "moe": {**source_moe, **given_moe}, "notes": notes}
+
+
+def _aux_loss_note(path: str, source_coeff: float, given_moe: Mapping[str, Any]) -> str:
+    """The start-up line saying where ``moe.aux_loss_coeff`` came from: the command line, or the source's
+    ``router_aux_loss_coef`` (whatever its ``output_router_logits`` says, which only tells transformers
+    whether a forward returns router logits; :mod:`folding.model.hf.config`)."""
+    if "aux_loss_coeff" in given_moe:
+        return (
+            f"moe.aux_loss_coeff: {given_moe['aux_loss_coeff']} (command line; the source's "
+            f"router_aux_loss_coef is {source_coeff})"
+        )
+    hf = read_hf_source_config(os.path.expanduser(path))
+    if hf is None:  # an import file: its own model config
+        return f"moe.aux_loss_coeff: {source_coeff} (the model config of {path})"
+    flag = hf.get("output_router_logits")
+    why = f"; its output_router_logits={str(flag).lower()} only says whether transformers returns router logits"
+    return f"moe.aux_loss_coeff: {source_coeff} (router_aux_loss_coef of {path}/config.json{why if not flag else ''})"

@@ -174,9 +174,11 @@ def test_export_keeps_the_source_config_fields(ranks, tmp_path):
     assert exported["bos_token_id"] == 5
     changed = {k for k in source if exported.get(k) != source[k]}
     diff = {k: (source[k], exported.get(k)) for k in changed}
-    # what may change: the weights' dtype and writer, and the run's own aux loss (moe.aux_loss_coeff,
-    # a training setting the engine models and writes as the run used it)
-    own = {"torch_dtype", "dtype", "transformers_version", "output_router_logits", "router_aux_loss_coef"}
+    # what may change: the weights' dtype and writer, and the run's own aux loss (moe.aux_loss_coeff, a
+    # training setting the engine writes as the run used it: this job's preset sets one of its own); the
+    # source's output_router_logits stays
+    own = {"torch_dtype", "dtype", "transformers_version", "router_aux_loss_coef"}
     assert changed <= own, diff
+    assert exported["output_router_logits"] is source["output_router_logits"] is False
     model = transformers.AutoModelForCausalLM.from_pretrained(out)  # and it loads
     assert model.config.initializer_range == 0.05

@@ -72,7 +72,21 @@ def test_overrides_on_top_of_the_source(tmp_path):
     _source("mixtral", str(tmp_path / "src"))
     node = from_hf_node()
     tree = {**node, "checkpoint": {"init_from_hf": str(tmp_path / "src")}}
+    # the source's own balancing loss, though save_pretrained wrote output_router_logits=false; the start
+    # says where it came from
+    source = json.load(open(tmp_path / "src" / "config.json"))
+    assert source["output_router_logits"] is False and source["router_aux_loss_coef"] > 0
+    plain = job_config_from_dict(resolve_from_hf(tree))
+    assert plain.model.moe.aux_loss_coeff == source["router_aux_loss_coef"]
+    assert [n for n in plain.notes if n.startswith("moe.aux_loss_coeff")] == [
+        f"moe.aux_loss_coeff: {source['router_aux_loss_coef']} (router_aux_loss_coef of {tmp_path / 'src'}"
+        "/config.json; its output_router_logits=false only says whether transformers returns router logits)"
+    ]
     job = job_config_from_dict(resolve_from_hf({**tree, "moe": {**node["moe"], "aux_loss_coeff": 0.123}}))
+    coeff = source["router_aux_loss_coef"]
+    assert [n for n in job.notes if n.startswith("moe.aux_loss_coeff")] == [
+        f"moe.aux_loss_coeff: 0.123 (command line; the source's router_aux_loss_coef is {coeff})"
+    ]
     assert (job.model.hidden_size, job.model.moe.num_experts, job.model.max_position_embeddings) == (48, 6, 256)
     assert job.model.moe.aux_loss_coeff == 0.123  # a training option given on the command line applies
     from folding.checkpoint.from_hf import check_init_source

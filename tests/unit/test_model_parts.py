@@ -94,7 +94,7 @@ def test_every_parameter_has_one_record_and_save_refuses_one_without():
         require_spec(p, "embedding.weight")
 
 
-def test_hf_aux_loss_only_with_router_logits():
+def test_hf_aux_loss_coefficient_is_the_models_own_whatever_output_router_logits_says():
     from folding.model.hf.config import config_from_hf, config_to_hf
 
     base = dict(
@@ -109,7 +109,11 @@ def test_hf_aux_loss_only_with_router_logits():
         intermediate_size=16,
         router_aux_loss_coef=0.02,
     )
-    assert config_from_hf(base).moe.aux_loss_coeff == 0.0
+    # the model's own coefficient whatever output_router_logits says (save_pretrained writes it false for
+    # models trained with the loss); absent, no loss
+    assert config_from_hf(base).moe.aux_loss_coeff == 0.02
+    assert config_from_hf(dict(base, output_router_logits=False)).moe.aux_loss_coeff == 0.02
+    assert config_from_hf({k: v for k, v in base.items() if k != "router_aux_loss_coef"}).moe.aux_loss_coeff == 0.0
     cfg = config_from_hf(dict(base, output_router_logits=True))
     assert cfg.moe.aux_loss_coeff == 0.02
     assert config_from_hf(config_to_hf(cfg)) == cfg.replace(name="hf_mixtral")

@@ -6,9 +6,12 @@ Both rope spellings are read: transformers 4's top-level ``rope_theta`` and tran
 implement (other rope types, sliding-window attention, activations other than SiLU) are rejected
 with an error naming the field instead of being silently ignored.
 
-The load-balancing loss coefficient is taken only when ``output_router_logits`` is true (otherwise
-Hugging Face computes no auxiliary loss, and neither does the engine); override it with
-``from_hf(path, config_overrides={"moe": {"aux_loss_coeff": ...}})``.
+The load-balancing loss coefficient is ``router_aux_loss_coef``, whatever ``output_router_logits`` says:
+that flag only tells transformers whether to return router logits (and so add the loss) in a forward, and
+``save_pretrained`` writes it ``false`` for most models, whose training used the loss all the same (a model
+trained on from such a config without it loses its balance within a few steps). Override it with
+``from_hf(path, config_overrides={"moe": {"aux_loss_coeff": ...}})`` or ``moe.aux_loss_coeff=...``; the
+export writes the coefficient the run used and keeps the source's ``output_router_logits``.
 
 Qwen2-MoE's router maps to ``moe.pre_softmax = not norm_topk_prob`` (softmax over all experts, then
 top-k; renormalizing the k probabilities equals the softmax of the k selected logits, which is
@@ -87,8 +90,9 @@ def config_from_hf(hf: Dict[str, Any], name: Optional[str] = None) -> ModelConfi
     )
     moe = dict(
         topk=hf["num_experts_per_tok"],
-        # HF adds the load-balancing loss only with output_router_logits=true; match what it computes
-        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
+        # the model's own balancing: output_router_logits only says whether a transformers forward returns
+        # router logits (save_pretrained writes it false for models trained with the loss)
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
     )
     if mtype == "mixtral":
         if hf.get("sliding_window") is not None:
