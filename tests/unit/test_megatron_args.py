@@ -79,6 +79,53 @@ def test_mixtral_8x7b_command_gives_overrides_the_dry_run_accepts():
     assert "global 256 x seq 4096, micro-batch 1" in dry.stdout and "dispatcher alltoall" in dry.stdout
 
 
+# NVIDIA's examples/mixtral/train_mixtral_8x7b_distributed.sh as written (its own small sizes; mock data; the
+# logging block a user's copy carries: tensorboard, timers, params norm, zeros in the gradient, an exit timer,
+# the checkpoint strictness), launched on 2 GPUs of 1 node (the flags after pretrain_gpt.py)
+NVIDIA_MIXTRAL_SCRIPT = """
+--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048 --num-layers 2
+--hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2 --init-method-std 0.01 --attention-dropout 0.0
+--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000
+--num-experts 2 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+--moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+--tokenizer-type Llama2Tokenizer --tokenizer-model /workspace/Megatron-LM/tokenizer.model --mock-data
+--split 99990,8,2
+--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 7 --min-lr 1.0e-5 --weight-decay 0.1
+--clip-grad 1.0
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
+--use-distributed-optimizer --sequence-parallel
+--eval-iters 10 --no-load-optim --no-load-rng
+--log-params-norm --log-num-zeros-in-grad --timing-log-level 2 --tensorboard-log-interval 1
+--log-validation-ppl-to-tensorboard --exit-duration-in-mins 230 --dist-ckpt-strictness log_all
+--accumulate-allreduce-grads-in-fp32
+""".split()
+
+
+def test_nvidia_mixtral_script_flags_translate_as_written():
+    """Every flag of the script either sets a key or is a note (none changes what is computed without a key);
+    --no-load-optim and --no-load-rng without --load are notes, and --no-load-optim with --load is refused."""
+    conv = convert(NVIDIA_MIXTRAL_SCRIPT, world_size=2, config_dir=os.path.join(ROOT, "configs"))
+    noted = {note.split(":")[0].split()[0] for note in conv.notes}
+    for flag in (
+        "--log-params-norm",
+        "--log-num-zeros-in-grad",
+        "--timing-log-level",
+        "--tensorboard-log-interval",
+        "--log-validation-ppl-to-tensorboard",
+        "--exit-duration-in-mins",
+        "--dist-ckpt-strictness",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--no-load-optim",
+        "--no-load-rng",
+    ):
+        assert flag in noted, (flag, conv.notes)
+    assert conv.values["parallel.ep"] == 2 and conv.values["parallel.world_size"] == 2
+    with pytest.raises(MegatronArgsError, match="--no-load-optim: folding always restores the optimizer state"):
+        convert([*NVIDIA_MIXTRAL_SCRIPT, "--load", "/ckpt"], world_size=2)
+
+
 def test_unsupported_flags_are_refused_by_name():
     p = _run("--tensor-model-parallel-size", "2", "--fp16", "--use-torch-fsdp2", "--moe-token-dispatcher-type", "flex")
     assert p.returncode == 2 and p.stdout == ""

@@ -241,6 +241,24 @@ FLAGS: Dict[str, Flag] = {
     "--log-throughput": noop(LOGS),
     "--log-timers-to-tensorboard": noop(LOGS),
     "--tensorboard-dir": noop(LOGS, True),
+    "--tensorboard-log-interval": noop(LOGS, True),
+    "--log-validation-ppl-to-tensorboard": noop(LOGS + "; the eval records hold the loss, whose exp is the perplexity"),
+    "--log-params-norm": noop(LOGS + "; the parameters' norm is not among the step's metrics"),
+    "--log-num-zeros-in-grad": noop(LOGS + "; the count of zero gradients is not among the step's metrics"),
+    "--timing-log-level": noop(LOGS + "; the step's time and its breakdown are logged at one level", True),
+    "--exit-duration-in-mins": noop(
+        "a timer that stops the job; folding stops on a signal (SIGTERM or SIGINT, as schedulers send before "
+        "their limit), saving a checkpoint, so the scheduler's own time limit plays its part",
+        True,
+    ),
+    "--dist-ckpt-strictness": noop(
+        "how Megatron-LM treats unexpected or missing keys on load; folding's load checks every key and shape "
+        "against the job and refuses a mismatch by name",
+        True,
+    ),
+    "--accumulate-allreduce-grads-in-fp32": noop(
+        "folding always accumulates and reduces gradients in fp32 (optim.main_grads_dtype=fp32, its default)"
+    ),
     "--wandb-project": special(),
     "--wandb-exp-name": value("logging.wandb.name", str),
     # ------------------------------------------------------------------ data and checkpoints
@@ -260,10 +278,7 @@ FLAGS: Dict[str, Flag] = {
     "--ckpt-format": noop("checkpoints are torch.distributed.checkpoint directories that reshard to any layout", True),
     "--auto-detect-ckpt-format": noop("there is one checkpoint format here"),
     "--async-save": switch("checkpoint.async_save"),
-    "--no-load-optim": refuse(
-        "folding always restores the optimizer state with the weights; drop the flag to resume the run "
-        "as it was, or start fresh from exported weights with checkpoint.init_from_hf (fresh optimizer, step 0)"
-    ),
+    "--no-load-optim": special(False),
     "--no-load-rng": special(False),
 }
 """Every Megatron-LM flag with an equivalent here (see the module docstring). ``key=""`` marks a flag

@@ -251,6 +251,14 @@ def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str], p
         else:
             notes.append("--no-load-rng: ignored; nothing in this job draws random numbers after initialization")
     save, load = _one(flags, "--save"), _one(flags, "--load")
+    if "--no-load-optim" in flags and load:
+        problems.append(
+            "--no-load-optim: folding always restores the optimizer state with the weights; drop the flag to "
+            "resume the run as it was, or start fresh from exported weights with checkpoint.init_from_hf "
+            "(fresh optimizer, step 0)"
+        )
+    elif "--no-load-optim" in flags:
+        notes.append("--no-load-optim: ignored; without --load there is no checkpoint to read an optimizer from")
     if save:
         out["checkpoint.dir"] = save
     if load and load != save:
