@@ -50,8 +50,9 @@ def commands(root: str) -> List[Tuple[str, List[str], bool]]:
         ),
         ("refused override (train.stpes=3)", [sys.executable, script, "train.stpes=3"], False),
         (
-            "tools.plan --model qwen3_30b_a3b --world 64",
-            [sys.executable, "-m", "tools.plan", "--model", "qwen3_30b_a3b", "--world", "64"],
+            "tools.plan --model qwen3_30b_a3b --world 64 --seq-length 4096 --global-batch-size 512",
+            [sys.executable, "-m", "tools.plan", "--model", "qwen3_30b_a3b", "--world", "64"]
+            + ["--seq-length", "4096", "--global-batch-size", "512"],
             False,
         ),
         (
@@ -70,7 +71,8 @@ def commands(root: str) -> List[Tuple[str, List[str], bool]]:
 MIXTRAL_FLAGS = (
     "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
     "--num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 --normalization RMSNorm "
-    "--swiglu --untie-embeddings-and-output-weights --position-embedding-type rope --num-experts 8 "
+    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope "
+    "--num-experts 8 "
     "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm --bf16 "
     "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 "
     "--micro-batch-size 1 --global-batch-size 256 --lr 1e-4 --train-iters 500000"
