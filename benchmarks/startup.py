@@ -122,12 +122,17 @@ def time_command(root: str, argv: Sequence[str], until_first_step: bool, timeout
 
 
 def imported_from(root: str) -> str:
-    """The directory of the ``folding`` package a process started with ``root``'s environment imports."""
+    """Which tree's ``folding`` a process started with ``root``'s environment imports: ``root``'s (named by its
+    commit), or the path it found instead (a wrong measurement, said in the report)."""
     out = subprocess.run(
         [sys.executable, "-c", "import folding, os; print(os.path.dirname(folding.__file__))"],
         cwd=tempfile.gettempdir(), env=_env(root), capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return out.stdout.strip()
+    found = os.path.dirname(out.stdout.strip())
+    if os.path.realpath(found) != os.path.realpath(root):
+        return f"another tree's ({found})"
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"its own (commit {commit.stdout.strip() or 'unknown'})"
 
 
 def measure(roots: Dict[str, str], repeats: int) -> Dict[str, Dict[str, List[float]]]:
@@ -144,6 +149,15 @@ def measure(roots: Dict[str, str], repeats: int) -> Dict[str, Dict[str, List[flo
     return times
 
 
+def _shown(argv: Sequence[str]) -> List[str]:
+    """``argv`` with the compared checkout's path replaced by a placeholder (the report names its commit)."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--compare":
+            out[i + 1] = "OLDER_CHECKOUT"
+    return out
+
+
 def report(times, roots: Dict[str, str], repeats: int, load: Tuple[tuple, tuple], argv: Sequence[str]) -> str:
     """The Markdown report: medians per command and tree, and the ratio to the compared tree."""
     labels = list(roots)
@@ -153,7 +167,7 @@ def report(times, roots: Dict[str, str], repeats: int, load: Tuple[tuple, tuple]
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; load average before {load[0]}, after {load[1]}.",
         "",
-        f"Command: `python -m benchmarks.startup {' '.join(argv)}`",
+        f"Command: `python -m benchmarks.startup {' '.join(_shown(argv))}`",
         "",
         "Trees: "
         + "; ".join(f"{label} imports `folding` from `{imported_from(root)}`" for label, root in roots.items()),
