@@ -108,6 +108,32 @@ def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def drop_replayed_records(path: str, resumed_at: int) -> Optional[int]:
+    """Remove from the JSONL file ``path`` every record of a step after ``resumed_at`` (a resumed run replays
+    those steps), rewriting it atomically; return the last step it held records for (``None``: no such
+    record, or no file). Records without a step (the ``run`` record of each start) stay."""
+    if not os.path.exists(path):
+        return None
+    kept, last = [], None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step")
+            except json.JSONDecodeError:  # a line cut short by the stop: dropped
+                continue
+            if isinstance(step, int) and step > resumed_at:
+                last = step if last is None else max(last, step)
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if last is None:
+        return None
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return last
+
+
 class MetricsSink:
     """Rank 0's metrics outputs: JSONL (every record), console and W&B (every ``interval`` steps)."""
 
@@ -120,15 +146,21 @@ class MetricsSink:
         run_config: Optional[Dict[str, Any]] = None,
         stream=None,
         echo=None,
+        resumed_at: Optional[int] = None,
     ):
         """``run_dir``: the run's output directory (relative ``metrics_file`` and W&B files go there);
         ``run_config``: the resolved config given to W&B; ``echo``: prints a console line (default:
         ``print`` to ``stream``), called as ``echo(line, console=logging.console)``, e.g. a
-        :class:`~folding.launch.run_dir.RunLog`'s, which also appends the line to the run's log."""
+        :class:`~folding.launch.run_dir.RunLog`'s, which also appends the line to the run's log.
+        ``resumed_at``: the step a resumed run restarts after; the records the file holds for later steps
+        (written before the run stopped, and about to be replayed) are removed, and the replayed steps'
+        new records carry ``"replayed": true`` (:func:`drop_replayed_records`), so the file keeps one
+        record per step."""
         self.config = config
         self.total_steps = total_steps
         path = os.path.expanduser(config.metrics_file)
         self.path = path if os.path.isabs(path) else os.path.join(run_dir, path)
+        self._replay_until = drop_replayed_records(self.path, resumed_at) if resumed_at is not None else None
         self.jsonl = JsonlWriter(self.path)
         self.stream = stream or sys.stdout
         self.echo = echo or self._print
@@ -154,6 +186,9 @@ class MetricsSink:
         """Write ``record`` (must carry ``kind``) to the JSONL file, and to console / W&B when due."""
         if "kind" not in record:
             raise ValueError("a metrics record needs a 'kind' field ('train', 'eval', ...)")
+        step = record.get("step")
+        if self._replay_until is not None and step is not None and step <= self._replay_until:
+            record = {**record, "replayed": True}
         self.jsonl.write(record)
         kind, step = record["kind"], record.get("step")
         due = (

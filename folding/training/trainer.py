@@ -317,7 +317,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         resumed_from=resumed_from,
         init_from_hf=init_from,
         stats=stats,
-        sink=_open_sink(job, run_dir, run_log) if rank == 0 else None,
+        sink=_open_sink(job, run_dir, run_log, optimizer.step_count if resumed_from else None) if rank == 0 else None,
         collapse=CollapseWatch(moe_layers=stats.moe_layers, topk=job.moe.topk) if rank == 0 else None,
         throughput=Throughput(job, device=device, world_size=world),
         run_dir=run_dir,
@@ -369,14 +369,16 @@ def _build_chunks(
     return chunks
 
 
-def _open_sink(job: JobConfig, run_dir: str, run_log) -> MetricsSink:
-    """Rank 0's metrics sink under ``run_dir`` (console lines also to ``run_log`` when given)."""
+def _open_sink(job: JobConfig, run_dir: str, run_log, resumed_at: Optional[int] = None) -> MetricsSink:
+    """Rank 0's metrics sink under ``run_dir`` (console lines also to ``run_log`` when given); a run resumed
+    after step ``resumed_at`` replaces the records of the steps it replays."""
     return MetricsSink(
         job.logging,
         run_dir=run_dir,
         total_steps=job.train.steps,
         run_config=job.to_dict(),
         echo=run_log.echo if run_log else None,
+        resumed_at=resumed_at,
     )
 
 

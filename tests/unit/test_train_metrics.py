@@ -55,6 +55,37 @@ def test_jsonl_one_record_per_step_appends_and_console_interval(tmp_path):
     assert progress_bar(3, 6, width=6) == "[###...] 3/6"
 
 
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_replays(tmp_path):
+    """A run that wrote steps 1-5 (an eval and a warning at 4, a line cut short by the kill) resumes from its
+    step-3 checkpoint: the file keeps one record per step, the replayed steps' marked."""
+    path = tmp_path / "m.jsonl"
+    cfg = LoggingConfig(metrics_file=str(path), console=False, wandb=WandbConfig(mode="disabled"))
+    first = MetricsSink(cfg, run_dir=str(tmp_path), total_steps=8, stream=io.StringIO())
+    first.log({"kind": "run", "start_step": 1})
+    for step in range(1, 6):
+        first.log({"kind": "train", "step": step, "loss": 1.0})
+    first.log({"kind": "eval", "step": 4, "lm_loss": 0.5})
+    first.warn(4, "something")
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "st')  # the write the kill cut short
+    again = MetricsSink(cfg, run_dir=str(tmp_path), total_steps=8, stream=io.StringIO(), resumed_at=3)
+    again.log({"kind": "run", "start_step": 4})
+    for step in range(4, 9):
+        again.log({"kind": "train", "step": step, "loss": 2.0})
+    again.close()
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 9))  # one record per step
+    assert [r["loss"] for r in train] == [1.0] * 3 + [2.0] * 5
+    assert [r.get("replayed", False) for r in train] == [False] * 3 + [True] * 2 + [False] * 3
+    assert [r["kind"] for r in recs if r.get("step") == 4] == ["train"]  # the first attempt's eval and warning go
+    assert [r["start_step"] for r in recs if r["kind"] == "run"] == [1, 4]
+    # a fresh sink (no resume) never rewrites the file
+    MetricsSink(cfg, run_dir=str(tmp_path), total_steps=8, stream=io.StringIO()).close()
+    assert len(path.read_text().splitlines()) == len(recs)
+
+
 def test_plot_run_writes_png(tmp_path):
     path = tmp_path / "m.jsonl"
     with open(path, "w") as f:
