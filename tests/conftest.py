@@ -24,6 +24,8 @@ SHARED_RUNS = {
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[memory_a]": "equivalence-a",
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[memory_b]": "equivalence-b",
     "tests/distributed/test_pipeline_training.py::test_deepseek_v3_layouts_train_like_one_rank": "equivalence-deepseek",
+    # the paper's planner searches (one per model and folding), cached in the module and shared by its tests
+    "tests/unit/test_planner_paper.py": "planner-paper",
     # replicas_overlap compares bitwise with the replicas parameter's runs of the same cases
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[replicas]": "equivalence-replicas",
     "tests/distributed/test_pipeline_training.py::test_layouts_train_like_one_rank[replicas_overlap]": (

@@ -37,6 +37,7 @@ from ..checkpoint.load import step_dir_name
 from ..job.config import ConfigError, env_world_size, job_config_from_dict
 from ..job.config import plain_tree as _plain
 from ..job.machine import experts_summary
+from ..model.recompute import RECOMPUTE_MODULES, recompute_spec
 from ..parallel.groups import release_process_groups
 from ..training.faults import StopRequest
 from ..training.trainer import prepare, train
@@ -147,9 +148,60 @@ def agree_on_run_dir(run_dir: str) -> str:
     return box[0]
 
 
-def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = None) -> str:
+def resolved_tree(job, layout) -> Dict[str, Any]:
+    """``job.to_dict()`` with the settings the run resolves from null written as resolved: ``parallel.world_size``
+    (the launched world), ``parallel.etp`` (follows ``parallel.tp``), ``parallel.nvlink_domain`` (the ranks per
+    node the dispatchers use: ``LOCAL_WORLD_SIZE``, else the world) and ``train.recompute_modules`` (the
+    modules recomputed on their own, ``train.recompute``'s with those given). A job built from it
+    (``job_config_from_dict``) runs the same layout and computes the same."""
+    tree = job.to_dict()
+    par = tree["parallel"]
+    par["world_size"] = layout.world_size
+    par["etp"] = layout.etp
+    par["nvlink_domain"] = job.parallel.resolved_nvlink_domain(layout.world_size)
+    spec = recompute_spec(job.train.recompute, job.train.recompute_modules)
+    tree["train"]["recompute_modules"] = [m for m in RECOMPUTE_MODULES if m in spec.modules]
+    return tree
+
+
+def decisions(job, layout) -> List[str]:
+    """The start-up lines of what the engine chose for the user where the job leaves it open: the node size
+    and the dispatcher's path, and the recomputed modules (the experts' backend and precision:
+    :func:`~folding.job.machine.experts_summary`; values the loader chose: ``job.notes``)."""
+    world = layout.world_size
+    node = job.parallel.resolved_nvlink_domain(world)
+    given = job.parallel.nvlink_domain
+    why = (
+        f"parallel.nvlink_domain={given}"
+        if given is not None
+        else ("LOCAL_WORLD_SIZE" if os.environ.get("LOCAL_WORLD_SIZE") else "the world: one node")
+    )
+    nodes = max(1, world // max(node, 1))
+    if job.moe.dispatcher == "hierarchical":
+        path = (
+            f"moe.dispatcher=hierarchical: a token crosses to each other node once, over the rail group, then "
+            f"spreads over its node ({nodes} nodes of {node} ranks)"
+        )
+    else:
+        path = f"moe.dispatcher={job.moe.dispatcher}: one exchange over the EP group of {layout.ep} ranks"
+    spec = recompute_spec(job.train.recompute, job.train.recompute_modules)
+    what = (
+        "the whole layer from its input"
+        if spec.whole_layer
+        else ", ".join(m for m in RECOMPUTE_MODULES if m in spec.modules)
+    )
+    return [
+        f"nodes: {nodes} of {node} ranks ({why})",
+        f"dispatch: {path}",
+        f"recompute: {what or 'none'} (train.recompute={job.train.recompute}"
+        + (f", train.recompute_modules={list(job.train.recompute_modules)})" if job.train.recompute_modules else ")"),
+    ]
+
+
+def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = None, layout=None) -> str:
     """Write the resolved typed config as YAML into ``run_dir`` (a new file: never overwrites), headed
-    by the command-line ``overrides`` as a comment."""
+    by the command-line ``overrides`` as a comment; with ``layout`` (the run's), the settings resolved from
+    null are written as resolved (:func:`resolved_tree`)."""
     import yaml
 
     os.makedirs(run_dir, exist_ok=True)
@@ -160,7 +212,8 @@ def save_resolved_config(job, run_dir: str, overrides: Optional[List[str]] = Non
             with open(path, "x", encoding="utf-8") as f:
                 if overrides is not None:
                     f.write(f"# overrides: {' '.join(overrides)}\n")
-                yaml.safe_dump(_plain(job.to_dict()), f, sort_keys=False)
+                tree = job.to_dict() if layout is None else resolved_tree(job, layout)
+                yaml.safe_dump(_plain(tree), f, sort_keys=False)
             return path
         except FileExistsError:
             n += 1
@@ -217,7 +270,7 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
         if dist.get_rank() == 0:
             log = RunLog(run_dir)
             log.capture_records()
-            save_resolved_config(job, run_dir, overrides)
+            save_resolved_config(job, run_dir, overrides, layout=prepared.layout)
             write_status(run_dir, "running", step=None, checkpoint=None)
             log.echo(
                 f"run directory: {run_dir}"
@@ -225,6 +278,8 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
             )
             log.echo(f"layout: {prepared.layout.describe()}")
             log.echo(experts_summary(job, prepared.expert_backend))
+            for line in decisions(job, prepared.layout):
+                log.echo(line)
             if prepared.init_from_hf:
                 log.echo(f"weights: {prepared.init_from_hf} (checkpoint.init_from_hf; fresh optimizer, step 0)")
             elif job.checkpoint.init_from_hf and prepared.resume:

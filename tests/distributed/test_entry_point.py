@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mixtral.py")
 TINY = [
@@ -115,6 +117,16 @@ def test_two_step_run_without_omp_setting_logs_steps_and_status(tmp_path):
     assert "optim.warmup_steps: 1 (the default 5" in log
     assert "experts: moe.expert_backend=auto -> torch (moe.fp8_recipe=None, cpu" in log  # said at start
     assert re.search(r"threads: \d+ per process \(\d+ usable CPUs / 1 process on this node\)", log), log
+    # what the engine decided where the job leaves it open: said at start, and resolved in resolved_config.yaml
+    assert "nodes: 1 of 1 ranks (the world: one node)" in log, log
+    assert "dispatch: moe.dispatcher=alltoall: one exchange over the EP group of 1 ranks" in log, log
+    assert "recompute: none (train.recompute=none)" in log, log
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    assert (resolved["parallel"]["world_size"], resolved["parallel"]["etp"], resolved["parallel"]["nvlink_domain"]) == (
+        1,
+        1,
+        1,
+    )
     assert len(re.findall(r"^\[#*\.*\] [12]/2 \| loss", log, re.M)) == 2, log
     assert json.loads((run_dir / "status.json").read_text()) == {"status": "completed", "step": 2, "checkpoint": None}
     assert sorted(p.name for p in run_dir.iterdir()) == [
