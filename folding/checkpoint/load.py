@@ -53,6 +53,8 @@ import torch.distributed as dist
 
 from ..job.config import ConfigError
 from ..job.config import plain_tree as _plain
+from ..model.config import ModelConfig
+from ..model.transformer import MoETransformer
 from ..parallel.params import require_spec
 from . import blocks
 from .blocks import Block
@@ -352,3 +354,17 @@ def load_full_model(path: str, model: torch.nn.Module) -> Dict[str, Any]:
     for b in sd.values():
         b.sync_mirrors()
     return meta
+
+
+def load_model(checkpoint: str) -> MoETransformer:
+    """The model of training checkpoint ``checkpoint`` (a checkpoint directory, or a ``checkpoint.dir`` holding
+    complete ones: the latest), on one process: every parameter whole, fp32, on CPU, in eval mode, without the
+    training-only MoE options (:meth:`ModelConfig.for_inference`). ``model(ids)`` (``ids``: ``[B, S]`` token ids)
+    gives the logits ``[B, S, vocab]``; no process group is needed. Whatever layout wrote the checkpoint (blocks
+    are read as :func:`load_full_model` reads them); ``ValueError`` naming ``checkpoint`` when it holds none."""
+    path = checkpoint if is_complete(checkpoint) else latest_complete(checkpoint)
+    if path is None:
+        raise ValueError(f"{checkpoint}: neither a complete checkpoint nor a directory holding one")
+    model = MoETransformer(ModelConfig.from_dict(read_meta(path)["model"]).for_inference(), initialize=False)
+    load_full_model(path, model)
+    return model.eval()

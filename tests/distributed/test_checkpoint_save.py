@@ -10,6 +10,7 @@
 import os
 import signal
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -138,5 +139,10 @@ def test_export_after_training_loads_in_transformers(ranks, tmp_path):
             want = engine(tokens)
     with torch.no_grad():
         got = hf(tokens).logits
+        # the Python API's way to the logits of a checkpoint, without exporting it (no process group)
+        api = ckpt.load_model(str(tmp_path / "ck"))(tokens)
     assert want.shape == got.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(api, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="neither a complete checkpoint nor a directory holding one"):
+        ckpt.load_model(str(tmp_path))
