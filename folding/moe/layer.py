@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from folding.overlap.backward_turn import turn_in_backward
 from folding.overlap.runtime import defer, recompute_contexts
 from folding.parallel.collectives import group_size
 from folding.parallel.groups import ProcessGroups
@@ -340,6 +341,10 @@ class MoELayer(nn.Module, RoutedBlock):
         padding tokens are routed and computed like others but count in no loss.
         """
         # hidden's shape: checked by the router, the first to read it (before any collective)
+        if self.overlap_comm and self.dispatcher.counts_hand_over:
+            # the forward hands over three times per layer (count read, dispatch, combine): the backward
+            # gets its third turn where this layer's input gradient is ready
+            hidden = turn_in_backward(hidden)
         routed = self.router(hidden, num_sequences=num_sequences, padding_mask=padding_mask)
         if self.training:
             kept = self._routing_stats

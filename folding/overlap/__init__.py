@@ -9,6 +9,8 @@ and the schedules import it), and it keeps no state at module level: everything 
 - :mod:`.exchange`: the exchange record every token exchange is waited on through (its works, what it
   carries, whether it is an overlap point) and the observers instruments subscribe with.
 - :mod:`.wgrad`: dense weight gradients computed behind the backward's next exchange.
+- :mod:`.backward_turn`: the backward lane's own hand-over, where a marked tensor's gradient is ready
+  (the turn that matches the forward's hand-over at the count read).
 - :mod:`.runtime`: :class:`~folding.overlap.runtime.OverlapRuntime`, which holds the state of all of
   the above, and how code reaches it (the current runtime of a schedule, kept by autograd functions
   for their backward).

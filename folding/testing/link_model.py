@@ -188,7 +188,7 @@ class Links:
         whose peers have not all published is taken as issued by them now (``chain=None``, at the end
         of a step: wait up to ``PEER_TIMEOUT_S`` for every one)."""
         need, everything = set(), chain is None
-        while chain is not None:
+        while chain is not None and chain.start is None:  # a started operation's predecessors are done
             need.add(id(chain))
             chain = chain.pred
         for op in self.sim.pending():

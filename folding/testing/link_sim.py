@@ -155,6 +155,7 @@ class LinkSim:
             if at is not None and at <= self.t + _T_EPS:
                 self._waiting.remove(op)
                 op.start = self.t
+                op.pred = None  # read only before the start: the chain of a long run is not kept
                 self._active.append(op)
         rates = self._rates()
         for op in list(self._active):  # unlimited classes drain at once; no bytes left: done

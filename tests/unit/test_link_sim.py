@@ -86,3 +86,13 @@ def test_while_the_host_is_blocked_for_real_the_stream_works_off_its_backlog():
     # a block of 9 ms more outlasts the backlog: 3 ms of it the stream stands idle too
     assert s.blocked(since=s.time(1.006), now=1.015, what="ep counts") == pytest.approx(0.003)
     assert s.lag == 0.0 and s.idle_by["ep counts"] == pytest.approx(0.003)
+
+
+def test_a_started_operation_lets_go_of_its_predecessor():
+    # every wait walks the chain of operations not started yet; a long run's chain must not grow with it
+    sim = _sim()
+    ops = [sim.add("ep", {}, ready=i * 1e-3) for i in range(200)]
+    last = ops[-1]
+    assert last.pred is ops[-2]  # issued: it waits for the one before it
+    sim.finish(last)
+    assert all(op.pred is None for op in ops)  # started: nothing keeps the chain alive

@@ -9,7 +9,8 @@ Dispatch, on every rank of the ETP×EP domain:
 3. read the gathered counts on the host (the single device-to-host sync per layer, deferred to
    here, just before the split sizes are needed; none with pad-to-capacity, where all splits are
    static; :func:`~folding.moe.dispatch.host_sync.read_counts`: the lane's deferred shared expert
-   is issued first) and send the rows over EP,
+   is issued first, and in an overlap pair the other lane runs while the counts travel) and send the
+   rows over EP,
    then all-gather them over ETP (ETP ranks hold different tokens under folding, so they must see
    each other's);
 4. sort the received chunks from rank-major to expert-major.
@@ -127,6 +128,11 @@ class AllToAllDispatcher(TokenDispatcher):
         # chunks reordered (d, l), i.e. by the inverse of expert_order (host list, built once)
         self._probs_rank_major = expert_order(self.num_experts, self.num_local_experts).tolist()
 
+    @property
+    def counts_hand_over(self) -> bool:
+        """True when the counts travel over EP (EP > 1, not pad-to-capacity): their read hands over."""
+        return self.ep_size > 1 and not self.pad_to_capacity
+
     # ------------------------------------------------------------------------------- dispatch
     def _preprocess(self, hidden, routing_map, probs):
         """Validate, count, start the count gathers, permute locally: ``(rows_NH, probs_N, call)``."""
@@ -155,11 +161,9 @@ class AllToAllDispatcher(TokenDispatcher):
         counts_ETP_E = all_gather_nograd(counts_E, self.etp_counts_group, stack=True)
         if self.ep_size > 1:  # [EP, ETP, E], left running while the tokens are permuted
             call.counts_dev, work = gather_counts_start(counts_ETP_E.unsqueeze(0), self.counts_group)
-            # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
-            # an instrument's link model keeps its place in the counts group's order (NCCL's)
-            call.counts_work = Exchange(
-                [work], what="ep counts", carries=COUNTS, group=self.counts_group, overlap_point=False
-            )
+            # an overlap point: the other lane runs while the counts travel (read_counts runs the deferred
+            # work first); an instrument's link model keeps its place in the counts group's order (NCCL's)
+            call.counts_work = Exchange([work], what="ep counts", carries=COUNTS, group=self.counts_group)
         else:
             call.counts_dev = counts_ETP_E.unsqueeze(0)
         if self.dropless:

@@ -184,6 +184,14 @@ class TokenDispatcher:
         """True when no token is ever dropped (``capacity_factor is None``)."""
         return self.capacity_factor is None
 
+    @property
+    def counts_hand_over(self) -> bool:
+        """Whether a dispatch gathers token counts over EP and hands the baton of an overlap pair over at
+        their read (a third hand-over per layer in the forward; the MoE layer then gives the backward a
+        third, :func:`folding.overlap.backward_turn.turn_in_backward`). None here; the all-to-all
+        dispatchers say when."""
+        return False
+
     def _validate(self, hidden: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor) -> int:
         """Check the call's shapes and the wire formats against its dtype and H (before any collective;
         the settings themselves were checked when built); return H."""

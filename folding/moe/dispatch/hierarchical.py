@@ -113,6 +113,11 @@ class HierarchicalDispatcher(TokenDispatcher):
         self.node_group, self.rail_group = node_group, rail_group
         self.ranks_per_node, self.num_nodes = g, nd
 
+    @property
+    def counts_hand_over(self) -> bool:
+        """True: every dispatch gathers its de-duplicated counts over EP and hands over at their read."""
+        return True
+
     def _check_capacity(self) -> None:
         """The base's capacity checks, and no padding to capacity (see :func:`refuse_padding`)."""
         super()._check_capacity()
@@ -131,11 +136,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         counts = dedup_counts(routing_map, num_nodes=self.num_nodes, ranks_per_node=self.ranks_per_node)
         gathered = all_gather_nograd(counts, self.etp_counts_group, stack=True)
         call.counts_dev, work = gather_counts_start(gathered.unsqueeze(0), self.counts_group)
-        # a wait that only reads the counts: no overlap point (read_counts runs the deferred work first);
-        # an instrument's link model keeps its place in the counts group's order (NCCL's)
-        call.counts_work = Exchange(
-            [work], what="ep counts", carries=COUNTS, group=self.counts_group, overlap_point=False
-        )
+        # an overlap point: the other lane runs while the counts travel (read_counts runs the deferred
+        # work first); an instrument's link model keeps its place in the counts group's order (NCCL's)
+        call.counts_work = Exchange([work], what="ep counts", carries=COUNTS, group=self.counts_group)
         return tokens_TH, probs, call
 
     def _exchange(self, rows, probs, call):

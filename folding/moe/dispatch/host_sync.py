@@ -90,12 +90,13 @@ def read_counts(counts: torch.Tensor, *, work: Optional[Any] = None, reason: str
     3. the copy to the host starts (:func:`start_read`: pinned, non-blocking, with an event) and the
        host waits for it and reads it.
 
-    The read is not a hand-over point of an overlap pair. A forward lane hands over at its two token
-    exchanges per MoE layer and a backward lane at its two: a third point per layer in the forward only
-    would leave the forward's last exchanges of every pair with no backward left to hide behind (the
-    order audit of ``tests/distributed/test_overlap.py`` finds them), and on a GPU the other lane's
-    kernels queued there would sit on the stream ahead of this lane's token exchange, which NCCL starts
-    only once the stream has reached it."""
+    The wait in step 2 is an overlap point of a pair: the baton goes to the other lane while the counts
+    travel (the other lane's compute hides them) and comes back before the copy. The forward lane thus
+    hands over three times per MoE layer (the count read, the dispatch, the combine) against the
+    backward lane's two exchange waits; the MoE layer gives the backward its third turn where the layer's
+    input gradient is ready (:func:`folding.overlap.backward_turn.turn_in_backward`), so that neither
+    lane's last exchanges of a pair find the other lane finished (the order audit of
+    ``tests/distributed/test_overlap.py`` checks every steady exchange)."""
     flush_deferred()
     if work is not None:
         work.wait()
