@@ -165,6 +165,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                 waits.reset()
                 if links is not None:
                     links.reset()
+                runtime.stats.reset()
                 t0, c0 = time.perf_counter(), time.process_time()
                 optimizer.zero_grad()
                 run_microbatches(
@@ -180,6 +181,7 @@ def _rank_main(layout: str, a: dict) -> List[Dict[str, float]]:
                 link_model.sync("end of step")  # the host waits for the stream (nothing outside the model)
                 seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
                 rec = dict(step=step // 2, overlap=on, step_time_s=seconds, cpu_s=cpu_s, forward_s=forward_s)
+                rec.update(switch_s=runtime.stats.switch_s, hand_overs=runtime.stats.hand_overs)
                 rec.update(blocked_s=waits.blocked_s, blocked_by=dict(waits.blocked_by), host_paid_by={})
                 rec.update(estimated_peers=0, missing_peers=0, p2p_wait_s=0.0, model_overhead_s=0.0)
                 if links is None:  # the earlier model: the exposed time is the time blocked in waits
@@ -231,7 +233,18 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         p2p = statistics.fmean(r[i]["p2p_wait_s"] for r in per_rank)
         over = statistics.fmean(r[i]["model_overhead_s"] for r in per_rank)
         cpu = statistics.fmean(r[i]["cpu_s"] for r in per_rank)
-        steps.append(dict(rec, exposed_s=exposed, blocked_s=blocked, p2p_wait_s=p2p, model_overhead_s=over, cpu_s=cpu))
+        switch = statistics.fmean(r[i]["switch_s"] for r in per_rank)
+        steps.append(
+            dict(
+                rec,
+                exposed_s=exposed,
+                blocked_s=blocked,
+                p2p_wait_s=p2p,
+                model_overhead_s=over,
+                cpu_s=cpu,
+                switch_s=switch,
+            )
+        )
         for key in ("exposed_by", "host_paid_by", "blocked_by"):
             whats = sorted({w for r in per_rank for w in r[i][key]})
             steps[-1][key] = {w: statistics.fmean(r[i][key].get(w, 0.0) for r in per_rank) for w in whats}
@@ -256,6 +269,7 @@ def run_layout(layout: str, a: dict, pool=None) -> dict:
         step_time_on_s=med("step_time_s", True),
         cpu_off_s=med("cpu_s", False),
         cpu_on_s=med("cpu_s", True),
+        switch_on_s=med("switch_s", True),
         exposed_off_s=med("exposed_s", False),
         exposed_on_s=med("exposed_s", True),
         exposed_by_off_s=med_by(False),

@@ -58,6 +58,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -87,6 +88,9 @@ class _Pair:
         self.rng_start = rng
         self.rng: List[_RngState] = [rng, rng]
         self.helper_ident: Optional[int] = None
+        self.handed_at = 0.0  # perf_counter() when the baton last changed hands
+
+
 
 
 # ------------------------------------------------------------------- generators, one copy per lane
@@ -192,11 +196,15 @@ class Stats:
     """Pairs run as two lanes (:meth:`Lanes.run_pair` outside another pair): proof that overlap was on."""
     hand_overs: int = 0
     """Hand-overs that switched lanes at an exchange (each one hides an exchange behind the other lane)."""
+    switch_s: float = 0.0
+    """Seconds between a lane giving the baton away and the other lane running again (the operating
+    system waking a thread: on an oversubscribed host this is where a pair loses time)."""
 
     def reset(self) -> None:
         """Zero the counters."""
         self.pairs = 0
         self.hand_overs = 0
+        self.switch_s = 0.0
 
 
 # --------------------------------------------------------------------------------------- the lanes
@@ -240,8 +248,10 @@ class Lanes:
             self.stats.hand_overs += 1
             _leave(p, me)
             p.turn = 1 - me
+            p.handed_at = time.perf_counter()
             p.cond.notify_all()
             p.cond.wait_for(lambda: p.turn == me)
+            self.stats.switch_s += time.perf_counter() - p.handed_at
             _arrive(p, me)
 
     def _lane_server(self) -> _LaneThread:
@@ -300,6 +310,8 @@ class Lanes:
         def lane(i: int, fn: Callable[[], Any]) -> None:
             with p.cond:
                 p.cond.wait_for(lambda: p.turn == i)
+                if i == 1:
+                    self.stats.switch_s += time.perf_counter() - p.handed_at
                 _arrive(p, i)
             try:
                 results[i] = fn()
@@ -311,10 +323,12 @@ class Lanes:
                     _leave(p, i)
                     p.done[i] = True
                     p.turn = 1 - i
+                    p.handed_at = time.perf_counter()
                     p.cond.notify_all()
 
         self._pair = p
         self.stats.pairs += 1
+        p.handed_at = time.perf_counter()
         try:
             with _engine_guarded(p):
                 self._lane_server().jobs.put(lambda: context.run(lane, 1, helper_work))
