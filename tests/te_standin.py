@@ -17,18 +17,26 @@ passing ``fp8_gemm_dims``, and under MXFP8 ``mxfp8_is_quantizable``. ``delayed``
 forwards write amaxes into the history, and leaving the outermost ``autocast`` updates every
 module registered under the recipe and group. The autocast state is process-wide, shared by every
 thread (:data:`_REGION`), as TE's ``FP8GlobalStateManager`` is: a region one thread opens is the region
-of any other thread's modules until it closes. It computes in high precision and records every call
-in :data:`CALLS`.
+of any other thread's modules until it closes. It records every call in :data:`CALLS`.
+
+**Its numbers.** Without FP8 each GEMM is computed in the module's precision. Under FP8 it rounds as TE's
+kernels do: every GEMM of forward and backward sees its operands quantized with the recipe's format and
+scaling (``Float8CurrentScaling``: e4m3 per tensor, e5m2 gradients; ``Float8BlockScaling``: 1×128 blocks,
+128×128 weight blocks; ``MXFP8BlockScaling``: 1×32 blocks with E8M0 ``rceil`` scales; 1-D blocks along each
+GEMM's contraction) and accumulates in float32: :func:`folding.quant.emulated_linear`, the project's
+emulation, per split. So the TE path's FP8 numerics are compared with the ``emulated`` expert backend's,
+not with a high-precision product. ``DelayedScaling`` quantizes with the current per-tensor scale where TE
+takes the one its amax history gave (the history is still kept and updated, as TE's): its codes match
+TE's once the history holds the tensor's own amax. The amax history and the zero rows TE pads each split
+with change no code: zeros raise no amax and pad only the last block of a split.
 
 What it keeps for backward is TE's: under FP8 (and ``save_original_input=False``, the default) TE's
 ``_GroupedLinear.forward`` quantizes each split of its input for the forward GEMM (rowwise usage) and,
 when the weights need a gradient, for the weight gradient (columnwise usage), drops the rowwise copy
 after the GEMM (``update_usage(rowwise_usage=False, columnwise_usage=True)``) and saves the quantized
 splits (``prepare_for_saving``): 1 byte per element plus the recipe's scales, never the high-precision
-input. The stand-in keeps the same (:class:`_KeepsQuantizedInput`: each split quantized along its rows,
-the weight gradient's contraction, by :func:`folding.quant.quantize_operand`; its ``delayed`` copy takes
-a current per-tensor scale, where TE's takes the delayed one: the same bytes) and its weight gradient
-reads that copy, as TE's does; forward and input gradient stay high precision.
+input. The emulation keeps the same (the columnwise copy; per-tensor codes are the same both ways) and
+the weights, whose codes the backward makes again.
 
 Usage (a pytest fixture installs it)::
 
@@ -44,7 +52,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from folding.quant import quantize_operand
+from folding.quant import emulated_linear
 from tests.te_rules import Rules, load_snapshot
 from tests.te_standin_recipes import (  # noqa: F401 - installed as transformer_engine.common.recipe
     RECIPE_MODULE,
@@ -158,39 +166,35 @@ class _State:
             setattr(self, k, v)
 
 
-KEPT_FORMAT = {
+KEPT_FORMAT = {  # DelayedScaling: TE's delayed scale, here the current one (module docstring)
     "DelayedScaling": "tensorwise",
     "Float8CurrentScaling": "tensorwise",
     "Float8BlockScaling": "blockwise",
     "MXFP8BlockScaling": "mxfp8",
 }
-"""TE recipe class -> the format of the input copy its ``_GroupedLinear`` keeps (columnwise usage: per
-tensor; 1×128 blocks and MXFP8's 1×32 blocks along the rows)."""
+"""TE recipe class -> the recipe of :mod:`folding.quant.emulate` whose numerics its FP8 GEMMs have (and the
+format of the input copy its ``_GroupedLinear`` keeps, columnwise usage: per tensor; 1×128 blocks and
+MXFP8's 1×32 blocks along the rows)."""
 
 
-class _KeepsQuantizedInput(torch.autograd.Function):
-    """``y_i = x_i · w_iᵀ`` per split in high precision, keeping what TE's FP8 ``_GroupedLinear`` keeps: each
-    split of the input quantized along its rows (when a weight needs a gradient) and the weights; the weight
-    gradient ``dy_iᵀ · x̂_i`` reads the kept copy."""
+EMULATED_FORMAT = {
+    "DelayedScaling": Format.HYBRID,
+    "Float8CurrentScaling": Format.HYBRID,
+    "Float8BlockScaling": Format.E4M3,
+    "MXFP8BlockScaling": Format.E4M3,
+}
+"""TE recipe class -> the ``fp8_format`` whose numerics :data:`KEPT_FORMAT`'s emulation has (TE's defaults:
+HYBRID's e5m2 gradients for the per-tensor recipes, e4m3 everywhere for the block recipes). A recipe built
+with another format is refused by name rather than rounded as if it had this one."""
 
-    @staticmethod
-    def forward(ctx, inp, sizes, fmt, *weights):
-        splits = inp.split(sizes)
-        out = torch.cat([x @ w.t() for x, w in zip(splits, weights)])
-        kept = [quantize_operand(x, fmt, "input", 0) for x in splits] if any(ctx.needs_input_grad[3:]) else []
-        ctx.sizes, ctx.kept = sizes, [op.stripped() for op in kept]
-        ctx.save_for_backward(*[t for op in kept for t in op.tensors], *weights)
-        return out
 
-    @staticmethod
-    def backward(ctx, dy):
-        saved, n = ctx.saved_tensors, 2 * len(ctx.kept)
-        weights, grads = saved[n:], dy.split(ctx.sizes)
-        dx = torch.cat([g @ w for g, w in zip(grads, weights)]) if ctx.needs_input_grad[0] else None
-        dws = [None] * len(weights)
-        for i, (g, op) in enumerate(zip(grads, ctx.kept)):
-            dws[i] = g.t() @ op.with_tensors(*saved[2 * i : 2 * i + 2]).dequantize()
-        return (dx, None, None, *dws)
+def _fp8_gemms(inp, sizes, fmt, weights):
+    """``y_i = q(x_i) · q(w_i)ᵀ`` per split with the FP8 numerics of ``fmt`` in forward and backward: each
+    split is :func:`folding.quant.emulated_linear` (the project's emulation of a GPU FP8 GEMM: operands
+    quantized as the recipe's table says, per GEMM along its contraction, accumulated in float32), which
+    keeps what TE's FP8 ``_GroupedLinear`` keeps: the input as the weight gradient reads it (codes and
+    scales, not the high-precision input) and the weights themselves."""
+    return torch.cat([emulated_linear(x, w, fmt) for x, w in zip(inp.split(sizes), weights)])
 
 
 class GroupedLinear(torch.nn.Module):
@@ -298,9 +302,17 @@ class GroupedLinear(torch.nn.Module):
             for i, (x, w) in enumerate(zip(inp.split(sizes), weights)):
                 amax[3 * i] = torch.maximum(amax[3 * i], x.detach().abs().amax() if x.numel() else amax[3 * i])
                 amax[3 * i + 1] = w.detach().abs().amax()
-        if self.fp8 and not self.save_original_input:  # TE keeps only its quantized input
-            fmt = KEPT_FORMAT[type(self.fp8_meta["recipe"]).__name__]
-            return _KeepsQuantizedInput.apply(inp, sizes, fmt, *weights)
+        if self.fp8:
+            recipe = self.fp8_meta["recipe"]
+            name = type(recipe).__name__
+            if recipe.fp8_format is not EMULATED_FORMAT[name]:
+                raise NotImplementedError(
+                    f"the TE stand-in rounds {name} with fp8_format={EMULATED_FORMAT[name].name} (the emulation's "
+                    f"table), not {recipe.fp8_format.name}"
+                )
+            if not self.save_original_input:  # TE keeps only its quantized input
+                return _fp8_gemms(inp, sizes, KEPT_FORMAT[name], weights)
+            raise NotImplementedError("the TE stand-in models save_original_input=False (the engine's setting)")
         return torch.cat([x @ w.t() for x, w in zip(inp.split(sizes), weights)])
 
     def get_extra_state(self) -> torch.Tensor:
