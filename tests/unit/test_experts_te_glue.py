@@ -23,7 +23,6 @@ from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.experts.grouped import GroupedMLP
 from folding.moe.experts.select import BackendError, backend_support, check_backend, resolve_backend
-from folding.moe.experts.swiglu import swiglu_prob
 from folding.moe.experts.te import fp8_region
 from folding.moe.settings import LayerSettings
 from tests import te_standin
