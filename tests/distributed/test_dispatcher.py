@@ -222,7 +222,41 @@ def test_hierarchical_matches_reference(ranks, world):
 HW, TW, EW, FW = 64, 6, 4, 8
 
 
-def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange=False, kind="alltoall"):
+class _WireSpy:
+    """What crosses ``torch.distributed.all_to_all_single`` (the EP exchanges of every dispatcher), counted
+    apart from the dispatchers' own byte statistics: per phase (``dispatch``, ``combine``, ``backward``),
+    the row width in bytes and the rows of every ``uint8`` part (the encoded rows; the probabilities travel
+    as float32) the rank sends."""
+
+    def __init__(self):
+        self.phase = None
+        self.sent = {}  # phase -> {row width in bytes: rows sent}
+
+    def __enter__(self):
+        self._real = dist.all_to_all_single
+
+        def spied(output, input, *args, **kwargs):
+            if input.dtype == torch.uint8 and input.dim() == 2:
+                widths = self.sent.setdefault(self.phase, {})
+                widths[input.shape[1]] = widths.get(input.shape[1], 0) + input.shape[0]
+            return self._real(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = spied
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._real
+
+
+def wire_widths(fmt: str, h: int) -> set:
+    """The byte widths of the parts of one encoded row of ``h`` fp32 values (``folding.moe.dispatch.wire``'s
+    formats, written out: the rows themselves; e4m3 codes and one fp32 scale; e4m3 codes and one E8M0
+    scale per 32 values)."""
+    return {"none": {4 * h}, "fp8": {h, 4}, "mxfp8": {h, h // 32}}[fmt]
+
+
+def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange=False, kind="alltoall", spy=None):
+    spy = spy if spy is not None else _WireSpy()
     g = torch.Generator().manual_seed(5)
     x = torch.randn(world * TW, HW, generator=g)
     scores = torch.rand(world * TW, EW, generator=g)
@@ -250,7 +284,9 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
     )
     Fs, j, off = FW // ps.coords.etp.size, ps.coords.etp.rank, d.local_expert_offset
     xl, pl = x[sl].clone().requires_grad_(True), probs[sl].clone().requires_grad_(True)
-    tok, rec, pn = d.dispatch(xl, rmap[sl], pl)
+    with spy:
+        spy.phase = "dispatch"
+        tok, rec, pn = d.dispatch(xl, rmap[sl], pl)
     outs, start = [], 0
     for l, n in enumerate(rec.tokens_per_expert_host):  # a linear expert: (x A_e p) B_e, F sharded over ETP
         e = off + l
@@ -259,8 +295,11 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
             @ Bw[e, j * Fs : (j + 1) * Fs]
         )
         start += n
-    y = d.combine(torch.cat(outs), rec)
-    (y * gy[sl]).sum().backward()
+    with spy:
+        spy.phase = "combine"
+        y = d.combine(torch.cat(outs), rec)
+        spy.phase = "backward"
+        (y * gy[sl]).sum().backward()
     # elementwise bound (docs/dispatcher.md): with u = 2^-4 and sigma = 2^-9 amax/448 per row,
     # |y_q - y| <= sum_k p_k (u(2+u)|x| + (1+u) sigma_x) |A_e||B_e| + sigma_r(k)  (+ fp32 slack)
     u = 2.0**-4 if wires[0] != "none" else 0.0
@@ -273,7 +312,22 @@ def _wire_run(ps, wires, world, rank, megatron_stages=False, per_expert_exchange
         r_abs = ((1 + u) * xs.abs() + sig_x) @ M * ps_[:, e : e + 1]
         term = ((u * (1 + uc) + uc) * xs.abs() + (1 + uc) * sig_x) @ M * ps_[:, e : e + 1]
         bound += term + 2.0**-9 * r_abs.amax(1, keepdim=True) / 448 * (uc > 0)
-    return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(rec.stats))
+    return dict(y=y.detach(), gx=xl.grad, gp=pl.grad, bound=bound, bytes=dict(rec.stats), sent=spy.sent)
+
+
+def _check_wire_directions(q, wires, ref, what):
+    """Each direction's rows crossed EP in its own wire's format (counted by :class:`_WireSpy`), the
+    dispatch's ``2·TW`` routed rows of this rank among them; the input gradient is exact on an exact
+    gradient wire and off by a quantized one's error (non-zero, below 15%) otherwise."""
+    fmt = dict(zip(("dispatch", "combine", "backward"), wires))
+    for phase, wire in fmt.items():
+        assert set(q["sent"].get(phase, {})) == wire_widths(wire, HW), (what, wires, phase, q["sent"])
+    assert q["sent"]["dispatch"][min(wire_widths(fmt["dispatch"], HW), key=lambda w: -w)] == 2 * TW, (what, wires)
+    rel = ((q["gx"] - ref["gx"]).norm() / ref["gx"].norm()).item()
+    if wires[2] == "none":
+        assert rel == 0.0, (what, wires, rel)
+    else:
+        assert 1e-4 < rel < 0.15, (what, wires, rel)
 
 
 def _wire_cases(wire_sets):
@@ -294,6 +348,7 @@ def _wire_cases(wire_sets):
                 )
                 if wires[0] != "none" or wires[1] != "none":
                     assert err.max() > 0, "the wire should have quantized something"
+                _check_wire_directions(q, wires, ref, (ep, etp))
                 # gradients flow through the quantized exchanges and stay close to the exact ones
                 for k in ("gx", "gp"):
                     rel = (q[k] - ref[k]).norm() / ref[k].norm()
@@ -333,6 +388,14 @@ def _hier_wire_cases(wire_sets):
             for wires in wire_sets:
                 h = _wire_run(ps, wires, world, rank, kind="hierarchical")
                 a = _wire_run(ps, wires, world, rank)
+                _check_wire_directions(a, wires, ref, ("alltoall", ep, etp))
+                # both stages, each direction in its wire; the first pass also sends each row's routing map
+                # (bool as uint8: the node's ranks × local experts at the rail stage, local experts at the node's)
+                L, g = EW // ep, dist.get_world_size(ps.groups.ep_node)  # EP ranks per node
+                meta = {g * L} | ({L} if g > 1 else set())  # a node of one EP rank has no node stage
+                for phase, wire in zip(("dispatch", "combine", "backward"), wires):
+                    expect = wire_widths(wire, HW) | (meta if phase == "dispatch" else set())
+                    assert set(h["sent"].get(phase, {})) == expect, (ep, etp, wires, phase, h["sent"])
                 if wires[1] == "none":  # the dispatch wire rounds once (stage B forwards the encoded bytes)
                     torch.testing.assert_close(h["y"], a["y"], rtol=1e-5, atol=1e-6, msg=str(wires))
                 else:  # the combine rounds at both hops: within twice the all-to-all's bound
@@ -349,7 +412,7 @@ def _hier_wire_cases(wire_sets):
 
 
 def test_hierarchical_quantized_wires(ranks):
-    wire_sets = [("mxfp8", "none", "none"), ("fp8", "fp8", "fp8"), ("none", "mxfp8", "mxfp8")]
+    wire_sets = [("mxfp8", "none", "none"), ("fp8", "fp8", "fp8"), ("none", "mxfp8", "mxfp8"), ("fp8", "none", "mxfp8")]
     for ep, etp, wires, sent, rows in ranks(4).run(_hier_wire_cases, wire_sets)[0]:
         per_row = {"mxfp8": HW + HW // 32, "fp8": HW + 4, "none": HW * 4}[wires[0]]
         assert sent == rows * per_row, (ep, etp, wires)
@@ -361,6 +424,7 @@ def test_quantized_wires_bounded_error_and_bytes(ranks):
         ("none", "mxfp8", "mxfp8"),
         ("fp8", "fp8", "fp8"),
         ("mxfp8", "mxfp8", "none"),
+        ("fp8", "none", "mxfp8"),  # three directions, three formats
     ]
     res = ranks(4).run(_wire_cases, wire_sets)
     assert sum(w[0] == "per_expert" for _, _, w, _, _ in res[0]) == len(wire_sets) + 1
