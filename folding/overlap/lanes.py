@@ -91,8 +91,6 @@ class _Pair:
         self.handed_at = 0.0  # perf_counter() when the baton last changed hands
 
 
-
-
 # ------------------------------------------------------------------- generators, one copy per lane
 
 

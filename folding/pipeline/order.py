@@ -5,7 +5,8 @@ stages, virtual stage ``v`` lives on rank ``v % pp`` as chunk ``v // pp``. 1F1B 
 ``pp − rank − 1`` warm-up forwards, then alternates one forward and one backward, then drains the
 backwards. Interleaved 1F1B walks the virtual micro-batches ``k = 0 .. M·vpp − 1`` in groups of
 ``pp``: forward chunk ``(k mod pp·vpp) // pp``, backward chunk ``vpp − 1 −`` that; warm-up is
-``2·(pp − rank − 1) + (vpp − 1)·pp`` (all forwards first when ``M == pp``). It needs ``M``
+``2·(pp − rank − 1) + (vpp − 1)·pp``, capped by the ``M·vpp`` forwards (Megatron-Core 0.16's
+``get_pp_rank_microbatches``, also when ``M == pp``). It needs ``M``
 divisible by ``pp``.
 
 With ``overlap`` (``parallel.overlap_moe_comm``) every schedule runs more forwards in warm-up and
@@ -61,7 +62,7 @@ def schedule_order(
 
         fwd = [((k % group) // pp, mb(k)) for k in range(total)]
         bwd = [(vpp - 1 - (k % group) // pp, mb(k)) for k in range(total)]
-        warmup = total if M == pp else min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+        warmup = min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
     if overlap:
         # a pair finishes its backward only at its end, so a stage's pair must not wait for the next
         # stage's pair of the same round: without virtual stages the stages' warm-ups then differ by 2
