@@ -39,6 +39,7 @@ from ..model.yarn_config import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
+from .learning_rate import resolve_learning_rate
 
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -355,6 +356,7 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
     notes = [str(n) for n in tree.get("notes") or ()]  # what a loader before this one chose (model=from_hf)
+    notes += resolve_learning_rate(optim_values, init_from_hf=(tree.get("checkpoint") or {}).get("init_from_hf"))
     if optim_values.get("warmup_steps", DEFAULT_WARMUP_STEPS) is None:
         train_steps = (tree.get("train") or {}).get("steps", TrainConfig.steps)
         horizon = optim_values.get("decay_steps") or train_steps
