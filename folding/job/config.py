@@ -206,7 +206,10 @@ class TrainConfig:
     """Validate the layout for ``parallel.world_size`` (or the launched world), print parameter counts
     and the per-rank memory estimate, and exit without building the model or any process group."""
     collective_timeout_s: float = 600.0
-    """A collective that does not finish in this many seconds fails the job with an error."""
+    """A collective that does not finish in this many seconds fails the job with an error (the timeout of
+    every process group). A rank whose peer (another rank, or the job's store) has given no heartbeat for
+    half of it exits with one line naming the lost rank and its node, exit status 3
+    (:mod:`folding.launch.watchdog`)."""
     threads: Optional[int] = None
     """CPU threads per process (``torch.set_num_threads``). null: ``OMP_NUM_THREADS`` when set (torchrun
     sets 1), else the CPUs this process may use (affinity and cgroup quota) divided by the processes on
