@@ -8,16 +8,18 @@ Two guards that :func:`folding.launch.run.run_job` sets up for every worker:
   ``PR_SET_PDEATHSIG``), and a thread that checks the parent once a second ends it where that is missing.
 - :class:`PeerWatch` (a world of more than one rank): every rank refreshes a heartbeat key in the job's
   TCP store (the one torchrun's rendezvous serves: ``MASTER_ADDR:MASTER_PORT``) every ``interval_s``
-  seconds, with its node (torchrun's ``GROUP_RANK``) and host, and reads every other rank's. A rank whose
-  heartbeat has not changed for ``stale_s`` seconds (half of ``train.collective_timeout_s``) is lost:
+  seconds (a tenth of ``stale_s``, at most 10), with its node (torchrun's ``GROUP_RANK``) and host, and
+  reads every other rank's. A rank whose heartbeat has not changed for ``stale_s`` seconds (half of
+  ``train.collective_timeout_s``) is lost:
   the watching rank prints one line, ``error (rank 0): lost rank 3 (node 1, host gpu-b): no heartbeat for
   5.2 s (train.collective_timeout_s=10): exiting``, and exits with status :data:`LOST_PEER_EXIT`, even
   from inside a collective that would otherwise wait out the timeout (or forever, on a link that never
   fails). Change is judged on this rank's clock only, so clocks of other nodes do not matter. A rank that
   finishes marks its key ``done`` (never lost); a store that stops answering for ``stale_s`` is lost too
   (it lives in node 0's torchrun). When the training loop's own collective fails first (gloo sees a
-  closed connection at once), :meth:`PeerWatch.verdict` waits for the watch to name the lost rank, so
-  the run reports the same line and ends through its normal error path (``status.json`` ``failed``).
+  closed connection at once), :meth:`PeerWatch.verdict` waits for the watch to name the lost rank (a
+  heartbeat unchanged for two rounds and a half then suffices: the death is known), so the run reports the
+  same line and ends through its normal error path (``status.json`` ``failed``).
 
 Usage::
 
@@ -135,7 +137,7 @@ class PeerWatch:
     ):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, float(timeout_s)
         self.stale_s = self.timeout_s / 2
-        self.interval_s = interval_s if interval_s is not None else min(max(self.stale_s / 5, 0.2), 30.0)
+        self.interval_s = interval_s if interval_s is not None else min(max(self.stale_s / 10, 0.2), 10.0)
         self.node, self.host, self.where, self.on_lost, self._exit = node, host, where, on_lost, exit
         self._count = 0
         self._seen: Dict[int, tuple] = {}  # rank -> (value, this clock's time it last changed)
@@ -202,7 +204,7 @@ class PeerWatch:
             old = self._seen.get(r)
             if old is None or old[0] != value:
                 self._seen[r] = (value, now)
-            elif value != _DONE and now - old[1] >= self.stale_s:
+            elif value != _DONE and now - old[1] >= self._patience():
                 lost.append((r, value, now - old[1]))
         if not lost:
             return None
@@ -216,15 +218,21 @@ class PeerWatch:
             f"{age:.1f} s (train.collective_timeout_s={self.timeout_s:g}): exiting"
         )
 
+    def _patience(self) -> float:
+        """How long a heartbeat may stay unchanged: ``stale_s``; once a collective of this rank has failed
+        (:meth:`verdict`), two rounds and a half (a live peer beats every round; the death is known, only
+        the name is wanted)."""
+        return min(self.stale_s, 2.5 * self.interval_s) if self._main_waits else self.stale_s
+
     def verdict(self, wait_s: Optional[float] = None) -> Optional[str]:
-        """After a collective of this rank failed: wait up to ``wait_s`` seconds (default: ``stale_s`` plus two
-        rounds) for the watch to find a lost peer, and return its line (the watch thread then leaves the exit to
-        the caller), or ``None`` when every peer is alive (the failure is another one)."""
+        """After a collective of this rank failed: wait up to ``wait_s`` seconds (default: four rounds, see
+        :meth:`_patience`) for the watch to find a lost peer, and return its line (the watch thread then leaves
+        the exit to the caller), or ``None`` when every peer is alive (the failure is another one)."""
         with self._lock:
             self._main_waits = True
             if self._line is not None:
                 return self._line
-        self._found.wait(self.stale_s + 2 * self.interval_s if wait_s is None else wait_s)
+        self._found.wait(min(self.stale_s, 2.5 * self.interval_s) + 1.5 * self.interval_s if wait_s is None else wait_s)
         return self._line
 
     def close(self, *, done: bool) -> None:
