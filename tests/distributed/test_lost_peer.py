@@ -105,6 +105,7 @@ def test_lost_node_ends_the_survivors_and_no_worker_outlives_its_torchrun(tmp_pa
         assert _wait_gone(w1, 5.0), "node 1's worker outlived its torchrun"
         assert _wait_gone(w0, TIMEOUT_S + 5.0), "rank 0 did not exit after losing rank 1"
         exited = time.monotonic() - killed
+        print(f"rank 0 exited {exited:.1f} s after node 1's torchrun was killed")
         assert agents[0].wait(timeout=60) != 0
         log = (tmp_path / "node0.log").read_text()
         lost = [line for line in log.splitlines() if "lost" in line and "error" in line]
