@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from folding.job.schema import register_schema
 from folding.launch.cli import check_command_line, normalize_overrides
 from folding.launch.run import quiet_hydra_argv, run_job
+from folding.launch.watchdog import exit_with_launcher
 from folding.training.faults import interrupt_exits_quietly
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
@@ -37,6 +38,7 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    exit_with_launcher()  # under torchrun: this worker ends with its torchrun, whatever it is doing
     with interrupt_exits_quietly():  # Ctrl-C before or after the job: one line, no traceback
         register_schema()
         sys.argv = [sys.argv[0]] + normalize_overrides(sys.argv[1:])

@@ -2,7 +2,8 @@
 
 Everything that can be wrong with the data (a missing or corrupt file, weights that do not match the
 paths, a tokenizer path that does not exist, an empty split) fails here, before training starts and
-before any collective. The result depends only on the config, the sequence length and the batch sizes;
+before any collective, with the check the dry run makes (:func:`folding.data.check.open_data`). The result
+depends only on the config, the sequence length and the batch sizes;
 ``dp_rank`` / ``dp_size`` only select this rank's share of each global batch (see
 :mod:`folding.data.sampler`).
 
@@ -18,19 +19,13 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Dict, List, Optional
 
-import numpy as np
-
-from .blend import SPLIT_NAMES, BlendedDataset, normalize_weights, parse_split, split_ranges
-from .cache import default_cache_dir
+from .blend import BlendedDataset
+from .check import open_data
 from .config import DataConfig
-from .corpus import default_corpus_prefix
 from .gpt_dataset import GPTDataset
-from .indexed import IndexedDataset, IndexedDatasetError, preprocess_hint
 from .sampler import MicroBatchIterator, check_batch_sizes
-from .tokenizer import build_tokenizer
 
 
 @dataclasses.dataclass
@@ -94,11 +89,14 @@ def build_data(
     dp_size: int,
     seed: Optional[int] = None,
     eval_global_batch_size: Optional[int] = None,
+    model_vocab_size: Optional[int] = None,
 ) -> Data:
     """Open, split and blend the datasets of ``config`` and return this DP rank's iterators.
 
     ``seed`` overrides ``config.seed`` when given. ``eval_global_batch_size`` (default: the training
-    one) sets the global batch of the valid and test iterators.
+    one) sets the global batch of the valid and test iterators. The datasets are checked first by
+    :func:`folding.data.check.open_data` (with ``model_vocab_size``: the model's vocabulary must hold the
+    tokenizer's), the check the dry run makes.
     """
     config.validate()
     if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
@@ -107,78 +105,26 @@ def build_data(
     eval_gbs = eval_global_batch_size or global_batch_size
     check_batch_sizes(eval_gbs, micro_batch_size, dp_size, dp_rank)
     seed = config.seed if seed is None else int(seed)
-    tok = build_tokenizer(config.tokenizer)
-    cache_dir = config.cache_dir or default_cache_dir()
-    if config.paths:
-        prefixes = list(config.paths)
-        weights = normalize_weights(config.weights or [1.0] * len(prefixes), len(prefixes))
-    else:
-        prefixes = [default_corpus_prefix(config.tokenizer, cache_dir)]
-        weights = [1.0]
-    for p in config.paths or []:
-        missing = [p + s for s in (".bin", ".idx") if not os.path.isfile(p + s)]
-        if missing:
-            raise IndexedDatasetError(
-                f"data.paths entry {p!r}: {' and '.join(missing)} {'do' if len(missing) > 1 else 'does'} not "
-                f"exist (data.paths takes the prefix of a tokenized dataset, PREFIX.bin + PREFIX.idx); "
-                f"{preprocess_hint(p, config.tokenizer)}"
-            )
-    indexed = [IndexedDataset(p) for p in prefixes]
-    for p, ds in zip(prefixes, indexed):
-        if ds.num_tokens == 0:
-            raise ValueError(
-                f"dataset {p} (data.paths) holds no tokens; remove it or re-run "
-                f"tools/preprocess_data.py on non-empty input"
-            )
-        if ds.dtype.kind not in "iu":
-            raise ValueError(
-                f"dataset {p} stores {ds.dtype.name} values, not token ids; a training "
-                f"dataset needs an integer dtype (re-run tools/preprocess_data.py)"
-            )
-        head = ds.get(0, 0, min(int(ds.sequence_lengths[0]), 1 << 20)) if len(ds) else np.zeros(0)
-        if head.size and (int(head.min()) < 0 or int(head.max()) >= tok.vocab_size):
-            raise ValueError(
-                f"dataset {p} holds token ids outside [0, {tok.vocab_size}) of "
-                f"data.tokenizer={config.tokenizer!r}; set data.tokenizer to the one the "
-                f"dataset was written with"
-            )
-    fractions = parse_split(config.split)
-    if fractions[0] == 0:
-        raise ValueError(
-            f"data.split={config.split!r} gives the train split no documents; "
-            f"give it a positive first number, e.g. '969,30,1'"
-        )
+    opened = open_data(config, model_vocab_size=model_vocab_size)
+    tok = opened.tokenizer
     splits = {}
-    for k, name in enumerate(SPLIT_NAMES):
-        parts = []
-        for d, (p, ds, w) in enumerate(zip(prefixes, indexed, weights)):
-            if w == 0:
-                continue
-            begin, end = split_ranges(config.split, ds.num_documents)[k]
-            if end == begin:
-                if fractions[k] > 0:
-                    raise ValueError(
-                        f"dataset {p} has no documents in the {name!r} split of data.split="
-                        f"{config.split!r} ({ds.num_documents} documents); give that split more weight, "
-                        f"set it to 0, or use a larger dataset (plain text cut into few documents: "
-                        f"tools/preprocess_data.py --text-split line makes one per line)"
-                    )
-                continue
-            parts.append(
-                (
-                    GPTDataset(
-                        ds,
-                        documents=(begin, end),
-                        seq_length=seq_length,
-                        seed=seed,
-                        stream=f"{name}/{d}",
-                        pad=tok.eod,
-                        cache_dir=cache_dir,
-                        shuffle=config.shuffle,
-                    ),
-                    w,
-                )
+    for name, found in opened.splits:
+        parts = [
+            (
+                GPTDataset(
+                    ds,
+                    documents=docs,
+                    seq_length=seq_length,
+                    seed=seed,
+                    stream=f"{name}/{d}",
+                    pad=tok.eod,
+                    cache_dir=opened.cache_dir,
+                    shuffle=config.shuffle,
+                ),
+                w,
             )
+            for d, _, ds, w, docs in found
+        ]
         if not parts:
             splits[name] = None
             continue
@@ -197,4 +143,6 @@ def build_data(
             eod=tok.eod,
             eod_mask_loss=config.eod_mask_loss,
         )
-    return Data(train=splits["train"], valid=splits["valid"], test=splits["test"], tokenizer=tok, prefixes=prefixes)
+    return Data(
+        train=splits["train"], valid=splits["valid"], test=splits["test"], tokenizer=tok, prefixes=opened.prefixes
+    )

@@ -39,6 +39,7 @@ from ..model.yarn_config import YarnConfig
 from ..moe.config import MoEConfig
 from ..optim.config import OptimConfig
 from ..parallel import DEFAULT_ORDER, ParallelLayout
+from .learning_rate import resolve_learning_rate
 
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -205,7 +206,10 @@ class TrainConfig:
     """Validate the layout for ``parallel.world_size`` (or the launched world), print parameter counts
     and the per-rank memory estimate, and exit without building the model or any process group."""
     collective_timeout_s: float = 600.0
-    """A collective that does not finish in this many seconds fails the job with an error."""
+    """A collective that does not finish in this many seconds fails the job with an error (the timeout of
+    every process group). A rank whose peer (another rank, or the job's store) has given no heartbeat for
+    half of it exits with one line naming the lost rank and its node, exit status 3
+    (:mod:`folding.launch.watchdog`)."""
     threads: Optional[int] = None
     """CPU threads per process (``torch.set_num_threads``). null: ``OMP_NUM_THREADS`` when set (torchrun
     sets 1), else the CPUs this process may use (affinity and cgroup quota) divided by the processes on
@@ -355,6 +359,7 @@ def job_config_from_dict(tree: Mapping[str, Any]) -> JobConfig:
     model = _build(ModelConfig, "model", model_values)
     optim_values = dict(tree.get("optim") or {})
     notes = [str(n) for n in tree.get("notes") or ()]  # what a loader before this one chose (model=from_hf)
+    notes += resolve_learning_rate(optim_values, init_from_hf=(tree.get("checkpoint") or {}).get("init_from_hf"))
     if optim_values.get("warmup_steps", DEFAULT_WARMUP_STEPS) is None:
         train_steps = (tree.get("train") or {}).get("steps", TrainConfig.steps)
         horizon = optim_values.get("decay_steps") or train_steps

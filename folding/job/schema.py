@@ -80,7 +80,13 @@ def job_schema() -> type:
             section("train", mirror(C.TrainConfig)),
             section(
                 "optim",
-                mirror(OptimConfig, overrides=(("warmup_steps", Optional[int], dataclasses.field(default=None)),)),
+                mirror(
+                    OptimConfig,
+                    overrides=tuple(
+                        (name, Optional[t], dataclasses.field(default=None))
+                        for name, t in (("warmup_steps", int), ("lr", float), ("min_lr", float))
+                    ),
+                ),
             ),
             section(
                 "data", mirror(DataConfig, overrides=(("split", Any, dataclasses.field(default=DataConfig.split)),))

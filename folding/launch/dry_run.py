@@ -1,6 +1,10 @@
 """``train.dry_run=true``: validate a job for its intended world size and print what each rank would hold.
 
-Nothing is built: no model, no process group, no data. The report shows the folded layout, the
+Nothing is built: no model, no process group, no samples. The data are checked as the real start checks
+them (:func:`folding.data.check.open_data`: the files of ``data.paths`` exist and hold token ids of the
+tokenizer, and every split with a non-zero weight in ``data.split`` gets documents), so a job the dry run
+accepts is one whose start does not stop on its data; the ``data`` line says what each split gets. The
+report shows the folded layout, the
 model's total and active parameters, what each pipeline rank's virtual stages hold (in the symbols of
 ``parallel.pipeline_layout``: ``E`` embedding, ``t`` per transformer layer, ``m`` multi-token prediction,
 ``L`` loss; ``-`` an empty stage) and its layer count, the parameters one rank of each pipeline stage holds
@@ -30,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
+from ..data.check import open_data
 from ..job.config import ConfigError, JobConfig
 from ..job.machine import check_experts_here, training_device
 from ..job.validate import validate_job
@@ -132,8 +137,13 @@ def dispatch_line(job: JobConfig, layout, world_size: int) -> str:
 
 
 def dry_run_report(job: JobConfig, *, world_size: int) -> str:
-    """Validate ``job`` on ``world_size`` ranks (raises ``ConfigError``) and return the report text."""
+    """Validate ``job`` on ``world_size`` ranks and check its data (raises ``ConfigError``); return the report
+    text."""
     layout = validate_job(job, world_size=world_size)
+    try:
+        data = open_data(job.data, model_vocab_size=job.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     m, t = job.model, job.train
     total, active = m.num_parameters()
     M = t.global_batch_size // (t.micro_batch_size * layout.dp)
@@ -142,6 +152,7 @@ def dry_run_report(job: JobConfig, *, world_size: int) -> str:
         f"  layout      {layout.describe()}  (order {layout.order})",
         f"  batch       global {t.global_batch_size} x seq {t.seq_length}, micro-batch "
         f"{t.micro_batch_size}, {M} micro-batches per replica per step",
+        f"  data        {data.describe()} (data.split={job.data.split})",
         f"  parameters  total {total / 1e9:.2f} B, active {active / 1e9:.2f} B per token",
         f"  moe         {job.moe.num_experts} experts, top-{job.moe.topk}, dispatcher {job.moe.dispatcher}, "
         f"capacity_factor {job.moe.capacity_factor}",

@@ -9,7 +9,9 @@ plain dict) and Hydra's output directory. Order matters:
 2. ``train.dry_run``: print the report and stop;
 3. create the world process group from torchrun's environment (a 1-process world when launched with
    plain python; NCCL on GPU, gloo on CPU; ``train.collective_timeout_s``; a worker restarted by
-   ``torchrun --max-restarts`` keys its rendezvous under its attempt number);
+   ``torchrun --max-restarts`` keys its rendezvous under its attempt number), and start the peer watch
+   (heartbeats in the job's store: a lost rank ends the survivors within the timeout,
+   :mod:`folding.launch.watchdog`);
 4. rank 0's output directory (or, when resuming, the directory of the run that wrote the
    checkpoint) is broadcast so that every rank agrees; only rank 0 writes there (the resolved config,
    the metrics, ``train.log``, ``status.json``: :mod:`folding.launch.run_dir`);
@@ -46,6 +48,7 @@ from .dry_run import dry_run_report
 from .model_from_hf import resolve_from_hf
 from .run_dir import RunLog, discard_if_empty, write_status
 from .threads import configure_threads
+from .watchdog import LOST_PEER_EXIT, PeerWatch, collective_failure, exit_with_launcher, report_lost
 
 
 def env_rank() -> int:
@@ -234,7 +237,11 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
 
     0 after training (to the end, or stopped by SIGINT/SIGTERM with a checkpoint) and after a dry run;
     2 for a bad configuration or unreadable data, reported as one ``error:`` line by the node's lead
-    process before any process group exists. In both early exits rank 0 removes ``run_dir`` if it is
+    process before any process group exists; 3 (:data:`~folding.launch.watchdog.LOST_PEER_EXIT`) when a
+    collective failed because a peer rank or the job's store was lost, reported as one line naming it
+    (:class:`~folding.launch.watchdog.PeerWatch`, which also ends a rank stuck in a collective with a lost
+    peer, within ``train.collective_timeout_s``). Under torchrun the worker ends with its torchrun
+    (:func:`~folding.launch.watchdog.exit_with_launcher`). In both early exits rank 0 removes ``run_dir`` if it is
     still empty. ``status.json`` in the run directory says how the run ended (see
     :mod:`folding.launch.run_dir`); ``overrides`` (the command line) head ``resolved_config.yaml``.
     SIGINT / SIGTERM stop the run at a step boundary from the moment this is called until it returns
@@ -247,6 +254,7 @@ def run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]
 
 
 def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str]], stop: StopRequest) -> int:
+    exit_with_launcher()  # under torchrun: this worker ends with its torchrun
     try:
         job = job_config_from_dict(resolve_from_hf(tree))
         world = env_world_size()
@@ -264,11 +272,16 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
     threads, why = configure_threads(job.train.threads)
     _import_checkpointing_first(job)
     init_world(job.train.collective_timeout_s)
-    log, status, state = None, "failed", {}
+    log, status, state, lost = None, "failed", {}, None
+    seen: Dict[str, Any] = {}  # the run directory and log, for a lost peer's report from the watch thread
+    watch = PeerWatch.start_for_world(
+        timeout_s=job.train.collective_timeout_s, on_lost=lambda line: _record_lost(seen, line)
+    )
     try:
         run_dir = agree_on_run_dir(choose_run_dir(run_dir, prepared) if dist.get_rank() == 0 else run_dir)
         if dist.get_rank() == 0:
-            log = RunLog(run_dir)
+            log = seen["log"] = RunLog(run_dir)
+            seen["run_dir"] = run_dir
             log.capture_records()
             save_resolved_config(job, run_dir, overrides, layout=prepared.layout)
             write_status(run_dir, "running", step=None, checkpoint=None)
@@ -300,9 +313,27 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
             else None,
         }
         result = None
+    except Exception as e:
+        # a collective that failed on a lost peer: wait for the watch to name it; anything else: no wait
+        lost = watch.verdict(wait_s=None if collective_failure(e) else 0.0) if watch is not None else None
+        if lost is None:
+            raise
+        report_lost(lost)
+        if log is not None:
+            log.echo(f"error: {lost}", console=False)
     finally:
         if log is not None:
             write_status(run_dir, status, **(state or {"step": None, "checkpoint": None}))
             log.close()
+        if watch is not None:
+            watch.close(done=status != "failed")
         release_process_groups()
-    return 0
+    return LOST_PEER_EXIT if lost else 0
+
+
+def _record_lost(seen: Dict[str, Any], line: str) -> None:
+    """Rank 0's record of a lost peer found by the watch thread (the process exits right after):
+    the line in ``train.log`` and ``status.json`` ``failed``."""
+    if "log" in seen:
+        seen["log"].echo(f"error: {line}", console=False)
+        write_status(seen["run_dir"], "failed", step=None, checkpoint=None)

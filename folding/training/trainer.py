@@ -57,7 +57,7 @@ from ..checkpoint.async_save import AsyncSaver
 from ..checkpoint.from_hf import check_init_source, load_initial_weights, read_hf_source_config
 from ..checkpoint.load import check_compatible, load_checkpoint, read_meta, resolve_resume
 from ..data.build import build_data
-from ..job.config import ConfigError, JobConfig
+from ..job.config import JobConfig
 from ..job.machine import check_experts_here, compute_dtype, training_device
 from ..job.validate import validate_job
 from ..model.chunks import build_stage_chunks
@@ -141,13 +141,8 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         micro_batch_size=job.train.micro_batch_size,
         dp_rank=dp_rank,
         dp_size=layout.dp,
+        model_vocab_size=job.model.vocab_size,
     )
-    if data.vocab_size > job.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={job.model.vocab_size} is smaller than the vocabulary of "
-            f"data.tokenizer={job.data.tokenizer!r} ({data.vocab_size}); raise model.vocab_size "
-            "or use the model's tokenizer"
-        )
     return Prepared(
         layout=layout,
         data=data,

@@ -3,12 +3,17 @@ dry run and a real start both accept: the command's ~50 flags (parallel layout, 
 schedule, data, tokenizer, checkpoints, logging) at a tiny size, on 2 ranks (EP2) under ``torchrun``,
 for one step that saves asynchronously. The hub tokenizer name becomes a note (never a key the real
 start would refuse), ``--async-save`` becomes ``checkpoint.async_save=true``, and ``--no-load-optim``
-is refused by name."""
+is refused by name. NVIDIA's Mixtral example script (its flag list as ``tests/unit/test_megatron_args.py`` holds
+it), shrunk only in sizes, translates; the dry run refuses its split on the small corpus (and so does the real
+start's check, before any collective), and with a split that works the job starts and trains a step on 4
+ranks of the gloo rank pool."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mixtral.py")
@@ -104,3 +109,56 @@ def test_flags_that_change_the_job_are_translated_or_refused(tmp_path):
     # the dry run refuses a tokenizer the real start could not load, as the real start does
     dry = _run([sys.executable, SCRIPT, "data.tokenizer=mistralai/Mixtral-8x7B-v0.1", "train.dry_run=true"], tmp_path)
     assert dry.returncode != 0 and "data.tokenizer" in dry.stderr and "huggingface-cli download" in dry.stderr
+
+
+# NVIDIA's examples/mixtral/train_mixtral_8x7b_distributed.sh, its flags as tests/unit/test_megatron_args.py
+# holds them, shrunk only in sizes (hidden 256 -> 32, FFN 896 -> 64, sequence 256 -> 32, 7 iterations -> 1)
+SHRUNK = {"--hidden-size": "32", "--ffn-hidden-size": "64", "--seq-length": "32", "--train-iters": "1"}
+
+
+def _shrunk(split=None):
+    from tests.unit.test_megatron_args import NVIDIA_MIXTRAL_SCRIPT
+
+    out = list(NVIDIA_MIXTRAL_SCRIPT)
+    for flag, value in {**SHRUNK, **({"--split": split} if split else {})}.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def _start_one_step(tree, run_dir):
+    from folding.job.config import job_config_from_dict
+    from folding.training.trainer import train
+
+    return train(job_config_from_dict(tree), run_dir=run_dir)["history"]
+
+
+def test_nvidia_mixtral_script_starts_on_four_ranks(ranks, tmp_path):
+    """The script's flags translate without a refusal; its --split 99990,8,2 leaves the embedded corpus' 1,227
+    documents no validation document, which the dry run refuses by name with a split that works (and the real
+    start, before any collective, with the same line); with that split the job passes the dry run and trains
+    a step on 4 ranks (EP2, DP4)."""
+    from folding.interop.megatron.args import convert
+    from folding.job.config import ConfigError
+    from folding.launch.dry_run import dry_run_report
+    from folding.training.trainer import prepare
+    from tests.unit.test_config_job import compose_tree, job
+
+    configs = os.path.join(ROOT, "configs")
+    as_written = convert(_shrunk(), world_size=4, config_dir=configs)
+    assert "data.split=[99990,8,2]" in as_written.overrides
+    refused = "data.split='99990,8,2' gives the 'valid' split no documents of dataset"
+    with pytest.raises(ConfigError, match=refused) as e:
+        dry_run_report(job(*as_written.overrides), world_size=4)
+    assert "set data.split=98,1,1 (Megatron-LM: --split 98,1,1)" in str(e.value)
+    with pytest.raises(ValueError, match=refused):  # the real start's check, before any process group
+        prepare(job(*as_written.overrides), world_size=4, rank=0)
+
+    fixed = convert(_shrunk(split="98,1,1"), world_size=4, config_dir=configs).overrides
+    overrides = [*fixed, "logging.wandb.mode=disabled", "logging.console=false"]
+    report = dry_run_report(job(*overrides), world_size=4)
+    assert "documents per split: train 1202, valid 13, test 12 (data.split=98,1,1)" in report
+    assert "MoE ETP1 EP2 EDP2 PP1" in report
+    histories = ranks(4).run(_start_one_step, compose_tree(*overrides), str(tmp_path))
+    assert [[h["step"] for h in hist] for hist in histories] == [[1]] * 4
+    losses = {hist[0]["lm_loss"] for hist in histories}
+    assert len(losses) == 1 and 0 < losses.pop() < 10  # one global loss, near ln(257) at the start

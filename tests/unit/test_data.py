@@ -260,7 +260,7 @@ def test_build_data_blend_and_splits(tmp_path):
     assert "train:" in text and "docs [0, 32)" in text and "docs [116" not in text and "weight 0.750" in text
     state = data.state_dict()
     assert state["train"]["consumed_samples"] == 64 and state["valid"]["consumed_samples"] == 64
-    with pytest.raises(ValueError, match="'test' split of data.split='98,1,1'"):
+    with pytest.raises(ValueError, match="data.split='98,1,1' gives the 'test' split no documents"):
         build_data(
             DataConfig(paths=[str(tmp_path / "a")], split="98,1,1", cache_dir=str(tmp_path / "cache")),
             seq_length=8,

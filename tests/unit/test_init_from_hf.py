@@ -89,3 +89,34 @@ def test_import_file_fills_the_model_like_the_directory(hf_dir, tmp_path):
         assert torch.equal(p, want[name]), name
     with pytest.raises(ConfigError, match="model.num_layers: source 2, this job 3"):
         check_init_source(pt, dataclasses.replace(job.model, num_layers=3))
+
+
+def test_weights_from_hf_get_a_fine_tuning_rate(hf_dir):
+    """The demo's optim.lr (1.5e-3, for a random start of mixtral_tiny) is not applied to weights from Hugging
+    Face: a job from checkpoint.init_from_hf that leaves optim.lr null fine-tunes at 1e-5 (min_lr lr/5) and a
+    start-up line says so; a rate the job sets (command line, recipe) is kept and the line says that."""
+    from folding.job.config import job_config_from_dict
+    from folding.launch.model_from_hf import resolve_from_hf
+    from tests.unit.test_config_job import compose_tree
+
+    def job(*overrides):
+        return job_config_from_dict(resolve_from_hf(compose_tree(*overrides)))
+
+    scratch = job()
+    assert (scratch.optim.lr, scratch.optim.min_lr) == (1.5e-3, 3e-4)
+    assert not [n for n in scratch.notes if n.startswith("optim.lr")]
+    for model in ("model=from_hf", "model=mixtral_tiny"):
+        tuned = job(model, f"checkpoint.init_from_hf={hf_dir}")
+        assert (tuned.optim.lr, tuned.optim.min_lr) == (1e-5, 2e-6), model
+        assert [n for n in tuned.notes if n.startswith("optim.lr")] == [
+            "optim.lr: 1e-05 (the fine-tuning default for weights from checkpoint.init_from_hf; from scratch it "
+            "would be 0.0015; set optim.lr to choose), optim.min_lr 2e-06 (optim.lr / 5)"
+        ]
+    chosen = job("model=from_hf", f"checkpoint.init_from_hf={hf_dir}", "optim.lr=3e-5")
+    assert (chosen.optim.lr, chosen.optim.min_lr) == (3e-5, 6e-6)
+    assert (
+        "optim.lr: 3e-05 (set by the job; for weights from checkpoint.init_from_hf the default is 1e-05)"
+        in (chosen.notes[-1])
+    )
+    recipe = job("recipes=mixtral_8x7b", f"checkpoint.init_from_hf={hf_dir}")
+    assert (recipe.optim.lr, recipe.optim.min_lr) == (1e-4, 1e-5)

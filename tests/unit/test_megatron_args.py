@@ -72,7 +72,18 @@ def test_mixtral_8x7b_command_gives_overrides_the_dry_run_accepts():
     assert not any(o.startswith(("moe.dispatcher=", "model.rope_theta=")) for o in overrides)  # as the preset
     assert "# --no-load-rng: ignored; nothing in this job draws random numbers" in p.stderr
     assert "# --moe-grouped-gemm:" in p.stderr and "# --tokenizer-type Llama2Tokenizer:" in p.stderr
-    dry = _run(*overrides, "train.dry_run=true", script=os.path.join(ROOT, "examples", "pretrain_mixtral.py"))
+    # the data are the cluster's: the dry run refuses the missing files by name, and checks the rest on the
+    # embedded corpus, whose 1,227 documents need a split that gives valid and test some
+    from folding.job.config import ConfigError
+    from folding.launch.dry_run import dry_run_report
+    from tests.unit.test_config_job import job
+
+    with pytest.raises(ConfigError, match=r"data.paths entry '/data/mixtral_text_document'.*data.paths=\[\]"):
+        dry_run_report(job(*overrides, "train.dry_run=true"), world_size=64)
+    with pytest.raises(ConfigError, match=r"data.split='99990,8,2' gives the 'valid' split no documents.*98,1,1"):
+        dry_run_report(job(*overrides, "data.paths=[]"), world_size=64)
+    here = [*overrides, "data.paths=[]", "data.split=[98,1,1]", "train.dry_run=true"]
+    dry = _run(*here, script=os.path.join(ROOT, "examples", "pretrain_mixtral.py"))
     assert dry.returncode == 0, dry.stderr
     assert "dry run: mixtral_8x7b on 64 ranks" in dry.stdout
     assert "attention TP1 CP1 DP16 PP4 VPP8 | MoE ETP1 EP8 EDP2 PP4" in dry.stdout
