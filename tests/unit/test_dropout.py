@@ -2,7 +2,8 @@
 SplitMix64 in Python integers, masks that depend on an element's coordinates and not on how the rows are
 split (a CP×TP shard drops what one rank drops there), the unfused attention core against SDPA when nothing
 is dropped, and the model: no dropout in eval mode, the same masks for the same samples whatever the global
-RNG, recompute replaying them bit for bit, and a clear error without sample indices."""
+RNG, recompute replaying them bit for bit (multi-head latent attention and multi-token prediction too), and a
+clear error without sample indices."""
 
 import pytest
 import torch
@@ -88,8 +89,8 @@ def test_the_unfused_core_is_causal_attention_when_nothing_is_dropped():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _model(recompute="none", **dropout):
-    cfg = get_preset("mixtral_tiny", hidden_size=32, moe=dict(ffn_hidden_size=16), **dropout)
+def _model(recompute="none", preset="mixtral_tiny", **dropout):
+    cfg = get_preset(preset, hidden_size=32, moe=dict(ffn_hidden_size=16), **dropout)
     return MoETransformer(cfg, settings=LayerSettings(init_seed=3, recompute=recompute))
 
 
@@ -125,6 +126,23 @@ def test_the_model_drops_by_sample_and_replays_the_masks_in_recompute():
             assert torch.equal(r_grads[name], grads[name]), (recompute, name)
     with pytest.raises(ValueError, match="need each sequence's global sample index: pass sample_index="):
         model(ids, labels=ids)
+
+
+def test_latent_attention_and_multi_token_prediction_replay_their_masks():
+    """DeepSeek-V3's attention core (MLA's widths) and its MTP module (an embedding and a layer of its own)
+    drop too, and recomputing the core and the up-projections drops the same elements."""
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(4))
+    sample, rates = torch.tensor([3, 4]), dict(hidden_dropout=0.1, attention_dropout=0.2)
+    model = _model(preset="deepseek_v3_tiny", **rates)
+    assert model.config.mla is not None and model.config.mtp_num_layers > 0
+    loss, grads = _loss_and_grads(model, ids, sample)
+    with torch.no_grad():
+        plain = _model(preset="deepseek_v3_tiny")(ids, labels=ids, sample_index=sample).sum()
+    assert abs(float(loss) - float(plain)) > 1e-2
+    r_loss, r_grads = _loss_and_grads(_model("core_attn,mla_up_proj", "deepseek_v3_tiny", **rates), ids, sample)
+    assert torch.equal(r_loss, loss)
+    for name in grads:
+        assert torch.equal(r_grads[name], grads[name]), name
 
 
 def test_rates_outside_zero_to_one_name_the_key():
