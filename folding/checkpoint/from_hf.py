@@ -41,12 +41,20 @@ import torch
 from ..job.config import ConfigError
 from ..model.config import ModelConfig
 from ..model.hf.errors import CheckpointError
-from ..model.hf.weights import check_hf_names, hf_model_config, load_hf_weights
+from ..model.hf.weights import VOCAB_TABLES, check_hf_names, hf_model_config, load_hf_weights
 from ..parallel.params import require_spec, take_slice
 from .load import SHAPED_MOE_FIELDS, config_differences
 
-FREE_MODEL_FIELDS = ("name", "init_std", "mtp_loss_scaling_factor")
-"""``model.*`` fields that may differ from the source: they change no weight and no computation.
+FREE_MODEL_FIELDS = (
+    "name",
+    "init_std",
+    "mtp_loss_scaling_factor",
+    "hidden_dropout",
+    "attention_dropout",
+    "make_vocab_size_divisible_by",
+)
+"""``model.*`` fields that may differ from the source: they change no weight and no computation (the
+padded vocabulary rows of ``make_vocab_size_divisible_by`` start at zero and are never predicted).
 ``max_position_embeddings`` is checked although it changes neither: the export of the run writes it
 into ``config.json``, where another value would misstate what the source model was trained for."""
 MOE_FIELDS = SHAPED_MOE_FIELDS + (
@@ -156,7 +164,12 @@ def load_initial_weights(chunks, path: str) -> None:
                 raise CheckpointError(
                     f"{path} has no parameter {name!r}: write it again with tools/convert_hf.py import"
                 )
-            p.copy_(take_slice(state[name].reshape(spec.full_shape), spec.shards).reshape(p.shape))
+            full = state[name]
+            if name in VOCAB_TABLES and full.shape[0] < spec.full_shape[0]:  # this job pads the vocabulary
+                full = torch.cat([full, full.new_zeros(spec.full_shape[0] - full.shape[0], *full.shape[1:])])
+            elif name in VOCAB_TABLES and full.shape[0] > spec.full_shape[0]:  # the file's padding: cut off
+                full = full[: spec.full_shape[0]]
+            p.copy_(take_slice(full.reshape(spec.full_shape), spec.shards).reshape(p.shape))
         for name, b in chunk.named_buffers():
             if name in state and state[name].shape == b.shape:
                 b.copy_(state[name])

@@ -64,7 +64,7 @@ MARKER = "COMPLETE"
 META = "meta.json"
 _STEP = re.compile(r"^step_(\d{8})$")
 # ModelConfig fields that do not change any tensor: they may differ between save and load.
-_FREE_MODEL_FIELDS = ("name", "init_std")
+_FREE_MODEL_FIELDS = ("name", "init_std", "hidden_dropout", "attention_dropout")
 SHAPED_MOE_FIELDS = (
     "num_experts",
     "ffn_hidden_size",
@@ -154,11 +154,13 @@ def config_differences(
     field, ``model.mla.kv_lora_rank``), and the ``moe.*`` fields in ``moe_fields``."""
     ref, now = dict(reference), _plain(dataclasses.asdict(model))
     ref_moe, now_moe = ref.pop("moe", None) or {}, now.pop("moe")
+    # a field the reference lacks (written before the field existed) had its default
+    defaults = {f.name: f.default for f in dataclasses.fields(model) if f.default is not dataclasses.MISSING}
     out = []
     for k in sorted(now):
         if k in _FREE_MODEL_FIELDS or k in free_model_fields:
             continue
-        a, b = _plain(ref.get(k)), now[k]
+        a, b = _plain(ref.get(k, defaults.get(k))), now[k]
         if isinstance(a, dict) and isinstance(b, dict):
             out += [(f"model.{k}.{f}", a.get(f), b[f]) for f in sorted(b) if _plain(a.get(f)) != b[f]]
         elif a != b:

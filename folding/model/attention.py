@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..memory.offload import offload_region
-from ..parallel.collectives import group_size
+from ..parallel.collectives import group_rank, group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears
 from .config import ModelConfig
 from .context_parallel import attention_core, gather_kv
@@ -69,6 +69,8 @@ class Attention(nn.Module):
         self.tp_group, self.cp_group = tp_group, cp_group
         d = self.head_dim = config.kv_channels
         self.heads = config.num_attention_heads // tp
+        self.head_offset = group_rank(tp_group) * self.heads
+        """Global index of this rank's first query head (the attention dropout's coordinates)."""
         self.kv_heads = config.num_kv_heads // tp
         H, kw = config.hidden_size, dict(tp_group=tp_group, device=device, dtype=dtype)
         lin = dict(delay_wgrad=delay_wgrad, **kw)
@@ -106,10 +108,13 @@ class Attention(nn.Module):
         sin_SD: torch.Tensor,
         kv_order: Optional[torch.Tensor],
         chunk_starts: Tuple[int, ...],
+        dropout=None,
     ) -> torch.Tensor:
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``. ``cos/sin [S_cp, D]`` are at this CP rank's
         positions; under CP, ``kv_order`` puts the CP-gathered keys in sequence order and
-        ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`)."""
+        ``chunk_starts`` are the first positions of this rank's two chunks (see :mod:`.context_parallel`).
+        ``dropout``: the layer's :class:`~folding.model.dropout.DropoutKeys` (attention probabilities),
+        or ``None``."""
         with offload_region("qkv_linear"):
             q, k, v = sp_column_linears(x_SBH, (self.q_proj, self.k_proj, self.v_proj), self.tp_group)
         S, B, _ = q.shape  # S_cp: the TP-gathered sequence
@@ -134,6 +139,8 @@ class Attention(nn.Module):
                 chunk_starts=chunk_starts,
                 recompute=self.recompute_core,
                 enable_gqa=self.kv_heads != self.heads,
+                dropout=dropout,
+                head_offset=self.head_offset,
             )
         out = out.permute(2, 0, 1, 3).reshape(S, B, self.heads * self.head_dim)
         with offload_region("attn_proj"):

@@ -44,6 +44,7 @@ from ..parallel.groups import ProcessGroups
 from .attention import Attention
 from .compile import dense_sublayer
 from .config import ModelConfig
+from .dropout import DropoutKeys, hidden_dropout
 from .mla import MLAttention
 from .mlp import DenseMLP
 from .norm import RMSNorm
@@ -113,28 +114,33 @@ class TransformerLayer(nn.Module):
                 **kw,
             )
 
-    def forward(self, x_SBH: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x_SBH: torch.Tensor, rope, dropout: Optional[DropoutKeys] = None) -> torch.Tensor:
         """``[S_cp/TP, B, H] -> [S_cp/TP, B, H]``; ``rope = (cos, sin, kv_order, chunk_starts)`` from
-        :meth:`MoETransformer.rope`."""
+        :meth:`MoETransformer.rope`; ``dropout``: the micro-batch's keys
+        (:meth:`MoETransformer.dropout_keys`), ``None`` for none."""
+        drop = dropout.at_layer(self.layer_number) if dropout is not None else None
         if self.recompute.whole_layer and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_SBH, rope, False, use_reentrant=False, context_fn=recompute_contexts)
+            return checkpoint(
+                self._forward, x_SBH, rope, False, drop, use_reentrant=False, context_fn=recompute_contexts
+            )
         if self.offloader is None:
-            return self._forward(x_SBH, rope, torch.is_grad_enabled())
+            return self._forward(x_SBH, rope, torch.is_grad_enabled(), drop)
         with self.offloader.layer() as finish:  # the layer's offload regions, and its prefetch one layer ahead
-            return finish(self._forward(x_SBH, rope, torch.is_grad_enabled()))
+            return finish(self._forward(x_SBH, rope, torch.is_grad_enabled(), drop))
 
-    def _attention(self, x_SBH, rope):
+    def _attention(self, x_SBH, rope, drop=None):
         with offload_region("attn_norm"):
             n_SBH = self.input_norm(x_SBH)
-        out = self.attention(n_SBH, *rope)
+        out = self.attention(n_SBH, *rope, dropout=drop)
         if self.discard_norms:  # layernorm: the norm's output comes back from its kept input in backward
             discard_until_backward([n_SBH], after=out, refill=lambda: [self.input_norm(x_SBH)])
         return out
 
-    def _forward(self, x_SBH, rope, modules: bool):
+    def _forward(self, x_SBH, rope, modules: bool, drop: Optional[DropoutKeys] = None):
         """The layer; ``modules``: apply the recompute modules (off inside a whole-layer checkpoint and
-        without autograd)."""
-        h = x_SBH + self._dense(x_SBH, rope)
+        without autograd); ``drop``: the dropout keys bound to this layer (Megatron-LM's placement: the
+        attention and MLP outputs, before each residual add)."""
+        h = x_SBH + hidden_dropout(self._dense(x_SBH, rope, drop), drop, "attention_out")
         with offload_region("mlp_norm"):
             n_SBH = self.post_attention_norm(h)
         if modules and self.recompute.mlp(moe_layer=self.is_moe):  # moe / mlp: the block checkpointed
@@ -143,4 +149,4 @@ class TransformerLayer(nn.Module):
             out = self.mlp(n_SBH)
         if modules and self.discard_norms:
             discard_until_backward([n_SBH], after=out, refill=lambda: [self.post_attention_norm(h)])
-        return h + out
+        return h + hidden_dropout(out, drop, "mlp_out")

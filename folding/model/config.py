@@ -56,7 +56,7 @@ class ModelConfig:
     mapping (tensor names, ``config.json`` fields); the architecture itself is fixed by the other fields
     (``mla`` and ``yarn`` for DeepSeek-V3's attention)."""
     vocab_size: int
-    """Vocabulary size of the tokenizer / checkpoint (before any padding for TP)."""
+    """Vocabulary size of the tokenizer / checkpoint (before padding: :attr:`padded_vocab_size`)."""
     hidden_size: int
     """Model width H."""
     num_layers: int
@@ -95,6 +95,20 @@ class ModelConfig:
     """Share the input embedding and the output layer weight."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization."""
+    make_vocab_size_divisible_by: int = 1
+    """The embedding table and the output layer have :attr:`padded_vocab_size` rows: ``vocab_size``
+    rounded up to a multiple of this (Megatron-LM's ``--make-vocab-size-divisible-by``; Megatron-LM
+    multiplies it by TP, which :mod:`folding.interop.megatron` writes out, so that the padding is a
+    property of the model and checkpoints keep their shapes under any layout). The padded rows are
+    never predicted (their logits are ``-inf``) and never exported to Hugging Face. 1: no padding."""
+    hidden_dropout: float = 0.0
+    """Dropout rate of the embedding output, the attention output projection and the MLP / MoE block
+    output, before the residual add (Megatron-LM's ``hidden_dropout`` and placement). Masks depend on the
+    seed, the layer, the sample, the position and the column only, so every layout drops the same
+    elements (:mod:`folding.model.dropout`). None in eval mode. 0: off."""
+    attention_dropout: float = 0.0
+    """Dropout rate of the attention probabilities (Megatron-LM's ``attention_dropout``); above 0 the
+    attention core runs unfused (:mod:`folding.model.dropout`). 0: off."""
     mla: Optional[MLAConfig] = None
     """Multi-head latent attention (DeepSeek-V3, :class:`~folding.model.mla_config.MLAConfig`);
     ``None``: GQA attention. Needs ``num_kv_heads == num_attention_heads``."""
@@ -142,6 +156,13 @@ class ModelConfig:
             raise ValueError(
                 f"model.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor!r} must be a finite number >= 0"
             )
+        for f in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+                raise ValueError(f"model.{f}={v!r} must be a number in [0, 1) (0: no dropout; Megatron-LM's is 0.1)")
+        n = self.make_vocab_size_divisible_by
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"model.make_vocab_size_divisible_by={n!r} must be an integer >= 1 (1: no padding)")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r}: choose one of {QK_NORMS}")
         if self.mla is not None and self.num_kv_heads != self.num_attention_heads:
@@ -167,6 +188,13 @@ class ModelConfig:
     def kv_channels(self) -> int:
         """Per-head width (``head_dim`` or ``hidden_size // num_attention_heads``)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table and the output layer: ``vocab_size`` rounded up to a multiple of
+        ``make_vocab_size_divisible_by``."""
+        n = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // n) * n
 
     @property
     def output_init_std(self) -> float:
@@ -245,8 +273,8 @@ class ModelConfig:
 
     def embedding_params(self, tp: int = 1) -> int:
         """Parameters of the input embedding (or of the output layer, the same shape) on each of ``tp``
-        ranks (split by vocabulary rows)."""
-        return _per_rank(self.vocab_size, tp, "vocab_size") * self.hidden_size
+        ranks (split by vocabulary rows, the padding included)."""
+        return _per_rank(self.padded_vocab_size, tp, "padded vocabulary size") * self.hidden_size
 
     def mtp_params(self) -> int:
         """Parameters of the multi-token-prediction modules beyond their transformer layers: per module
@@ -277,7 +305,7 @@ class ModelConfig:
         sizes = [
             ("parallel.tp", tp, "model.num_attention_heads", self.num_attention_heads),
             ("parallel.tp", tp, "model.num_kv_heads", self.num_kv_heads),
-            ("parallel.tp", tp, "model.vocab_size", self.vocab_size),
+            ("parallel.tp", tp, "model.vocab_size", self.padded_vocab_size),
         ]
         if any(self.is_moe_layer(i) for i in self.layer_numbers()):
             sizes += [
@@ -289,6 +317,12 @@ class ModelConfig:
                     ("parallel.tp", tp, "moe.shared_expert_ffn_hidden_size", self.moe.shared_expert_ffn_hidden_size)
                 )
         for setting, size, key, n in sizes:
+            if key == "model.vocab_size" and n % size and n != self.vocab_size:  # the padded vocabulary
+                raise ValueError(
+                    f"model.vocab_size={self.vocab_size} (padded to {n}) is not divisible by parallel.tp={size}; "
+                    f"set model.make_vocab_size_divisible_by to a multiple of {size} (Megatron-LM pads to "
+                    f"128 x TP) or choose parallel.tp among the divisors of {n}"
+                )
             if n % size:
                 raise ValueError(
                     f"{key}={n} is not divisible by {setting}={size}; choose {setting} among the divisors of {n}"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.collectives import gather_from_sequence_region, group_size
+from .dropout import probs_dropout
 
 
 def check_cp_seq_len(seq_len: int, cp_size: int, tp_size: int) -> None:
@@ -115,18 +116,46 @@ def causal_sdpa(
     return torch.cat(outs, dim=2)
 
 
-def attention_core(q_BASD, k_BASD, v_BASD, *, scale: float, chunk_starts, recompute: bool = False, **kw):
+def attention_core(
+    q_BASD,
+    k_BASD,
+    v_BASD,
+    *,
+    scale: float,
+    chunk_starts,
+    recompute: bool = False,
+    dropout=None,
+    head_offset: int = 0,
+    **kw,
+):
     """:func:`causal_sdpa`, under a checkpoint when ``recompute`` (the ``core_attn`` recompute module:
-    the kernel's output and statistics are not kept, the core runs again in backward) and autograd is on."""
+    the kernel's output and statistics are not kept, the core runs again in backward) and autograd is on.
+    With ``dropout`` (the layer's :class:`~folding.model.dropout.DropoutKeys`) at an attention rate above
+    0: :func:`dropout_attention` instead (``head_offset``: the global index of this rank's first head)."""
+    if dropout is not None and dropout.attention:
+        fn = functools.partial(dropout_attention, scale=scale, dropout=dropout, head_offset=head_offset)
+    else:
+        fn = functools.partial(causal_sdpa, scale=scale, chunk_starts=chunk_starts, **kw)
     if recompute and torch.is_grad_enabled():
-        return checkpoint(
-            functools.partial(causal_sdpa, scale=scale, chunk_starts=chunk_starts, **kw),
-            q_BASD,
-            k_BASD,
-            v_BASD,
-            use_reentrant=False,
-        )
-    return causal_sdpa(q_BASD, k_BASD, v_BASD, scale=scale, chunk_starts=chunk_starts, **kw)
+        return checkpoint(fn, q_BASD, k_BASD, v_BASD, use_reentrant=False)
+    return fn(q_BASD, k_BASD, v_BASD)
+
+
+def dropout_attention(q_BASD, k_BASD, v_BASD, *, scale: float, dropout, head_offset: int) -> torch.Tensor:
+    """Causal attention with dropout on the probabilities, unfused: ``softmax(q kᵀ · scale)`` (fp32) with
+    every key after the query's position masked, then :func:`~folding.model.dropout.probs_dropout`, then
+    the values. Queries sit at ``dropout.query_positions_S`` (this CP rank's positions), keys and values
+    are the whole prefix in sequence order (``Sk`` positions ``0 .. Sk-1``), grouped-query heads are
+    shared as in :func:`causal_sdpa`. Returns ``[B, A, S, Dv]``; keeps the ``[B, A, S, Sk]`` probabilities."""
+    A, K = q_BASD.shape[1], k_BASD.shape[1]
+    if A != K:  # query head j reads key/value head j // (A / K)
+        k_BASD, v_BASD = k_BASD.repeat_interleave(A // K, dim=1), v_BASD.repeat_interleave(A // K, dim=1)
+    scores_BASSk = (q_BASD @ k_BASD.transpose(-1, -2)).float() * scale
+    q_pos = dropout.query_positions_S.to(q_BASD.device)
+    future_SSk = torch.arange(k_BASD.shape[2], device=q_BASD.device)[None, :] > q_pos[:, None]
+    probs_BASSk = torch.softmax(scores_BASSk.masked_fill(future_SSk, float("-inf")), dim=-1)
+    probs_BASSk = probs_dropout(probs_BASSk, dropout, head_offset).to(v_BASD.dtype)
+    return probs_BASSk @ v_BASD
 
 
 def sdpa_values(v_BASD: torch.Tensor, qk_width: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from torch import nn
 from ..memory.discard import discard_until_backward
 from ..memory.offload import offload_region
 from ..overlap import wgrad
-from ..parallel.collectives import group_size
+from ..parallel.collectives import group_rank, group_size
 from ..parallel.linear import ColumnParallelLinear, RowParallelLinear, sp_column_linears, sp_gather
 from ..parallel.params import mark_param, set_init_spec
 from .config import ModelConfig
@@ -126,6 +126,8 @@ class MLAttention(nn.Module):
             )
         self.tp_group, self.cp_group, self.mla = tp_group, cp_group, m
         self.heads = N // tp
+        self.head_offset = group_rank(tp_group) * self.heads
+        """Global index of this rank's first head (the attention dropout's coordinates)."""
         self.scale = yarn_softmax_scale(1.0 / math.sqrt(m.qk_head_dim), config.yarn)
         H, std = config.hidden_size, config.init_std
         kw = dict(device=device, dtype=dtype)
@@ -165,9 +167,11 @@ class MLAttention(nn.Module):
         sin_SD: torch.Tensor,
         kv_order: Optional[torch.Tensor],
         chunk_starts: Tuple[int, ...],
+        dropout=None,
     ) -> torch.Tensor:
         """``x [S_cp/TP, B, H]`` -> ``[S_cp/TP, B, H]``; ``cos/sin [S_cp, dr]`` at this CP rank's
-        positions, ``kv_order`` and ``chunk_starts`` as in :class:`~folding.model.attention.Attention`."""
+        positions, ``kv_order``, ``chunk_starts`` and ``dropout`` as in
+        :class:`~folding.model.attention.Attention`."""
         m, tp = self.mla, self.tp_group
         Rkv, dr, dv = m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim
         with offload_region("qkv_linear"):  # the projections that read the layer's normed input
@@ -195,6 +199,8 @@ class MLAttention(nn.Module):
                 scale=self.scale,
                 chunk_starts=chunk_starts,
                 recompute=self.recompute_core,
+                dropout=dropout,
+                head_offset=self.head_offset,
             )
         if self.recompute_up_proj:  # mla_up_proj: the core's q, k, v come back from the kept latents
             first = 0 if m.q_lora_rank is not None else 1  # without q LoRA, q_in is q itself: keep q

@@ -87,8 +87,9 @@ class MTPModule(nn.Module):
         )
         self.head_norm = RMSNorm(H, eps=config.norm_eps, **kw)
 
-    def forward(self, h_SBH: torch.Tensor, emb_SBH: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, h_SBH: torch.Tensor, emb_SBH: torch.Tensor, rope, dropout=None) -> torch.Tensor:
         """``h_SBH``: the previous depth's hidden states; ``emb_SBH``: the embedding of the tokens
-        ``depth`` positions ahead, both this rank's shard; ``rope`` as for the decoder's layers."""
+        ``depth`` positions ahead, both this rank's shard; ``rope`` and ``dropout`` (the micro-batch's
+        :class:`~folding.model.dropout.DropoutKeys` or ``None``) as for the decoder's layers."""
         x_SBH = self.eh_proj(torch.cat([self.enorm(emb_SBH), self.hnorm(h_SBH)], dim=-1))
-        return self.head_norm(self.layer(x_SBH, rope))
+        return self.head_norm(self.layer(x_SBH, rope, dropout))

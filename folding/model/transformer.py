@@ -3,7 +3,7 @@
 Parallelism comes from the ``parallel_state`` (attention TP with sequence parallelism, CP with
 load-balanced chunks, MoE EP/ETP inside the MoE blocks); the same code runs on 1 rank.
 
-Forward contract (``model(input_ids_BS, labels=None, loss_mask=None)``):
+Forward contract (``model(input_ids_BS, labels=None, loss_mask=None, sample_index=None)``):
 
 - ``input_ids_BS``: the micro-batch's **full** sequences ``[B, S]`` (the same on all TP and CP ranks
   of one data-parallel replica). The model keeps this CP rank's load-balanced positions
@@ -19,6 +19,11 @@ Forward contract (``model(input_ids_BS, labels=None, loss_mask=None)``):
   ``lm_i + mtp_loss_scaling_factor / D · sum_k mtp_k,i``, where ``mtp_k,i`` is depth k's masked loss
   for the token i+k+1 (``stage_forward(..., loss_parts=True)`` returns the two parts); in eval mode
   (``model.eval()``) the MTP modules do not run and the loss is the LM loss.
+- ``sample_index [B]``: each sequence's global sample index, needed in training mode when
+  ``model.hidden_dropout`` or ``model.attention_dropout`` is above 0 (the masks are a function of it,
+  of the layer, the position and the column: :mod:`folding.model.dropout`).
+- With ``model.make_vocab_size_divisible_by`` the vocabulary dimension is the padded one
+  (``config.padded_vocab_size``); the padded ids' logits are ``-inf`` and never predicted.
 
 Pipeline stages cut the model at ``embedding`` / ``layers[i:j]`` / ``final_norm`` + ``output_layer``
 (+ the MTP modules): :meth:`embed`, :meth:`run_layers` and :meth:`head` are those pieces.
@@ -49,8 +54,9 @@ from ..parallel.params import initialize_parameters, mark_param, set_init_spec
 from .block import MoEFactory, TransformerLayer
 from .config import ModelConfig
 from .context_parallel import check_cp_seq_len, cp_positions, gathered_positions
+from .dropout import DropoutKeys, hidden_dropout
 from .embedding import VocabParallelEmbedding
-from .fused_cross_entropy import fused_linear_cross_entropy
+from .fused_cross_entropy import fused_linear_cross_entropy, mask_padding
 from .moe_block import check_moe_factory, default_moe_factory
 from .mtp import MTPModule, shift_left
 from .norm import RMSNorm
@@ -136,7 +142,7 @@ class MoETransformer(nn.Module):
         shared_table = config.tie_embeddings or config.mtp_num_layers > 0
         if self.pre_process or (self.post_process and shared_table):
             self.embedding = VocabParallelEmbedding(
-                config.vocab_size,
+                config.padded_vocab_size,
                 config.hidden_size,
                 tp_group=g.tp,
                 init_std=config.init_std,
@@ -162,11 +168,12 @@ class MoETransformer(nn.Module):
             self.output_weight = None
         else:
             tp, r = group_size(g.tp), group_rank(g.tp)
-            self.output_weight = nn.Parameter(torch.empty(config.vocab_size // tp, config.hidden_size, **kw))
+            V = config.padded_vocab_size
+            self.output_weight = nn.Parameter(torch.empty(V // tp, config.hidden_size, **kw))
             mark_param(self.output_weight, tp_sharded=True)
             set_init_spec(
                 self.output_weight,
-                full_shape=(config.vocab_size, config.hidden_size),
+                full_shape=(V, config.hidden_size),
                 shards=((0, r, tp),),
                 std=config.init_std,
             )
@@ -184,10 +191,37 @@ class MoETransformer(nn.Module):
         return cp_positions(seq_len, self.groups.cp_rank, self.groups.cp_size, device)
 
     # ------------------------------------------------------------------------------ pieces
-    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        """Full ids ``[B, S]`` -> this rank's hidden shard ``[S/(CP*TP), B, H]``."""
+    def embed(self, input_ids_BS: torch.Tensor, dropout: Optional[DropoutKeys] = None) -> torch.Tensor:
+        """Full ids ``[B, S]`` -> this rank's hidden shard ``[S/(CP*TP), B, H]``; ``dropout``: the
+        micro-batch's keys bound to a layer (:meth:`dropout_keys`), for the embedding dropout."""
         pos = self.local_positions(input_ids_BS.shape[1], input_ids_BS.device)
-        return self.embedding(input_ids_BS[:, pos])
+        return hidden_dropout(self.embedding(input_ids_BS[:, pos]), dropout, "embedding")
+
+    def dropout_keys(self, seq_len: int, sample_index: Optional[torch.Tensor]) -> Optional[DropoutKeys]:
+        """The micro-batch's :class:`~folding.model.dropout.DropoutKeys`, or ``None`` in eval mode or
+        when both ``model.hidden_dropout`` and ``model.attention_dropout`` are 0. ``sample_index``: the
+        global sample index of each sequence (int64 ``[B]``, the data sampler's ``sample_index``),
+        required when dropout is on: it makes each sequence's masks its own at every step."""
+        cfg = self.config
+        if not self.training or not (cfg.hidden_dropout or cfg.attention_dropout):
+            return None
+        if sample_index is None:
+            raise ValueError(
+                "model.hidden_dropout / model.attention_dropout need each sequence's global sample index: "
+                "pass sample_index= (the data sampler's, a different one for every sequence of every step) "
+                "or call model.eval()"
+            )
+        pos_S = self.local_positions(seq_len, sample_index.device)
+        n = pos_S.shape[0] // self.groups.tp_size
+        r = group_rank(self.groups.tp)
+        return DropoutKeys(
+            hidden=cfg.hidden_dropout,
+            attention=cfg.attention_dropout,
+            seed=self.settings.init_seed or 0,
+            sample_B=sample_index.to(torch.int64),
+            positions_S=pos_S[r * n : (r + 1) * n],
+            query_positions_S=pos_S,
+        )
 
     def rope(self, seq_len: int, device=None, dtype=None):
         """``(cos, sin, kv_order, chunk_starts)`` for this CP rank at sequence length ``seq_len``.
@@ -212,13 +246,15 @@ class MoETransformer(nn.Module):
         """This chunk's transformer layers in order: its decoder layers, then the MTP modules' layers."""
         return list(self.layers.values()) + [m.layer for m in (self.mtp or ())]
 
-    def run_layers(self, x_SBH: torch.Tensor, seq_len: int, rope=None) -> torch.Tensor:
+    def run_layers(
+        self, x_SBH: torch.Tensor, seq_len: int, rope=None, dropout: Optional[DropoutKeys] = None
+    ) -> torch.Tensor:
         """Every layer this model holds (its ``layer_range``), in order, on a hidden shard; ``rope``:
-        :meth:`rope` at ``seq_len`` (computed when not given)."""
+        :meth:`rope` at ``seq_len`` (computed when not given); ``dropout``: :meth:`dropout_keys`."""
         rope = self.rope(seq_len, x_SBH.device, x_SBH.dtype) if rope is None else rope
         with self._offload_pass():
             for i in range(*self.layer_range):
-                x_SBH = self.layers[str(i)](x_SBH, rope)
+                x_SBH = self.layers[str(i)](x_SBH, rope, dropout)
         return x_SBH
 
     def _offload_pass(self):
@@ -231,7 +267,12 @@ class MoETransformer(nn.Module):
         The hidden states (``H`` wide) are transposed to batch-major before the output GEMM, so the
         ``V``-wide logits are written once in the caller's layout instead of being transposed after.
         """
-        return F.linear(sp_gather(self.final_norm(x_SBH), self.groups.tp).transpose(0, 1), self._output_weight())
+        w = self._output_weight()
+        logits_BSV = F.linear(sp_gather(self.final_norm(x_SBH), self.groups.tp).transpose(0, 1), w)
+        if self.config.padded_vocab_size == self.config.vocab_size:
+            return logits_BSV
+        # the padded rows' logits (model.make_vocab_size_divisible_by): -inf, never predicted
+        return mask_padding(logits_BSV.clone(), group_rank(self.groups.tp) * w.shape[0], self.config.vocab_size)
 
     def _output_weight(self) -> torch.Tensor:
         """The output layer's weight ``[V/TP, H]`` (the embedding table when tied)."""
@@ -248,6 +289,7 @@ class MoETransformer(nn.Module):
             labels_BS[:, pos].t().reshape(-1),
             self.groups.tp,
             self.loss_chunk_tokens,
+            vocab_size=self.config.vocab_size,
         ).view(Sl, B)
         loss_BS = loss_SB.t()
         if loss_mask_BS is not None:
@@ -260,8 +302,11 @@ class MoETransformer(nn.Module):
         input_ids_BS: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        sample_index: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits ``[B, S/CP, V/TP]`` or, with ``labels``, per-token losses ``[B, S/CP]`` (module docstring)."""
+        """Logits ``[B, S/CP, V/TP]`` or, with ``labels``, per-token losses ``[B, S/CP]`` (module docstring);
+        ``sample_index`` (int64 ``[B]``): each sequence's global sample index, which dropout needs in
+        training mode (:meth:`dropout_keys`)."""
         if input_ids_BS.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids_BS.shape)}")
         B, S = input_ids_BS.shape
@@ -271,7 +316,7 @@ class MoETransformer(nn.Module):
                 raise ValueError(f"{name} must have the shape of input_ids {(B, S)}, got {tuple(t.shape)}")
         if not (self.pre_process and self.post_process):
             raise ValueError("forward() needs the whole model; a pipeline chunk runs stage_forward()")
-        return self.stage_forward(input_ids_BS, labels=labels, loss_mask=loss_mask)
+        return self.stage_forward(input_ids_BS, labels=labels, loss_mask=loss_mask, sample_index=sample_index)
 
     def fp8_region_recipe(self) -> Optional[str]:
         """The FP8 recipe of this chunk's TransformerEngine region (None when no expert runs TE FP8)."""
@@ -294,6 +339,7 @@ class MoETransformer(nn.Module):
         loss_mask: Optional[torch.Tensor] = None,
         first_microbatch: Optional[bool] = None,
         loss_parts: bool = False,
+        sample_index: Optional[torch.Tensor] = None,
     ):
         """Run this chunk: the first chunk embeds ``input_ids_BS``, later ones take ``hidden_SBH``
         from the previous stage; the last chunk returns what :meth:`forward` returns, the others the
@@ -303,23 +349,25 @@ class MoETransformer(nn.Module):
         ``first_microbatch`` (True on a step's first micro-batch) lets TE reuse FP8 weights.
         With ``labels`` and ``loss_parts=True`` the last chunk returns ``(lm_loss_BS, mtp_loss_BS)``
         instead of their weighted sum: the LM per-token loss and the mean over the MTP depths of
-        their per-token losses (``None`` without multi-token prediction)."""
+        their per-token losses (``None`` without multi-token prediction). ``sample_index``: the
+        sequences' global sample indices, for dropout (:meth:`dropout_keys`)."""
         with fp8_region(
             self.fp8_region_recipe(), amax_reduction_group=self.groups.dp_cp, first_microbatch=first_microbatch
         ):
-            out = self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask)
+            out = self._stage_forward(input_ids_BS, hidden_SBH, labels, loss_mask, sample_index)
         if labels is None or not self.post_process or loss_parts:
             return out
         lm_BS, mtp_BS = out
         return lm_BS if mtp_BS is None else lm_BS + self.config.mtp_loss_scaling_factor * mtp_BS
 
-    def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask):
+    def _stage_forward(self, input_ids_BS, hidden_SBH, labels, loss_mask, sample_index):
         S = input_ids_BS.shape[1]
-        x = self.embed(input_ids_BS) if self.pre_process else hidden_SBH
+        drop = self.dropout_keys(S, sample_index)
+        x = self.embed(input_ids_BS, drop) if self.pre_process else hidden_SBH
         if x is None:
             raise ValueError("a chunk that does not start at layer 0 needs hidden_SBH")
         rope = self.rope(S, input_ids_BS.device, x.dtype)  # once per micro-batch: decoder and MTP layers
-        x = self.run_layers(x, S, rope)
+        x = self.run_layers(x, S, rope, drop)
         if not self.post_process:
             return x
         if labels is None:
@@ -333,6 +381,8 @@ class MoETransformer(nn.Module):
         mtp_BS = torch.zeros_like(lm_BS)
         with self._offload_pass():
             for k, module in enumerate(self.mtp, 1):
-                h_SBH = module(h_SBH, self.embed(shift_left(input_ids_BS, k, 0)), rope)
+                layer_drop = drop.at_layer(module.layer.layer_number) if drop is not None else None
+                emb_SBH = self.embed(shift_left(input_ids_BS, k, 0), layer_drop)
+                h_SBH = module(h_SBH, emb_SBH, rope, drop)
                 mtp_BS = mtp_BS + self._token_loss(h_SBH, shift_left(labels, k, 0), shift_left(mask, k, 0), pos)
         return lm_BS, mtp_BS / len(self.mtp)

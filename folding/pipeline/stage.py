@@ -42,8 +42,9 @@ def run_microbatches(
     """Forward (and, unless ``forward_only``, backward) every micro-batch of one step.
 
     ``microbatches[m]`` holds full ``tokens``, ``labels`` and ``loss_mask`` ``[MBS, S]`` (the same on
-    every TP/CP/PP rank of one data-parallel replica). ``no_sync`` (the optimizer's), when given, is
-    entered around every backward but each chunk's last micro-batch: during that last backward the
+    every TP/CP/PP rank of one data-parallel replica), and ``sample_index [MBS]`` (each sequence's global
+    sample index, the dropout masks' coordinate; needed only with dropout). ``no_sync`` (the optimizer's),
+    when given, is entered around every backward but each chunk's last micro-batch: during that last backward the
     optimizer's buckets start reducing as their gradients complete (Megatron-Core's
     ``overlap_grad_reduce``, per model chunk), behind the rest of the schedule; the caller's
     optimizer step completes the reduction. The schedule runs inside the chunks' per-step duties
@@ -79,11 +80,14 @@ def run_microbatches(
         model = chunks[chunk]
         tokens = mb["tokens"].to(device)
         first = m == 0  # TE reuses the FP8 weights for the later micro-batches of the step
+        index = mb.get("sample_index")
+        index = index.to(device) if index is not None else None  # the dropout masks' sequence coordinate
         if not model.post_process:
-            return model.stage_forward(tokens, hidden_SBH=inp, first_microbatch=first)
+            return model.stage_forward(tokens, hidden_SBH=inp, first_microbatch=first, sample_index=index)
         lm_BS, mtp_BS = model.stage_forward(
             tokens,
             hidden_SBH=inp,
+            sample_index=index,
             labels=mb["labels"].to(device),
             loss_mask=mb["loss_mask"].to(device),
             first_microbatch=first,

@@ -443,7 +443,7 @@ def logits_bytes(
     chunk = min(chunk_tokens, tokens)
     norm = act_bytes * t * cfg.hidden_size + 4 * t
     loss = act_bytes * tokens * cfg.hidden_size + 4 * tokens + 8 * tokens
-    return norm + loss + 2 * 4 * chunk * (cfg.vocab_size // layout.tp)
+    return norm + loss + 2 * 4 * chunk * (cfg.padded_vocab_size // layout.tp)
 
 
 def mtp_activation_bytes(
@@ -479,7 +479,7 @@ def mtp_activation_bytes(
     # the hidden-state norm's input is the previous loss's input itself when TP = 1 (no gather between them)
     extra = a * t * (5 if layout.tp > 1 else 4) * h + 12 * t + a * tokens * h + 4 * tokens + 16 * tokens
     if tokens <= chunk_tokens:
-        extra += 4 * tokens * (cfg.vocab_size // layout.tp)
+        extra += 4 * tokens * (cfg.padded_vocab_size // layout.tp)
     total = 0
     for i in cfg.layer_numbers()[cfg.num_layers :]:
         layer = activation_bytes_per_layer(

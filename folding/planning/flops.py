@@ -99,7 +99,7 @@ def dense_mlp_flops(cfg: ModelConfig) -> float:
 
 def output_layer_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the output layer (logits over the vocabulary)."""
-    return 2.0 * cfg.hidden_size * cfg.vocab_size
+    return 2.0 * cfg.hidden_size * cfg.padded_vocab_size
 
 
 def mtp_projection_flops(cfg: ModelConfig) -> float:

@@ -509,8 +509,8 @@ def _last_stage_extra(
     hbm = gpu.hbm_bandwidth * gpu.hbm_efficiency
     heads = 1 + cfg.mtp_num_layers
     out = {c: 0.0 for c in CAUSES}
-    out["compute"] = heads * sum(gemm_train_times(S * b / plan.cp, cfg.vocab_size / plan.tp, H, gpu, eff))
-    out["memory_bound"] = heads * 4 * tok * cfg.vocab_size / plan.tp * FP32 / hbm
+    out["compute"] = heads * sum(gemm_train_times(S * b / plan.cp, cfg.padded_vocab_size / plan.tp, H, gpu, eff))
+    out["memory_bound"] = heads * 4 * tok * cfg.padded_vocab_size / plan.tp * FP32 / hbm
     if plan.tp > 1:
         out["tp"] = heads * 2 * _ring_time(S * b / plan.cp * H * BF16 * (plan.tp - 1) / plan.tp, plan.tp, cluster)
     for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers):

@@ -23,6 +23,13 @@ train like one rank without replicas under the same tolerances; with ``parallel.
 (``replicas_overlap``) two cases whose ranks run merged pairs train like one rank and bitwise like
 their runs with replicas and without overlap, the second one also with ``parallel.delay_wgrad``.
 
+With dropout (``model.hidden_dropout=0.1``, ``model.attention_dropout=0.2``: :data:`DROPOUT`) the second half
+of the fp32 matrix trains like one rank with dropout, with overlap on (bitwise as off) and with the memory
+parameter's recompute and offload modules (bitwise as without them): every layout drops the same elements as one
+rank, and recomputed and overlapped forwards drop them again. Those runs also pad the vocabulary
+(``model.make_vocab_size_divisible_by=384``: 512 ids in 768 rows, a TP rank's slice partly or wholly padding).
+Inside every such run the dropout is shown to act (:func:`_check_dropout_active`).
+
 With Muon (``optim.name=muon``, the ``muon`` case) four cases of the matrix train like one rank with
 Muon under the fp32 tolerances: ZeRO-1 with PP2 TP2 (TP-gathered attention and dense matrices, each
 matrix orthogonalized by its owner in the DP group), VPP2 TP2 EP4 with ZeRO-1, ETP2 without ZeRO-1
@@ -117,9 +124,27 @@ DEEPSEEK_CASES = [
 BF16_CASES = [("mixtral_tiny", dict(pp=2, tp=2, ep=2, etp=1), {}), ("qwen2_moe_tiny", dict(tp=2, ep=4, etp=1), PAIRED)]
 
 
+# Dropout (Megatron-LM's names and placement) and a padded vocabulary, for the second half of the matrix: a case
+# whose model name ends in "+dropout" trains with them, its 1-rank reference too. The two rates differ so that
+# the counts of dropped elements tell the two dropouts apart (:func:`_check_dropout_active`)
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.2, make_vocab_size_divisible_by=384)
+
+
+def _with_dropout(case):
+    """``case`` with dropout and the padded vocabulary of :data:`DROPOUT` (its model name marked)."""
+    return (f"{case[0]}+dropout", *case[1:])
+
+
+def _preset(model_name):
+    """The preset a case's model name (``NAME`` or ``NAME+dropout``) trains."""
+    return model_name.split("+")[0]
+
+
 def _job(model_name, parallel, train, distributed, moe, steps=STEPS, optim=()):
-    sizes = MODELS[model_name]
-    model = get_preset(model_name, **{**sizes, "moe": {**sizes["moe"], **moe}})
+    name = _preset(model_name)
+    sizes = MODELS[name]
+    extra = DROPOUT if model_name.endswith("+dropout") else {}
+    model = get_preset(name, **{**sizes, **extra, "moe": {**sizes["moe"], **moe}})
     return JobConfig(
         model=model,
         parallel=ParallelConfig(**parallel),
@@ -160,7 +185,7 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
         ps = build_parallel_state(job.layout(dist.get_world_size()), own_communicators=job.parallel.overlap_moe_comm)
         bf16 = job.train.precision == "bf16"
         try:
-            with _counting_recompute() as recomputed:
+            with _counting_recompute() as recomputed, _counting_dropout() as dropped:
                 res = trainer.train(job, run_dir=run_dir, parallel_state=ps)
             # the replica slot tables the run ended with (moe.expert_replicas), by layer
             tables = {
@@ -195,6 +220,7 @@ def _train(cases, run_dir, with_params=True, steps=STEPS, optim=()):
                     dp=ps.layout.dp,
                     state=kinds if optim else None,
                     recomputed=dict(recomputed),
+                    dropped={p: list(c) for p, c in dropped.items()},
                 )
             )
         finally:
@@ -261,6 +287,41 @@ def _counting_recompute():
     finally:
         for module, name, real in saved:
             setattr(module, name, real)
+
+
+@contextlib.contextmanager
+def _counting_dropout():
+    """Count, by rate, the elements the engine's dropout masks saw and dropped during the block (wrapping
+    the one function every dropout applies its mask with): ``{rate: [dropped, total]}``."""
+    from folding.model import dropout
+
+    counts: dict = {}
+    real = dropout._apply
+
+    def wrapped(x, keep, p):
+        c = counts.setdefault(p, [0, 0])
+        c[0] += int((~keep).sum())
+        c[1] += keep.numel()
+        return real(x, keep, p)
+
+    dropout._apply = wrapped
+    try:
+        yield counts
+    finally:
+        dropout._apply = real
+
+
+def _check_dropout_active(case, runs):
+    """Inside each run of a ``+dropout`` case both dropouts acted, each dropping its rate of the elements
+    it masked (within 0.01: each rank masks tens of thousands of elements a run); in other runs none did."""
+    for run in runs:
+        if not case[0].endswith("+dropout"):
+            assert not run["dropped"], (case, run["dropped"])
+            continue
+        rates = {DROPOUT["hidden_dropout"], DROPOUT["attention_dropout"]}
+        assert set(run["dropped"]) == rates, (case, run["pp_rank"], run["dropped"])
+        for p, (dropped, total) in run["dropped"].items():
+            assert total >= 10_000 and abs(dropped / total - p) <= 0.01, (case, run["pp_rank"], p, dropped, total)
 
 
 def _check_layout_applied(case, runs):
@@ -351,7 +412,9 @@ def _references(ranks, tmp_path, keys):
 def _check_option_active(case, runs, *, overlap, optim, replicas):
     """Inside each run, the option under test was in effect (not merely accepted): the pairs the
     schedule should merge ran on every rank (none without overlap) and hid exchanges; replicas were in
-    use; the optimizer kept the state of the chosen moments' dtype or of Muon."""
+    use; the optimizer kept the state of the chosen moments' dtype or of Muon; dropout acted in a
+    ``+dropout`` case's runs and nowhere else (:func:`_check_dropout_active`)."""
+    _check_dropout_active(case, runs)
     for run in runs:
         want = _expected_pairs(case, run) * STEPS if overlap else 0
         assert run["pairs"] == want, (case, run["pp_rank"], run["pairs"], want)
@@ -395,7 +458,7 @@ def _check_dropping_experts(case, name, got, want, atol):
     of the dropless tolerance than half of one expert holds (an expert-wide defect, such as one
     expert's gradient doubled, moves most of its elements), and none by more than one Adam update per
     step (STEPS * lr). Every other parameter of a dropping case is compared like a dropless one."""
-    experts = _job(case[0], {}, {}, False, {}).model.moe.num_experts
+    experts = _job(_preset(case[0]), {}, {}, False, {}).model.moe.num_experts
     err = (got - want).abs()
     out = int((err > atol + 1e-4 * want.abs()).sum())
     assert out <= got.numel() // (2 * experts), (case, name, out, got.numel() // (2 * experts))
@@ -507,7 +570,7 @@ def _check_cases(ranks, tmp_path, cases, bf16_cases=(), overlap=False, optim=(),
         return
     # golden losses: the 1-rank curves of this file's configuration, over GOLDEN_STEPS steps
     golden = json.load(open(GOLDEN))
-    names = sorted({m for m, *_ in cases})
+    names = sorted({_preset(m) for m, *_ in cases})  # the golden curves are those without dropout
     curves = ranks(1).run(_train, [(m, {}, {}, False, {}) for m in names], str(tmp_path), False, GOLDEN_STEPS)[0]
     for model_name, run in zip(names, curves):
         got, want = run["losses"], golden[model_name]
@@ -597,7 +660,9 @@ HIER_CASES = [
 # recomputing shared_experts, mlp and layernorm and offloading core_attn, attn_proj and moe_act; Qwen3-MoE TP2
 # CP2 EP8 with overlap on, recomputing core_attn and moe_act and offloading qkv_linear, attn_norm and
 # expert_fc1; DeepSeek-V3 (MLA, dense layer 0) PP2 recomputing mla_up_proj, mlp and moe and offloading
-# qkv_linear, attn_norm and attn_proj.
+# qkv_linear, attn_norm and attn_proj. The Qwen2-MoE and Qwen3-MoE variants train with dropout (the second
+# half's cases): the recomputed attention core, norms, MLP and shared expert drop the elements they dropped
+# in forward.
 MEMORY_VARIANTS = {
     "a": [
         (
@@ -613,7 +678,7 @@ MEMORY_VARIANTS = {
     ],
     "b": [
         (
-            CASES[9],
+            _with_dropout(CASES[9]),
             (
                 {},
                 dict(
@@ -623,7 +688,7 @@ MEMORY_VARIANTS = {
             ),
         ),
         (
-            CASES[11],
+            _with_dropout(CASES[11]),
             (
                 dict(overlap_moe_comm=True),
                 dict(
@@ -650,8 +715,11 @@ MEMORY_VARIANTS = {
 # The fp32 matrix runs as two halves, each one test per overlap setting: a half's overlap_on compares
 # bitwise with its overlap_off runs of the same session (tests/conftest.py keeps a half on one worker),
 # and the two halves run side by side on the two workers. The bf16 layouts run with the second half;
-# each half checks the golden curves of the models it trains (the second half's are all four).
-MATRIX = {"a": CASES[:8], "b": CASES[8:]}
+# each half checks the golden curves of the models it trains (the second half's are all four). The second
+# half trains with dropout and a padded vocabulary (:data:`DROPOUT`), its 1-rank references too: TP2 and TP4,
+# CP2 (with TP2, and with PP2 VPP2), PP2 and PP4, VPP2, EP1 to EP8, ETP2, dropping, full, selective and MoE
+# recompute, and with overlap on, merged pairs with and without delay_wgrad.
+MATRIX = {"a": CASES[:8], "b": [_with_dropout(case) for case in CASES[8:]]}
 
 
 @pytest.mark.parametrize(

@@ -229,7 +229,6 @@ def test_special_flags_follow_megatron_semantics():
     assert _values("--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "2")["parallel.etp"] == 4
     for argv, needle in [
         (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),
-        (["--hidden-dropout", "0.1"], "no dropout"),
         (["--recompute-granularity", "selective", "--recompute-modules", "attention"], "--recompute-modules attention"),
         (["--fine-grained-activation-offloading", "--offload-modules", "router"], "--offload-modules router"),
         ([*ARCH, "--num-experts", "4", "--num-layers", "8", "--moe-layer-freq", "([0]*3+[1]*4)"], "--moe-layer-freq"),
@@ -241,6 +240,20 @@ def test_special_flags_follow_megatron_semantics():
     ]:
         with pytest.raises(MegatronArgsError, match=needle):
             convert(argv)
+
+
+def test_dropout_and_vocabulary_padding_follow_megatron():
+    v = _values("--hidden-dropout", "0.05", "--attention-dropout", "0.0")
+    assert (v["model.hidden_dropout"], v["model.attention_dropout"]) == (0.05, 0.0)
+    # the padding multiple is N x TP, as Megatron-LM pads: a property of the model here
+    v = _values("--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", "4")
+    assert v["model.make_vocab_size_divisible_by"] == 256
+    result = convert([*ARCH, "--num-layers", "2", "--num-experts", "4", "--tensor-model-parallel-size", "2"])
+    assert result.values["model.make_vocab_size_divisible_by"] == 256  # Megatron-LM's 128 when absent, x TP2
+    assert any("--make-vocab-size-divisible-by 128 (Megatron-LM default) with TP 2" in n for n in result.notes)
+    assert "model.make_vocab_size_divisible_by" not in _values("--seed", "1")  # no model defined: nothing padded
+    with pytest.raises(MegatronArgsError, match="--hidden-dropout 'x' is not a valid value"):
+        convert(["--hidden-dropout", "x"])
 
 
 def test_activation_fp8_input_store_maps_to_its_key_and_needs_a_recipe():
@@ -264,7 +277,10 @@ def test_a_model_without_a_preset_is_named_and_tied_as_megatron_ties():
     assert v["model.rope_theta"] == 10000.0 and v["moe.aux_loss_coeff"] == 0.0 and v["moe.dispatcher"] == "allgather"
     assert "moe.topk" not in v  # Megatron-LM's default top-2 is the base preset's already
     assert v["optim.decay_style"] == "linear" and v["optim.warmup_steps"] == 0 and v["logging.interval"] == 100
-    assert any("dropout" in n for n in result.notes)
+    # Megatron-LM's dropout (0.1 each) and vocabulary padding (128 x TP) when the command relies on them
+    assert v["model.hidden_dropout"] == v["model.attention_dropout"] == 0.1
+    assert v["model.make_vocab_size_divisible_by"] == 128
+    assert any("model.hidden_dropout" in n for n in result.notes)
     status = cli.check_command_line(
         [*result.overrides, "train.global_batch_size=4", "train.micro_batch_size=1", "train.seq_length=16"],
         config_dir=os.path.join(ROOT, "configs"),

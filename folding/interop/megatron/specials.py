@@ -6,7 +6,8 @@ conversion is refused). The rules follow Megatron-LM's own semantics: VPP is the
 ``pp · num_layers_per_virtual_pipeline_stage``; ``--num-query-groups`` counts only with
 ``--group-query-attention``; the experts' FFN is ``--moe-ffn-hidden-size``, else ``--ffn-hidden-size``;
 embeddings are tied unless ``--untie-embeddings-and-output-weights``; ``--data-path`` is ``p1 p2`` or
-``w1 p1 w2 p2``; the warm-up fraction is of the decay horizon; a ``--tokenizer-model`` becomes ``data.tokenizer`` only
+``w1 p1 w2 p2``; the vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` (128 when
+absent) times TP; the warm-up fraction is of the decay horizon; a ``--tokenizer-model`` becomes ``data.tokenizer`` only
 when it is a local path (a hub name becomes a note saying what to pass).
 
 Usage::
@@ -110,15 +111,17 @@ def _model(flags: Flags, out: Dict[str, Any], notes: List[str], problems: List[s
                 problems.append(f"no {flag}: the model would have {what}")
         if "--num-experts" not in flags:
             problems.append("no --num-experts: a dense model; folding trains mixture-of-experts models")
-        for flag in ("--attention-dropout", "--hidden-dropout"):
-            if flag not in flags:
-                notes.append(f"no {flag}: Megatron-LM's default is 0.1; folding trains without dropout")
         if "--bf16" in flags and "--moe-router-dtype" not in flags and "--num-experts" in flags:
             notes.append("the router computes in fp32 here (Megatron-LM: in bf16 unless --moe-router-dtype)")
-    for flag in ("--attention-dropout", "--hidden-dropout"):
-        rate = _one(flags, flag)
-        if rate is not None and float(rate) != 0.0:
-            problems.append(f"{flag} {rate}: folding has no dropout (0 is the only equivalent)")
+    divisor = _one(flags, "--make-vocab-size-divisible-by")
+    if divisor is not None or defined:  # Megatron-LM pads to a multiple of the divisor (128 when absent) x TP
+        n, tp = int(divisor or 128), out.get("parallel.tp", 1)
+        out["model.make_vocab_size_divisible_by"] = n * tp
+        notes.append(
+            f"--make-vocab-size-divisible-by {n}{'' if divisor else ' (Megatron-LM default)'} with TP {tp}: "
+            f"model.make_vocab_size_divisible_by={n * tp}, Megatron-LM's padding (its multiple is N x TP); here "
+            "it is part of the model, kept under another parallel.tp, and the padded ids are never predicted"
+        )
     ffn, moe_ffn = _one(flags, "--ffn-hidden-size"), _one(flags, "--moe-ffn-hidden-size")
     if moe_ffn or ffn:
         out["moe.ffn_hidden_size"] = int(moe_ffn or ffn)
@@ -249,7 +252,10 @@ def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str], p
                 "draws from it, so the resumed run would differ; drop --no-load-rng"
             )
         else:
-            notes.append("--no-load-rng: ignored; nothing in this job draws random numbers after initialization")
+            notes.append(
+                "--no-load-rng: ignored; nothing in this job draws random numbers after initialization (dropout "
+                "masks are hashed from the sample, not drawn)"
+            )
     save, load = _one(flags, "--save"), _one(flags, "--load")
     if "--no-load-optim" in flags and load:
         problems.append(

@@ -5,7 +5,10 @@
 reads, lazily and shard file by shard file (``safetensors.safe_open``), only the slices of the
 tensors it holds. ``to_hf(model, out_dir)`` writes ``config.json`` and ``model.safetensors``, or
 safetensors shards with their index beyond ``max_shard_bytes`` (gathering the pieces to global
-rank 0); HF -> engine -> HF gives bit-identical tensors.
+rank 0); HF -> engine -> HF gives bit-identical tensors. A padded vocabulary
+(``model.make_vocab_size_divisible_by``) is not in the Hugging Face tensors: the import fills the padded
+rows with zeros, the export writes the first ``vocab_size`` rows and ``config.json``'s unpadded
+``vocab_size``.
 
 The mapping is driven by each parameter's :class:`~folding.parallel.params.ParamSpec` record (its
 full shape and this rank's slice; a parameter without one is an error) and by
@@ -38,6 +41,22 @@ from ..transformer import MoETransformer
 from .config import CheckpointError, config_from_hf, config_to_hf
 from .deepseek import deepseek_buffers, deepseek_has_mtp, deepseek_mtp_copies
 from .names import hf_components, hf_tensor_names
+
+VOCAB_TABLES = ("embedding.weight", "output_weight")
+"""The engine parameters with a row per vocabulary id: under ``model.make_vocab_size_divisible_by`` they
+have ``padded_vocab_size`` rows, of which the Hugging Face tensors hold the first ``vocab_size``."""
+
+
+def _hf_part(name: str, cfg: ModelConfig, shape: Tuple[int, ...], index: Tuple[slice, ...]):
+    """``(hf shape, hf index, rows)`` of the part of an engine tensor (full ``shape``, this rank's ``index``)
+    that the Hugging Face tensor holds: all of it (``rows`` ``None``), or for a padded vocabulary table
+    the ``rows`` first rows of the slice (0: the slice is all padding)."""
+    V = cfg.vocab_size
+    if name not in VOCAB_TABLES or shape[0] == V:
+        return shape, index, None
+    stop = min(index[0].stop, V)
+    rows = max(0, stop - index[0].start)
+    return (V, *shape[1:]), (slice(index[0].start, index[0].start + rows), *index[1:]), rows
 
 
 class _Reader:
@@ -143,15 +162,18 @@ def load_hf_weights(model: MoETransformer, path: str) -> None:
     for name, p in model.named_parameters():
         spec = require_spec(p, name)
         idx = shard_index(spec.full_shape, spec.shards)
-        local = torch.empty(tuple(s.stop - s.start for s in idx), dtype=p.dtype)
+        local = torch.zeros(tuple(s.stop - s.start for s in idx), dtype=p.dtype)  # padded rows stay 0
         buffers.append((p, local))
         for lead, hf_name in hf_components(name, cfg):
             if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
                 continue
             slot = tuple(v - idx[d].start for d, v in enumerate(lead))
-            tasks.setdefault(reader.weight_map[hf_name], []).append(
-                (local, slot, hf_name, spec.full_shape[len(lead) :], idx[len(lead) :])
-            )
+            shape, index, rows = _hf_part(name, cfg, spec.full_shape[len(lead) :], idx[len(lead) :])
+            if rows is not None:  # a padded vocabulary table: its rows inside the vocabulary
+                if not rows:
+                    continue
+                slot = (slice(0, rows),)
+            tasks.setdefault(reader.weight_map[hf_name], []).append((local, slot, hf_name, shape, index))
     for fname in sorted(tasks):
         for local, slot, hf_name, shape, index in tasks[fname]:
             local[slot] = reader.read(hf_name, shape, index).to(local.dtype)
@@ -210,7 +232,12 @@ def hf_pieces(model: MoETransformer) -> Dict[str, List[Tuple[Tuple[slice, ...], 
             if any(not idx[d].start <= v < idx[d].stop for d, v in enumerate(lead)):
                 continue
             t = local[tuple(v - idx[d].start for d, v in enumerate(lead))]
-            out.setdefault(hf_name, []).append((idx[len(lead) :], t.clone()))
+            _, index, rows = _hf_part(name, model.config, spec.full_shape[len(lead) :], idx[len(lead) :])
+            if rows is not None:  # a padded vocabulary table: the padding is not exported
+                if not rows:
+                    continue
+                t = t[:rows]
+            out.setdefault(hf_name, []).append((index, t.clone()))
     for _, buf, hf_name in deepseek_buffers(model):
         out[hf_name] = [(tuple(slice(0, n) for n in buf.shape), buf.detach().cpu().clone())]
     return out
@@ -257,7 +284,8 @@ def to_hf(
     for name, p in model.named_parameters():
         spec = require_spec(p, name)
         for lead, hf_name in hf_components(name, cfg):
-            shapes[hf_name] = spec.full_shape[len(lead) :]
+            full = spec.full_shape[len(lead) :]
+            shapes[hf_name] = _hf_part(name, cfg, full, tuple(slice(0, n) for n in full))[0]
     copies = deepseek_mtp_copies(cfg) if cfg.family == "deepseek_v3" else {}
     for copy, source in copies.items():  # DeepSeek-V3 stores the shared embedding/head again per MTP module
         shapes[copy] = shapes[source]
