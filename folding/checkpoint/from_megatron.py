@@ -48,6 +48,8 @@ from ..model.hf.errors import CheckpointError
 from ..model.transformer import MoETransformer
 from ..moe.settings import LayerSettings
 from ..parallel.params import require_spec, take_slice
+from . import blocks
+from .load import FORMAT, MARKER, META, _model_blocks, step_dir_name
 from .megatron_names import Canon, engine_tensor, index_keys, unused_keys
 from .megatron_store import MegatronStore
 
@@ -139,9 +141,9 @@ def check_megatron(store: MegatronStore, cfg: ModelConfig) -> Dict[str, Tuple[in
         if any("output_layer.weight" in p for p in problems) or any(p.startswith("output_weight") for p in problems):
             hint += " (tied embeddings: model.tie_embeddings must match --untie-embeddings-and-output-weights)"
         raise CheckpointError(
-            f"Megatron checkpoint {store.path} does not fit the model config {cfg.name!r}{hint}:\n  "
-            + "\n  ".join(problems[:20])
-            + ("" if len(problems) <= 20 else f"\n  ... and {len(problems) - 20} more")
+            f"Megatron checkpoint {store.path} does not fit the model config {cfg.name!r}{hint}: "
+            + "; ".join(problems[:20])
+            + ("" if len(problems) <= 20 else f"; ... and {len(problems) - 20} more")
         )
     return targets
 
@@ -189,8 +191,6 @@ def convert_megatron(load: str, out: str, cfg: ModelConfig) -> str:
     """Write the Megatron-Core checkpoint at ``load`` (checked against ``cfg`` first: :func:`check_megatron`)
     as an engine checkpoint ``out/step_<iteration>`` on one process, without a process group; return its
     path. ``out`` must not exist (nothing is overwritten); the directory appears whole or not at all."""
-    from .load import FORMAT, MARKER, META, _model_blocks, step_dir_name
-
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out):
         raise CheckpointError(f"--out {out} already exists; choose a new directory (nothing is overwritten)")
@@ -205,7 +205,7 @@ def convert_megatron(load: str, out: str, cfg: ModelConfig) -> str:
     final = os.path.join(tmp, step_dir_name(store.iteration))
     try:
         os.makedirs(final)
-        _save_blocks(model, final, _model_blocks)
+        _save_blocks(model, final)
         meta = {
             "format": FORMAT,
             "step": store.iteration,
@@ -232,13 +232,11 @@ def convert_megatron(load: str, out: str, cfg: ModelConfig) -> str:
     return os.path.join(out, step_dir_name(store.iteration))
 
 
-def _save_blocks(model: torch.nn.Module, path: str, model_blocks) -> None:
+def _save_blocks(model: torch.nn.Module, path: str) -> None:
     """DCP-save ``model``'s parameters and buffers as whole blocks (``model/<name>``, ``buffer/<name>``)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # on first use: see folding.checkpoint.blocks
 
-    from . import blocks
-
-    sd = model_blocks([model])
+    sd = _model_blocks([model])
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(sd, checkpoint_id=path, planner=blocks.BlockSavePlanner(), no_dist=True)

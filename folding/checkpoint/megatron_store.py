@@ -31,6 +31,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from ..model.hf.errors import CheckpointError
+from . import blocks
 from .blocks import Block
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -104,8 +105,6 @@ class MegatronStore:
         """Tensor ``key`` (fp32 copy of its saved dtype), or with ``lead`` its sub-tensor at those leading
         indices (``read(k, (3,))`` is ``full[3]``), reading only the chunks that overlap it."""
         import torch.distributed.checkpoint as dcp
-
-        from . import blocks
 
         full = self.shapes[key]
         rest = full[len(lead) :]
