@@ -37,9 +37,10 @@ import os
 import shutil
 import time
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..job.config import ConfigError
 from ..job.config import plain_tree as _plain
@@ -55,6 +56,12 @@ from .megatron_store import MegatronStore
 
 _BUFFERS = ("mlp.router.expert_bias",)
 """Engine buffers read from the checkpoint (the others, such as token counts, start at their initial value)."""
+
+
+def one_rank_model(cfg: ModelConfig, *, device=None) -> MoETransformer:
+    """A 1-rank inference model of ``cfg`` (every parameter whole, uninitialized; on ``device``, default CPU).
+    Not inside a ``torch.distributed`` world of several ranks (the model's groups would be the world's)."""
+    return MoETransformer(cfg.for_inference(), settings=LayerSettings(device=device), initialize=False)
 
 
 def _targets(model: torch.nn.Module) -> Dict[str, Tuple[int, ...]]:
@@ -106,12 +113,18 @@ def _place(canon: Canon) -> str:
     return ("" if i is None else f"layer {i} ") + rest + ("" if e is None else f" (expert {e})")
 
 
-def check_megatron(store: MegatronStore, cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+def check_megatron(
+    store: MegatronStore, cfg: ModelConfig, targets: Optional[Dict[str, Tuple[int, ...]]] = None
+) -> Dict[str, Tuple[int, ...]]:
     """Check, reading no tensor, that ``store`` holds exactly the model of ``cfg``: every engine parameter's
     Megatron tensors present with the shapes ``cfg`` implies, and no other model tensor. Returns the engine
-    names with their full shapes; raises :class:`CheckpointError` naming every problem."""
-    model = MoETransformer(cfg.for_inference(), settings=LayerSettings(device="meta"))
-    targets = _targets(model)
+    names with their full shapes; raises :class:`CheckpointError` naming every problem. ``targets`` (engine
+    name -> full shape) checks only those tensors (a rank's chunks) and not the keys left over; without it
+    the whole 1-rank model of ``cfg`` is built on ``meta`` (outside a ``torch.distributed`` world of several
+    ranks: see :func:`one_rank_model`)."""
+    complete = targets is None
+    if complete:
+        targets = _targets(one_rank_model(cfg, device="meta"))
     if cfg.mla is not None or cfg.mtp_num_layers:
         raise CheckpointError(
             "this conversion reads GPT models with standard attention and no multi-token prediction; "
@@ -133,7 +146,8 @@ def check_megatron(store: MegatronStore, cfg: ModelConfig) -> Dict[str, Tuple[in
         used += mine
         if not _fits(t, full):
             problems.append(f"{name}: the checkpoint gives shape {tuple(t.shape)}, the model config {full}")
-    problems += unused_keys(store.shapes, index, used)
+    if complete:
+        problems += unused_keys(store.shapes, index, used)
     if problems:
         hint = ""
         if any("mlp.router.expert_bias" in p for p in problems):
@@ -158,10 +172,13 @@ def _full_tensors(store: MegatronStore, cfg: ModelConfig, names: Dict[str, Tuple
 def check_init_megatron(path: str, model: ModelConfig) -> str:
     """``checkpoint.init_from_megatron``: check that the Megatron checkpoint at ``path`` fits the job's
     ``model`` (names and shapes, reading no tensor); return the store's absolute path. Raises
-    :class:`ConfigError` naming the setting. No process group is needed."""
+    :class:`ConfigError` naming the setting. No process group is needed; inside a world of several ranks
+    (a job that prepares after starting its processes) only the store is checked here, and each rank's
+    parameters by :func:`load_megatron_weights` before it reads."""
     try:
         store = MegatronStore(path)
-        check_megatron(store, model)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            check_megatron(store, model)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.init_from_megatron={path!r}: {e}") from None
     return store.path
@@ -177,8 +194,7 @@ def load_megatron_weights(chunks, path: str) -> None:
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         buffers = dict(chunk.named_buffers())
-        wanted = {n: tuple(require_spec(p, n).full_shape) for n, p in params.items()}
-        wanted.update({n: tuple(b.shape) for n, b in buffers.items() if b is not None and n.endswith(_BUFFERS)})
+        wanted = check_megatron(store, cfg, _targets(chunk))
         for name, full in _full_tensors(store, cfg, wanted):
             if name in params:
                 p = params[name]
@@ -196,7 +212,7 @@ def convert_megatron(load: str, out: str, cfg: ModelConfig) -> str:
         raise CheckpointError(f"--out {out} already exists; choose a new directory (nothing is overwritten)")
     store = MegatronStore(load)
     targets = check_megatron(store, cfg)
-    model = MoETransformer(cfg.for_inference(), initialize=False)
+    model = one_rank_model(cfg)
     tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     with torch.no_grad():
         for name, full in _full_tensors(store, cfg, targets):

@@ -7,6 +7,8 @@ saves it with its own ``dist_checkpointing.save`` (``torch_dist``, into ``DIR/it
 token ids. The tool then converts ``DIR`` on one process, and the engine's model of the converted
 checkpoint (``load_model``) must give the same logits within 1e-5, for a Mixtral-style model and a
 Qwen3-MoE-style one (per-head q/k RMSNorm, head dim 16 with hidden 32). One pool of 4 ranks serves both.
+For the Mixtral-style one, ``checkpoint.init_from_megatron`` as the trainer runs it in TP2 EP2 must give
+every rank exactly its slices of the converted tensors.
 """
 
 import os
@@ -61,6 +63,47 @@ def _save_megatron(family: str, out: str):
     return logits
 
 
+def _init_in_layout(family: str, src: str, converted: str):
+    """Every rank: ``checkpoint.init_from_megatron`` as the trainer does it (checked, then built on meta and
+    filled) in TP2 EP2 ETP1; the names of the parameters whose values are not this rank's slice of the
+    converted checkpoint's tensor, and how many parameters were compared."""
+    from folding.checkpoint.from_megatron import check_init_megatron, load_megatron_weights
+    from folding.checkpoint.load import latest_complete
+    from folding.job.config import JobConfig, ParallelConfig
+    from folding.parallel import ParallelLayout, build_parallel_state
+    from folding.parallel.params import require_spec, take_slice
+    from folding.training.trainer import _build_chunks
+    from tools.convert_megatron import model_config
+
+    preset, over = _engine_config(family)
+    cfg = model_config(preset, _overrides(over))
+    job = JobConfig(model=cfg, parallel=ParallelConfig(tp=2, ep=2, etp=1))
+    path = check_init_megatron(src, cfg)
+    import torch.distributed.checkpoint as dcp
+
+    step = latest_complete(converted)  # what the tool wrote: model/<name> by its full shape
+    md = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    full = {k[len("model/") :]: torch.empty(tuple(v.size)) for k, v in md.items() if k.startswith("model/")}
+    dcp.load({f"model/{k}": t for k, t in full.items()}, checkpoint_id=step, no_dist=True)
+    with build_parallel_state(ParallelLayout(world_size=4, tp=2, ep=2, etp=1)) as ps:
+        chunks = _build_chunks(
+            job, ps, torch.device("cpu"), expert_backend=None, init_from=path, init_loader=load_megatron_weights
+        )
+    bad, n = [], 0
+    for c in chunks:
+        for name, p in c.named_parameters():
+            spec, n = require_spec(p, name), n + 1
+            if not torch.equal(
+                p.detach(), take_slice(full[name].reshape(spec.full_shape), spec.shards).reshape(p.shape)
+            ):
+                bad.append(name)
+    return bad, n
+
+
+def _overrides(over):
+    return [f"model.{k}={v}" for k, v in over.items() if k != "moe"] + [f"moe.{k}={v}" for k, v in over["moe"].items()]
+
+
 def _engine_config(family: str):
 
     f, s = FAMILIES[family], SIZES
@@ -88,14 +131,16 @@ def test_converted_megatron_checkpoint_gives_megatrons_logits(ranks, tmp_path, f
     theirs = ranks(4).run(_save_megatron, family, src)
     assert all(torch.equal(theirs[0], t) for t in theirs[1:])  # every rank holds the whole logits
     preset, over = _engine_config(family)
-    args = ["--load", src, "--out", dst, "--model", preset]
-    args += [f"model.{k}={v}" for k, v in over.items() if k != "moe"]
-    args += [f"moe.{k}={v}" for k, v in over["moe"].items()]
+    args = ["--load", src, "--out", dst, "--model", preset, *_overrides(over)]
     assert convert_megatron.main(args) == 0
     assert os.path.isdir(os.path.join(dst, f"step_{ITERATION:08d}"))
     model = load_model(dst)
     ours = model(_ids())
     assert ours.shape == theirs[0].shape == (2, 8, SIZES["vocab"])
     diff = (ours - theirs[0]).abs().max().item()
+    print(f"{family}: max |engine - Megatron-Core| over the logits = {diff:.3g}")
     assert diff <= 1e-5, f"{family}: engine logits differ from Megatron-Core's by {diff:.3g}"
     assert convert_megatron.main(args) == 2  # --out exists: refused, nothing overwritten
+    if family == "mixtral":  # checkpoint.init_from_megatron: each rank of TP2 EP2 holds its slices
+        for bad, n in ranks(4).run(_init_in_layout, family, src, dst):
+            assert not bad and n >= 10, (bad, n)
