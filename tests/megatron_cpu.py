@@ -8,6 +8,10 @@ below replace a few CUDA entry points that Megatron-Core calls unconditionally.
 - gloo's uneven ``all_to_all_single`` and ``all_gather`` take Python lists of split sizes, not
   tensors or numpy arrays;
 - without TransformerEngine ``moe_utils.te_general_gemm`` is set to ``None`` (the router checks it);
+- ``torch.cuda.synchronize()`` does nothing, the CUDA RNG tracker's states are CPU RNG states (its
+  ``fork`` only swaps them; dropout is off in the tests), and ``dist_checkpointing``'s writer writes its
+  buckets in the calling process (its forked writer processes and its results manager cannot start from
+  the daemonic ranks of a rank pool) without asking ``psutil`` (not a dependency) for its memory use;
 - an all-gather with unequal sizes (ETP > 1) is done as a padded ``all_gather_into_tensor`` (the
   output tensors give the sizes), a reduce-scatter with unequal sizes as an all-to-all of the blocks
   and a local sum: the bytes and the collective count of the real ones.
@@ -23,6 +27,7 @@ Usage (inside a rank)::
 from __future__ import annotations
 
 import contextlib
+import queue
 import types
 
 import torch
@@ -53,6 +58,24 @@ def _as_list(sizes):
     return [int(v) for v in list(sizes)]
 
 
+def _write_buckets_inline(transform_list, use_msc, rank, write_buckets, results_queue):
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` without processes: each bucket is written by
+    its own ``write_preloaded_data`` in turn, and the results are reported in the same form."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results = {}
+    for i, bucket in enumerate(write_buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
+        idx, res = local.get()
+        if isinstance(res, Exception):
+            results_queue.put(res)
+            return
+        results[idx] = res
+    results_queue.put(results)
+
+
 def megatron_on_cpu():
     """Install the CPU stand-ins (once per process) and return ``megatron.core``."""
     global _PATCHED
@@ -67,6 +90,15 @@ def megatron_on_cpu():
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()
     torch.cuda.Event = lambda *a, **k: types.SimpleNamespace(record=lambda *a, **k: None, synchronize=lambda: None)
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _Stream()
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.tensor_parallel import random as mrandom
+
+    filesystem_async._process_memory = lambda: 0
+    filesystem_async._get_write_results_queue = queue.Queue
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_inline)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     elif getattr(moe_utils, "te_general_gemm", None) is not None and not torch.cuda.is_available():
@@ -183,3 +215,100 @@ def megatron_moe_kept(
         return census.kept(y)
     finally:
         destroy_megatron()
+
+
+class _CpuRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with Megatron-Core's norm signature, accepted under sequence parallelism (Megatron's own
+    torch norm wrapper refuses it; the weight is marked ``sequence_parallel`` as Megatron's fused norms do)."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def megatron_gpt_moe(
+    *,
+    tp: int,
+    ep: int,
+    etp: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    experts: int,
+    topk: int,
+    ffn: int,
+    vocab: int,
+    qk_norm: bool,
+    eps: float = 1e-6,
+    rope_base: int = 10000,
+    seed: int = 1234,
+):
+    """A Megatron-Core ``GPTModel`` with MoE layers (local spec: SequentialMLP experts, RMSNorm, SwiGLU, RoPE,
+    GQA, per-head q/k RMSNorm when ``qk_norm``; no biases, untied output layer, fp32, dropout off, sequence
+    parallel when TP > 1) on the running world, in eval mode, after :func:`init_megatron`. Its forward
+    ``model(ids_BS, positions_BS, None)`` returns the logits ``[B, S, vocab]`` gathered over TP."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init_megatron(tp=tp, ep=ep, etp=etp, seed=seed)
+    tracker = mrandom.get_cuda_rng_tracker()
+    for name in ("model-parallel-rng", "expert-parallel-rng", "data-parallel-rng"):
+        tracker.states_[name] = torch.get_rng_state()
+    tracker._is_initialized = True
+    cfg = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        normalization="RMSNorm",
+        layernorm_epsilon=eps,
+        qk_layernorm=qk_norm,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
+        init_method_std=0.1,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    layer = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = _CpuRMSNorm
+    if qk_norm:
+        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = _CpuRMSNorm
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_CpuRMSNorm),
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=rope_base,
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,
+    )
+    return model.eval()

@@ -278,6 +278,15 @@ class CheckpointConfig:
     reads only its slices; the optimizer starts fresh at step 0. The job's model must be the source's
     (checked before training starts). Ignored once ``dir`` holds a checkpoint to resume from; not
     combinable with ``load``."""
+    init_from_megatron: Optional[str] = None
+    """Start from the weights of a Megatron-Core ``torch_dist`` checkpoint instead of a random initialization:
+    the directory Megatron-LM's ``--save`` wrote (its latest iteration) or one of its ``iter_<N>``
+    directories, saved in any TP/PP/EP/ETP layout (:mod:`folding.checkpoint.from_megatron`). The job's model
+    must be the checkpoint's: names and global shapes are checked before training starts; the routing
+    (``moe.topk``, ``moe.pre_softmax``, ``moe.score_function``) and ``model.rope_theta`` are not in the
+    checkpoint and must be set as Megatron had them. Each rank reads its slices; the optimizer starts fresh
+    at step 0. Ignored once ``dir`` holds a checkpoint to resume from; not combinable with ``load`` or
+    ``init_from_hf``."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -152,6 +152,8 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
                 "keep checkpoint.load to resume a run of this engine, or checkpoint.init_from_hf to "
                 "start one from Hugging Face weights (set the other to null)",
             )
+    if ck.init_from_megatron is not None:
+        _check_megatron_source(ck)
     if ck.load is not None and not os.path.exists(os.path.expanduser(ck.load)):
         _fail(
             "checkpoint.load",
@@ -161,6 +163,40 @@ def _check_logging_and_checkpoint(job: JobConfig) -> None:
         )
     if ck.dir and os.path.exists(ck.dir) and not os.path.isdir(ck.dir):
         _fail("checkpoint.dir", ck.dir, "exists and is not a directory", "choose another checkpoint.dir")
+
+
+MEGATRON_MARKERS = (".metadata", "latest_checkpointed_iteration.txt")
+"""Files one of which a Megatron-Core ``torch_dist`` checkpoint directory holds: the DCP store's metadata
+(an ``iter_<N>`` directory) or Megatron-LM's tracker of the latest iteration (the ``--save`` directory)."""
+
+
+def _check_megatron_source(ck) -> None:
+    """``checkpoint.init_from_megatron`` names a torch_dist checkpoint directory and is the only start."""
+    path = ck.init_from_megatron
+    if not isinstance(path, str) or not os.path.isdir(os.path.expanduser(path)):
+        _fail(
+            "checkpoint.init_from_megatron",
+            path,
+            "is not a directory",
+            "give the directory Megatron saved into (--save) or one of its iter_<N> directories, "
+            "or checkpoint.init_from_megatron=null",
+        )
+    if not any(os.path.isfile(os.path.join(os.path.expanduser(path), m)) for m in MEGATRON_MARKERS):
+        _fail(
+            "checkpoint.init_from_megatron",
+            path,
+            f"is not a Megatron-Core torch_dist checkpoint (it holds neither of {', '.join(MEGATRON_MARKERS)})",
+            "give the directory Megatron saved into (--save, --ckpt-format torch_dist) or one of its iter_<N> "
+            "directories",
+        )
+    for other in ("load", "init_from_hf"):
+        if getattr(ck, other) is not None:
+            _fail(
+                "checkpoint.init_from_megatron",
+                path,
+                f"and checkpoint.{other}={getattr(ck, other)!r} both choose the starting weights",
+                f"set one of them to null (checkpoint.{other}=null to start from the Megatron checkpoint)",
+            )
 
 
 def _check_tokenizer(job: JobConfig) -> None:

@@ -297,6 +297,12 @@ def _run_job(tree: Dict[str, Any], *, run_dir: str, overrides: Optional[List[str
                 log.echo(f"weights: {prepared.init_from_hf} (checkpoint.init_from_hf; fresh optimizer, step 0)")
             elif job.checkpoint.init_from_hf and prepared.resume:
                 log.echo(f"checkpoint.init_from_hf ignored: resuming from {prepared.resume}")
+            if prepared.init_from_megatron:
+                log.echo(
+                    f"weights: {prepared.init_from_megatron} (checkpoint.init_from_megatron; fresh optimizer, step 0)"
+                )
+            elif job.checkpoint.init_from_megatron and prepared.resume:
+                log.echo(f"checkpoint.init_from_megatron ignored: resuming from {prepared.resume}")
             log.echo(f"threads: {threads} per process ({why})")
             for note in job.notes:
                 log.echo(note)

@@ -34,8 +34,8 @@ One step (1-based: step k is reported after the k-th optimizer update) runs thes
 A run with a checkpoint to resume from (:func:`prepare` picks it: ``checkpoint.load``, or the
 latest complete one in ``checkpoint.dir``) loads it after building the model and continues from
 its step to ``train.steps``, in whatever layout this run has. Without one, ``checkpoint.init_from_hf``
-starts the run at step 0 from those weights instead of a random initialization
-(:mod:`folding.checkpoint.from_hf`).
+or ``checkpoint.init_from_megatron`` starts the run at step 0 from those weights instead of a random
+initialization (:mod:`folding.checkpoint.from_hf`, :mod:`folding.checkpoint.from_megatron`).
 
 Usage::
 
@@ -55,6 +55,7 @@ from torch import nn
 
 from ..checkpoint.async_save import AsyncSaver
 from ..checkpoint.from_hf import check_init_source, load_initial_weights, read_hf_source_config
+from ..checkpoint.from_megatron import check_init_megatron, load_megatron_weights
 from ..checkpoint.load import check_compatible, load_checkpoint, read_meta, resolve_resume
 from ..data.build import build_data
 from ..job.config import JobConfig
@@ -103,6 +104,9 @@ class Prepared:
     hf_source_config: Optional[Dict[str, Any]] = None
     """The ``config.json`` of the Hugging Face weights this run started from (read at a fresh start,
     carried in every checkpoint's metadata): the export writes its fields the engine does not model."""
+    init_from_megatron: Optional[str] = None
+    """The Megatron-Core checkpoint to start from (``checkpoint.init_from_megatron``, checked against the
+    model: its ``iter_<N>`` store) when there is no checkpoint to resume from; ``None`` otherwise."""
 
 
 def dp_rank_of(layout: ParallelLayout, rank: int) -> int:
@@ -128,11 +132,13 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
             check_compatible(meta, job)
             resume_run_dir = meta.get("run_dir")
             hf_source = meta.get("hf_source_config")
-    init = None
+    init = init_megatron = None
     check_trace_dir(job, layout, world_size=world_size, resuming=resume is not None)
     if job.checkpoint.init_from_hf and resume is None:
         init = check_init_source(job.checkpoint.init_from_hf, job.model)
         hf_source = read_hf_source_config(init)
+    if job.checkpoint.init_from_megatron and resume is None:
+        init_megatron = check_init_megatron(job.checkpoint.init_from_megatron, job.model)
     dp_rank = dp_rank_of(layout, rank)
     data = build_data(
         job.data,
@@ -152,6 +158,7 @@ def prepare(job: JobConfig, *, world_size: int, rank: int) -> Prepared:
         expert_backend=expert_backend,
         init_from_hf=init,
         hf_source_config=hf_source,
+        init_from_megatron=init_megatron,
     )
 
 
@@ -174,7 +181,7 @@ class _Run:
     optimizer: FoldedOptimizer
     resumed_from: Optional[str]
     init_from_hf: Optional[str]
-    """The weights the run started from (``checkpoint.init_from_hf``), or ``None``."""
+    """The weights the run started from (``checkpoint.init_from_hf`` or ``init_from_megatron``), or ``None``."""
     stats: MoEStats
     sink: Optional[MetricsSink]
     """Rank 0's metrics sink; ``None`` elsewhere."""
@@ -284,14 +291,15 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
     and open rank 0's metrics sink."""
     device, t = training_device(), job.train
     M = t.global_batch_size // (t.micro_batch_size * prep.layout.dp)
-    resumed_from, init_from = _starting_point(job, prep)
+    resumed_from, init_from, init_megatron = _starting_point(job, prep)
     chunks = _build_chunks(
         job,
         ps,
         device,
         expert_backend=prep.expert_backend or None,
         aux_loss_scale=1.0 / (M * prep.layout.dp),
-        init_from=init_from,
+        init_from=init_from or init_megatron,
+        init_loader=load_megatron_weights if init_megatron else load_initial_weights,
     )
     optimizer = FoldedOptimizer(torch.nn.ModuleList(chunks), job.optim, parallel_state=ps, train_steps=t.steps)
     if resumed_from:
@@ -310,7 +318,7 @@ def _start(job: JobConfig, prep: Prepared, ps, *, own_ps: bool, run_dir: str, ru
         chunks=chunks,
         optimizer=optimizer,
         resumed_from=resumed_from,
-        init_from_hf=init_from,
+        init_from_hf=init_from or init_megatron,
         stats=stats,
         sink=_open_sink(job, run_dir, run_log, optimizer.step_count if resumed_from else None) if rank == 0 else None,
         collapse=CollapseWatch(moe_layers=stats.moe_layers, topk=job.moe.topk) if rank == 0 else None,
@@ -335,10 +343,12 @@ def _build_chunks(
     expert_backend: Optional[str],
     aux_loss_scale: float = 1.0,
     init_from: Optional[str] = None,
+    init_loader=load_initial_weights,
 ) -> List[nn.Module]:
     """This rank's model chunks in training mode (compiled with ``train.compile``): initialized from
     ``train.seed``, or, with ``init_from``, built on ``meta`` and filled with this rank's slices of
-    those weights (:mod:`folding.checkpoint.from_hf`). ``expert_backend``: the backend
+    those weights by ``init_loader(chunks, init_from)`` (:func:`folding.checkpoint.from_hf.load_initial_weights`,
+    or :func:`folding.checkpoint.from_megatron.load_megatron_weights`). ``expert_backend``: the backend
     :func:`prepare` resolved for this machine (``None``: resolved at the build); ``aux_loss_scale``: the
     routers' loss weight, 1 / (micro-batches · DP)."""
     t = job.train
@@ -358,7 +368,7 @@ def _build_chunks(
     if init_from:
         for c in chunks:
             materialize(c, device=device, init_seed=None)
-        load_initial_weights(chunks, init_from)
+        init_loader(chunks, init_from)
     for c in chunks:
         c.train()
     return chunks
@@ -377,14 +387,15 @@ def _open_sink(job: JobConfig, run_dir: str, run_log, resumed_at: Optional[int] 
     )
 
 
-def _starting_point(job: JobConfig, prep: Prepared) -> Tuple[Optional[str], Optional[str]]:
-    """``(checkpoint to resume, weights to initialize from)`` as :func:`prepare` chose them on rank 0
-    (broadcast, so that every rank agrees; at most one is set). Collective over the world when
-    ``checkpoint.dir``, ``load`` or ``init_from_hf`` is set."""
+def _starting_point(job: JobConfig, prep: Prepared) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """``(checkpoint to resume, Hugging Face weights to initialize from, Megatron checkpoint to initialize
+    from)`` as :func:`prepare` chose them on rank 0 (broadcast, so that every rank agrees; at most one is
+    set). Collective over the world when ``checkpoint.dir``, ``load``, ``init_from_hf`` or
+    ``init_from_megatron`` is set."""
     ck = job.checkpoint
-    if not (ck.dir or ck.load or ck.init_from_hf):
-        return None, None
-    box = [(prep.resume, prep.init_from_hf)]
+    if not (ck.dir or ck.load or ck.init_from_hf or ck.init_from_megatron):
+        return None, None, None
+    box = [(prep.resume, prep.init_from_hf, prep.init_from_megatron)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

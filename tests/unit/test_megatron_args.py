@@ -116,7 +116,9 @@ NVIDIA_MIXTRAL_SCRIPT = """
 
 def test_nvidia_mixtral_script_flags_translate_as_written():
     """Every flag of the script either sets a key or is a note (none changes what is computed without a key);
-    --no-load-optim and --no-load-rng without --load are notes, and --no-load-optim with --load is refused."""
+    --no-load-optim and --no-load-rng without --load are notes; --load naming a Megatron checkpoint starts from
+    its weights with a fresh optimizer (a note), and --no-load-optim with --load = --save (the run's own
+    checkpoints, which always restore the optimizer) is refused."""
     conv = convert(NVIDIA_MIXTRAL_SCRIPT, world_size=2, config_dir=os.path.join(ROOT, "configs"))
     noted = {note.split(":")[0].split()[0] for note in conv.notes}
     for flag in (
@@ -133,8 +135,11 @@ def test_nvidia_mixtral_script_flags_translate_as_written():
     ):
         assert flag in noted, (flag, conv.notes)
     assert conv.values["parallel.ep"] == 2 and conv.values["parallel.world_size"] == 2
+    conv = convert([*NVIDIA_MIXTRAL_SCRIPT, "--load", "/ckpt"], world_size=2)
+    assert conv.values["checkpoint.init_from_megatron"] == "/ckpt" and "checkpoint.load" not in conv.values
+    assert any(n.startswith("--load: checkpoint.init_from_megatron starts from") for n in conv.notes), conv.notes
     with pytest.raises(MegatronArgsError, match="--no-load-optim: folding always restores the optimizer state"):
-        convert([*NVIDIA_MIXTRAL_SCRIPT, "--load", "/ckpt"], world_size=2)
+        convert([*NVIDIA_MIXTRAL_SCRIPT, "--save", "/ckpt", "--load", "/ckpt"], world_size=2)
 
 
 def test_unsupported_flags_are_refused_by_name():
@@ -225,7 +230,10 @@ def test_special_flags_follow_megatron_semantics():
     v = _values("--seed", "7", "--distributed-timeout-minutes", "2", "--tokenizer-type", "HuggingFaceTokenizer",
                 "--tokenizer-model", ROOT, "--save", "/a", "--load", "/b")  # fmt: skip
     assert (v["train.seed"], v["data.seed"], v["train.collective_timeout_s"]) == (7, 7, 120.0)
-    assert (v["data.tokenizer"], v["checkpoint.dir"], v["checkpoint.load"]) == (ROOT, "/a", "/b")  # a local path
+    assert (v["data.tokenizer"], v["checkpoint.dir"]) == (ROOT, "/a")  # a local path
+    assert v["checkpoint.init_from_megatron"] == "/b" and "checkpoint.load" not in v  # Megatron's --load: its weights
+    v = _values("--save", "/a", "--load", "/a", "--pretrained-checkpoint", "/p")  # Megatron-LM's fine-tuning habit
+    assert (v["checkpoint.dir"], v["checkpoint.init_from_megatron"]) == ("/a", "/p")
     assert _values("--tensor-model-parallel-size", "4", "--expert-model-parallel-size", "2")["parallel.etp"] == 4
     for argv, needle in [
         (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method block"),

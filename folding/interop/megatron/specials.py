@@ -256,21 +256,30 @@ def _data_and_checkpoints(flags: Flags, out: Dict[str, Any], notes: List[str], p
                 "--no-load-rng: ignored; nothing in this job draws random numbers after initialization (dropout "
                 "masks are hashed from the sample, not drawn)"
             )
-    save, load = _one(flags, "--save"), _one(flags, "--load")
-    if "--no-load-optim" in flags and load:
+    save, load, pretrained = _one(flags, "--save"), _one(flags, "--load"), _one(flags, "--pretrained-checkpoint")
+    # --load naming another directory than --save (or --pretrained-checkpoint) reads a Megatron checkpoint:
+    # its weights start the run (checkpoint.init_from_megatron); --load = --save is the run's own directory
+    start = load if load and load != save else pretrained
+    if "--no-load-optim" in flags and load and load == save:
         problems.append(
             "--no-load-optim: folding always restores the optimizer state with the weights; drop the flag to "
-            "resume the run as it was, or start fresh from exported weights with checkpoint.init_from_hf "
-            "(fresh optimizer, step 0)"
+            "resume the run as it was, or start fresh from the Megatron checkpoint's weights with "
+            "--load pointing at it (another directory than --save: checkpoint.init_from_megatron)"
         )
-    elif "--no-load-optim" in flags:
+    elif "--no-load-optim" in flags and not start:
         notes.append("--no-load-optim: ignored; without --load there is no checkpoint to read an optimizer from")
     if save:
         out["checkpoint.dir"] = save
-    if load and load != save:
-        out["checkpoint.load"] = load
-        notes.append("--load: checkpoint.load reads checkpoints written by folding, not Megatron-LM's")
-    elif load:
+    if start:
+        out["checkpoint.init_from_megatron"] = start
+        which = "--load" if start == load else "--pretrained-checkpoint"
+        notes.append(
+            f"{which}: checkpoint.init_from_megatron starts from the Megatron-Core checkpoint's weights (any "
+            "layout) with a fresh optimizer at step 0; its optimizer state, iteration and RNG are not read"
+        )
+        if load and pretrained and start == load:
+            notes.append("--pretrained-checkpoint: ignored; --load names the checkpoint to start from")
+    if load and load == save:
         notes.append("--load = --save: a run restarted with the same checkpoint.dir resumes from its latest checkpoint")
 
 
