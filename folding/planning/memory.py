@@ -229,14 +229,19 @@ def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
     the first rank of each distinct mix of (layers, dense layers) under the layout's partition (a later rank
     with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
     at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
-    vpp, ends = layout.vpp or 1, _ends(layout)
+    return list(_peak_candidates(cfg, layout.pp, layout.vpp or 1, _ends(layout)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _peak_candidates(cfg: ModelConfig, pp: int, vpp: int, ends: Ends) -> Tuple[int, ...]:
+    """:func:`peak_candidate_stages` of a layout given by its sizes and ``ends``, cached."""
     out, seen = [0], set()
-    for k in range(1, layout.pp - 1):
-        mix = _stage_counts(cfg, layout.pp, vpp, k, ends)
-        if mix not in seen and mix != _stage_counts(cfg, layout.pp, vpp, 0, ends):
+    for k in range(1, pp - 1):
+        mix = _stage_counts(cfg, pp, vpp, k, ends)
+        if mix not in seen and mix != _stage_counts(cfg, pp, vpp, 0, ends):
             seen.add(mix)
             out.append(k)
-    return sorted(set(out) | {layout.pp - 1})
+    return tuple(sorted(set(out) | {pp - 1}))
 
 
 def layers_on_stage(cfg: ModelConfig, layout, stage: int) -> int:
