@@ -8,9 +8,11 @@
 
 Configuration: configs/ (Hydra), typed and validated by folding.job.config; see docs/training.md.
 The command line is checked before Hydra starts (folding.launch.cli): an error is one line, printed
-once per node, exit status 2, and no run directory is created.
+once per node, exit status 2, and no run directory is created. Under torchrun only rank 0 goes through
+Hydra's main (its run directory); the other ranks run the config the check composed.
 """
 
+import contextlib
 import os
 import sys
 
@@ -19,8 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from folding.job.schema import register_schema
-from folding.launch.cli import check_command_line, normalize_overrides
-from folding.launch.run import quiet_hydra_argv, run_job
+from folding.launch.cli import check_and_compose, normalize_overrides
+from folding.launch.run import env_rank, mode_from_command_line, quiet_hydra_argv, run_job, run_quiet_rank
 from folding.launch.watchdog import exit_with_launcher
 from folding.training.faults import interrupt_exits_quietly
 
@@ -42,8 +44,11 @@ if __name__ == "__main__":
     with interrupt_exits_quietly():  # Ctrl-C before or after the job: one line, no traceback
         register_schema()
         sys.argv = [sys.argv[0]] + normalize_overrides(sys.argv[1:])
-        status = check_command_line(sys.argv[1:], config_dir=CONFIGS, config_name="config")
+        status, tree = check_and_compose(sys.argv[1:], config_dir=CONFIGS, config_name="config")
         if status is not None:  # a bad setting (printed once) or a dry run: no run directory is made
             sys.exit(status)
+        if tree is not None and env_rank() != 0:  # Hydra writes nothing here: run the config checked
+            sys.exit(run_quiet_rank(tree, overrides=sys.argv[1:]))
         sys.argv = quiet_hydra_argv(sys.argv)
-        main()
+        with mode_from_command_line(sys.argv[1:]) if tree is not None else contextlib.nullcontext():
+            main()

@@ -32,13 +32,14 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
 import sys
 import time
 import typing
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -226,24 +227,33 @@ def check_command_line(
     Returns the exit status to stop with (2 after printing the error; 0 after printing a dry run's
     report) or ``None`` when the job is valid and Hydra should run it. No file is written.
     """
+    return check_and_compose(args, config_dir=config_dir, config_name=config_name, world_size=world_size)[0]
+
+
+def check_and_compose(
+    args: Sequence[str], *, config_dir: str, config_name: str = "config", world_size: Optional[int] = None
+) -> Tuple[Optional[int], Optional[dict]]:
+    """:func:`check_command_line`'s status, and the job's config it composed (a plain dict, what Hydra's run
+    hands the job) when the job is valid; ``None`` for the config when Hydra has to compose it (a sweep or
+    a Hydra flag: nothing was checked) or the job stops here."""
     foreign = foreign_flags(args)
     if foreign:
         report_error(foreign)
-        return 2
+        return 2, None
     if any(a.startswith("-") for a in args):  # multirun or a Hydra flag: Hydra handles it
-        return None
+        return None, None
     try:
         message = unquoted_layout(args) or unknown_key(args)
         if message:
             raise ConfigError(message)
         tree = compose_tree(args, config_dir=config_dir, config_name=config_name)
-        job = job_config_from_dict(resolve_from_hf(tree))
+        job = job_config_from_dict(resolve_from_hf(copy.deepcopy(tree)))  # the tree goes back untouched
         world = env_world_size() if world_size is None else world_size
         if job.train.dry_run:
             report = dry_run_report(job, world_size=job.parallel.world_size or world)
             if lead_process() and os.environ.get("RANK", "0") == "0":
                 print(report, flush=True)
-            return 0
+            return 0, None
         layout = validate_job(job, world_size=world)
         gpu = named_gpu(job)  # a GPU kind named: the job must fit it, as its dry run says
         if gpu is not None:
@@ -251,11 +261,11 @@ def check_command_line(
         check_experts_here(job)  # this machine runs moe.expert_backend with moe.fp8_recipe
     except (HydraException, OmegaConfBaseException) as e:
         report_error(_hydra_message(e))
-        return 2
+        return 2, None
     except (ConfigError, ValueError) as e:
         report_error(str(e))
-        return 2
-    return None
+        return 2, None
+    return None, tree
 
 
 def _hydra_message(e: BaseException) -> str:

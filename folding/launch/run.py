@@ -26,7 +26,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging.config
 import os
 import socket
 import tempfile
@@ -72,6 +74,36 @@ def quiet_hydra_argv(argv: List[str]) -> List[str]:
         scratch = os.path.join(tempfile.gettempdir(), f"folding-hydra-sweep-{os.getuid()}")
         quiet += [f"hydra.sweep.dir={scratch}", "hydra.sweep.subdir=."]
     return argv + quiet
+
+
+def run_quiet_rank(tree: Dict[str, Any], overrides: List[str]) -> int:
+    """Run the job on a rank other than 0 from the config the entry point's checks composed
+    (:func:`folding.launch.cli.check_and_compose`), without Hydra's main: what Hydra's run does on such a
+    rank under :func:`quiet_hydra_argv` (the working directory as run directory, nothing written, logging
+    as Hydra's ``job_logging=disabled`` sets it) without composing the same config twice more (about a
+    second of CPU per process before the first step, on every rank but one). ``overrides``: the command
+    line's, as Hydra would pass them. Returns :func:`run_job`'s exit status."""
+    logging.config.dictConfig({"version": 1, "root": {"level": "ERROR"}, "disable_existing_loggers": True})
+    return run_job(tree, run_dir=os.getcwd(), overrides=overrides)
+
+
+@contextlib.contextmanager
+def mode_from_command_line(args: List[str]):
+    """While Hydra's main runs the checked plain run of ``args`` (no ``-m``, no ``hydra.mode``): its look-up
+    of the run mode answers without composing the whole config once more only to read ``hydra.mode``,
+    which ``configs/`` leaves unset (Hydra's answer then is ``None``: a plain run). Saves one of rank 0's
+    three compositions (:func:`folding.launch.cli.check_and_compose` made the first); anything else (a
+    sweep, a Hydra flag, ``hydra.mode`` given) keeps Hydra's own look-up."""
+    from hydra._internal.hydra import Hydra
+
+    plain = not any(a.startswith("-") or a.lstrip("+~").startswith("hydra.mode") for a in args)
+    original = Hydra.get_mode
+    if plain:
+        Hydra.get_mode = lambda self, config_name, overrides: None
+    try:
+        yield
+    finally:
+        Hydra.get_mode = original
 
 
 def _free_port() -> int:

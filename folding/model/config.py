@@ -328,6 +328,20 @@ class ModelConfig:
                     f"{key}={n} is not divisible by {setting}={size}; choose {setting} among the divisors of {n}"
                 )
 
+    def __hash__(self) -> int:
+        """The hash of every field, as a frozen dataclass's, computed once per record: the planner keys its
+        caches by the config hundreds of thousands of times per run, and the nested records make each hash
+        a walk over them. Not pickled (string hashes differ between processes)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        """The fields, without the cached hash (see :meth:`__hash__`)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
         """The config of a plain dict such as ``dataclasses.asdict(cfg)`` read back from JSON (the MoE

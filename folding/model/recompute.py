@@ -73,10 +73,10 @@ class Recompute:
             raise ValueError(f"unknown recompute module {module!r}: choose among {', '.join(RECOMPUTE_MODULES)}")
         return module in self.modules
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """The canonical string of this setting: a mode's name when it is one, else its modules in the
-        table's order joined by commas."""
+        table's order joined by commas (worked out once per record)."""
         if self.whole_layer:
             return "full"
         for mode, mods in MODE_MODULES.items():

@@ -292,6 +292,16 @@ def _layer_storages(cfg, layout, seq_length, micro_batch_size, act_bytes, moe_la
 def offload_set(offload) -> FrozenSet[str]:
     """The offload modules of a setting: names, or names joined by commas (``train.offload_modules``);
     ``ValueError`` naming the setting for an unknown one."""
+    return _offload_set(offload) if isinstance(offload, str) else _offload_set_of(offload)
+
+
+@functools.lru_cache(maxsize=4096)
+def _offload_set(offload: str) -> FrozenSet[str]:
+    """:func:`offload_set` of a string, worked out once (the planner asks for every stage of every plan)."""
+    return _offload_set_of(offload)
+
+
+def _offload_set_of(offload) -> FrozenSet[str]:
     names = [m for m in (offload.split(",") if isinstance(offload, str) else offload) if m]
     bad = [m for m in names if m not in OFFLOAD_MODULES]
     if bad:

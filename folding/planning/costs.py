@@ -15,17 +15,20 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 
 from .hardware import GPUSpec
 
 
+@functools.lru_cache(maxsize=65536)
 def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float:
     """Fraction of SM time a GEMM with output ``[m, n]`` keeps busy, given whole waves of output tiles.
 
     The kernel takes the best of 128x128, 128x256 and 256x128 output tiles (what cuBLAS / CUTLASS pick
     among on Hopper): ``tiles / (ceil(tiles / SMs) * SMs)``. ``groups`` equal GEMMs run as one grouped
-    GEMM (the experts' grouped GEMM): their tiles share the waves.
+    GEMM (the experts' grouped GEMM): their tiles share the waves. Cached: the planner asks for the same
+    few shapes hundreds of thousands of times.
     """
     best = 0.0
     for tm, tn in ((128, 128), (128, 256), (256, 128)):
@@ -37,6 +40,7 @@ def wave_utilization(m: float, n: float, num_sms: int, groups: int = 1) -> float
     return best
 
 
+@functools.lru_cache(maxsize=65536)
 def gemm_time(
     m: float,
     n: float,
@@ -54,6 +58,7 @@ def gemm_time(
     HBM traffic: the operands once (2 bytes per element in bf16, 1 in fp8), and the ``[m, n]`` output at
     ``out_bytes`` per element (2: a bf16 result; 8: an fp32 accumulator read and written, as weight-gradient
     GEMMs do when they accumulate into fp32 main gradients, Megatron-Core's ``gradient_accumulation_fusion``).
+    Cached (a pure function of its arguments, asked for the same shapes by every candidate plan).
     """
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
@@ -78,6 +83,7 @@ def gemm_time_parts(
     return flops_t, hbm_t
 
 
+@functools.lru_cache(maxsize=65536)
 def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, groups: int = 1, dtype: str = "bf16"):
     """``(forward, dgrad, wgrad)`` seconds of a linear layer whose forward GEMM is ``[m, k] x [k, n]``, its
     three GEMMs in ``dtype`` (``fp8``: an FP8 recipe's forward, dgrad and wgrad, each at ``eff`` of the FP8 peak).
@@ -85,7 +91,7 @@ def gemm_train_times(m: float, n: float, k: float, gpu: GPUSpec, eff: float, gro
     dgrad is ``[m, n] x [n, k]`` (output ``[m, k]``); wgrad is ``[k, m] x [m, n]`` (output ``[k, n]``, reduced
     over the ``m`` rows, accumulated into fp32 main gradients); each with its own wave utilization and
     roofline (:func:`gemm_time`). For an expert's grouped GEMM ``m`` is the rows per expert, so a
-    fine-grained expert's wgrad has a short reduction and a large fp32 output: it can be HBM-bound.
+    fine-grained expert's wgrad has a short reduction and a large fp32 output: it can be HBM-bound. Cached.
     """
     return (
         gemm_time(m, n, k, gpu, eff, groups, dtype=dtype),

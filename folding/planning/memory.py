@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from folding.model.config import ModelConfig, recompute_mode
 from folding.parallel.partition import layers_of, partition_layers
@@ -229,14 +229,19 @@ def peak_candidate_stages(cfg: ModelConfig, layout) -> List[int]:
     the first rank of each distinct mix of (layers, dense layers) under the layout's partition (a later rank
     with the same mix holds the same parameters and fewer micro-batches in flight). With dense layers only
     at the start (DeepSeek-V3) a middle rank can hold more experts than the first."""
-    vpp, ends = layout.vpp or 1, _ends(layout)
+    return list(_peak_candidates(cfg, layout.pp, layout.vpp or 1, _ends(layout)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _peak_candidates(cfg: ModelConfig, pp: int, vpp: int, ends: Ends) -> Tuple[int, ...]:
+    """:func:`peak_candidate_stages` of a layout given by its sizes and ``ends``, cached."""
     out, seen = [0], set()
-    for k in range(1, layout.pp - 1):
-        mix = _stage_counts(cfg, layout.pp, vpp, k, ends)
-        if mix not in seen and mix != _stage_counts(cfg, layout.pp, vpp, 0, ends):
+    for k in range(1, pp - 1):
+        mix = _stage_counts(cfg, pp, vpp, k, ends)
+        if mix not in seen and mix != _stage_counts(cfg, pp, vpp, 0, ends):
             seen.add(mix)
             out.append(k)
-    return sorted(set(out) | {layout.pp - 1})
+    return tuple(sorted(set(out) | {pp - 1}))
 
 
 def layers_on_stage(cfg: ModelConfig, layout, stage: int) -> int:
@@ -390,50 +395,16 @@ def memory_per_rank(
     grad = prec.grad_bytes()
     acts = transient = host = 0
     if seq_length:
-        kw = dict(
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            recompute=recompute,
-            act_bytes=act_bytes,
-            fused_swiglu=fused_swiglu,
+        acts, transient, host = _stage_activations(
+            cfg,
+            _StageSizes(layout.tp, layout.cp, layout.etp, layout.pp, layout.vpp or 1),
+            _ends(layout),
+            stage,
+            (seq_length, micro_batch_size, recompute, act_bytes, fused_swiglu),
+            num_microbatches,
+            overlap_moe_comm,
+            offload_set(offload),
         )
-        off = offload_set(offload)
-        vpp = layout.vpp or 1
-        n_layers, n_dense = _stage_counts(cfg, layout.pp, vpp, stage, _ends(layout))
-
-        def per_layer(moe_layer: bool, what=activation_bytes_per_layer, **extra) -> int:
-            return what(cfg, layout, moe_layer=moe_layer, **kw, **extra)
-
-        per_mb = per_layer(True, offload=off) * (n_layers - n_dense) + (
-            per_layer(False, offload=off) * n_dense if n_dense else 0
-        )
-        # host: what the offload modules copy out, for every layer of every chunk forward in flight
-        host_mb = (n_layers - n_dense) * per_layer(True, offloaded_bytes_per_layer, offload=off) + n_dense * (
-            per_layer(False, offloaded_bytes_per_layer, offload=off) if n_dense else 0
-        )
-        flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
-        chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
-        rope = rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes)  # per chunk holding a layer
-        acts = (per_mb + rope * _busy_chunks(cfg, layout.pp, vpp, stage, _ends(layout))) * chunks / vpp
-        host = host_mb * chunks / vpp
-        if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
-            # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
-            # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too
-            tokens = seq_length * micro_batch_size // layout.cp
-            acts += (
-                act_bytes * tokens * cfg.hidden_size + 4 * tokens + mtp_activation_bytes(cfg, layout, offload=off, **kw)
-            )
-        if stage == layout.pp - 1:
-            acts += logits_bytes(
-                cfg, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes
-            )
-            # the MTP modules run in the last virtual stage, whose backward follows each forward at once on
-            # the last rank: one micro-batch of theirs is alive at the peak
-            acts += mtp_activation_bytes(cfg, layout, offload=off, **kw)
-        transient = transient_bytes(cfg, layout, **kw)
-        if off:  # backward brings back one layer while the next one's copy arrives
-            moved = max(per_layer(m) - per_layer(m, offload=off) for m in (True, False))
-            transient += 2 * moved
     if prec.name == "muon":
         transient += muon_transient_bytes(cfg, layout, distributed=distributed)
     return MemoryEstimate(
@@ -448,6 +419,108 @@ def memory_per_rank(
         transient=int(transient),
         host=int(host),
     )
+
+
+class _StageSizes(NamedTuple):
+    """The sizes of a layout that a stage's activations depend on (all :func:`_stage_activations` reads)."""
+
+    tp: int
+    """Attention tensor parallel."""
+    cp: int
+    """Context parallel."""
+    etp: int
+    """Expert tensor parallel."""
+    pp: int
+    """Pipeline parallel."""
+    vpp: int
+    """Virtual stages per pipeline rank."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_activations(
+    cfg: ModelConfig,
+    layout: _StageSizes,
+    ends: Ends,
+    stage: int,
+    shape: tuple,
+    num_microbatches: Optional[int],
+    overlap_moe_comm: bool,
+    off,
+) -> Tuple[float, int, float]:
+    """``(activations, transients, host)`` bytes of :func:`memory_per_rank` on ``stage``, cached: layouts that
+    differ only in what the activations do not read (the optimizer's sharding, DP) share them. ``shape``:
+    ``(seq_length, micro_batch_size, recompute, act_bytes, fused_swiglu)``; ``off``: the offload modules."""
+    seq_length, micro_batch_size, recompute, act_bytes, fused_swiglu = shape
+    kw = dict(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        recompute=recompute,
+        act_bytes=act_bytes,
+        fused_swiglu=fused_swiglu,
+    )
+    vpp = layout.vpp
+    n_layers, n_dense = _stage_counts(cfg, layout.pp, vpp, stage, ends)
+    sizes, kw_key = _LayerSizes(layout.tp, layout.cp, layout.etp), tuple(kw.items())
+
+    def per_layer(moe_layer: bool, what: str = "device", offload=()) -> int:
+        return _layer_bytes(cfg, sizes, kw_key, what, moe_layer, offload)
+
+    per_mb = per_layer(True, offload=off) * (n_layers - n_dense) + (
+        per_layer(False, offload=off) * n_dense if n_dense else 0
+    )
+    # host: what the offload modules copy out, for every layer of every chunk forward in flight
+    host_mb = (n_layers - n_dense) * per_layer(True, "host", offload=off) + n_dense * (
+        per_layer(False, "host", offload=off) if n_dense else 0
+    )
+    flight = dict(pp=layout.pp, vpp=vpp, stage=stage, num_microbatches=num_microbatches)
+    chunks = in_flight_chunks(**flight, overlap_moe_comm=overlap_moe_comm)
+    rope = rope_bytes(cfg, layout, seq_length=seq_length, act_bytes=act_bytes)  # per chunk holding a layer
+    acts = (per_mb + rope * _busy_chunks(cfg, layout.pp, vpp, stage, ends)) * chunks / vpp
+    host = host_mb * chunks / vpp
+    if stage == layout.pp - 1 and chunks > in_flight_chunks(**flight):
+        # the pair's two micro-batches on the last virtual stage: the earlier one's loss input (the
+        # final norm's output) and log-sum-exp, and its multi-token-prediction modules, stay alive too
+        tokens = seq_length * micro_batch_size // layout.cp
+        acts += act_bytes * tokens * cfg.hidden_size + 4 * tokens + per_layer(True, "mtp", offload=off)
+    if stage == layout.pp - 1:
+        acts += logits_bytes(cfg, layout, seq_length=seq_length, micro_batch_size=micro_batch_size, act_bytes=act_bytes)
+        # the MTP modules run in the last virtual stage, whose backward follows each forward at once on
+        # the last rank: one micro-batch of theirs is alive at the peak
+        acts += per_layer(True, "mtp", offload=off)
+    transient = per_layer(True, "transient")
+    if off:  # backward brings back one layer while the next one's copy arrives
+        moved = max(per_layer(m) - per_layer(m, offload=off) for m in (True, False))
+        transient += 2 * moved
+    return acts, transient, host
+
+
+class _LayerSizes(NamedTuple):
+    """The sizes of a layout that one layer's activations depend on (all :mod:`folding.planning.activations`
+    reads), so that layouts alike in them share :func:`_layer_bytes`."""
+
+    tp: int
+    """Attention tensor parallel."""
+    cp: int
+    """Context parallel."""
+    etp: int
+    """Expert tensor parallel."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_bytes(cfg: ModelConfig, sizes: _LayerSizes, kw: tuple, what: str, moe_layer: bool, offload) -> int:
+    """One layer's bytes for :func:`memory_per_rank`, cached (every stage of every candidate plan asks):
+    ``what`` is ``device`` (:func:`~folding.planning.activations.activation_bytes_per_layer`), ``host``
+    (:func:`~folding.planning.activations.offloaded_bytes_per_layer`), ``mtp``
+    (:func:`~folding.planning.activations.mtp_activation_bytes`) or ``transient``
+    (:func:`~folding.planning.activations.transient_bytes`); ``kw``: their shared keywords as items."""
+    kw = dict(kw)
+    if what == "host":
+        return offloaded_bytes_per_layer(cfg, sizes, moe_layer=moe_layer, offload=offload, **kw)
+    if what == "mtp":
+        return mtp_activation_bytes(cfg, sizes, offload=offload, **kw)
+    if what == "transient":
+        return transient_bytes(cfg, sizes, **kw)
+    return activation_bytes_per_layer(cfg, sizes, moe_layer=moe_layer, offload=offload, **kw)
 
 
 class _OneRank:

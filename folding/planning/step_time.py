@@ -282,6 +282,22 @@ def _loaded_train_times(
     return tuple(out)
 
 
+LAYER_FIELDS = (
+    "tp",
+    "cp",
+    "ep",
+    "etp",
+    "recompute",
+    "folded",
+    "overlap_moe_comm",
+    "delay_wgrad",
+    "offload",
+    "dispatcher",
+)
+"""The :class:`Plan` fields a layer's time depends on (not the pipeline's cut, DP or the optimizer's sharding):
+the planner's candidates share each layer time among all the plans alike in these."""
+
+
 def _layer_times(
     cfg: ModelConfig,
     plan: Plan,
@@ -294,7 +310,21 @@ def _layer_times(
     """Seconds of one transformer layer for one micro-batch (forward + backward) on one GPU, by cause.
 
     ``moe_load``: ``(compute, comm)``, the slowest EP rank's expert rows and received copies relative to
-    the balanced ones (:class:`folding.planning.imbalance.RankLoads`); ``None``: balanced."""
+    the balanced ones (:class:`folding.planning.imbalance.RankLoads`); ``None``: balanced. Computed once per
+    distinct :data:`LAYER_FIELDS` of ``plan`` (a fresh dict each call: callers may change it)."""
+    key = tuple(getattr(plan, f) for f in LAYER_FIELDS)
+    return dict(_layer_times_of(cfg, key, shape, cluster, eff, moe, moe_load))
+
+
+@functools.lru_cache(maxsize=16384)
+def _layer_times_of(cfg, key: tuple, shape, cluster, eff, moe, moe_load) -> Dict[str, float]:
+    """:func:`_layer_times` of the plans whose :data:`LAYER_FIELDS` are ``key`` (the other fields held at one
+    stage of one rank, which the layer's time does not read)."""
+    plan = Plan(pp=1, vpp=1, dp=1, edp=1, distributed_optimizer=False, **dict(zip(LAYER_FIELDS, key)))
+    return _layer_times_uncached(cfg, plan, shape, cluster, eff, moe, moe_load)
+
+
+def _layer_times_uncached(cfg, plan, shape, cluster, eff, moe, moe_load) -> Dict[str, float]:
     load_c, load_a = moe_load if moe_load is not None else (1.0, 1.0)
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     tok = S * b / (plan.tp * plan.cp)  # tokens this rank owns (sequence parallel)
@@ -639,22 +669,17 @@ def _pair_moe_exchanges(cfg: ModelConfig, plan: Plan, m: int, kinds, pair_save: 
         d["ep"] -= p * moe_layers * pair_save
 
 
-def estimate_step_time(
-    cfg: ModelConfig,
-    plan: Plan,
-    *,
-    shape: TrainingShape,
-    cluster: Cluster,
-    compute_efficiency: float,
-    moe_load: Optional[Tuple[float, float]] = None,
-) -> StepTime:
-    """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring).
+_PIPELINE_FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "distributed_optimizer")
+"""The :class:`Plan` fields the pipeline's stage times depend on: all but the optimizer's sharding, which
+only the data-parallel part of the step reads (the planner's two optimizer variants share the rest)."""
 
-    ``moe_load``: ``(compute, comm)`` load of the slowest EP rank relative to balanced routing, the mean
-    over the MoE layers (:mod:`folding.planning.imbalance`): every MoE layer's expert GEMMs, received-row
-    passes and exchanges run at that rank's pace. ``None`` (or ``(1.0, 1.0)``): balanced routing."""
-    if not 0 < compute_efficiency <= 1:
-        raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1]")
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_times(cfg: ModelConfig, key: tuple, shape: TrainingShape, cluster: Cluster, compute_efficiency, moe_load):
+    """``(slowest stage, its per-micro-batch seconds by cause, bubble seconds)`` of the plans whose
+    :data:`_PIPELINE_FIELDS` are ``key``: the part of :func:`estimate_step_time` before data parallelism
+    (the dict is shared by the callers: read it only)."""
+    plan = Plan(distributed_optimizer=False, **dict(zip(_PIPELINE_FIELDS, key)))
     gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
     H, L, n_moe = cfg.hidden_size, cfg.num_layers, num_moe_layers(cfg)
     m = shape.global_batch_size // (plan.dp * b)
@@ -695,6 +720,30 @@ def estimate_step_time(
     # the pipeline runs at the pace of its slowest stage: the last one, unless an uneven split leaves it
     # lighter than the others
     stage, _, slowest = max(kinds, key=lambda k: sum(k[2].values()))
+
+    return stage, slowest, bubble
+
+
+def estimate_step_time(
+    cfg: ModelConfig,
+    plan: Plan,
+    *,
+    shape: TrainingShape,
+    cluster: Cluster,
+    compute_efficiency: float,
+    moe_load: Optional[Tuple[float, float]] = None,
+) -> StepTime:
+    """Predicted :class:`StepTime` of ``plan`` for ``cfg`` on ``cluster`` (see the module docstring).
+
+    ``moe_load``: ``(compute, comm)`` load of the slowest EP rank relative to balanced routing, the mean
+    over the MoE layers (:mod:`folding.planning.imbalance`): every MoE layer's expert GEMMs, received-row
+    passes and exchanges run at that rank's pace. ``None`` (or ``(1.0, 1.0)``): balanced routing."""
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency={compute_efficiency!r} must be in (0, 1]")
+    gpu, S, b = cluster.gpu, shape.seq_length, shape.micro_batch_size
+    m = shape.global_batch_size // (plan.dp * b)
+    key = tuple(getattr(plan, f) for f in _PIPELINE_FIELDS)
+    stage, slowest, bubble = _pipeline_times(cfg, key, shape, cluster, compute_efficiency, moe_load)
 
     # Data parallel: gradient reduce-scatter (all-reduce without the distributed optimizer) overlapped with
     # the backward per model chunk (folding starts a chunk's buckets during its last micro-batch's backward,

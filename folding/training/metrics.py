@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -81,8 +82,23 @@ def progress_bar(step: int, total: int, width: int = 24) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {step:>{len(str(total))}}/{total}"
 
 
-def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
-    """One console line for a ``train`` record (progress bar, losses, speed, memory, load)."""
+def format_duration(seconds: float) -> str:
+    """``seconds`` as the console's ETA: ``42s``, ``3m07s``, ``5h12m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_train_line(record: Dict[str, Any], total_steps: int, eta_s: Optional[float] = None) -> str:
+    """One console line for a ``train`` record (progress bar, losses, speed, memory, load, ETA).
+
+    The model TFLOP/s per device (measured: the model's FLOPs per step over the step's time) and the MFU
+    are shown only when the record has an MFU, i.e. a peak is known (``logging.peak_tflops`` or a known
+    GPU kind): a CPU run has no such column rather than ``0.000``. ``eta_s``: the seconds left (the
+    ``eta`` column, at the end; none when ``None``)."""
 
     def num(key, fmt):
         v = record.get(key)
@@ -96,13 +112,18 @@ def format_train_line(record: Dict[str, Any], total_steps: int) -> str:
         f"gnorm {num('grad_norm', '.3f')}",
         f"lr {num('lr', '.2e')}",
         f"tok/s {num('tokens_per_s', '.0f')}",
-        f"TFLOP/s/dev {num('tflops_per_device', '.3f')}",
+    ]
+    if record.get("mfu") is not None:
+        parts.append(f"TFLOP/s/dev {num('tflops_per_device', '.1f')} (MFU {record['mfu']:.1%})")
+    parts += [
         f"mem {num('mem_gib', '.2f')}GiB",
         f"imb {max(imb):.2f}" if imb else "imb n/a",
         f"drop {num('dropped_fraction', '.3f')}",
     ]
     if "mtp_loss" in record:  # multi-token prediction: its loss next to the LM loss
         parts.insert(3, f"mtp {num('mtp_loss', '.4f')}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     if record.get("skipped"):
         parts.append("SKIPPED (non-finite loss or gradient)")
     return " | ".join(parts)
@@ -158,6 +179,7 @@ class MetricsSink:
         record per step."""
         self.config = config
         self.total_steps = total_steps
+        self._step_times: List[float] = []  # this run's step times, for the console's ETA
         path = os.path.expanduser(config.metrics_file)
         self.path = path if os.path.isabs(path) else os.path.join(run_dir, path)
         self._replay_until = drop_replayed_records(self.path, resumed_at) if resumed_at is not None else None
@@ -191,6 +213,8 @@ class MetricsSink:
             record = {**record, "replayed": True}
         self.jsonl.write(record)
         kind, step = record["kind"], record.get("step")
+        if kind == "train" and isinstance(record.get("step_time_s"), (int, float)):
+            self._step_times.append(float(record["step_time_s"]))
         due = (
             kind != "train"
             or step is None
@@ -202,7 +226,7 @@ class MetricsSink:
         if not due:
             return
         if kind == "train":
-            line = format_train_line(record, self.total_steps)
+            line = format_train_line(record, self.total_steps, eta_s=self.eta_s(step))
         else:
             line = f"[{kind}] " + " ".join(
                 f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
@@ -219,6 +243,13 @@ class MetricsSink:
             if kind == "train":
                 flat.update({f"load/imbalance_layer{i}": v for i, v in enumerate(record.get("load_imbalance", []))})
             self._wandb.log(flat, step=step)
+
+    def eta_s(self, step: Optional[int]) -> Optional[float]:
+        """Seconds left after ``step``: the steps still to run times the median time of this run's steps so
+        far; ``None`` before any step time or without a step."""
+        if step is None or not self._step_times:
+            return None
+        return max(0, self.total_steps - step) * statistics.median(self._step_times)
 
     def warn(self, step: int, message: str, **fields: Any) -> None:
         """Write a ``{"kind": "warning", "step", "message", **fields}`` record to the JSONL file and the

@@ -147,3 +147,36 @@ def test_run_directory_helpers(tmp_path):
     text = (used / "train.log").read_text()
     assert text.splitlines() == ["step line", "log only", "[folding.test] WARNING: a warning"]
     assert json.loads((used / "status.json").read_text())["step"] == 7
+
+
+def test_check_hands_back_the_config_hydra_would_run(capsys, monkeypatch):
+    """The config a rank other than 0 runs without Hydra's main is the one the check composed: the overrides
+    applied, plain values; none where Hydra has to compose (a sweep) or the job stops (a dry run, an error)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1", "logging.wandb.mode=disabled"]
+    status, tree = cli.check_and_compose(args, config_dir=CONFIGS, world_size=4)
+    assert status is None and tree["parallel"]["tp"] == 2 and tree["logging"]["wandb"]["mode"] == "disabled"
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base="1.3"):
+        want = OmegaConf.to_container(compose(config_name="config", overrides=args), resolve=True)
+    assert tree == want
+    assert cli.check_and_compose(["-m", "parallel.ep=1,2"], config_dir=CONFIGS) == (None, None)
+    assert cli.check_and_compose(["train.dry_run=true"], config_dir=CONFIGS, world_size=1) == (0, None)
+    assert cli.check_and_compose(["train.stpes=3"], config_dir=CONFIGS, world_size=1) == (2, None)
+    capsys.readouterr()
+
+
+def test_hydra_reads_the_mode_of_a_plain_run_without_composing():
+    from hydra._internal.hydra import Hydra
+
+    from folding.launch.run import mode_from_command_line
+
+    original = Hydra.get_mode
+    with mode_from_command_line(["parallel.tp=2"]):
+        assert Hydra.get_mode is not original and Hydra.get_mode(None, "config", []) is None
+    assert Hydra.get_mode is original
+    for args in (["-m", "parallel.ep=1,2"], ["hydra.mode=MULTIRUN"], ["+hydra.mode=RUN"]):
+        with mode_from_command_line(args):
+            assert Hydra.get_mode is original  # Hydra's own look-up

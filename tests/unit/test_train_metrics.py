@@ -235,3 +235,33 @@ def test_wandb_summary_goes_to_the_log_only(tmp_path):
     assert any("Run history" in line for line in logged) and any("wandb sync" in line for line in logged), logged
     shown = [line for line, shown in echoed if shown]  # the train record's line, then one line for W&B
     assert len(shown) == 2 and shown[-1] == "W&B run summary and sync command: in train.log", shown
+
+
+def test_console_tflops_column_is_measured_or_absent():
+    from folding.training.metrics import format_train_line
+
+    rec = dict(step=1, loss=4.5, lm_loss=4.25, grad_norm=1.0, lr=1e-3, tokens_per_s=10.0, tflops_per_device=3e-4)
+    cpu = format_train_line(dict(rec, mfu=None), 10)  # no peak known (CPU): no column, not "0.000"
+    assert "TFLOP/s" not in cpu and "MFU" not in cpu
+    gpu = format_train_line(dict(rec, tflops_per_device=412.34, mfu=0.4169), 10)
+    assert "| TFLOP/s/dev 412.3 (MFU 41.7%) |" in gpu
+
+
+def test_console_eta_is_remaining_steps_times_the_median_step(tmp_path):
+    import io
+    import re
+
+    from folding.job.config import LoggingConfig, WandbConfig
+    from folding.training.metrics import MetricsSink, format_duration
+
+    assert [format_duration(s) for s in (4.4, 187, 18720)] == ["4s", "3m07s", "5h12m"]
+    out = io.StringIO()
+    cfg = LoggingConfig(metrics_file=str(tmp_path / "m.jsonl"), interval=1, wandb=WandbConfig(mode="disabled"))
+    sink = MetricsSink(cfg, run_dir=str(tmp_path), total_steps=100, stream=out)
+    for step, secs in ((1, 9.0), (2, 1.0), (3, 2.0)):  # the first step's start-up does not skew the median
+        sink.log({"kind": "train", "step": step, "loss": 1.0, "step_time_s": secs})
+    sink.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("| eta 14m51s")  # 99 steps x 9 s
+    assert lines[2].endswith("| eta 3m14s")  # 97 steps x median(9, 1, 2) = 2 s
+    assert re.search(r"\b1/\d+ \| loss", lines[0])  # the start-up benchmark's first-step pattern still matches
