@@ -274,7 +274,8 @@ class ModelConfig:
     def embedding_params(self, tp: int = 1) -> int:
         """Parameters of the input embedding (or of the output layer, the same shape) on each of ``tp``
         ranks (split by vocabulary rows, the padding included)."""
-        return _per_rank(self.padded_vocab_size, tp, "padded vocabulary size") * self.hidden_size
+        what = "model.vocab_size padded by model.make_vocab_size_divisible_by"
+        return _per_rank(self.padded_vocab_size, tp, what) * self.hidden_size
 
     def mtp_params(self) -> int:
         """Parameters of the multi-token-prediction modules beyond their transformer layers: per module

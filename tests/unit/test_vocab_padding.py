@@ -13,6 +13,7 @@ from folding.model.fused_cross_entropy import mask_padding
 from folding.model.presets import get_preset
 from folding.model.transformer import MoETransformer
 from folding.moe.settings import LayerSettings
+from tests.optional import require
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,8 +75,7 @@ def test_a_vocabulary_slice_is_masked_from_its_first_global_id():
 
 
 def test_the_hugging_face_export_is_unpadded(tmp_path):
-    pytest.importorskip("safetensors")
-    from safetensors.torch import load_file
+    load_file = require("safetensors.torch").load_file
 
     from folding.model.hf.weights import from_hf, to_hf
 
